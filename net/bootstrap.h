@@ -1,0 +1,62 @@
+// Where a process learns its rank, the world size and where the rendezvous store is:
+// Slurm, mpirun/PMI, explicit QRING_* variables (also set by qring-launch), or a single
+// process when none is present.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "net/endpoint.h"
+#include "net/store.h"
+
+namespace qring::net {
+
+struct BootstrapInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  std::string store_host = "127.0.0.1";
+  int store_port = 0;          // 0: single process, no store needed
+  std::string job_id = "local";
+  std::string source = "single";  // "env", "slurm", "mpi", "single"
+  std::vector<std::string> nodes;  // expanded node list when the launcher gives one
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
+std::optional<std::string> process_env(const std::string& name);
+
+// Precedence: QRING_RANK/QRING_WORLD_SIZE/QRING_STORE (explicit, and qring-launch) >
+// Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_NODELIST|SLURM_JOB_NODELIST,
+// SLURM_JOB_ID; store on the first node, port QRING_STORE_PORT or derived from the job id) >
+// mpirun/PMI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, PMI_RANK/PMI_SIZE; store from
+// QRING_STORE or MASTER_ADDR/MASTER_PORT) > single process. Throws ConfigError on
+// malformed or inconsistent values (rank >= world size, bad host:port ...).
+BootstrapInfo detect_bootstrap(const EnvLookup& env = process_env);
+
+// The rendezvous: rank 0 serves a TcpStoreServer, every rank joins it (version, world size,
+// job id validated) and publishes its hostname. Destruction is a final barrier with a
+// deadline so rank 0 never closes the store while others still use it.
+class Rendezvous {
+ public:
+  Rendezvous(const BootstrapInfo& info, Deadline deadline);
+  // In-process variant over an existing store (tests, ranks as threads).
+  Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadline);
+  ~Rendezvous();
+  Store& store();
+  const BootstrapInfo& info() const { return info_; }
+  const std::vector<std::string>& hostnames() const { return hostnames_; }
+  bool single_host() const;
+
+ private:
+  BootstrapInfo info_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::unique_ptr<Store> owned_;
+  Store* store_ = nullptr;
+  std::vector<std::string> hostnames_;
+};
+
+}  // namespace qring::net

@@ -1,0 +1,104 @@
+// net::Endpoint — the transport interface (gloo's transport/pair split, libfabric semantics).
+//
+// Tagged, non-blocking point-to-point messages between the ranks of one world. Two
+// implementations: FabricEndpoint (libfabric RDM, net/fabric_endpoint.h) and InprocEndpoint
+// (ranks as threads in one process, net/inproc_endpoint.h); FaultEndpoint wraps either to
+// delay or drop messages (net/fault_endpoint.h).
+//
+// Threading: an Endpoint is driven by one thread at a time (its owner, normally the
+// communicator's progress engine). Requests are completed only inside progress().
+//
+// Matching: a receive matches a message whose tag equals its tag on every bit not set in
+// `ignore`, from `peer` (or from any peer with kAnyPeer). Messages from one peer with the same
+// tag are matched in the order they were sent. A message longer than the posted receive is an
+// error (ProtocolError on the request); a shorter one completes with Request::bytes.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "net/tags.h"
+
+namespace qring::net {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+using std::chrono::milliseconds;
+
+inline Deadline deadline_in(std::chrono::nanoseconds d) { return Clock::now() + d; }
+
+constexpr int kAnyPeer = -1;
+
+enum class RequestState : uint8_t { kPending, kDone, kCancelled, kError };
+
+struct Request {
+  bool is_send = false;
+  int peer = kAnyPeer;      // peer as posted (kAnyPeer for wildcard receives)
+  uint64_t tag = 0;         // tag as posted
+  uint64_t matched_tag = 0; // for receives: the tag of the message that matched
+  size_t len = 0;           // posted length
+  size_t bytes = 0;         // bytes transferred (receives: message length)
+  RequestState state = RequestState::kPending;
+  std::string error;        // set when state == kError
+  // Implementation bookkeeping (fragments outstanding, provider context ...).
+  int pending_parts = 0;
+
+  bool done() const { return state != RequestState::kPending; }
+  bool ok() const { return state == RequestState::kDone; }
+};
+using RequestPtr = std::shared_ptr<Request>;
+
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Provider actually in use ("shm", "tcp;ofi_rxm", "inproc", ...).
+  virtual std::string provider() const = 0;
+  // Largest message the transport moves in one piece; larger ones are split by the endpoint.
+  virtual size_t max_message_size() const = 0;
+
+  // Non-blocking. The buffer must stay valid and untouched until the request is done.
+  virtual RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) = 0;
+  virtual RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) = 0;
+
+  // One non-blocking pass over the completion queue. Returns completions handled.
+  virtual size_t progress() = 0;
+
+  // Cancels a pending receive. Returns true if it was cancelled (buffer free again), false if
+  // it had already completed. Sends cannot be cancelled once handed to the transport.
+  virtual bool cancel(const RequestPtr& req) = 0;
+
+  // Memory that is reused across operations can be registered once (no-op where the provider
+  // needs no registration). Unregistered buffers are registered on the fly and cached.
+  virtual void register_memory(const void* /*ptr*/, size_t /*len*/) {}
+  virtual void deregister_memory(const void* /*ptr*/) {}
+
+  // Blocks cheaply (spin briefly, then yield, then sleep with backoff) until `req` is done or
+  // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.
+  void wait(const RequestPtr& req, Deadline deadline, std::string_view what = {});
+  void wait_all(std::span<const RequestPtr> reqs, Deadline deadline, std::string_view what = {});
+};
+
+// Spin-then-sleep waiting policy shared by every wait loop: cheap on oversubscribed nodes.
+class Backoff {
+ public:
+  // Call when a poll made no progress.
+  void idle();
+  // Call when a poll made progress.
+  void reset() { idle_polls_ = 0; }
+
+ private:
+  uint32_t idle_polls_ = 0;
+};
+
+// Throws UsageError/ProtocolError for a failed request with a message naming `what`.
+void throw_if_failed(const Request& req, std::string_view what);
+
+}  // namespace qring::net

@@ -1,0 +1,30 @@
+// libfabric RDM endpoint with tagged messages (fabtests' setup order, RAII teardown).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "net/endpoint.h"
+#include "net/store.h"
+
+namespace qring::net {
+
+struct FabricOptions {
+  // "auto" (shm on one host, else the best of verbs;ofi_rxm / efa / cxi / tcp;ofi_rxm),
+  // "shm", "tcp" (= tcp;ofi_rxm), or any libfabric provider string.
+  std::string provider = "auto";
+  // Split messages above this size (0 = the provider's own limit). Tests set it small.
+  size_t max_message_size = 0;
+};
+
+// Opens an endpoint, publishes its address in `store` under "fabric/addr/<rank>", reads
+// every peer's address (until `deadline`) and inserts them into the address vector.
+// `single_host` decides what "auto" means.
+std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank,
+                                               int world_size, Store& store, bool single_host,
+                                               Deadline deadline);
+
+// Resolves "auto"/"tcp" aliases to a provider string for fi_getinfo.
+std::string resolve_provider(const std::string& setting, bool single_host);
+
+}  // namespace qring::net
