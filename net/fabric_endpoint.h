@@ -15,6 +15,9 @@ struct FabricOptions {
   std::string provider = "auto";
   // Split messages above this size (0 = the provider's own limit). Tests set it small.
   size_t max_message_size = 0;
+  // Register every buffer even when the provider does not require it (FI_MR_LOCAL); tests
+  // use it to exercise the registration cache on providers that need none.
+  bool always_register = false;
 };
 
 // Opens an endpoint, publishes its address in `store` under "fabric/addr/<rank>", reads

@@ -1,0 +1,468 @@
+// FabricEndpoint: libfabric RDM endpoint with tagged messages.
+//
+// Setup follows fabtests' order: fi_getinfo → fi_fabric → fi_domain → CQ → AV → fi_endpoint →
+// bind → fi_enable → fi_getname / exchange through the store / fi_av_insert. The Fid<T>
+// members are declared in creation order, so destruction closes them in reverse.
+#include "net/fabric_endpoint.h"
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_tagged.h>
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "net/error.h"
+
+namespace qring::net {
+
+namespace {
+
+// Owns one libfabric object and closes it exactly once.
+template <typename T>
+class Fid {
+ public:
+  Fid() = default;
+  ~Fid() { reset(); }
+  Fid(const Fid&) = delete;
+  Fid& operator=(const Fid&) = delete;
+  T** out() { return &p_; }
+  T* get() const { return p_; }
+  void reset() {
+    if (p_) {
+      int ret = fi_close(&p_->fid);
+      if (ret) spdlog::warn("fi_close: {}", fi_strerror(-ret));
+      p_ = nullptr;
+    }
+  }
+
+ private:
+  T* p_ = nullptr;
+};
+
+struct InfoDeleter {
+  void operator()(fi_info* i) const { fi_freeinfo(i); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+
+InfoPtr make_hints(const std::string& prov) {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) throw IoError("fi_allocinfo failed");
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_TAGGED | FI_DIRECTED_RECV;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->tx_attr->msg_order = FI_ORDER_SAS;
+  hints->rx_attr->msg_order = FI_ORDER_SAS;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  if (!prov.empty()) hints->fabric_attr->prov_name = strdup(prov.c_str());
+  return hints;
+}
+
+InfoPtr query(const std::string& prov) {
+  InfoPtr hints = make_hints(prov);
+  fi_info* info = nullptr;
+  int ret = fi_getinfo(FI_VERSION(1, 11), nullptr, nullptr, 0, hints.get(), &info);
+  if (ret) return nullptr;
+  return InfoPtr(info);
+}
+
+bool is_loopback_domain(const fi_info* i) {
+  return i->domain_attr && i->domain_attr->name && std::strcmp(i->domain_attr->name, "lo") == 0;
+}
+
+// One posted libfabric operation (one fragment of a request). FI_CONTEXT(2) mode: the
+// provider may use the first bytes of the context, so fi_context2 comes first.
+struct OpCtx {
+  fi_context2 ctx;
+  RequestPtr req;
+  // For posts the provider refused with -FI_EAGAIN (retried from progress()).
+  void* buf = nullptr;
+  size_t len = 0;
+  uint64_t tag = 0;
+  uint64_t ignore = 0;
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  void* desc = nullptr;
+  bool posted = false;
+};
+
+class FabricEndpoint final : public Endpoint {
+ public:
+  FabricEndpoint(const FabricOptions& opts, int rank, int world, Store& store, bool single_host,
+                 Deadline deadline)
+      : rank_(rank), world_(world) {
+    provider_setting_ = resolve_provider(opts.provider, single_host);
+    InfoPtr all = query(provider_setting_);
+    if (!all)
+      throw ConfigError(fmt::format(
+          "rank {}: libfabric provider '{}' (from setting '{}') offers no RDM endpoint with "
+          "tagged messages here; `fi_info -l` lists the providers present",
+          rank, provider_setting_, opts.provider));
+    // Prefer the loopback interface when every rank is on this host, else the first
+    // non-loopback one (FI_TCP_IFACE etc. still filter inside libfabric).
+    const fi_info* pick = all.get();
+    for (const fi_info* i = all.get(); i; i = i->next) {
+      if (single_host == is_loopback_domain(i)) {
+        pick = i;
+        break;
+      }
+    }
+    info_.reset(fi_dupinfo(pick));
+    provider_name_ = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "?";
+    mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
+    mr_virt_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+    max_msg_ = info_->ep_attr->max_msg_size;
+    if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
+    if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
+
+    QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));
+    QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_TAGGED;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = 4096;
+    QRING_FI_CHECK(fi_cq_open(domain_.get(), &cq_attr, cq_.out(), nullptr));
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    av_attr.count = static_cast<size_t>(world);
+    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
+    QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep_.out(), nullptr));
+    QRING_FI_CHECK(fi_ep_bind(ep_.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
+    QRING_FI_CHECK(fi_ep_bind(ep_.get(), &av_.get()->fid, 0));
+    QRING_FI_CHECK(fi_enable(ep_.get()));
+
+    // Exchange addresses through the store.
+    std::string name(256, '\0');
+    size_t len = name.size();
+    int ret = fi_getname(&ep_.get()->fid, name.data(), &len);
+    if (ret == -FI_ETOOSMALL) {
+      name.resize(len);
+      ret = fi_getname(&ep_.get()->fid, name.data(), &len);
+    }
+    QRING_FI_CHECK(ret);
+    name.resize(len);
+    store.set(fmt::format("fabric/addr/{}", rank), provider_name_ + '\n' + name);
+    addrs_.resize(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      std::string v = store.get(fmt::format("fabric/addr/{}", r), deadline);
+      size_t nl = v.find('\n');
+      if (nl == std::string::npos)
+        throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank, r));
+      std::string peer_prov = v.substr(0, nl);
+      if (peer_prov != provider_name_)
+        throw ConfigError(fmt::format(
+            "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
+            "provider on every rank",
+            rank, provider_name_, r, peer_prov));
+      std::string addr = v.substr(nl + 1);
+      int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
+      if (n != 1)
+        throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL,
+                          __FILE__, __LINE__);
+    }
+    spdlog::debug("rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {}",
+                  rank_, provider_name_, info_->domain_attr->name, max_msg_, mr_local_);
+  }
+
+  ~FabricEndpoint() override {
+    // Cancel what is still posted so the provider drops its references before close.
+    for (OpCtx* c : outstanding_) {
+      if (c->posted) fi_cancel(&ep_.get()->fid, c);
+    }
+    fi_cq_tagged_entry entries[16];
+    for (int i = 0; i < 64; ++i) {
+      ssize_t n = fi_cq_read(cq_.get(), entries, 16);
+      if (n == -FI_EAVAIL) {
+        fi_cq_err_entry err{};
+        fi_cq_readerr(cq_.get(), &err, 0);
+      } else if (n <= 0) {
+        break;
+      }
+    }
+    ep_.reset();
+    for (auto& [addr, mr] : mrs_) fi_close(&mr.mr->fid);
+    mrs_.clear();
+    for (OpCtx* c : outstanding_) delete c;
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string provider() const override { return provider_name_; }
+  size_t max_message_size() const override { return max_msg_; }
+
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+    check_peer(peer, "isend");
+    auto req = std::make_shared<Request>();
+    req->is_send = true;
+    req->peer = peer;
+    req->tag = tag;
+    req->len = len;
+    req->bytes = len;
+    post_fragments(req, const_cast<void*>(buf), len, tag, 0, addrs_[static_cast<size_t>(peer)]);
+    return req;
+  }
+
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+    if (peer != kAnyPeer) check_peer(peer, "irecv");
+    if (ignore != 0 && len > max_msg_)
+      throw UsageError(fmt::format(
+          "irecv with an ignore mask is limited to {} bytes (asked {})", max_msg_, len));
+    auto req = std::make_shared<Request>();
+    req->peer = peer;
+    req->tag = tag;
+    req->len = len;
+    fi_addr_t addr = peer == kAnyPeer ? FI_ADDR_UNSPEC : addrs_[static_cast<size_t>(peer)];
+    post_fragments(req, buf, len, tag, ignore, addr);
+    return req;
+  }
+
+  size_t progress() override {
+    size_t handled = 0;
+    fi_cq_tagged_entry entries[32];
+    while (true) {
+      ssize_t n = fi_cq_read(cq_.get(), entries, 32);
+      if (n == -FI_EAGAIN) break;
+      if (n == -FI_EAVAIL) {
+        handle_error();
+        ++handled;
+        continue;
+      }
+      if (n < 0) throw FabricError("fi_cq_read", static_cast<int>(n), __FILE__, __LINE__);
+      for (ssize_t i = 0; i < n; ++i) complete(entries[i]);
+      handled += static_cast<size_t>(n);
+      if (n < 32) break;
+    }
+    if (!backlog_.empty()) retry_backlog();
+    return handled;
+  }
+
+  bool cancel(const RequestPtr& req) override {
+    if (req->done()) return false;
+    if (req->is_send) return false;
+    bool any = false;
+    for (OpCtx* c : outstanding_) {
+      if (c->req == req) {
+        if (c->posted) {
+          fi_cancel(&ep_.get()->fid, c);
+          any = true;
+        }
+      }
+    }
+    // Unposted fragments in the backlog: drop them.
+    for (auto it = backlog_.begin(); it != backlog_.end();) {
+      if ((*it)->req == req) {
+        finish_part(*it, RequestState::kCancelled, {});
+        it = backlog_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // The provider reports each cancelled receive as an FI_ECANCELED completion; wait for
+    // them so the buffer is free when we return.
+    Deadline dl = deadline_in(std::chrono::seconds(5));
+    Backoff backoff;
+    while (any && !req->done()) {
+      if (progress()) continue;
+      if (Clock::now() > dl)
+        throw TimeoutError(fmt::format("rank {}: cancel of a receive (tag {:#x}) did not complete",
+                                       rank_, req->tag));
+      backoff.idle();
+    }
+    return req->state == RequestState::kCancelled;
+  }
+
+  void register_memory(const void* ptr, size_t len) override {
+    if (!mr_local_ || len == 0) return;
+    auto it = mrs_.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it != mrs_.end() && it->second.len >= len) return;
+    if (it != mrs_.end()) {
+      fi_close(&it->second.mr->fid);
+      mrs_.erase(it);
+    }
+    fid_mr* mr = nullptr;
+    QRING_FI_CHECK(fi_mr_reg(domain_.get(), ptr, len, FI_SEND | FI_RECV, 0, 0, 0, &mr, nullptr));
+    mrs_[reinterpret_cast<uintptr_t>(ptr)] = Mr{mr, len};
+  }
+
+  void deregister_memory(const void* ptr) override {
+    auto it = mrs_.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == mrs_.end()) return;
+    fi_close(&it->second.mr->fid);
+    mrs_.erase(it);
+  }
+
+  size_t registered_regions() const { return mrs_.size(); }
+
+ private:
+  struct Mr {
+    fid_mr* mr;
+    size_t len;
+  };
+
+  void check_peer(int peer, const char* what) const {
+    if (peer < 0 || peer >= world_)
+      throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_));
+  }
+
+  // Memory descriptor for [ptr, ptr+len), registering (and caching) when the provider
+  // requires local registration.
+  void* descriptor(void* ptr, size_t len) {
+    if (!mr_local_ || len == 0) return nullptr;
+    uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    auto it = mrs_.upper_bound(p);
+    if (it != mrs_.begin()) {
+      --it;
+      if (p >= it->first && p + len <= it->first + it->second.len) return fi_mr_desc(it->second.mr);
+    }
+    register_memory(ptr, len);
+    return fi_mr_desc(mrs_[p].mr);
+  }
+
+  void post_fragments(const RequestPtr& req, void* buf, size_t len, uint64_t tag, uint64_t ignore,
+                      fi_addr_t addr) {
+    size_t parts = len == 0 ? 1 : (len + max_msg_ - 1) / max_msg_;
+    req->pending_parts = static_cast<int>(parts);
+    char* p = static_cast<char*>(buf);
+    for (size_t i = 0; i < parts; ++i) {
+      size_t off = i * max_msg_;
+      size_t n = std::min(max_msg_, len - std::min(len, off));
+      auto* c = new OpCtx{};
+      c->req = req;
+      c->buf = p ? p + off : nullptr;
+      c->len = n;
+      c->tag = tag | (i & kFragMask);
+      c->ignore = ignore;
+      c->addr = addr;
+      c->desc = descriptor(c->buf, n);
+      outstanding_.insert(c);
+      if (!backlog_.empty() || !try_post(c)) backlog_.push_back(c);
+    }
+  }
+
+  bool try_post(OpCtx* c) {
+    ssize_t ret;
+    if (c->req->is_send)
+      ret = fi_tsend(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
+    else
+      ret = fi_trecv(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
+    if (ret == -FI_EAGAIN) {
+      // Drive completions so the provider can free resources, then let progress() retry.
+      return false;
+    }
+    if (ret < 0) {
+      outstanding_.erase(c);
+      RequestPtr req = c->req;
+      delete c;
+      throw FabricError(req->is_send ? "fi_tsend" : "fi_trecv", static_cast<int>(ret), __FILE__,
+                        __LINE__);
+    }
+    c->posted = true;
+    return true;
+  }
+
+  void retry_backlog() {
+    while (!backlog_.empty()) {
+      OpCtx* c = backlog_.front();
+      if (!try_post(c)) {
+        // Drain completions once; the next progress() call tries again.
+        return;
+      }
+      backlog_.pop_front();
+    }
+  }
+
+  void finish_part(OpCtx* c, RequestState st, const std::string& err) {
+    Request& r = *c->req;
+    if (st == RequestState::kError && r.state != RequestState::kError) {
+      r.state = RequestState::kError;
+      r.error = err;
+    } else if (st == RequestState::kCancelled && r.state == RequestState::kPending) {
+      r.state = RequestState::kCancelled;
+    }
+    if (--r.pending_parts == 0 && r.state == RequestState::kPending) r.state = RequestState::kDone;
+    if (r.pending_parts == 0 && r.state == RequestState::kCancelled) {
+      // fine: fully cancelled
+    }
+    outstanding_.erase(c);
+    delete c;
+  }
+
+  void complete(const fi_cq_tagged_entry& e) {
+    auto* c = static_cast<OpCtx*>(e.op_context);
+    if (!c->req->is_send) {
+      c->req->bytes += e.len;
+      c->req->matched_tag = e.tag & ~kFragMask;
+    }
+    finish_part(c, RequestState::kDone, {});
+  }
+
+  void handle_error() {
+    fi_cq_err_entry err{};
+    ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
+    if (r < 0) throw FabricError("fi_cq_readerr", static_cast<int>(r), __FILE__, __LINE__);
+    auto* c = static_cast<OpCtx*>(err.op_context);
+    if (!c) throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
+                                      fi_strerror(err.err)));
+    if (err.err == FI_ECANCELED) {
+      finish_part(c, RequestState::kCancelled, {});
+      return;
+    }
+    std::string msg = err.err == FI_ETRUNC
+                          ? fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
+                                        err.olen + err.len, c->len)
+                          : fmt::format("{} ({})", fi_strerror(err.err),
+                                        fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data,
+                                                       nullptr, 0));
+    finish_part(c, RequestState::kError, msg);
+  }
+
+  int rank_;
+  int world_;
+  std::string provider_setting_;
+  std::string provider_name_;
+  bool mr_local_ = false;
+  bool mr_virt_ = false;
+  size_t max_msg_ = 0;
+  InfoPtr info_;
+  // Creation order; destroyed in reverse.
+  Fid<fid_fabric> fabric_;
+  Fid<fid_domain> domain_;
+  Fid<fid_cq> cq_;
+  Fid<fid_av> av_;
+  Fid<fid_ep> ep_;
+  std::vector<fi_addr_t> addrs_;
+  std::map<uintptr_t, Mr> mrs_;
+  std::unordered_set<OpCtx*> outstanding_;
+  std::deque<OpCtx*> backlog_;
+};
+
+}  // namespace
+
+std::string resolve_provider(const std::string& setting, bool single_host) {
+  if (setting == "tcp") return "tcp;ofi_rxm";
+  if (setting == "verbs") return "verbs;ofi_rxm";
+  if (setting != "auto" && !setting.empty()) return setting;
+  if (single_host) return "shm";
+  for (const char* p : {"cxi", "efa", "verbs;ofi_rxm"}) {
+    if (query(p)) return p;
+  }
+  return "tcp;ofi_rxm";
+}
+
+std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank,
+                                               int world_size, Store& store, bool single_host,
+                                               Deadline deadline) {
+  return std::make_unique<FabricEndpoint>(opts, rank, world_size, store, single_host, deadline);
+}
+
+}  // namespace qring::net

@@ -1,0 +1,179 @@
+#include "net/inproc_endpoint.h"
+
+#include <cstring>
+#include <list>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+
+namespace qring::net {
+
+namespace {
+bool matches(uint64_t posted_tag, uint64_t ignore, uint64_t tag) {
+  return ((posted_tag ^ tag) & ~ignore) == 0;
+}
+}  // namespace
+
+struct InprocFabric::Mailbox {
+  struct Posted {
+    RequestPtr req;
+    void* buf;
+    uint64_t ignore;
+  };
+  struct Message {
+    int src;
+    uint64_t tag;
+    std::vector<char> data;
+  };
+  struct Done {
+    RequestPtr req;
+    size_t bytes;
+    uint64_t tag;
+    std::string error;
+  };
+  std::mutex mu;
+  std::list<Posted> posted;       // in post order
+  std::list<Message> unexpected;  // in arrival order
+  std::vector<Done> completed;    // filled by senders, drained by the owner's progress()
+};
+
+namespace {
+
+class InprocEndpoint final : public Endpoint {
+ public:
+  InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes)
+      : rank_(rank), boxes_(std::move(boxes)) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return static_cast<int>(boxes_.size()); }
+  std::string provider() const override { return "inproc"; }
+  size_t max_message_size() const override { return SIZE_MAX; }
+
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+    check_peer(peer, "isend");
+    auto req = std::make_shared<Request>();
+    req->is_send = true;
+    req->peer = peer;
+    req->tag = tag;
+    req->len = len;
+    req->bytes = len;
+    auto& box = *boxes_[static_cast<size_t>(peer)];
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
+        Request& r = *it->req;
+        if ((r.peer == kAnyPeer || r.peer == rank_) && matches(r.tag, it->ignore, tag)) {
+          if (len > r.len) {
+            box.completed.push_back({it->req, len, tag,
+                                     fmt::format("message truncated: {} bytes arrived for a "
+                                                 "{}-byte buffer",
+                                                 len, r.len)});
+          } else {
+            if (len) std::memcpy(it->buf, buf, len);
+            box.completed.push_back({it->req, len, tag, {}});
+          }
+          box.posted.erase(it);
+          req->state = RequestState::kDone;
+          return req;
+        }
+      }
+      const char* p = static_cast<const char*>(buf);
+      box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len)});
+    }
+    req->state = RequestState::kDone;  // eager: the data is buffered
+    return req;
+  }
+
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+    if (peer != kAnyPeer) check_peer(peer, "irecv");
+    auto req = std::make_shared<Request>();
+    req->peer = peer;
+    req->tag = tag;
+    req->len = len;
+    auto& box = *boxes_[static_cast<size_t>(rank_)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    for (auto it = box.unexpected.begin(); it != box.unexpected.end(); ++it) {
+      if ((peer == kAnyPeer || it->src == peer) && matches(tag, ignore, it->tag)) {
+        req->matched_tag = it->tag;
+        req->bytes = it->data.size();
+        if (it->data.size() > len) {
+          req->state = RequestState::kError;
+          req->error = fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
+                                   it->data.size(), len);
+        } else {
+          if (!it->data.empty()) std::memcpy(buf, it->data.data(), it->data.size());
+          req->state = RequestState::kDone;
+        }
+        box.unexpected.erase(it);
+        return req;
+      }
+    }
+    box.posted.push_back({req, buf, ignore});
+    return req;
+  }
+
+  size_t progress() override {
+    auto& box = *boxes_[static_cast<size_t>(rank_)];
+    std::vector<InprocFabric::Mailbox::Done> done;
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      if (box.completed.empty()) return 0;
+      done.swap(box.completed);
+    }
+    for (auto& d : done) {
+      d.req->bytes = d.bytes;
+      d.req->matched_tag = d.tag;
+      if (d.error.empty()) {
+        d.req->state = RequestState::kDone;
+      } else {
+        d.req->state = RequestState::kError;
+        d.req->error = d.error;
+      }
+    }
+    return done.size();
+  }
+
+  bool cancel(const RequestPtr& req) override {
+    if (req->done() || req->is_send) return false;
+    auto& box = *boxes_[static_cast<size_t>(rank_)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
+      if (it->req == req) {
+        box.posted.erase(it);
+        req->state = RequestState::kCancelled;
+        return true;
+      }
+    }
+    return false;  // already matched; progress() will complete it
+  }
+
+ private:
+  void check_peer(int peer, const char* what) const {
+    if (peer < 0 || peer >= world_size())
+      throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_size()));
+  }
+
+  int rank_;
+  std::vector<InprocFabric::Mailbox*> boxes_;
+};
+
+}  // namespace
+
+InprocFabric::InprocFabric(int world_size) {
+  if (world_size < 1) throw UsageError("InprocFabric: world size must be >= 1");
+  for (int i = 0; i < world_size; ++i) boxes_.push_back(std::make_unique<Mailbox>());
+}
+InprocFabric::~InprocFabric() = default;
+int InprocFabric::world_size() const { return static_cast<int>(boxes_.size()); }
+
+std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank) {
+  if (rank < 0 || rank >= world_size())
+    throw UsageError(fmt::format("InprocFabric: rank {} out of range", rank));
+  std::vector<Mailbox*> boxes;
+  for (auto& b : boxes_) boxes.push_back(b.get());
+  return std::make_unique<InprocEndpoint>(rank, std::move(boxes));
+}
+
+}  // namespace qring::net
