@@ -1,0 +1,125 @@
+// collectives::Communicator — owns an endpoint, the ring order and one progress engine
+// thread that runs every protocol, so collectives progress while the caller computes.
+//
+// Usage (all ranks call collectives in the same order):
+//   Communicator comm(std::move(endpoint), opts);
+//   comm.allreduce(send, recv, count, DataType::kFloat32, RedOp::kSum);   // blocking
+//   auto w = comm.allreduce_async(...); ...; w->wait();                     // non-blocking
+//
+// Deadlines: every operation has one (CommOptions::timeout unless given). On expiry the op
+// fails with CollectiveTimeout naming the operation, its sequence number, the peer it waited
+// on and for how long; the communicator is then broken and refuses further operations.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/types.h"
+#include "net/endpoint.h"
+#include "net/error.h"
+
+namespace qring::collectives {
+
+using net::Clock;
+using net::Deadline;
+
+class CollectiveTimeout : public TimeoutError {
+ public:
+  using TimeoutError::TimeoutError;
+};
+
+struct CommOptions {
+  // Default deadline of each operation, measured from its submission.
+  std::chrono::milliseconds timeout{60000};
+  // Ring segment size in bytes (pipelining unit); tests set it tiny to cover many segments.
+  size_t segment_bytes = size_t(1) << 20;
+  // Segments in flight per link.
+  int segments_in_flight = 4;
+  // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
+  int reduce_threads = 0;
+  // Ranks sharing this host (used by reduce_threads = 0).
+  int local_size = 1;
+};
+
+// Handle of a non-blocking operation.
+class Work {
+ public:
+  bool done() const { return state_.load(std::memory_order_acquire) != 0; }
+  // Blocks until the operation completes; rethrows its error (CollectiveTimeout, IoError...).
+  void wait();
+
+ private:
+  friend class Communicator;
+  friend class Engine;
+  void finish(std::exception_ptr err);
+  std::atomic<int> state_{0};
+  std::exception_ptr error_;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class Engine;
+class EngineOp;
+
+class Communicator {
+ public:
+  Communicator(std::unique_ptr<net::Endpoint> endpoint, CommOptions opts = {});
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::string provider() const;
+  const CommOptions& options() const { return opts_; }
+  bool broken() const;
+
+  // recv may equal send (in place). count in elements. Buffers must stay valid until done.
+  WorkPtr allreduce_async(const void* send, void* recv, size_t count, DataType type, RedOp op);
+  // Every rank's `count` elements from `send` land at recv[rank * count].
+  WorkPtr allgather_async(const void* send, void* recv, size_t count, DataType type);
+  // send holds size()*count elements; rank r receives the reduction of block r into recv.
+  WorkPtr reduce_scatter_async(const void* send, void* recv, size_t count, DataType type,
+                               RedOp op);
+  WorkPtr broadcast_async(void* buf, size_t count, DataType type, int root);
+  WorkPtr barrier_async();
+
+  void allreduce(const void* send, void* recv, size_t count, DataType type, RedOp op) {
+    allreduce_async(send, recv, count, type, op)->wait();
+  }
+  void allgather(const void* send, void* recv, size_t count, DataType type) {
+    allgather_async(send, recv, count, type)->wait();
+  }
+  void reduce_scatter(const void* send, void* recv, size_t count, DataType type, RedOp op) {
+    reduce_scatter_async(send, recv, count, type, op)->wait();
+  }
+  void broadcast(void* buf, size_t count, DataType type, int root) {
+    broadcast_async(buf, count, type, root)->wait();
+  }
+  void barrier() { barrier_async()->wait(); }
+
+  // Registers a buffer that will be reused across calls (no-op where not needed).
+  void register_buffer(const void* ptr, size_t bytes);
+
+  // For protocols built on the engine (quorum all-reduce): submit an op.
+  WorkPtr submit(std::unique_ptr<EngineOp> op);
+  // Next sequence number for a collective (identical on every rank that calls in order).
+  uint32_t next_seq() { return seq_++; }
+  Engine& engine() { return *engine_; }
+
+ private:
+  int rank_;
+  int size_;
+  CommOptions opts_;
+  uint32_t seq_ = 0;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace qring::collectives

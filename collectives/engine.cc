@@ -1,0 +1,215 @@
+#include "collectives/engine.h"
+
+#include <sched.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+namespace qring::collectives {
+
+void Work::finish(std::exception_ptr err) {
+  error_ = std::move(err);
+  state_.store(1, std::memory_order_release);
+  state_.notify_all();
+}
+
+void Work::wait() {
+  // Spin a little (the common case at small sizes), then block in the kernel.
+  for (int i = 0; i < 2000 && !done(); ++i) {
+    if (i > 200) sched_yield();
+  }
+  while (!done()) state_.wait(0, std::memory_order_acquire);
+  if (error_) std::rethrow_exception(error_);
+}
+
+Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
+    : ep_(std::move(ep)), rank_(ep_->rank()), size_(ep_->world_size()),
+      provider_(ep_->provider()) {
+  reduce_threads_ = opts.reduce_threads;
+  if (reduce_threads_ <= 0) {
+    int hw = static_cast<int>(std::thread::hardware_concurrency());
+    reduce_threads_ = std::max(1, hw / std::max(1, opts.local_size));
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::string Engine::broken_reason() const {
+  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
+  return broken_reason_;
+}
+
+WorkPtr Engine::submit(std::unique_ptr<EngineOp> op) {
+  auto work = std::make_shared<Work>();
+  op->work = work;
+  op->submitted = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.load()) {
+      throw UsageError(fmt::format("rank {}: {} #{} refused: the communicator is broken ({})",
+                                   rank_, op->name(), op->seq, broken_reason_));
+    }
+    if (stop_) throw UsageError("communicator is shutting down");
+    incoming_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
+  auto done = std::make_shared<Work>();
+  std::function<void(net::Endpoint&)> wrapped = [&fn, done](net::Endpoint& ep) {
+    try {
+      fn(ep);
+      done->finish(nullptr);
+    } catch (...) {
+      done->finish(std::current_exception());
+    }
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back(std::move(wrapped));
+  }
+  cv_.notify_one();
+  done->wait();
+}
+
+Engine::Lease Engine::scratch(size_t bytes) {
+  // Best fit among free buffers, else grow the largest free one, else a new one.
+  size_t best = scratch_free_.size();
+  for (size_t i = 0; i < scratch_free_.size(); ++i) {
+    if (scratch_free_[i]->size() >= bytes &&
+        (best == scratch_free_.size() || scratch_free_[i]->size() < scratch_free_[best]->size()))
+      best = i;
+  }
+  std::unique_ptr<std::vector<char>> buf;
+  if (best < scratch_free_.size()) {
+    buf = std::move(scratch_free_[best]);
+    scratch_free_.erase(scratch_free_.begin() + static_cast<long>(best));
+  } else {
+    if (!scratch_free_.empty()) {
+      buf = std::move(scratch_free_.back());
+      scratch_free_.pop_back();
+      ep_->deregister_memory(buf->data());
+    } else {
+      buf = std::make_unique<std::vector<char>>();
+    }
+    buf->assign(bytes, 0);
+    ep_->register_memory(buf->data(), buf->size());
+  }
+  scratch_used_.push_back(std::move(buf));
+  return Lease(this, scratch_used_.back().get());
+}
+
+Engine::Lease::~Lease() {
+  if (!buf_) return;
+  auto& used = engine_->scratch_used_;
+  for (auto it = used.begin(); it != used.end(); ++it) {
+    if (it->get() == buf_) {
+      engine_->scratch_free_.push_back(std::move(*it));
+      used.erase(it);
+      break;
+    }
+  }
+}
+
+void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.load()) {
+      broken_reason_ = reason;
+      broken_.store(true, std::memory_order_release);
+    }
+    for (auto& op : incoming_) active_.push_back(std::move(op));
+    incoming_.clear();
+  }
+  for (auto& op : active_) {
+    try {
+      op->abort(*ep_);
+    } catch (const std::exception& e) {
+      spdlog::warn("rank {}: abort of {} #{}: {}", rank_, op->name(), op->seq, e.what());
+    }
+    std::exception_ptr e = err;
+    if (!e) e = std::make_exception_ptr(IoError(reason));
+    op->work->finish(e);
+  }
+  active_.clear();
+}
+
+void Engine::loop() {
+  net::Backoff backoff;
+  std::vector<std::function<void(net::Endpoint&)>> calls;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (active_.empty() && incoming_.empty() && calls_.empty() && !stop_) {
+        cv_.wait(lock, [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
+      }
+      if (stop_) break;
+      while (!incoming_.empty()) {
+        active_.push_back(std::move(incoming_.front()));
+        incoming_.pop_front();
+        active_.back()->start(*ep_);
+      }
+      for (auto& c : calls_) calls.push_back(std::move(c));
+      calls_.clear();
+    }
+    for (auto& c : calls) c(*ep_);
+    calls.clear();
+
+    bool moved = false;
+    try {
+      moved = ep_->progress() > 0;
+      for (auto& op : active_) moved |= op->advance(*ep_);
+    } catch (const std::exception& e) {
+      std::string reason = fmt::format("rank {}: {}", rank_, e.what());
+      spdlog::error("{}", reason);
+      fail_all(reason, std::current_exception());
+      continue;
+    }
+    // Complete finished ops in submission order is not required; notify each.
+    for (auto it = active_.begin(); it != active_.end();) {
+      if ((*it)->finished()) {
+        (*it)->work->finish(nullptr);
+        it = active_.erase(it);
+        moved = true;
+      } else {
+        ++it;
+      }
+    }
+    if (!active_.empty()) {
+      auto now = Clock::now();
+      for (auto& op : active_) {
+        if (now >= op->deadline) {
+          auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
+          std::string reason = fmt::format(
+              "rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(), op->seq,
+              waited.count(), op->waiting_on());
+          spdlog::error("{}", reason);
+          fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+          break;
+        }
+      }
+    }
+    if (moved)
+      backoff.reset();
+    else if (!active_.empty())
+      backoff.idle();
+  }
+  // Shutdown: fail what is left so no caller waits forever.
+  if (!active_.empty() || !incoming_.empty())
+    fail_all(fmt::format("rank {}: communicator destroyed with operations pending", rank_),
+             nullptr);
+}
+
+}  // namespace qring::collectives

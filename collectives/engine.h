@@ -1,0 +1,101 @@
+// The progress engine: one thread per communicator that owns the endpoint and advances every
+// active operation (EngineOp) until it completes, fails, or passes its deadline. Idle, it
+// blocks on a condition variable; waiting for peers, it spins briefly, then yields, then
+// sleeps with backoff (net::Backoff), so oversubscribed nodes stay usable.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "net/endpoint.h"
+
+namespace qring::collectives {
+
+class EngineOp {
+ public:
+  virtual ~EngineOp() = default;
+  // Engine thread only. Posts what can be posted, consumes completions. Returns true if
+  // anything moved. Throws on protocol or transport errors.
+  virtual bool advance(net::Endpoint& ep) = 0;
+  virtual bool finished() const = 0;
+  // Cancels posted receives so that user buffers are free (engine thread, after failure).
+  virtual void abort(net::Endpoint& ep) = 0;
+  // "receive from rank 3 (stage 2, segment 0)": what the op is blocked on right now.
+  virtual std::string waiting_on() const = 0;
+  virtual std::string name() const = 0;
+  // Called once when the op starts (engine thread), before the first advance().
+  virtual void start(net::Endpoint& /*ep*/) {}
+
+  uint32_t seq = 0;
+  Deadline deadline{};
+  Clock::time_point submitted{};
+  WorkPtr work;
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts);
+  ~Engine();
+
+  WorkPtr submit(std::unique_ptr<EngineOp> op);
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+  std::string broken_reason() const;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int reduce_threads() const { return reduce_threads_; }
+  std::string provider() const { return provider_; }
+  // Runs `fn` on the engine thread (with the endpoint) and waits for it.
+  void run(const std::function<void(net::Endpoint&)>& fn);
+  // Scratch memory owned by the engine and reused (and registered once) across operations.
+  // Engine thread only; the lease returns the buffer to the pool when destroyed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Engine* e, std::vector<char>* b) : engine_(e), buf_(b) {}
+    Lease(Lease&& o) noexcept : engine_(o.engine_), buf_(o.buf_) { o.buf_ = nullptr; }
+    Lease& operator=(Lease&& o) noexcept {
+      std::swap(engine_, o.engine_);
+      std::swap(buf_, o.buf_);
+      return *this;
+    }
+    ~Lease();
+    char* data() const { return buf_ ? buf_->data() : nullptr; }
+
+   private:
+    Engine* engine_ = nullptr;
+    std::vector<char>* buf_ = nullptr;
+  };
+  Lease scratch(size_t bytes);
+
+ private:
+  void loop();
+  void fail_all(const std::string& reason, std::exception_ptr err);
+
+  std::unique_ptr<net::Endpoint> ep_;
+  int rank_;
+  int size_;
+  std::string provider_;
+  int reduce_threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<EngineOp>> incoming_;
+  std::deque<std::function<void(net::Endpoint&)>> calls_;
+  bool stop_ = false;
+  std::atomic<bool> broken_{false};
+  std::string broken_reason_;
+  // Scratch pools before active_: ops hold leases, so they must die first.
+  std::vector<std::unique_ptr<std::vector<char>>> scratch_free_;
+  std::vector<std::unique_ptr<std::vector<char>>> scratch_used_;
+  std::vector<std::unique_ptr<EngineOp>> active_;
+  std::thread thread_;
+};
+
+}  // namespace qring::collectives

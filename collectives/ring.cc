@@ -1,0 +1,392 @@
+#include "collectives/ring.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "collectives/reduce.h"
+#include "net/error.h"
+
+namespace qring::collectives {
+
+namespace {
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+struct Stage {
+  int send_chunk;
+  int recv_chunk;
+  bool reduce;
+  bool send_from_input;  // stage 0 of a reduce-scatter sends the caller's input
+  bool final_reduce;     // this stage completes a chunk: apply avg scaling
+};
+
+class RingOp final : public EngineOp {
+ public:
+  RingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
+      : engine_(engine), args_(a), n_(engine.size()), r_(engine.rank()) {
+    elem_ = dtype_size(a.type);
+    left_ = mod(r_ - 1, n_);
+    right_ = mod(r_ + 1, n_);
+    seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
+    window_ = std::max(1, opts.segments_in_flight);
+    threads_ = engine.reduce_threads();
+    total_ = a.kind == RingKind::kAllreduce ? a.count : a.count * size_t(n_);
+    build_stages();
+  }
+
+  std::string name() const override {
+    switch (args_.kind) {
+      case RingKind::kAllreduce: return "allreduce";
+      case RingKind::kReduceScatter: return "reduce_scatter";
+      case RingKind::kAllgather: return "allgather";
+    }
+    return "ring";
+  }
+
+  void start(net::Endpoint& ep) override {
+    const char* in = static_cast<const char*>(args_.send);
+    switch (args_.kind) {
+      case RingKind::kAllreduce:
+        out_ = static_cast<char*>(args_.recv);
+        break;
+      case RingKind::kReduceScatter:
+        // Work in a full-size scratch buffer; the own block is copied out at the end.
+        work_ = engine_.scratch(total_ * elem_);
+        out_ = work_.data();
+        break;
+      case RingKind::kAllgather:
+        out_ = static_cast<char*>(args_.recv);
+        if (args_.count && out_ + off(r_) * elem_ != in)
+          std::memmove(out_ + off(r_) * elem_, in, args_.count * elem_);
+        break;
+    }
+    in_ = args_.kind == RingKind::kAllgather ? out_ : in;
+    in_place_ = args_.kind == RingKind::kAllreduce && args_.send == args_.recv;
+    if (n_ == 1 || total_ == 0) {
+      if (args_.kind == RingKind::kAllreduce && !in_place_ && total_)
+        std::memcpy(out_, in_, total_ * elem_);
+      if (args_.kind == RingKind::kReduceScatter && total_)
+        std::memcpy(args_.recv, args_.send, total_ * elem_);
+      done_ = true;
+      return;
+    }
+    size_t max_chunk = chunk_length(total_, n_, 0);
+    nseg_ = (max_chunk + seg_elems_ - 1) / seg_elems_;
+    if (nseg_ > net::kChunkMask / (stages_.size() + 1))
+      throw UsageError(fmt::format("{}: {} segments per chunk is too many; raise segment_bytes",
+                                   name(), nseg_));
+    lanes_.resize(std::min<size_t>(size_t(window_), nseg_));
+    if (in_place_) {
+      tmp_lease_ = engine_.scratch(lanes_.size() * seg_elems_ * elem_);
+      tmp_ = tmp_lease_.data();
+    }
+    for (size_t i = 0; i < lanes_.size(); ++i) {
+      lanes_[i].seg = next_seg_++;
+      lanes_[i].slot = i;
+      post(ep, lanes_[i]);
+    }
+  }
+
+  bool advance(net::Endpoint& ep) override {
+    if (done_) return false;
+    bool moved = false;
+    for (auto& lane : lanes_) {
+      while (lane.active && (!lane.send || lane.send->done()) && (!lane.recv || lane.recv->done())) {
+        if (lane.send) net::throw_if_failed(*lane.send, name());
+        if (lane.recv) {
+          net::throw_if_failed(*lane.recv, name());
+          if (lane.recv->bytes != lane.recv->len)
+            throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", name(),
+                                            seq, left_, lane.recv->bytes, lane.recv->len));
+        }
+        finish_stage(lane);
+        moved = true;
+        if (++lane.stage < stages_.size()) {
+          post(ep, lane);
+        } else if (next_seg_ < nseg_) {
+          lane.seg = next_seg_++;
+          lane.stage = 0;
+          post(ep, lane);
+        } else {
+          lane.active = false;
+          ++lanes_done_;
+        }
+      }
+    }
+    if (lanes_done_ == lanes_.size()) {
+      if (args_.kind == RingKind::kReduceScatter)
+        std::memcpy(args_.recv, out_ + off(r_) * elem_, args_.count * elem_);
+      done_ = true;
+    }
+    return moved;
+  }
+
+  bool finished() const override { return done_; }
+
+  void abort(net::Endpoint& ep) override {
+    for (auto& lane : lanes_)
+      if (lane.recv && !lane.recv->done()) ep.cancel(lane.recv);
+  }
+
+  std::string waiting_on() const override {
+    for (const auto& lane : lanes_) {
+      if (!lane.active) continue;
+      if (lane.recv && !lane.recv->done())
+        return fmt::format("receive from rank {} (stage {}, segment {})", left_, lane.stage,
+                           lane.seg);
+      if (lane.send && !lane.send->done())
+        return fmt::format("send to rank {} to complete (stage {}, segment {})", right_,
+                           lane.stage, lane.seg);
+    }
+    return "nothing (finishing)";
+  }
+
+ private:
+  struct Lane {
+    size_t seg = 0;
+    size_t slot = 0;
+    size_t stage = 0;
+    bool active = true;
+    net::RequestPtr send, recv;
+    char* recv_ptr = nullptr;
+  };
+
+  size_t off(int c) const {
+    return args_.kind == RingKind::kAllreduce ? chunk_offset(total_, n_, c)
+                                              : size_t(c) * args_.count;
+  }
+  size_t len(int c) const {
+    return args_.kind == RingKind::kAllreduce ? chunk_length(total_, n_, c) : args_.count;
+  }
+  // Segment j of chunk c: [begin, begin + n) elements of the whole buffer.
+  std::pair<size_t, size_t> seg(int c, size_t j) const {
+    size_t l = len(c), b = j * seg_elems_;
+    if (b >= l) return {off(c), 0};
+    return {off(c) + b, std::min(seg_elems_, l - b)};
+  }
+
+  void build_stages() {
+    const int n = n_, r = r_;
+    if (args_.kind == RingKind::kAllreduce || args_.kind == RingKind::kReduceScatter) {
+      int shift = args_.kind == RingKind::kReduceScatter ? 1 : 0;
+      for (int s = 0; s < n - 1; ++s)
+        stages_.push_back({mod(r - s - shift, n), mod(r - s - 1 - shift, n), true, s == 0,
+                           s == n - 2});
+    }
+    if (args_.kind == RingKind::kAllreduce) {
+      for (int s = 0; s < n - 1; ++s)
+        stages_.push_back({mod(r + 1 - s, n), mod(r - s, n), false, false, false});
+    }
+    if (args_.kind == RingKind::kAllgather) {
+      for (int s = 0; s < n - 1; ++s)
+        stages_.push_back({mod(r - s, n), mod(r - s - 1, n), false, false, false});
+    }
+  }
+
+  void post(net::Endpoint& ep, Lane& lane) {
+    const Stage& st = stages_[lane.stage];
+    uint64_t tag = net::make_tag(args_.tag_op, seq, lane.stage * nseg_ + lane.seg);
+    auto [rb, rn] = seg(st.recv_chunk, lane.seg);
+    auto [sb, sn] = seg(st.send_chunk, lane.seg);
+    lane.recv.reset();
+    lane.send.reset();
+    if (rn) {
+      lane.recv_ptr = (st.reduce && in_place_) ? tmp_ + lane.slot * seg_elems_ * elem_
+                                                : out_ + rb * elem_;
+      lane.recv = ep.irecv(left_, tag, lane.recv_ptr, rn * elem_);
+    }
+    if (sn) {
+      const char* src = (st.send_from_input ? in_ : out_) + sb * elem_;
+      lane.send = ep.isend(right_, tag, src, sn * elem_);
+    }
+  }
+
+  void finish_stage(Lane& lane) {
+    const Stage& st = stages_[lane.stage];
+    if (!st.reduce || !lane.recv) return;
+    auto [rb, rn] = seg(st.recv_chunk, lane.seg);
+    char* dst = out_ + rb * elem_;
+    const char* mine = in_ + rb * elem_;
+    if (in_place_)
+      reduce(dst, dst, lane.recv_ptr, rn, args_.type, args_.op, threads_);
+    else
+      reduce(dst, dst, mine, rn, args_.type, args_.op, threads_);
+    if (st.final_reduce && args_.op == RedOp::kAvg) scale_avg(dst, rn, args_.type, n_, threads_);
+  }
+
+  Engine& engine_;
+  RingArgs args_;
+  int n_, r_, left_, right_;
+  size_t elem_, seg_elems_, total_;
+  int window_, threads_;
+  std::vector<Stage> stages_;
+  const char* in_ = nullptr;
+  char* out_ = nullptr;
+  char* tmp_ = nullptr;
+  Engine::Lease work_, tmp_lease_;
+  bool in_place_ = false;
+  size_t nseg_ = 0, next_seg_ = 0, lanes_done_ = 0;
+  std::vector<Lane> lanes_;
+  bool done_ = false;
+};
+
+// Pipelined chain from the root: root → root+1 → ... → root+n-1, segment by segment.
+class BroadcastOp final : public EngineOp {
+ public:
+  BroadcastOp(Engine& engine, const CommOptions& opts, void* buf, size_t count, DataType type,
+              int root)
+      : buf_(static_cast<char*>(buf)), n_(engine.size()), r_(engine.rank()), root_(root) {
+    elem_ = dtype_size(type);
+    bytes_ = count * elem_;
+    seg_bytes_ = std::max<size_t>(elem_, opts.segment_bytes / elem_ * elem_);
+    window_ = std::max(1, opts.segments_in_flight);
+    pos_ = mod(r_ - root_, n_);
+    left_ = mod(r_ - 1, n_);
+    right_ = mod(r_ + 1, n_);
+  }
+  std::string name() const override { return "broadcast"; }
+  void start(net::Endpoint& ep) override {
+    nseg_ = (bytes_ + seg_bytes_ - 1) / seg_bytes_;
+    if (n_ == 1 || nseg_ == 0) {
+      done_ = true;
+      return;
+    }
+    for (size_t i = 0; i < std::min<size_t>(size_t(window_), nseg_); ++i) start_seg(ep);
+  }
+  bool advance(net::Endpoint& ep) override {
+    if (done_) return false;
+    bool moved = false;
+    for (auto& l : lanes_) {
+      if (!l.active) continue;
+      if (l.recv && l.recv->done() && !l.send && pos_ < n_ - 1) {
+        net::throw_if_failed(*l.recv, "broadcast");
+        auto [b, n] = range(l.seg);
+        l.send = ep.isend(right_, tag(l.seg), buf_ + b, n);
+        moved = true;
+      }
+      bool recv_ok = !l.recv || l.recv->done();
+      bool send_ok = pos_ == n_ - 1 ? true : (l.send && l.send->done());
+      if (recv_ok && send_ok) {
+        if (l.recv) net::throw_if_failed(*l.recv, "broadcast");
+        if (l.send) net::throw_if_failed(*l.send, "broadcast");
+        l.active = false;
+        ++segs_done_;
+        moved = true;
+      }
+    }
+    if (moved && next_seg_ < nseg_) {
+      lanes_.erase(std::remove_if(lanes_.begin(), lanes_.end(), [](const L& l) { return !l.active; }),
+                   lanes_.end());
+      while (lanes_.size() < size_t(window_) && next_seg_ < nseg_) start_seg(ep);
+    }
+    if (segs_done_ == nseg_) done_ = true;
+    return moved;
+  }
+  bool finished() const override { return done_; }
+  void abort(net::Endpoint& ep) override {
+    for (auto& l : lanes_)
+      if (l.recv && !l.recv->done()) ep.cancel(l.recv);
+  }
+  std::string waiting_on() const override {
+    for (const auto& l : lanes_) {
+      if (!l.active) continue;
+      if (l.recv && !l.recv->done())
+        return fmt::format("receive from rank {} (segment {})", left_, l.seg);
+      return fmt::format("send to rank {} to complete (segment {})", right_, l.seg);
+    }
+    return "nothing (finishing)";
+  }
+
+ private:
+  struct L {
+    size_t seg = 0;
+    bool active = true;
+    net::RequestPtr recv, send;
+  };
+  uint64_t tag(size_t s) const { return net::make_tag(net::Op::kBroadcast, seq, s); }
+  std::pair<size_t, size_t> range(size_t s) const {
+    size_t b = s * seg_bytes_;
+    return {b, std::min(seg_bytes_, bytes_ - b)};
+  }
+  void start_seg(net::Endpoint& ep) {
+    L l;
+    l.seg = next_seg_++;
+    auto [b, n] = range(l.seg);
+    if (pos_ == 0)
+      l.send = ep.isend(right_, tag(l.seg), buf_ + b, n);
+    else
+      l.recv = ep.irecv(left_, tag(l.seg), buf_ + b, n);
+    lanes_.push_back(std::move(l));
+  }
+  char* buf_;
+  int n_, r_, root_, pos_, left_, right_;
+  size_t elem_, bytes_, seg_bytes_;
+  int window_;
+  size_t nseg_ = 0, next_seg_ = 0, segs_done_ = 0;
+  std::vector<L> lanes_;
+  bool done_ = false;
+};
+
+// Dissemination barrier: in round k every rank signals r + 2^k and waits for r - 2^k.
+class BarrierOp final : public EngineOp {
+ public:
+  explicit BarrierOp(Engine& engine) : n_(engine.size()), r_(engine.rank()) {}
+  std::string name() const override { return "barrier"; }
+  void start(net::Endpoint& ep) override {
+    if (n_ == 1) {
+      done_ = true;
+      return;
+    }
+    post(ep);
+  }
+  bool advance(net::Endpoint& ep) override {
+    if (done_) return false;
+    if (!recv_->done() || !send_->done()) return false;
+    net::throw_if_failed(*recv_, "barrier");
+    net::throw_if_failed(*send_, "barrier");
+    dist_ *= 2;
+    ++round_;
+    if (dist_ >= n_)
+      done_ = true;
+    else
+      post(ep);
+    return true;
+  }
+  bool finished() const override { return done_; }
+  void abort(net::Endpoint& ep) override {
+    if (recv_ && !recv_->done()) ep.cancel(recv_);
+  }
+  std::string waiting_on() const override {
+    return fmt::format("signal from rank {} (round {})", mod(r_ - dist_, n_), round_);
+  }
+
+ private:
+  void post(net::Endpoint& ep) {
+    uint64_t tag = net::make_tag(net::Op::kBarrier, seq, round_);
+    recv_ = ep.irecv(mod(r_ - dist_, n_), tag, nullptr, 0);
+    send_ = ep.isend(mod(r_ + dist_, n_), tag, nullptr, 0);
+  }
+  int n_, r_;
+  int dist_ = 1, round_ = 0;
+  net::RequestPtr recv_, send_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
+                                       const RingArgs& args) {
+  return std::make_unique<RingOp>(engine, opts, args);
+}
+std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,
+                                            size_t count, DataType type, int root) {
+  return std::make_unique<BroadcastOp>(engine, opts, buf, count, type, root);
+}
+std::unique_ptr<EngineOp> make_barrier_op(Engine& engine) {
+  return std::make_unique<BarrierOp>(engine);
+}
+
+}  // namespace qring::collectives

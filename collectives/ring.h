@@ -1,0 +1,53 @@
+// Ring collectives as engine operations.
+//
+// The buffer of `count` elements is cut into n = ranks chunks, balanced: the first count % n
+// chunks get one element more. Worked example, n = 3, rank r sends right to r+1 and receives
+// from r-1 (c0, c1, c2 are chunks; "+" marks a reduction):
+//
+//   reduce-scatter, stage s: send chunk (r - s), receive chunk (r - s - 1) and reduce it
+//     s=0: r0 sends c0 → r1 (c0 = a0+b0 at r1);  r1 sends c1 → r2;  r2 sends c2 → r0
+//     s=1: r1 sends c0 → r2 (c0 = a0+b0+c0 complete at r2); r2: c1 complete at r0; r0: c2 at r1
+//   all-gather, stage s: send chunk (r + 1 - s), receive chunk (r - s) and copy it
+//     after n-1 stages every rank holds every complete chunk.
+//
+// Each chunk is cut into segments of CommOptions::segment_bytes; segment j of every chunk
+// forms a lane that walks through the 2(n-1) stages on its own, and up to
+// segments_in_flight lanes run at once, so transfers and reductions of different segments
+// overlap. Out of place, a received segment lands directly in the output and is reduced with
+// the local input there; in place it lands in engine scratch memory first.
+#pragma once
+
+#include <memory>
+
+#include "collectives/engine.h"
+
+namespace qring::collectives {
+
+enum class RingKind { kAllreduce, kReduceScatter, kAllgather };
+
+struct RingArgs {
+  RingKind kind = RingKind::kAllreduce;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;  // allreduce: elements; allgather/reduce-scatter: elements per rank
+  DataType type = DataType::kFloat32;
+  RedOp op = RedOp::kSum;
+  net::Op tag_op = net::Op::kAllreduce;
+};
+
+std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
+                                       const RingArgs& args);
+std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,
+                                            size_t count, DataType type, int root);
+std::unique_ptr<EngineOp> make_barrier_op(Engine& engine);
+
+// Balanced chunking: the first len % n chunks get one element more.
+inline size_t chunk_offset(size_t len, int n, int c) {
+  size_t base = len / size_t(n), extra = len % size_t(n);
+  return size_t(c) * base + std::min(size_t(c), extra);
+}
+inline size_t chunk_length(size_t len, int n, int c) {
+  return len / size_t(n) + (size_t(c) < len % size_t(n) ? 1 : 0);
+}
+
+}  // namespace qring::collectives

@@ -1,0 +1,37 @@
+// Element types and reduction operators of the collectives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace qring::collectives {
+
+enum class DataType : uint8_t { kFloat32, kFloat64, kInt32, kInt64, kBFloat16 };
+enum class RedOp : uint8_t { kSum, kAvg, kMin, kMax };
+
+size_t dtype_size(DataType t);
+std::string_view to_string(DataType t);
+std::string_view to_string(RedOp op);
+// Parse "float32"/"float"/"f32", "float64"/"double", "int32", "int64", "bfloat16"/"bf16";
+// "sum", "avg", "min", "max". Throw ConfigError on anything else.
+DataType parse_dtype(std::string_view s);
+RedOp parse_redop(std::string_view s);
+
+// bfloat16 <-> float32 (round to nearest even; NaN stays NaN).
+inline float bf16_to_float(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return uint16_t((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+}  // namespace qring::collectives

@@ -1,0 +1,216 @@
+// Ring all-reduce and the small collectives on the in-process endpoint: a grid over ranks,
+// sizes, in/out of place, data types and reduction operators, checked bit-exactly.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "coll_harness.h"
+
+namespace qring::testing {
+namespace {
+
+using collectives::CollectiveTimeout;
+
+const DataType kTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kInt32,
+                           DataType::kInt64, DataType::kBFloat16};
+const RedOp kOps[] = {RedOp::kSum, RedOp::kAvg, RedOp::kMin, RedOp::kMax};
+
+struct GridCase {
+  int ranks;
+  int size_kind;  // 0: 0, 1: 1, 2: ranks-1, 3: not divisible, 4: many segments
+};
+
+size_t size_of(const GridCase& c) {
+  switch (c.size_kind) {
+    case 0: return 0;
+    case 1: return 1;
+    case 2: return size_t(c.ranks - 1);
+    case 3: return size_t(c.ranks) * 37 + 3;
+    default: return size_t(c.ranks) * 211 + 5;
+  }
+}
+
+class RingGrid : public ::testing::TestWithParam<GridCase> {};
+
+TEST_P(RingGrid, AllreduceBitExactEveryTypeOpAndPlacement) {
+  const GridCase c = GetParam();
+  const size_t count = size_of(c);
+  CommOptions opts;
+  opts.timeout = std::chrono::seconds(20);
+  // Tiny segments: many segments per chunk, several in flight, for the large sizes.
+  opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
+  opts.segments_in_flight = 3;
+  std::atomic<size_t> wrong{0}, checked{0};
+  run_ranks(c.ranks, opts, [&](Communicator& comm) {
+    for (DataType t : kTypes) {
+      size_t esz = collectives::dtype_size(t);
+      for (RedOp op : kOps) {
+        for (bool in_place : {false, true}) {
+          std::vector<char> in(count * esz + 1), out(count * esz + 1, 0x5a);
+          for (size_t j = 0; j < count; ++j) put(in.data(), j, t, pattern(j, comm.rank()));
+          void* dst = in_place ? in.data() : out.data();
+          comm.allreduce(in.data(), dst, count, t, op);
+          wrong += count_wrong(dst, count, t, op, comm.size());
+          if (!in_place) {
+            // The input is untouched out of place.
+            for (size_t j = 0; j < count; ++j) {
+              std::vector<char> ref(esz);
+              put(ref.data(), 0, t, pattern(j, comm.rank()));
+              if (std::memcmp(in.data() + j * esz, ref.data(), esz)) ++wrong;
+            }
+            EXPECT_EQ(out[count * esz], char(0x5a)) << "wrote past the end";
+          }
+          ++checked;
+        }
+      }
+    }
+  });
+  EXPECT_EQ(wrong.load(), 0u);
+  EXPECT_EQ(checked.load(), size_t(c.ranks) * 5 * 4 * 2);
+}
+
+TEST_P(RingGrid, AllgatherReduceScatterBroadcast) {
+  const GridCase c = GetParam();
+  const size_t count = size_of(c);
+  CommOptions opts;
+  opts.timeout = std::chrono::seconds(20);
+  opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
+  std::atomic<size_t> wrong{0};
+  run_ranks(c.ranks, opts, [&](Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    // allgather (float32 and bfloat16): block q holds pattern(j, q).
+    for (DataType t : {DataType::kFloat32, DataType::kBFloat16}) {
+      size_t esz = collectives::dtype_size(t);
+      std::vector<char> in(count * esz), out(count * esz * size_t(n));
+      for (size_t j = 0; j < count; ++j) put(in.data(), j, t, pattern(j, r));
+      comm.allgather(in.data(), out.data(), count, t);
+      std::vector<char> ref(esz);
+      for (int q = 0; q < n; ++q)
+        for (size_t j = 0; j < count; ++j) {
+          put(ref.data(), 0, t, pattern(j, q));
+          if (std::memcmp(out.data() + (size_t(q) * count + j) * esz, ref.data(), esz)) ++wrong;
+        }
+    }
+    // reduce_scatter: rank r gets the reduction of block r (elements r*count ...).
+    for (RedOp op : kOps) {
+      std::vector<float> in(count * size_t(n)), out(count, -99.f);
+      for (size_t j = 0; j < in.size(); ++j) in[j] = float(pattern(j, r));
+      comm.reduce_scatter(in.data(), out.data(), count, DataType::kFloat32, op);
+      wrong += count_wrong(out.data(), count, DataType::kFloat32, op, n, size_t(r) * count);
+    }
+    // broadcast from every root.
+    for (int root = 0; root < n; ++root) {
+      std::vector<int64_t> buf(count);
+      for (size_t j = 0; j < count; ++j) buf[j] = r == root ? int64_t(pattern(j, root)) : -1;
+      comm.broadcast(buf.data(), count, DataType::kInt64, root);
+      for (size_t j = 0; j < count; ++j)
+        if (buf[j] != pattern(j, root)) ++wrong;
+    }
+    comm.barrier();
+  });
+  EXPECT_EQ(wrong.load(), 0u);
+}
+
+std::vector<GridCase> grid() {
+  std::vector<GridCase> v;
+  for (int n : {1, 2, 3, 4, 5, 7})
+    for (int k = 0; k < 5; ++k) v.push_back({n, k});
+  return v;
+}
+
+std::string case_name(const ::testing::TestParamInfo<GridCase>& i) {
+  static const char* const kNames[] = {"zero", "one", "ranks_minus_1", "not_divisible",
+                                       "many_segments"};
+  return "n" + std::to_string(i.param.ranks) + "_" + kNames[i.param.size_kind];
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, RingGrid, ::testing::ValuesIn(grid()), case_name);
+
+TEST(Ring, ManyAsyncOperationsInFlightCompleteInOrderIndependently) {
+  CommOptions opts;
+  opts.segment_bytes = 256;
+  std::atomic<size_t> wrong{0};
+  run_ranks(4, opts, [&](Communicator& comm) {
+    const size_t count = 1000;
+    std::vector<std::vector<float>> bufs(8, std::vector<float>(count));
+    std::vector<collectives::WorkPtr> works;
+    for (size_t k = 0; k < bufs.size(); ++k) {
+      for (size_t j = 0; j < count; ++j) bufs[k][j] = float(pattern(j + k, comm.rank()));
+      works.push_back(comm.allreduce_async(bufs[k].data(), bufs[k].data(), count,
+                                           DataType::kFloat32, RedOp::kSum));
+    }
+    for (size_t k = 0; k < bufs.size(); ++k) {
+      works[k]->wait();
+      wrong += count_wrong(bufs[k].data(), count, DataType::kFloat32, RedOp::kSum, comm.size(), k);
+    }
+  });
+  EXPECT_EQ(wrong.load(), 0u);
+}
+
+TEST(Ring, MissingRankTimesOutNamingTheAwaitedPeerAndBreaksCommunicator) {
+  CommOptions opts;
+  opts.timeout = std::chrono::milliseconds(300);
+  const int n = 3, missing = 1;
+  std::atomic<int> timeouts{0};
+  std::vector<std::string> messages(n);
+  run_ranks(n, opts, [&](Communicator& comm) {
+    if (comm.rank() == missing) return;  // never joins
+    std::vector<float> buf(100, 1.f);
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+      ADD_FAILURE() << "allreduce completed without rank " << missing;
+    } catch (const CollectiveTimeout& e) {
+      auto waited = std::chrono::steady_clock::now() - t0;
+      EXPECT_LT(waited, std::chrono::milliseconds(300 + 1500));
+      messages[size_t(comm.rank())] = e.what();
+      ++timeouts;
+    }
+    EXPECT_TRUE(comm.broken());
+    EXPECT_THROW(comm.barrier(), UsageError);
+  });
+  EXPECT_EQ(timeouts.load(), n - 1);
+  // Rank 2 receives from rank 1 (its left neighbour): it names the missing rank.
+  EXPECT_NE(messages[2].find("allreduce #0"), std::string::npos) << messages[2];
+  EXPECT_NE(messages[2].find("rank 1"), std::string::npos) << messages[2];
+}
+
+TEST(Ring, DelayedMessagesStillGiveExactResults) {
+  CommOptions opts;
+  opts.segment_bytes = 64;
+  std::vector<net::FaultRule> faults(1);
+  faults[0].src = 2;
+  faults[0].delay = std::chrono::milliseconds(20);
+  faults[0].skip_first = 3;
+  std::atomic<size_t> wrong{0};
+  run_ranks(4, opts, [&](Communicator& comm) {
+    std::vector<double> buf(301);
+    for (size_t j = 0; j < buf.size(); ++j) buf[j] = pattern(j, comm.rank());
+    comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum);
+    wrong += count_wrong(buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum, comm.size());
+  }, faults);
+  EXPECT_EQ(wrong.load(), 0u);
+}
+
+TEST(Ring, DroppedMessageIsATimeoutNotAHang) {
+  CommOptions opts;
+  opts.timeout = std::chrono::milliseconds(300);
+  std::vector<net::FaultRule> faults(1);
+  faults[0].src = 0;
+  faults[0].drop = true;
+  std::atomic<int> failed{0};
+  run_ranks(2, opts, [&](Communicator& comm) {
+    std::vector<float> buf(10, 1.f);
+    try {
+      comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+    } catch (const CollectiveTimeout&) {
+      ++failed;
+    }
+  }, faults);
+  EXPECT_GE(failed.load(), 1);  // rank 1 never gets rank 0's data
+}
+
+}  // namespace
+}  // namespace qring::testing
