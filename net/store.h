@@ -59,6 +59,26 @@ class MemoryStore : public Store {
   std::unique_ptr<Impl> impl_;
 };
 
+// Wire protocol of TcpStore / TcpStoreServer (docs/bootstrap.md). Every frame is
+//   magic u32 | version u16 | type u16 | request id u32 | payload length u32 | payload
+// little-endian; strings are u32 length + bytes, integers i64. Requests: JOIN (must come
+// first), SET, GET, WAIT, CHECK, ADD; replies OK or ERROR(reason) echo the request id.
+// A frame with a bad magic, a payload over kMaxFrameBytes or a malformed payload makes the
+// server close that connection.
+constexpr uint32_t kStoreMagic = 0x51524E47;  // "QRNG"
+constexpr size_t kFrameHeaderBytes = 16;
+constexpr size_t kMaxFrameBytes = size_t{64} << 20;
+enum class StoreMsg : uint16_t {
+  kJoin = 1,
+  kSet = 2,
+  kGet = 3,
+  kWait = 4,
+  kCheck = 5,
+  kAdd = 6,
+  kOk = 0x80,
+  kError = 0x81,
+};
+
 // Who is joining: sent by every TcpStore client when it connects and validated by the server.
 struct JoinInfo {
   uint32_t version = kProtocolVersion;
@@ -102,5 +122,11 @@ class TcpStore : public Store {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Helpers shared by the store implementations.
+// "key 'a'" or "keys ['a', 'b']", for error messages.
+std::string describe_keys(const std::vector<std::string>& keys);
+// The integer stored at `key` (the value format of add()); UsageError if it is not one.
+int64_t parse_counter(const std::string& key, const std::string& value);
 
 }  // namespace qring::net

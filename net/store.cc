@@ -1,0 +1,126 @@
+// MemoryStore and PrefixStore (net/store.h). TcpStore / TcpStoreServer are in tcp_store.cc.
+#include <charconv>
+#include <condition_variable>
+#include <mutex>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "net/error.h"
+#include "net/store.h"
+
+namespace qring::net {
+
+std::string describe_keys(const std::vector<std::string>& keys) {
+  if (keys.size() == 1) return fmt::format("key '{}'", keys[0]);
+  return fmt::format("keys ['{}']", fmt::join(keys, "', '"));
+}
+
+int64_t parse_counter(const std::string& key, const std::string& value) {
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (ec != std::errc() || p != value.data() + value.size())
+    throw UsageError(fmt::format("store add: value of key '{}' is not an integer: '{}'", key,
+                                 value.substr(0, 64)));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// PrefixStore
+
+PrefixStore::PrefixStore(std::string prefix, Store& base)
+    : prefix_(std::move(prefix)), base_(base) {}
+
+std::string PrefixStore::key(const std::string& k) const { return prefix_ + "/" + k; }
+
+void PrefixStore::set(const std::string& k, const std::string& value) { base_.set(key(k), value); }
+
+std::string PrefixStore::get(const std::string& k, Deadline deadline) {
+  return base_.get(key(k), deadline);
+}
+
+void PrefixStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
+  std::vector<std::string> full;
+  full.reserve(keys.size());
+  for (const auto& k : keys) full.push_back(key(k));
+  base_.wait(full, deadline);
+}
+
+bool PrefixStore::check(const std::vector<std::string>& keys) {
+  std::vector<std::string> full;
+  full.reserve(keys.size());
+  for (const auto& k : keys) full.push_back(key(k));
+  return base_.check(full);
+}
+
+int64_t PrefixStore::add(const std::string& k, int64_t delta) { return base_.add(key(k), delta); }
+
+// ---------------------------------------------------------------------------------------------
+// MemoryStore
+
+struct MemoryStore::Impl {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unordered_map<std::string, std::string> data;
+
+  bool has_all(const std::vector<std::string>& keys) const {
+    for (const auto& k : keys)
+      if (!data.count(k)) return false;
+    return true;
+  }
+  // Waits (lock held) until every key exists or throws TimeoutError at `deadline`.
+  void wait_locked(std::unique_lock<std::mutex>& lk, const std::vector<std::string>& keys,
+                   Deadline deadline) {
+    auto start = Clock::now();
+    if (cv.wait_until(lk, deadline, [&] { return has_all(keys); })) return;
+    std::vector<std::string> missing;
+    for (const auto& k : keys)
+      if (!data.count(k)) missing.push_back(k);
+    auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    throw TimeoutError(fmt::format("memory store: timed out after {} ms waiting for {}", ms,
+                                   describe_keys(missing)));
+  }
+};
+
+MemoryStore::MemoryStore() : impl_(std::make_unique<Impl>()) {}
+MemoryStore::~MemoryStore() = default;
+
+void MemoryStore::set(const std::string& key, const std::string& value) {
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->data[key] = value;
+  }
+  impl_->cv.notify_all();
+}
+
+std::string MemoryStore::get(const std::string& key, Deadline deadline) {
+  std::unique_lock lk(impl_->mu);
+  impl_->wait_locked(lk, {key}, deadline);
+  return impl_->data.at(key);
+}
+
+void MemoryStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
+  std::unique_lock lk(impl_->mu);
+  impl_->wait_locked(lk, keys, deadline);
+}
+
+bool MemoryStore::check(const std::vector<std::string>& keys) {
+  std::lock_guard lk(impl_->mu);
+  return impl_->has_all(keys);
+}
+
+int64_t MemoryStore::add(const std::string& key, int64_t delta) {
+  int64_t v = 0;
+  {
+    std::lock_guard lk(impl_->mu);
+    auto it = impl_->data.find(key);
+    if (it != impl_->data.end()) v = parse_counter(key, it->second);
+    v += delta;
+    impl_->data[key] = std::to_string(v);
+  }
+  impl_->cv.notify_all();
+  return v;
+}
+
+}  // namespace qring::net

@@ -1,0 +1,907 @@
+// TcpStoreServer and TcpStore (net/store.h); wire format in docs/bootstrap.md.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "net/error.h"
+#include "net/store.h"
+
+namespace qring::net {
+namespace {
+
+// Deadline for requests the server answers at once (SET, CHECK, ADD, the send of any request).
+constexpr auto kOpTimeout = std::chrono::seconds(60);
+// A client that does not read its replies is dropped once this much is queued for it.
+constexpr size_t kMaxQueuedBytes = size_t{256} << 20;
+
+std::string errno_text(int err) { return fmt::format("{} (errno {})", std::strerror(err), err); }
+
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// ---- encoding -------------------------------------------------------------------------------
+
+void put_u16(std::string& s, uint16_t v) {
+  s.push_back(static_cast<char>(v & 0xff));
+  s.push_back(static_cast<char>(v >> 8));
+}
+void put_u32(std::string& s, uint32_t v) {
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_i64(std::string& s, int64_t v) {
+  auto u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+}
+void put_str(std::string& s, std::string_view v) {
+  put_u32(s, static_cast<uint32_t>(v.size()));
+  s.append(v);
+}
+uint64_t load_le(const char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+struct Header {
+  uint32_t magic = 0;
+  uint16_t version = 0;
+  uint16_t type = 0;
+  uint32_t id = 0;
+  uint32_t len = 0;
+};
+
+Header decode_header(const char* p) {
+  Header h;
+  h.magic = static_cast<uint32_t>(load_le(p, 4));
+  h.version = static_cast<uint16_t>(load_le(p + 4, 2));
+  h.type = static_cast<uint16_t>(load_le(p + 6, 2));
+  h.id = static_cast<uint32_t>(load_le(p + 8, 4));
+  h.len = static_cast<uint32_t>(load_le(p + 12, 4));
+  return h;
+}
+
+std::string encode_frame(StoreMsg type, uint32_t id, std::string_view payload) {
+  std::string f;
+  f.reserve(kFrameHeaderBytes + payload.size());
+  put_u32(f, kStoreMagic);
+  put_u16(f, static_cast<uint16_t>(kProtocolVersion));
+  put_u16(f, static_cast<uint16_t>(type));
+  put_u32(f, id);
+  put_u32(f, static_cast<uint32_t>(payload.size()));
+  f.append(payload);
+  return f;
+}
+
+// Reads fields off a payload; every accessor returns false when the payload is too short.
+class PayloadReader {
+ public:
+  explicit PayloadReader(std::string_view p) : p_(p) {}
+  bool u32(uint32_t& v) {
+    if (p_.size() - pos_ < 4) return false;
+    v = static_cast<uint32_t>(load_le(p_.data() + pos_, 4));
+    pos_ += 4;
+    return true;
+  }
+  bool i64(int64_t& v) {
+    if (p_.size() - pos_ < 8) return false;
+    v = static_cast<int64_t>(load_le(p_.data() + pos_, 8));
+    pos_ += 8;
+    return true;
+  }
+  bool str(std::string& v) {
+    uint32_t n = 0;
+    if (!u32(n) || p_.size() - pos_ < n) return false;
+    v.assign(p_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool keys(std::vector<std::string>& v) {
+    uint32_t n = 0;
+    if (!u32(n) || n > (p_.size() - pos_) / 4) return false;  // each key takes >= 4 bytes
+    v.resize(n);
+    for (auto& k : v)
+      if (!str(k)) return false;
+    return true;
+  }
+  bool at_end() const { return pos_ == p_.size(); }
+
+ private:
+  std::string_view p_;
+  size_t pos_ = 0;
+};
+
+std::string encode_keys(const std::vector<std::string>& keys) {
+  std::string p;
+  put_u32(p, static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) put_str(p, k);
+  return p;
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+std::string peer_name(int fd) {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return "?";
+  char buf[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &a.sin_addr, buf, sizeof(buf));
+  return fmt::format("{}:{}", buf, ntohs(a.sin_port));
+}
+
+// Resolves an IPv4 address for `host` (numeric or a name).
+bool resolve_ipv4(const std::string& host, int port, sockaddr_in& out, std::string& err) {
+  out = sockaddr_in{};
+  out.sin_family = AF_INET;
+  out.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &out.sin_addr) == 1) return true;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    err = fmt::format("cannot resolve '{}': {}", host, gai_strerror(rc));
+    return false;
+  }
+  out.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return true;
+}
+
+int remaining_ms(Deadline deadline) {
+  auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count() + 1;
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1'000'000));
+}
+
+}  // namespace
+
+// =============================================================================================
+// Server
+
+struct TcpStoreServer::Impl {
+  struct Conn {
+    Fd fd;
+    std::string peer;
+    std::string in;
+    std::string out;
+    bool joined = false;
+    bool closing = false;  // an error reply is queued; then the write side is shut down
+    bool shut = false;     // and input is discarded until the client closes
+    int rank = -1;
+  };
+  struct Parked {
+    uint64_t conn;
+    uint32_t id;
+    StoreMsg type;
+    std::vector<std::string> keys;
+  };
+
+  int world_size;
+  std::string job_id;
+  Fd listen_fd;
+  Fd wake_fd;
+  int port = 0;
+  std::map<uint64_t, Conn> conns;
+  uint64_t next_conn = 1;
+  std::vector<Parked> parked;
+  std::unordered_map<std::string, std::string> data;
+  std::map<int, uint64_t> rank_conn;
+  std::thread thread;
+
+  void run();
+  void accept_all();
+  bool read_conn(Conn& c);
+  bool process(uint64_t cid, Conn& c);
+  bool handle(uint64_t cid, Conn& c, const Header& h, std::string_view payload);
+  bool flush(Conn& c);
+  bool drain(Conn& c);
+  void reply(Conn& c, uint32_t id, StoreMsg type, std::string_view payload = {}) {
+    c.out += encode_frame(type, id, payload);
+  }
+  void reject(Conn& c, uint32_t id, const std::string& reason) {
+    std::string p;
+    put_str(p, reason);
+    reply(c, id, StoreMsg::kError, p);
+    c.closing = true;
+  }
+  bool has_all(const std::vector<std::string>& keys) const {
+    return std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data.count(k); });
+  }
+  void answer(Conn& c, const Parked& p) {
+    std::string out;
+    if (p.type == StoreMsg::kGet) put_str(out, data.at(p.keys[0]));
+    reply(c, p.id, StoreMsg::kOk, out);
+  }
+  void wake(const std::string& key);
+  void close_conn(uint64_t cid);
+};
+
+TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world_size,
+                               std::string job_id)
+    : impl_(std::make_unique<Impl>()) {
+  if (world_size < 1) throw UsageError(fmt::format("store server: world size {} < 1", world_size));
+  if (port < 0 || port > 65535) throw UsageError(fmt::format("store server: bad port {}", port));
+  auto& s = *impl_;
+  s.world_size = world_size;
+  s.job_id = std::move(job_id);
+  sockaddr_in addr{};
+  std::string err;
+  if (!resolve_ipv4(bind_host, port, addr, err))
+    throw ConfigError(fmt::format("store server: bind address {}", err));
+  s.listen_fd = Fd(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (s.listen_fd.get() < 0) throw IoError("store server: socket(): " + errno_text(errno));
+  int one = 1;
+  setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
+    throw IoError(fmt::format("store server: cannot bind {}:{}: {}", bind_host, port,
+                              errno_text(errno)));
+  if (listen(s.listen_fd.get(), 256) != 0)
+    throw IoError("store server: listen(): " + errno_text(errno));
+  socklen_t len = sizeof(addr);
+  getsockname(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  s.port = ntohs(addr.sin_port);
+  s.wake_fd = Fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (s.wake_fd.get() < 0) throw IoError("store server: eventfd(): " + errno_text(errno));
+  s.thread = std::thread([&s] {
+    try {
+      s.run();
+    } catch (const std::exception& e) {
+      spdlog::error("store server on port {} stopped: {}", s.port, e.what());
+    }
+  });
+  spdlog::debug("store server listening on {}:{} (world size {}, job '{}')", bind_host, s.port,
+                world_size, s.job_id);
+}
+
+TcpStoreServer::~TcpStoreServer() {
+  uint64_t one = 1;
+  if (write(impl_->wake_fd.get(), &one, sizeof(one)) < 0)
+    spdlog::error("store server: cannot wake server thread: {}", errno_text(errno));
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+int TcpStoreServer::port() const { return impl_->port; }
+
+void TcpStoreServer::Impl::run() {
+  std::vector<pollfd> pfds;
+  std::vector<uint64_t> ids;
+  while (true) {
+    pfds.clear();
+    ids.clear();
+    pfds.push_back({wake_fd.get(), POLLIN, 0});
+    pfds.push_back({listen_fd.get(), POLLIN, 0});
+    for (auto& [id, c] : conns) {
+      short ev = POLLIN;
+      if (!c.out.empty()) ev |= POLLOUT;
+      pfds.push_back({c.fd.get(), ev, 0});
+      ids.push_back(id);
+    }
+    int n = poll(pfds.data(), pfds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("store server: poll(): {}", errno_text(errno));
+      std::this_thread::sleep_for(milliseconds(10));
+      continue;
+    }
+    if (pfds[0].revents) return;
+    if (pfds[1].revents & POLLIN) accept_all();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      short rev = pfds[i + 2].revents;
+      auto it = conns.find(ids[i]);
+      if (rev == 0 || it == conns.end()) continue;
+      Conn& c = it->second;
+      bool ok = true;
+      if (rev & POLLIN) ok = c.closing ? drain(c) : read_conn(c) && process(ids[i], c);
+      if (ok && (rev & (POLLERR | POLLHUP | POLLNVAL)) && !(rev & POLLIN)) ok = false;
+      if (ok) ok = flush(c);
+      if (!ok) close_conn(ids[i]);
+    }
+    // Replies to parked requests may have been queued on any connection.
+    for (auto it = conns.begin(); it != conns.end();) {
+      auto cur = it++;
+      if (!cur->second.out.empty() && !flush(cur->second)) close_conn(cur->first);
+    }
+  }
+}
+
+void TcpStoreServer::Impl::accept_all() {
+  while (true) {
+    int fd = accept4(listen_fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+        spdlog::warn("store server: accept(): {}", errno_text(errno));
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;
+    }
+    set_nodelay(fd);
+    Conn c;
+    c.fd = Fd(fd);
+    c.peer = peer_name(fd);
+    conns.emplace(next_conn++, std::move(c));
+  }
+}
+
+bool TcpStoreServer::Impl::read_conn(Conn& c) {
+  char buf[65536];
+  while (true) {
+    ssize_t r = recv(c.fd.get(), buf, sizeof(buf), 0);
+    if (r > 0) {
+      c.in.append(buf, static_cast<size_t>(r));
+      // Reject an oversized header before buffering its payload.
+      if (c.in.size() >= kFrameHeaderBytes) {
+        Header h = decode_header(c.in.data());
+        if (h.magic != kStoreMagic || h.len > kMaxFrameBytes) return true;  // process() reports
+        if (c.in.size() >= kFrameHeaderBytes + h.len) return true;
+      }
+      continue;
+    }
+    if (r == 0) {
+      if (!c.in.empty() && !c.closing)
+        spdlog::error("store server: connection from {} closed inside a frame ({} bytes of a "
+                      "truncated frame); dropping it",
+                      c.peer, c.in.size());
+      else
+        spdlog::debug("store server: {} (rank {}) disconnected", c.peer, c.rank);
+      return false;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+    if (errno == EINTR) continue;
+    spdlog::warn("store server: recv from {}: {}", c.peer, errno_text(errno));
+    return false;
+  }
+}
+
+bool TcpStoreServer::Impl::process(uint64_t cid, Conn& c) {
+  size_t pos = 0;
+  bool ok = true;
+  while (!c.closing && c.in.size() - pos >= kFrameHeaderBytes) {
+    Header h = decode_header(c.in.data() + pos);
+    if (h.magic != kStoreMagic) {
+      spdlog::error("store server: bad frame magic {:#010x} from {} (expected {:#010x}); "
+                    "closing the connection",
+                    h.magic, c.peer, kStoreMagic);
+      ok = false;
+      break;
+    }
+    if (h.len > kMaxFrameBytes) {
+      spdlog::error("store server: frame of {} bytes from {} exceeds the limit of {} bytes; "
+                    "closing the connection",
+                    h.len, c.peer, kMaxFrameBytes);
+      ok = false;
+      break;
+    }
+    if (c.in.size() - pos < kFrameHeaderBytes + h.len) break;
+    std::string_view payload(c.in.data() + pos + kFrameHeaderBytes, h.len);
+    pos += kFrameHeaderBytes + h.len;
+    if (!handle(cid, c, h, payload)) {
+      ok = false;
+      break;
+    }
+  }
+  c.in.erase(0, pos);
+  return ok;
+}
+
+bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
+                                  std::string_view payload) {
+  auto malformed = [&](const char* what) {
+    spdlog::error("store server: malformed {} message ({} bytes) from {}; closing the connection",
+                  what, payload.size(), c.peer);
+    return false;
+  };
+  if (h.version != kProtocolVersion) {
+    reject(c, h.id,
+           fmt::format("protocol version mismatch: client speaks version {}, server version {}",
+                       h.version, kProtocolVersion));
+    return true;
+  }
+  auto type = static_cast<StoreMsg>(h.type);
+  if (!c.joined && type != StoreMsg::kJoin) {
+    reject(c, h.id, "the first message of a connection must be JOIN");
+    return true;
+  }
+  PayloadReader r(payload);
+  switch (type) {
+    case StoreMsg::kJoin: {
+      uint32_t version = 0;
+      int64_t rank = 0, world = 0;
+      std::string job, host;
+      if (!r.u32(version) || !r.i64(rank) || !r.i64(world) || !r.str(job) || !r.str(host) ||
+          !r.at_end())
+        return malformed("JOIN");
+      if (c.joined) {
+        reject(c, h.id, fmt::format("rank {} sent JOIN twice", c.rank));
+      } else if (version != kProtocolVersion) {
+        reject(c, h.id,
+               fmt::format("protocol version mismatch: client speaks version {}, server version {}",
+                           version, kProtocolVersion));
+      } else if (world != world_size) {
+        reject(c, h.id,
+               fmt::format("world size mismatch: rank {} on {} says {}, the store serves {}", rank,
+                           host, world, world_size));
+      } else if (job != job_id) {
+        reject(c, h.id,
+               fmt::format("job id mismatch: rank {} on {} has '{}', the store serves '{}'", rank,
+                           host, job, job_id));
+      } else if (rank < 0 || rank >= world_size) {
+        reject(c, h.id, fmt::format("rank {} out of range [0, {})", rank, world_size));
+      } else if (auto it = rank_conn.find(static_cast<int>(rank)); it != rank_conn.end()) {
+        reject(c, h.id,
+               fmt::format("duplicate rank {}: already joined from {}", rank,
+                           conns.count(it->second) ? conns.at(it->second).peer : "?"));
+      } else {
+        c.joined = true;
+        c.rank = static_cast<int>(rank);
+        rank_conn[c.rank] = cid;
+        spdlog::debug("store server: rank {} ({}) joined from {}", rank, host, c.peer);
+        reply(c, h.id, StoreMsg::kOk);
+      }
+      if (c.closing)
+        spdlog::warn("store server: rejected JOIN from {}: rank {}, world size {}, job '{}'",
+                     c.peer, rank, world, job);
+      return true;
+    }
+    case StoreMsg::kSet: {
+      std::string key, value;
+      if (!r.str(key) || !r.str(value) || !r.at_end()) return malformed("SET");
+      data[key] = std::move(value);
+      reply(c, h.id, StoreMsg::kOk);
+      wake(key);
+      return true;
+    }
+    case StoreMsg::kGet: {
+      std::string key;
+      if (!r.str(key) || !r.at_end()) return malformed("GET");
+      Parked p{cid, h.id, type, {std::move(key)}};
+      if (has_all(p.keys))
+        answer(c, p);
+      else
+        parked.push_back(std::move(p));
+      return true;
+    }
+    case StoreMsg::kWait:
+    case StoreMsg::kCheck: {
+      std::vector<std::string> keys;
+      if (!r.keys(keys) || !r.at_end()) return malformed(type == StoreMsg::kWait ? "WAIT" : "CHECK");
+      if (type == StoreMsg::kCheck) {
+        std::string out;
+        put_u32(out, has_all(keys) ? 1 : 0);
+        reply(c, h.id, StoreMsg::kOk, out);
+      } else if (has_all(keys)) {
+        reply(c, h.id, StoreMsg::kOk);
+      } else {
+        parked.push_back({cid, h.id, type, std::move(keys)});
+      }
+      return true;
+    }
+    case StoreMsg::kAdd: {
+      std::string key;
+      int64_t delta = 0;
+      if (!r.str(key) || !r.i64(delta) || !r.at_end()) return malformed("ADD");
+      int64_t v = 0;
+      try {
+        auto it = data.find(key);
+        if (it != data.end()) v = parse_counter(key, it->second);
+      } catch (const UsageError& e) {
+        std::string out;
+        put_str(out, e.what());
+        reply(c, h.id, StoreMsg::kError, out);
+        return true;
+      }
+      v += delta;
+      data[key] = std::to_string(v);
+      std::string out;
+      put_i64(out, v);
+      reply(c, h.id, StoreMsg::kOk, out);
+      wake(key);
+      return true;
+    }
+    default:
+      spdlog::error("store server: unknown message type {:#x} from {}; closing the connection",
+                    h.type, c.peer);
+      return false;
+  }
+}
+
+void TcpStoreServer::Impl::wake(const std::string& key) {
+  for (auto it = parked.begin(); it != parked.end();) {
+    bool relevant = std::find(it->keys.begin(), it->keys.end(), key) != it->keys.end();
+    if (relevant && has_all(it->keys)) {
+      auto c = conns.find(it->conn);
+      if (c != conns.end()) answer(c->second, *it);
+      it = parked.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool TcpStoreServer::Impl::drain(Conn& c) {
+  char buf[4096];
+  while (true) {
+    ssize_t r = recv(c.fd.get(), buf, sizeof(buf), 0);
+    if (r > 0) continue;
+    if (r < 0 && errno == EINTR) continue;
+    return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+}
+
+bool TcpStoreServer::Impl::flush(Conn& c) {
+  while (!c.out.empty()) {
+    ssize_t w = send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL);
+    if (w > 0) {
+      c.out.erase(0, static_cast<size_t>(w));
+      continue;
+    }
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (w < 0 && errno == EINTR) continue;
+    spdlog::debug("store server: send to {}: {}", c.peer, errno_text(errno));
+    return false;
+  }
+  if (c.out.size() > kMaxQueuedBytes) {
+    spdlog::error("store server: {} does not read its replies ({} bytes queued); dropping it",
+                  c.peer, c.out.size());
+    return false;
+  }
+  if (c.closing && c.out.empty() && !c.shut) {
+    shutdown(c.fd.get(), SHUT_WR);  // the client reads the error reply, then EOF
+    c.shut = true;
+  }
+  return true;
+}
+
+void TcpStoreServer::Impl::close_conn(uint64_t cid) {
+  auto it = conns.find(cid);
+  if (it == conns.end()) return;
+  if (it->second.joined) {
+    auto rc = rank_conn.find(it->second.rank);
+    if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
+  }
+  std::erase_if(parked, [&](const Parked& p) { return p.conn == cid; });
+  Conn& c = it->second;
+  if (!c.out.empty())  // best effort: replies to the requests before a bad frame
+    (void)send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  conns.erase(it);
+}
+
+// =============================================================================================
+// Client
+
+struct TcpStore::Impl {
+  struct Reply {
+    bool done = false;
+    Header h;
+    std::string payload;
+  };
+  enum class ReadResult { kFrame, kTimeout, kError, kMalformed };
+
+  std::string where;  // "host:port"
+  JoinInfo join;
+  Fd fd;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reading = false;  // one thread at a time reads the socket and hands replies out
+  bool broken = false;
+  std::string broken_reason;
+  uint32_t next_id = 1;
+  std::unordered_map<uint32_t, Reply*> pending;
+  std::string in;  // touched only by the reading thread
+
+  bool try_connect(const std::string& host, int port, Deadline deadline, std::string& err);
+  bool send_all(const std::string& frame, Deadline deadline, std::string& err);
+  ReadResult read_frame(Deadline deadline, Header& h, std::string& payload, std::string& err);
+  // Sends one request and waits for its reply. `what` describes the wait for TimeoutError.
+  Reply request(StoreMsg type, const std::string& payload, Deadline deadline,
+                const std::string& what);
+  // Checks an OK reply; a reply of ERROR raises E with the server's reason.
+  template <class E>
+  void expect_ok(const Reply& r, const char* op) {
+    if (r.h.type == static_cast<uint16_t>(StoreMsg::kError)) {
+      PayloadReader pr(r.payload);
+      std::string reason;
+      if (!pr.str(reason)) reason = "(unreadable reason)";
+      throw E(fmt::format("store {} rejected {} of rank {}: {}", where, op, join.rank, reason));
+    }
+    if (r.h.type != static_cast<uint16_t>(StoreMsg::kOk) || r.h.version != kProtocolVersion)
+      malformed(op, fmt::format("reply type {:#x}, version {}", r.h.type, r.h.version));
+  }
+  [[noreturn]] void malformed(const char* op, const std::string& detail) {
+    std::string msg =
+        fmt::format("malformed reply from store {} to {} of rank {}: {}", where, op, join.rank,
+                    detail);
+    {
+      std::lock_guard lk(mu);
+      broken = true;
+      broken_reason = msg;
+    }
+    throw ProtocolError(msg);
+  }
+};
+
+bool TcpStore::Impl::try_connect(const std::string& host, int port, Deadline deadline,
+                                 std::string& err) {
+  sockaddr_in addr{};
+  if (!resolve_ipv4(host, port, addr, err)) return false;
+  Fd s(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (s.get() < 0) {
+    err = "socket(): " + errno_text(errno);
+    return false;
+  }
+  if (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (errno != EINPROGRESS) {
+      err = errno_text(errno);
+      return false;
+    }
+    pollfd p{s.get(), POLLOUT, 0};
+    int n = poll(&p, 1, std::min(remaining_ms(deadline), 1000));
+    if (n <= 0) {
+      err = n == 0 ? "connect timed out" : "poll(): " + errno_text(errno);
+      return false;
+    }
+    int soerr = 0;
+    socklen_t len = sizeof(soerr);
+    getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &soerr, &len);
+    if (soerr != 0) {
+      err = errno_text(soerr);
+      return false;
+    }
+  }
+  set_nodelay(s.get());
+  fd = std::move(s);
+  return true;
+}
+
+bool TcpStore::Impl::send_all(const std::string& frame, Deadline deadline, std::string& err) {
+  size_t off = 0;
+  while (off < frame.size()) {
+    ssize_t w = send(fd.get(), frame.data() + off, frame.size() - off, MSG_NOSIGNAL);
+    if (w > 0) {
+      off += static_cast<size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{fd.get(), POLLOUT, 0};
+      int n = poll(&p, 1, remaining_ms(deadline));
+      if (n == 0 && Clock::now() >= deadline) {
+        err = fmt::format("timed out sending to store {}", where);
+        return false;
+      }
+      continue;
+    }
+    err = fmt::format("send to store {} failed: {}", where, errno_text(errno));
+    return false;
+  }
+  return true;
+}
+
+TcpStore::Impl::ReadResult TcpStore::Impl::read_frame(Deadline deadline, Header& h,
+                                                      std::string& payload, std::string& err) {
+  char buf[65536];
+  while (true) {
+    if (in.size() >= kFrameHeaderBytes) {
+      h = decode_header(in.data());
+      if (h.magic != kStoreMagic) {
+        err = fmt::format("malformed reply from store {}: bad magic {:#010x}", where, h.magic);
+        return ReadResult::kMalformed;
+      }
+      if (h.len > kMaxFrameBytes) {
+        err = fmt::format("malformed reply from store {}: frame of {} bytes exceeds the limit",
+                          where, h.len);
+        return ReadResult::kMalformed;
+      }
+      if (in.size() >= kFrameHeaderBytes + h.len) {
+        payload.assign(in, kFrameHeaderBytes, h.len);
+        in.erase(0, kFrameHeaderBytes + h.len);
+        return ReadResult::kFrame;
+      }
+    }
+    pollfd p{fd.get(), POLLIN, 0};
+    int n = poll(&p, 1, remaining_ms(deadline));
+    if (n < 0 && errno != EINTR) {
+      err = "poll(): " + errno_text(errno);
+      return ReadResult::kError;
+    }
+    if (n == 0) {
+      if (Clock::now() >= deadline) return ReadResult::kTimeout;
+      continue;
+    }
+    ssize_t r = recv(fd.get(), buf, sizeof(buf), 0);
+    if (r > 0) {
+      in.append(buf, static_cast<size_t>(r));
+    } else if (r == 0) {
+      err = fmt::format("store {} closed the connection{}", where,
+                        in.empty() ? "" : " inside a reply");
+      return ReadResult::kError;
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      err = fmt::format("recv from store {} failed: {}", where, errno_text(errno));
+      return ReadResult::kError;
+    }
+  }
+}
+
+TcpStore::Impl::Reply TcpStore::Impl::request(StoreMsg type, const std::string& payload,
+                                              Deadline deadline, const std::string& what) {
+  auto start = Clock::now();
+  std::unique_lock lk(mu);
+  if (broken) throw IoError(fmt::format("store client of rank {} is broken: {}", join.rank,
+                                        broken_reason));
+  uint32_t id = next_id++;
+  Reply reply;
+  pending[id] = &reply;
+  struct Unregister {
+    Impl& s;
+    uint32_t id;
+    ~Unregister() { s.pending.erase(id); }  // runs with `mu` held (declared after the lock)
+  } unregister{*this, id};
+
+  std::string err;
+  if (!send_all(encode_frame(type, id, payload), std::max(deadline, start + kOpTimeout), err)) {
+    broken = true;
+    broken_reason = err;
+    throw IoError(err);
+  }
+  while (!reply.done) {
+    if (broken) throw IoError(broken_reason);
+    if (!reading) {
+      reading = true;
+      lk.unlock();
+      Header h;
+      std::string body;
+      ReadResult rr = read_frame(deadline, h, body, err);
+      lk.lock();
+      reading = false;
+      cv.notify_all();
+      if (rr == ReadResult::kFrame) {
+        auto it = pending.find(h.id);
+        if (it != pending.end()) {  // else: the reply to a request that timed out earlier
+          it->second->h = h;
+          it->second->payload = std::move(body);
+          it->second->done = true;
+        }
+      } else if (rr != ReadResult::kTimeout) {
+        broken = true;
+        broken_reason = err;
+        if (rr == ReadResult::kMalformed) throw ProtocolError(err);
+        throw IoError(err);
+      } else {
+        break;
+      }
+    } else if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !reply.done) {
+      break;
+    }
+  }
+  if (!reply.done) {
+    auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    throw TimeoutError(fmt::format("store {} (rank {}): timed out after {} ms waiting for {}",
+                                   where, join.rank, ms, what));
+  }
+  return reply;  // expect_ok() checks its type
+}
+
+TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Deadline deadline)
+    : impl_(std::make_unique<Impl>()) {
+  auto& s = *impl_;
+  s.where = fmt::format("{}:{}", host, port);
+  s.join = join;
+  if (port <= 0 || port > 65535)
+    throw ConfigError(fmt::format("store address {}: port out of range", s.where));
+  auto start = Clock::now();
+  std::string err;
+  int attempts = 0;
+  while (true) {
+    ++attempts;
+    if (s.try_connect(host, port, deadline, err)) break;
+    if (Clock::now() >= deadline) {
+      auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+      throw TimeoutError(fmt::format("rank {}: store {} unreachable after {} ms ({} attempts, "
+                                     "last error: {})",
+                                     join.rank, s.where, ms, attempts, err));
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(milliseconds(50),
+                                                          deadline - Clock::now()));
+  }
+  std::string p;
+  put_u32(p, join.version);
+  put_i64(p, join.rank);
+  put_i64(p, join.world_size);
+  put_str(p, join.job_id);
+  put_str(p, join.hostname);
+  auto r = s.request(StoreMsg::kJoin, p, deadline, "the reply to JOIN");
+  s.expect_ok<ProtocolError>(r, "JOIN");
+}
+
+TcpStore::~TcpStore() = default;
+
+void TcpStore::set(const std::string& key, const std::string& value) {
+  std::string p;
+  put_str(p, key);
+  put_str(p, value);
+  auto r = impl_->request(StoreMsg::kSet, p, deadline_in(kOpTimeout),
+                          fmt::format("the reply to SET of key '{}'", key));
+  impl_->expect_ok<UsageError>(r, "SET");
+}
+
+std::string TcpStore::get(const std::string& key, Deadline deadline) {
+  std::string p;
+  put_str(p, key);
+  auto r = impl_->request(StoreMsg::kGet, p, deadline, describe_keys({key}));
+  impl_->expect_ok<UsageError>(r, "GET");
+  PayloadReader pr(r.payload);
+  std::string value;
+  if (!pr.str(value) || !pr.at_end()) impl_->malformed("GET", "bad value encoding");
+  return value;
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
+  auto r = impl_->request(StoreMsg::kWait, encode_keys(keys), deadline, describe_keys(keys));
+  impl_->expect_ok<UsageError>(r, "WAIT");
+  if (!r.payload.empty()) impl_->malformed("WAIT", "unexpected payload");
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  auto r = impl_->request(StoreMsg::kCheck, encode_keys(keys), deadline_in(kOpTimeout),
+                          "the reply to CHECK");
+  impl_->expect_ok<UsageError>(r, "CHECK");
+  PayloadReader pr(r.payload);
+  uint32_t v = 0;
+  if (!pr.u32(v) || !pr.at_end() || v > 1) impl_->malformed("CHECK", "bad boolean");
+  return v == 1;
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  std::string p;
+  put_str(p, key);
+  put_i64(p, delta);
+  auto r = impl_->request(StoreMsg::kAdd, p, deadline_in(kOpTimeout),
+                          fmt::format("the reply to ADD of key '{}'", key));
+  impl_->expect_ok<UsageError>(r, "ADD");
+  PayloadReader pr(r.payload);
+  int64_t v = 0;
+  if (!pr.i64(v) || !pr.at_end()) impl_->malformed("ADD", "bad integer");
+  return v;
+}
+
+}  // namespace qring::net
