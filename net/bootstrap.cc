@@ -1,0 +1,326 @@
+// Launch detection and rendezvous (net/bootstrap.h); documented in docs/bootstrap.md.
+#include "net/bootstrap.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <climits>
+#include <cstdlib>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "net/error.h"
+#include "net/hostlist.h"
+
+namespace qring::net {
+
+std::optional<std::string> process_env(const std::string& name) {
+  const char* v = std::getenv(name.c_str());
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+namespace {
+
+constexpr auto kExitBarrierTimeout = std::chrono::seconds(10);
+
+int64_t parse_int(const std::string& name, const std::string& value, int64_t min, int64_t max) {
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+  if (value.empty() || ec != std::errc() || p != value.data() + value.size())
+    throw ConfigError(fmt::format("{}='{}' is not an integer", name, value));
+  if (v < min || v > max)
+    throw ConfigError(fmt::format("{}={} is out of range [{}, {}]", name, v, min, max));
+  return v;
+}
+
+class Env {
+ public:
+  explicit Env(const EnvLookup& env) : env_(env) {}
+  std::optional<std::string> str(const std::string& name) const {
+    auto v = env_(name);
+    if (v && v->empty()) return std::nullopt;  // an empty variable counts as unset
+    return v;
+  }
+  bool has(const std::string& name) const { return str(name).has_value(); }
+  std::optional<int> integer(const std::string& name, int min, int max = INT_MAX) const {
+    auto v = str(name);
+    if (!v) return std::nullopt;
+    return static_cast<int>(parse_int(name, *v, min, max));
+  }
+  int required(const std::string& name, int min, const std::string& why) const {
+    auto v = integer(name, min);
+    if (!v) throw ConfigError(fmt::format("{} is not set ({})", name, why));
+    return *v;
+  }
+
+ private:
+  const EnvLookup& env_;
+};
+
+// "host:port" -> (host, port)
+std::pair<std::string, int> parse_store(const std::string& name, const std::string& value) {
+  auto colon = value.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == value.size())
+    throw ConfigError(fmt::format("{}='{}' is not host:port", name, value));
+  int port = static_cast<int>(parse_int(name + " port", value.substr(colon + 1), 1, 65535));
+  return {value.substr(0, colon), port};
+}
+
+void check_rank(const BootstrapInfo& b, const std::string& rank_var, const std::string& size_var) {
+  if (b.rank >= b.world_size)
+    throw ConfigError(fmt::format("{}={} is not below {}={}", rank_var, b.rank, size_var,
+                                  b.world_size));
+}
+
+void check_local(const BootstrapInfo& b, const std::string& rank_var, const std::string& size_var) {
+  if (b.local_rank >= b.local_size)
+    throw ConfigError(fmt::format("{}={} is not below {}={}", rank_var, b.local_rank, size_var,
+                                  b.local_size));
+  if (b.local_size > b.world_size)
+    throw ConfigError(fmt::format("{}={} exceeds the world size {}", size_var, b.local_size,
+                                  b.world_size));
+}
+
+// Slurm's tasks-per-node format "2(x3),1" -> {2,2,2,1}.
+std::vector<int> parse_tasks_per_node(const std::string& name, const std::string& value) {
+  std::vector<int> out;
+  size_t start = 0;
+  while (start <= value.size()) {
+    size_t comma = value.find(',', start);
+    std::string part = value.substr(start, comma == std::string::npos ? value.npos : comma - start);
+    int count = 1;
+    if (auto paren = part.find("(x"); paren != std::string::npos) {
+      if (part.back() != ')') throw ConfigError(fmt::format("{}='{}' is malformed", name, value));
+      count = static_cast<int>(
+          parse_int(name, part.substr(paren + 2, part.size() - paren - 3), 1, 1 << 20));
+      part.resize(paren);
+    }
+    int tasks = static_cast<int>(parse_int(name, part, 1, 1 << 20));
+    if (out.size() + count > (1u << 20))
+      throw ConfigError(fmt::format("{}='{}' is too long", name, value));
+    out.insert(out.end(), count, tasks);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+BootstrapInfo from_qring_env(const Env& env) {
+  BootstrapInfo b;
+  b.source = "env";
+  if (!env.has("QRING_RANK"))
+    throw ConfigError("QRING_WORLD_SIZE is set but QRING_RANK is not; set both");
+  if (!env.has("QRING_WORLD_SIZE"))
+    throw ConfigError("QRING_RANK is set but QRING_WORLD_SIZE is not; set both");
+  b.world_size = *env.integer("QRING_WORLD_SIZE", 1);
+  b.rank = *env.integer("QRING_RANK", 0);
+  check_rank(b, "QRING_RANK", "QRING_WORLD_SIZE");
+  // Without QRING_LOCAL_*, all ranks are assumed to share one host.
+  b.local_rank = env.integer("QRING_LOCAL_RANK", 0).value_or(b.rank);
+  b.local_size = env.integer("QRING_LOCAL_SIZE", 1).value_or(b.world_size);
+  check_local(b, "QRING_LOCAL_RANK", "QRING_LOCAL_SIZE");
+  b.job_id = env.str("QRING_JOB_ID").value_or("env");
+  if (auto s = env.str("QRING_STORE")) {
+    std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
+  } else if (b.world_size > 1) {
+    throw ConfigError(fmt::format(
+        "QRING_RANK/QRING_WORLD_SIZE are set (world size {}) but QRING_STORE is not; set "
+        "QRING_STORE=host:port of the rendezvous store (rank 0 serves it)",
+        b.world_size));
+  }
+  return b;
+}
+
+BootstrapInfo from_slurm(const Env& env) {
+  BootstrapInfo b;
+  b.source = "slurm";
+  b.world_size = env.required("SLURM_NTASKS", 1, "SLURM_PROCID is set, so Slurm launched us");
+  b.rank = *env.integer("SLURM_PROCID", 0);
+  check_rank(b, "SLURM_PROCID", "SLURM_NTASKS");
+  b.local_rank = env.integer("SLURM_LOCALID", 0).value_or(0);
+
+  auto nodelist = env.str("SLURM_STEP_NODELIST");
+  if (!nodelist) nodelist = env.str("SLURM_JOB_NODELIST");
+  if (nodelist) b.nodes = expand_hostlist(*nodelist);
+
+  // Tasks on this node: the per-node list indexed by SLURM_NODEID, or a single count.
+  std::optional<int> local_size;
+  for (const char* var : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+    auto v = env.str(var);
+    if (!v) continue;
+    auto per_node = parse_tasks_per_node(var, *v);
+    int node = env.integer("SLURM_NODEID", 0).value_or(0);
+    if (per_node.size() == 1) node = 0;
+    if (static_cast<size_t>(node) >= per_node.size())
+      throw ConfigError(fmt::format("SLURM_NODEID={} but {}='{}' lists {} nodes", node, var, *v,
+                                    per_node.size()));
+    local_size = per_node[node];
+    break;
+  }
+  if (!local_size) local_size = env.integer("SLURM_NTASKS_PER_NODE", 1);
+  if (!local_size) {
+    if (b.nodes.size() > 1)
+      throw ConfigError(
+          "Slurm: cannot tell how many tasks run on this node; SLURM_STEP_TASKS_PER_NODE, "
+          "SLURM_TASKS_PER_NODE and SLURM_NTASKS_PER_NODE are all unset");
+    local_size = b.world_size;  // one node: every task is local
+  }
+  b.local_size = *local_size;
+  check_local(b, "SLURM_LOCALID", "tasks per node");
+
+  auto job = env.str("SLURM_JOB_ID");
+  uint64_t job_num = 0;
+  uint64_t step_num = 0;
+  if (job) job_num = static_cast<uint64_t>(parse_int("SLURM_JOB_ID", *job, 0, INT64_MAX));
+  b.job_id = job.value_or("slurm");
+  if (auto step = env.str("SLURM_STEP_ID")) {
+    step_num = static_cast<uint64_t>(parse_int("SLURM_STEP_ID", *step, 0, INT64_MAX));
+    b.job_id += "." + *step;
+  }
+
+  if (auto s = env.str("QRING_STORE")) {
+    std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
+  } else if (b.world_size > 1) {
+    if (b.nodes.empty())
+      throw ConfigError(
+          "Slurm: SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are unset; cannot place the "
+          "rendezvous store (or set QRING_STORE=host:port)");
+    // One node: the store stays on loopback. Several: rank 0 runs on the first node.
+    b.store_host = b.nodes.size() == 1 ? "127.0.0.1" : b.nodes.front();
+    if (auto port = env.integer("QRING_STORE_PORT", 1, 65535)) {
+      b.store_port = *port;
+    } else {
+      if (!job)
+        throw ConfigError(
+            "Slurm: SLURM_JOB_ID is unset; cannot derive the store port (set QRING_STORE_PORT)");
+      b.store_port = static_cast<int>(20000 + (job_num + step_num * 4099) % 20000);
+    }
+  }
+  return b;
+}
+
+BootstrapInfo from_mpi(const Env& env, bool ompi) {
+  BootstrapInfo b;
+  b.source = "mpi";
+  const std::string rank_var = ompi ? "OMPI_COMM_WORLD_RANK" : "PMI_RANK";
+  const std::string size_var = ompi ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE";
+  b.world_size = env.required(size_var, 1, rank_var + " is set");
+  b.rank = *env.integer(rank_var, 0);
+  check_rank(b, rank_var, size_var);
+  const std::string lrank_var = ompi ? "OMPI_COMM_WORLD_LOCAL_RANK" : "MPI_LOCALRANKID";
+  const std::string lsize_var = ompi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS";
+  b.local_rank = env.integer(lrank_var, 0).value_or(b.rank);
+  b.local_size = env.integer(lsize_var, 1).value_or(b.world_size);
+  check_local(b, lrank_var, lsize_var);
+  b.job_id = env.str("QRING_JOB_ID").value_or("mpi");
+  if (auto s = env.str("QRING_STORE")) {
+    std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
+  } else if (env.has("MASTER_ADDR") && env.has("MASTER_PORT")) {
+    b.store_host = *env.str("MASTER_ADDR");
+    b.store_port = *env.integer("MASTER_PORT", 1, 65535);
+  } else if (b.world_size > 1) {
+    throw ConfigError(fmt::format(
+        "launched by mpirun/PMI ({} is set) but no rendezvous store address: set "
+        "QRING_STORE=host:port, or MASTER_ADDR and MASTER_PORT, to an address of the node of "
+        "rank 0",
+        rank_var));
+  }
+  return b;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "127.0.0.1" || host == "localhost" || host.rfind("127.", 0) == 0;
+}
+
+std::string this_hostname() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+}  // namespace
+
+BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
+  Env env(lookup);
+  BootstrapInfo b;
+  if (env.has("QRING_RANK") || env.has("QRING_WORLD_SIZE")) {
+    b = from_qring_env(env);
+  } else if (env.has("SLURM_PROCID")) {
+    b = from_slurm(env);
+  } else if (env.has("OMPI_COMM_WORLD_RANK")) {
+    b = from_mpi(env, true);
+  } else if (env.has("PMI_RANK")) {
+    b = from_mpi(env, false);
+  } else {
+    return b;  // single process
+  }
+  if (b.world_size == 1 && !env.has("QRING_STORE")) b.store_port = 0;
+  return b;
+}
+
+Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(info) {
+  if (info_.world_size > 1 && info_.store_port == 0)
+    throw ConfigError(fmt::format("rank {} of {}: no rendezvous store port", info_.rank,
+                                  info_.world_size));
+  std::string host = this_hostname();
+  if (info_.store_port == 0) {
+    owned_ = std::make_unique<MemoryStore>();  // single process
+  } else {
+    std::string connect_host = info_.store_host;
+    if (info_.rank == 0) {
+      std::string bind_host = is_loopback(info_.store_host) ? "127.0.0.1" : "0.0.0.0";
+      server_ = std::make_unique<TcpStoreServer>(bind_host, info_.store_port, info_.world_size,
+                                                 info_.job_id);
+      connect_host = "127.0.0.1";
+    }
+    JoinInfo join{kProtocolVersion, info_.rank, info_.world_size, info_.job_id, host};
+    owned_ = std::make_unique<TcpStore>(connect_host, info_.store_port, join, deadline);
+  }
+  store_ = owned_.get();
+  try {
+    store_->set(fmt::format("host/{}", info_.rank), host);
+    hostnames_.resize(info_.world_size);
+    for (int r = 0; r < info_.world_size; ++r)
+      hostnames_[r] = store_->get(fmt::format("host/{}", r), deadline);
+  } catch (...) {
+    owned_.reset();
+    server_.reset();
+    throw;
+  }
+}
+
+Rendezvous::Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadline)
+    : info_(info), store_(&store) {
+  std::string host = this_hostname();
+  store_->set(fmt::format("host/{}", info_.rank), host);
+  hostnames_.resize(info_.world_size);
+  for (int r = 0; r < info_.world_size; ++r)
+    hostnames_[r] = store_->get(fmt::format("host/{}", r), deadline);
+}
+
+Rendezvous::~Rendezvous() {
+  try {
+    store_->set(fmt::format("exit/{}", info_.rank), "1");
+    if (server_) {
+      std::vector<std::string> keys;
+      for (int r = 0; r < info_.world_size; ++r) keys.push_back(fmt::format("exit/{}", r));
+      store_->wait(keys, deadline_in(kExitBarrierTimeout));
+    }
+  } catch (const std::exception& e) {
+    spdlog::warn("rendezvous: final barrier of rank {} failed: {}", info_.rank, e.what());
+  }
+  owned_.reset();  // the client closes before the server stops
+  server_.reset();
+}
+
+Store& Rendezvous::store() { return *store_; }
+
+bool Rendezvous::single_host() const {
+  return std::all_of(hostnames_.begin(), hostnames_.end(),
+                     [&](const std::string& h) { return h == hostnames_.front(); });
+}
+
+}  // namespace qring::net
