@@ -290,7 +290,9 @@ class FabricEndpoint final : public Endpoint {
       mrs_.erase(it);
     }
     fid_mr* mr = nullptr;
-    QRING_FI_CHECK(fi_mr_reg(domain_.get(), ptr, len, FI_SEND | FI_RECV, 0, 0, 0, &mr, nullptr));
+    // Providers without FI_MR_PROV_KEY need a key unique within the domain.
+    QRING_FI_CHECK(
+        fi_mr_reg(domain_.get(), ptr, len, FI_SEND | FI_RECV, 0, next_key_++, 0, &mr, nullptr));
     mrs_[reinterpret_cast<uintptr_t>(ptr)] = Mr{mr, len};
   }
 
@@ -442,6 +444,7 @@ class FabricEndpoint final : public Endpoint {
   Fid<fid_ep> ep_;
   std::vector<fi_addr_t> addrs_;
   std::map<uintptr_t, Mr> mrs_;
+  uint64_t next_key_ = 1;
   std::unordered_set<OpCtx*> outstanding_;
   std::deque<OpCtx*> backlog_;
 };

@@ -1,0 +1,230 @@
+// FabricEndpoint as real processes over libfabric's shm and tcp providers.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "net/error.h"
+#include "proc_harness.h"
+
+namespace qring::testing {
+namespace {
+
+using net::make_tag;
+using net::Op;
+
+uint8_t byte_at(size_t i, int rank) { return uint8_t((i * 131 + size_t(rank) * 7 + (i >> 9)) & 0xFF); }
+
+std::vector<uint8_t> pattern_buf(size_t n, int rank) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = byte_at(i, rank);
+  return v;
+}
+
+bool check_buf(const std::vector<uint8_t>& v, int rank) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (v[i] != byte_at(i, rank)) {
+      fprintf(stderr, "mismatch at %zu from rank %d\n", i, rank);
+      return false;
+    }
+  return true;
+}
+
+const auto kDl = [] { return net::deadline_in(std::chrono::seconds(20)); };
+
+class Fabric : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Fabric, ExchangeIsBitExactBothWays) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    int peer = 1 - r;
+    for (size_t size : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20, (size_t(1) << 22) + 5}) {
+      auto out = pattern_buf(size, r);
+      std::vector<uint8_t> in(size);
+      auto rq = ep->irecv(peer, make_tag(Op::kUser, size & 0xFFFF, 1), in.data(), in.size());
+      auto sq = ep->isend(peer, make_tag(Op::kUser, size & 0xFFFF, 1), out.data(), out.size());
+      ep->wait(sq, kDl(), "send");
+      ep->wait(rq, kDl(), "recv");
+      if (rq->bytes != size || !check_buf(in, peer)) return 1;
+    }
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0) && res.exited(1, 0));
+}
+
+TEST_P(Fabric, ManyMessagesOutstandingAndTagsMatchedOutOfOrder) {
+  const std::string prov = GetParam();
+  auto res = run_procs(3, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    const int kMsgs = 64;
+    std::vector<std::vector<uint8_t>> in, out;
+    std::vector<net::RequestPtr> reqs;
+    // Receives posted in reverse tag order; sends in increasing order.
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      for (int k = kMsgs - 1; k >= 0; --k) {
+        in.emplace_back(size_t(100 + 37 * k));
+        reqs.push_back(ep->irecv(p, make_tag(Op::kUser, 7, size_t(k)), in.back().data(),
+                                 in.back().size()));
+      }
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      for (int k = 0; k < kMsgs; ++k) {
+        auto v = pattern_buf(size_t(100 + 37 * k), r * 1000 + k);
+        out.push_back(std::move(v));
+        reqs.push_back(ep->isend(p, make_tag(Op::kUser, 7, size_t(k)), out.back().data(),
+                                 out.back().size()));
+      }
+    }
+    ep->wait_all(reqs, kDl(), "exchange");
+    size_t i = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      for (int k = kMsgs - 1; k >= 0; --k, ++i)
+        if (!check_buf(in[i], p * 1000 + k)) return 1;
+    }
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
+}
+
+TEST_P(Fabric, MessagesAboveTheSizeLimitAreSplitAndReassembled) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov, /*max_msg=*/4096);
+    if (ep->max_message_size() != 4096) return 2;
+    const size_t size = 300 * 1024 + 3;  // 76 fragments, not a multiple of the limit
+    if (r == 0) {
+      auto out = pattern_buf(size, 0);
+      ep->wait(ep->isend(1, make_tag(Op::kUser, 1, 2), out.data(), size), kDl(), "send");
+    } else {
+      std::vector<uint8_t> in(size);
+      auto q = ep->irecv(0, make_tag(Op::kUser, 1, 2), in.data(), size);
+      ep->wait(q, kDl(), "recv");
+      if (q->bytes != size || !check_buf(in, 0)) return 1;
+    }
+    return 0;
+  });
+  EXPECT_TRUE(res.exited(0, 0) && res.exited(1, 0));
+}
+
+TEST_P(Fabric, RegisteredMemoryPathDeliversData) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov, 0, /*always_register=*/true);
+    auto out = pattern_buf(65536, r);
+    std::vector<uint8_t> in(65536);
+    ep->register_memory(out.data(), out.size());
+    for (int it = 0; it < 3; ++it) {  // reuse: the cache must serve repeated buffers
+      auto q = ep->irecv(1 - r, make_tag(Op::kUser, 3, it), in.data(), in.size());
+      ep->wait(ep->isend(1 - r, make_tag(Op::kUser, 3, it), out.data(), out.size()), kDl());
+      ep->wait(q, kDl());
+      if (!check_buf(in, 1 - r)) return 1;
+    }
+    return 0;
+  });
+  EXPECT_TRUE(res.exited(0, 0) && res.exited(1, 0));
+}
+
+TEST_P(Fabric, CancelledReceiveFreesItsBufferAndLaterMessagesStillMatch) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    uint64_t tag = make_tag(Op::kUser, 9, 9);
+    if (r == 1) {
+      std::vector<uint8_t> a(64), b(64);
+      auto q = ep->irecv(0, tag, a.data(), a.size());
+      if (!ep->cancel(q)) return 1;
+      if (q->state != net::RequestState::kCancelled) return 2;
+      rdv.store().set("cancelled", "1");
+      auto q2 = ep->irecv(0, tag, b.data(), b.size());
+      ep->wait(q2, kDl());
+      if (b[0] != 42) return 3;
+      if (a[0] != 0) return 4;  // the cancelled buffer was not written
+    } else {
+      rdv.store().get("cancelled", kDl());
+      std::vector<uint8_t> m(64, 42);
+      ep->wait(ep->isend(1, tag, m.data(), m.size()), kDl());
+    }
+    return 0;
+  });
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
+TEST_P(Fabric, ExpiredDeadlineNamesThePeerItWaitedFor) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    if (r == 0) {
+      std::vector<uint8_t> buf(16);
+      auto q = ep->irecv(1, make_tag(Op::kUser, 5, 0), buf.data(), buf.size());
+      auto t0 = std::chrono::steady_clock::now();
+      try {
+        ep->wait(q, net::deadline_in(std::chrono::milliseconds(200)), "test receive");
+        return 1;
+      } catch (const TimeoutError& e) {
+        std::string m = e.what();
+        if (m.find("rank 1") == std::string::npos || m.find("test receive") == std::string::npos)
+          return 2;
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2)) return 3;
+      }
+      ep->cancel(q);
+    }
+    return 0;
+  });
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+}
+
+TEST_P(Fabric, WildcardReceiveReportsTheMatchedTag) {
+  const std::string prov = GetParam();
+  auto res = run_procs(3, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    if (r == 0) {
+      int seen = 0;
+      for (int k = 0; k < 2; ++k) {
+        uint32_t v = 0;
+        auto q = ep->irecv(net::kAnyPeer, make_tag(Op::kControl, 1, 0), &v, sizeof(v),
+                           net::kIgnoreChunk);
+        ep->wait(q, kDl());
+        int from = int(net::tag_chunk(q->matched_tag));
+        if (v != uint32_t(from * 11)) return 1;
+        seen |= 1 << from;
+      }
+      if (seen != 6) return 2;
+    } else {
+      uint32_t v = uint32_t(r * 11);
+      ep->wait(ep->isend(0, make_tag(Op::kControl, 1, r), &v, sizeof(v)), kDl());
+    }
+    return 0;
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
+}
+
+TEST(FabricProvider, AliasesResolve) {
+  EXPECT_EQ(net::resolve_provider("tcp", false), "tcp;ofi_rxm");
+  EXPECT_EQ(net::resolve_provider("auto", true), "shm");
+  EXPECT_EQ(net::resolve_provider("verbs", false), "verbs;ofi_rxm");
+  EXPECT_EQ(net::resolve_provider("psm3", false), "psm3");
+}
+
+TEST(FabricProvider, UnknownProviderIsAClearError) {
+  auto res = run_procs(1, [&](int r, int n, net::Rendezvous& rdv) {
+    try {
+      open_endpoint(rdv, "no-such-provider");
+    } catch (const ConfigError& e) {
+      return std::string(e.what()).find("no-such-provider") != std::string::npos ? 0 : 2;
+    }
+    return 1;
+  });
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, Fabric, ::testing::Values("shm", "tcp"));
+
+}  // namespace
+}  // namespace qring::testing
