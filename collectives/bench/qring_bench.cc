@@ -1,0 +1,392 @@
+// qring-bench: nccl-tests style benchmark of qring's collectives and of the raw endpoint.
+//
+//   qring-launch -n 4 -- qring-bench --op allreduce -b 4K -e 64M -f 4 --json out.json
+//   qring-launch -n 2 --provider tcp -- qring-bench --op sendrecv -b 1M -e 16M -f 16
+//   qring-launch -n 4 -- qring-bench --op idle --seconds 10
+//
+// Collectives run through a Communicator; sendrecv and idle use the endpoint alone. The sweep,
+// data pattern, check, table and JSON are shared with qring-mpi-bench (bench_common.h).
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/bench/bench_common.h"
+#include "collectives/communicator.h"
+#include "net/bootstrap.h"
+#include "net/endpoint.h"
+#include "net/fabric_endpoint.h"
+
+namespace qring::bench {
+namespace {
+
+using net::Deadline;
+using net::Endpoint;
+using net::RequestPtr;
+
+// ------------------------------------------------------------------ collectives
+
+class QringBackend {
+ public:
+  QringBackend(collectives::Communicator& comm, const Options& o) : comm_(comm), o_(o) {}
+  int rank() const { return comm_.rank(); }
+  int size() const { return comm_.size(); }
+  std::string provider() const { return comm_.provider(); }
+  void barrier() { comm_.barrier(); }
+  double max_over_ranks(double v) {
+    double out = 0;
+    comm_.allreduce(&v, &out, 1, DataType::kFloat64, RedOp::kMax);
+    return out;
+  }
+  int64_t sum_over_ranks(int64_t v) {
+    int64_t out = 0;
+    comm_.allreduce(&v, &out, 1, DataType::kInt64, RedOp::kSum);
+    return out;
+  }
+  // In place the reduce-scatter reads the whole recv buffer and writes its block at
+  // recv + rank * count (the nccl convention).
+  size_t reduce_scatter_in_place_offset(size_t count) const { return size_t(rank()) * count; }
+  void register_buffer(const void* p, size_t bytes) { comm_.register_buffer(p, bytes); }
+
+  void run(BenchOp op, const void* send, void* recv, size_t count, bool in_place) {
+    const size_t ts = dtype_bytes(o_.dtype);
+    auto* r = static_cast<unsigned char*>(recv);
+    switch (op) {
+      case BenchOp::kAllreduce:
+        comm_.allreduce(in_place ? recv : send, recv, count, o_.dtype, o_.redop);
+        break;
+      case BenchOp::kBroadcast:
+        comm_.broadcast(recv, count, o_.dtype, o_.root);
+        break;
+      case BenchOp::kAllgather:
+        comm_.allgather(in_place ? r + size_t(rank()) * count * ts : send, recv, count, o_.dtype);
+        break;
+      case BenchOp::kReduceScatter:
+        if (in_place)
+          comm_.reduce_scatter(recv, r + size_t(rank()) * count * ts, count, o_.dtype, o_.redop);
+        else
+          comm_.reduce_scatter(send, recv, count, o_.dtype, o_.redop);
+        break;
+      case BenchOp::kBarrier:
+        comm_.barrier();
+        break;
+      default:
+        throw ConfigError(fmt::format("--op {} is not a collective", op_name(op)));
+    }
+  }
+
+ private:
+  collectives::Communicator& comm_;
+  const Options& o_;
+};
+
+// ------------------------------------------------------------------ endpoint-only helpers
+
+// Tag of the ping-pong message number `seq` (mod 2^24).
+uint64_t data_tag(uint64_t seq) { return net::make_tag(net::Op::kSendRecv, seq, 0); }
+// Tags of the small messages that gather results at rank 0 and release the ranks.
+uint64_t report_tag(uint64_t row) { return net::make_tag(net::Op::kSendRecv, row, 1); }
+uint64_t release_tag(uint64_t row) { return net::make_tag(net::Op::kSendRecv, row, 2); }
+uint64_t idle_tag() { return net::make_tag(net::Op::kSendRecv, net::kSeqMask, 3); }
+
+struct Report {
+  double value = 0;  // time (us) or CPU seconds
+  int64_t wrong = 0;
+};
+
+// Every rank sends its report to rank 0, which returns all of them (others get only their own);
+// then rank 0 releases everyone, so this is also a barrier.
+std::vector<Report> gather_reports(Endpoint& ep, uint64_t row, Report mine, Deadline deadline) {
+  const int n = ep.world_size();
+  std::vector<Report> all(static_cast<size_t>(n));
+  all[0] = mine;
+  if (ep.rank() == 0) {
+    std::vector<RequestPtr> reqs;
+    for (int p = 1; p < n; ++p)
+      reqs.push_back(ep.irecv(p, report_tag(row), &all[size_t(p)], sizeof(Report)));
+    ep.wait_all(reqs, deadline, "gathering results");
+    char go = 1;
+    std::vector<RequestPtr> sends;
+    for (int p = 1; p < n; ++p) sends.push_back(ep.isend(p, release_tag(row), &go, 1));
+    ep.wait_all(sends, deadline, "releasing ranks");
+  } else {
+    char go = 0;
+    auto rel = ep.irecv(0, release_tag(row), &go, 1);
+    auto s = ep.isend(0, report_tag(row), &mine, sizeof(Report));
+    ep.wait(s, deadline, "sending results");
+    ep.wait(rel, deadline, "waiting for rank 0");
+    all.assign(1, mine);
+  }
+  return all;
+}
+
+Deadline op_deadline(const Options& o) { return net::deadline_in(std::chrono::milliseconds(o.timeout_ms)); }
+
+// ------------------------------------------------------------------ sendrecv (ping-pong)
+
+class PingPong {
+ public:
+  PingPong(Endpoint& ep, const Options& o) : ep_(ep), o_(o) {}
+
+  // `iters` round trips of `bytes` with `peer`. The even rank of the pair starts.
+  void run(int peer, bool initiator, unsigned char* sbuf, unsigned char* rbuf, size_t bytes,
+           int iters) {
+    if (iters <= 0) return;
+    if (initiator) {
+      for (int i = 0; i < iters; ++i) {
+        uint64_t tag = data_tag(seq_++);
+        auto rr = ep_.irecv(peer, tag, rbuf, bytes);
+        auto sr = ep_.isend(peer, tag, sbuf, bytes);
+        Deadline dl = op_deadline(o_);
+        ep_.wait(sr, dl, "sendrecv ping");
+        ep_.wait(rr, dl, "sendrecv pong");
+        check_len(*rr, bytes);
+      }
+    } else {
+      auto rr = ep_.irecv(peer, data_tag(seq_), rbuf, bytes);
+      for (int i = 0; i < iters; ++i) {
+        Deadline dl = op_deadline(o_);
+        ep_.wait(rr, dl, "sendrecv ping");
+        check_len(*rr, bytes);
+        uint64_t tag = data_tag(seq_++);
+        auto sr = ep_.isend(peer, tag, sbuf, bytes);
+        if (i + 1 < iters) rr = ep_.irecv(peer, data_tag(seq_), rbuf, bytes);
+        ep_.wait(sr, dl, "sendrecv pong");
+      }
+    }
+  }
+
+  // One exchange in both directions (for the check).
+  void exchange(int peer, unsigned char* sbuf, unsigned char* rbuf, size_t bytes) {
+    uint64_t tag = data_tag(seq_++);
+    auto rr = ep_.irecv(peer, tag, rbuf, bytes);
+    auto sr = ep_.isend(peer, tag, sbuf, bytes);
+    Deadline dl = op_deadline(o_);
+    ep_.wait(sr, dl, "sendrecv check");
+    ep_.wait(rr, dl, "sendrecv check");
+    check_len(*rr, bytes);
+  }
+
+ private:
+  static void check_len(const net::Request& r, size_t bytes) {
+    if (r.bytes != bytes)
+      throw ProtocolError(
+          fmt::format("sendrecv: rank {} sent {} bytes, expected {}", r.peer, r.bytes, bytes));
+  }
+  Endpoint& ep_;
+  const Options& o_;
+  uint64_t seq_ = 0;
+};
+
+int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
+  const int n = ep.world_size();
+  const int rank = ep.rank();
+  if (n < 2) throw ConfigError("--op sendrecv needs at least 2 ranks");
+  const int peer = (rank ^ 1) < n ? (rank ^ 1) : -1;  // the last rank of an odd world idles
+  const bool initiator = rank % 2 == 0;
+  const size_t ts = dtype_bytes(o.dtype);
+  if (rank == 0) {
+    std::fputs(table_header(BenchOp::kSendRecv, o, n, ep.provider()).c_str(), stdout);
+    if (n % 2) std::printf("# rank %d has no partner and only takes part in the reports\n", n - 1);
+  }
+  AlignedBuffer sbuf(o.max_bytes), rbuf(o.max_bytes);
+  ep.register_memory(sbuf.data(), sbuf.size);
+  ep.register_memory(rbuf.data(), rbuf.size);
+  JsonContext ctx{"sendrecv", std::string(dtype_name(o.dtype)), "none", n, ep.provider(),
+                  o.iters, o.warmup};
+  PingPong pp(ep, o);
+  int64_t total_wrong = 0;
+  uint64_t row = 0;
+  for (size_t bytes : sweep_sizes(o)) {
+    RowKey k;
+    k.count = k.count_per_rank = bytes / ts;
+    k.bytes = k.count * ts;
+    if (k.count == 0) {
+      if (rank == 0) std::printf("# %zu bytes: less than one element, skipped\n", bytes);
+      continue;
+    }
+    Report mine;
+    if (peer >= 0) {
+      fill_pattern(sbuf.data(), o.dtype, k.count, 0, rank);
+      pp.run(peer, initiator, sbuf.data(), rbuf.data(), k.bytes, o.warmup);
+      auto t0 = std::chrono::steady_clock::now();
+      pp.run(peer, initiator, sbuf.data(), rbuf.data(), k.bytes, o.iters);
+      auto t1 = std::chrono::steady_clock::now();
+      mine.value = std::chrono::duration<double, std::micro>(t1 - t0).count() / o.iters / 2.0;
+      if (o.check) {
+        fill_garbage(rbuf.data(), k.bytes);
+        pp.exchange(peer, sbuf.data(), rbuf.data(), k.bytes);
+        mine.wrong = count_wrong_pattern(rbuf.data(), o.dtype, k.count, 0, peer);
+      }
+    }
+    auto all = gather_reports(ep, row++, mine, op_deadline(o));
+    if (rank != 0) continue;
+    Measurement m;
+    m.in_place = false;
+    m.wrong = o.check ? 0 : -1;
+    for (const Report& r : all) {
+      m.time_us = std::max(m.time_us, r.value);
+      if (o.check) m.wrong += r.wrong;
+    }
+    m.algbw = m.time_us > 0 ? double(k.bytes) / (m.time_us * 1e-6) / 1e9 : 0.0;
+    m.busbw = m.algbw;
+    total_wrong += std::max<int64_t>(0, m.wrong);
+    std::fputs(format_row(k, dtype_name(o.dtype), "none", m, std::nullopt).c_str(), stdout);
+    std::fflush(stdout);
+    auto j = json_row(ctx, k, m);
+    j["method"] = "pingpong_half_round_trip";
+    rows.push_back(std::move(j));
+  }
+  return total_wrong;
+}
+
+// ------------------------------------------------------------------ idle
+
+double cpu_seconds_self() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         double(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+// Every rank posts a receive that never matches, waits for it with the endpoint's normal
+// (spin, yield, sleep) policy until --seconds pass, cancels it, and reports the CPU time the
+// whole process used meanwhile.
+void run_idle(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
+  const int n = ep.world_size();
+  uint64_t sink = 0;
+  // Start together, so that the windows overlap.
+  gather_reports(ep, 0, Report{}, op_deadline(o));
+  auto req = ep.irecv(net::kAnyPeer, idle_tag(), &sink, sizeof(sink));
+  const double cpu0 = cpu_seconds_self();
+  const auto t0 = std::chrono::steady_clock::now();
+  bool timed_out = false;
+  try {
+    ep.wait(req, net::deadline_in(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::duration<double>(o.seconds))),
+            "idle receive");
+  } catch (const TimeoutError&) {
+    timed_out = true;
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double cpu = cpu_seconds_self() - cpu0;
+  if (!timed_out) throw ProtocolError("idle: the receive that should never match did match");
+  if (!ep.cancel(req)) throw ProtocolError("idle: the pending receive could not be cancelled");
+  auto all = gather_reports(ep, 1, Report{cpu, 0}, op_deadline(o));
+  if (ep.rank() != 0) return;
+  double total = 0;
+  nlohmann::json per_rank = nlohmann::json::array();
+  std::printf("# idle: %d ranks blocked in a receive for %.2f s (provider %s)\n", n, wall,
+              ep.provider().c_str());
+  std::printf("# %6s %12s %10s\n", "rank", "cpu (s)", "% core");
+  for (int r = 0; r < n; ++r) {
+    double c = all[size_t(r)].value;
+    total += c;
+    per_rank.push_back(c);
+    std::printf("  %6d %12.4f %10.3f\n", r, c, 100.0 * c / wall);
+  }
+  std::printf("  %6s %12.4f %10.3f\n", "total", total, 100.0 * total / wall);
+  nlohmann::json j;
+  j["op"] = "idle";
+  j["ranks"] = n;
+  j["provider"] = ep.provider();
+  j["seconds"] = wall;
+  j["cpu_s_per_rank"] = per_rank;
+  j["cpu_s_total"] = total;
+  j["core_percent_total"] = 100.0 * total / wall;
+  rows.push_back(std::move(j));
+}
+
+// ------------------------------------------------------------------ main
+
+std::string provider_setting(const Options& o) {
+  if (!o.provider.empty()) return o.provider;
+  if (auto v = net::process_env("QRING_PROVIDER"); v && !v->empty()) return *v;
+  return "auto";
+}
+
+int bench_main(const Options& o) {
+  auto info = net::detect_bootstrap();
+  const auto setup = std::chrono::seconds(30);
+  net::Rendezvous rdv(info, net::deadline_in(setup));
+  net::FabricOptions fo;
+  fo.provider = provider_setting(o);
+  auto ep = net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
+                                      rdv.single_host(), net::deadline_in(setup));
+  const bool print = info.rank == 0;
+  std::vector<nlohmann::json> rows;
+  int64_t wrong = 0;
+  auto write = [&] {
+    if (print && !o.json_path.empty()) write_json(o.json_path, rows);
+  };
+  try {
+    if (o.op == BenchOp::kSendRecv) {
+      wrong = run_sendrecv(*ep, o, rows);
+    } else if (o.op == BenchOp::kIdle) {
+      run_idle(*ep, o, rows);
+    } else {
+      collectives::CommOptions co;
+      co.local_size = info.local_size;
+      co.timeout = std::chrono::milliseconds(o.timeout_ms);
+      if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
+      if (o.inflight) co.segments_in_flight = o.inflight;
+      collectives::Communicator comm(std::move(ep), co);
+      QringBackend be(comm, o);
+      Sweep<QringBackend> sweep(be, o);
+      try {
+        wrong = sweep.run();
+      } catch (...) {
+        rows = sweep.rows();
+        throw;
+      }
+      rows = sweep.rows();
+    }
+  } catch (...) {
+    write();
+    throw;
+  }
+  write();
+  if (wrong > 0) {
+    if (print)
+      std::fprintf(stderr, "qring-bench: %lld wrong elements\n", static_cast<long long>(wrong));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace qring::bench
+
+int main(int argc, char** argv) {
+  using namespace qring::bench;
+  Options o;
+  try {
+    o = parse_args(argc, argv, /*mpi=*/false);
+  } catch (const qring::ConfigError& e) {
+    std::fprintf(stderr, "qring-bench: %s\n", e.what());
+    return 2;
+  }
+  if (o.help) {
+    std::fputs(usage("qring-bench", false).c_str(), stdout);
+    return 0;
+  }
+  if (o.op == BenchOp::kQuorum) {
+    std::fprintf(stderr, "qring-bench: quorum op not available yet\n");
+    return 2;
+  }
+  try {
+    return bench_main(o);
+  } catch (const qring::ConfigError& e) {
+    std::fprintf(stderr, "qring-bench: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    const char* rank = std::getenv("QRING_RANK");
+    std::fprintf(stderr, "qring-bench: rank %s: error: %s\n", rank ? rank : "?", e.what());
+    return 3;
+  }
+}
