@@ -1,0 +1,442 @@
+// qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] -- CMD ARGS...
+//
+// Starts N local ranks of CMD with the QRING_* bootstrap environment, prefixes their output
+// with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when one rank fails.
+// Exit status: 0 when every rank exits 0; the status of the first failing rank (128 + signal
+// when it was killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
+// --timeout-s; 2 on a usage error. See docs/bootstrap.md.
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr auto kKillGrace = std::chrono::seconds(3);   // SIGTERM, then SIGKILL after this
+constexpr auto kDrainLimit = std::chrono::seconds(1);  // output still read after the last exit
+constexpr int kMaxRanks = 4096;
+
+constexpr const char* kUsage =
+    "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] -- CMD [ARGS...]\n"
+    "  -n N            number of ranks to start on this host\n"
+    "  --provider P    sets QRING_PROVIDER=P for every rank\n"
+    "  --port PORT     rendezvous store port (default: a free port)\n"
+    "  --timeout-s S   kill all ranks and exit 124 after S seconds\n";
+
+struct Options {
+  int n = 0;
+  std::string provider;
+  int port = 0;
+  double timeout_s = 0;
+  std::vector<std::string> cmd;
+};
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  fmt::print(stderr, "qring-launch: {}\n{}", msg, kUsage);
+  std::exit(2);
+}
+
+int parse_int(const std::string& opt, const std::string& v, int lo, int hi) {
+  int x = 0;
+  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (v.empty() || ec != std::errc() || p != v.data() + v.size() || x < lo || x > hi)
+    usage_error(fmt::format("{} expects an integer in [{}, {}], got '{}'", opt, lo, hi, v));
+  return x;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a == "-h" || a == "--help") {
+      fmt::print("{}", kUsage);
+      std::exit(0);
+    }
+    std::string name = a, value;
+    bool inline_value = false;
+    if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      name = a.substr(0, eq);
+      value = a.substr(eq + 1);
+      inline_value = true;
+    }
+    if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s")
+      usage_error(fmt::format("unknown option '{}' (the command follows '--')", a));
+    if (!inline_value) {
+      if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", name));
+      value = argv[++i];
+    }
+    if (name == "-n") {
+      o.n = parse_int(name, value, 1, kMaxRanks);
+    } else if (name == "--provider") {
+      if (value.empty()) usage_error("--provider needs a value");
+      o.provider = value;
+    } else if (name == "--port") {
+      o.port = parse_int(name, value, 1, 65535);
+    } else {
+      char* end = nullptr;
+      o.timeout_s = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !(o.timeout_s > 0) || o.timeout_s > 1e7)
+        usage_error(fmt::format("--timeout-s expects a positive number, got '{}'", value));
+    }
+  }
+  for (; i < argc; ++i) o.cmd.emplace_back(argv[i]);
+  if (o.n == 0) usage_error("-n N is required");
+  if (o.cmd.empty()) usage_error("no command given after '--'");
+  return o;
+}
+
+int pick_free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    fmt::print(stderr, "qring-launch: cannot find a free port: {}\n", std::strerror(errno));
+    std::exit(1);
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t w = write(fd, s.data() + off, s.size() - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // our own output is gone (EPIPE): keep supervising
+    off += static_cast<size_t>(w);
+  }
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+struct Stream {
+  int fd = -1;
+  int rank = 0;
+  int out_fd = 1;  // where the prefixed lines go
+  std::string partial;
+};
+
+struct Rank {
+  pid_t pid = -1;
+  bool running = false;
+};
+
+class Launcher {
+ public:
+  explicit Launcher(Options o) : opts_(std::move(o)) {}
+  int run();
+
+ private:
+  void start_rank(int r, int port, const sigset_t& child_mask);
+  void on_output(Stream& s);
+  void flush_partial(Stream& s);
+  void reap();
+  void begin_stop(int sig, const std::string& why, int code);
+  void signal_all(int sig);
+  bool any_child_left();
+
+  Options opts_;
+  std::vector<Rank> ranks_;
+  std::vector<Stream> streams_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  int signals_received_ = 0;
+  Clock::time_point kill_at_;
+  int exit_code_ = 0;
+};
+
+void Launcher::start_rank(int r, int port, const sigset_t& child_mask) {
+  int out[2], err[2];
+  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+    fmt::print(stderr, "qring-launch: pipe(): {}\n", std::strerror(errno));
+    begin_stop(SIGTERM, "", 1);
+    return;
+  }
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) {
+    fmt::print(stderr, "qring-launch: fork(): {}\n", std::strerror(errno));
+    for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+    begin_stop(SIGTERM, "", 1);
+    return;
+  }
+  if (pid == 0) {
+    // Child: own process group (so a group kill reaches its whole tree), die with the
+    // launcher, default signal state, stdin from /dev/null.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    dup2(out[1], 1);
+    dup2(err[1], 2);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &child_mask, nullptr);
+    setenv("QRING_RANK", std::to_string(r).c_str(), 1);
+    setenv("QRING_WORLD_SIZE", std::to_string(opts_.n).c_str(), 1);
+    setenv("QRING_LOCAL_RANK", std::to_string(r).c_str(), 1);
+    setenv("QRING_LOCAL_SIZE", std::to_string(opts_.n).c_str(), 1);
+    setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
+    setenv("QRING_JOB_ID", fmt::format("launch-{}", parent).c_str(), 1);
+    if (!opts_.provider.empty()) setenv("QRING_PROVIDER", opts_.provider.c_str(), 1);
+    std::vector<char*> argv;
+    for (auto& a : opts_.cmd) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    std::string msg = fmt::format("qring-launch: cannot execute '{}': {}\n", opts_.cmd[0],
+                                  std::strerror(errno));
+    write_all(2, msg);
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also here, so that no kill(-pid) can precede the child's own call
+  close(out[1]);
+  close(err[1]);
+  for (int fd : {out[0], err[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  ranks_[r] = {pid, true};
+  streams_.push_back({out[0], r, 1, {}});
+  streams_.push_back({err[0], r, 2, {}});
+}
+
+void Launcher::on_output(Stream& s) {
+  char buf[65536];
+  while (true) {
+    ssize_t n = read(s.fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {  // EOF or error: flush what is left
+      flush_partial(s);
+      close(s.fd);
+      s.fd = -1;
+      return;
+    }
+    s.partial.append(buf, static_cast<size_t>(n));
+    std::string lines;
+    size_t start = 0, nl;
+    while ((nl = s.partial.find('\n', start)) != std::string::npos) {
+      lines += fmt::format("[rank {}] ", s.rank);
+      lines.append(s.partial, start, nl + 1 - start);
+      start = nl + 1;
+    }
+    s.partial.erase(0, start);
+    if (!lines.empty()) write_all(s.out_fd, lines);
+  }
+}
+
+void Launcher::flush_partial(Stream& s) {
+  if (s.partial.empty()) return;
+  write_all(s.out_fd, fmt::format("[rank {}] {}\n", s.rank, s.partial));
+  s.partial.clear();
+}
+
+// Our direct children, from /proc: the ranks, and (as a subreaper) orphaned descendants.
+std::vector<pid_t> child_pids() {
+  std::vector<pid_t> out;
+  pid_t self = getpid();
+  DIR* d = opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    pid_t pid = 0;
+    auto [p, ec] = std::from_chars(e->d_name, e->d_name + std::strlen(e->d_name), pid);
+    if (ec != std::errc() || *p != '\0') continue;
+    std::string stat;
+    if (FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r")) {
+      char buf[512];
+      size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+      stat.assign(buf, n);
+      std::fclose(f);
+    }
+    // "pid (comm) state ppid ...": comm may contain spaces, so parse after the last ')'.
+    auto close_paren = stat.rfind(')');
+    if (close_paren == std::string::npos) continue;
+    int ppid = 0;
+    char state = 0;
+    if (std::sscanf(stat.c_str() + close_paren + 1, " %c %d", &state, &ppid) == 2 &&
+        ppid == self)
+      out.push_back(pid);
+  }
+  closedir(d);
+  return out;
+}
+
+void Launcher::signal_all(int sig) {
+  for (const auto& r : ranks_)
+    if (r.pid > 0) kill(-r.pid, sig);  // the rank's process group, grandchildren included
+  // Descendants that left their group (setsid) and were orphaned are our children now.
+  for (pid_t p : child_pids()) kill(p, sig);
+}
+
+bool Launcher::any_child_left() {
+  siginfo_t info{};
+  return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) == 0;
+}
+
+void Launcher::begin_stop(int sig, const std::string& why, int code) {
+  if (!why.empty()) write_all(2, "qring-launch: " + why + "\n");
+  if (!stopping_) {
+    stopping_ = true;
+    exit_code_ = code;
+    kill_at_ = Clock::now() + kKillGrace;
+  }
+  signal_all(sig);
+}
+
+void Launcher::reap() {
+  while (true) {
+    int status = 0;
+    pid_t p = waitpid(-1, &status, WNOHANG);
+    if (p <= 0) return;
+    auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == p; });
+    if (it == ranks_.end()) continue;  // an orphaned grandchild
+    it->running = false;
+    int r = static_cast<int>(it - ranks_.begin());
+    bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    if (!failed || stopping_) continue;
+    if (WIFEXITED(status)) {
+      begin_stop(SIGTERM,
+                 fmt::format("rank {} exited with status {}; stopping the other ranks", r,
+                             WEXITSTATUS(status)),
+                 WEXITSTATUS(status));
+    } else {
+      int sig = WTERMSIG(status);
+      begin_stop(SIGTERM,
+                 fmt::format("rank {} killed by signal {}; stopping the other ranks", r,
+                             signal_name(sig)),
+                 128 + sig);
+    }
+  }
+}
+
+int Launcher::run() {
+  int port = opts_.port ? opts_.port : pick_free_port();
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  signal(SIGPIPE, SIG_IGN);
+  sigset_t mask, old_mask;
+  sigemptyset(&mask);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, sig);
+  sigprocmask(SIG_BLOCK, &mask, &old_mask);
+  int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+  if (sfd < 0) {
+    fmt::print(stderr, "qring-launch: signalfd(): {}\n", std::strerror(errno));
+    return 1;
+  }
+  ranks_.resize(opts_.n);
+  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask);
+
+  std::optional<Clock::time_point> timeout_at;
+  if (opts_.timeout_s > 0)
+    timeout_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(opts_.timeout_s));
+  std::optional<Clock::time_point> drain_until;
+  std::vector<pollfd> pfds;
+  while (true) {
+    reap();
+    bool ranks_done = std::none_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r.running; });
+    bool children_left = any_child_left();
+    bool output_open =
+        std::any_of(streams_.begin(), streams_.end(), [](auto& s) { return s.fd >= 0; });
+    auto now = Clock::now();
+    if (ranks_done && children_left && !stopping_) {
+      // Every rank exited 0 but left processes behind: stop them too.
+      begin_stop(SIGTERM, "", 0);
+    }
+    if (ranks_done && !children_left) {
+      if (!output_open) break;
+      if (!drain_until) drain_until = now + kDrainLimit;
+      if (now >= *drain_until) break;
+    }
+    if (timeout_at && now >= *timeout_at && !stopping_) {
+      begin_stop(SIGTERM,
+                 fmt::format("timeout of {} s expired; killing all ranks", opts_.timeout_s), 124);
+    }
+    if (stopping_ && now >= kill_at_ && children_left) {
+      if (!killed_)
+        write_all(2, "qring-launch: processes left after SIGTERM; sending SIGKILL\n");
+      killed_ = true;
+      signal_all(SIGKILL);  // repeated: orphans reparented to us since the last pass
+      if (now >= kill_at_ + kKillGrace) {
+        write_all(2, "qring-launch: processes survive SIGKILL (uninterruptible?); giving up\n");
+        break;
+      }
+    }
+
+    Clock::time_point wake = now + std::chrono::seconds(1);
+    if (timeout_at && !stopping_) wake = std::min(wake, *timeout_at);
+    if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
+    if (killed_) wake = std::min(wake, now + milliseconds(50));
+    if (drain_until) wake = std::min(wake, *drain_until);
+    int wait_ms = static_cast<int>(
+        std::max<int64_t>(0, std::chrono::duration_cast<milliseconds>(wake - now).count() + 1));
+
+    pfds.clear();
+    pfds.push_back({sfd, POLLIN, 0});
+    for (auto& s : streams_)
+      if (s.fd >= 0) pfds.push_back({s.fd, POLLIN, 0});
+    if (poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) {
+      fmt::print(stderr, "qring-launch: poll(): {}\n", std::strerror(errno));
+      begin_stop(SIGKILL, "", 1);
+      killed_ = true;
+    }
+    signalfd_siginfo si;
+    while (read(sfd, &si, sizeof(si)) == static_cast<ssize_t>(sizeof(si))) {
+      int sig = static_cast<int>(si.ssi_signo);
+      if (sig == SIGCHLD) continue;  // reap() runs at the top of the loop
+      if (signals_received_++ > 0) {
+        write_all(2, fmt::format("qring-launch: {} again; killing all ranks\n", signal_name(sig)));
+        killed_ = true;
+        signal_all(SIGKILL);
+      } else {
+        begin_stop(sig, fmt::format("received {}; forwarding it to all ranks", signal_name(sig)),
+                   stopping_ ? exit_code_ : 128 + sig);
+      }
+    }
+    for (auto& s : streams_)
+      if (s.fd >= 0) on_output(s);
+  }
+  for (auto& s : streams_) {
+    flush_partial(s);
+    if (s.fd >= 0) close(s.fd);
+  }
+  close(sfd);
+  return exit_code_;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opts = parse_args(argc, argv);
+  Launcher launcher(std::move(opts));
+  return launcher.run();
+}

@@ -1,0 +1,298 @@
+// qring-launch end to end: runs the built binary with small shell commands as ranks.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const char* kLauncher = QRING_BUILD_DIR "/net/qring-launch";
+
+// One run of qring-launch with its stdout and stderr captured.
+class LaunchRun {
+ public:
+  explicit LaunchRun(const std::vector<std::string>& args) {
+    int out[2], err[2];
+    EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
+    EXPECT_EQ(pipe2(err, O_CLOEXEC), 0);
+    start_ = Clock::now();
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], 1);
+      dup2(err[1], 2);
+      std::vector<char*> argv{const_cast<char*>(kLauncher)};
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(kLauncher, argv.data());
+      _exit(126);
+    }
+    close(out[1]);
+    close(err[1]);
+    out_fd_ = out[0];
+    err_fd_ = err[0];
+  }
+  ~LaunchRun() {
+    if (pid_ > 0 && !finished_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_fd_ >= 0) close(out_fd_);
+    if (err_fd_ >= 0) close(err_fd_);
+  }
+  pid_t pid() const { return pid_; }
+
+  // Reads output until `done(out, err)` holds or `limit` passes; returns whether it held.
+  bool read_until(const std::function<bool()>& done, std::chrono::milliseconds limit) {
+    auto deadline = Clock::now() + limit;
+    while (!done()) {
+      if (Clock::now() >= deadline || (out_fd_ < 0 && err_fd_ < 0)) return done();
+      pollfd p[2] = {{out_fd_, POLLIN, 0}, {err_fd_, POLLIN, 0}};
+      poll(p, 2, 50);
+      for (int i = 0; i < 2; ++i) {
+        int& fd = i == 0 ? out_fd_ : err_fd_;
+        if (fd < 0 || !(p[i].revents & (POLLIN | POLLHUP))) continue;
+        char buf[4096];
+        ssize_t n = read(fd, buf, sizeof(buf));
+        if (n <= 0) {
+          close(fd);
+          fd = -1;
+        } else {
+          (i == 0 ? out : err).append(buf, n);
+        }
+      }
+    }
+    return true;
+  }
+  // Waits for the launcher to exit (killing it after `limit`); returns its exit code, or
+  // 128 + signal.
+  int finish(std::chrono::milliseconds limit = 10s) {
+    read_until([&] { return out_fd_ < 0 && err_fd_ < 0; }, limit);
+    auto deadline = Clock::now() + 2s;
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (Clock::now() >= deadline) {
+        ADD_FAILURE() << "qring-launch did not exit; killing it";
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    finished_ = true;
+    elapsed = Clock::now() - start_;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+  std::string out, err;
+  Clock::duration elapsed{};
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1, err_fd_ = -1;
+  bool finished_ = false;
+  Clock::time_point start_;
+};
+
+// A process is gone when it does not exist or is a zombie awaiting its reaper.
+bool process_gone(pid_t pid) {
+  if (kill(pid, 0) != 0) return true;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string s((std::istreambuf_iterator<char>(stat)), {});
+  auto p = s.rfind(')');
+  return p != std::string::npos && p + 2 < s.size() && s[p + 2] == 'Z';
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "qring-launch-XXXXXX").string();
+    path = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::vector<pid_t> pids(int n) const {
+    std::vector<pid_t> out;
+    for (int r = 0; r < n; ++r) {
+      std::ifstream f(fmt::format("{}/{}.pid", path, r));
+      pid_t p = 0;
+      if (f >> p) out.push_back(p);
+    }
+    return out;
+  }
+  std::string path;
+};
+
+TEST(Launch, FailingRankStopsTheOthers) {
+  LaunchRun run({"-n", "3", "--", "sh", "-c", "if [ $QRING_RANK = 1 ]; then exit 3; fi; sleep 30"});
+  int code = run.finish();
+  EXPECT_EQ(code, 3);
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err, HasSubstr("qring-launch: rank 1 exited with status 3"));
+}
+
+TEST(Launch, NoRankOrGrandchildSurvives) {
+  TempDir dir;
+  // Every rank starts a background `sleep 30` (a grandchild of the launcher) and records its
+  // pid; rank 1 then fails.
+  std::string script = fmt::format(
+      "sleep 30 & echo $! > {}/$QRING_RANK.pid; "
+      "if [ $QRING_RANK = 1 ]; then sleep 0.5; exit 3; fi; wait",
+      dir.path);
+  LaunchRun run({"-n", "3", "--", "sh", "-c", script});
+  EXPECT_EQ(run.finish(), 3);
+  EXPECT_LT(run.elapsed, 5s);
+  auto pids = dir.pids(3);
+  ASSERT_EQ(pids.size(), 3u);
+  for (pid_t p : pids) EXPECT_TRUE(process_gone(p)) << "sleep 30 with pid " << p << " survived";
+}
+
+TEST(Launch, KilledLauncherTakesItsRanksAlong) {
+  TempDir dir;
+  std::string script = fmt::format("echo $$ > {}/$QRING_RANK.pid; exec sleep 30", dir.path);
+  LaunchRun run({"-n", "2", "--", "sh", "-c", script});
+  auto deadline = Clock::now() + 5s;
+  while (dir.pids(2).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  auto pids = dir.pids(2);
+  ASSERT_EQ(pids.size(), 2u);
+  std::this_thread::sleep_for(100ms);  // let the ranks reach exec
+  kill(run.pid(), SIGKILL);
+  EXPECT_EQ(run.finish(), 128 + SIGKILL);
+  deadline = Clock::now() + 3s;
+  for (pid_t p : pids) {
+    while (!process_gone(p) && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+    EXPECT_TRUE(process_gone(p)) << "rank process " << p << " survived its launcher";
+  }
+}
+
+TEST(Launch, OutputIsPrefixedLineByLine) {
+  LaunchRun run({"-n", "2", "--", "sh", "-c",
+                 "echo out-$QRING_RANK; echo err-$QRING_RANK >&2; seq 1 300; "
+                 "printf tail-$QRING_RANK"});
+  EXPECT_EQ(run.finish(), 0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] out-{}\n", r, r)));
+    EXPECT_THAT(run.err, HasSubstr(fmt::format("[rank {}] err-{}\n", r, r)));
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] tail-{}\n", r, r)));  // partial line
+  }
+  EXPECT_THAT(run.out, Not(HasSubstr("err-")));
+  EXPECT_THAT(run.err, Not(HasSubstr("out-")));
+  // Every stdout line carries exactly one prefix; each rank's 300 numbers arrive in order.
+  std::istringstream lines(run.out);
+  std::regex line_re(R"(\[rank ([01])\] (out-[01]|tail-[01]|(\d+)))");
+  std::string line;
+  int next[2] = {1, 1};
+  int count = 0;
+  while (std::getline(lines, line)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, line_re)) << "bad line: " << line;
+    if (m[3].matched) {
+      int r = std::stoi(m[1]);
+      EXPECT_EQ(std::stoi(m[3]), next[r]++);
+    }
+    ++count;
+  }
+  EXPECT_EQ(count, 2 * 302);
+  EXPECT_EQ(next[0], 301);
+  EXPECT_EQ(next[1], 301);
+}
+
+TEST(Launch, SetsTheBootstrapEnvironment) {
+  LaunchRun run({"-n", "3", "--provider", "tcp", "--port", "23456", "--", "sh", "-c",
+                 "echo \"$QRING_RANK $QRING_WORLD_SIZE $QRING_LOCAL_RANK $QRING_LOCAL_SIZE "
+                 "$QRING_STORE $QRING_JOB_ID $QRING_PROVIDER\""});
+  EXPECT_EQ(run.finish(), 0);
+  for (int r = 0; r < 3; ++r)
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp\n",
+                                               r, r, r, run.pid())));
+
+  // Without --port a free port is chosen, the same for every rank; no provider is set.
+  LaunchRun run2({"-n", "2", "--", "sh", "-c", "echo \"store=$QRING_STORE p=$QRING_PROVIDER\""});
+  EXPECT_EQ(run2.finish(), 0);
+  std::smatch m;
+  std::regex re(R"(\[rank 0\] store=127\.0\.0\.1:(\d+) p=\n)");
+  ASSERT_TRUE(std::regex_search(run2.out, m, re)) << run2.out;
+  int port = std::stoi(m[1]);
+  EXPECT_GT(port, 0);
+  EXPECT_THAT(run2.out, HasSubstr(fmt::format("[rank 1] store=127.0.0.1:{} p=\n", port)));
+}
+
+TEST(Launch, ForwardsSigterm) {
+  LaunchRun run({"-n", "2", "--", "sh", "-c",
+                 "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done"});
+  ASSERT_TRUE(run.read_until(
+      [&] {
+        return run.out.find("[rank 0] ready") != std::string::npos &&
+               run.out.find("[rank 1] ready") != std::string::npos;
+      },
+      5s))
+      << run.out << run.err;
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.finish(), 128 + SIGTERM);
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.out, HasSubstr("[rank 0] got-term"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 1] got-term"));
+  EXPECT_THAT(run.err, HasSubstr("received SIGTERM"));
+}
+
+TEST(Launch, RankKilledBySignal) {
+  LaunchRun run({"-n", "2", "--", "sh", "-c", "if [ $QRING_RANK = 0 ]; then kill -KILL $$; fi; sleep 30"});
+  EXPECT_EQ(run.finish(), 128 + SIGKILL);
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err, HasSubstr("rank 0 killed by signal SIGKILL"));
+}
+
+TEST(Launch, SigtermIgnoringRankIsKilledAfterGrace) {
+  LaunchRun run({"-n", "2", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 0 ]; then sleep 0.3; exit 1; fi; trap '' TERM; "
+                 "while :; do sleep 0.05; done"});
+  EXPECT_EQ(run.finish(), 1);
+  EXPECT_GE(run.elapsed, 3s);  // SIGTERM was ignored: SIGKILL after the 3 s grace
+  EXPECT_LT(run.elapsed, 7s);
+  EXPECT_THAT(run.err, HasSubstr("sending SIGKILL"));
+}
+
+TEST(Launch, OverallTimeout) {
+  LaunchRun run({"-n", "2", "--timeout-s", "0.3", "--", "sleep", "30"});
+  EXPECT_EQ(run.finish(), 124);
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err, HasSubstr("timeout of 0.3 s expired"));
+}
+
+TEST(Launch, SuccessAndUsageErrors) {
+  LaunchRun ok({"-n", "4", "--", "true"});
+  EXPECT_EQ(ok.finish(), 0);
+  LaunchRun missing_exec({"-n", "1", "--", "/nonexistent/qring-cmd"});
+  EXPECT_EQ(missing_exec.finish(), 127);
+  EXPECT_THAT(missing_exec.err, HasSubstr("cannot execute '/nonexistent/qring-cmd'"));
+  LaunchRun no_n({"--", "true"});
+  EXPECT_EQ(no_n.finish(), 2);
+  EXPECT_THAT(no_n.err, HasSubstr("-n N is required"));
+  LaunchRun no_cmd({"-n", "2"});
+  EXPECT_EQ(no_cmd.finish(), 2);
+  LaunchRun bad_n({"-n", "x", "--", "true"});
+  EXPECT_EQ(bad_n.finish(), 2);
+  LaunchRun unknown({"-n", "1", "--bogus", "--", "true"});
+  EXPECT_EQ(unknown.finish(), 2);
+  EXPECT_THAT(unknown.err, HasSubstr("unknown option '--bogus'"));
+}
+
+}  // namespace
