@@ -1,0 +1,69 @@
+# shellcheck shell=bash
+# Shared by train.sbatch, bench.sbatch and sweep.sbatch; sourced, not run. Each sbatch
+# script finds the repository first (Slurm runs a copy of the script from its spool
+# directory), then sources this file.
+
+qring_die() {
+  echo "qring-slurm: error: $*" >&2
+  exit 2
+}
+
+# Sets QRING_BUILD (default <repo>/build) and OMP_NUM_THREADS (default: the CPUs Slurm gives
+# each task, else 1), and prints what the job is about to run on.
+qring_setup() {
+  [ -n "${SLURM_JOB_ID:-}" ] ||
+    qring_die "not inside a Slurm job; submit with: sbatch [options] $1 ARGS..."
+  export QRING_BUILD=${QRING_BUILD:-$QRING_ROOT/build}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  local rev
+  rev=$(git -C "$QRING_ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+  echo "qring-slurm: job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-?}) on ${SLURM_JOB_NODELIST:-?}:" \
+    "${SLURM_JOB_NUM_NODES:-?} node(s), ${SLURM_NTASKS:-?} task(s); repo ${QRING_ROOT} @ ${rev};" \
+    "build ${QRING_BUILD}; started $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  local v
+  for v in QRING_PROVIDER QRING_STORE_PORT QRING_SRUN_ARGS FI_PROVIDER FI_LOG_LEVEL \
+    FI_TCP_IFACE; do
+    [ -n "${!v:-}" ] && echo "qring-slurm: $v=${!v}"
+  done
+  return 0
+}
+
+# Fails with a clear message when the binary $1 is not built.
+qring_require_bin() {
+  [ -x "$1" ] && return 0
+  qring_die "$1 not found or not executable; build it with scripts/build.sh (on a path every" \
+    "node sees), or set QRING_BUILD to the build directory"
+}
+
+# Prints the config path: as given when it exists (relative to the job's working directory),
+# else relative to the repository.
+qring_resolve_config() {
+  local cfg=$1
+  if [ -f "$cfg" ]; then
+    echo "$cfg"
+  elif [ -f "$QRING_ROOT/$cfg" ]; then
+    echo "$QRING_ROOT/$cfg"
+  else
+    qring_die "config '$cfg' not found (looked in $PWD and $QRING_ROOT)"
+  fi
+}
+
+# Starts one process per task. If any task fails, Slurm kills the others
+# (--kill-on-bad-exit=1) and srun reports which task failed. Output lines carry the task
+# number (--label). Extra srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores").
+# Returns srun's exit code.
+qring_srun() {
+  local rc=0
+  local -a extra=()
+  # shellcheck disable=SC2206 # QRING_SRUN_ARGS is a list of options, split on spaces
+  [ -n "${QRING_SRUN_ARGS:-}" ] && extra=(${QRING_SRUN_ARGS})
+  echo "qring-slurm: srun --kill-on-bad-exit=1 --label ${extra[*]} $*"
+  srun --kill-on-bad-exit=1 --label "${extra[@]}" "$@" || rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "qring-slurm: job ${SLURM_JOB_ID} step finished, exit code 0"
+  else
+    echo "qring-slurm: job ${SLURM_JOB_ID} step FAILED, exit code $rc (the 'srun: error:' lines" \
+      "above name the failing task = rank)" >&2
+  fi
+  return $rc
+}
