@@ -19,6 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "net/bootstrap.h"
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -31,7 +33,7 @@ const char* kLauncher = QRING_BUILD_DIR "/net/qring-launch";
 // One run of qring-launch with its stdout and stderr captured.
 class LaunchRun {
  public:
-  explicit LaunchRun(const std::vector<std::string>& args) {
+  explicit LaunchRun(const std::vector<std::string>& args, const char* env_var = nullptr) {
     int out[2], err[2];
     EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
     EXPECT_EQ(pipe2(err, O_CLOEXEC), 0);
@@ -40,6 +42,7 @@ class LaunchRun {
     if (pid_ == 0) {
       dup2(out[1], 1);
       dup2(err[1], 2);
+      if (env_var) putenv(const_cast<char*>(env_var));
       std::vector<char*> argv{const_cast<char*>(kLauncher)};
       for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
@@ -293,6 +296,30 @@ TEST(Launch, SuccessAndUsageErrors) {
   LaunchRun unknown({"-n", "1", "--bogus", "--", "true"});
   EXPECT_EQ(unknown.finish(), 2);
   EXPECT_THAT(unknown.err, HasSubstr("unknown option '--bogus'"));
+}
+
+// Runs only as a rank under qring-launch (see LaunchedRanksRendezvous): bootstraps from the
+// launcher's environment and rendezvouses over TCP.
+TEST(LaunchChild, Rendezvous) {
+  if (!std::getenv("QRING_TEST_LAUNCH_CHILD")) GTEST_SKIP() << "runs as a qring-launch rank";
+  auto info = qring::net::detect_bootstrap();
+  qring::net::Rendezvous rdv(info, qring::net::deadline_in(10s));
+  rdv.store().set(fmt::format("hello/{}", info.rank), "x");
+  for (int r = 0; r < info.world_size; ++r)
+    rdv.store().get(fmt::format("hello/{}", r), qring::net::deadline_in(10s));
+  std::printf("rank %d/%d source=%s hosts=%zu single=%d\n", info.rank, info.world_size,
+              info.source.c_str(), rdv.hostnames().size(), rdv.single_host() ? 1 : 0);
+}
+
+TEST(Launch, LaunchedRanksRendezvous) {
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  LaunchRun run({"-n", "3", "--timeout-s", "30", "--", self,
+                 "--gtest_filter=LaunchChild.Rendezvous"},
+                "QRING_TEST_LAUNCH_CHILD=1");
+  EXPECT_EQ(run.finish(40s), 0) << run.out << run.err;
+  for (int r = 0; r < 3; ++r)
+    EXPECT_THAT(run.out,
+                HasSubstr(fmt::format("[rank {}] rank {}/3 source=env hosts=3 single=1\n", r, r)));
 }
 
 }  // namespace
