@@ -1,15 +1,14 @@
 // Launch detection and rendezvous (net/bootstrap.h); documented in docs/bootstrap.md.
 #include "net/bootstrap.h"
 
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <climits>
 #include <cstdlib>
-
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include "net/error.h"
 #include "net/hostlist.h"
@@ -71,17 +70,17 @@ std::pair<std::string, int> parse_store(const std::string& name, const std::stri
 
 void check_rank(const BootstrapInfo& b, const std::string& rank_var, const std::string& size_var) {
   if (b.rank >= b.world_size)
-    throw ConfigError(fmt::format("{}={} is not below {}={}", rank_var, b.rank, size_var,
-                                  b.world_size));
+    throw ConfigError(
+        fmt::format("{}={} is not below {}={}", rank_var, b.rank, size_var, b.world_size));
 }
 
 void check_local(const BootstrapInfo& b, const std::string& rank_var, const std::string& size_var) {
   if (b.local_rank >= b.local_size)
-    throw ConfigError(fmt::format("{}={} is not below {}={}", rank_var, b.local_rank, size_var,
-                                  b.local_size));
+    throw ConfigError(
+        fmt::format("{}={} is not below {}={}", rank_var, b.local_rank, size_var, b.local_size));
   if (b.local_size > b.world_size)
-    throw ConfigError(fmt::format("{}={} exceeds the world size {}", size_var, b.local_size,
-                                  b.world_size));
+    throw ConfigError(
+        fmt::format("{}={} exceeds the world size {}", size_var, b.local_size, b.world_size));
 }
 
 // Slurm's tasks-per-node format "2(x3),1" -> {2,2,2,1}.
@@ -263,8 +262,8 @@ BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
 
 Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(info) {
   if (info_.world_size > 1 && info_.store_port == 0)
-    throw ConfigError(fmt::format("rank {} of {}: no rendezvous store port", info_.rank,
-                                  info_.world_size));
+    throw ConfigError(
+        fmt::format("rank {} of {}: no rendezvous store port", info_.rank, info_.world_size));
   std::string host = this_hostname();
   if (info_.store_port == 0) {
     owned_ = std::make_unique<MemoryStore>();  // single process
@@ -316,7 +315,9 @@ Rendezvous::~Rendezvous() {
   server_.reset();
 }
 
-Store& Rendezvous::store() { return *store_; }
+Store& Rendezvous::store() {
+  return *store_;
+}
 
 bool Rendezvous::single_host() const {
   return std::all_of(hostnames_.begin(), hostnames_.end(),

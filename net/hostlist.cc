@@ -1,10 +1,10 @@
 // Slurm hostlist expansion (net/hostlist.h).
 #include "net/hostlist.h"
 
+#include <fmt/format.h>
+
 #include <charconv>
 #include <cstdint>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
@@ -35,8 +35,8 @@ std::vector<std::string> expand_ranges(std::string_view expr, std::string_view b
   size_t start = 0;
   while (start <= body.size()) {
     size_t comma = body.find(',', start);
-    std::string_view part = body.substr(start, comma == std::string_view::npos ? body.npos
-                                                                                : comma - start);
+    std::string_view part =
+        body.substr(start, comma == std::string_view::npos ? body.npos : comma - start);
     if (part.empty()) fail(expr, "empty range inside brackets");
     size_t dash = part.find('-');
     std::string_view lo_s = part.substr(0, dash);

@@ -1,14 +1,15 @@
 // MemoryStore and PrefixStore (net/store.h). TcpStore / TcpStoreServer are in tcp_store.cc.
+#include "net/store.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <charconv>
 #include <condition_variable>
 #include <mutex>
 #include <unordered_map>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include "net/error.h"
-#include "net/store.h"
 
 namespace qring::net {
 
@@ -32,9 +33,13 @@ int64_t parse_counter(const std::string& key, const std::string& value) {
 PrefixStore::PrefixStore(std::string prefix, Store& base)
     : prefix_(std::move(prefix)), base_(base) {}
 
-std::string PrefixStore::key(const std::string& k) const { return prefix_ + "/" + k; }
+std::string PrefixStore::key(const std::string& k) const {
+  return prefix_ + "/" + k;
+}
 
-void PrefixStore::set(const std::string& k, const std::string& value) { base_.set(key(k), value); }
+void PrefixStore::set(const std::string& k, const std::string& value) {
+  base_.set(key(k), value);
+}
 
 std::string PrefixStore::get(const std::string& k, Deadline deadline) {
   return base_.get(key(k), deadline);
@@ -54,7 +59,9 @@ bool PrefixStore::check(const std::vector<std::string>& keys) {
   return base_.check(full);
 }
 
-int64_t PrefixStore::add(const std::string& k, int64_t delta) { return base_.add(key(k), delta); }
+int64_t PrefixStore::add(const std::string& k, int64_t delta) {
+  return base_.add(key(k), delta);
+}
 
 // ---------------------------------------------------------------------------------------------
 // MemoryStore

@@ -1,10 +1,12 @@
 // TcpStoreServer and TcpStore (net/store.h); wire format in docs/bootstrap.md.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -19,9 +21,6 @@
 #include <thread>
 #include <unordered_map>
 
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
-
 #include "net/error.h"
 #include "net/store.h"
 
@@ -33,7 +32,9 @@ constexpr auto kOpTimeout = std::chrono::seconds(60);
 // A client that does not read its replies is dropped once this much is queued for it.
 constexpr size_t kMaxQueuedBytes = size_t{256} << 20;
 
-std::string errno_text(int err) { return fmt::format("{} (errno {})", std::strerror(err), err); }
+std::string errno_text(int err) {
+  return fmt::format("{} (errno {})", std::strerror(err), err);
+}
 
 class Fd {
  public:
@@ -77,7 +78,8 @@ void put_str(std::string& s, std::string_view v) {
 }
 uint64_t load_le(const char* p, int n) {
   uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < n; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -275,8 +277,8 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
   int one = 1;
   setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
-    throw IoError(fmt::format("store server: cannot bind {}:{}: {}", bind_host, port,
-                              errno_text(errno)));
+    throw IoError(
+        fmt::format("store server: cannot bind {}:{}: {}", bind_host, port, errno_text(errno)));
   if (listen(s.listen_fd.get(), 256) != 0)
     throw IoError("store server: listen(): " + errno_text(errno));
   socklen_t len = sizeof(addr);
@@ -302,7 +304,9 @@ TcpStoreServer::~TcpStoreServer() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
-int TcpStoreServer::port() const { return impl_->port; }
+int TcpStoreServer::port() const {
+  return impl_->port;
+}
 
 void TcpStoreServer::Impl::run() {
   std::vector<pollfd> pfds;
@@ -379,9 +383,10 @@ bool TcpStoreServer::Impl::read_conn(Conn& c) {
     }
     if (r == 0) {
       if (!c.in.empty() && !c.closing)
-        spdlog::error("store server: connection from {} closed inside a frame ({} bytes of a "
-                      "truncated frame); dropping it",
-                      c.peer, c.in.size());
+        spdlog::error(
+            "store server: connection from {} closed inside a frame ({} bytes of a "
+            "truncated frame); dropping it",
+            c.peer, c.in.size());
       else
         spdlog::debug("store server: {} (rank {}) disconnected", c.peer, c.rank);
       return false;
@@ -399,16 +404,18 @@ bool TcpStoreServer::Impl::process(uint64_t cid, Conn& c) {
   while (!c.closing && c.in.size() - pos >= kFrameHeaderBytes) {
     Header h = decode_header(c.in.data() + pos);
     if (h.magic != kStoreMagic) {
-      spdlog::error("store server: bad frame magic {:#010x} from {} (expected {:#010x}); "
-                    "closing the connection",
-                    h.magic, c.peer, kStoreMagic);
+      spdlog::error(
+          "store server: bad frame magic {:#010x} from {} (expected {:#010x}); "
+          "closing the connection",
+          h.magic, c.peer, kStoreMagic);
       ok = false;
       break;
     }
     if (h.len > kMaxFrameBytes) {
-      spdlog::error("store server: frame of {} bytes from {} exceeds the limit of {} bytes; "
-                    "closing the connection",
-                    h.len, c.peer, kMaxFrameBytes);
+      spdlog::error(
+          "store server: frame of {} bytes from {} exceeds the limit of {} bytes; "
+          "closing the connection",
+          h.len, c.peer, kMaxFrameBytes);
       ok = false;
       break;
     }
@@ -504,7 +511,8 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     case StoreMsg::kWait:
     case StoreMsg::kCheck: {
       std::vector<std::string> keys;
-      if (!r.keys(keys) || !r.at_end()) return malformed(type == StoreMsg::kWait ? "WAIT" : "CHECK");
+      if (!r.keys(keys) || !r.at_end())
+        return malformed(type == StoreMsg::kWait ? "WAIT" : "CHECK");
       if (type == StoreMsg::kCheck) {
         std::string out;
         put_u32(out, has_all(keys) ? 1 : 0);
@@ -648,9 +656,8 @@ struct TcpStore::Impl {
       malformed(op, fmt::format("reply type {:#x}, version {}", r.h.type, r.h.version));
   }
   [[noreturn]] void malformed(const char* op, const std::string& detail) {
-    std::string msg =
-        fmt::format("malformed reply from store {} to {} of rank {}: {}", where, op, join.rank,
-                    detail);
+    std::string msg = fmt::format("malformed reply from store {} to {} of rank {}: {}", where, op,
+                                  join.rank, detail);
     {
       std::lock_guard lk(mu);
       broken = true;
@@ -766,8 +773,8 @@ TcpStore::Impl::Reply TcpStore::Impl::request(StoreMsg type, const std::string& 
                                               Deadline deadline, const std::string& what) {
   auto start = Clock::now();
   std::unique_lock lk(mu);
-  if (broken) throw IoError(fmt::format("store client of rank {} is broken: {}", join.rank,
-                                        broken_reason));
+  if (broken)
+    throw IoError(fmt::format("store client of rank {} is broken: {}", join.rank, broken_reason));
   uint32_t id = next_id++;
   Reply reply;
   pending[id] = &reply;
@@ -836,12 +843,13 @@ TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Dead
     if (s.try_connect(host, port, deadline, err)) break;
     if (Clock::now() >= deadline) {
       auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
-      throw TimeoutError(fmt::format("rank {}: store {} unreachable after {} ms ({} attempts, "
-                                     "last error: {})",
-                                     join.rank, s.where, ms, attempts, err));
+      throw TimeoutError(
+          fmt::format("rank {}: store {} unreachable after {} ms ({} attempts, "
+                      "last error: {})",
+                      join.rank, s.where, ms, attempts, err));
     }
-    std::this_thread::sleep_for(std::min<Clock::duration>(milliseconds(50),
-                                                          deadline - Clock::now()));
+    std::this_thread::sleep_for(
+        std::min<Clock::duration>(milliseconds(50), deadline - Clock::now()));
   }
   std::string p;
   put_u32(p, join.version);

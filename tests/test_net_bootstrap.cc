@@ -1,11 +1,10 @@
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <map>
 #include <thread>
-
-#include <fmt/format.h>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "net/bootstrap.h"
 #include "net/error.h"
@@ -115,10 +114,14 @@ TEST(DetectBootstrap, ExplicitEnvErrorsNameTheVariable) {
 }
 
 Vars slurm_vars() {
-  return {{"SLURM_PROCID", "5"},          {"SLURM_NTASKS", "8"},
-          {"SLURM_LOCALID", "1"},         {"SLURM_NODEID", "2"},
-          {"SLURM_STEP_TASKS_PER_NODE", "2(x3),2"}, {"SLURM_STEP_NODELIST", "node[01-04]"},
-          {"SLURM_JOB_NODELIST", "other[1-9]"},     {"SLURM_JOB_ID", "12345"}};
+  return {{"SLURM_PROCID", "5"},
+          {"SLURM_NTASKS", "8"},
+          {"SLURM_LOCALID", "1"},
+          {"SLURM_NODEID", "2"},
+          {"SLURM_STEP_TASKS_PER_NODE", "2(x3),2"},
+          {"SLURM_STEP_NODELIST", "node[01-04]"},
+          {"SLURM_JOB_NODELIST", "other[1-9]"},
+          {"SLURM_JOB_ID", "12345"}};
 }
 
 TEST(DetectBootstrap, Slurm) {
@@ -193,9 +196,12 @@ TEST(DetectBootstrap, SlurmErrorsNameTheVariable) {
 }
 
 TEST(DetectBootstrap, MpiAndPmi) {
-  Vars v{{"OMPI_COMM_WORLD_RANK", "1"},       {"OMPI_COMM_WORLD_SIZE", "3"},
-         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
-         {"MASTER_ADDR", "head"},             {"MASTER_PORT", "29500"}};
+  Vars v{{"OMPI_COMM_WORLD_RANK", "1"},
+         {"OMPI_COMM_WORLD_SIZE", "3"},
+         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+         {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+         {"MASTER_ADDR", "head"},
+         {"MASTER_PORT", "29500"}};
   auto b = detect(v);
   EXPECT_EQ(b.source, "mpi");
   EXPECT_EQ(b.rank, 1);
@@ -204,7 +210,7 @@ TEST(DetectBootstrap, MpiAndPmi) {
   EXPECT_EQ(b.local_size, 1);
   EXPECT_EQ(b.store_host, "head");
   EXPECT_EQ(b.store_port, 29500);
-  v["QRING_STORE"] = "other:1"; // QRING_STORE wins over MASTER_*
+  v["QRING_STORE"] = "other:1";  // QRING_STORE wins over MASTER_*
   b = detect(v);
   EXPECT_EQ(b.store_host, "other");
   EXPECT_EQ(b.store_port, 1);
@@ -220,8 +226,10 @@ TEST(DetectBootstrap, MpiAndPmi) {
   EXPECT_THAT(error_of({{"PMI_RANK", "4"}, {"PMI_SIZE", "4"}, {"QRING_STORE", "h:9"}}),
               HasSubstr("PMI_RANK=4 is not below PMI_SIZE=4"));
   EXPECT_THAT(error_of({{"PMI_RANK", "0"}, {"PMI_SIZE", "two"}}), HasSubstr("PMI_SIZE='two'"));
-  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                        {"MASTER_ADDR", "h"}, {"MASTER_PORT", "x"}}),
+  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"},
+                        {"OMPI_COMM_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "h"},
+                        {"MASTER_PORT", "x"}}),
               HasSubstr("MASTER_PORT='x'"));
 }
 

@@ -1,5 +1,8 @@
 // qring-launch end to end: runs the built binary with small shell commands as ranks.
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -14,10 +17,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "net/bootstrap.h"
 
@@ -224,8 +223,9 @@ TEST(Launch, SetsTheBootstrapEnvironment) {
                  "$QRING_STORE $QRING_JOB_ID $QRING_PROVIDER\""});
   EXPECT_EQ(run.finish(), 0);
   for (int r = 0; r < 3; ++r)
-    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp\n",
-                                               r, r, r, run.pid())));
+    EXPECT_THAT(run.out,
+                HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp\n", r, r,
+                                      r, run.pid())));
 
   // Without --port a free port is chosen, the same for every rank; no provider is set.
   LaunchRun run2({"-n", "2", "--", "sh", "-c", "echo \"store=$QRING_STORE p=$QRING_PROVIDER\""});
@@ -257,7 +257,8 @@ TEST(Launch, ForwardsSigterm) {
 }
 
 TEST(Launch, RankKilledBySignal) {
-  LaunchRun run({"-n", "2", "--", "sh", "-c", "if [ $QRING_RANK = 0 ]; then kill -KILL $$; fi; sleep 30"});
+  LaunchRun run(
+      {"-n", "2", "--", "sh", "-c", "if [ $QRING_RANK = 0 ]; then kill -KILL $$; fi; sleep 30"});
   EXPECT_EQ(run.finish(), 128 + SIGKILL);
   EXPECT_LT(run.elapsed, 5s);
   EXPECT_THAT(run.err, HasSubstr("rank 0 killed by signal SIGKILL"));
@@ -313,9 +314,9 @@ TEST(LaunchChild, Rendezvous) {
 
 TEST(Launch, LaunchedRanksRendezvous) {
   std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  LaunchRun run({"-n", "3", "--timeout-s", "30", "--", self,
-                 "--gtest_filter=LaunchChild.Rendezvous"},
-                "QRING_TEST_LAUNCH_CHILD=1");
+  LaunchRun run(
+      {"-n", "3", "--timeout-s", "30", "--", self, "--gtest_filter=LaunchChild.Rendezvous"},
+      "QRING_TEST_LAUNCH_CHILD=1");
   EXPECT_EQ(run.finish(40s), 0) << run.out << run.err;
   for (int r = 0; r < 3; ++r)
     EXPECT_THAT(run.out,

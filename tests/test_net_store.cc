@@ -1,6 +1,9 @@
 // One suite over every Store (MemoryStore, PrefixStore, TcpStore), then TCP-specific cases:
 // join validation, malformed frames from raw sockets, unreachable stores.
 #include <arpa/inet.h>
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -9,10 +12,6 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
-
-#include <fmt/format.h>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "net/error.h"
 #include "net/store.h"

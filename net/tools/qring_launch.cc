@@ -7,6 +7,7 @@
 // --timeout-s; 2 on a usage error. See docs/bootstrap.md.
 #include <dirent.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -26,8 +27,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace {
 
@@ -216,8 +215,8 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask) {
     for (auto& a : opts_.cmd) argv.push_back(a.data());
     argv.push_back(nullptr);
     execvp(argv[0], argv.data());
-    std::string msg = fmt::format("qring-launch: cannot execute '{}': {}\n", opts_.cmd[0],
-                                  std::strerror(errno));
+    std::string msg =
+        fmt::format("qring-launch: cannot execute '{}': {}\n", opts_.cmd[0], std::strerror(errno));
     write_all(2, msg);
     _exit(127);
   }
@@ -283,8 +282,7 @@ std::vector<pid_t> child_pids() {
     if (close_paren == std::string::npos) continue;
     int ppid = 0;
     char state = 0;
-    if (std::sscanf(stat.c_str() + close_paren + 1, " %c %d", &state, &ppid) == 2 &&
-        ppid == self)
+    if (std::sscanf(stat.c_str() + close_paren + 1, " %c %d", &state, &ppid) == 2 && ppid == self)
       out.push_back(pid);
   }
   closedir(d);
@@ -331,10 +329,10 @@ void Launcher::reap() {
                  WEXITSTATUS(status));
     } else {
       int sig = WTERMSIG(status);
-      begin_stop(SIGTERM,
-                 fmt::format("rank {} killed by signal {}; stopping the other ranks", r,
-                             signal_name(sig)),
-                 128 + sig);
+      begin_stop(
+          SIGTERM,
+          fmt::format("rank {} killed by signal {}; stopping the other ranks", r, signal_name(sig)),
+          128 + sig);
     }
   }
 }
@@ -382,8 +380,7 @@ int Launcher::run() {
                  fmt::format("timeout of {} s expired; killing all ranks", opts_.timeout_s), 124);
     }
     if (stopping_ && now >= kill_at_ && children_left) {
-      if (!killed_)
-        write_all(2, "qring-launch: processes left after SIGTERM; sending SIGKILL\n");
+      if (!killed_) write_all(2, "qring-launch: processes left after SIGTERM; sending SIGKILL\n");
       killed_ = true;
       signal_all(SIGKILL);  // repeated: orphans reparented to us since the last pass
       if (now >= kill_at_ + kKillGrace) {
