@@ -61,6 +61,7 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op) {
     }
     if (stop_) throw UsageError("communicator is shutting down");
     incoming_.push_back(std::move(op));
+    kicked_ = true;
   }
   cv_.notify_one();
   return work;
@@ -79,6 +80,7 @@ void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.push_back(std::move(wrapped));
+    kicked_ = true;
   }
   cv_.notify_one();
   done->wait();
@@ -146,8 +148,31 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
   active_.clear();
 }
 
+void Engine::kick() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    kicked_ = true;
+  }
+  cv_.notify_one();
+}
+
+// Waiting for peers with operations active: poll, then yield, then sleep with a doubling
+// timeout, but on the condition variable, so new work (kick) wakes the engine at once.
+void Engine::idle_wait(uint32_t& idle_polls) {
+  ++idle_polls;
+  if (idle_polls < 64) return;
+  if (idle_polls < 512) {
+    sched_yield();
+    return;
+  }
+  uint32_t k = std::min<uint32_t>(idle_polls - 512, 9);
+  auto sleep = std::chrono::microseconds(1u << k);  // 1 us .. 512 us
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, sleep, [&] { return kicked_ || stop_; });
+}
+
 void Engine::loop() {
-  net::Backoff backoff;
+  uint32_t idle_polls = 0;
   std::vector<std::function<void(net::Endpoint&)>> calls;
   while (true) {
     {
@@ -155,6 +180,8 @@ void Engine::loop() {
       if (active_.empty() && incoming_.empty() && calls_.empty() && !stop_) {
         cv_.wait(lock, [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
       }
+      if (kicked_) idle_polls = 0;
+      kicked_ = false;
       if (stop_) break;
       while (!incoming_.empty()) {
         active_.push_back(std::move(incoming_.front()));
@@ -202,9 +229,9 @@ void Engine::loop() {
       }
     }
     if (moved)
-      backoff.reset();
+      idle_polls = 0;
     else if (!active_.empty())
-      backoff.idle();
+      idle_wait(idle_polls);
   }
   // Shutdown: fail what is left so no caller waits forever.
   if (!active_.empty() || !incoming_.empty())

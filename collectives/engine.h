@@ -52,6 +52,8 @@ class Engine {
   int size() const { return size_; }
   int reduce_threads() const { return reduce_threads_; }
   std::string provider() const { return provider_; }
+  // Wakes the engine thread if it sleeps (call after handing it new work).
+  void kick();
   // Runs `fn` on the engine thread (with the endpoint) and waits for it.
   void run(const std::function<void(net::Endpoint&)>& fn);
   // Scratch memory owned by the engine and reused (and registered once) across operations.
@@ -77,6 +79,7 @@ class Engine {
 
  private:
   void loop();
+  void idle_wait(uint32_t& idle_polls);
   void fail_all(const std::string& reason, std::exception_ptr err);
 
   std::unique_ptr<net::Endpoint> ep_;
@@ -89,6 +92,7 @@ class Engine {
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;
+  bool kicked_ = false;
   std::atomic<bool> broken_{false};
   std::string broken_reason_;
   // Scratch pools before active_: ops hold leases, so they must die first.

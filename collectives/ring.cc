@@ -28,8 +28,18 @@ class RingOp final : public EngineOp {
   RingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
       : engine_(engine), args_(a), n_(engine.size()), r_(engine.rank()) {
     elem_ = dtype_size(a.type);
-    left_ = mod(r_ - 1, n_);
-    right_ = mod(r_ + 1, n_);
+    if (!a.members.empty()) {
+      n_ = static_cast<int>(a.members.size());
+      auto it = std::find(a.members.begin(), a.members.end(), engine.rank());
+      if (it == a.members.end())
+        throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
+      r_ = static_cast<int>(it - a.members.begin());
+      left_ = a.members[size_t(mod(r_ - 1, n_))];
+      right_ = a.members[size_t(mod(r_ + 1, n_))];
+    } else {
+      left_ = mod(r_ - 1, n_);
+      right_ = mod(r_ + 1, n_);
+    }
     seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
     window_ = std::max(1, opts.segments_in_flight);
     threads_ = engine.reduce_threads();

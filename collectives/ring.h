@@ -18,6 +18,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "collectives/engine.h"
 
@@ -33,6 +34,9 @@ struct RingArgs {
   DataType type = DataType::kFloat32;
   RedOp op = RedOp::kSum;
   net::Op tag_op = net::Op::kAllreduce;
+  // Ranks forming the ring, in ring order; empty = every rank in rank order. The quorum
+  // all-reduce runs the ring among its contributors only.
+  std::vector<int> members;
 };
 
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,

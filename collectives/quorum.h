@@ -1,0 +1,118 @@
+// The quorum all-reduce: a bounded-wait ring all-reduce that completes once a quorum of
+// contributions has arrived (synchronous SGD with backup workers, Chen et al. 2016).
+// Contract and protocol: docs/design.md, "Quorum all-reduce".
+//
+//   QuorumAllreduce q(comm, grad.size(), opts);
+//   for (step ...) {
+//     compute(grad, [&] { return q.excluded(step); });  // may abandon stale work
+//     q.contribute(step, grad.data(), grad.size());       // non-blocking
+//     QuorumResult r = q.wait(step, grad.data());          // grad = mean over S(step)
+//   }
+//
+// Every rank gets the same contributor set S(t) (|S(t)| >= quorum) and bit-identical output
+// equal to the reduction of exactly the buffers of S(t). Ranks outside S(t) learn it at once
+// (excluded(t)), still receive step t's result and move on. Fewer than `quorum`
+// contributions by the hard deadline is a QuorumTimeout on every rank naming the missing ones.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace qring::collectives {
+
+enum class LatePolicy : uint8_t { kDrop, kCarry };
+LatePolicy parse_late_policy(std::string_view s);
+std::string_view to_string(LatePolicy p);
+
+struct QuorumOptions {
+  int quorum = 0;  // contributions needed, 1..world; 0 = world size
+  // After the quorum-th arrival, keep collecting for this long (0 = first `quorum` win).
+  std::chrono::milliseconds grace{0};
+  // Hard deadline: fewer than `quorum` contributions this long after the step's first one
+  // fails the step (QuorumTimeout) on every rank. Also bounds every other wait of a step.
+  std::chrono::milliseconds deadline{30000};
+  LatePolicy late = LatePolicy::kDrop;
+  DataType type = DataType::kFloat32;
+  bool mean = true;  // mean over contributors, or sum
+};
+
+// "3" → 3; "0.75" → ceil(0.75 * world); "1.0" → world. ConfigError when out of [1, world].
+int resolve_quorum(std::string_view spec, int world);
+
+class QuorumTimeout : public CollectiveTimeout {
+ public:
+  QuorumTimeout(const std::string& msg, std::vector<int> missing)
+      : CollectiveTimeout(msg), missing_(std::move(missing)) {}
+  const std::vector<int>& missing() const { return missing_; }
+
+ private:
+  std::vector<int> missing_;
+};
+
+struct QuorumResult {
+  uint64_t step = 0;
+  std::vector<uint8_t> contributors;  // bitmap: bit (r % 8) of byte r / 8 = rank r counted
+  int count = 0;                      // |S(t)|
+  bool self_counted = false;
+  std::vector<int> dropped;           // ranks outside S(t)
+  // Times in ms relative to the first contribution of the step seen by the coordinator.
+  double ready_ms = -1;   // this rank's contribution (-1: arrived after the decision)
+  double decide_ms = 0;   // the decision
+  std::vector<double> ready_offsets_ms;  // every rank's, as known at the decision (-1 = late)
+  double reduce_ms = 0;   // the ring reduction on this rank (0 when excluded)
+  double wait_ms = 0;     // time this rank spent inside wait()
+  bool contains(int rank) const {
+    return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1;
+  }
+};
+
+class QuorumAllreduce {
+ public:
+  // One per communicator. `count` elements of opts.type per contribution.
+  QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions opts);
+  ~QuorumAllreduce();
+  QuorumAllreduce(const QuorumAllreduce&) = delete;
+  QuorumAllreduce& operator=(const QuorumAllreduce&) = delete;
+
+  // Non-blocking. `buf` holds this rank's contribution and must stay untouched until
+  // wait(step) returns; when counted, the reduction happens in place in it. Steps are
+  // consecutive. Under LatePolicy::kCarry, gradients that missed earlier steps are added to
+  // `buf` here (so they count exactly once).
+  void contribute(uint64_t step, void* buf, size_t count);
+  // Blocks until step's result is known and writes it to `out` (count elements; may be the
+  // contributed buffer). Allowed without contribute() for a step this rank abandons.
+  QuorumResult wait(uint64_t step, void* out);
+  // True as soon as this rank's contribution to `step` can no longer be counted.
+  bool excluded(uint64_t step) const;
+  // Called (on the engine thread; keep it short) when this rank is excluded from a step.
+  void on_excluded(std::function<void(uint64_t)> cb);
+  // Coordinator (rank 0): per step, each rank's contribution time at the coordinator in ms
+  // after the step's first (late ones included; -1 = never arrived). Empty elsewhere.
+  std::map<uint64_t, std::vector<double>> arrival_log() const;
+
+  const QuorumOptions& options() const { return opts_; }
+  size_t count() const { return count_; }
+
+  struct Shared;
+
+ private:
+  Communicator& comm_;
+  size_t count_;
+  QuorumOptions opts_;
+  std::shared_ptr<Shared> shared_;
+  WorkPtr service_;
+  // Caller-thread state.
+  bool have_next_ = false;
+  uint64_t next_step_ = 0;
+  std::vector<char> carry_;
+  bool carry_pending_ = false;
+};
+
+}  // namespace qring::collectives

@@ -1,0 +1,292 @@
+// The quorum all-reduce contract (DESIGN.md §3) on the in-process endpoint.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "coll_harness.h"
+#include "collectives/quorum.h"
+
+namespace qring::testing {
+namespace {
+
+using collectives::LatePolicy;
+using collectives::QuorumAllreduce;
+using collectives::QuorumOptions;
+using collectives::QuorumResult;
+using collectives::QuorumTimeout;
+using std::chrono::milliseconds;
+
+float grad(size_t j, int r, uint64_t step) { return float(pattern(j + step * 3, r)); }
+
+// Sleeps `d`, returning early (true) once `abandon()` says the work is stale.
+bool interruptible_sleep(milliseconds d, const std::function<bool()>& abandon) {
+  auto until = std::chrono::steady_clock::now() + d;
+  while (std::chrono::steady_clock::now() < until) {
+    if (abandon()) return true;
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  return false;
+}
+
+struct StepRecord {
+  std::vector<uint8_t> bitmap;
+  std::vector<float> out;
+};
+
+struct ContractCase {
+  int world;
+  int quorum;
+  int grace_ms;
+};
+
+class QuorumContract : public ::testing::TestWithParam<ContractCase> {};
+
+TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
+  const auto c = GetParam();
+  const int steps = 60;
+  const size_t count = 37;
+  QuorumOptions qo;
+  qo.quorum = c.quorum;
+  qo.grace = milliseconds(c.grace_ms);
+  qo.deadline = milliseconds(5000);
+  CommOptions co;
+  co.segment_bytes = 32;  // several segments per chunk even at this size
+  std::vector<std::vector<StepRecord>> rec(size_t(c.world), std::vector<StepRecord>(steps));
+  std::atomic<int> abandoned{0};
+  run_ranks(c.world, co, [&](Communicator& comm) {
+    QuorumAllreduce q(comm, count, qo);
+    std::mt19937 rng(1234u + unsigned(comm.rank()) * 7919u + unsigned(c.quorum) * 31u);
+    std::vector<float> buf(count);
+    for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+      for (size_t j = 0; j < count; ++j) buf[j] = grad(j, comm.rank(), t);
+      int delay = int(rng() % 4);
+      if (rng() % 5 == 0) delay += 6;  // an occasional real straggler
+      bool gave_up = interruptible_sleep(milliseconds(delay), [&] { return q.excluded(t); });
+      if (!gave_up) q.contribute(t, buf.data(), count);
+      else ++abandoned;
+      QuorumResult r = q.wait(t, buf.data());
+      EXPECT_GE(r.count, c.quorum);
+      EXPECT_EQ(r.self_counted, r.contains(comm.rank()));
+      if (gave_up) {
+        EXPECT_FALSE(r.self_counted);
+      }
+      rec[size_t(comm.rank())][t] = {r.contributors, buf};
+    }
+  });
+  for (int t = 0; t < steps; ++t) {
+    const auto& ref = rec[0][size_t(t)];
+    int k = 0;
+    for (int r = 0; r < c.world; ++r) k += (ref.bitmap[size_t(r) / 8] >> (r % 8)) & 1;
+    ASSERT_GE(k, c.quorum) << "step " << t;
+    for (size_t j = 0; j < count; ++j) {
+      float sum = 0;
+      for (int r = 0; r < c.world; ++r)
+        if ((ref.bitmap[size_t(r) / 8] >> (r % 8)) & 1) sum += grad(j, r, uint64_t(t));
+      ASSERT_EQ(ref.out[j], sum / float(k)) << "step " << t << " element " << j;
+    }
+    for (int r = 1; r < c.world; ++r) {
+      ASSERT_EQ(rec[size_t(r)][size_t(t)].bitmap, ref.bitmap) << "rank " << r << " step " << t;
+      ASSERT_EQ(0, std::memcmp(rec[size_t(r)][size_t(t)].out.data(), ref.out.data(),
+                               count * sizeof(float)))
+          << "rank " << r << " step " << t << " output differs";
+    }
+  }
+}
+
+std::vector<ContractCase> contract_cases() {
+  std::vector<ContractCase> v;
+  for (int w : {2, 3, 4, 5, 7})
+    for (int q = 1; q <= w; ++q)
+      for (int g : {0, 2}) v.push_back({w, q, g});
+  return v;
+}
+
+std::string contract_name(const ::testing::TestParamInfo<ContractCase>& i) {
+  return "w" + std::to_string(i.param.world) + "_q" + std::to_string(i.param.quorum) + "_g" +
+         std::to_string(i.param.grace_ms);
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, QuorumContract, ::testing::ValuesIn(contract_cases()),
+                         contract_name);
+
+// World 4, Q=3, G=20 ms, rank 2 two seconds late: the others finish step 0 well under 1 s;
+// rank 2 learns at once that it is excluded, abandons its work and gets the result.
+TEST(Quorum, StragglerDoesNotHoldTheOthersBeyondTheGrace) {
+  for (int quorum : {3, 4}) {
+    QuorumOptions qo;
+    qo.quorum = quorum;
+    qo.grace = milliseconds(20);
+    qo.deadline = milliseconds(10000);
+    std::vector<double> step_ms(4);
+    std::vector<bool> counted(4);
+    run_ranks(4, {}, [&](Communicator& comm) {
+      QuorumAllreduce q(comm, 64, qo);
+      std::vector<float> buf(64, float(comm.rank()));
+      auto t0 = std::chrono::steady_clock::now();
+      bool gave_up = false;
+      if (comm.rank() == 2)
+        gave_up = interruptible_sleep(milliseconds(2000), [&] { return q.excluded(0); });
+      if (!gave_up) q.contribute(0, buf.data(), buf.size());
+      QuorumResult r = q.wait(0, buf.data());
+      step_ms[size_t(comm.rank())] =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      counted[size_t(comm.rank())] = r.self_counted;
+      float expect = quorum == 3 ? (0 + 1 + 3) / 3.f : (0 + 1 + 2 + 3) / 4.f;
+      EXPECT_EQ(buf[0], expect) << "rank " << comm.rank();
+    });
+    if (quorum == 3) {
+      for (int r : {0, 1, 3}) {
+        EXPECT_LT(step_ms[size_t(r)], 1000) << "rank " << r;
+        EXPECT_TRUE(counted[size_t(r)]);
+      }
+      EXPECT_FALSE(counted[2]);
+      EXPECT_LT(step_ms[2], 1000) << "the excluded rank abandoned its stale work";
+    } else {
+      for (int r = 0; r < 4; ++r) EXPECT_GE(step_ms[size_t(r)], 1900) << "rank " << r;
+      EXPECT_TRUE(counted[2]);
+    }
+  }
+}
+
+TEST(Quorum, TwoSilentRanksBelowQuorumFailEveryLiveRankNamingThem) {
+  QuorumOptions qo;
+  qo.quorum = 3;
+  qo.deadline = milliseconds(300);
+  std::vector<std::string> msgs(4);
+  std::vector<std::vector<int>> missing(4);
+  std::atomic<int> done_live{0};
+  run_ranks(4, {}, [&](Communicator& comm) {
+    QuorumAllreduce q(comm, 16, qo);
+    if (comm.rank() >= 2) {  // silent: alive, never contributes
+      while (done_live.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+      return;
+    }
+    std::vector<float> buf(16, 1.f);
+    auto t0 = std::chrono::steady_clock::now();
+    q.contribute(0, buf.data(), buf.size());
+    try {
+      q.wait(0, buf.data());
+      ADD_FAILURE() << "step completed without a quorum";
+    } catch (const QuorumTimeout& e) {
+      msgs[size_t(comm.rank())] = e.what();
+      missing[size_t(comm.rank())] = e.missing();
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1500));
+    }
+    // The failure is sticky: the next step refuses at once.
+    EXPECT_THROW(q.contribute(1, buf.data(), buf.size()), std::exception);
+    ++done_live;
+  });
+  for (int r : {0, 1}) {
+    EXPECT_EQ(missing[size_t(r)], (std::vector<int>{2, 3})) << msgs[size_t(r)];
+    EXPECT_NE(msgs[size_t(r)].find("[2, 3]"), std::string::npos) << msgs[size_t(r)];
+  }
+}
+
+TEST(Quorum, CoordinatorThatStragglesStillDecides) {
+  QuorumOptions qo;
+  qo.quorum = 2;
+  qo.deadline = milliseconds(5000);
+  run_ranks(3, {}, [&](Communicator& comm) {
+    QuorumAllreduce q(comm, 8, qo);
+    std::vector<float> buf(8, float(comm.rank() + 1));
+    bool gave_up = false;
+    if (comm.rank() == 0)
+      gave_up = interruptible_sleep(milliseconds(1000), [&] { return q.excluded(0); });
+    if (!gave_up) q.contribute(0, buf.data(), buf.size());
+    QuorumResult r = q.wait(0, buf.data());
+    EXPECT_EQ(r.count, 2);
+    EXPECT_FALSE(r.contains(0));
+    EXPECT_EQ(buf[0], (2.f + 3.f) / 2.f);
+    EXPECT_EQ(r.dropped, std::vector<int>{0});
+  });
+}
+
+// Under `carry`, a gradient that missed step 0 is counted exactly once, in step 1; under
+// `drop` it is gone.
+TEST(Quorum, CarryCountsALateGradientOnceInTheNextStep) {
+  for (LatePolicy policy : {LatePolicy::kCarry, LatePolicy::kDrop}) {
+    QuorumOptions qo;
+    qo.quorum = 2;
+    qo.late = policy;
+    qo.mean = false;  // sums make the bookkeeping visible
+    qo.deadline = milliseconds(5000);
+    std::vector<float> out1(3);
+    std::vector<std::vector<uint8_t>> s0(3), s1(3);
+    run_ranks(3, {}, [&](Communicator& comm) {
+      QuorumAllreduce q(comm, 1, qo);
+      const int r = comm.rank();
+      float g = float(10 * (r + 1));  // step 0 gradients: 10, 20, 30
+      if (r == 2) std::this_thread::sleep_for(milliseconds(300));  // late, but contributes
+      q.contribute(0, &g, 1);
+      QuorumResult a = q.wait(0, &g);
+      s0[size_t(r)] = a.contributors;
+      float h = float(r + 1);  // step 1 gradients: 1, 2, 3
+      if (r != 2) std::this_thread::sleep_for(milliseconds(300));  // now rank 2 is first
+      q.contribute(1, &h, 1);
+      QuorumResult b = q.wait(1, &h);
+      s1[size_t(r)] = b.contributors;
+      out1[size_t(r)] = h;
+    });
+    ASSERT_EQ(s0[0], s0[2]);
+    EXPECT_EQ(s0[0][0], 0b011) << "ranks 0 and 1 win step 0";
+    ASSERT_EQ(s1[0], s1[2]);
+    ASSERT_TRUE(s1[0][0] & 0b100) << "rank 2 is counted in step 1";
+    float expect = 3.f + (policy == LatePolicy::kCarry ? 30.f : 0.f);
+    for (int r : {0, 1}) if (s1[0][0] & (1 << r)) expect += float(r + 1);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(out1[size_t(r)], expect) << "rank " << r;
+  }
+}
+
+TEST(Quorum, WrongStepOrSizeIsAClearError) {
+  run_ranks(1, {}, [&](Communicator& comm) {
+    QuorumAllreduce q(comm, 4, {});
+    std::vector<float> buf(4, 1.f);
+    EXPECT_THROW(q.contribute(0, buf.data(), 3), UsageError);
+    q.contribute(0, buf.data(), 4);
+    EXPECT_THROW(q.contribute(0, buf.data(), 4), UsageError);  // twice
+    q.wait(0, buf.data());
+    try {
+      q.contribute(5, buf.data(), 4);
+      ADD_FAILURE() << "out-of-order step accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("step 1 is next"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(Quorum, MismatchedSizesAcrossRanksFailEveryRank) {
+  std::atomic<int> errors{0};
+  run_ranks(3, {}, [&](Communicator& comm) {
+    QuorumOptions qo;
+    qo.deadline = milliseconds(2000);
+    size_t n = comm.rank() == 1 ? 5 : 4;
+    QuorumAllreduce q(comm, n, qo);
+    std::vector<float> buf(n, 1.f);
+    q.contribute(0, buf.data(), n);
+    try {
+      q.wait(0, buf.data());
+    } catch (const UsageError& e) {
+      if (std::string(e.what()).find("rank 1 contributed 5 elements") != std::string::npos)
+        ++errors;
+    }
+  });
+  EXPECT_EQ(errors.load(), 3);
+}
+
+TEST(Quorum, ResolveQuorumSpec) {
+  EXPECT_EQ(collectives::resolve_quorum("3", 4), 3);
+  EXPECT_EQ(collectives::resolve_quorum("0.75", 4), 3);
+  EXPECT_EQ(collectives::resolve_quorum("0.7", 4), 3);
+  EXPECT_EQ(collectives::resolve_quorum("1.0", 5), 5);
+  EXPECT_THROW(collectives::resolve_quorum("5", 4), ConfigError);
+  EXPECT_THROW(collectives::resolve_quorum("0", 4), ConfigError);
+  EXPECT_THROW(collectives::resolve_quorum("1.5", 4), ConfigError);
+  EXPECT_THROW(collectives::resolve_quorum("x", 4), ConfigError);
+}
+
+}  // namespace
+}  // namespace qring::testing
