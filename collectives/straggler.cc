@@ -1,0 +1,173 @@
+#include "collectives/straggler.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+
+namespace qring::collectives {
+
+namespace {
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1), a pure function of its inputs.
+double uniform(uint64_t seed, int rank, uint64_t step, uint64_t salt) {
+  uint64_t h = splitmix(seed ^ splitmix(uint64_t(rank) + 0x1234567ull * (salt + 1)) ^
+                        splitmix(step * 0x51ED27ull + salt));
+  return (double(h >> 11) + 0.5) / 9007199254740992.0;
+}
+
+std::vector<std::string> split(std::string_view s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t p = s.find(sep, start);
+    out.emplace_back(s.substr(start, p == std::string_view::npos ? std::string_view::npos : p - start));
+    if (p == std::string_view::npos) break;
+    start = p + 1;
+  }
+  return out;
+}
+
+double number(std::string_view spec, const std::string& s, const char* what) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v))
+    throw ConfigError(fmt::format("straggler model '{}': {} '{}' is not a number", spec, what, s));
+  return v;
+}
+
+}  // namespace
+
+StragglerModel StragglerModel::parse(std::string_view spec) {
+  StragglerModel m;
+  m.spec_ = std::string(spec);
+  if (spec.empty() || spec == "none") {
+    m.spec_ = "none";
+    return m;
+  }
+  auto colon = spec.find(':');
+  std::string kind(spec.substr(0, colon));
+  if (kind == "trace") {
+    if (colon == std::string_view::npos || colon + 1 == spec.size())
+      throw ConfigError(fmt::format("straggler model '{}': expected trace:FILE", spec));
+    std::string path(spec.substr(colon + 1));
+    std::ifstream in(path);
+    if (!in) throw ConfigError(fmt::format("straggler trace '{}' cannot be opened", path));
+    m.kind_ = Kind::kTrace;
+    std::string line;
+    int lineno = 0;
+    while (std::getline(in, line)) {
+      ++lineno;
+      auto hash = line.find('#');
+      if (hash != std::string::npos) line.resize(hash);
+      for (char& c : line)
+        if (c == ',' || c == '\t') c = ' ';
+      std::istringstream ls(line);
+      std::string a, b, c, extra;
+      if (!(ls >> a)) continue;
+      if (!(ls >> b >> c) || (ls >> extra))
+        throw ConfigError(fmt::format("{}:{}: expected 'step rank ms'", path, lineno));
+      double step, rank, ms;
+      try {
+        step = number(spec, a, "step");
+        rank = number(spec, b, "rank");
+        ms = number(spec, c, "delay");
+      } catch (const ConfigError& e) {
+        throw ConfigError(fmt::format("{}:{}: {}", path, lineno, e.what()));
+      }
+      if (step < 0 || rank < 0 || ms < 0 || step != std::floor(step) || rank != std::floor(rank))
+        throw ConfigError(fmt::format("{}:{}: step and rank must be non-negative integers and "
+                                      "the delay >= 0",
+                                      path, lineno));
+      m.trace_[{uint64_t(step), int(rank)}] = ms;
+    }
+    return m;
+  }
+  auto parts = split(spec, ':');
+  auto need = [&](size_t n, const char* form) {
+    if (parts.size() != n)
+      throw ConfigError(fmt::format("straggler model '{}': expected {}", spec, form));
+  };
+  if (kind == "fixed") {
+    need(3, "fixed:RANK:MS");
+    double r = number(spec, parts[1], "rank");
+    if (r < 0 || r != std::floor(r))
+      throw ConfigError(fmt::format("straggler model '{}': rank must be an integer >= 0", spec));
+    m.kind_ = Kind::kFixed;
+    m.rank_ = int(r);
+    m.a_ = number(spec, parts[2], "delay");
+  } else if (kind == "exp") {
+    need(2, "exp:MEAN_MS");
+    m.kind_ = Kind::kExp;
+    m.a_ = number(spec, parts[1], "mean");
+  } else if (kind == "lognormal") {
+    need(3, "lognormal:MU:SIGMA");
+    m.kind_ = Kind::kLognormal;
+    m.a_ = number(spec, parts[1], "mu");
+    m.b_ = number(spec, parts[2], "sigma");
+    if (m.b_ < 0) throw ConfigError(fmt::format("straggler model '{}': sigma must be >= 0", spec));
+    return m;
+  } else if (kind == "tail") {
+    need(3, "tail:P:MS");
+    m.kind_ = Kind::kTail;
+    m.b_ = number(spec, parts[1], "probability");
+    m.a_ = number(spec, parts[2], "delay");
+    if (m.b_ < 0 || m.b_ > 1)
+      throw ConfigError(fmt::format("straggler model '{}': probability must be in [0, 1]", spec));
+  } else {
+    throw ConfigError(fmt::format(
+        "unknown straggler model '{}' (expected none, fixed:RANK:MS, exp:MEAN_MS, "
+        "lognormal:MU:SIGMA, tail:P:MS or trace:FILE)",
+        spec));
+  }
+  if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': delay must be >= 0", spec));
+  return m;
+}
+
+std::chrono::microseconds StragglerModel::delay(uint64_t seed, int rank, uint64_t step) const {
+  double ms = 0;
+  switch (kind_) {
+    case Kind::kNone: break;
+    case Kind::kFixed: ms = rank == rank_ ? a_ : 0; break;
+    case Kind::kExp: ms = -a_ * std::log(uniform(seed, rank, step, 1)); break;
+    case Kind::kLognormal: {
+      double u1 = uniform(seed, rank, step, 2), u2 = uniform(seed, rank, step, 3);
+      double z = std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
+      ms = std::exp(a_ + b_ * z);
+      break;
+    }
+    case Kind::kTail: ms = uniform(seed, rank, step, 4) < b_ ? a_ : 0; break;
+    case Kind::kTrace: {
+      auto it = trace_.find({step, rank});
+      ms = it == trace_.end() ? 0 : it->second;
+      break;
+    }
+  }
+  return std::chrono::microseconds(static_cast<int64_t>(std::llround(ms * 1000.0)));
+}
+
+bool sleep_unless(std::chrono::microseconds d, const std::function<bool()>& abandon) {
+  auto until = std::chrono::steady_clock::now() + d;
+  while (true) {
+    if (abandon && abandon()) return true;
+    auto now = std::chrono::steady_clock::now();
+    if (now >= until) return false;
+    auto slice = std::min<std::chrono::steady_clock::duration>(until - now,
+                                                               std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(slice);
+  }
+}
+
+}  // namespace qring::collectives

@@ -1,0 +1,46 @@
+// Straggler models shared by qring-bench and qring-train: how long a rank is delayed before
+// it contributes to a step. Deterministic for (seed, rank, step); delays sleep, never spin.
+//
+//   none                 no delay
+//   fixed:RANK:MS        rank RANK is MS late every step
+//   exp:MEAN_MS          every rank, every step: exponential with mean MEAN_MS
+//   lognormal:MU:SIGMA   every rank, every step: exp(MU + SIGMA z) ms, z standard normal
+//   tail:P:MS            every rank, every step: MS with probability P, else 0
+//   trace:FILE           per (step, rank) delays from FILE: lines "step rank ms" ('#' comments);
+//                        pairs absent from the file are not delayed
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace qring::collectives {
+
+class StragglerModel {
+ public:
+  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace };
+
+  StragglerModel() = default;
+  // Throws ConfigError naming the spec (and file:line for traces) on bad input.
+  static StragglerModel parse(std::string_view spec);
+
+  std::chrono::microseconds delay(uint64_t seed, int rank, uint64_t step) const;
+  const std::string& spec() const { return spec_; }
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_ = Kind::kNone;
+  std::string spec_ = "none";
+  int rank_ = -1;
+  double a_ = 0, b_ = 0;
+  std::map<std::pair<uint64_t, int>, double> trace_;
+};
+
+// Sleeps for `d` in short slices, returning early (true) as soon as `abandon()` is true.
+bool sleep_unless(std::chrono::microseconds d, const std::function<bool()>& abandon = {});
+
+}  // namespace qring::collectives
