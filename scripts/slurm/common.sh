@@ -15,6 +15,10 @@ qring_setup() {
     qring_die "not inside a Slurm job; submit with: sbatch [options] $1 ARGS..."
   export QRING_BUILD=${QRING_BUILD:-$QRING_ROOT/build}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  # Since Slurm 22.05 srun does not inherit --cpus-per-task from the batch allocation.
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}
+  fi
   local rev
   rev=$(git -C "$QRING_ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
   echo "qring-slurm: job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-?}) on ${SLURM_JOB_NODELIST:-?}:" \
@@ -25,6 +29,15 @@ qring_setup() {
     FI_TCP_IFACE; do
     [ -n "${!v:-}" ] && echo "qring-slurm: $v=${!v}"
   done
+  # Several nodes: the other ranks reach the store on the first node by its Slurm name.
+  if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ] && [ -z "${QRING_STORE:-}" ]; then
+    local first
+    first=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1 || true)
+    if [ -n "$first" ] && ! getent hosts "$first" >/dev/null; then
+      echo "qring-slurm: warning: node name '$first' does not resolve on $(hostname); the" \
+        "rendezvous will fail. Set QRING_STORE=<address of $first>:<port> (docs/cluster.md)" >&2
+    fi
+  fi
   return 0
 }
 
@@ -57,7 +70,7 @@ qring_srun() {
   local -a extra=()
   # shellcheck disable=SC2206 # QRING_SRUN_ARGS is a list of options, split on spaces
   [ -n "${QRING_SRUN_ARGS:-}" ] && extra=(${QRING_SRUN_ARGS})
-  echo "qring-slurm: srun --kill-on-bad-exit=1 --label ${extra[*]} $*"
+  echo "qring-slurm: srun --kill-on-bad-exit=1 --label ${extra[*]}${extra[*]:+ }$*"
   srun --kill-on-bad-exit=1 --label "${extra[@]}" "$@" || rc=$?
   if [ $rc -eq 0 ]; then
     echo "qring-slurm: job ${SLURM_JOB_ID} step finished, exit code 0"
