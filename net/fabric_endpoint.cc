@@ -13,6 +13,7 @@
 #include <rdma/fi_tagged.h>
 
 #include <cstring>
+#include <thread>
 #include <deque>
 #include <map>
 #include <unordered_map>
@@ -179,14 +180,19 @@ class FabricEndpoint final : public Endpoint {
     for (OpCtx* c : outstanding_) {
       if (c->posted) fi_cancel(&ep_.get()->fid, c);
     }
+    // Drain completions (cancellations, sends still finishing) for a short while.
     fi_cq_tagged_entry entries[16];
-    for (int i = 0; i < 64; ++i) {
+    auto until = Clock::now() + std::chrono::milliseconds(200);
+    while (!outstanding_.empty() && Clock::now() < until) {
       ssize_t n = fi_cq_read(cq_.get(), entries, 16);
       if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
-        fi_cq_readerr(cq_.get(), &err, 0);
-      } else if (n <= 0) {
-        break;
+        if (fi_cq_readerr(cq_.get(), &err, 0) > 0 && err.op_context)
+          forget(static_cast<OpCtx*>(err.op_context));
+      } else if (n > 0) {
+        for (ssize_t i = 0; i < n; ++i) forget(static_cast<OpCtx*>(entries[i].op_context));
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
     }
     ep_.reset();
@@ -304,6 +310,10 @@ class FabricEndpoint final : public Endpoint {
   }
 
   size_t registered_regions() const { return mrs_.size(); }
+
+  void forget(OpCtx* c) {
+    if (outstanding_.erase(c)) delete c;
+  }
 
  private:
   struct Mr {

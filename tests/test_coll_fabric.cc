@@ -1,0 +1,158 @@
+// Collectives as real processes over libfabric (shm and tcp): ring all-reduce grid, a rank
+// killed mid-run, and the quorum all-reduce's agreement across processes.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <fmt/format.h>
+
+#include <random>
+
+#include "coll_harness.h"
+#include "collectives/quorum.h"
+#include "collectives/straggler.h"
+#include "proc_harness.h"
+
+namespace qring::testing {
+namespace {
+
+using collectives::CollectiveTimeout;
+
+std::unique_ptr<Communicator> open_comm(net::Rendezvous& rdv, const std::string& prov,
+                                        CommOptions co = {}) {
+  co.local_size = rdv.info().world_size;
+  return std::make_unique<Communicator>(open_endpoint(rdv, prov), co);
+}
+
+struct Case {
+  std::string provider;
+  int ranks;
+};
+
+class FabricRing : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FabricRing, AllreduceGridIsBitExact) {
+  const Case c = GetParam();
+  auto res = run_procs(c.ranks, [&](int r, int n, net::Rendezvous& rdv) {
+    CommOptions co;
+    co.segment_bytes = 4096;
+    co.timeout = std::chrono::seconds(20);
+    auto comm = open_comm(rdv, c.provider, co);
+    size_t wrong = 0;
+    for (size_t count : {size_t(0), size_t(1), size_t(n - 1), size_t(1003), size_t(100003)}) {
+      for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
+        for (RedOp op : {RedOp::kSum, RedOp::kAvg, RedOp::kMax}) {
+          for (bool in_place : {false, true}) {
+            size_t esz = collectives::dtype_size(t);
+            std::vector<char> in(count * esz + 1), out(count * esz + 1);
+            for (size_t j = 0; j < count; ++j) put(in.data(), j, t, pattern(j, r));
+            void* dst = in_place ? in.data() : out.data();
+            comm->allreduce(in.data(), dst, count, t, op);
+            wrong += count_wrong(dst, count, t, op, n);
+          }
+        }
+      }
+    }
+    std::vector<float> g(4096);
+    for (size_t j = 0; j < g.size(); ++j) g[j] = float(pattern(j, r));
+    comm->broadcast(g.data(), g.size(), DataType::kFloat32, n - 1);
+    for (size_t j = 0; j < g.size(); ++j) wrong += g[j] != float(pattern(j, n - 1));
+    comm->barrier();
+    if (wrong) fprintf(stderr, "rank %d: %zu wrong\n", r, wrong);
+    return wrong ? 1 : 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < c.ranks; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricRing,
+                         ::testing::Values(Case{"shm", 2}, Case{"shm", 3}, Case{"shm", 4},
+                                           Case{"tcp", 2}, Case{"tcp", 3}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return i.param.provider + std::to_string(i.param.ranks);
+                         });
+
+class FabricFailure : public ::testing::TestWithParam<std::string> {};
+
+// A rank SIGKILLed between operations: the survivors fail with a clear error naming the
+// operation within the deadline, and nobody hangs.
+TEST_P(FabricFailure, KilledRankMakesSurvivorsFailCleanly) {
+  const std::string prov = GetParam();
+  auto t0 = std::chrono::steady_clock::now();
+  auto res = run_procs(3, [&](int r, int n, net::Rendezvous& rdv) {
+    CommOptions co;
+    co.timeout = std::chrono::milliseconds(1500);
+    auto comm = open_comm(rdv, prov, co);
+    std::vector<float> buf(1 << 16, 1.f);
+    comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+    if (r == 2) raise(SIGKILL);
+    try {
+      for (int i = 0; i < 3; ++i)
+        comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+      return 1;
+    } catch (const IoError& e) {
+      std::string m = e.what();
+      fprintf(stderr, "rank %d survived with: %s\n", r, m.c_str());
+      if (m.find("allreduce #1") == std::string::npos && m.find("allreduce") == std::string::npos)
+        return 2;
+      if (!comm->broken()) return 3;
+    }
+    // Skip the rendezvous' exit barrier, which would wait for the dead rank.
+    fflush(stderr);
+    _exit(0);
+  }, std::chrono::seconds(30));
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+  EXPECT_TRUE(WIFSIGNALED(res.status[2]));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricFailure, ::testing::Values("shm", "tcp"));
+
+// The quorum all-reduce across processes: every rank reports (bitmap, crc of output) per step
+// through the store; rank 0 checks they agree, and each rank checks exactness locally.
+TEST(FabricQuorum, ProcessesAgreeUnderStragglers) {
+  const int world = 4, steps = 40;
+  auto res = run_procs(world, [&](int r, int n, net::Rendezvous& rdv) {
+    auto comm = open_comm(rdv, "shm");
+    collectives::QuorumOptions qo;
+    qo.quorum = 3;
+    qo.grace = std::chrono::milliseconds(1);
+    qo.deadline = std::chrono::milliseconds(10000);
+    collectives::QuorumAllreduce q(*comm, 1000, qo);
+    auto model = collectives::StragglerModel::parse("exp:2");
+    std::vector<float> buf(1000);
+    int bad = 0;
+    for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+      for (size_t j = 0; j < buf.size(); ++j) buf[j] = float(pattern(j + t, r));
+      bool gave_up = collectives::sleep_unless(model.delay(42, r, t), [&] { return q.excluded(t); });
+      if (!gave_up) q.contribute(t, buf.data(), buf.size());
+      auto result = q.wait(t, buf.data());
+      for (size_t j = 0; j < buf.size(); ++j) {
+        float sum = 0;
+        for (int p = 0; p < n; ++p)
+          if (result.contains(p)) sum += float(pattern(j + t, p));
+        if (buf[j] != sum / float(result.count)) ++bad;
+      }
+      uLong crc = crc32(0, reinterpret_cast<const Bytef*>(buf.data()), uInt(buf.size() * 4));
+      rdv.store().set(fmt::format("q/{}/{}", r, t),
+                      fmt::format("{}:{}", int(result.contributors[0]), crc));
+    }
+    if (r == 0) {
+      for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+        std::string ref = rdv.store().get(fmt::format("q/0/{}", t), net::deadline_in(std::chrono::seconds(20)));
+        for (int p = 1; p < n; ++p)
+          if (rdv.store().get(fmt::format("q/{}/{}", p, t), net::deadline_in(std::chrono::seconds(20))) != ref) {
+            fprintf(stderr, "step %lu: rank %d disagrees with rank 0\n", (unsigned long)t, p);
+            ++bad;
+          }
+      }
+    }
+    return bad ? 1 : 0;
+  }, std::chrono::seconds(60));
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
+}
+
+}  // namespace
+}  // namespace qring::testing
