@@ -1,0 +1,254 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "net/error.h"
+#include "train/config.h"
+
+namespace qring::train {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Expects ConfigError whose message names `key` (and contains `detail` when given).
+template <class F>
+void expect_config_error(F&& f, const std::string& key, const std::string& detail = "") {
+  try {
+    f();
+    ADD_FAILURE() << "no ConfigError for " << key;
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'" + key + "'"));
+    if (!detail.empty()) {
+      EXPECT_THAT(e.what(), HasSubstr(detail));
+    }
+  }
+}
+
+TrainConfig parse(const std::string& text, const std::vector<std::string>& ov = {}) {
+  return TrainConfig::from_string(text, ov);
+}
+
+TEST(TrainConfig, DefaultsAreValid) {
+  TrainConfig c = parse("");
+  EXPECT_EQ(c.run.out_dir, "runs");
+  EXPECT_EQ(c.model.type, "mlp");
+  EXPECT_EQ(c.quorum.late_policy, "drop");
+  EXPECT_NO_THROW(c.validate(4));
+}
+
+TEST(TrainConfig, ParsesEverySection) {
+  TrainConfig c = parse(R"(
+[run]
+name = "x"
+seed = 7
+[data]
+dataset = "synthetic"
+synthetic_train = 100
+[model]
+type = "cnn"
+hidden = [64]
+conv_channels = [8, 16]
+conv_kernel = 5
+[train]
+batch_per_rank = 32
+lr = 1
+momentum = 0.5
+schedule = "step"
+[quorum]
+quorum = 3
+grace_ms = 5
+late_policy = "carry"
+[straggler]
+model = "fixed:2:200"
+[net]
+provider = "tcp"
+[log]
+level = "debug"
+progress = false
+)");
+  EXPECT_EQ(c.run.name, "x");
+  EXPECT_EQ(c.run.seed, 7);
+  EXPECT_EQ(c.data.dataset, "synthetic");
+  EXPECT_EQ(c.data.synthetic_train, 100);
+  EXPECT_EQ(c.model.type, "cnn");
+  EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{64}));
+  EXPECT_EQ(c.model.conv_channels, (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(c.model.conv_kernel, 5);
+  EXPECT_EQ(c.train.batch_per_rank, 32);
+  EXPECT_DOUBLE_EQ(c.train.lr, 1.0);  // an integer is accepted for a float key
+  EXPECT_DOUBLE_EQ(c.train.momentum, 0.5);
+  EXPECT_EQ(c.train.schedule, "step");
+  EXPECT_FALSE(c.quorum.quorum_is_fraction);
+  EXPECT_EQ(c.quorum_count(4), 3);
+  EXPECT_EQ(c.quorum.grace_ms, 5);
+  EXPECT_EQ(c.quorum.late_policy, "carry");
+  EXPECT_EQ(c.straggler.model, "fixed:2:200");
+  EXPECT_EQ(c.net.provider, "tcp");
+  EXPECT_EQ(c.log.level, "debug");
+  EXPECT_FALSE(c.log.progress);
+}
+
+TEST(TrainConfig, OverridesApplyWithTypes) {
+  TrainConfig c = parse("[train]\nlr = 0.1\n",
+                        {"train.lr=0.2", "model.type=cnn", "model.hidden=[10, 20]",
+                         "quorum.quorum=0.75", "log.progress=false", "run.name=\"quoted\"",
+                         "straggler.model=lognormal:1.5:0.5", "run.out_dir=/tmp/a=b",
+                         "train.batch_per_rank = 16"});
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.2);
+  EXPECT_EQ(c.model.type, "cnn");
+  EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{10, 20}));
+  EXPECT_TRUE(c.quorum.quorum_is_fraction);
+  EXPECT_EQ(c.quorum_count(4), 3);
+  EXPECT_EQ(c.quorum_count(5), 4);  // ceil(3.75)
+  EXPECT_FALSE(c.log.progress);
+  EXPECT_EQ(c.run.name, "quoted");
+  EXPECT_EQ(c.straggler.model, "lognormal:1.5:0.5");
+  EXPECT_EQ(c.run.out_dir, "/tmp/a=b");
+  EXPECT_EQ(c.train.batch_per_rank, 16);
+}
+
+TEST(TrainConfig, UnknownKeysNameTheKey) {
+  expect_config_error([] { parse("[train]\nlearning_rate = 0.1\n"); }, "train.learning_rate",
+                      "unknown key");
+  expect_config_error([] { parse("[bogus]\nx = 1\n"); }, "bogus.x", "unknown key");
+  expect_config_error([] { parse("lr = 0.1\n"); }, "lr", "unknown key");
+  expect_config_error([] { parse("", {"train.nope=1"}); }, "train.nope", "unknown key");
+  expect_config_error([] { parse("[train.sub]\nx = 1\n"); }, "train.sub");
+}
+
+TEST(TrainConfig, WrongTypesNameTheKey) {
+  expect_config_error([] { parse("[train]\nbatch_per_rank = 1.5\n"); }, "train.batch_per_rank",
+                      "integer");
+  expect_config_error([] { parse("[train]\nlr = \"fast\"\n"); }, "train.lr", "number");
+  expect_config_error([] { parse("[model]\nhidden = 5\n"); }, "model.hidden", "array");
+  expect_config_error([] { parse("[model]\nhidden = [1, \"a\"]\n"); }, "model.hidden");
+  expect_config_error([] { parse("[log]\nprogress = 1\n"); }, "log.progress", "true or false");
+  expect_config_error([] { parse("[model]\ntype = 3\n"); }, "model.type", "string");
+  expect_config_error([] { parse("", {"train.lr=abc"}); }, "train.lr");
+  expect_config_error([] { parse("", {"train.epochs=[1"}); }, "train.epochs", "cannot parse");
+  expect_config_error([] { parse("[quorum]\nquorum = \"3\"\n"); }, "quorum.quorum");
+}
+
+TEST(TrainConfig, BadValuesNameTheKey) {
+  expect_config_error([] { parse("", {"train.lr=0"}); }, "train.lr", "> 0");
+  expect_config_error([] { parse("", {"train.lr=-1"}); }, "train.lr");
+  expect_config_error([] { parse("", {"train.batch_per_rank=0"}); }, "train.batch_per_rank");
+  expect_config_error([] { parse("", {"train.momentum=1"}); }, "train.momentum");
+  expect_config_error([] { parse("", {"train.weight_decay=-0.1"}); }, "train.weight_decay");
+  expect_config_error([] { parse("", {"train.epochs=0"}); }, "train.epochs");
+  expect_config_error([] { parse("", {"train.schedule=linear"}); }, "train.schedule",
+                      "unknown value 'linear'");
+  expect_config_error([] { parse("", {"train.lr_scaling=cubic"}); }, "train.lr_scaling");
+  expect_config_error([] { parse("", {"train.step_decay_factor=2"}); },
+                      "train.step_decay_factor");
+  expect_config_error([] { parse("", {"train.target_accuracy=1.5"}); }, "train.target_accuracy");
+  expect_config_error([] { parse("", {"model.type=transformer"}); }, "model.type",
+                      "transformer");
+  expect_config_error([] { parse("", {"model.hidden=[]"}); }, "model.hidden");
+  expect_config_error([] { parse("", {"model.hidden=[0]"}); }, "model.hidden");
+  expect_config_error([] { parse("", {"model.conv_channels=[8,8,8,8]"}); },
+                      "model.conv_channels");
+  expect_config_error([] { parse("", {"model.conv_kernel=4"}); }, "model.conv_kernel");
+  expect_config_error([] { parse("", {"data.dataset=cifar"}); }, "data.dataset");
+  expect_config_error([] { parse("", {"quorum.late_policy=keep"}); }, "quorum.late_policy",
+                      "keep");
+  expect_config_error([] { parse("", {"quorum.quorum=0"}); }, "quorum.quorum");
+  expect_config_error([] { parse("", {"quorum.quorum=1.5"}); }, "quorum.quorum");
+  expect_config_error([] { parse("", {"quorum.grace_ms=-1"}); }, "quorum.grace_ms");
+  expect_config_error([] { parse("", {"quorum.grace_ms=100", "quorum.deadline_ms=100"}); },
+                      "quorum.deadline_ms");
+  expect_config_error([] { parse("", {"log.level=loud"}); }, "log.level");
+  expect_config_error([] { parse("", {"run.seed=-3"}); }, "run.seed");
+}
+
+TEST(TrainConfig, QuorumAgainstWorld) {
+  TrainConfig c = parse("", {"quorum.quorum=5"});
+  EXPECT_EQ(c.quorum_count(8), 5);
+  expect_config_error([&] { c.quorum_count(4); }, "quorum.quorum", "1..4");
+  expect_config_error([&] { c.validate(4); }, "quorum.quorum");
+  TrainConfig all = parse("");
+  EXPECT_EQ(all.quorum_count(1), 1);
+  EXPECT_EQ(all.quorum_count(7), 7);
+  TrainConfig tiny = parse("", {"quorum.quorum=0.01"});
+  EXPECT_EQ(tiny.quorum_count(4), 1);
+}
+
+TEST(TrainConfig, StragglerSpecs) {
+  EXPECT_EQ(parse_straggler_spec("none").kind, StragglerSpec::Kind::kNone);
+  StragglerSpec f = parse_straggler_spec("fixed:2:200");
+  EXPECT_EQ(f.kind, StragglerSpec::Kind::kFixed);
+  EXPECT_EQ(f.rank, 2);
+  EXPECT_DOUBLE_EQ(f.a, 200);
+  StragglerSpec e = parse_straggler_spec("exp:20");
+  EXPECT_EQ(e.kind, StragglerSpec::Kind::kExp);
+  EXPECT_DOUBLE_EQ(e.a, 20);
+  StragglerSpec l = parse_straggler_spec("lognormal:-1:0.5");
+  EXPECT_DOUBLE_EQ(l.a, -1);
+  EXPECT_DOUBLE_EQ(l.b, 0.5);
+  StragglerSpec t = parse_straggler_spec("tail:0.1:200");
+  EXPECT_EQ(t.kind, StragglerSpec::Kind::kTail);
+  EXPECT_DOUBLE_EQ(t.a, 0.1);
+  EXPECT_DOUBLE_EQ(t.b, 200);
+  StragglerSpec tr = parse_straggler_spec("trace:/tmp/a:b.txt");
+  EXPECT_EQ(tr.file, "/tmp/a:b.txt");
+  for (const char* bad : {"", "fixed:2", "fixed:x:200", "fixed:-1:5", "exp:0", "exp:1:2",
+                          "tail:2:100", "lognormal:1", "trace:", "gamma:1", "none:1"}) {
+    expect_config_error([&] { parse_straggler_spec(bad); }, "straggler.model");
+  }
+  expect_config_error([] { parse("", {"straggler.model=exp:abc"}); }, "straggler.model", "abc");
+}
+
+TEST(TrainConfig, TomlRoundTripAndJson) {
+  TrainConfig c = parse("", {"model.type=cnn", "quorum.quorum=3", "train.lr=0.125",
+                             "run.name=with \"quotes\" and \\", "train.weight_decay=1e-4"});
+  const std::string text = c.to_toml();
+  TrainConfig back = TrainConfig::from_string(text);
+  EXPECT_EQ(back.to_toml(), text);
+  EXPECT_EQ(back.run.name, c.run.name);
+  EXPECT_FALSE(back.quorum.quorum_is_fraction);
+  EXPECT_DOUBLE_EQ(back.train.weight_decay, 1e-4);
+  TrainConfig frac = TrainConfig::from_string(parse("").to_toml());
+  EXPECT_TRUE(frac.quorum.quorum_is_fraction);  // 1.0 stays a float, not the count 1
+
+  nlohmann::json j = c.to_json();
+  EXPECT_EQ(j["model"]["type"], "cnn");
+  EXPECT_EQ(j["quorum"]["quorum"], 3);
+  EXPECT_DOUBLE_EQ(j["train"]["lr"].get<double>(), 0.125);
+  size_t n = 0;
+  for (auto& [sec, tbl] : j.items()) n += tbl.size();
+  EXPECT_EQ(n, TrainConfig::keys().size());
+}
+
+TEST(TrainConfig, FingerprintCoversStateShapingKeys) {
+  const uint64_t base = parse("").fingerprint();
+  EXPECT_EQ(parse("", {"run.name=other", "train.lr=0.3", "train.epochs=3"}).fingerprint(), base);
+  EXPECT_NE(parse("", {"model.hidden=[100]"}).fingerprint(), base);
+  EXPECT_NE(parse("", {"run.seed=1"}).fingerprint(), base);
+  EXPECT_NE(parse("", {"train.batch_per_rank=32"}).fingerprint(), base);
+}
+
+TEST(TrainConfig, ShippedConfigsParse) {
+  for (const char* name : {"fmnist-mlp.toml", "fmnist-cnn.toml", "smoke.toml"}) {
+    SCOPED_TRACE(name);
+    TrainConfig c = TrainConfig::from_file(std::string(QRING_SOURCE_DIR) + "/configs/" + name);
+    EXPECT_NO_THROW(c.validate(4));
+  }
+  TrainConfig smoke = TrainConfig::from_file(std::string(QRING_SOURCE_DIR) + "/configs/smoke.toml");
+  EXPECT_EQ(smoke.data.dataset, "synthetic");
+}
+
+TEST(TrainConfig, MissingFileAndSyntaxError) {
+  try {
+    TrainConfig::from_file("/nonexistent/x.toml");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("/nonexistent/x.toml"));
+  }
+  EXPECT_THROW(parse("[train\nlr = 1\n"), ConfigError);
+  expect_config_error([] { parse("", {"=3"}); }, "=3");
+}
+
+}  // namespace
+}  // namespace qring::train

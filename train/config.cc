@@ -1,0 +1,498 @@
+#include "train/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <toml.hpp>
+
+#include "net/error.h"
+
+namespace qring::train {
+namespace {
+
+enum class Kind { kInt, kFloat, kBool, kString, kIntList, kQuorum };
+
+struct Field {
+  std::string key;
+  Kind kind;
+  std::function<void(TrainConfig&, const toml::value&)> set;
+  std::function<nlohmann::json(const TrainConfig&)> get;
+};
+
+[[noreturn]] void fail(const std::string& key, const std::string& what) {
+  throw ConfigError(fmt::format("config key '{}': {}", key, what));
+}
+
+const char* type_name(const toml::value& v) {
+  switch (v.type()) {
+    case toml::value_t::integer: return "integer";
+    case toml::value_t::floating: return "float";
+    case toml::value_t::boolean: return "boolean";
+    case toml::value_t::string: return "string";
+    case toml::value_t::array: return "array";
+    case toml::value_t::table: return "table";
+    default: return "date/time";
+  }
+}
+
+int64_t to_int(const std::string& key, const toml::value& v) {
+  if (!v.is_integer()) fail(key, fmt::format("expected an integer, got a {}", type_name(v)));
+  return v.as_integer();
+}
+
+double to_float(const std::string& key, const toml::value& v) {
+  if (v.is_integer()) return static_cast<double>(v.as_integer());
+  if (!v.is_floating()) fail(key, fmt::format("expected a number, got a {}", type_name(v)));
+  const double d = v.as_floating();
+  if (!std::isfinite(d)) fail(key, "must be finite");
+  return d;
+}
+
+template <class Acc>
+Field int_field(const std::string& key, Acc acc) {
+  return {key, Kind::kInt, [key, acc](TrainConfig& c, const toml::value& v) { acc(c) = to_int(key, v); },
+          [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
+}
+template <class Acc>
+Field float_field(const std::string& key, Acc acc) {
+  return {key, Kind::kFloat,
+          [key, acc](TrainConfig& c, const toml::value& v) { acc(c) = to_float(key, v); },
+          [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
+}
+template <class Acc>
+Field bool_field(const std::string& key, Acc acc) {
+  return {key, Kind::kBool,
+          [key, acc](TrainConfig& c, const toml::value& v) {
+            if (!v.is_boolean()) fail(key, fmt::format("expected true or false, got a {}", type_name(v)));
+            acc(c) = v.as_boolean();
+          },
+          [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
+}
+template <class Acc>
+Field string_field(const std::string& key, Acc acc) {
+  return {key, Kind::kString,
+          [key, acc](TrainConfig& c, const toml::value& v) {
+            if (!v.is_string()) fail(key, fmt::format("expected a string, got a {}", type_name(v)));
+            acc(c) = v.as_string().str;
+          },
+          [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
+}
+template <class Acc>
+Field int_list_field(const std::string& key, Acc acc) {
+  return {key, Kind::kIntList,
+          [key, acc](TrainConfig& c, const toml::value& v) {
+            if (!v.is_array()) fail(key, fmt::format("expected an array of integers, got a {}", type_name(v)));
+            std::vector<int64_t> out;
+            for (const auto& e : v.as_array()) out.push_back(to_int(key, e));
+            acc(c) = std::move(out);
+          },
+          [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
+}
+
+#define QRING_ACC(expr) [](auto& c) -> auto& { return c.expr; }
+
+std::vector<Field> fields() {
+  std::vector<Field> f;
+  f.push_back(string_field("run.name", QRING_ACC(run.name)));
+  f.push_back(string_field("run.out_dir", QRING_ACC(run.out_dir)));
+  f.push_back(int_field("run.seed", QRING_ACC(run.seed)));
+  f.push_back(string_field("data.path", QRING_ACC(data.path)));
+  f.push_back(string_field("data.dataset", QRING_ACC(data.dataset)));
+  f.push_back(int_field("data.synthetic_train", QRING_ACC(data.synthetic_train)));
+  f.push_back(int_field("data.synthetic_test", QRING_ACC(data.synthetic_test)));
+  f.push_back(string_field("model.type", QRING_ACC(model.type)));
+  f.push_back(int_list_field("model.hidden", QRING_ACC(model.hidden)));
+  f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
+  f.push_back(int_field("model.conv_kernel", QRING_ACC(model.conv_kernel)));
+  f.push_back(int_field("train.batch_per_rank", QRING_ACC(train.batch_per_rank)));
+  f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
+  f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
+  f.push_back(float_field("train.lr", QRING_ACC(train.lr)));
+  f.push_back(float_field("train.momentum", QRING_ACC(train.momentum)));
+  f.push_back(bool_field("train.nesterov", QRING_ACC(train.nesterov)));
+  f.push_back(float_field("train.weight_decay", QRING_ACC(train.weight_decay)));
+  f.push_back(int_field("train.warmup_steps", QRING_ACC(train.warmup_steps)));
+  f.push_back(string_field("train.schedule", QRING_ACC(train.schedule)));
+  f.push_back(int_field("train.step_decay_every", QRING_ACC(train.step_decay_every)));
+  f.push_back(float_field("train.step_decay_factor", QRING_ACC(train.step_decay_factor)));
+  f.push_back(string_field("train.lr_scaling", QRING_ACC(train.lr_scaling)));
+  f.push_back(int_field("train.reference_batch", QRING_ACC(train.reference_batch)));
+  f.push_back(int_field("train.eval_every", QRING_ACC(train.eval_every)));
+  f.push_back(int_field("train.eval_batch", QRING_ACC(train.eval_batch)));
+  f.push_back(float_field("train.target_accuracy", QRING_ACC(train.target_accuracy)));
+  f.push_back(int_field("train.checkpoint_every", QRING_ACC(train.checkpoint_every)));
+  f.push_back(int_field("train.checksum_every", QRING_ACC(train.checksum_every)));
+  f.push_back({"quorum.quorum", Kind::kQuorum,
+               [](TrainConfig& c, const toml::value& v) {
+                 if (v.is_integer()) {
+                   c.quorum.quorum = static_cast<double>(v.as_integer());
+                   c.quorum.quorum_is_fraction = false;
+                 } else if (v.is_floating()) {
+                   c.quorum.quorum = to_float("quorum.quorum", v);
+                   c.quorum.quorum_is_fraction = true;
+                 } else {
+                   fail("quorum.quorum",
+                        fmt::format("expected an integer count or a float fraction, got a {}",
+                                    type_name(v)));
+                 }
+               },
+               [](const TrainConfig& c) {
+                 return c.quorum.quorum_is_fraction
+                            ? nlohmann::json(c.quorum.quorum)
+                            : nlohmann::json(static_cast<int64_t>(c.quorum.quorum));
+               }});
+  f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
+  f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
+  f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
+  f.push_back(string_field("straggler.model", QRING_ACC(straggler.model)));
+  f.push_back(string_field("net.provider", QRING_ACC(net.provider)));
+  f.push_back(string_field("log.level", QRING_ACC(log.level)));
+  f.push_back(bool_field("log.progress", QRING_ACC(log.progress)));
+  return f;
+}
+
+#undef QRING_ACC
+
+const Field* find_field(const std::vector<Field>& fs, const std::string& key) {
+  for (const auto& f : fs)
+    if (f.key == key) return &f;
+  return nullptr;
+}
+
+// Walks a parsed TOML document: every leaf must be a known key.
+void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value& v,
+                 const std::string& prefix) {
+  for (const auto& [k, child] : v.as_table()) {
+    const std::string key = prefix.empty() ? k : prefix + "." + k;
+    if (child.is_table()) {
+      if (prefix.empty()) {
+        apply_table(c, fs, child, key);
+        continue;
+      }
+      fail(key, "unknown key (nested tables are not used)");
+    }
+    const Field* f = find_field(fs, key);
+    if (f == nullptr) {
+      if (prefix.empty()) fail(key, "unknown key (keys belong to a [section])");
+      fail(key, "unknown key");
+    }
+    f->set(c, child);
+  }
+}
+
+toml::value parse_toml(const std::string& text, const std::string& name) {
+  std::istringstream is(text);
+  try {
+    return toml::parse(is, name);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("{}: TOML syntax error: {}", name, e.what()));
+  }
+}
+
+void check_one_of(const std::string& key, const std::string& v,
+                  std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (v == a) return;
+    list += list.empty() ? a : std::string(", ") + a;
+  }
+  fail(key, fmt::format("unknown value '{}' (one of: {})", v, list));
+}
+
+void check_min(const std::string& key, int64_t v, int64_t lo) {
+  if (v < lo) fail(key, fmt::format("must be >= {}, got {}", lo, v));
+}
+
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20)
+          out += fmt::format("\\u{:04x}", static_cast<int>(ch));
+        else
+          out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+std::string toml_value_text(const nlohmann::json& j) {
+  if (j.is_string()) return toml_string(j.get<std::string>());
+  if (j.is_boolean()) return j.get<bool>() ? "true" : "false";
+  if (j.is_number_integer()) return std::to_string(j.get<int64_t>());
+  if (j.is_number_float()) {
+    std::string s = fmt::format("{}", j.get<double>());  // shortest round-trip form
+    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+    return s;
+  }
+  std::string out = "[";
+  for (size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + toml_value_text(j[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::from_file(const std::string& path,
+                                   const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("config file '{}': cannot open", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return from_string(ss.str(), overrides, path);
+}
+
+TrainConfig TrainConfig::from_string(const std::string& toml_text,
+                                     const std::vector<std::string>& overrides,
+                                     const std::string& source_name) {
+  TrainConfig c;
+  const auto fs = fields();
+  const toml::value doc = parse_toml(toml_text, source_name);
+  apply_table(c, fs, doc, "");
+  for (const auto& o : overrides) c.apply_override(o);
+  c.validate();
+  return c;
+}
+
+void TrainConfig::apply_override(const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(fmt::format("override '{}': expected section.key=value", assignment));
+  auto trim = [](std::string s) {
+    const size_t b = s.find_first_not_of(" \t");
+    const size_t e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  const std::string key = trim(assignment.substr(0, eq));
+  const std::string text = trim(assignment.substr(eq + 1));
+  const auto fs = fields();
+  const Field* f = find_field(fs, key);
+  if (f == nullptr) fail(key, "unknown key");
+  if (f->kind == Kind::kString && (text.empty() || (text[0] != '"' && text[0] != '\''))) {
+    f->set(*this, toml::value(text));  // bare text for string keys
+    return;
+  }
+  toml::value v;
+  try {
+    std::istringstream is("v = " + text);
+    v = toml::parse(is, "override").as_table().at("v");
+  } catch (const std::exception&) {
+    fail(key, fmt::format("cannot parse value '{}'", text));
+  }
+  f->set(*this, v);
+}
+
+void TrainConfig::validate(int world) const {
+  if (run.name.empty()) fail("run.name", "must not be empty");
+  if (run.out_dir.empty()) fail("run.out_dir", "must not be empty");
+  check_min("run.seed", run.seed, 0);
+  check_one_of("data.dataset", data.dataset, {"fashion-mnist", "synthetic"});
+  if (data.dataset == "fashion-mnist" && data.path.empty()) fail("data.path", "must not be empty");
+  check_min("data.synthetic_train", data.synthetic_train, 1);
+  check_min("data.synthetic_test", data.synthetic_test, 1);
+  check_one_of("model.type", model.type, {"mlp", "cnn"});
+  if (model.type == "mlp" && model.hidden.empty())
+    fail("model.hidden", "an MLP needs at least one hidden layer");
+  if (model.hidden.size() > 8) fail("model.hidden", "at most 8 hidden layers");
+  for (int64_t h : model.hidden)
+    if (h < 1 || h > 65536) fail("model.hidden", fmt::format("sizes must be in 1..65536, got {}", h));
+  if (model.conv_channels.empty() || model.conv_channels.size() > 3)
+    fail("model.conv_channels", "needs 1 to 3 entries (28x28 is halved by each block)");
+  for (int64_t ch : model.conv_channels)
+    if (ch < 1 || ch > 1024)
+      fail("model.conv_channels", fmt::format("channels must be in 1..1024, got {}", ch));
+  if (model.conv_kernel < 1 || model.conv_kernel > 9 || model.conv_kernel % 2 == 0)
+    fail("model.conv_kernel", fmt::format("must be odd and in 1..9, got {}", model.conv_kernel));
+  check_min("train.batch_per_rank", train.batch_per_rank, 1);
+  check_min("train.epochs", train.epochs, 0);
+  check_min("train.steps", train.steps, 0);
+  if (train.epochs == 0 && train.steps == 0)
+    fail("train.epochs", "train.epochs or train.steps must be > 0");
+  if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));
+  if (train.momentum < 0 || train.momentum >= 1)
+    fail("train.momentum", fmt::format("must be in [0, 1), got {}", train.momentum));
+  if (train.nesterov && train.momentum == 0)
+    fail("train.nesterov", "needs train.momentum > 0");
+  if (train.weight_decay < 0)
+    fail("train.weight_decay", fmt::format("must be >= 0, got {}", train.weight_decay));
+  check_min("train.warmup_steps", train.warmup_steps, 0);
+  check_one_of("train.schedule", train.schedule, {"constant", "step", "cosine"});
+  check_min("train.step_decay_every", train.step_decay_every, 1);
+  if (!(train.step_decay_factor > 0 && train.step_decay_factor <= 1))
+    fail("train.step_decay_factor",
+         fmt::format("must be in (0, 1], got {}", train.step_decay_factor));
+  check_one_of("train.lr_scaling", train.lr_scaling, {"none", "linear", "sqrt"});
+  check_min("train.reference_batch", train.reference_batch, 1);
+  check_min("train.eval_every", train.eval_every, 0);
+  check_min("train.eval_batch", train.eval_batch, 1);
+  if (train.target_accuracy < 0 || train.target_accuracy > 1)
+    fail("train.target_accuracy",
+         fmt::format("must be in [0, 1], got {}", train.target_accuracy));
+  check_min("train.checkpoint_every", train.checkpoint_every, 0);
+  check_min("train.checksum_every", train.checksum_every, 0);
+  if (quorum.quorum_is_fraction) {
+    if (!(quorum.quorum > 0 && quorum.quorum <= 1))
+      fail("quorum.quorum", fmt::format("a fraction must be in (0, 1], got {}", quorum.quorum));
+  } else if (quorum.quorum < 1) {
+    fail("quorum.quorum", fmt::format("a count must be >= 1, got {}", quorum.quorum));
+  }
+  if (world > 0) quorum_count(world);
+  check_min("quorum.grace_ms", quorum.grace_ms, 0);
+  check_min("quorum.deadline_ms", quorum.deadline_ms, 1);
+  if (quorum.deadline_ms <= quorum.grace_ms)
+    fail("quorum.deadline_ms", fmt::format("must be > quorum.grace_ms ({}), got {}",
+                                           quorum.grace_ms, quorum.deadline_ms));
+  check_one_of("quorum.late_policy", quorum.late_policy, {"drop", "carry"});
+  parse_straggler_spec(straggler.model);
+  if (net.provider.empty()) fail("net.provider", "must not be empty");
+  check_one_of("log.level", log.level, {"trace", "debug", "info", "warn", "error", "off"});
+}
+
+int TrainConfig::quorum_count(int world) const {
+  if (world < 1) throw UsageError(fmt::format("quorum_count: world size {} < 1", world));
+  int64_t q;
+  if (quorum.quorum_is_fraction) {
+    if (!(quorum.quorum > 0 && quorum.quorum <= 1))
+      fail("quorum.quorum", fmt::format("a fraction must be in (0, 1], got {}", quorum.quorum));
+    // The small tolerance keeps 0.75 * 4 at 3 despite rounding in the product.
+    q = static_cast<int64_t>(std::ceil(quorum.quorum * world - 1e-9));
+    q = std::max<int64_t>(q, 1);
+  } else {
+    q = static_cast<int64_t>(quorum.quorum);
+  }
+  if (q < 1 || q > world)
+    fail("quorum.quorum", fmt::format("quorum {} is not within 1..{} (the world size)", q, world));
+  return static_cast<int>(q);
+}
+
+std::string TrainConfig::to_toml() const {
+  std::string out;
+  std::string section;
+  for (const auto& f : fields()) {
+    const size_t dot = f.key.find('.');
+    const std::string sec = f.key.substr(0, dot);
+    if (sec != section) {
+      out += (section.empty() ? "[" : "\n[") + sec + "]\n";
+      section = sec;
+    }
+    out += f.key.substr(dot + 1) + " = " + toml_value_text(f.get(*this)) + "\n";
+  }
+  return out;
+}
+
+nlohmann::json TrainConfig::to_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& f : fields()) {
+    const size_t dot = f.key.find('.');
+    j[f.key.substr(0, dot)][f.key.substr(dot + 1)] = f.get(*this);
+  }
+  return j;
+}
+
+uint64_t TrainConfig::fingerprint() const {
+  std::string text;
+  for (const auto& f : fields()) {
+    const bool relevant = f.key == "run.seed" ||
+                          (f.key.rfind("data.", 0) == 0 && f.key != "data.path") ||
+                          f.key.rfind("model.", 0) == 0 || f.key == "train.batch_per_rank";
+    if (relevant) text += f.key + "=" + f.get(*this).dump() + "\n";
+  }
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : text) {
+    h ^= ch;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+std::vector<std::string> TrainConfig::keys() {
+  std::vector<std::string> out;
+  for (const auto& f : fields()) out.push_back(f.key);
+  return out;
+}
+
+StragglerSpec parse_straggler_spec(const std::string& spec) {
+  const std::string key = "straggler.model";
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t colon = spec.find(':', start);
+    if (colon == std::string::npos) {
+      parts.push_back(spec.substr(start));
+      break;
+    }
+    parts.push_back(spec.substr(start, colon - start));
+    start = colon + 1;
+    if (parts.size() == 1 && parts[0] == "trace") {  // the file name may contain ':'
+      parts.push_back(spec.substr(start));
+      break;
+    }
+  }
+  auto number = [&](size_t i, const char* what) {
+    const std::string& s = parts[i];
+    size_t used = 0;
+    double d = 0;
+    try {
+      d = std::stod(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (s.empty() || used != s.size() || !std::isfinite(d))
+      fail(key, fmt::format("'{}': {} '{}' is not a number", spec, what, s));
+    return d;
+  };
+  auto arity = [&](size_t n, const char* form) {
+    if (parts.size() != n) fail(key, fmt::format("'{}': expected {}", spec, form));
+  };
+  StragglerSpec out;
+  const std::string& kind = parts[0];
+  if (kind == "none") {
+    arity(1, "none");
+  } else if (kind == "fixed") {
+    arity(3, "fixed:RANK:MS");
+    out.kind = StragglerSpec::Kind::kFixed;
+    const double r = number(1, "RANK");
+    if (r < 0 || r != std::floor(r) || r > 1e6)
+      fail(key, fmt::format("'{}': RANK must be a non-negative integer", spec));
+    out.rank = static_cast<int>(r);
+    out.a = number(2, "MS");
+    if (out.a < 0) fail(key, fmt::format("'{}': MS must be >= 0", spec));
+  } else if (kind == "exp") {
+    arity(2, "exp:MEAN_MS");
+    out.kind = StragglerSpec::Kind::kExp;
+    out.a = number(1, "MEAN_MS");
+    if (out.a <= 0) fail(key, fmt::format("'{}': MEAN_MS must be > 0", spec));
+  } else if (kind == "lognormal") {
+    arity(3, "lognormal:MU:SIGMA");
+    out.kind = StragglerSpec::Kind::kLognormal;
+    out.a = number(1, "MU");
+    out.b = number(2, "SIGMA");
+    if (out.b < 0) fail(key, fmt::format("'{}': SIGMA must be >= 0", spec));
+  } else if (kind == "tail") {
+    arity(3, "tail:P:MS");
+    out.kind = StragglerSpec::Kind::kTail;
+    out.a = number(1, "P");
+    out.b = number(2, "MS");
+    if (out.a < 0 || out.a > 1) fail(key, fmt::format("'{}': P must be in [0, 1]", spec));
+    if (out.b < 0) fail(key, fmt::format("'{}': MS must be >= 0", spec));
+  } else if (kind == "trace") {
+    arity(2, "trace:FILE");
+    out.kind = StragglerSpec::Kind::kTrace;
+    out.file = parts[1];
+    if (out.file.empty()) fail(key, fmt::format("'{}': FILE is empty", spec));
+  } else {
+    fail(key, fmt::format("unknown model '{}' (none, fixed:R:MS, exp:MEAN, lognormal:MU:SIGMA, "
+                          "tail:P:MS, trace:FILE)",
+                          spec));
+  }
+  return out;
+}
+
+}  // namespace qring::train

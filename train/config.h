@@ -1,0 +1,140 @@
+// qring-train configuration: one struct per TOML section, parsed strictly.
+//
+// Every key has a type, a default and a range. Unknown keys, wrong types and out-of-range values
+// throw qring::ConfigError naming the key (e.g. "train.lr: must be > 0, got -1"). Overrides are
+// "section.key=value" strings applied after the file; the value is read as a TOML value
+// (numbers, true/false, [arrays], "strings"), and string keys also accept bare text
+// (model.type=cnn, straggler.model=fixed:2:200). docs/training.md lists all keys.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace qring::train {
+
+struct RunSection {
+  std::string name = "qring";
+  std::string out_dir = "runs";
+  int64_t seed = 42;
+};
+
+struct DataSection {
+  std::string path = "/usr/share/datasets/fashion-mnist";
+  std::string dataset = "fashion-mnist";  // fashion-mnist | synthetic
+  int64_t synthetic_train = 8192;
+  int64_t synthetic_test = 2048;
+};
+
+struct ModelSection {
+  std::string type = "mlp";                   // mlp | cnn
+  std::vector<int64_t> hidden = {512, 256};   // MLP hidden layers; CNN dense-head hidden layers
+  std::vector<int64_t> conv_channels = {32, 64};  // CNN: one conv-ReLU-maxpool block per entry
+  int64_t conv_kernel = 3;                    // CNN: odd square kernel, stride 1, same padding
+};
+
+struct TrainSection {
+  int64_t batch_per_rank = 64;
+  int64_t epochs = 10;  // used when steps == 0
+  int64_t steps = 0;    // total optimizer steps; 0 = epochs * steps_per_epoch
+  double lr = 0.05;     // base learning rate, before lr_scaling
+  double momentum = 0.9;
+  bool nesterov = false;
+  double weight_decay = 5e-4;
+  int64_t warmup_steps = 200;
+  std::string schedule = "cosine";  // constant | step | cosine
+  int64_t step_decay_every = 1000;  // schedule = step: multiply by step_decay_factor every N steps
+  double step_decay_factor = 0.1;
+  std::string lr_scaling = "linear";  // none | linear | sqrt
+  int64_t reference_batch = 256;
+  int64_t eval_every = 0;  // steps; 0 = at the end of every epoch
+  int64_t eval_batch = 1000;
+  double target_accuracy = 0.0;  // 0 = none; else time-to-accuracy is reported
+  int64_t checkpoint_every = 0;  // steps; 0 = off
+  int64_t checksum_every = 0;    // steps; 0 = off
+};
+
+struct QuorumSection {
+  // TOML integer: a count Q. TOML float in (0, 1]: a fraction of the world, Q = ceil(f * W).
+  double quorum = 1.0;
+  bool quorum_is_fraction = true;
+  int64_t grace_ms = 0;
+  int64_t deadline_ms = 30000;
+  std::string late_policy = "drop";  // drop | carry
+};
+
+struct StragglerSection {
+  std::string model = "none";  // see StragglerSpec
+};
+
+struct NetSection {
+  std::string provider = "auto";
+};
+
+struct LogSection {
+  std::string level = "info";  // trace | debug | info | warn | error | off
+  bool progress = true;
+};
+
+struct TrainConfig {
+  RunSection run;
+  DataSection data;
+  ModelSection model;
+  TrainSection train;
+  QuorumSection quorum;
+  StragglerSection straggler;
+  NetSection net;
+  LogSection log;
+
+  // Parses a TOML file (path) or text, then applies the overrides in order, then validates.
+  static TrainConfig from_file(const std::string& path,
+                               const std::vector<std::string>& overrides = {});
+  static TrainConfig from_string(const std::string& toml_text,
+                                 const std::vector<std::string>& overrides = {},
+                                 const std::string& source_name = "<string>");
+
+  // Applies one "section.key=value" override (no validation of cross-key rules; call
+  // validate() afterwards). Throws ConfigError naming the key.
+  void apply_override(const std::string& assignment);
+
+  // Checks every range and cross-key rule. With world > 0 also checks quorum <= world.
+  void validate(int world = 0) const;
+
+  // Q for a world of W ranks (count, or ceil(fraction * W)); ConfigError naming
+  // quorum.quorum if it is not within 1..W.
+  int quorum_count(int world) const;
+
+  // The resolved configuration, every key, re-parseable by from_string.
+  std::string to_toml() const;
+  nlohmann::json to_json() const;
+
+  // FNV-1a 64 over the keys a checkpoint must agree on to resume exactly: run.seed, data.*
+  // except data.path, model.*, train.batch_per_rank.
+  uint64_t fingerprint() const;
+
+  // All dotted key names, in to_toml order.
+  static std::vector<std::string> keys();
+};
+
+// Parsed straggler.model spec. Delays are in milliseconds, per rank per step:
+//   none                 no injected delay
+//   fixed:R:MS           rank R sleeps MS every step
+//   exp:MEAN             every rank sleeps Exp(mean MEAN) every step
+//   lognormal:MU:SIGMA   every rank sleeps exp(N(MU, SIGMA)) every step
+//   tail:P:MS            every rank, with probability P, sleeps MS
+//   trace:FILE           delays read from FILE (format defined by the trainer)
+struct StragglerSpec {
+  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace };
+  Kind kind = Kind::kNone;
+  int rank = -1;      // fixed
+  double a = 0.0;     // fixed: MS, exp: MEAN, lognormal: MU, tail: P
+  double b = 0.0;     // lognormal: SIGMA, tail: MS
+  std::string file;   // trace
+};
+
+// Throws ConfigError naming straggler.model on a malformed spec.
+StragglerSpec parse_straggler_spec(const std::string& spec);
+
+}  // namespace qring::train

@@ -1,0 +1,168 @@
+#include "train/dataset.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+#include "train/config.h"
+#include "train/idx.h"
+#include "train/rng.h"
+
+namespace qring::train {
+namespace {
+
+std::string pick(const std::string& dir, const std::string& base) {
+  const std::string gz = dir + "/" + base + ".gz";
+  if (std::filesystem::exists(gz)) return gz;
+  const std::string plain = dir + "/" + base;
+  if (std::filesystem::exists(plain)) return plain;
+  throw DataError(fmt::format("{}: dataset file not found (also tried without .gz)", gz));
+}
+
+Dataset load_split(const std::string& dir, const std::string& prefix) {
+  const std::string ipath = pick(dir, prefix + "-images-idx3-ubyte");
+  const std::string lpath = pick(dir, prefix + "-labels-idx1-ubyte");
+  IdxArray images = read_idx_images(ipath);
+  IdxArray labels = read_idx_labels(lpath, 10);
+  if (images.dims[0] != labels.dims[0]) {
+    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0],
+                                ipath, images.dims[0]));
+  }
+  if (images.dims[0] == 0) throw DataError(fmt::format("{}: no images", ipath));
+  Dataset d;
+  d.dim = 784;
+  d.images.resize(images.data.size());
+  for (size_t i = 0; i < images.data.size(); ++i) d.images[i] = images.data[i] / 255.0f;
+  d.labels.assign(labels.data.begin(), labels.data.end());
+  return d;
+}
+
+void normalize(Dataset& d, double mean, double std) {
+  const float m = static_cast<float>(mean);
+  const float inv = static_cast<float>(1.0 / std);
+  for (float& x : d.images) x = (x - m) * inv;
+}
+
+}  // namespace
+
+DatasetPair load_fashion_mnist(const std::string& dir) {
+  DatasetPair p;
+  p.train = load_split(dir, "train");
+  p.test = load_split(dir, "t10k");
+  double sum = 0, sq = 0;
+  for (float x : p.train.images) {
+    sum += x;
+    sq += static_cast<double>(x) * x;
+  }
+  const double n = static_cast<double>(p.train.images.size());
+  p.mean = sum / n;
+  p.std = std::sqrt(std::max(sq / n - p.mean * p.mean, 1e-12));
+  normalize(p.train, p.mean, p.std);
+  normalize(p.test, p.mean, p.std);
+  return p;
+}
+
+DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
+  if (n_train < 1 || n_test < 1)
+    throw UsageError(fmt::format("make_synthetic: sizes {} and {} must be >= 1", n_train, n_test));
+  constexpr int kClasses = 10, kSide = 28, kCoarse = 7;
+  Rng rng(derive_seed(seed, 0x5157));
+  // Class prototypes: coarse 7x7 Gaussian noise, nearest-neighbour upsampled.
+  std::vector<float> protos(kClasses * 784);
+  for (int c = 0; c < kClasses; ++c) {
+    float coarse[kCoarse * kCoarse];
+    for (float& v : coarse) v = static_cast<float>(rng.normal());
+    for (int y = 0; y < kSide; ++y)
+      for (int x = 0; x < kSide; ++x)
+        protos[c * 784 + y * kSide + x] = coarse[(y / 4) * kCoarse + (x / 4)];
+  }
+  auto make = [&](int64_t n, uint64_t stream) {
+    Rng r(derive_seed(seed, stream));
+    Dataset d;
+    d.images.resize(static_cast<size_t>(n) * 784);
+    d.labels.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) d.labels[i] = static_cast<int32_t>(i % kClasses);
+    for (int64_t i = n - 1; i > 0; --i)
+      std::swap(d.labels[i], d.labels[static_cast<int64_t>(r.below(i + 1))]);
+    for (int64_t i = 0; i < n; ++i) {
+      const float contrast = static_cast<float>(0.5 + r.uniform());
+      const float* p = protos.data() + d.labels[i] * 784;
+      float* out = d.images.data() + i * 784;
+      for (int k = 0; k < 784; ++k) out[k] = contrast * p[k] + 1.5f * static_cast<float>(r.normal());
+    }
+    return d;
+  };
+  DatasetPair pair;
+  pair.train = make(n_train, 1);
+  pair.test = make(n_test, 2);
+  return pair;
+}
+
+DatasetPair load_datasets(const DataSection& cfg, uint64_t seed) {
+  if (cfg.dataset == "fashion-mnist") return load_fashion_mnist(cfg.path);
+  if (cfg.dataset == "synthetic") return make_synthetic(cfg.synthetic_train, cfg.synthetic_test, seed);
+  throw ConfigError(fmt::format("config key 'data.dataset': unknown value '{}'", cfg.dataset));
+}
+
+Sharder::Sharder(int64_t dataset_size, int rank, int world, int64_t batch, uint64_t seed)
+    : n_(dataset_size), rank_(rank), world_(world), batch_(batch), seed_(seed) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw UsageError(fmt::format("Sharder: rank {} not in a world of {}", rank, world));
+  if (batch < 1) throw UsageError(fmt::format("Sharder: batch {} < 1", batch));
+  if (dataset_size > INT32_MAX) throw UsageError("Sharder: dataset larger than 2^31 samples");
+  shard_ = n_ / world_;
+  batches_per_epoch_ = shard_ / batch_;
+  if (batches_per_epoch_ < 1) {
+    throw ConfigError(fmt::format(
+        "config key 'train.batch_per_rank': {} samples over {} ranks give {} per rank, fewer "
+        "than one batch of {}",
+        n_, world_, shard_, batch_));
+  }
+}
+
+void Sharder::seek(DataPosition pos) {
+  if (pos.epoch < 0 || pos.index < 0 || pos.index >= batches_per_epoch_) {
+    throw UsageError(fmt::format("Sharder::seek: position (epoch {}, batch {}) out of range "
+                                 "({} batches per epoch)",
+                                 pos.epoch, pos.index, batches_per_epoch_));
+  }
+  pos_ = pos;
+}
+
+std::vector<int32_t> Sharder::epoch_permutation(int64_t epoch) const {
+  std::vector<int32_t> perm(static_cast<size_t>(n_));
+  for (int64_t i = 0; i < n_; ++i) perm[i] = static_cast<int32_t>(i);
+  Rng r(derive_seed(seed_, 0x100000000ULL + static_cast<uint64_t>(epoch)));
+  for (int64_t i = n_ - 1; i > 0; --i)
+    std::swap(perm[i], perm[static_cast<int64_t>(r.below(static_cast<uint64_t>(i) + 1))]);
+  return perm;
+}
+
+const std::vector<int32_t>& Sharder::next_batch() {
+  if (perm_epoch_ != pos_.epoch) {
+    perm_ = epoch_permutation(pos_.epoch);
+    perm_epoch_ = pos_.epoch;
+  }
+  const int64_t start = rank_ * shard_ + pos_.index * batch_;
+  out_.assign(perm_.begin() + start, perm_.begin() + start + batch_);
+  if (++pos_.index == batches_per_epoch_) {
+    pos_.index = 0;
+    ++pos_.epoch;
+  }
+  return out_;
+}
+
+void gather_batch(const Dataset& d, const std::vector<int32_t>& idx, float* x, int32_t* y) {
+  const size_t dim = static_cast<size_t>(d.dim);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    if (idx[i] < 0 || idx[i] >= d.size())
+      throw UsageError(fmt::format("gather_batch: index {} out of range", idx[i]));
+    std::memcpy(x + i * dim, d.image(idx[i]), dim * sizeof(float));
+    y[i] = d.labels[static_cast<size_t>(idx[i])];
+  }
+}
+
+}  // namespace qring::train

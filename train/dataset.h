@@ -1,0 +1,90 @@
+// In-memory datasets, normalization, per-rank sharding and minibatches.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qring::train {
+
+struct DataSection;
+
+// N images of `dim` floats each (sample-contiguous: image i is images[i*dim, (i+1)*dim)),
+// pixels in row-major 28x28 order, and N labels in 0..num_classes-1.
+struct Dataset {
+  int64_t dim = 784;
+  int num_classes = 10;
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+
+  int64_t size() const { return static_cast<int64_t>(labels.size()); }
+  const float* image(int64_t i) const { return images.data() + i * dim; }
+};
+
+struct DatasetPair {
+  Dataset train;
+  Dataset test;
+  // Normalization applied to both: x = (pixel / 255 - mean) / std, mean and std over every
+  // pixel of the training set (so all ranks, which load the whole set, agree bit for bit).
+  double mean = 0.0;
+  double std = 1.0;
+};
+
+// Reads <dir>/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz (also without .gz), checks image
+// and label counts agree, and normalizes. Throws DataError naming the file on any problem.
+DatasetPair load_fashion_mnist(const std::string& dir);
+
+// Deterministic learnable data: 10 smooth class prototypes (7x7 noise upsampled to 28x28), each
+// sample a prototype times a random contrast plus pixel noise; labels balanced round-robin then
+// shuffled. Already roughly zero-mean, unit-variance.
+DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed);
+
+// data.dataset = fashion-mnist | synthetic, with data.path / data.synthetic_* and the seed.
+DatasetPair load_datasets(const DataSection& cfg, uint64_t seed);
+
+// Where a rank is in its stream of minibatches: `index` batches of epoch `epoch` are done.
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t index = 0;
+  bool operator==(const DataPosition&) const = default;
+};
+
+// Every epoch, the whole dataset is permuted by a shuffle seeded from (seed, epoch) — the same
+// permutation on every rank — and rank r of W takes the slice [r*S, (r+1)*S) with
+// S = floor(N / W). The slice is cut into floor(S / batch) full batches; the remainder of the
+// dataset and of the slice is skipped that epoch (a different remainder each epoch). All ranks
+// therefore do the same number of steps per epoch.
+class Sharder {
+ public:
+  Sharder(int64_t dataset_size, int rank, int world, int64_t batch, uint64_t seed);
+
+  int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  int64_t batch_size() const { return batch_; }
+  DataPosition position() const { return pos_; }
+  void seek(DataPosition pos);  // throws UsageError if pos.index >= batches_per_epoch()
+
+  // The dataset indices of the next batch; advances the position (to the next epoch after
+  // the last batch). The reference is valid until the next call.
+  const std::vector<int32_t>& next_batch();
+
+  // The permutation of [0, N) used for an epoch (exposed for tests).
+  std::vector<int32_t> epoch_permutation(int64_t epoch) const;
+
+ private:
+  int64_t n_;
+  int rank_;
+  int world_;
+  int64_t batch_;
+  uint64_t seed_;
+  int64_t shard_;
+  int64_t batches_per_epoch_;
+  DataPosition pos_;
+  int64_t perm_epoch_ = -1;
+  std::vector<int32_t> perm_;
+  std::vector<int32_t> out_;
+};
+
+// Copies the samples `idx` into x (idx.size() * dim floats, sample-contiguous) and y.
+void gather_batch(const Dataset& d, const std::vector<int32_t>& idx, float* x, int32_t* y);
+
+}  // namespace qring::train
