@@ -185,6 +185,8 @@ struct Options {
   long timeout_ms = 60000;     // qring: deadline of every operation
   std::string json_path;
   double seconds = 10.0;       // --op idle
+  bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
+  bool spin = false;           // --op sendrecv: busy-poll instead of the endpoint's wait
   bool help = false;
 };
 
@@ -214,8 +216,12 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "  --inflight N         segments in flight per link (default: the library's)\n"
         "  --timeout-ms N       deadline of every operation (default 60000)\n"
         "  --seconds S          --op idle: how long every rank blocks in a receive (default 10)\n"
+        "  --spin               sendrecv: busy-poll the completion queue (as fi_pingpong) instead\n"
+        "                       of the endpoint's spin-yield-sleep wait\n"
         "sendrecv measures ping-pong between ranks 2i and 2i+1: time = round trip / 2 (as\n"
         "fi_pingpong's usec/xfer), bandwidth = size / time.\n"
+        "  --idle-via W         idle: wait in the communicator's progress 'engine' (default) or\n"
+        "                       in the raw 'endpoint' (Endpoint::wait)\n"
         "idle posts a receive that never matches on every rank, waits --seconds, cancels it and\n"
         "prints the CPU time each rank used meanwhile.\n";
   }
@@ -296,6 +302,15 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--timeout-ms") {
       qring_only();
       o.timeout_ms = parse_int(flag, value(), 1, 86'400'000);
+    } else if (flag == "--idle-via") {
+      qring_only();
+      std::string v = value();
+      if (v != "engine" && v != "endpoint")
+        throw ConfigError(fmt::format("--idle-via: expected engine or endpoint, got '{}'", v));
+      o.idle_via_endpoint = v == "endpoint";
+    } else if (flag == "--spin") {
+      qring_only();
+      o.spin = true;
     } else if (flag == "--seconds") {
       qring_only();
       std::string v = value();

@@ -18,6 +18,7 @@
 
 #include "collectives/bench/bench_common.h"
 #include "collectives/communicator.h"
+#include "collectives/engine.h"
 #include "net/bootstrap.h"
 #include "net/endpoint.h"
 #include "net/fabric_endpoint.h"
@@ -143,20 +144,20 @@ class PingPong {
         auto rr = ep_.irecv(peer, tag, rbuf, bytes);
         auto sr = ep_.isend(peer, tag, sbuf, bytes);
         Deadline dl = op_deadline(o_);
-        ep_.wait(sr, dl, "sendrecv ping");
-        ep_.wait(rr, dl, "sendrecv pong");
+        wait(sr, dl, "sendrecv ping");
+        wait(rr, dl, "sendrecv pong");
         check_len(*rr, bytes);
       }
     } else {
       auto rr = ep_.irecv(peer, data_tag(seq_), rbuf, bytes);
       for (int i = 0; i < iters; ++i) {
         Deadline dl = op_deadline(o_);
-        ep_.wait(rr, dl, "sendrecv ping");
+        wait(rr, dl, "sendrecv ping");
         check_len(*rr, bytes);
         uint64_t tag = data_tag(seq_++);
         auto sr = ep_.isend(peer, tag, sbuf, bytes);
         if (i + 1 < iters) rr = ep_.irecv(peer, data_tag(seq_), rbuf, bytes);
-        ep_.wait(sr, dl, "sendrecv pong");
+        wait(sr, dl, "sendrecv pong");
       }
     }
   }
@@ -173,6 +174,18 @@ class PingPong {
   }
 
  private:
+  // --spin: poll without ever yielding or sleeping, as fi_pingpong does; otherwise the
+  // endpoint's own wait (spin, then yield, then sleep with backoff).
+  void wait(const RequestPtr& req, Deadline dl, const char* what) {
+    if (!o_.spin) return ep_.wait(req, dl, what);
+    uint32_t polls = 0;
+    while (!req->done()) {
+      ep_.progress();
+      if ((++polls & 1023) == 0 && net::Clock::now() >= dl)
+        throw TimeoutError(fmt::format("rank {}: timed out in {}", ep_.rank(), what));
+    }
+    net::throw_if_failed(*req, what);
+  }
   static void check_len(const net::Request& r, size_t bytes) {
     if (r.bytes != bytes)
       throw ProtocolError(
@@ -254,11 +267,44 @@ double cpu_seconds_self() {
          double(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
 }
 
-// Every rank posts a receive that never matches, waits for it with the endpoint's normal
-// (spin, yield, sleep) policy until --seconds pass, cancels it, and reports the CPU time the
-// whole process used meanwhile.
-void run_idle(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
-  const int n = ep.world_size();
+// Rank 0 prints the per-rank CPU seconds of the idle window and returns the JSON row.
+void report_idle(const std::vector<double>& cpu, double wall, const std::string& provider,
+                 const char* via, std::vector<nlohmann::json>& rows) {
+  const int n = static_cast<int>(cpu.size());
+  double total = 0;
+  nlohmann::json per_rank = nlohmann::json::array();
+  std::printf("# idle: %d ranks blocked in a receive that never matches for %.2f s "
+              "(waiting in the %s; provider %s)\n",
+              n, wall, via, provider.c_str());
+  std::printf("# %6s %12s %10s\n", "rank", "cpu (s)", "% core");
+  for (int r = 0; r < n; ++r) {
+    double c = cpu[size_t(r)];
+    total += c;
+    per_rank.push_back(c);
+    std::printf("  %6d %12.4f %10.3f\n", r, c, 100.0 * c / wall);
+  }
+  std::printf("  %6s %12.4f %10.3f\n", "total", total, 100.0 * total / wall);
+  nlohmann::json j;
+  j["op"] = "idle";
+  j["via"] = via;
+  j["ranks"] = n;
+  j["provider"] = provider;
+  j["seconds"] = wall;
+  j["cpu_s_per_rank"] = per_rank;
+  j["cpu_s_total"] = total;
+  j["core_percent_total"] = 100.0 * total / wall;
+  rows.push_back(std::move(j));
+}
+
+std::chrono::nanoseconds idle_duration(const Options& o) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(o.seconds));
+}
+
+// --idle-via endpoint: every rank posts a receive that never matches, waits for it with the
+// endpoint's own wait (spin, yield, sleep with backoff) until --seconds pass, cancels it, and
+// reports the CPU time the whole process used meanwhile.
+void run_idle_endpoint(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
   uint64_t sink = 0;
   // Start together, so that the windows overlap.
   gather_reports(ep, 0, Report{}, op_deadline(o));
@@ -267,9 +313,7 @@ void run_idle(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows)
   const auto t0 = std::chrono::steady_clock::now();
   bool timed_out = false;
   try {
-    ep.wait(req, net::deadline_in(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                     std::chrono::duration<double>(o.seconds))),
-            "idle receive");
+    ep.wait(req, net::deadline_in(idle_duration(o)), "idle receive");
   } catch (const TimeoutError&) {
     timed_out = true;
   }
@@ -279,27 +323,57 @@ void run_idle(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows)
   if (!ep.cancel(req)) throw ProtocolError("idle: the pending receive could not be cancelled");
   auto all = gather_reports(ep, 1, Report{cpu, 0}, op_deadline(o));
   if (ep.rank() != 0) return;
-  double total = 0;
-  nlohmann::json per_rank = nlohmann::json::array();
-  std::printf("# idle: %d ranks blocked in a receive for %.2f s (provider %s)\n", n, wall,
-              ep.provider().c_str());
-  std::printf("# %6s %12s %10s\n", "rank", "cpu (s)", "% core");
-  for (int r = 0; r < n; ++r) {
-    double c = all[size_t(r)].value;
-    total += c;
-    per_rank.push_back(c);
-    std::printf("  %6d %12.4f %10.3f\n", r, c, 100.0 * c / wall);
+  std::vector<double> cpus;
+  for (const Report& r : all) cpus.push_back(r.value);
+  report_idle(cpus, wall, ep.provider(), "endpoint", rows);
+}
+
+// An engine operation that posts a receive nobody sends to and finishes (cancelling it) once
+// its time is up: the progress engine keeps polling for it meanwhile, exactly as it does while
+// a collective waits for a slow peer.
+class IdleRecvOp final : public collectives::EngineOp {
+ public:
+  explicit IdleRecvOp(net::Clock::time_point end) : end_(end) {}
+  std::string name() const override { return "idle receive"; }
+  void start(Endpoint& ep) override {
+    req_ = ep.irecv(net::kAnyPeer, idle_tag(), &sink_, sizeof(sink_));
   }
-  std::printf("  %6s %12.4f %10.3f\n", "total", total, 100.0 * total / wall);
-  nlohmann::json j;
-  j["op"] = "idle";
-  j["ranks"] = n;
-  j["provider"] = ep.provider();
-  j["seconds"] = wall;
-  j["cpu_s_per_rank"] = per_rank;
-  j["cpu_s_total"] = total;
-  j["core_percent_total"] = 100.0 * total / wall;
-  rows.push_back(std::move(j));
+  bool advance(Endpoint& ep) override {
+    if (done_) return false;
+    if (req_->done()) throw ProtocolError("idle: the receive that should never match did match");
+    if (net::Clock::now() < end_) return false;
+    if (!ep.cancel(req_)) throw ProtocolError("idle: the pending receive could not be cancelled");
+    done_ = true;
+    return true;
+  }
+  bool finished() const override { return done_; }
+  void abort(Endpoint& ep) override {
+    if (req_ && !req_->done()) ep.cancel(req_);
+  }
+  std::string waiting_on() const override { return "an idle receive (never matched)"; }
+
+ private:
+  net::Clock::time_point end_;
+  RequestPtr req_;
+  uint64_t sink_ = 0;
+  bool done_ = false;
+};
+
+// --idle-via engine (default): the same, with the receive pending inside the communicator's
+// progress engine while the caller blocks in Work::wait.
+void run_idle_engine(collectives::Communicator& comm, const Options& o,
+                     std::vector<nlohmann::json>& rows) {
+  comm.barrier();
+  const double cpu0 = cpu_seconds_self();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto op = std::make_unique<IdleRecvOp>(net::Clock::now() + idle_duration(o));
+  op->deadline = net::Clock::now() + idle_duration(o) + std::chrono::milliseconds(o.timeout_ms);
+  comm.submit(std::move(op))->wait();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double cpu = cpu_seconds_self() - cpu0;
+  std::vector<double> all(size_t(comm.size()));
+  comm.allgather(&cpu, all.data(), 1, DataType::kFloat64);
+  if (comm.rank() == 0) report_idle(all, wall, comm.provider(), "engine", rows);
 }
 
 // ------------------------------------------------------------------ main
@@ -327,8 +401,8 @@ int bench_main(const Options& o) {
   try {
     if (o.op == BenchOp::kSendRecv) {
       wrong = run_sendrecv(*ep, o, rows);
-    } else if (o.op == BenchOp::kIdle) {
-      run_idle(*ep, o, rows);
+    } else if (o.op == BenchOp::kIdle && o.idle_via_endpoint) {
+      run_idle_endpoint(*ep, o, rows);
     } else {
       collectives::CommOptions co;
       co.local_size = info.local_size;
@@ -336,6 +410,11 @@ int bench_main(const Options& o) {
       if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
       if (o.inflight) co.segments_in_flight = o.inflight;
       collectives::Communicator comm(std::move(ep), co);
+      if (o.op == BenchOp::kIdle) {
+        run_idle_engine(comm, o, rows);
+        write();
+        return 0;
+      }
       QringBackend be(comm, o);
       Sweep<QringBackend> sweep(be, o);
       try {
