@@ -14,11 +14,14 @@
 # all with NodeAddr=127.0.0.1; the names are added to /etc/hosts so that programs resolving
 # SLURM_STEP_NODELIST find them. Two or more nodes emulate a multi-node allocation on one
 # host. Each node advertises QRING_SLURM_CPUS CPUs (default 8) whatever the hardware has
-# (SlurmdParameters=config_overrides), so a 2-core machine runs 8 tasks per node.
+# (SlurmdParameters=config_overrides), so a 2-core machine runs 8 tasks per node. Where
+# namespaces are allowed, each slurmd runs in its own UTS namespace named after its node, so
+# tasks on qnode2 see `hostname` = qnode2 (QRING_SLURM_UTS=0 turns this off).
 #
 # Environment: QRING_SLURM_DIR (state: conf, logs, spool, pid files; default /tmp/qring-slurm),
 # QRING_SLURM_PORT (slurmctld port, slurmd I uses PORT+I; default 16817),
-# QRING_SLURM_CPUS (CPUs per node, default 8), QRING_SLURM_NO_INSTALL=1 (never call apt-get).
+# QRING_SLURM_CPUS (CPUs per node, default 8), QRING_SLURM_NO_INSTALL=1 (never call apt-get),
+# QRING_SLURM_UTS=0 (all nodes share this host's name).
 #
 # start is idempotent: when the cluster already runs with the same layout it only checks that
 # the nodes are idle; with another layout it stops and starts again. stop signals exactly the
@@ -243,16 +246,31 @@ start() {
   start_munge
 
   slurmctld -f "$CONF" -c -i || die "slurmctld failed to start (see $LOG/slurmctld.log)"
-  local name
+  # Each slurmd in its own UTS namespace whose hostname is the node name, so that its tasks'
+  # gethostname() tells the emulated nodes apart as on a real cluster. Without permission
+  # for namespaces (or with QRING_SLURM_UTS=0) the nodes share this host's name.
+  local name uts=0
+  if [ "${QRING_SLURM_UTS:-1}" = 1 ] && unshare --uts true 2>/dev/null; then uts=1; fi
+  echo "$uts" >"$STATE/uts"
   for name in $(node_names "$n"); do
     mkdir -p "$STATE/spool/$name"
-    slurmd -f "$CONF" -N "$name" || die "slurmd $name failed to start (see $LOG/slurmd-$name.log)"
+    if [ $uts = 1 ]; then
+      # shellcheck disable=SC2016 # expanded by the inner shell
+      unshare --uts sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' sh "$name" "$CONF"
+    else
+      slurmd -f "$CONF" -N "$name"
+    fi || die "slurmd $name failed to start (see $LOG/slurmd-$name.log)"
   done
   if ! wait_idle "$n"; then
     tail -n 20 "$LOG"/*.log >&2 || true
     die "nodes not idle after ${START_TIMEOUT_S}s (logs in $LOG)"
   fi
-  say "started $n node(s) in $((SECONDS - t0))s; state in $STATE"
+  if [ $uts = 1 ]; then
+    say "started $n node(s) in $((SECONDS - t0))s, each with its own hostname; state in $STATE"
+  else
+    say "started $n node(s) in $((SECONDS - t0))s, sharing the hostname $(hostname);" \
+      "state in $STATE"
+  fi
   echo "export SLURM_CONF=$CONF"
 }
 
