@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include <fmt/ranges.h>
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -27,6 +29,8 @@ void Work::wait() {
 Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
     : ep_(std::move(ep)), rank_(ep_->rank()), size_(ep_->world_size()),
       provider_(ep_->provider()) {
+  probe_window_ = std::clamp(opts.timeout / 4, std::chrono::milliseconds(50),
+                             std::chrono::milliseconds(500));
   reduce_threads_ = opts.reduce_threads;
   if (reduce_threads_ <= 0) {
     int hw = static_cast<int>(std::thread::hardware_concurrency());
@@ -126,6 +130,7 @@ Engine::Lease::~Lease() {
 }
 
 void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
+  diag_.reset();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.load()) {
@@ -146,6 +151,85 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
     op->work->finish(e);
   }
   active_.clear();
+}
+
+namespace {
+constexpr uint32_t kCtlMagic = 0x4C544351;  // "QCTL"
+constexpr uint8_t kProbe = 1, kAnswer = 2;
+}  // namespace
+
+void Engine::post_ctl_recv() {
+  ctl_req_ = ep_->irecv(net::kAnyPeer, net::make_tag(net::Op::kControl, 0, 0), &ctl_in_,
+                        sizeof(ctl_in_), (net::kSeqMask << 32) | net::kIgnoreChunk);
+}
+
+void Engine::send_ctl(int peer, uint8_t type, int64_t probe_id) {
+  auto m = std::make_unique<Ctl>(
+      Ctl{kCtlMagic, 1, type, 0, uint32_t(rank_), 0, last_started_, probe_id});
+  auto req = ep_->isend(peer, net::make_tag(net::Op::kControl, 0, size_t(rank_)), m.get(),
+                        sizeof(Ctl));
+  ctl_out_.emplace_back(std::move(req), std::move(m));
+}
+
+bool Engine::poll_ctl() {
+  bool moved = false;
+  while (ctl_req_ && ctl_req_->done()) {
+    if (ctl_req_->ok() && ctl_req_->bytes == sizeof(Ctl) && ctl_in_.magic == kCtlMagic &&
+        int(ctl_in_.from) < size_) {
+      Ctl m = ctl_in_;
+      if (m.type == kProbe) {
+        send_ctl(int(m.from), kAnswer, m.probe_id);
+      } else if (m.type == kAnswer && diag_ && m.probe_id == probe_id_) {
+        diag_->answers[m.from] = m.last_started;
+      }
+    } else {
+      spdlog::warn("rank {}: ignored a malformed control message", rank_);
+    }
+    post_ctl_recv();
+    moved = true;
+  }
+  while (!ctl_out_.empty() && ctl_out_.front().first->done()) ctl_out_.pop_front();
+  return moved;
+}
+
+void Engine::start_diagnosis(EngineOp& op, const std::string& reason) {
+  diag_ = std::make_unique<Diagnosis>();
+  diag_->op = &op;
+  diag_->seq = op.seq;
+  diag_->op_name = op.name();
+  diag_->reason = reason;
+  diag_->until = Clock::now() + probe_window_;
+  diag_->answers.assign(size_t(size_), -2);
+  diag_->answers[size_t(rank_)] = last_started_;
+  ++probe_id_;
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_) send_ctl(p, kProbe, probe_id_);
+}
+
+void Engine::finish_diagnosis_if_due() {
+  if (!diag_) return;
+  bool all = std::none_of(diag_->answers.begin(), diag_->answers.end(),
+                          [](int64_t a) { return a == -2; });
+  if (!all && Clock::now() < diag_->until) return;
+  std::vector<int> silent, behind;
+  for (int p = 0; p < size_; ++p) {
+    int64_t a = diag_->answers[size_t(p)];
+    if (a == -2) silent.push_back(p);
+    else if (a < int64_t(diag_->seq)) behind.push_back(p);
+  }
+  std::string reason = diag_->reason;
+  if (!silent.empty())
+    reason += fmt::format("; no answer to a liveness probe from rank(s) {} (dead, hung, or "
+                          "communicator closed)",
+                          fmt::join(silent, ", "));
+  if (!behind.empty())
+    reason += fmt::format("; rank(s) {} alive but never started {} #{}", fmt::join(behind, ", "),
+                          diag_->op_name, diag_->seq);
+  if (silent.empty() && behind.empty())
+    reason += "; every rank is alive and in this operation (a lost message or a slow link)";
+  diag_.reset();
+  spdlog::error("{}", reason);
+  fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
 }
 
 void Engine::kick() {
@@ -174,20 +258,20 @@ void Engine::idle_wait(uint32_t& idle_polls) {
 void Engine::loop() {
   uint32_t idle_polls = 0;
   std::vector<std::function<void(net::Endpoint&)>> calls;
+  std::vector<std::unique_ptr<EngineOp>> starting;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (active_.empty() && incoming_.empty() && calls_.empty() && !stop_) {
-        cv_.wait(lock, [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
+        // Idle: sleep, waking now and then to answer peers' liveness probes.
+        cv_.wait_for(lock, std::chrono::milliseconds(size_ > 1 ? 20 : 1000),
+                     [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
       }
       if (kicked_) idle_polls = 0;
       kicked_ = false;
       if (stop_) break;
-      while (!incoming_.empty()) {
-        active_.push_back(std::move(incoming_.front()));
-        incoming_.pop_front();
-        active_.back()->start(*ep_);
-      }
+      for (auto& op : incoming_) starting.push_back(std::move(op));
+      incoming_.clear();
       for (auto& c : calls_) calls.push_back(std::move(c));
       calls_.clear();
     }
@@ -196,11 +280,22 @@ void Engine::loop() {
 
     bool moved = false;
     try {
+      if (!ctl_req_ && size_ > 1) post_ctl_recv();
+      for (auto& op : starting) {
+        active_.push_back(std::move(op));
+        if (active_.back()->sequenced()) last_started_ = active_.back()->seq;
+        active_.back()->start(*ep_);
+      }
+      starting.clear();
       moved = ep_->progress() > 0;
+      moved |= poll_ctl();
       for (auto& op : active_) moved |= op->advance(*ep_);
     } catch (const std::exception& e) {
       std::string reason = fmt::format("rank {}: {}", rank_, e.what());
       spdlog::error("{}", reason);
+      for (auto& op : starting) active_.push_back(std::move(op));
+      starting.clear();
+      diag_.reset();
       fail_all(reason, std::current_exception());
       continue;
     }
@@ -214,7 +309,7 @@ void Engine::loop() {
         ++it;
       }
     }
-    if (!active_.empty()) {
+    if (!active_.empty() && !diag_) {
       auto now = Clock::now();
       for (auto& op : active_) {
         if (now >= op->deadline) {
@@ -222,11 +317,22 @@ void Engine::loop() {
           std::string reason = fmt::format(
               "rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(), op->seq,
               waited.count(), op->waiting_on());
-          spdlog::error("{}", reason);
-          fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+          if (size_ > 1) {
+            start_diagnosis(*op, reason);
+          } else {
+            spdlog::error("{}", reason);
+            fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+          }
           break;
         }
       }
+    }
+    if (diag_) {
+      // The op may still finish while peers answer; then there is nothing to report.
+      bool pending = std::any_of(active_.begin(), active_.end(),
+                                 [&](const auto& op) { return op.get() == diag_->op; });
+      if (!pending) diag_.reset();
+      else finish_diagnosis_if_due();
     }
     if (moved)
       idle_polls = 0;

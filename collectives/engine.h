@@ -33,6 +33,8 @@ class EngineOp {
   virtual std::string name() const = 0;
   // Called once when the op starts (engine thread), before the first advance().
   virtual void start(net::Endpoint& /*ep*/) {}
+  // False for long-lived services outside the collective sequence (the quorum service).
+  virtual bool sequenced() const { return true; }
 
   uint32_t seq = 0;
   Deadline deadline{};
@@ -80,6 +82,38 @@ class Engine {
  private:
   void loop();
   void idle_wait(uint32_t& idle_polls);
+  // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
+  // can name the rank that is missing rather than only the neighbour it waited on.
+  struct Ctl {
+    uint32_t magic;
+    uint16_t version;
+    uint8_t type;  // 1 probe, 2 answer
+    uint8_t pad;
+    uint32_t from;
+    uint32_t pad2;
+    int64_t last_started;
+    int64_t probe_id;
+  };
+  void post_ctl_recv();
+  bool poll_ctl();
+  void send_ctl(int peer, uint8_t type, int64_t probe_id);
+  void start_diagnosis(EngineOp& op, const std::string& reason);
+  void finish_diagnosis_if_due();
+  std::chrono::milliseconds probe_window_;
+  Ctl ctl_in_{};
+  net::RequestPtr ctl_req_;
+  std::deque<std::pair<net::RequestPtr, std::unique_ptr<Ctl>>> ctl_out_;
+  int64_t last_started_ = -1;
+  int64_t probe_id_ = 0;
+  struct Diagnosis {
+    const EngineOp* op;
+    uint32_t seq;
+    std::string op_name;
+    std::string reason;
+    Clock::time_point until;
+    std::vector<int64_t> answers;  // per rank: last started op, or -2 = no answer yet
+  };
+  std::unique_ptr<Diagnosis> diag_;
   void fail_all(const std::string& reason, std::exception_ptr err);
 
   std::unique_ptr<net::Endpoint> ep_;

@@ -143,6 +143,7 @@ class QuorumService final : public EngineOp {
   }
 
   std::string name() const override { return "quorum service"; }
+  bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override { return "contributions"; }
 

@@ -172,9 +172,37 @@ TEST(Ring, MissingRankTimesOutNamingTheAwaitedPeerAndBreaksCommunicator) {
     EXPECT_THROW(comm.barrier(), UsageError);
   });
   EXPECT_EQ(timeouts.load(), n - 1);
-  // Rank 2 receives from rank 1 (its left neighbour): it names the missing rank.
-  EXPECT_NE(messages[2].find("allreduce #0"), std::string::npos) << messages[2];
-  EXPECT_NE(messages[2].find("rank 1"), std::string::npos) << messages[2];
+  // Rank 2 waits on its left neighbour, rank 1; rank 0 waits on rank 2, which is stuck
+  // behind rank 1. The liveness probe makes both name the rank that is really missing.
+  for (int r : {0, 2}) {
+    EXPECT_NE(messages[size_t(r)].find("allreduce #0"), std::string::npos) << messages[size_t(r)];
+    EXPECT_NE(messages[size_t(r)].find("liveness probe from rank(s) 1 "), std::string::npos)
+        << messages[size_t(r)];
+  }
+}
+
+TEST(Ring, AliveRankThatSkipsTheOperationIsNamed) {
+  CommOptions opts;
+  opts.timeout = std::chrono::milliseconds(300);
+  std::atomic<int> finished{0};
+  std::vector<std::string> messages(4);
+  run_ranks(4, opts, [&](Communicator& comm) {
+    if (comm.rank() == 3) {  // alive, engine running, but never joins the allreduce
+      while (finished.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    std::vector<float> buf(64, 1.f);
+    try {
+      comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+    } catch (const CollectiveTimeout& e) {
+      messages[size_t(comm.rank())] = e.what();
+    }
+    ++finished;
+  });
+  for (int r = 0; r < 3; ++r)
+    EXPECT_NE(messages[size_t(r)].find("rank(s) 3 alive but never started allreduce #0"),
+              std::string::npos)
+        << messages[size_t(r)];
 }
 
 TEST(Ring, DelayedMessagesStillGiveExactResults) {
