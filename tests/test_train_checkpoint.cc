@@ -1,0 +1,175 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "net/error.h"
+#include "train/checkpoint.h"
+#include "train/rng.h"
+
+namespace qring::train {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "qring-ckpt-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+CheckpointState sample_state() {
+  CheckpointState s;
+  s.step = 12345;
+  s.position = {7, 42};
+  s.config_fingerprint = 0xdeadbeefcafef00dULL;
+  s.world = 4;
+  s.rank = 2;
+  Rng r(3);
+  s.params.resize(1001);
+  for (auto& p : s.params) p = static_cast<float>(r.normal());
+  s.params[5] = -0.0f;  // bit patterns, not just values, must survive
+  s.params[6] = 1e-40f;  // denormal
+  s.velocity.resize(1001);
+  for (auto& v : s.velocity) v = static_cast<float>(r.uniform());
+  s.carry = {1.5f, -2.5f};
+  s.rng_state = r.state_bytes();
+  s.meta = R"({"note":"test"})";
+  return s;
+}
+
+std::vector<uint8_t> read_raw(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_raw(const std::string& p, const std::vector<uint8_t>& b) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+void expect_load_error(const std::string& path, const std::string& what) {
+  try {
+    load_checkpoint(path);
+    ADD_FAILURE() << "no DataError (" << what << ")";
+  } catch (const DataError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(path));
+    EXPECT_THAT(e.what(), HasSubstr(what));
+  }
+}
+
+TEST(Checkpoint, RoundTripIsBitIdentical) {
+  TempDir dir;
+  const CheckpointState s = sample_state();
+  const std::string p = checkpoint_path(dir.path(), s.step);
+  EXPECT_THAT(p, HasSubstr("ckpt-000000012345.qck"));
+  save_checkpoint(p, s);
+  EXPECT_FALSE(fs::exists(p + ".tmp"));
+  CheckpointState back = load_checkpoint(p);
+  EXPECT_EQ(back.step, s.step);
+  EXPECT_EQ(back.position, s.position);
+  EXPECT_EQ(back.config_fingerprint, s.config_fingerprint);
+  EXPECT_EQ(back.world, 4u);
+  EXPECT_EQ(back.rank, 2u);
+  ASSERT_EQ(back.params.size(), s.params.size());
+  EXPECT_EQ(std::memcmp(back.params.data(), s.params.data(), s.params.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(back.velocity.data(), s.velocity.data(), s.velocity.size() * 4), 0);
+  EXPECT_EQ(back.carry, s.carry);
+  EXPECT_EQ(back.rng_state, s.rng_state);
+  EXPECT_EQ(back.meta, s.meta);
+  Rng restored;
+  ASSERT_TRUE(restored.set_state_bytes(back.rng_state));
+  Rng original(3);
+  for (size_t i = 0; i < 2 * 1001 + 1001; ++i) original.next_u64();  // sample_state's draws
+  EXPECT_EQ(restored.next_u64(), original.next_u64());
+  // Overwriting replaces the file atomically with the new content.
+  CheckpointState s2 = s;
+  s2.step = 1;
+  s2.params.clear();
+  save_checkpoint(p, s2);
+  EXPECT_EQ(load_checkpoint(p), s2);
+}
+
+TEST(Checkpoint, EmptyStateRoundTrips) {
+  TempDir dir;
+  const std::string p = dir.path() + "/empty.qck";
+  save_checkpoint(p, CheckpointState{});
+  EXPECT_EQ(load_checkpoint(p), CheckpointState{});
+}
+
+TEST(Checkpoint, DetectsCorruption) {
+  TempDir dir;
+  const std::string p = dir.path() + "/c.qck";
+  save_checkpoint(p, sample_state());
+  const auto good = read_raw(p);
+
+  auto flipped = good;
+  flipped[good.size() / 2] ^= 0x01;
+  write_raw(p, flipped);
+  expect_load_error(p, "CRC-32");
+
+  auto truncated = good;
+  truncated.resize(good.size() - 10);
+  write_raw(p, truncated);
+  expect_load_error(p, "truncated");
+
+  write_raw(p, std::vector<uint8_t>(good.begin(), good.begin() + 10));
+  expect_load_error(p, "truncated");
+
+  auto magic = good;
+  magic[0] = 'X';
+  write_raw(p, magic);
+  expect_load_error(p, "bad magic");
+
+  auto version = good;
+  version[8] = 9;
+  write_raw(p, version);
+  expect_load_error(p, "unsupported checkpoint version 9");
+
+  auto longer = good;
+  longer.push_back(0);
+  write_raw(p, longer);
+  expect_load_error(p, "corrupt");
+
+  expect_load_error(dir.path() + "/none.qck", "cannot open");
+}
+
+TEST(Checkpoint, WriteFailureIsAnError) {
+  EXPECT_THROW(save_checkpoint("/nonexistent-dir/x.qck", CheckpointState{}), Error);
+}
+
+TEST(Checkpoint, LatestPicksHighestStep) {
+  TempDir dir;
+  EXPECT_FALSE(latest_checkpoint(dir.path()).has_value());
+  EXPECT_FALSE(latest_checkpoint(dir.path() + "/missing").has_value());
+  CheckpointState s;
+  for (uint64_t step : {100u, 2000u, 30u}) {
+    s.step = step;
+    save_checkpoint(checkpoint_path(dir.path(), step), s);
+  }
+  std::ofstream(checkpoint_path(dir.path(), 99999) + ".tmp") << "partial";
+  std::ofstream(dir.path() + "/notes.txt") << "x";
+  auto latest = latest_checkpoint(dir.path());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(*latest, checkpoint_path(dir.path(), 2000));
+  EXPECT_EQ(load_checkpoint(*latest).step, 2000u);
+}
+
+}  // namespace
+}  // namespace qring::train

@@ -1,0 +1,235 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+
+namespace qring::train {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "checkpoints assume little-endian");
+
+constexpr char kMagic[8] = {'Q', 'R', 'I', 'N', 'G', 'C', 'K', '\0'};
+constexpr uint32_t kVersion = 1;
+constexpr size_t kHeader = 24;
+
+class Writer {
+ public:
+  template <class U>
+  void put(U v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    buf.insert(buf.end(), p, p + sizeof(U));
+  }
+  template <class U>
+  void put_array(const std::vector<U>& v) {
+    put<uint64_t>(v.size());
+    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+    buf.insert(buf.end(), p, p + v.size() * sizeof(U));
+  }
+  std::vector<uint8_t> buf;
+};
+
+class Reader {
+ public:
+  Reader(const std::string& path, const uint8_t* p, size_t n) : path_(path), p_(p), n_(n) {}
+  template <class U>
+  U get(const char* what) {
+    need(sizeof(U), what);
+    U v;
+    std::memcpy(&v, p_ + off_, sizeof(U));
+    off_ += sizeof(U);
+    return v;
+  }
+  template <class U>
+  std::vector<U> get_array(const char* what) {
+    const uint64_t count = get<uint64_t>(what);
+    if (count > (n_ - off_) / sizeof(U)) {
+      throw DataError(fmt::format("{}: corrupt checkpoint: {} length {} exceeds the file", path_,
+                                  what, count));
+    }
+    std::vector<U> v(count);
+    std::memcpy(v.data(), p_ + off_, count * sizeof(U));
+    off_ += count * sizeof(U);
+    return v;
+  }
+  size_t remaining() const { return n_ - off_; }
+
+ private:
+  void need(size_t k, const char* what) {
+    if (n_ - off_ < k)
+      throw DataError(fmt::format("{}: corrupt checkpoint: payload ends inside {}", path_, what));
+  }
+  const std::string& path_;
+  const uint8_t* p_;
+  size_t n_;
+  size_t off_ = 0;
+};
+
+uint32_t crc(const uint8_t* p, size_t n) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  while (n > 0) {
+    const uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    c = crc32(c, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return static_cast<uint32_t>(c);
+}
+
+[[noreturn]] void sys_fail(const std::string& what, const std::string& path) {
+  throw Error(fmt::format("checkpoint {}: {} failed: {}", path, what, std::strerror(errno)));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const CheckpointState& s) {
+  Writer w;
+  w.buf.insert(w.buf.end(), kMagic, kMagic + sizeof(kMagic));
+  w.put<uint32_t>(kVersion);
+  w.put<uint32_t>(0);
+  w.put<uint64_t>(0);  // payload length, patched below
+  w.put<uint64_t>(s.step);
+  w.put<int64_t>(s.position.epoch);
+  w.put<int64_t>(s.position.index);
+  w.put<uint64_t>(s.config_fingerprint);
+  w.put<uint32_t>(s.world);
+  w.put<uint32_t>(s.rank);
+  w.put_array(s.params);
+  w.put_array(s.velocity);
+  w.put_array(s.carry);
+  w.put_array(s.rng_state);
+  w.put_array(std::vector<uint8_t>(s.meta.begin(), s.meta.end()));
+  const uint64_t payload = w.buf.size() - kHeader;
+  std::memcpy(w.buf.data() + 16, &payload, sizeof(payload));
+  w.put<uint32_t>(crc(w.buf.data(), w.buf.size()));
+
+  const std::string tmp = path + ".tmp";
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) sys_fail("open " + tmp, path);
+  size_t done = 0;
+  while (done < w.buf.size()) {
+    const ssize_t n = ::write(fd.get(), w.buf.data() + done, w.buf.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int saved = errno;
+      ::unlink(tmp.c_str());
+      errno = saved;
+      sys_fail("write " + tmp, path);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd.get()) != 0) sys_fail("fsync " + tmp, path);
+  if (::close(fd.release()) != 0) sys_fail("close " + tmp, path);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) sys_fail("rename " + tmp, path);
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() < 0) sys_fail("open directory " + dir, path);
+  if (::fsync(dfd.get()) != 0) sys_fail("fsync directory " + dir, path);
+}
+
+CheckpointState load_checkpoint(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
+  std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw DataError(fmt::format("{}: read error", path));
+  if (buf.size() < kHeader + 4) {
+    throw DataError(
+        fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path, buf.size(),
+                    kHeader + 4));
+  }
+  if (std::memcmp(buf.data(), kMagic, sizeof(kMagic)) != 0)
+    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
+  uint32_t version;
+  uint64_t payload;
+  std::memcpy(&version, buf.data() + 8, 4);
+  std::memcpy(&payload, buf.data() + 16, 8);
+  if (version != kVersion) {
+    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})",
+                                path, version, kVersion));
+  }
+  if (payload != buf.size() - kHeader - 4) {
+    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
+                                path, payload > buf.size() - kHeader - 4 ? "truncated" : "corrupt",
+                                payload, buf.size() - kHeader - 4));
+  }
+  uint32_t stored;
+  std::memcpy(&stored, buf.data() + kHeader + payload, 4);
+  const uint32_t actual = crc(buf.data(), kHeader + payload);
+  if (stored != actual) {
+    throw DataError(fmt::format("{}: corrupt checkpoint: CRC-32 {:08x}, expected {:08x}", path,
+                                actual, stored));
+  }
+  Reader r(path, buf.data() + kHeader, payload);
+  CheckpointState s;
+  s.step = r.get<uint64_t>("step");
+  s.position.epoch = r.get<int64_t>("epoch");
+  s.position.index = r.get<int64_t>("batch index");
+  s.config_fingerprint = r.get<uint64_t>("config fingerprint");
+  s.world = r.get<uint32_t>("world");
+  s.rank = r.get<uint32_t>("rank");
+  s.params = r.get_array<float>("params");
+  s.velocity = r.get_array<float>("velocity");
+  s.carry = r.get_array<float>("carry");
+  s.rng_state = r.get_array<uint8_t>("rng state");
+  const auto meta = r.get_array<uint8_t>("meta");
+  s.meta.assign(meta.begin(), meta.end());
+  if (r.remaining() != 0)
+    throw DataError(fmt::format("{}: corrupt checkpoint: {} unexpected bytes", path, r.remaining()));
+  if (s.position.epoch < 0 || s.position.index < 0)
+    throw DataError(fmt::format("{}: corrupt checkpoint: negative data position", path));
+  return s;
+}
+
+std::string checkpoint_path(const std::string& dir, uint64_t step) {
+  return fmt::format("{}/ckpt-{:012d}.qck", dir, step);
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return std::nullopt;
+  const std::regex pattern("ckpt-([0-9]{12,20})\\.qck");
+  std::optional<std::string> best;
+  uint64_t best_step = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (!e.is_regular_file(ec)) continue;
+    const std::string name = e.path().filename().string();
+    std::smatch m;
+    if (!std::regex_match(name, m, pattern)) continue;
+    const uint64_t step = std::stoull(m[1].str());
+    if (!best || step > best_step) {
+      best = e.path().string();
+      best_step = step;
+    }
+  }
+  return best;
+}
+
+}  // namespace qring::train

@@ -1,0 +1,54 @@
+// Training checkpoints: one binary file per checkpoint, written atomically.
+//
+// File layout (little-endian):
+//   0   8  magic "QRINGCK\0"
+//   8   4  format version (1)
+//   12  4  reserved, 0
+//   16  8  payload length P
+//   24  P  payload
+//   24+P 4 CRC-32 (zlib) of bytes [0, 24 + P)
+// Payload: u64 step, i64 epoch, i64 batch index, u64 config fingerprint, u32 world, u32 rank,
+// then four length-prefixed (u64 count) arrays: params (f32), velocity (f32), carry (f32),
+// rng state (bytes), and a length-prefixed UTF-8 metadata string (JSON by convention).
+//
+// save_checkpoint writes <path>.tmp, fsyncs it, renames it over <path> and fsyncs the
+// directory, so a crash leaves either the old or the new file, never a torn one.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "train/dataset.h"
+
+namespace qring::train {
+
+struct CheckpointState {
+  uint64_t step = 0;            // optimizer steps completed
+  DataPosition position;        // where the sharder continues
+  uint64_t config_fingerprint = 0;
+  uint32_t world = 1;
+  uint32_t rank = 0;
+  std::vector<float> params;
+  std::vector<float> velocity;  // optimizer momentum buffer
+  std::vector<float> carry;     // late-policy carry buffer (empty when unused)
+  std::vector<uint8_t> rng_state;
+  std::string meta;
+  bool operator==(const CheckpointState&) const = default;
+};
+
+// Throws qring::Error (naming the path and the failing call) if the file cannot be written.
+void save_checkpoint(const std::string& path, const CheckpointState& state);
+
+// Throws qring::DataError naming the file and the problem (missing, truncated, bad magic,
+// unsupported version, CRC mismatch, inconsistent lengths).
+CheckpointState load_checkpoint(const std::string& path);
+
+// <dir>/ckpt-<step, 12 digits>.qck
+std::string checkpoint_path(const std::string& dir, uint64_t step);
+
+// The checkpoint_path() file with the highest step in dir, if any (temporary files ignored).
+std::optional<std::string> latest_checkpoint(const std::string& dir);
+
+}  // namespace qring::train

@@ -1,0 +1,385 @@
+#include "train/nn.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+
+namespace qring::train {
+namespace {
+
+template <class T>
+using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+template <class T>
+using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+
+// Parallelize simple loops only when there is enough work to pay for waking threads.
+constexpr int64_t kOmpMinWork = int64_t{1} << 16;
+
+void he_init(float* w, size_t n, int64_t fan_in, Rng& rng) {
+  const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
+  for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * rng.normal());
+}
+void he_init(double* w, size_t n, int64_t fan_in, Rng& rng) {
+  const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
+  // Rounded through float so float and double networks start from the same values.
+  for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * rng.normal());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------- Dense --
+
+template <class T>
+std::string Dense<T>::describe() const {
+  return fmt::format("dense {}->{}", in_, out_);
+}
+
+template <class T>
+void Dense<T>::init(Rng& rng) {
+  he_init(p_, static_cast<size_t>(in_ * out_), in_, rng);
+  std::fill(p_ + in_ * out_, p_ + in_ * out_ + out_, T(0));
+}
+
+template <class T>
+void Dense<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
+  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
+  Eigen::Map<const Vec<T>> b(p_ + out_ * in_, out_);
+  y.resize(out_, batch);
+  y.noalias() = w * x;
+  y.colwise() += b;
+}
+
+template <class T>
+void Dense<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
+                        int batch) {
+  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
+  Eigen::Map<RowMat<T>> dw(g_, out_, in_);
+  Eigen::Map<Vec<T>> db(g_ + out_ * in_, out_);
+  dw.noalias() = dy * x.transpose();
+  db = dy.rowwise().sum();
+  if (dx != nullptr) {
+    dx->resize(in_, batch);
+    dx->noalias() = w.transpose() * dy;
+  }
+}
+
+// ----------------------------------------------------------------------------------- Relu --
+
+template <class T>
+void Relu<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
+  y.resize(x.rows(), x.cols());
+  y.array() = x.array().max(T(0));
+}
+
+template <class T>
+void Relu<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
+                       int batch) {
+  if (dx == nullptr) return;
+  dx->resize(x.rows(), x.cols());
+  dx->array() = dy.array() * (y.array() > T(0)).template cast<T>();
+}
+
+// --------------------------------------------------------------------------------- Conv2d --
+
+template <class T>
+std::string Conv2d<T>::describe() const {
+  return fmt::format("conv {}x{} {}->{} on {}x{}", k_, k_, in_.c, cout_, in_.h, in_.w);
+}
+
+template <class T>
+void Conv2d<T>::init(Rng& rng) {
+  he_init(p_, static_cast<size_t>(kk_ * cout_), kk_, rng);
+  std::fill(p_ + kk_ * cout_, p_ + kk_ * cout_ + cout_, T(0));
+}
+
+template <class T>
+void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
+  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
+  const int64_t hw = int64_t{h} * w, n = batch * hw;
+  cols_.resize(n, kk_);
+#pragma omp parallel for schedule(static) if (n * kk_ >= kOmpMinWork)
+  for (int64_t r = 0; r < kk_; ++r) {
+    const int ci = static_cast<int>(r / (k * k));
+    const int ky = static_cast<int>(r / k % k) - pad;
+    const int kx = static_cast<int>(r % k) - pad;
+    const int x0 = std::max(0, -kx), x1 = std::min(w, w - kx);
+    T* dst = cols_.data() + r * n;
+    const T* src = x.data() + ci * n;
+    for (int b = 0; b < batch; ++b) {
+      for (int yy = 0; yy < h; ++yy) {
+        T* d = dst + b * hw + int64_t{yy} * w;
+        const int sy = yy + ky;
+        if (sy < 0 || sy >= h) {
+          std::fill(d, d + w, T(0));
+          continue;
+        }
+        const T* s = src + b * hw + int64_t{sy} * w + kx;
+        for (int xx = 0; xx < x0; ++xx) d[xx] = T(0);
+        for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx];
+        for (int xx = x1; xx < w; ++xx) d[xx] = T(0);
+      }
+    }
+  }
+}
+
+template <class T>
+void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
+  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
+  const int64_t hw = int64_t{h} * w, n = batch * hw;
+  dx.setZero(n, in_.c);
+#pragma omp parallel for schedule(static) if (n * kk_ >= kOmpMinWork)
+  for (int ci = 0; ci < in_.c; ++ci) {
+    T* dst = dx.data() + ci * n;
+    for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
+      const int ky = r / k % k - pad;
+      const int kx = r % k - pad;
+      const int x0 = std::max(0, -kx), x1 = std::min(w, w - kx);
+      const T* src = dcols_.data() + int64_t{r} * n;
+      for (int b = 0; b < batch; ++b) {
+        for (int yy = 0; yy < h; ++yy) {
+          const int sy = yy + ky;
+          if (sy < 0 || sy >= h) continue;
+          const T* s = src + b * hw + int64_t{yy} * w;
+          T* d = dst + b * hw + int64_t{sy} * w + kx;
+          for (int xx = x0; xx < x1; ++xx) d[xx] += s[xx];
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
+  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
+  Eigen::Map<const RowVec<T>> b(p_ + kk_ * cout_, cout_);
+  im2col(x, batch);
+  y.resize(cols_.rows(), cout_);
+  y.noalias() = cols_ * wt;
+  y.rowwise() += b;
+}
+
+template <class T>
+void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
+                         int batch) {
+  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
+  Eigen::Map<Mat<T>> dwt(g_, kk_, cout_);
+  Eigen::Map<RowVec<T>> db(g_ + kk_ * cout_, cout_);
+  dwt.noalias() = cols_.transpose() * dy;
+  db = dy.colwise().sum();
+  if (dx != nullptr) {
+    dcols_.resize(dy.rows(), kk_);
+    dcols_.noalias() = dy * wt.transpose();
+    col2im(*dx, batch);
+  }
+}
+
+// ------------------------------------------------------------------------------- MaxPool2 --
+
+template <class T>
+void MaxPool2<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
+  const int h = in_.h, w = in_.w, h2 = h / 2, w2 = w / 2;
+  const int64_t hw = int64_t{h} * w, hw2 = int64_t{h2} * w2, n2 = batch * hw2;
+  y.resize(n2, in_.c);
+  argmax_.resize(static_cast<size_t>(n2 * in_.c));
+#pragma omp parallel for schedule(static) if (n2 * in_.c >= kOmpMinWork)
+  for (int c = 0; c < in_.c; ++c) {
+    const T* src = x.data() + c * x.rows();
+    T* dst = y.data() + c * n2;
+    int32_t* am = argmax_.data() + c * n2;
+    for (int b = 0; b < batch; ++b) {
+      for (int yy = 0; yy < h2; ++yy) {
+        for (int xx = 0; xx < w2; ++xx) {
+          int64_t best = b * hw + int64_t{2 * yy} * w + 2 * xx;
+          const int64_t cand[3] = {best + 1, best + w, best + w + 1};
+          for (int64_t q : cand)
+            if (src[q] > src[best]) best = q;
+          const int64_t o = b * hw2 + int64_t{yy} * w2 + xx;
+          dst[o] = src[best];
+          am[o] = static_cast<int32_t>(best);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void MaxPool2<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
+                           int batch) {
+  if (dx == nullptr) return;
+  const int64_t n2 = dy.rows();
+  dx->setZero(x.rows(), x.cols());
+#pragma omp parallel for schedule(static) if (n2 * in_.c >= kOmpMinWork)
+  for (int c = 0; c < in_.c; ++c) {
+    const T* src = dy.data() + c * n2;
+    T* dst = dx->data() + c * x.rows();
+    const int32_t* am = argmax_.data() + c * n2;
+    for (int64_t o = 0; o < n2; ++o) dst[am[o]] += src[o];
+  }
+}
+
+// -------------------------------------------------------------------------------- Flatten --
+
+template <class T>
+void Flatten<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
+  const int64_t hw = int64_t{in_.h} * in_.w;
+  y.resize(in_.size(), batch);
+  for (int b = 0; b < batch; ++b)
+    for (int c = 0; c < in_.c; ++c)
+      std::copy_n(x.data() + c * x.rows() + b * hw, hw, y.data() + b * y.rows() + c * hw);
+}
+
+template <class T>
+void Flatten<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
+                          int batch) {
+  if (dx == nullptr) return;
+  const int64_t hw = int64_t{in_.h} * in_.w;
+  dx->resize(x.rows(), x.cols());
+  for (int b = 0; b < batch; ++b)
+    for (int c = 0; c < in_.c; ++c)
+      std::copy_n(dy.data() + b * dy.rows() + c * hw, hw, dx->data() + c * dx->rows() + b * hw);
+}
+
+// ------------------------------------------------------------------- softmax cross-entropy --
+
+template <class T>
+double softmax_cross_entropy(const Mat<T>& logits, const int32_t* labels, Mat<T>* dlogits,
+                             int64_t* correct) {
+  const int64_t classes = logits.rows(), batch = logits.cols();
+  if (dlogits != nullptr) dlogits->resize(classes, batch);
+  const T inv_batch = T(1) / static_cast<T>(batch);
+  double loss = 0.0;
+  int64_t right = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* z = logits.data() + b * classes;
+    int64_t arg = 0;
+    for (int64_t c = 1; c < classes; ++c)
+      if (z[c] > z[arg]) arg = c;
+    const T m = z[arg];
+    T sum = 0;
+    for (int64_t c = 0; c < classes; ++c) sum += std::exp(z[c] - m);
+    const int32_t y = labels[b];
+    loss += static_cast<double>(std::log(sum) - (z[y] - m));
+    right += (arg == y);
+    if (dlogits != nullptr) {
+      T* d = dlogits->data() + b * classes;
+      const T inv_sum = T(1) / sum;
+      for (int64_t c = 0; c < classes; ++c) d[c] = std::exp(z[c] - m) * inv_sum * inv_batch;
+      d[y] -= inv_batch;
+    }
+  }
+  if (correct != nullptr) *correct += right;
+  return loss;
+}
+
+// -------------------------------------------------------------------------------- Network --
+
+template <class T>
+void Network<T>::add(std::unique_ptr<Layer<T>> layer) {
+  if (finalized_) throw UsageError("Network::add after finalize");
+  layers_.push_back(std::move(layer));
+}
+
+template <class T>
+void Network<T>::finalize() {
+  if (finalized_) throw UsageError("Network::finalize called twice");
+  if (layers_.empty()) throw UsageError("Network::finalize: no layers");
+  if (current_shape().size() != classes_) {
+    throw UsageError(fmt::format("Network: last layer has {} outputs, expected {} classes",
+                                 current_shape().size(), classes_));
+  }
+  size_t total = 0;
+  for (const auto& l : layers_) total += l->num_params();
+  params_.assign(total, T(0));
+  grads_.assign(total, T(0));
+  size_t off = 0;
+  for (auto& l : layers_) {
+    l->bind(params_.data() + off, grads_.data() + off);
+    off += l->num_params();
+  }
+  acts_.resize(layers_.size() + 1);
+  dacts_.resize(layers_.size() + 1);
+  finalized_ = true;
+}
+
+template <class T>
+std::string Network<T>::describe() const {
+  std::string s;
+  for (const auto& l : layers_) s += (s.empty() ? "" : ", ") + l->describe();
+  return fmt::format("{} ({} parameters)", s, params_.size());
+}
+
+template <class T>
+void Network<T>::init(uint64_t seed) {
+  Rng rng(derive_seed(seed, 0x1417));
+  for (auto& l : layers_) l->init(rng);
+}
+
+template <class T>
+const Mat<T>& Network<T>::forward(const T* x, int batch) {
+  if (!finalized_) throw UsageError("Network used before finalize");
+  if (batch < 1) throw UsageError(fmt::format("Network: batch {} < 1", batch));
+  const int64_t hw = int64_t{input_.h} * input_.w;
+  Mat<T>& in = acts_[0];
+  if (layers_[0]->spatial_input()) {
+    in.resize(batch * hw, input_.c);
+    for (int b = 0; b < batch; ++b)  // sample-contiguous (b, c, y, x) to (c, b, y, x)
+      for (int c = 0; c < input_.c; ++c)
+        std::copy_n(x + (int64_t{b} * input_.c + c) * hw, hw, in.data() + c * in.rows() + b * hw);
+  } else {
+    in.resize(input_.size(), batch);
+    std::copy_n(x, input_.size() * batch, in.data());
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->forward(acts_[i], acts_[i + 1], batch);
+  return acts_.back();
+}
+
+template <class T>
+double Network<T>::forward_backward(const T* x, const int32_t* labels, int batch) {
+  const Mat<T>& logits = forward(x, batch);
+  const double loss = softmax_cross_entropy(logits, labels, &dacts_.back(), nullptr);
+  for (size_t i = layers_.size(); i-- > 0;)
+    layers_[i]->backward(acts_[i], acts_[i + 1], dacts_[i + 1], i > 0 ? &dacts_[i] : nullptr,
+                         batch);
+  return loss / batch;
+}
+
+template <class T>
+EvalResult Network<T>::evaluate(const T* x, const int32_t* labels, int batch) {
+  EvalResult r;
+  r.loss_sum = softmax_cross_entropy<T>(forward(x, batch), labels, nullptr, &r.correct);
+  r.count = batch;
+  return r;
+}
+
+template <class T>
+void Network<T>::predict(const T* x, int batch, int32_t* out) {
+  const Mat<T>& logits = forward(x, batch);
+  for (int b = 0; b < batch; ++b) {
+    Eigen::Index arg = 0;
+    logits.col(b).maxCoeff(&arg);
+    out[b] = static_cast<int32_t>(arg);
+  }
+}
+
+template class Dense<float>;
+template class Dense<double>;
+template class Relu<float>;
+template class Relu<double>;
+template class Conv2d<float>;
+template class Conv2d<double>;
+template class MaxPool2<float>;
+template class MaxPool2<double>;
+template class Flatten<float>;
+template class Flatten<double>;
+template class Network<float>;
+template class Network<double>;
+template double softmax_cross_entropy<float>(const Mat<float>&, const int32_t*, Mat<float>*,
+                                             int64_t*);
+template double softmax_cross_entropy<double>(const Mat<double>&, const int32_t*, Mat<double>*,
+                                              int64_t*);
+
+}  // namespace qring::train

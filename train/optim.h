@@ -1,0 +1,71 @@
+// SGD with momentum and weight decay, and the learning-rate schedule.
+//
+// Update (PyTorch's torch.optim.SGD, dampening 0), per element, in float:
+//   d = g + weight_decay * p
+//   v = momentum * v + d              (v starts at 0, so the first v is d)
+//   p = p - lr * (nesterov ? d + momentum * v : v)
+//
+// Learning rate at step t (0-based), with peak = scaled_lr(...):
+//   warmup (t < W):  peak * (t + 1) / W
+//   constant:        peak
+//   step:            peak * factor ^ floor(t / every)         (t >= W)
+//   cosine:          peak * 0.5 * (1 + cos(pi * (t - W) / (T - W)))   (t >= W, clamped at T)
+//
+// Scaling rule (train.lr_scaling) with effective batch E = quorum * batch_per_rank:
+//   none: peak = lr;  linear: peak = lr * E / reference_batch;
+//   sqrt: peak = lr * sqrt(E / reference_batch)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qring::train {
+
+struct TrainConfig;
+
+struct SgdOptions {
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+class Sgd {
+ public:
+  Sgd(size_t num_params, SgdOptions opts);
+  // One update of params (num_params floats) with the (averaged) gradient.
+  void step(float* params, const float* grads, double lr);
+  size_t size() const { return velocity_.size(); }
+  const SgdOptions& options() const { return opts_; }
+  // The momentum buffer, for checkpoints.
+  std::vector<float>& velocity() { return velocity_; }
+  const std::vector<float>& velocity() const { return velocity_; }
+
+ private:
+  SgdOptions opts_;
+  std::vector<float> velocity_;
+};
+
+enum class ScheduleKind { kConstant, kStep, kCosine };
+
+struct LrSchedule {
+  double peak_lr = 0.1;
+  int64_t warmup_steps = 0;
+  ScheduleKind kind = ScheduleKind::kConstant;
+  int64_t total_steps = 1;       // cosine
+  int64_t step_every = 1000;     // step
+  double step_factor = 0.1;      // step
+  double at(int64_t step) const;
+};
+
+// The documented scaling rule; throws ConfigError naming train.lr_scaling for an unknown rule.
+double scaled_lr(double base_lr, const std::string& rule, int quorum, int64_t batch_per_rank,
+                 int64_t reference_batch);
+
+// The schedule for this config, quorum Q and total step count.
+LrSchedule make_schedule(const TrainConfig& cfg, int quorum, int64_t total_steps);
+
+SgdOptions sgd_options(const TrainConfig& cfg);
+
+}  // namespace qring::train
