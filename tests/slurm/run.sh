@@ -20,7 +20,8 @@
 # from the interactive cluster's), QRING_SLURM_TEST_PORT (default 17817), QRING_SLURM_KEEP=1
 # (leave the cluster running), QRING_SLURM_AGREE_PATTERN (the per-rank agreement line; an
 # extended regex whose first group is the value, default 'checksum[=: ]+([0-9A-Za-z]+)'),
-# QRING_SLURM_TEST_CONFIG (default configs/smoke.toml), QRING_SKIP_SLURM=1 (skip, saying so).
+# QRING_SLURM_TEST_CONFIG (default configs/smoke.toml), QRING_SLURM_ONLY="bench kill-rank"
+# (run only these scenarios), QRING_SKIP_SLURM=1 (skip, saying so).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -61,13 +62,29 @@ if [ "${QRING_SKIP_SLURM:-0}" = 1 ]; then
   exit 0
 fi
 
-# Preconditions: without them no scenario can run; each is reported as failed.
+# Scenarios to run: all, or those named in QRING_SLURM_ONLY.
+if [ -n "${QRING_SLURM_ONLY:-}" ]; then
+  read -r -a only <<<"$QRING_SLURM_ONLY"
+  for s in "${only[@]}"; do
+    [[ " ${SCENARIOS[*]} " == *" $s "* ]] || { echo "error: unknown scenario '$s'" >&2; exit 2; }
+  done
+  SCENARIOS=("${only[@]}")
+fi
+wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
+
+# Preconditions: without them the scenarios cannot run; each is reported as failed.
 missing=""
 [ "$(id -u)" -eq 0 ] || missing="must run as root (slurmd starts jobs as their submitter)"
-for f in "$BUILD/train/qring-train" "$BUILD/collectives/qring-bench"; do
-  [ -x "$f" ] || missing="${missing:+$missing; }$f not built (scripts/build.sh $BUILD)"
-done
-[ -f "$CONFIG" ] || missing="${missing:+$missing; }$CONFIG missing"
+need_train=0
+for s in train-1node train-2node kill-rank; do wants "$s" && need_train=1; done
+if [ $need_train = 1 ]; then
+  [ -x "$BUILD/train/qring-train" ] ||
+    missing="${missing:+$missing; }$BUILD/train/qring-train not built (scripts/build.sh $BUILD)"
+  [ -f "$CONFIG" ] || missing="${missing:+$missing; }$CONFIG missing"
+fi
+if wants bench && [ ! -x "$BUILD/collectives/qring-bench" ]; then
+  missing="${missing:+$missing; }$BUILD/collectives/qring-bench not built (scripts/build.sh $BUILD)"
+fi
 if [ -n "$missing" ]; then
   echo "error: $missing" >&2
   for s in "${SCENARIOS[@]}"; do fail "$s" "not run (error above)"; done
@@ -227,97 +244,106 @@ train_scenario() {
   return 0
 }
 
-echo "== train-1node: -N1 -n4"
-if train_scenario train-1node 4 -N 1 -n 4; then pass train-1node; fi
+scenario_train-1node() {
+  echo "== train-1node: -N1 -n4"
+  if train_scenario train-1node 4 -N 1 -n 4; then pass train-1node; fi
+}
 
-echo "== train-2node: -N2 --ntasks-per-node=2"
-# The emulated nodes normally have hostnames of their own (UTS namespaces), so provider=auto
-# must pick a cross-node provider by itself. Where they share one hostname, auto may rightly
-# see a single host: then the tcp provider is requested explicitly.
-extra=()
-hosts=$(timeout 60 srun -N 2 --ntasks-per-node=1 hostname 2>/dev/null | sort -u | wc -l || true)
-if [ "$hosts" != 2 ]; then
-  echo "    the emulated nodes share a hostname; requesting net.provider=tcp"
-  extra=(net.provider=tcp)
-fi
-if train_scenario train-2node 4 -N 2 --ntasks-per-node=2 -- "${extra[@]}"; then
-  if ! grep -q 'on qnode\[1-2\]: 2 node(s), 4 task(s)' "$LOG"; then
-    fail train-2node "job did not run on qnode[1-2] with 4 tasks (log $LOG)"
-  elif ! grep -Eiq 'provider[=: ]+' "$LOG"; then
-    fail train-2node "log does not say which provider was used (log $LOG)"
-  elif grep -Ei 'provider[=: ]+' "$LOG" | grep -qi shm; then
-    fail train-2node "shm provider chosen on a 2-node allocation (log $LOG)"
-  else
-    pass train-2node
+scenario_train-2node() {
+  echo "== train-2node: -N2 --ntasks-per-node=2"
+  # The emulated nodes normally have hostnames of their own (UTS namespaces), so provider=auto
+  # must pick a cross-node provider by itself. Where they share one hostname, auto may rightly
+  # see a single host: then the tcp provider is requested explicitly.
+  local extra=() hosts
+  hosts=$(timeout 60 srun -N 2 --ntasks-per-node=1 hostname 2>/dev/null | sort -u | wc -l || true)
+  if [ "$hosts" != 2 ]; then
+    echo "    the emulated nodes share a hostname; requesting net.provider=tcp"
+    extra=(net.provider=tcp)
   fi
-fi
-
-echo "== bench: -N1 -n4"
-submit bench -N 1 -n 4 "$BENCH" --op allreduce -b 8 -e 32K -f 4 --json "$WORK/bench.json"
-if [ "$RC" -eq 124 ]; then
-  fail bench "not finished after ${JOB_TIMEOUT}s; job cancelled (log $LOG)"
-elif [ "$RC" -ne 0 ]; then
-  fail bench "sbatch --wait exit code $RC (log $LOG)"
-  tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
-elif ! grep -q 'algbw' "$LOG" || ! grep -q 'busbw' "$LOG"; then
-  fail bench "no table header (algbw, busbw) in $LOG"
-elif ! grep -Eq '^0: +8 ' "$LOG" || ! grep -Eq '^0: +32768 ' "$LOG"; then
-  fail bench "table rows for 8 and 32768 bytes missing in $LOG"
-elif ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$WORK/bench.json" 2>/dev/null
-then
-  fail bench "--json $WORK/bench.json missing or not JSON"
-else
-  pass bench
-fi
-
-echo "== kill-rank: SIGKILL rank 2 of a -N2 --ntasks-per-node=2 job"
-# A run long enough to be killed; the job's own time limit (10 min) and JOB_TIMEOUT bound it.
-timeout "$JOB_TIMEOUT" sbatch --wait --job-name=kill-rank --time=10 \
-  --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
-  run.name=kill-rank train.steps=100000 >"$WORK/kill-rank.sbatch" 2>&1 &
-waiter=$!
-JOBID=""
-victim=""
-deadline=$((SECONDS + 60))
-while ((SECONDS < deadline)); do
-  [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
-    "$WORK/kill-rank.sbatch" 2>/dev/null)
-  if [ -n "$JOBID" ]; then
-    running=0
-    for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
-    if [ "$running" -eq 4 ]; then
-      sleep 2 # past start-up, into training
-      victim=$(rank_pid "$JOBID" 2)
-      break
+  if train_scenario train-2node 4 -N 2 --ntasks-per-node=2 -- "${extra[@]}"; then
+    if ! grep -q 'on qnode\[1-2\]: 2 node(s), 4 task(s)' "$LOG"; then
+      fail train-2node "job did not run on qnode[1-2] with 4 tasks (log $LOG)"
+    elif ! grep -Eiq 'provider[=: ]+' "$LOG"; then
+      fail train-2node "log does not say which provider was used (log $LOG)"
+    elif grep -Ei 'provider[=: ]+' "$LOG" | grep -qi shm; then
+      fail train-2node "shm provider chosen on a 2-node allocation (log $LOG)"
+    else
+      pass train-2node
     fi
   fi
-  kill -0 "$waiter" 2>/dev/null || break
-  sleep 0.3
-done
-[ -n "$JOBID" ] && JOBS+=("$JOBID")
-LOG="$WORK/logs/kill-rank-$JOBID.out"
-if [ -z "$victim" ]; then
-  [ -n "$JOBID" ] && scancel "$JOBID" 2>/dev/null
-  wait "$waiter" || true
-  fail kill-rank "the 4 ranks of job ${JOBID:-?} were not all running within 60 s (log $LOG)"
-else
-  kill -KILL "$victim" 2>/dev/null || true
-  RC=0
-  wait "$waiter" || RC=$?
-  if [ "$RC" -eq 0 ]; then
-    fail kill-rank "job $JOBID exited 0 after rank 2 was killed (log $LOG)"
-  elif [ "$RC" -eq 124 ]; then
-    scancel "$JOBID" 2>/dev/null || true
-    fail kill-rank "job $JOBID still running ${JOB_TIMEOUT}s after rank 2 was killed (log $LOG)"
-  elif ! grep -Eiq '(task|rank) 2\b' "$LOG"; then
-    fail kill-rank "no error naming task/rank 2 in $LOG"
-  elif ! job_gone "$JOBID" 30; then
-    fail kill-rank "processes of job $JOBID left running: $(job_pids "$JOBID" | tr '\n' ' ')"
+}
+
+scenario_bench() {
+  echo "== bench: -N1 -n4"
+  submit bench -N 1 -n 4 "$BENCH" --op allreduce -b 8 -e 32K -f 4 --json "$WORK/bench.json"
+  if [ "$RC" -eq 124 ]; then
+    fail bench "not finished after ${JOB_TIMEOUT}s; job cancelled (log $LOG)"
+  elif [ "$RC" -ne 0 ]; then
+    fail bench "sbatch --wait exit code $RC (log $LOG)"
+    tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
+  elif ! grep -q 'algbw' "$LOG" || ! grep -q 'busbw' "$LOG"; then
+    fail bench "no table header (algbw, busbw) in $LOG"
+  elif ! grep -Eq '^0: +8 ' "$LOG" || ! grep -Eq '^0: +32768 ' "$LOG"; then
+    fail bench "table rows for 8 and 32768 bytes missing in $LOG"
+  elif ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$WORK/bench.json" 2>/dev/null
+  then
+    fail bench "--json $WORK/bench.json missing or not JSON"
   else
-    echo "    kill-rank: job $JOBID exited $RC; $(grep -Eim1 '(task|rank) 2\b' "$LOG")"
-    pass kill-rank
+    pass bench
   fi
-fi
+}
+
+scenario_kill-rank() {
+  echo "== kill-rank: SIGKILL rank 2 of a -N2 --ntasks-per-node=2 job"
+  # A run long enough to be killed; the job's own time limit (10 min) and JOB_TIMEOUT bound it.
+  timeout "$JOB_TIMEOUT" sbatch --wait --job-name=kill-rank --time=10 \
+    --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
+    run.name=kill-rank train.steps=100000 >"$WORK/kill-rank.sbatch" 2>&1 &
+  local waiter=$! victim="" running r deadline
+  JOBID=""
+  deadline=$((SECONDS + 60))
+  while ((SECONDS < deadline)); do
+    [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
+      "$WORK/kill-rank.sbatch" 2>/dev/null)
+    if [ -n "$JOBID" ]; then
+      running=0
+      for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
+      if [ "$running" -eq 4 ]; then
+        sleep 2 # past start-up, into training
+        victim=$(rank_pid "$JOBID" 2)
+        break
+      fi
+    fi
+    kill -0 "$waiter" 2>/dev/null || break
+    sleep 0.3
+  done
+  [ -n "$JOBID" ] && JOBS+=("$JOBID")
+  LOG="$WORK/logs/kill-rank-$JOBID.out"
+  if [ -z "$victim" ]; then
+    [ -n "$JOBID" ] && scancel "$JOBID" 2>/dev/null
+    wait "$waiter" || true
+    fail kill-rank "the 4 ranks of job ${JOBID:-?} were not all running within 60 s (log $LOG)"
+  else
+    kill -KILL "$victim" 2>/dev/null || true
+    RC=0
+    wait "$waiter" || RC=$?
+    if [ "$RC" -eq 0 ]; then
+      fail kill-rank "job $JOBID exited 0 after rank 2 was killed (log $LOG)"
+    elif [ "$RC" -eq 124 ]; then
+      scancel "$JOBID" 2>/dev/null || true
+      fail kill-rank "job $JOBID still running ${JOB_TIMEOUT}s after rank 2 was killed (log $LOG)"
+    elif ! grep -Eiq '(task|rank) 2\b' "$LOG"; then
+      fail kill-rank "no error naming task/rank 2 in $LOG"
+    elif ! job_gone "$JOBID" 30; then
+      fail kill-rank "processes of job $JOBID left running: $(job_pids "$JOBID" | tr '\n' ' ')"
+    else
+      echo "    kill-rank: job $JOBID exited $RC; $(grep -Eim1 '(task|rank) 2\b' "$LOG")"
+      pass kill-rank
+    fi
+  fi
+}
+
+for s in "${SCENARIOS[@]}"; do "scenario_$s"; done
 
 # Nothing of any test job may survive.
 for j in "${JOBS[@]}"; do
