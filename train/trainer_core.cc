@@ -1,0 +1,85 @@
+#include "train/trainer_core.h"
+
+#include <fmt/format.h>
+
+#include "net/error.h"
+
+namespace qring::train {
+
+TrainerCore::TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int rank, int world,
+                         int quorum)
+    : cfg_(cfg),
+      data_(data),
+      rank_(rank),
+      world_(world),
+      model_(make_model(cfg.model, static_cast<uint64_t>(cfg.run.seed))),
+      opt_(model_->num_params(), sgd_options(cfg)),
+      sharder_(data.train.size(), rank, world, cfg.train.batch_per_rank,
+               static_cast<uint64_t>(cfg.run.seed)) {
+  if (data.train.dim != model_->input_shape().size()) {
+    throw UsageError(fmt::format("TrainerCore: data has {} features, the model expects {}",
+                                 data.train.dim, model_->input_shape().size()));
+  }
+  total_steps_ = cfg.train.steps > 0 ? cfg.train.steps
+                                     : cfg.train.epochs * sharder_.batches_per_epoch();
+  schedule_ = make_schedule(cfg, quorum, total_steps_);
+  x_.resize(static_cast<size_t>(cfg.train.batch_per_rank * data.train.dim));
+  y_.resize(static_cast<size_t>(cfg.train.batch_per_rank));
+}
+
+double TrainerCore::compute_gradient() {
+  gather_batch(data_.train, sharder_.next_batch(), x_.data(), y_.data());
+  return model_->forward_backward(x_.data(), y_.data(), static_cast<int>(y_.size()));
+}
+
+void TrainerCore::skip_batch() { sharder_.next_batch(); }
+
+void TrainerCore::apply_gradient(const float* grad) {
+  opt_.step(model_->params(), grad, schedule_.at(step_));
+  ++step_;
+}
+
+EvalResult TrainerCore::evaluate_test() {
+  return evaluate_dataset(*model_, data_.test, cfg_.train.eval_batch);
+}
+
+EvalResult TrainerCore::evaluate_train() {
+  return evaluate_dataset(*model_, data_.train, cfg_.train.eval_batch);
+}
+
+CheckpointState TrainerCore::checkpoint_state() const {
+  CheckpointState s;
+  s.step = static_cast<uint64_t>(step_);
+  s.position = sharder_.position();
+  s.config_fingerprint = cfg_.fingerprint();
+  s.world = static_cast<uint32_t>(world_);
+  s.rank = static_cast<uint32_t>(rank_);
+  s.params.assign(model_->params(), model_->params() + model_->num_params());
+  s.velocity = opt_.velocity();
+  return s;
+}
+
+void TrainerCore::restore(const CheckpointState& s) {
+  if (s.params.size() != model_->num_params() || s.velocity.size() != model_->num_params()) {
+    throw DataError(fmt::format(
+        "checkpoint has {} parameters and {} momentum values, the model has {}",
+        s.params.size(), s.velocity.size(), model_->num_params()));
+  }
+  if (s.config_fingerprint != cfg_.fingerprint()) {
+    throw DataError(fmt::format("checkpoint config fingerprint {:016x} does not match this "
+                                "config's {:016x} (seed, data, model or batch changed)",
+                                s.config_fingerprint, cfg_.fingerprint()));
+  }
+  if (s.position.index >= sharder_.batches_per_epoch()) {
+    throw DataError(fmt::format("checkpoint data position (epoch {}, batch {}) is past the {} "
+                                "batches per epoch of this run",
+                                s.position.epoch, s.position.index,
+                                sharder_.batches_per_epoch()));
+  }
+  std::copy(s.params.begin(), s.params.end(), model_->params());
+  opt_.velocity() = s.velocity;
+  sharder_.seek(s.position);
+  step_ = static_cast<int64_t>(s.step);
+}
+
+}  // namespace qring::train

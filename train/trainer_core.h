@@ -1,0 +1,82 @@
+// The single-process compute core of qring-train: one rank's model, optimizer, data stream
+// and schedule. The distributed loop drives it:
+//
+//   TrainerCore core(cfg, data, rank, world, quorum);
+//   while (core.step() < core.total_steps()) {
+//     core.compute_gradient();                    // next batch of this rank's shard
+//     allreduce_mean(core.gradient(), core.num_params());   // or the quorum all-reduce
+//     core.apply_gradient(core.gradient());       // SGD step at lr = schedule.at(step)
+//   }
+//
+// Every rank starts from the same parameters (init from run.seed) and applies the same averaged
+// gradient, so parameters stay bit-identical across ranks. The data position advances by one
+// batch per compute_gradient() or skip_batch(), independently of the optimizer step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/dataset.h"
+#include "train/model.h"
+#include "train/optim.h"
+
+namespace qring::train {
+
+class TrainerCore {
+ public:
+  // data must outlive the core. quorum = Q (for the LR scaling rule). Total steps =
+  // train.steps, or train.epochs * batches_per_epoch when train.steps is 0.
+  TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int rank, int world, int quorum);
+
+  Model& model() { return *model_; }
+  const Model& model() const { return *model_; }
+  Sgd& optimizer() { return opt_; }
+  const Sharder& sharder() const { return sharder_; }
+  const LrSchedule& schedule() const { return schedule_; }
+
+  int64_t step() const { return step_; }  // optimizer steps applied
+  int64_t total_steps() const { return total_steps_; }
+  int64_t steps_per_epoch() const { return sharder_.batches_per_epoch(); }
+  DataPosition position() const { return sharder_.position(); }
+  double lr() const { return schedule_.at(step_); }  // learning rate of the next step
+  size_t num_params() const { return model_->num_params(); }
+  float* params() { return model_->params(); }
+  float* gradient() { return model_->grads(); }
+
+  // Forward + backward on the next batch; the gradient (of the batch-mean loss) is in
+  // gradient(). Returns the batch-mean loss.
+  double compute_gradient();
+  // Advances the data position by one batch without computing (e.g. abandoned stale work).
+  void skip_batch();
+  // One SGD step with `grad` (num_params() floats, may alias gradient()); step() += 1.
+  void apply_gradient(const float* grad);
+
+  // Accuracy and mean loss on the test set (or the train set), batches of train.eval_batch.
+  EvalResult evaluate_test();
+  EvalResult evaluate_train();
+
+  // Parameters, momentum, step, data position, config fingerprint, world and rank. The caller
+  // adds carry, rng_state and meta as needed.
+  CheckpointState checkpoint_state() const;
+  // Restores parameters, momentum, step and data position. Throws DataError if the sizes or
+  // the config fingerprint do not match this core.
+  void restore(const CheckpointState& s);
+
+ private:
+  const TrainConfig cfg_;
+  const DatasetPair& data_;
+  int rank_, world_;
+  std::unique_ptr<Model> model_;
+  Sgd opt_;
+  Sharder sharder_;
+  LrSchedule schedule_;
+  int64_t total_steps_;
+  int64_t step_ = 0;
+  std::vector<float> x_;
+  std::vector<int32_t> y_;
+};
+
+}  // namespace qring::train
