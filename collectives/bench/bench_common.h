@@ -185,6 +185,7 @@ struct Options {
   long timeout_ms = 60000;     // qring: deadline of every operation
   std::string json_path;
   double seconds = 10.0;       // --op idle
+  double auto_seconds = 0;     // > 0: per size, as many iterations (<= -n) as fit this time
   bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
   bool spin = false;           // --op sendrecv: busy-poll instead of the endpoint's wait
   bool help = false;
@@ -203,6 +204,9 @@ inline std::string usage(std::string_view prog, bool mpi) {
       "  --dtype T            float32|float64|int32|int64{} (default float32)\n"
       "  --redop R            sum|avg|min|max (default sum)\n"
       "  --root R             broadcast root (default 0)\n"
+      "  --auto-iters S       per size, run as many timed iterations (at most -n, at least 1)\n"
+      "                       as fit in about S seconds, judged from one probe iteration;\n"
+      "                       warmup becomes min(-w, iterations / 4)\n"
       "  --json FILE          write every row as a JSON array (rank 0)\n",
       prog,
       mpi ? "allreduce|broadcast|allgather|reducescatter|barrier"
@@ -285,6 +289,12 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
       auto r = parse_redop_name(v);
       if (!r) throw ConfigError(fmt::format("--redop: unknown reduction '{}'", v));
       o.redop = *r;
+    } else if (flag == "--auto-iters") {
+      std::string v = value();
+      char* end = nullptr;
+      o.auto_seconds = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !(o.auto_seconds > 0) || o.auto_seconds > 3600)
+        throw ConfigError(fmt::format("--auto-iters: expected seconds > 0, got '{}'", v));
     } else if (flag == "--root") {
       o.root = int(parse_int(flag, value(), 0, 1 << 24));
     } else if (flag == "--json") {
@@ -354,9 +364,19 @@ inline void store_value(void* buf, DataType t, size_t i, double v) {
   }
 }
 
+constexpr size_t kPatternPeriod = 17;  // pattern(j, r) depends on j only through j mod 17
+
 // buf[i] = pattern(first + i, rank) for i in [0, count).
 inline void fill_pattern(void* buf, DataType t, size_t count, size_t first, int rank) {
-  for (size_t i = 0; i < count; ++i) store_value(buf, t, i, pattern(first + i, rank));
+  const size_t ts = dtype_bytes(t);
+  alignas(8) unsigned char enc[kPatternPeriod][8];
+  for (size_t k = 0; k < kPatternPeriod; ++k) store_value(enc[k], t, 0, pattern(k, rank));
+  auto* p = static_cast<unsigned char*>(buf);
+  size_t k = first % kPatternPeriod;
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(p + i * ts, enc[k], ts);
+    if (++k == kPatternPeriod) k = 0;
+  }
 }
 
 // Bytes that decode as wrong values in every type.
@@ -390,32 +410,33 @@ inline void expected_reduced(size_t j, int n, RedOp op, DataType t, void* out) {
   }
 }
 
+// Elements i in [0, count) of buf that differ from the encoded values want[(first + i) % 17].
+inline int64_t count_mismatches(const void* buf, size_t ts, size_t count, size_t first,
+                                const unsigned char (&want)[kPatternPeriod][8]) {
+  int64_t wrong = 0;
+  const auto* p = static_cast<const unsigned char*>(buf);
+  size_t k = first % kPatternPeriod;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(p + i * ts, want[k], ts) != 0) ++wrong;
+    if (++k == kPatternPeriod) k = 0;
+  }
+  return wrong;
+}
+
 // Elements i in [0, count) where buf[i] != reduction over n ranks of pattern(first + i, .).
 inline int64_t count_wrong_reduced(const void* buf, DataType t, size_t count, size_t first, int n,
                                    RedOp op) {
-  size_t ts = dtype_bytes(t);
-  int64_t wrong = 0;
-  alignas(8) unsigned char want[8];
-  const auto* p = static_cast<const unsigned char*>(buf);
-  for (size_t i = 0; i < count; ++i) {
-    expected_reduced(first + i, n, op, t, want);
-    if (std::memcmp(p + i * ts, want, ts) != 0) ++wrong;
-  }
-  return wrong;
+  alignas(8) unsigned char want[kPatternPeriod][8];
+  for (size_t k = 0; k < kPatternPeriod; ++k) expected_reduced(k, n, op, t, want[k]);
+  return count_mismatches(buf, dtype_bytes(t), count, first, want);
 }
 
 // Elements i in [0, count) where buf[i] != pattern(first + i, src).
 inline int64_t count_wrong_pattern(const void* buf, DataType t, size_t count, size_t first,
                                    int src) {
-  size_t ts = dtype_bytes(t);
-  int64_t wrong = 0;
-  alignas(8) unsigned char want[8];
-  const auto* p = static_cast<const unsigned char*>(buf);
-  for (size_t i = 0; i < count; ++i) {
-    store_value(want, t, 0, pattern(first + i, src));
-    if (std::memcmp(p + i * ts, want, ts) != 0) ++wrong;
-  }
-  return wrong;
+  alignas(8) unsigned char want[kPatternPeriod][8];
+  for (size_t k = 0; k < kPatternPeriod; ++k) store_value(want[k], t, 0, pattern(k, src));
+  return count_mismatches(buf, dtype_bytes(t), count, first, want);
 }
 
 // Page-aligned buffer.
@@ -442,6 +463,7 @@ struct Measurement {
   double algbw = 0;
   double busbw = 0;
   int64_t wrong = -1;  // -1: not checked
+  int iters = 0;       // timed iterations behind time_us
 };
 
 struct RowKey {
@@ -520,7 +542,7 @@ inline nlohmann::json json_row(const JsonContext& c, const RowKey& k, const Meas
     j["wrong"] = nullptr;
   else
     j["wrong"] = m.wrong;
-  j["iters"] = c.iters;
+  j["iters"] = m.iters ? m.iters : c.iters;
   j["warmup"] = c.warmup;
   return j;
 }
@@ -682,14 +704,28 @@ class Sweep {
   }
 
   Measurement time_op(size_t count, size_t bytes, bool in_place, const void* s, void* r) {
-    for (int i = 0; i < o_.warmup; ++i) be_.run(o_.op, s, r, count, in_place);
+    int iters = o_.iters, warmup = o_.warmup;
+    if (o_.auto_seconds > 0) {
+      // One probe iteration (also a warmup); every rank derives the same count from the
+      // slowest rank's probe.
+      be_.barrier();
+      auto p0 = std::chrono::steady_clock::now();
+      be_.run(o_.op, s, r, count, in_place);
+      double probe = be_.max_over_ranks(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
+      double fit = probe > 0 ? o_.auto_seconds / probe : double(o_.iters);
+      iters = int(std::clamp(fit, 1.0, double(o_.iters)));
+      warmup = std::min(o_.warmup, iters / 4);
+    }
+    for (int i = 0; i < warmup; ++i) be_.run(o_.op, s, r, count, in_place);
     be_.barrier();
     auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < o_.iters; ++i) be_.run(o_.op, s, r, count, in_place);
+    for (int i = 0; i < iters; ++i) be_.run(o_.op, s, r, count, in_place);
     auto t1 = std::chrono::steady_clock::now();
-    double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / o_.iters;
+    double local_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / iters;
     Measurement m;
     m.in_place = in_place;
+    m.iters = iters;
     m.time_us = be_.max_over_ranks(local_us);
     m.algbw = m.time_us > 0 ? double(bytes) / (m.time_us * 1e-6) / 1e9 : 0.0;
     m.busbw = m.algbw * bus_factor(o_.op, be_.size());

@@ -242,6 +242,7 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
     Measurement m;
     m.in_place = false;
     m.wrong = o.check ? 0 : -1;
+    m.iters = o.iters;
     for (const Report& r : all) {
       m.time_us = std::max(m.time_us, r.value);
       if (o.check) m.wrong += r.wrong;
