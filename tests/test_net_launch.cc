@@ -154,12 +154,14 @@ TEST(Launch, FailingRankStopsTheOthers) {
 TEST(Launch, NoRankOrGrandchildSurvives) {
   TempDir dir;
   // Every rank starts a background `sleep 30` (a grandchild of the launcher) and records its
-  // pid; rank 1 then fails.
+  // pid; rank 1 fails once all three pids are written.
   std::string script = fmt::format(
-      "sleep 30 & echo $! > {}/$QRING_RANK.pid; "
-      "if [ $QRING_RANK = 1 ]; then sleep 0.5; exit 3; fi; wait",
+      "sleep 30 & echo $! > {0}/$QRING_RANK.pid; "
+      "if [ $QRING_RANK = 1 ]; then "
+      "  while [ $(ls {0} | wc -l) -lt 3 ]; do sleep 0.02; done; sleep 0.1; exit 3; "
+      "fi; wait",
       dir.path);
-  LaunchRun run({"-n", "3", "--", "sh", "-c", script});
+  LaunchRun run({"-n", "3", "--timeout-s", "20", "--", "sh", "-c", script});
   EXPECT_EQ(run.finish(), 3);
   EXPECT_LT(run.elapsed, 5s);
   auto pids = dir.pids(3);

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <random>
 #include <thread>
 
 #include "net/error.h"
@@ -344,6 +345,60 @@ TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
   EXPECT_EQ(good.get("before", deadline_in(1s)), "1");
   TcpStore late("127.0.0.1", server.port(), join_info(1), deadline_in(3s));
   EXPECT_EQ(late.get("during", deadline_in(1s)), "2");
+}
+
+TEST(TcpStore, GetTimeoutNamesKeyAndHostPort) {
+  TcpStoreServer server("127.0.0.1", 0, 4, "job");
+  TcpStore c("127.0.0.1", server.port(), join_info(2), deadline_in(3s));
+  try {
+    c.wait({"present", "absent"}, deadline_in(100ms));
+    FAIL() << "wait returned";
+  } catch (const TimeoutError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("127.0.0.1:{}", server.port())));
+    EXPECT_THAT(e.what(), HasSubstr("'absent'"));
+    EXPECT_THAT(e.what(), HasSubstr("rank 2"));
+  }
+}
+
+// Random bytes, random headers and random payloads after a valid JOIN: the server drops the
+// offending connections and keeps serving.
+TEST(TcpStore, RandomGarbageNeverBreaksTheServer) {
+  TcpStoreServer server("127.0.0.1", 0, 64, "job");
+  TcpStore good("127.0.0.1", server.port(), join_info(0, 64), deadline_in(3s));
+  good.set("k", "v");
+  std::mt19937 rng(42);
+  auto byte = [&] { return static_cast<char>(rng() & 0xff); };
+  for (int i = 0; i < 300; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(server.port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    std::string bytes;
+    if (i % 3 != 0) bytes = join_frame(1 + i % 62, 64, "job");  // rank 63 stays free
+    int frames = 1 + static_cast<int>(rng() % 4);
+    for (int f = 0; f < frames; ++f) {
+      std::string payload(rng() % 48, '\0');
+      for (auto& ch : payload) ch = byte();
+      if (rng() % 4 == 0) {
+        for (int b = 0; b < 16; ++b) bytes.push_back(byte());  // a random header
+        bytes += payload;
+      } else {
+        auto type = static_cast<StoreMsg>(rng() % 8);
+        uint32_t len = rng() % 2 ? static_cast<uint32_t>(payload.size()) : rng() % 64;
+        bytes += frame(type, payload, len);
+      }
+    }
+    send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    close(fd);
+    if (i % 50 == 0) {
+      EXPECT_EQ(good.get("k", deadline_in(2s)), "v");
+    }
+  }
+  EXPECT_EQ(good.get("k", deadline_in(2s)), "v");
+  TcpStore late("127.0.0.1", server.port(), join_info(63, 64), deadline_in(3s));
+  EXPECT_EQ(late.get("k", deadline_in(2s)), "v");
 }
 
 TEST(TcpStore, MalformedReplyRaisesProtocolError) {
