@@ -33,6 +33,7 @@ const char* kLauncher = QRING_BUILD_DIR "/net/qring-launch";
 class LaunchRun {
  public:
   explicit LaunchRun(const std::vector<std::string>& args, const char* env_var = nullptr) {
+    EXPECT_EQ(access(kLauncher, X_OK), 0) << kLauncher << " is missing: build target qring-launch";
     int out[2], err[2];
     EXPECT_EQ(pipe2(out, O_CLOEXEC), 0);
     EXPECT_EQ(pipe2(err, O_CLOEXEC), 0);
