@@ -681,6 +681,22 @@ std::map<uint64_t, std::vector<double>> QuorumAllreduce::arrival_log() const {
   return shared_->arrivals;
 }
 
+std::vector<char> QuorumAllreduce::pending_carry() const {
+  return carry_pending_ ? carry_ : std::vector<char>{};
+}
+
+void QuorumAllreduce::restore_carry(const std::vector<char>& bytes) {
+  if (bytes.empty()) {
+    carry_pending_ = false;
+    return;
+  }
+  if (opts_.late != LatePolicy::kCarry || bytes.size() != carry_.size())
+    throw UsageError(fmt::format("restore_carry: {} bytes for a carry buffer of {} (policy {})",
+                                 bytes.size(), carry_.size(), to_string(opts_.late)));
+  carry_ = bytes;
+  carry_pending_ = true;
+}
+
 void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count) {
   if (count != count_)
     throw UsageError(fmt::format("rank {}: quorum step {}: contribution of {} elements, this "

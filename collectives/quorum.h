@@ -97,6 +97,11 @@ class QuorumAllreduce {
   // after the step's first (late ones included; -1 = never arrived). Empty elsewhere.
   std::map<uint64_t, std::vector<double>> arrival_log() const;
 
+  // The late gradient waiting to be carried into the next contribution (LatePolicy::kCarry),
+  // for checkpoints: empty when none is pending. restore_carry() takes what it returned.
+  std::vector<char> pending_carry() const;
+  void restore_carry(const std::vector<char>& bytes);
+
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }
 

@@ -1,0 +1,127 @@
+// qring-train: synchronous data-parallel SGD with backup workers.
+//
+//   qring-launch -n 4 -- qring-train --config configs/fmnist-mlp.toml [key=value ...]
+//   srun qring-train --config configs/fmnist-mlp.toml quorum.quorum=3
+//
+// Exit status: 0 done, 1 runtime failure (a peer lost, a deadline passed, drift...), 2 bad
+// command line, configuration or data.
+#include <omp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "collectives/communicator.h"
+#include "net/bootstrap.h"
+#include "net/error.h"
+#include "net/fabric_endpoint.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: qring-train --config FILE [--resume] [section.key=value ...]\n"
+    "\n"
+    "  --config FILE   TOML run configuration (see configs/ and docs/training.md)\n"
+    "  --resume        continue from the newest checkpoint every rank has\n"
+    "  key=value       override any configuration key, e.g. quorum.quorum=3\n"
+    "                  straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp\n"
+    "\n"
+    "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
+    "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_path;
+  bool resume = false;
+  std::vector<std::string> overrides;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "--config" && i + 1 < argc) {
+      config_path = argv[++i];
+    } else if (a.rfind("--config=", 0) == 0) {
+      config_path = a.substr(9);
+    } else if (a == "--resume") {
+      resume = true;
+    } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
+      overrides.push_back(a);
+    } else {
+      fmt::print(stderr, "qring-train: unknown argument '{}'\n{}", a, kUsage);
+      return 2;
+    }
+  }
+  if (config_path.empty()) {
+    fmt::print(stderr, "qring-train: --config FILE is required\n{}", kUsage);
+    return 2;
+  }
+
+  qring::net::BootstrapInfo info;
+  qring::train::TrainConfig cfg;
+  try {
+    info = qring::net::detect_bootstrap();
+    cfg = qring::train::TrainConfig::from_file(config_path, overrides);
+    if (const char* p = std::getenv("QRING_PROVIDER"); p && cfg.net.provider == "auto")
+      cfg.net.provider = p;
+    cfg.validate(info.world_size);
+  } catch (const qring::Error& e) {
+    fmt::print(stderr, "qring-train: rank {}: {}\n", info.rank, e.what());
+    return 2;
+  }
+
+  auto level = spdlog::level::from_str(cfg.log.level);
+  spdlog::set_level(info.rank == 0 ? level : std::max(level, spdlog::level::warn));
+  spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [%^%l%$] [rank {}] %v", info.rank));
+
+  // Compute threads: the cores of this host shared among its ranks, unless OMP_NUM_THREADS.
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    int hw = static_cast<int>(std::thread::hardware_concurrency());
+    omp_set_num_threads(std::max(1, hw / std::max(1, info.local_size)));
+  }
+
+  try {
+    auto deadline = qring::net::deadline_in(std::chrono::milliseconds(
+        std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
+    qring::net::Rendezvous rdv(info, deadline);
+    qring::net::FabricOptions fo;
+    fo.provider = cfg.net.provider;
+    auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
+                                               rdv.single_host(), deadline);
+    qring::collectives::CommOptions co;
+    co.local_size = info.local_size;
+    co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+    qring::collectives::Communicator comm(std::move(ep), co);
+    qring::train::TrainerOptions topts;
+    topts.resume = resume;
+    auto s = qring::train::train(cfg, comm, topts);
+    if (info.rank == 0) {
+      fmt::print("test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
+                 "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
+                 "params_checksum {:016x}\n",
+                 s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
+                 s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
+    } else {
+      spdlog::debug("done, params_checksum {:016x}", s.params_checksum);
+    }
+    std::fflush(stdout);
+  } catch (const qring::ConfigError& e) {
+    spdlog::error("{}", e.what());
+    return 2;
+  } catch (const qring::DataError& e) {
+    spdlog::error("{}", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return 1;
+  }
+  return 0;
+}

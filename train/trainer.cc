@@ -1,0 +1,396 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include "collectives/quorum.h"
+#include "collectives/straggler.h"
+#include "net/error.h"
+#include "train/checkpoint.h"
+#include "train/dataset.h"
+#include "train/model.h"
+#include "train/optim.h"
+#include "train/rng.h"
+
+namespace qring::train {
+
+namespace fs = std::filesystem;
+using collectives::DataType;
+using collectives::RedOp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+std::string hms(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  int64_t x = int64_t(s);
+  if (x >= 3600) return fmt::format("{}h{:02}m", x / 3600, (x / 60) % 60);
+  if (x >= 60) return fmt::format("{}m{:02}s", x / 60, x % 60);
+  return fmt::format("{}s", x);
+}
+
+// Keeps the metrics lines of steps before `step` (resume) and drops the rest.
+void truncate_metrics(const fs::path& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::vector<std::string> keep;
+  std::string line;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t(0)) < step) keep.push_back(line);
+    } catch (const std::exception&) {
+      break;  // a torn last line from a killed run
+    }
+  }
+  in.close();
+  std::ofstream out(path, std::ios::trunc);
+  for (auto& l : keep) out << l << '\n';
+}
+
+struct EvalOut {
+  double accuracy = 0, loss = 0;
+};
+
+// Each rank evaluates its slice of the test set; the sums are all-reduced (exact in float64).
+EvalOut evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
+                         collectives::Communicator& comm) {
+  const int64_t n = test.size();
+  const int64_t begin = n * comm.rank() / comm.size(), end = n * (comm.rank() + 1) / comm.size();
+  double v[3] = {0, 0, 0};
+  for (int64_t s = begin; s < end; s += batch) {
+    int b = int(std::min(batch, end - s));
+    EvalResult r = model.evaluate(test.image(s), test.labels.data() + s, b);
+    v[0] += r.loss_sum;
+    v[1] += double(r.correct);
+    v[2] += double(r.count);
+  }
+  comm.allreduce(v, v, 3, DataType::kFloat64, RedOp::kSum);
+  EvalOut o;
+  o.accuracy = v[2] > 0 ? v[1] / v[2] : 0;
+  o.loss = v[2] > 0 ? v[0] / v[2] : 0;
+  return o;
+}
+
+int64_t step_of_checkpoint(const std::string& path) {
+  auto name = fs::path(path).stem().string();  // ckpt-000000000123
+  auto dash = name.find('-');
+  return dash == std::string::npos ? -1 : std::stoll(name.substr(dash + 1));
+}
+
+}  // namespace
+
+uint64_t checksum(const float* p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n * sizeof(float); ++i) {
+    h ^= b[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+nlohmann::json RunSummary::to_json() const {
+  nlohmann::json j;
+  j["test_accuracy"] = test_accuracy;
+  j["best_test_accuracy"] = best_test_accuracy;
+  j["test_loss"] = test_loss;
+  j["wall_s"] = wall_s;
+  j["time_to_target_s"] = time_to_target_s ? nlohmann::json(*time_to_target_s) : nlohmann::json();
+  j["steps"] = steps;
+  j["dropped_gradients"] = dropped_gradients;
+  j["samples_per_s"] = samples_per_s;
+  j["computed_samples_per_s"] = computed_samples_per_s;
+  j["mean_contributors"] = mean_contributors;
+  j["full_sync_estimate_s"] = full_sync_estimate_s;
+  j["backup_saved_s"] = backup_saved_s;
+  j["params_checksum"] = fmt::format("{:016x}", params_checksum);
+  return j;
+}
+
+RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
+                 const TrainerOptions& opts) {
+  const int rank = comm.rank(), world = comm.size();
+  cfg.validate(world);
+  const int quorum = cfg.quorum_count(world);
+  const uint64_t seed = uint64_t(cfg.run.seed);
+  const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
+  const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
+  fs::create_directories(ckpt_dir);
+
+  DatasetPair data = load_datasets(cfg.data, seed);
+  auto model = make_model(cfg.model, seed);
+  const size_t P = model->num_params();
+  Sgd sgd(P, sgd_options(cfg));
+  const int64_t B = cfg.train.batch_per_rank;
+  Sharder sharder(data.train.size(), rank, world, B, derive_seed(seed, 1));
+  const int64_t spe = sharder.batches_per_epoch();
+  if (spe < 1)
+    throw ConfigError(fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
+                                  "batch of {} per rank",
+                                  data.train.size(), world, B));
+  const int64_t total = cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * spe;
+  const LrSchedule sched = make_schedule(cfg, quorum, total);
+  const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
+  const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : spe;
+
+  collectives::QuorumOptions qo;
+  qo.quorum = quorum;
+  qo.grace = std::chrono::milliseconds(cfg.quorum.grace_ms);
+  qo.deadline = std::chrono::milliseconds(cfg.quorum.deadline_ms);
+  qo.late = collectives::parse_late_policy(cfg.quorum.late_policy);
+  qo.type = DataType::kFloat32;
+  qo.mean = true;
+  // The gradient plus one slot for the loss: the step's mean loss comes with the reduction.
+  collectives::QuorumAllreduce q(comm, P + 1, qo);
+  std::vector<float> buf(P + 1);
+  comm.register_buffer(buf.data(), buf.size() * sizeof(float));
+
+  int64_t start = 0;
+  if (opts.resume) {
+    auto latest = latest_checkpoint(ckpt_dir.string());
+    int64_t mine = latest ? step_of_checkpoint(*latest) : -1;
+    int64_t common = mine;
+    comm.allreduce(&mine, &common, 1, DataType::kInt64, RedOp::kMin);
+    if (common < 0) {
+      if (rank == 0) spdlog::warn("--resume: no checkpoint common to all ranks; starting fresh");
+    } else {
+      std::string path = checkpoint_path(ckpt_dir.string(), uint64_t(common));
+      CheckpointState st = load_checkpoint(path);
+      if (st.config_fingerprint != cfg.fingerprint())
+        throw ConfigError(fmt::format("{}: written by a different configuration (seed, data, "
+                                      "model or batch differ); cannot resume",
+                                      path));
+      if (int(st.world) != world || int(st.rank) != rank || st.params.size() != P ||
+          st.velocity.size() != P)
+        throw DataError(fmt::format("{}: written by rank {} of {} for {} parameters; this is "
+                                    "rank {} of {} with {}",
+                                    path, st.rank, st.world, st.params.size(), rank, world, P));
+      std::memcpy(model->params(), st.params.data(), P * sizeof(float));
+      sgd.velocity() = st.velocity;
+      sharder.seek(st.position);
+      std::vector<char> carry(reinterpret_cast<const char*>(st.carry.data()),
+                              reinterpret_cast<const char*>(st.carry.data() + st.carry.size()));
+      q.restore_carry(carry);
+      start = int64_t(st.step);
+      if (rank == 0) spdlog::info("resumed from step {} ({})", start, path);
+    }
+  }
+
+  std::ofstream metrics;
+  if (rank == 0) {
+    fs::create_directories(run_dir);
+    std::ofstream(run_dir / "config.toml") << cfg.to_toml();
+    if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
+    metrics.open(run_dir / "metrics.jsonl", opts.resume ? std::ios::app : std::ios::trunc);
+    spdlog::info("training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
+                 "provider {}, straggler {}",
+                 cfg.model.type, P, world, quorum, total, spe, comm.provider(), straggler.spec());
+  }
+  comm.barrier();
+
+  std::vector<float> x(size_t(B) * size_t(data.train.dim));
+  std::vector<int32_t> y(static_cast<size_t>(B));
+  RunSummary sum;
+  const auto t_start = Clock::now();
+  double counted = 0, computed = 0, contributors = 0;
+  double compute_total = 0;
+  int64_t compute_n = 0;
+  std::vector<float> ready_after;  // per step: delay + compute, for the full-sync estimate
+  std::vector<float> step_ms_v, reduce_ms_v;
+  auto last_progress = Clock::now() - std::chrono::hours(1);
+  const bool tty = isatty(2);
+  double last_acc = -1, last_loss = 0;
+
+  auto do_eval = [&](int64_t step) {
+    EvalOut e = evaluate_sharded(*model, data.test, cfg.train.eval_batch, comm);
+    double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
+    last_acc = e.accuracy;
+    sum.test_accuracy = e.accuracy;
+    sum.test_loss = e.loss;
+    sum.best_test_accuracy = std::max(sum.best_test_accuracy, e.accuracy);
+    if (cfg.train.target_accuracy > 0 && !sum.time_to_target_s &&
+        e.accuracy >= cfg.train.target_accuracy)
+      sum.time_to_target_s = wall;
+    if (rank == 0) {
+      nlohmann::json j{{"type", "eval"},        {"step", step},         {"epoch", step / spe},
+                       {"wall_s", wall},        {"test_accuracy", e.accuracy},
+                       {"test_loss", e.loss}};
+      metrics << j.dump() << '\n';
+      metrics.flush();
+      if (!tty || !cfg.log.progress)
+        spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy, e.loss);
+    }
+  };
+
+  auto save = [&](int64_t step) {
+    CheckpointState st;
+    st.step = uint64_t(step);
+    st.position = sharder.position();
+    st.config_fingerprint = cfg.fingerprint();
+    st.world = uint32_t(world);
+    st.rank = uint32_t(rank);
+    st.params.assign(model->params(), model->params() + P);
+    st.velocity = sgd.velocity();
+    auto carry = q.pending_carry();
+    st.carry.resize(carry.size() / sizeof(float));
+    std::memcpy(st.carry.data(), carry.data(), carry.size());
+    st.meta = nlohmann::json{{"run", cfg.run.name}, {"quorum", quorum}}.dump();
+    save_checkpoint(checkpoint_path(ckpt_dir.string(), uint64_t(step)), st);
+    // Keep the newest three: a rank killed mid-write still leaves a common older one.
+    std::vector<std::string> all;
+    for (auto& e : fs::directory_iterator(ckpt_dir))
+      if (e.path().extension() == ".qck") all.push_back(e.path().string());
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + 3 < all.size(); ++i) fs::remove(all[i]);
+  };
+
+  int64_t t = start;
+  for (; t < total; ++t) {
+    if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
+    const auto step_start = Clock::now();
+    const auto& idx = sharder.next_batch();
+    gather_batch(data.train, idx, x.data(), y.data());
+    const auto delay = straggler.delay(seed, rank, uint64_t(t));
+    bool abandoned = collectives::sleep_unless(delay, [&] { return q.excluded(uint64_t(t)); });
+    double compute_ms = 0;
+    if (!abandoned && !q.excluded(uint64_t(t))) {
+      auto c0 = Clock::now();
+      float loss = float(model->forward_backward(x.data(), y.data(), int(B)));
+      std::memcpy(buf.data(), model->grads(), P * sizeof(float));
+      buf[P] = loss;
+      compute_ms = ms_since(c0);
+      compute_total += compute_ms;
+      ++compute_n;
+      q.contribute(uint64_t(t), buf.data(), P + 1);
+    } else {
+      abandoned = true;
+    }
+    const auto w0 = Clock::now();
+    collectives::QuorumResult r = q.wait(uint64_t(t), buf.data());
+    const double wait_ms = ms_since(w0);
+    const double lr = sched.at(t);
+    sgd.step(model->params(), buf.data(), lr);
+    last_loss = buf[P];
+
+    const double delay_ms = double(delay.count()) / 1000.0;
+    ready_after.push_back(float(delay_ms + (abandoned ? (compute_n ? compute_total / double(compute_n)
+                                                                  : 0.0)
+                                                      : compute_ms)));
+    step_ms_v.push_back(float(ms_since(step_start)));
+    reduce_ms_v.push_back(float(r.reduce_ms));
+    counted += double(r.count) * double(B);
+    computed += double(world) * double(B);
+    contributors += r.count;
+    sum.dropped_gradients += world - r.count;
+
+    if (rank == 0) {
+      nlohmann::json j{{"type", "step"},
+                       {"step", t},
+                       {"epoch", t / spe},
+                       {"wall_s", std::chrono::duration<double>(Clock::now() - t_start).count()},
+                       {"loss", last_loss},
+                       {"lr", lr},
+                       {"contributors", r.count},
+                       {"dropped", r.dropped},
+                       {"compute_ms", compute_ms},
+                       {"delay_ms", delay_ms},
+                       {"wait_ms", wait_ms},
+                       {"allreduce_ms", r.reduce_ms},
+                       {"decide_ms", r.decide_ms},
+                       {"ready_ms", r.ready_offsets_ms}};
+      metrics << j.dump() << '\n';
+    }
+    const int64_t done = t + 1;
+    if (cfg.train.checksum_every > 0 && done % cfg.train.checksum_every == 0) {
+      int64_t mine = int64_t(checksum(model->params(), P));
+      std::vector<int64_t> all(static_cast<size_t>(world));
+      comm.allgather(&mine, all.data(), 1, DataType::kInt64);
+      for (int p = 0; p < world; ++p)
+        if (all[size_t(p)] != all[0])
+          throw Error(fmt::format("rank {}: replicas drifted at step {}: rank {} has parameter "
+                                  "checksum {:016x}, rank 0 has {:016x}",
+                                  rank, done, p, uint64_t(all[size_t(p)]), uint64_t(all[0])));
+    }
+    if (done % eval_every == 0 && done < total) do_eval(done);
+    if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
+    if (rank == 0 && cfg.log.progress) {
+      auto now = Clock::now();
+      double since = std::chrono::duration<double>(now - last_progress).count();
+      if ((tty && since > 0.25) || (!tty && since > 10) || done == total) {
+        last_progress = now;
+        double wall = std::chrono::duration<double>(now - t_start).count();
+        double sps = wall > 0 ? counted / wall : 0;
+        double eta = (done > start) ? wall / double(done - start) * double(total - done) : 0;
+        std::string line = fmt::format(
+            "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
+            "ETA {}",
+            t / spe + 1, (total + spe - 1) / spe, done, total, last_loss,
+            last_acc < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * last_acc), sps,
+            contributors / double(done - start), hms(eta));
+        if (tty)
+          fmt::print(stderr, "\r\033[K{}", line);
+        else
+          spdlog::info("{}", line);
+      }
+    }
+  }
+  if (rank == 0 && tty && cfg.log.progress) fmt::print(stderr, "\n");
+  const int64_t ran = t - start;
+  const bool finished = t >= total;
+  if (finished) do_eval(t);
+  if (cfg.train.checkpoint_every > 0 || finished) save(t);
+
+  sum.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  sum.steps = t;
+  sum.samples_per_s = sum.wall_s > 0 ? counted / sum.wall_s : 0;
+  sum.computed_samples_per_s = sum.wall_s > 0 ? computed / sum.wall_s : 0;
+  sum.mean_contributors = ran > 0 ? contributors / double(ran) : 0;
+  sum.params_checksum = checksum(model->params(), P);
+
+  // The backup workers' saving, from the recorded timings: had every step waited for its
+  // slowest rank, it would have taken max over ranks of (delay + compute) + the reduction.
+  std::vector<float> all_ready(ready_after.size() * size_t(world));
+  comm.allgather(ready_after.data(), all_ready.data(), ready_after.size(), DataType::kFloat32);
+  double full = 0, actual = 0;
+  for (size_t s = 0; s < ready_after.size(); ++s) {
+    float mx = 0;
+    for (int p = 0; p < world; ++p) mx = std::max(mx, all_ready[size_t(p) * ready_after.size() + s]);
+    full += double(mx) + double(reduce_ms_v[s]);
+    actual += double(step_ms_v[s]);
+  }
+  sum.full_sync_estimate_s = full / 1000.0;
+  sum.backup_saved_s = (full - actual) / 1000.0;
+
+  if (rank == 0) {
+    metrics.close();
+    nlohmann::json j = sum.to_json();
+    j["world"] = world;
+    j["quorum"] = quorum;
+    j["provider"] = comm.provider();
+    j["straggler"] = straggler.spec();
+    j["finished"] = finished;
+    std::ofstream(run_dir / "summary.json") << j.dump(2) << '\n';
+    std::ofstream arr(run_dir / "arrivals.jsonl");
+    for (auto& [step, offs] : q.arrival_log())
+      arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
+  }
+  return sum;
+}
+
+}  // namespace qring::train

@@ -1,0 +1,50 @@
+// The distributed training loop of qring-train: synchronous SGD with backup workers over the
+// quorum all-reduce (docs/training.md, "The training loop").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "collectives/communicator.h"
+#include "train/config.h"
+
+namespace qring::train {
+
+struct RunSummary {
+  double test_accuracy = 0;
+  double best_test_accuracy = 0;
+  double test_loss = 0;
+  double wall_s = 0;
+  std::optional<double> time_to_target_s;
+  int64_t steps = 0;
+  int64_t dropped_gradients = 0;   // (step, rank) contributions left out of S(t)
+  double samples_per_s = 0;        // samples whose gradients were counted, per second
+  double computed_samples_per_s = 0;  // samples every rank computed, per second
+  double mean_contributors = 0;
+  double full_sync_estimate_s = 0;  // estimated wall time had every step waited for all ranks
+  double backup_saved_s = 0;        // full_sync_estimate_s - the measured step time
+  uint64_t params_checksum = 0;
+  nlohmann::json to_json() const;
+};
+
+struct TrainerOptions {
+  bool resume = false;
+  // Stop after this many steps of this invocation (0 = run to the end); tests use it to
+  // simulate a run killed part-way.
+  int64_t stop_after = 0;
+};
+
+// Runs training on this rank. All ranks call it with the same config and communicator world.
+// Rank 0 writes runs/<run.name>/{metrics.jsonl, summary.json, config.toml, arrivals.jsonl};
+// every rank writes its checkpoints under runs/<run.name>/checkpoints/rank-<r>/.
+RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
+                 const TrainerOptions& opts = {});
+
+// FNV-1a 64 of a float buffer's bytes (replica checksums).
+uint64_t checksum(const float* p, size_t n);
+
+}  // namespace qring::train
