@@ -18,6 +18,8 @@
 // compared bit for bit.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -29,13 +31,11 @@
 #include <fstream>
 #include <memory>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "collectives/types.h"
 #include "net/error.h"
@@ -58,22 +58,30 @@ enum class BenchOp {
 
 inline std::string_view op_name(BenchOp op) {
   switch (op) {
-    case BenchOp::kSendRecv: return "sendrecv";
-    case BenchOp::kAllreduce: return "allreduce";
-    case BenchOp::kBroadcast: return "broadcast";
-    case BenchOp::kAllgather: return "allgather";
-    case BenchOp::kReduceScatter: return "reducescatter";
-    case BenchOp::kBarrier: return "barrier";
-    case BenchOp::kQuorum: return "quorum";
-    case BenchOp::kIdle: return "idle";
+    case BenchOp::kSendRecv:
+      return "sendrecv";
+    case BenchOp::kAllreduce:
+      return "allreduce";
+    case BenchOp::kBroadcast:
+      return "broadcast";
+    case BenchOp::kAllgather:
+      return "allgather";
+    case BenchOp::kReduceScatter:
+      return "reducescatter";
+    case BenchOp::kBarrier:
+      return "barrier";
+    case BenchOp::kQuorum:
+      return "quorum";
+    case BenchOp::kIdle:
+      return "idle";
   }
   return "?";
 }
 
 inline std::optional<BenchOp> parse_op(std::string_view s) {
-  for (BenchOp op : {BenchOp::kSendRecv, BenchOp::kAllreduce, BenchOp::kBroadcast,
-                     BenchOp::kAllgather, BenchOp::kReduceScatter, BenchOp::kBarrier,
-                     BenchOp::kQuorum, BenchOp::kIdle}) {
+  for (BenchOp op :
+       {BenchOp::kSendRecv, BenchOp::kAllreduce, BenchOp::kBroadcast, BenchOp::kAllgather,
+        BenchOp::kReduceScatter, BenchOp::kBarrier, BenchOp::kQuorum, BenchOp::kIdle}) {
     if (s == op_name(op)) return op;
   }
   return std::nullopt;
@@ -82,30 +90,44 @@ inline std::optional<BenchOp> parse_op(std::string_view s) {
 // Local copies of the names so that qring-mpi-bench needs no qring library.
 inline std::string_view dtype_name(DataType t) {
   switch (t) {
-    case DataType::kFloat32: return "float32";
-    case DataType::kFloat64: return "float64";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
-    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32:
+      return "float32";
+    case DataType::kFloat64:
+      return "float64";
+    case DataType::kInt32:
+      return "int32";
+    case DataType::kInt64:
+      return "int64";
+    case DataType::kBFloat16:
+      return "bfloat16";
   }
   return "?";
 }
 inline size_t dtype_bytes(DataType t) {
   switch (t) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-    case DataType::kBFloat16: return 2;
+    case DataType::kFloat32:
+      return 4;
+    case DataType::kFloat64:
+      return 8;
+    case DataType::kInt32:
+      return 4;
+    case DataType::kInt64:
+      return 8;
+    case DataType::kBFloat16:
+      return 2;
   }
   return 1;
 }
 inline std::string_view redop_name(RedOp op) {
   switch (op) {
-    case RedOp::kSum: return "sum";
-    case RedOp::kAvg: return "avg";
-    case RedOp::kMin: return "min";
-    case RedOp::kMax: return "max";
+    case RedOp::kSum:
+      return "sum";
+    case RedOp::kAvg:
+      return "avg";
+    case RedOp::kMin:
+      return "min";
+    case RedOp::kMax:
+      return "max";
   }
   return "?";
 }
@@ -151,7 +173,8 @@ inline size_t parse_size(std::string_view s) {
   size_t v = 0;
   for (char c : s) {
     if (c < '0' || c > '9') throw ConfigError(fmt::format("bad size '{}'", orig));
-    if (v > (SIZE_MAX - size_t(c - '0')) / 10) throw ConfigError(fmt::format("size '{}' too large", orig));
+    if (v > (SIZE_MAX - size_t(c - '0')) / 10)
+      throw ConfigError(fmt::format("size '{}' too large", orig));
     v = v * 10 + size_t(c - '0');
   }
   if (v > SIZE_MAX / mult) throw ConfigError(fmt::format("size '{}' too large", orig));
@@ -164,7 +187,8 @@ inline long parse_int(std::string_view flag, std::string_view s, long lo, long h
   errno = 0;
   long v = std::strtol(str.c_str(), &end, 10);
   if (str.empty() || *end != '\0' || errno != 0 || v < lo || v > hi)
-    throw ConfigError(fmt::format("{}: expected an integer in [{}, {}], got '{}'", flag, lo, hi, s));
+    throw ConfigError(
+        fmt::format("{}: expected an integer in [{}, {}], got '{}'", flag, lo, hi, s));
   return v;
 }
 
@@ -179,15 +203,15 @@ struct Options {
   DataType dtype = DataType::kFloat32;
   RedOp redop = RedOp::kSum;
   int root = 0;
-  std::string provider;        // qring: empty = $QRING_PROVIDER or "auto"
-  size_t segment_bytes = 0;    // qring: 0 = library default
-  int inflight = 0;            // qring: 0 = library default
-  long timeout_ms = 60000;     // qring: deadline of every operation
+  std::string provider;      // qring: empty = $QRING_PROVIDER or "auto"
+  size_t segment_bytes = 0;  // qring: 0 = library default
+  int inflight = 0;          // qring: 0 = library default
+  long timeout_ms = 60000;   // qring: deadline of every operation
   std::string json_path;
-  double seconds = 10.0;       // --op idle
-  double auto_seconds = 0;     // > 0: per size, as many iterations (<= -n) as fit this time
+  double seconds = 10.0;           // --op idle
+  double auto_seconds = 0;         // > 0: per size, as many iterations (<= -n) as fit this time
   bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
-  bool spin = false;           // --op sendrecv: busy-poll instead of the endpoint's wait
+  bool spin = false;               // --op sendrecv: busy-poll instead of the endpoint's wait
   bool help = false;
 };
 
@@ -340,24 +364,37 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
 inline double bus_factor(BenchOp op, int n) {
   switch (op) {
     case BenchOp::kAllreduce:
-    case BenchOp::kQuorum: return n > 0 ? 2.0 * (n - 1) / n : 0.0;
+    case BenchOp::kQuorum:
+      return n > 0 ? 2.0 * (n - 1) / n : 0.0;
     case BenchOp::kAllgather:
-    case BenchOp::kReduceScatter: return n > 0 ? double(n - 1) / n : 0.0;
-    default: return 1.0;
+    case BenchOp::kReduceScatter:
+      return n > 0 ? double(n - 1) / n : 0.0;
+    default:
+      return 1.0;
   }
 }
 
 // ---------------------------------------------------------------- data
 
-inline int pattern(size_t j, int r) { return int((j * 7 + size_t(r) * 13) % 17) - 8; }
+inline int pattern(size_t j, int r) {
+  return int((j * 7 + size_t(r) * 13) % 17) - 8;
+}
 
 // Writes value v (a small integer) as type t at element i of buf.
 inline void store_value(void* buf, DataType t, size_t i, double v) {
   switch (t) {
-    case DataType::kFloat32: static_cast<float*>(buf)[i] = float(v); break;
-    case DataType::kFloat64: static_cast<double*>(buf)[i] = v; break;
-    case DataType::kInt32: static_cast<int32_t*>(buf)[i] = int32_t(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(buf)[i] = int64_t(v); break;
+    case DataType::kFloat32:
+      static_cast<float*>(buf)[i] = float(v);
+      break;
+    case DataType::kFloat64:
+      static_cast<double*>(buf)[i] = v;
+      break;
+    case DataType::kInt32:
+      static_cast<int32_t*>(buf)[i] = int32_t(v);
+      break;
+    case DataType::kInt64:
+      static_cast<int64_t*>(buf)[i] = int64_t(v);
+      break;
     case DataType::kBFloat16:
       static_cast<uint16_t*>(buf)[i] = collectives::float_to_bf16(float(v));
       break;
@@ -380,7 +417,9 @@ inline void fill_pattern(void* buf, DataType t, size_t count, size_t first, int 
 }
 
 // Bytes that decode as wrong values in every type.
-inline void fill_garbage(void* buf, size_t bytes) { std::memset(buf, 0xA5, bytes); }
+inline void fill_garbage(void* buf, size_t bytes) {
+  std::memset(buf, 0xA5, bytes);
+}
 
 // The expected reduction of pattern(j, r) over ranks 0..n-1, encoded as type t into `out`
 // exactly the way the implementations compute it: exact integer sum, min or max; avg = the
@@ -400,10 +439,18 @@ inline void expected_reduced(size_t j, int n, RedOp op, DataType t, void* out) {
     return;
   }
   switch (t) {
-    case DataType::kFloat32: *static_cast<float*>(out) = float(sum) / float(n); break;
-    case DataType::kFloat64: *static_cast<double*>(out) = double(sum) / double(n); break;
-    case DataType::kInt32: *static_cast<int32_t*>(out) = int32_t(sum / n); break;
-    case DataType::kInt64: *static_cast<int64_t*>(out) = sum / n; break;
+    case DataType::kFloat32:
+      *static_cast<float*>(out) = float(sum) / float(n);
+      break;
+    case DataType::kFloat64:
+      *static_cast<double*>(out) = double(sum) / double(n);
+      break;
+    case DataType::kInt32:
+      *static_cast<int32_t*>(out) = int32_t(sum / n);
+      break;
+    case DataType::kInt64:
+      *static_cast<int64_t*>(out) = sum / n;
+      break;
     case DataType::kBFloat16:
       *static_cast<uint16_t*>(out) = collectives::float_to_bf16(float(sum) / float(n));
       break;
@@ -468,35 +515,37 @@ struct Measurement {
 
 struct RowKey {
   size_t bytes = 0;
-  size_t count = 0;            // total elements (size / element size)
-  size_t count_per_rank = 0;   // elements each rank passes to the call
+  size_t count = 0;           // total elements (size / element size)
+  size_t count_per_rank = 0;  // elements each rank passes to the call
   int root = -1;
 };
 
 inline std::string table_header(BenchOp op, const Options& o, int ranks,
                                 const std::string& provider) {
   std::string s;
-  s += fmt::format("# {}: {} ranks, provider {}, dtype {}, redop {}, iters {}, warmup {}, check {}\n",
-                   op_name(op), ranks, provider, dtype_name(o.dtype),
-                   (op == BenchOp::kAllreduce || op == BenchOp::kReduceScatter ||
-                    op == BenchOp::kQuorum)
-                       ? redop_name(o.redop)
-                       : std::string_view("none"),
-                   o.iters, o.warmup, o.check ? 1 : 0);
+  s += fmt::format(
+      "# {}: {} ranks, provider {}, dtype {}, redop {}, iters {}, warmup {}, check {}\n",
+      op_name(op), ranks, provider, dtype_name(o.dtype),
+      (op == BenchOp::kAllreduce || op == BenchOp::kReduceScatter || op == BenchOp::kQuorum)
+          ? redop_name(o.redop)
+          : std::string_view("none"),
+      o.iters, o.warmup, o.check ? 1 : 0);
   if (op == BenchOp::kSendRecv)
     s += "# ping-pong between ranks 2i and 2i+1: time = round trip / 2 (fi_pingpong's "
          "usec/xfer), algbw = size / time\n";
   s += "#\n";
   s += fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>29}  {:>29}\n", "", "", "", "", "",
                    "out-of-place", "in-place");
-  s += fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
-                   "{:>7} {:>6}\n",
-                   "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-                   "time", "algbw", "busbw", "#wrong");
-  s += fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
-                   "{:>7} {:>6}\n",
-                   "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)",
-                   "(GB/s)", "(GB/s)", "");
+  s += fmt::format(
+      "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
+      "{:>7} {:>6}\n",
+      "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
+      "busbw", "#wrong");
+  s += fmt::format(
+      "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
+      "{:>7} {:>6}\n",
+      "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)",
+      "");
   return s;
 }
 
@@ -553,7 +602,8 @@ inline void write_json(const std::string& path, const std::vector<nlohmann::json
   std::ofstream f(path, std::ios::trunc);
   if (!f) throw IoError(fmt::format("cannot open {} for writing: {}", path, std::strerror(errno)));
   f << "[\n";
-  for (size_t i = 0; i < rows.size(); ++i) f << "  " << rows[i].dump() << (i + 1 < rows.size() ? ",\n" : "\n");
+  for (size_t i = 0; i < rows.size(); ++i)
+    f << "  " << rows[i].dump() << (i + 1 < rows.size() ? ",\n" : "\n");
   f << "]\n";
   f.flush();
   if (!f) throw IoError(fmt::format("error writing {}", path));
@@ -596,8 +646,12 @@ class Sweep {
     const bool print = be_.rank() == 0;
     if (o_.op == BenchOp::kBroadcast && (o_.root < 0 || o_.root >= n))
       throw ConfigError(fmt::format("--root {} out of range for {} ranks", o_.root, n));
-    ctx_ = JsonContext{std::string(op_name(o_.op)), std::string(dtype_name(o_.dtype)),
-                       std::string(redop_name(o_.redop)), n, be_.provider(), o_.iters,
+    ctx_ = JsonContext{std::string(op_name(o_.op)),
+                       std::string(dtype_name(o_.dtype)),
+                       std::string(redop_name(o_.redop)),
+                       n,
+                       be_.provider(),
+                       o_.iters,
                        o_.warmup};
     if (print) std::fputs(table_header(o_.op, o_, n, be_.provider()).c_str(), stdout);
 
@@ -667,8 +721,7 @@ class Sweep {
         if (rank == o_.root) fill_pattern(r, o_.dtype, c, 0, rank);
         break;
       case BenchOp::kAllgather:
-        fill_pattern(in_place ? r + size_t(rank) * c * ts : s, o_.dtype, c, size_t(rank) * c,
-                     rank);
+        fill_pattern(in_place ? r + size_t(rank) * c * ts : s, o_.dtype, c, size_t(rank) * c, rank);
         break;
       case BenchOp::kReduceScatter:
         fill_pattern(in_place ? r : s, o_.dtype, c * size_t(n), 0, rank);

@@ -18,11 +18,16 @@ namespace {
 
 MPI_Datatype mpi_type(DataType t) {
   switch (t) {
-    case DataType::kFloat32: return MPI_FLOAT;
-    case DataType::kFloat64: return MPI_DOUBLE;
-    case DataType::kInt32: return MPI_INT32_T;
-    case DataType::kInt64: return MPI_INT64_T;
-    case DataType::kBFloat16: break;
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
+    case DataType::kBFloat16:
+      break;
   }
   throw ConfigError("MPI has no bfloat16 type");
 }
@@ -30,9 +35,12 @@ MPI_Datatype mpi_type(DataType t) {
 MPI_Op mpi_op(RedOp op) {
   switch (op) {
     case RedOp::kSum:
-    case RedOp::kAvg: return MPI_SUM;
-    case RedOp::kMin: return MPI_MIN;
-    case RedOp::kMax: return MPI_MAX;
+    case RedOp::kAvg:
+      return MPI_SUM;
+    case RedOp::kMin:
+      return MPI_MIN;
+    case RedOp::kMax:
+      return MPI_MAX;
   }
   return MPI_SUM;
 }
@@ -69,7 +77,8 @@ void divide(void* buf, DataType t, size_t count, int n) {
       for (size_t i = 0; i < count; ++i) p[i] /= n;
       break;
     }
-    case DataType::kBFloat16: break;
+    case DataType::kBFloat16:
+      break;
   }
 }
 
@@ -100,18 +109,18 @@ class MpiBackend {
     const int c = checked_count(count);
     switch (op) {
       case BenchOp::kAllreduce:
-        check_mpi(MPI_Allreduce(in_place ? MPI_IN_PLACE : send, recv, c, type_, op_,
-                                MPI_COMM_WORLD),
-                  "MPI_Allreduce");
+        check_mpi(
+            MPI_Allreduce(in_place ? MPI_IN_PLACE : send, recv, c, type_, op_, MPI_COMM_WORLD),
+            "MPI_Allreduce");
         if (o_.redop == RedOp::kAvg) divide(recv, o_.dtype, count, size_);
         break;
       case BenchOp::kBroadcast:
         check_mpi(MPI_Bcast(recv, c, type_, o_.root, MPI_COMM_WORLD), "MPI_Bcast");
         break;
       case BenchOp::kAllgather:
-        check_mpi(MPI_Allgather(in_place ? MPI_IN_PLACE : send, c, type_, recv, c, type_,
-                                MPI_COMM_WORLD),
-                  "MPI_Allgather");
+        check_mpi(
+            MPI_Allgather(in_place ? MPI_IN_PLACE : send, c, type_, recv, c, type_, MPI_COMM_WORLD),
+            "MPI_Allgather");
         break;
       case BenchOp::kReduceScatter:
         check_mpi(MPI_Reduce_scatter_block(in_place ? MPI_IN_PLACE : send, recv, c, type_, op_,
@@ -123,8 +132,8 @@ class MpiBackend {
         barrier();
         break;
       default:
-        throw ConfigError(fmt::format("--op {} is not supported by the MPI benchmark",
-                                      op_name(op)));
+        throw ConfigError(
+            fmt::format("--op {} is not supported by the MPI benchmark", op_name(op)));
     }
   }
 

@@ -89,11 +89,19 @@ class QringBackend {
 // ------------------------------------------------------------------ endpoint-only helpers
 
 // Tag of the ping-pong message number `seq` (mod 2^24).
-uint64_t data_tag(uint64_t seq) { return net::make_tag(net::Op::kSendRecv, seq, 0); }
+uint64_t data_tag(uint64_t seq) {
+  return net::make_tag(net::Op::kSendRecv, seq, 0);
+}
 // Tags of the small messages that gather results at rank 0 and release the ranks.
-uint64_t report_tag(uint64_t row) { return net::make_tag(net::Op::kSendRecv, row, 1); }
-uint64_t release_tag(uint64_t row) { return net::make_tag(net::Op::kSendRecv, row, 2); }
-uint64_t idle_tag() { return net::make_tag(net::Op::kSendRecv, net::kSeqMask, 3); }
+uint64_t report_tag(uint64_t row) {
+  return net::make_tag(net::Op::kSendRecv, row, 1);
+}
+uint64_t release_tag(uint64_t row) {
+  return net::make_tag(net::Op::kSendRecv, row, 2);
+}
+uint64_t idle_tag() {
+  return net::make_tag(net::Op::kSendRecv, net::kSeqMask, 3);
+}
 
 struct Report {
   double value = 0;  // time (us) or CPU seconds
@@ -126,7 +134,9 @@ std::vector<Report> gather_reports(Endpoint& ep, uint64_t row, Report mine, Dead
   return all;
 }
 
-Deadline op_deadline(const Options& o) { return net::deadline_in(std::chrono::milliseconds(o.timeout_ms)); }
+Deadline op_deadline(const Options& o) {
+  return net::deadline_in(std::chrono::milliseconds(o.timeout_ms));
+}
 
 // ------------------------------------------------------------------ sendrecv (ping-pong)
 
@@ -210,8 +220,8 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
   AlignedBuffer sbuf(o.max_bytes), rbuf(o.max_bytes);
   ep.register_memory(sbuf.data(), sbuf.size);
   ep.register_memory(rbuf.data(), rbuf.size);
-  JsonContext ctx{"sendrecv", std::string(dtype_name(o.dtype)), "none", n, ep.provider(),
-                  o.iters, o.warmup};
+  JsonContext ctx{"sendrecv", std::string(dtype_name(o.dtype)), "none", n, ep.provider(), o.iters,
+                  o.warmup};
   PingPong pp(ep, o);
   int64_t total_wrong = 0;
   uint64_t row = 0;
@@ -274,9 +284,10 @@ void report_idle(const std::vector<double>& cpu, double wall, const std::string&
   const int n = static_cast<int>(cpu.size());
   double total = 0;
   nlohmann::json per_rank = nlohmann::json::array();
-  std::printf("# idle: %d ranks blocked in a receive that never matches for %.2f s "
-              "(waiting in the %s; provider %s)\n",
-              n, wall, via, provider.c_str());
+  std::printf(
+      "# idle: %d ranks blocked in a receive that never matches for %.2f s "
+      "(waiting in the %s; provider %s)\n",
+      n, wall, via, provider.c_str());
   std::printf("# %6s %12s %10s\n", "rank", "cpu (s)", "% core");
   for (int r = 0; r < n; ++r) {
     double c = cpu[size_t(r)];
