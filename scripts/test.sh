@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# The test command: installs what it needs, builds (Release and a sanitizer build), and runs
-# every test through ctest. Exits non-zero on any failure.
+# The test command: installs what it needs, builds, and runs every test.
+#   1. Release build, every GoogleTest suite through ctest
+#   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
+#      tests (label "sanitize"), run through ctest
+#   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
+# Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 skip 2 / 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+start=$(date +%s)
 
 echo "== build (Release)"
-scripts/build.sh build
+scripts/build.sh build -DQRING_BUILD_TESTS=ON
 echo "== tests (Release)"
 (cd build && ctest --output-on-failure --timeout 300 -j 2)
 
 if [ "${QRING_SKIP_SANITIZE:-0}" != 1 ]; then
-  echo "== build (address,undefined sanitizers)"
-  QRING_BUILD_TYPE=RelWithDebInfo scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined
+  echo "== build (address,undefined sanitizers: net and collectives tests)"
+  targets="qring-launch $(cd tests && ls test_net_*.cc test_coll_*.cc | sed 's/\.cc$//' | tr '\n' ' ')"
+  QRING_TARGETS="$targets" QRING_BUILD_TYPE=RelWithDebInfo \
+    scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined -DQRING_BUILD_TESTS=ON
   echo "== tests (sanitizers)"
-  (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-     ctest --output-on-failure --timeout 300 -j 2 -L sanitize)
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+     ctest --output-on-failure --timeout 600 -j 2 -L sanitize)
 fi
+
+echo "== Slurm integration tests"
+tests/slurm/run.sh build
+
+echo "== all tests passed in $(( $(date +%s) - start )) s"

@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
                  s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
                  s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
     } else {
-      spdlog::debug("done, params_checksum {:016x}", s.params_checksum);
+      // Every rank states its final parameters so logs show the replicas agree.
+      fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
     }
     std::fflush(stdout);
   } catch (const qring::ConfigError& e) {
