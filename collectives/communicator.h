@@ -49,6 +49,9 @@ struct CommOptions {
   int local_size = 1;
 };
 
+class Engine;
+class EngineOp;
+
 // Handle of a non-blocking operation.
 class Work {
  public:
@@ -62,6 +65,7 @@ class Work {
   void finish(std::exception_ptr err);
   std::atomic<int> state_{0};
   std::exception_ptr error_;
+  Engine* engine_ = nullptr;
 };
 using WorkPtr = std::shared_ptr<Work>;
 

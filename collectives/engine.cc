@@ -18,9 +18,15 @@ void Work::finish(std::exception_ptr err) {
 }
 
 void Work::wait() {
-  // Spin a little (the common case at small sizes), then block in the kernel.
-  for (int i = 0; i < 2000 && !done(); ++i) {
-    if (i > 200) sched_yield();
+  // Drive the engine from this thread while it is free (no hand-off latency for small
+  // operations), spinning a little, then yield, then block in the kernel and let the engine
+  // thread finish the work.
+  for (int i = 0; i < 4000 && !done(); ++i) {
+    if (engine_ && engine_->try_progress()) {
+      i = 0;
+      continue;
+    }
+    if (i > 100) sched_yield();
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
@@ -55,6 +61,7 @@ std::string Engine::broken_reason() const {
 
 WorkPtr Engine::submit(std::unique_ptr<EngineOp> op) {
   auto work = std::make_shared<Work>();
+  work->engine_ = this;
   op->work = work;
   op->submitted = Clock::now();
   {
@@ -255,14 +262,91 @@ void Engine::idle_wait(uint32_t& idle_polls) {
   cv_.wait_for(lock, sleep, [&] { return kicked_ || stop_; });
 }
 
-void Engine::loop() {
-  uint32_t idle_polls = 0;
+// One pass over everything the engine does. Caller: holds progress_mu_.
+bool Engine::step() {
   std::vector<std::function<void(net::Endpoint&)>> calls;
   std::vector<std::unique_ptr<EngineOp>> starting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& op : incoming_) starting.push_back(std::move(op));
+    incoming_.clear();
+    for (auto& c : calls_) calls.push_back(std::move(c));
+    calls_.clear();
+  }
+  for (auto& c : calls) c(*ep_);
+
+  bool moved = !starting.empty() || !calls.empty();
+  try {
+    if (!ctl_req_ && size_ > 1) post_ctl_recv();
+    for (auto& op : starting) {
+      active_.push_back(std::move(op));
+      if (active_.back()->sequenced()) last_started_ = active_.back()->seq;
+      active_.back()->start(*ep_);
+    }
+    starting.clear();
+    moved |= ep_->progress() > 0;
+    moved |= poll_ctl();
+    for (auto& op : active_) moved |= op->advance(*ep_);
+  } catch (const std::exception& e) {
+    std::string reason = fmt::format("rank {}: {}", rank_, e.what());
+    spdlog::error("{}", reason);
+    for (auto& op : starting) active_.push_back(std::move(op));
+    fail_all(reason, std::current_exception());
+    return true;
+  }
+  for (auto it = active_.begin(); it != active_.end();) {
+    if ((*it)->finished()) {
+      (*it)->work->finish(nullptr);
+      it = active_.erase(it);
+      moved = true;
+    } else {
+      ++it;
+    }
+  }
+  if (!active_.empty() && !diag_) {
+    auto now = Clock::now();
+    for (auto& op : active_) {
+      if (now >= op->deadline) {
+        auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
+        std::string reason = fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}",
+                                         rank_, op->name(), op->seq, waited.count(),
+                                         op->waiting_on());
+        if (size_ > 1) {
+          start_diagnosis(*op, reason);
+        } else {
+          spdlog::error("{}", reason);
+          fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+        }
+        break;
+      }
+    }
+  }
+  if (diag_) {
+    // The op may still finish while peers answer; then there is nothing to report.
+    bool pending = std::any_of(active_.begin(), active_.end(),
+                               [&](const auto& op) { return op.get() == diag_->op; });
+    if (!pending)
+      diag_.reset();
+    else
+      finish_diagnosis_if_due();
+  }
+  active_count_.store(active_.size(), std::memory_order_release);
+  return moved;
+}
+
+bool Engine::try_progress() {
+  std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  return step();
+}
+
+void Engine::loop() {
+  uint32_t idle_polls = 0;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (active_.empty() && incoming_.empty() && calls_.empty() && !stop_) {
+      if (active_count_.load(std::memory_order_acquire) == 0 && incoming_.empty() &&
+          calls_.empty() && !stop_) {
         // Idle: sleep, waking now and then to answer peers' liveness probes.
         cv_.wait_for(lock, std::chrono::milliseconds(size_ > 1 ? 20 : 1000),
                      [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
@@ -270,76 +354,19 @@ void Engine::loop() {
       if (kicked_) idle_polls = 0;
       kicked_ = false;
       if (stop_) break;
-      for (auto& op : incoming_) starting.push_back(std::move(op));
-      incoming_.clear();
-      for (auto& c : calls_) calls.push_back(std::move(c));
-      calls_.clear();
     }
-    for (auto& c : calls) c(*ep_);
-    calls.clear();
-
-    bool moved = false;
-    try {
-      if (!ctl_req_ && size_ > 1) post_ctl_recv();
-      for (auto& op : starting) {
-        active_.push_back(std::move(op));
-        if (active_.back()->sequenced()) last_started_ = active_.back()->seq;
-        active_.back()->start(*ep_);
-      }
-      starting.clear();
-      moved = ep_->progress() > 0;
-      moved |= poll_ctl();
-      for (auto& op : active_) moved |= op->advance(*ep_);
-    } catch (const std::exception& e) {
-      std::string reason = fmt::format("rank {}: {}", rank_, e.what());
-      spdlog::error("{}", reason);
-      for (auto& op : starting) active_.push_back(std::move(op));
-      starting.clear();
-      diag_.reset();
-      fail_all(reason, std::current_exception());
-      continue;
-    }
-    // Complete finished ops in submission order is not required; notify each.
-    for (auto it = active_.begin(); it != active_.end();) {
-      if ((*it)->finished()) {
-        (*it)->work->finish(nullptr);
-        it = active_.erase(it);
-        moved = true;
-      } else {
-        ++it;
-      }
-    }
-    if (!active_.empty() && !diag_) {
-      auto now = Clock::now();
-      for (auto& op : active_) {
-        if (now >= op->deadline) {
-          auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
-          std::string reason = fmt::format(
-              "rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(), op->seq,
-              waited.count(), op->waiting_on());
-          if (size_ > 1) {
-            start_diagnosis(*op, reason);
-          } else {
-            spdlog::error("{}", reason);
-            fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
-          }
-          break;
-        }
-      }
-    }
-    if (diag_) {
-      // The op may still finish while peers answer; then there is nothing to report.
-      bool pending = std::any_of(active_.begin(), active_.end(),
-                                 [&](const auto& op) { return op.get() == diag_->op; });
-      if (!pending) diag_.reset();
-      else finish_diagnosis_if_due();
+    bool moved;
+    {
+      std::lock_guard<std::mutex> plock(progress_mu_);
+      moved = step();
     }
     if (moved)
       idle_polls = 0;
-    else if (!active_.empty())
+    else if (active_count_.load(std::memory_order_acquire) != 0)
       idle_wait(idle_polls);
   }
   // Shutdown: fail what is left so no caller waits forever.
+  std::lock_guard<std::mutex> plock(progress_mu_);
   if (!active_.empty() || !incoming_.empty())
     fail_all(fmt::format("rank {}: communicator destroyed with operations pending", rank_),
              nullptr);

@@ -56,6 +56,9 @@ class Engine {
   std::string provider() const { return provider_; }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();
+  // One engine pass from a caller's thread if no other thread is in one (returns whether
+  // anything moved). Waiters use it so small operations complete without a thread hand-off.
+  bool try_progress();
   // Runs `fn` on the engine thread (with the endpoint) and waits for it.
   void run(const std::function<void(net::Endpoint&)>& fn);
   // Scratch memory owned by the engine and reused (and registered once) across operations.
@@ -81,6 +84,7 @@ class Engine {
 
  private:
   void loop();
+  bool step();
   void idle_wait(uint32_t& idle_polls);
   // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
   // can name the rank that is missing rather than only the neighbour it waited on.
@@ -121,8 +125,10 @@ class Engine {
   int size_;
   std::string provider_;
   int reduce_threads_;
-  std::mutex mu_;
+  std::mutex mu_;  // incoming_, calls_, stop_, kicked_, broken_reason_
   std::condition_variable cv_;
+  std::mutex progress_mu_;  // held by whoever runs step(): the endpoint and every op
+  std::atomic<size_t> active_count_{0};
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;
