@@ -47,6 +47,7 @@ if [ ! -x "$BENCH" ] || [ ! -x "$LAUNCH" ]; then
 fi
 command -v fi_pingpong >/dev/null || { echo "bench_p2p.sh: fi_pingpong not found (libfabric-bin)" >&2; exit 1; }
 
+echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg) on $(nproc) cores" >&2
 mkdir -p "$OUT"
 RAW=$OUT/p2p_raw.tsv
 TMP=$(mktemp -d)
@@ -140,3 +141,4 @@ with open(f"{out}/p2p_summary.md", "w") as f:
     f.write("```\n" + "\n".join(lines) + "\n```\n")
 EOF
 echo "raw: $RAW  summary: $OUT/p2p_summary.json $OUT/p2p_summary.md"
+echo "load average at end: $(cut -d" " -f1-3 /proc/loadavg) (the numbers above are only as quiet as the machine was)"

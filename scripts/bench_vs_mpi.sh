@@ -58,6 +58,7 @@ if [ ! -x "$BENCH" ] || [ ! -x "$LAUNCH" ] || [ ! -x "$MPIBENCH" ]; then
 fi
 [ -x "$MPIBENCH" ] || { echo "bench_vs_mpi.sh: qring-mpi-bench was not built (MPI missing?)" >&2; exit 1; }
 
+echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg) on $(nproc) cores" >&2
 mkdir -p "$OUT/raw"
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
 # shellcheck disable=SC2206
@@ -140,3 +141,4 @@ with open(f"{out}/vs_mpi_summary.md", "w") as f:
     f.write("```\n" + "\n".join(lines) + "```\n")
 EOF
 echo "took $(($(date +%s) - start)) s; summary: $OUT/vs_mpi_summary.json $OUT/vs_mpi_summary.md, raw: $OUT/raw/"
+echo "load average at end: $(cut -d" " -f1-3 /proc/loadavg) (the numbers above are only as quiet as the machine was)"

@@ -45,6 +45,7 @@ if [ ! -x "$BENCH" ] || [ ! -x "$LAUNCH" ]; then
 fi
 [ -x /usr/bin/time ] || { echo "cpu_idle.sh: /usr/bin/time not found (package time)" >&2; exit 1; }
 
+echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg) on $(nproc) cores" >&2
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 status=0
@@ -70,4 +71,5 @@ print(f"via {via:<8} ranks {row['ranks']} provider {row['provider']}: "
 sys.exit(0 if pct < target else 1)
 EOF
 done
+echo "load average at end: $(cut -d" " -f1-3 /proc/loadavg)" >&2
 exit $status
