@@ -45,7 +45,7 @@ CheckpointState sample_state() {
   Rng r(3);
   s.params.resize(1001);
   for (auto& p : s.params) p = static_cast<float>(r.normal());
-  s.params[5] = -0.0f;  // bit patterns, not just values, must survive
+  s.params[5] = -0.0f;   // bit patterns, not just values, must survive
   s.params[6] = 1e-40f;  // denormal
   s.velocity.resize(1001);
   for (auto& v : s.velocity) v = static_cast<float>(r.uniform());

@@ -91,11 +91,11 @@ progress = false
 }
 
 TEST(TrainConfig, OverridesApplyWithTypes) {
-  TrainConfig c = parse("[train]\nlr = 0.1\n",
-                        {"train.lr=0.2", "model.type=cnn", "model.hidden=[10, 20]",
-                         "quorum.quorum=0.75", "log.progress=false", "run.name=\"quoted\"",
-                         "straggler.model=lognormal:1.5:0.5", "run.out_dir=/tmp/a=b",
-                         "train.batch_per_rank = 16"});
+  TrainConfig c =
+      parse("[train]\nlr = 0.1\n",
+            {"train.lr=0.2", "model.type=cnn", "model.hidden=[10, 20]", "quorum.quorum=0.75",
+             "log.progress=false", "run.name=\"quoted\"", "straggler.model=lognormal:1.5:0.5",
+             "run.out_dir=/tmp/a=b", "train.batch_per_rank = 16"});
   EXPECT_DOUBLE_EQ(c.train.lr, 0.2);
   EXPECT_EQ(c.model.type, "cnn");
   EXPECT_EQ(c.model.hidden, (std::vector<int64_t>{10, 20}));
@@ -141,24 +141,23 @@ TEST(TrainConfig, BadValuesNameTheKey) {
   expect_config_error([] { parse("", {"train.schedule=linear"}); }, "train.schedule",
                       "unknown value 'linear'");
   expect_config_error([] { parse("", {"train.lr_scaling=cubic"}); }, "train.lr_scaling");
-  expect_config_error([] { parse("", {"train.step_decay_factor=2"}); },
-                      "train.step_decay_factor");
+  expect_config_error([] { parse("", {"train.step_decay_factor=2"}); }, "train.step_decay_factor");
   expect_config_error([] { parse("", {"train.target_accuracy=1.5"}); }, "train.target_accuracy");
-  expect_config_error([] { parse("", {"model.type=transformer"}); }, "model.type",
-                      "transformer");
+  expect_config_error([] { parse("", {"model.type=transformer"}); }, "model.type", "transformer");
   expect_config_error([] { parse("", {"model.hidden=[]"}); }, "model.hidden");
   expect_config_error([] { parse("", {"model.hidden=[0]"}); }, "model.hidden");
-  expect_config_error([] { parse("", {"model.conv_channels=[8,8,8,8]"}); },
-                      "model.conv_channels");
+  expect_config_error([] { parse("", {"model.conv_channels=[8,8,8,8]"}); }, "model.conv_channels");
   expect_config_error([] { parse("", {"model.conv_kernel=4"}); }, "model.conv_kernel");
   expect_config_error([] { parse("", {"data.dataset=cifar"}); }, "data.dataset");
-  expect_config_error([] { parse("", {"quorum.late_policy=keep"}); }, "quorum.late_policy",
-                      "keep");
+  expect_config_error([] { parse("", {"quorum.late_policy=keep"}); }, "quorum.late_policy", "keep");
   expect_config_error([] { parse("", {"quorum.quorum=0"}); }, "quorum.quorum");
   expect_config_error([] { parse("", {"quorum.quorum=1.5"}); }, "quorum.quorum");
   expect_config_error([] { parse("", {"quorum.grace_ms=-1"}); }, "quorum.grace_ms");
-  expect_config_error([] { parse("", {"quorum.grace_ms=100", "quorum.deadline_ms=100"}); },
-                      "quorum.deadline_ms");
+  expect_config_error(
+      [] {
+        parse("", {"quorum.grace_ms=100", "quorum.deadline_ms=100"});
+      },
+      "quorum.deadline_ms");
   expect_config_error([] { parse("", {"log.level=loud"}); }, "log.level");
   expect_config_error([] { parse("", {"run.seed=-3"}); }, "run.seed");
 }

@@ -50,8 +50,7 @@ void gradient_check(Network<double>& net, int batch, uint64_t seed, size_t strid
     const double numeric = (lp - lm) / (2 * eps);
     const double err = std::abs(numeric - analytic[i]) / std::max(1e-3, std::abs(numeric));
     worst = std::max(worst, err);
-    EXPECT_LT(err, 1e-5) << "param " << i << ": analytic " << analytic[i] << " numeric "
-                         << numeric;
+    EXPECT_LT(err, 1e-5) << "param " << i << ": analytic " << analytic[i] << " numeric " << numeric;
     ++checked;
   }
   EXPECT_GT(checked, 10u);
@@ -121,7 +120,7 @@ TEST(Conv2d, MatchesDirectConvolution) {
   conv.forward(x, y, batch);
   ASSERT_EQ(y.rows(), batch * in.h * in.w);
   ASSERT_EQ(y.cols(), cout);
-  const double* w = params.data();           // [cout][cin][ky][kx]
+  const double* w = params.data();  // [cout][cin][ky][kx]
   const double* bias = w + cout * in.c * k * k;
   for (int b = 0; b < batch; ++b)
     for (int o = 0; o < cout; ++o)

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -11,8 +12,6 @@
 #include <fstream>
 #include <regex>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
@@ -56,8 +55,8 @@ class Reader {
   std::vector<U> get_array(const char* what) {
     const uint64_t count = get<uint64_t>(what);
     if (count > (n_ - off_) / sizeof(U)) {
-      throw DataError(fmt::format("{}: corrupt checkpoint: {} length {} exceeds the file", path_,
-                                  what, count));
+      throw DataError(
+          fmt::format("{}: corrupt checkpoint: {} length {} exceeds the file", path_, what, count));
     }
     std::vector<U> v(count);
     std::memcpy(v.data(), p_ + off_, count * sizeof(U));
@@ -157,13 +156,13 @@ void save_checkpoint(const std::string& path, const CheckpointState& s) {
 
 CheckpointState load_checkpoint(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
+  if (!in)
+    throw DataError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
   std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw DataError(fmt::format("{}: read error", path));
   if (buf.size() < kHeader + 4) {
-    throw DataError(
-        fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path, buf.size(),
-                    kHeader + 4));
+    throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
+                                buf.size(), kHeader + 4));
   }
   if (std::memcmp(buf.data(), kMagic, sizeof(kMagic)) != 0)
     throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
@@ -172,8 +171,8 @@ CheckpointState load_checkpoint(const std::string& path) {
   std::memcpy(&version, buf.data() + 8, 4);
   std::memcpy(&payload, buf.data() + 16, 8);
   if (version != kVersion) {
-    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})",
-                                path, version, kVersion));
+    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
+                                version, kVersion));
   }
   if (payload != buf.size() - kHeader - 4) {
     throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
@@ -202,7 +201,8 @@ CheckpointState load_checkpoint(const std::string& path) {
   const auto meta = r.get_array<uint8_t>("meta");
   s.meta.assign(meta.begin(), meta.end());
   if (r.remaining() != 0)
-    throw DataError(fmt::format("{}: corrupt checkpoint: {} unexpected bytes", path, r.remaining()));
+    throw DataError(
+        fmt::format("{}: corrupt checkpoint: {} unexpected bytes", path, r.remaining()));
   if (s.position.epoch < 0 || s.position.index < 0)
     throw DataError(fmt::format("{}: corrupt checkpoint: negative data position", path));
   return s;

@@ -25,8 +25,8 @@
 namespace qring::train {
 
 struct CheckpointState {
-  uint64_t step = 0;            // optimizer steps completed
-  DataPosition position;        // where the sharder continues
+  uint64_t step = 0;      // optimizer steps completed
+  DataPosition position;  // where the sharder continues
   uint64_t config_fingerprint = 0;
   uint32_t world = 1;
   uint32_t rank = 0;

@@ -1,11 +1,11 @@
 #include "train/config.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <fstream>
 #include <functional>
 #include <sstream>
-
-#include <fmt/format.h>
 #include <toml.hpp>
 
 #include "net/error.h"
@@ -28,13 +28,20 @@ struct Field {
 
 const char* type_name(const toml::value& v) {
   switch (v.type()) {
-    case toml::value_t::integer: return "integer";
-    case toml::value_t::floating: return "float";
-    case toml::value_t::boolean: return "boolean";
-    case toml::value_t::string: return "string";
-    case toml::value_t::array: return "array";
-    case toml::value_t::table: return "table";
-    default: return "date/time";
+    case toml::value_t::integer:
+      return "integer";
+    case toml::value_t::floating:
+      return "float";
+    case toml::value_t::boolean:
+      return "boolean";
+    case toml::value_t::string:
+      return "string";
+    case toml::value_t::array:
+      return "array";
+    case toml::value_t::table:
+      return "table";
+    default:
+      return "date/time";
   }
 }
 
@@ -53,7 +60,8 @@ double to_float(const std::string& key, const toml::value& v) {
 
 template <class Acc>
 Field int_field(const std::string& key, Acc acc) {
-  return {key, Kind::kInt, [key, acc](TrainConfig& c, const toml::value& v) { acc(c) = to_int(key, v); },
+  return {key, Kind::kInt,
+          [key, acc](TrainConfig& c, const toml::value& v) { acc(c) = to_int(key, v); },
           [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
 }
 template <class Acc>
@@ -66,7 +74,8 @@ template <class Acc>
 Field bool_field(const std::string& key, Acc acc) {
   return {key, Kind::kBool,
           [key, acc](TrainConfig& c, const toml::value& v) {
-            if (!v.is_boolean()) fail(key, fmt::format("expected true or false, got a {}", type_name(v)));
+            if (!v.is_boolean())
+              fail(key, fmt::format("expected true or false, got a {}", type_name(v)));
             acc(c) = v.as_boolean();
           },
           [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
@@ -84,7 +93,8 @@ template <class Acc>
 Field int_list_field(const std::string& key, Acc acc) {
   return {key, Kind::kIntList,
           [key, acc](TrainConfig& c, const toml::value& v) {
-            if (!v.is_array()) fail(key, fmt::format("expected an array of integers, got a {}", type_name(v)));
+            if (!v.is_array())
+              fail(key, fmt::format("expected an array of integers, got a {}", type_name(v)));
             std::vector<int64_t> out;
             for (const auto& e : v.as_array()) out.push_back(to_int(key, e));
             acc(c) = std::move(out);
@@ -92,7 +102,10 @@ Field int_list_field(const std::string& key, Acc acc) {
           [acc](const TrainConfig& c) { return nlohmann::json(acc(c)); }};
 }
 
-#define QRING_ACC(expr) [](auto& c) -> auto& { return c.expr; }
+#define QRING_ACC(expr)  \
+  [](auto& c) -> auto& { \
+    return c.expr;       \
+  }
 
 std::vector<Field> fields() {
   std::vector<Field> f;
@@ -210,10 +223,18 @@ std::string toml_string(const std::string& s) {
   std::string out = "\"";
   for (char ch : s) {
     switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(ch) < 0x20)
           out += fmt::format("\\u{:04x}", static_cast<int>(ch));
@@ -302,7 +323,8 @@ void TrainConfig::validate(int world) const {
     fail("model.hidden", "an MLP needs at least one hidden layer");
   if (model.hidden.size() > 8) fail("model.hidden", "at most 8 hidden layers");
   for (int64_t h : model.hidden)
-    if (h < 1 || h > 65536) fail("model.hidden", fmt::format("sizes must be in 1..65536, got {}", h));
+    if (h < 1 || h > 65536)
+      fail("model.hidden", fmt::format("sizes must be in 1..65536, got {}", h));
   if (model.conv_channels.empty() || model.conv_channels.size() > 3)
     fail("model.conv_channels", "needs 1 to 3 entries (28x28 is halved by each block)");
   for (int64_t ch : model.conv_channels)
@@ -318,8 +340,7 @@ void TrainConfig::validate(int world) const {
   if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));
   if (train.momentum < 0 || train.momentum >= 1)
     fail("train.momentum", fmt::format("must be in [0, 1), got {}", train.momentum));
-  if (train.nesterov && train.momentum == 0)
-    fail("train.nesterov", "needs train.momentum > 0");
+  if (train.nesterov && train.momentum == 0) fail("train.nesterov", "needs train.momentum > 0");
   if (train.weight_decay < 0)
     fail("train.weight_decay", fmt::format("must be >= 0, got {}", train.weight_decay));
   check_min("train.warmup_steps", train.warmup_steps, 0);
@@ -333,8 +354,7 @@ void TrainConfig::validate(int world) const {
   check_min("train.eval_every", train.eval_every, 0);
   check_min("train.eval_batch", train.eval_batch, 1);
   if (train.target_accuracy < 0 || train.target_accuracy > 1)
-    fail("train.target_accuracy",
-         fmt::format("must be in [0, 1], got {}", train.target_accuracy));
+    fail("train.target_accuracy", fmt::format("must be in [0, 1], got {}", train.target_accuracy));
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
   if (quorum.quorum_is_fraction) {

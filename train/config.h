@@ -8,10 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace qring::train {
 
@@ -29,10 +28,10 @@ struct DataSection {
 };
 
 struct ModelSection {
-  std::string type = "mlp";                   // mlp | cnn
-  std::vector<int64_t> hidden = {512, 256};   // MLP hidden layers; CNN dense-head hidden layers
+  std::string type = "mlp";                       // mlp | cnn
+  std::vector<int64_t> hidden = {512, 256};       // MLP hidden layers; CNN dense-head hidden layers
   std::vector<int64_t> conv_channels = {32, 64};  // CNN: one conv-ReLU-maxpool block per entry
-  int64_t conv_kernel = 3;                    // CNN: odd square kernel, stride 1, same padding
+  int64_t conv_kernel = 3;                        // CNN: odd square kernel, stride 1, same padding
 };
 
 struct TrainSection {
@@ -128,10 +127,10 @@ struct TrainConfig {
 struct StragglerSpec {
   enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace };
   Kind kind = Kind::kNone;
-  int rank = -1;      // fixed
-  double a = 0.0;     // fixed: MS, exp: MEAN, lognormal: MU, tail: P
-  double b = 0.0;     // lognormal: SIGMA, tail: MS
-  std::string file;   // trace
+  int rank = -1;     // fixed
+  double a = 0.0;    // fixed: MS, exp: MEAN, lognormal: MU, tail: P
+  double b = 0.0;    // lognormal: SIGMA, tail: MS
+  std::string file;  // trace
 };
 
 // Throws ConfigError naming straggler.model on a malformed spec.

@@ -1,10 +1,10 @@
 #include "train/dataset.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 #include "train/config.h"
@@ -28,8 +28,8 @@ Dataset load_split(const std::string& dir, const std::string& prefix) {
   IdxArray images = read_idx_images(ipath);
   IdxArray labels = read_idx_labels(lpath, 10);
   if (images.dims[0] != labels.dims[0]) {
-    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0],
-                                ipath, images.dims[0]));
+    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath,
+                                images.dims[0]));
   }
   if (images.dims[0] == 0) throw DataError(fmt::format("{}: no images", ipath));
   Dataset d;
@@ -91,7 +91,8 @@ DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
       const float contrast = static_cast<float>(0.5 + r.uniform());
       const float* p = protos.data() + d.labels[i] * 784;
       float* out = d.images.data() + i * 784;
-      for (int k = 0; k < 784; ++k) out[k] = contrast * p[k] + 1.5f * static_cast<float>(r.normal());
+      for (int k = 0; k < 784; ++k)
+        out[k] = contrast * p[k] + 1.5f * static_cast<float>(r.normal());
     }
     return d;
   };
@@ -103,7 +104,8 @@ DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
 
 DatasetPair load_datasets(const DataSection& cfg, uint64_t seed) {
   if (cfg.dataset == "fashion-mnist") return load_fashion_mnist(cfg.path);
-  if (cfg.dataset == "synthetic") return make_synthetic(cfg.synthetic_train, cfg.synthetic_test, seed);
+  if (cfg.dataset == "synthetic")
+    return make_synthetic(cfg.synthetic_train, cfg.synthetic_test, seed);
   throw ConfigError(fmt::format("config key 'data.dataset': unknown value '{}'", cfg.dataset));
 }
 
@@ -125,9 +127,10 @@ Sharder::Sharder(int64_t dataset_size, int rank, int world, int64_t batch, uint6
 
 void Sharder::seek(DataPosition pos) {
   if (pos.epoch < 0 || pos.index < 0 || pos.index >= batches_per_epoch_) {
-    throw UsageError(fmt::format("Sharder::seek: position (epoch {}, batch {}) out of range "
-                                 "({} batches per epoch)",
-                                 pos.epoch, pos.index, batches_per_epoch_));
+    throw UsageError(
+        fmt::format("Sharder::seek: position (epoch {}, batch {}) out of range "
+                    "({} batches per epoch)",
+                    pos.epoch, pos.index, batches_per_epoch_));
   }
   pos_ = pos;
 }

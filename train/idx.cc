@@ -1,12 +1,11 @@
 #include "train/idx.h"
 
+#include <fmt/format.h>
 #include <zlib.h>
 
 #include <cerrno>
 #include <cstring>
 #include <memory>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
@@ -66,22 +65,23 @@ IdxArray read_idx(const std::string& path) {
                                 raw[1], raw[2], raw[3]));
   }
   if (raw[2] != 0x08) {
-    throw DataError(fmt::format(
-        "{}: unsupported IDX data type 0x{:02x} (only 0x08, unsigned byte)", path, raw[2]));
+    throw DataError(fmt::format("{}: unsupported IDX data type 0x{:02x} (only 0x08, unsigned byte)",
+                                path, raw[2]));
   }
   const size_t ndims = raw[3];
   if (ndims < 1 || ndims > 4)
     throw DataError(fmt::format("{}: bad IDX dimension count {} (1..4)", path, ndims));
   const size_t header = 4 + 4 * ndims;
   if (raw.size() < header) {
-    throw DataError(fmt::format("{}: truncated IDX header ({} bytes, need {})", path, raw.size(),
-                                header));
+    throw DataError(
+        fmt::format("{}: truncated IDX header ({} bytes, need {})", path, raw.size(), header));
   }
   IdxArray a;
   size_t total = 1;
   for (size_t d = 0; d < ndims; ++d) {
     const uint8_t* p = raw.data() + 4 + 4 * d;
-    const uint32_t v = (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
+    const uint32_t v =
+        (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
     if (v == 0 && d > 0) throw DataError(fmt::format("{}: IDX dimension {} is zero", path, d));
     a.dims.push_back(v);
     total *= v;
@@ -111,7 +111,8 @@ void write_idx(const std::string& path, const std::vector<uint32_t>& dims,
   errno = 0;
   GzFile f(gzopen(path.c_str(), gzip ? "wb6" : "wbT"));
   if (!f) throw Error(fmt::format("{}: cannot create: {}", path, std::strerror(errno)));
-  if (gzwrite(f.get(), out.data(), static_cast<unsigned>(out.size())) != static_cast<int>(out.size())) {
+  if (gzwrite(f.get(), out.data(), static_cast<unsigned>(out.size())) !=
+      static_cast<int>(out.size())) {
     int err = 0;
     throw Error(fmt::format("{}: write failed: {}", path, gzerror(f.get(), &err)));
   }
@@ -139,8 +140,8 @@ IdxArray read_idx_labels(const std::string& path, int num_classes) {
   }
   for (size_t i = 0; i < a.data.size(); ++i) {
     if (a.data[i] >= num_classes) {
-      throw DataError(fmt::format("{}: label {} at index {} is out of range 0..{}", path,
-                                  a.data[i], i, num_classes - 1));
+      throw DataError(fmt::format("{}: label {} at index {} is out of range 0..{}", path, a.data[i],
+                                  i, num_classes - 1));
     }
   }
   return a;

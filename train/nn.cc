@@ -1,8 +1,8 @@
 #include "train/nn.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
+
+#include <algorithm>
 
 #include "net/error.h"
 
@@ -54,8 +54,7 @@ void Dense<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
 }
 
 template <class T>
-void Dense<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                        int batch) {
+void Dense<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) {
   Eigen::Map<const RowMat<T>> w(p_, out_, in_);
   Eigen::Map<RowMat<T>> dw(g_, out_, in_);
   Eigen::Map<Vec<T>> db(g_ + out_ * in_, out_);
@@ -76,8 +75,7 @@ void Relu<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
 }
 
 template <class T>
-void Relu<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                       int batch) {
+void Relu<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) {
   if (dx == nullptr) return;
   dx->resize(x.rows(), x.cols());
   dx->array() = dy.array() * (y.array() > T(0)).template cast<T>();

@@ -61,8 +61,7 @@ class Dense : public Layer<T> {
   void bind(T* p, T* g) override { p_ = p, g_ = g; }
   void init(Rng& rng) override;
   void forward(const Mat<T>& x, Mat<T>& y, int batch) override;
-  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                int batch) override;
+  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) override;
 
  private:
   int64_t in_, out_;
@@ -79,8 +78,7 @@ class Relu : public Layer<T> {
   Shape out_shape() const override { return s_; }
   bool spatial_input() const override { return spatial_; }
   void forward(const Mat<T>& x, Mat<T>& y, int batch) override;
-  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                int batch) override;
+  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) override;
 
  private:
   Shape s_;
@@ -100,8 +98,7 @@ class Conv2d : public Layer<T> {
   void bind(T* p, T* g) override { p_ = p, g_ = g; }
   void init(Rng& rng) override;
   void forward(const Mat<T>& x, Mat<T>& y, int batch) override;
-  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                int batch) override;
+  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) override;
 
  private:
   void im2col(const Mat<T>& x, int batch);
@@ -124,8 +121,7 @@ class MaxPool2 : public Layer<T> {
   Shape out_shape() const override { return {in_.c, in_.h / 2, in_.w / 2}; }
   bool spatial_input() const override { return true; }
   void forward(const Mat<T>& x, Mat<T>& y, int batch) override;
-  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                int batch) override;
+  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) override;
 
  private:
   Shape in_;
@@ -141,8 +137,7 @@ class Flatten : public Layer<T> {
   Shape out_shape() const override { return {static_cast<int>(in_.size()), 1, 1}; }
   bool spatial_input() const override { return true; }
   void forward(const Mat<T>& x, Mat<T>& y, int batch) override;
-  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
-                int batch) override;
+  void backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) override;
 
  private:
   Shape in_;

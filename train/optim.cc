@@ -1,9 +1,9 @@
 #include "train/optim.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <numbers>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 #include "train/config.h"

@@ -53,9 +53,9 @@ struct LrSchedule {
   double peak_lr = 0.1;
   int64_t warmup_steps = 0;
   ScheduleKind kind = ScheduleKind::kConstant;
-  int64_t total_steps = 1;       // cosine
-  int64_t step_every = 1000;     // step
-  double step_factor = 0.1;      // step
+  int64_t total_steps = 1;    // cosine
+  int64_t step_every = 1000;  // step
+  double step_factor = 0.1;   // step
   double at(int64_t step) const;
 };
 

@@ -20,8 +20,8 @@ TrainerCore::TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int ra
     throw UsageError(fmt::format("TrainerCore: data has {} features, the model expects {}",
                                  data.train.dim, model_->input_shape().size()));
   }
-  total_steps_ = cfg.train.steps > 0 ? cfg.train.steps
-                                     : cfg.train.epochs * sharder_.batches_per_epoch();
+  total_steps_ =
+      cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * sharder_.batches_per_epoch();
   schedule_ = make_schedule(cfg, quorum, total_steps_);
   x_.resize(static_cast<size_t>(cfg.train.batch_per_rank * data.train.dim));
   y_.resize(static_cast<size_t>(cfg.train.batch_per_rank));
@@ -32,7 +32,9 @@ double TrainerCore::compute_gradient() {
   return model_->forward_backward(x_.data(), y_.data(), static_cast<int>(y_.size()));
 }
 
-void TrainerCore::skip_batch() { sharder_.next_batch(); }
+void TrainerCore::skip_batch() {
+  sharder_.next_batch();
+}
 
 void TrainerCore::apply_gradient(const float* grad) {
   opt_.step(model_->params(), grad, schedule_.at(step_));
@@ -61,20 +63,21 @@ CheckpointState TrainerCore::checkpoint_state() const {
 
 void TrainerCore::restore(const CheckpointState& s) {
   if (s.params.size() != model_->num_params() || s.velocity.size() != model_->num_params()) {
-    throw DataError(fmt::format(
-        "checkpoint has {} parameters and {} momentum values, the model has {}",
-        s.params.size(), s.velocity.size(), model_->num_params()));
+    throw DataError(
+        fmt::format("checkpoint has {} parameters and {} momentum values, the model has {}",
+                    s.params.size(), s.velocity.size(), model_->num_params()));
   }
   if (s.config_fingerprint != cfg_.fingerprint()) {
-    throw DataError(fmt::format("checkpoint config fingerprint {:016x} does not match this "
-                                "config's {:016x} (seed, data, model or batch changed)",
-                                s.config_fingerprint, cfg_.fingerprint()));
+    throw DataError(
+        fmt::format("checkpoint config fingerprint {:016x} does not match this "
+                    "config's {:016x} (seed, data, model or batch changed)",
+                    s.config_fingerprint, cfg_.fingerprint()));
   }
   if (s.position.index >= sharder_.batches_per_epoch()) {
-    throw DataError(fmt::format("checkpoint data position (epoch {}, batch {}) is past the {} "
-                                "batches per epoch of this run",
-                                s.position.epoch, s.position.index,
-                                sharder_.batches_per_epoch()));
+    throw DataError(
+        fmt::format("checkpoint data position (epoch {}, batch {}) is past the {} "
+                    "batches per epoch of this run",
+                    s.position.epoch, s.position.index, sharder_.batches_per_epoch()));
   }
   std::copy(s.params.begin(), s.params.end(), model_->params());
   opt_.velocity() = s.velocity;
