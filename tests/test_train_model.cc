@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <memory>
@@ -241,6 +242,46 @@ TEST(Model, BatchSizeCanChange) {
   const double l3 = net->evaluate(x.data() + 2 * 784, y.data() + 2, 3).loss_sum;
   EXPECT_NEAR(l5, l2 + l3, 1e-9);
   EXPECT_THROW(net->evaluate(x.data(), y.data(), 0), UsageError);
+}
+
+// Splitting a batch into per-thread lanes changes only the summation order of the gradient.
+TEST(Model, ThreadLanesMatchOneThreadAndAreDeterministic) {
+  ModelSection cnn;
+  cnn.type = "cnn";
+  cnn.conv_channels = {4, 8};
+  cnn.hidden = {32};
+  auto net = build_network<float>(cnn);
+  net->init(4);
+  const int batch = 64;
+  const auto xd = random_vec(784 * batch, 5);
+  const std::vector<float> x(xd.begin(), xd.end());
+  const auto y = random_labels(batch, 10, 6);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  EXPECT_EQ(net->lanes_for(batch), 1);
+  const double l1 = net->forward_backward(x.data(), y.data(), batch);
+  const std::vector<float> g1(net->grads(), net->grads() + net->num_params());
+  const EvalResult e1 = net->evaluate(x.data(), y.data(), batch);
+  omp_set_num_threads(4);
+  EXPECT_EQ(net->lanes_for(batch), 4);
+  EXPECT_EQ(net->lanes_for(40), 2);  // at least kMinLaneBatch samples per lane
+  const double l4 = net->forward_backward(x.data(), y.data(), batch);
+  const std::vector<float> g4(net->grads(), net->grads() + net->num_params());
+  const EvalResult e4 = net->evaluate(x.data(), y.data(), batch);
+  net->forward_backward(x.data(), y.data(), batch);
+  const std::vector<float> g4again(net->grads(), net->grads() + net->num_params());
+  omp_set_num_threads(saved);
+  EXPECT_NEAR(l1, l4, 1e-5 * std::abs(l1));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < g1.size(); ++i) {
+    num += std::pow(double{g1[i]} - g4[i], 2);
+    den += std::pow(double{g1[i]}, 2);
+  }
+  EXPECT_GT(den, 0.0);
+  EXPECT_LT(std::sqrt(num / den), 1e-5);
+  EXPECT_EQ(g4, g4again);
+  EXPECT_EQ(e1.correct, e4.correct);
+  EXPECT_NEAR(e1.loss_sum, e4.loss_sum, 1e-4);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "train/nn.h"
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include <algorithm>
 
@@ -15,9 +16,6 @@ template <class T>
 using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 template <class T>
 using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-
-// Parallelize simple loops only when there is enough work to pay for waking threads.
-constexpr int64_t kOmpMinWork = int64_t{1} << 16;
 
 void he_init(float* w, size_t n, int64_t fan_in, Rng& rng) {
   const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
@@ -99,7 +97,6 @@ void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
   const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
   const int64_t hw = int64_t{h} * w, n = batch * hw;
   cols_.resize(n, kk_);
-#pragma omp parallel for schedule(static) if (n * kk_ >= kOmpMinWork)
   for (int64_t r = 0; r < kk_; ++r) {
     const int ci = static_cast<int>(r / (k * k));
     const int ky = static_cast<int>(r / k % k) - pad;
@@ -129,7 +126,6 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
   const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
   const int64_t hw = int64_t{h} * w, n = batch * hw;
   dx.setZero(n, in_.c);
-#pragma omp parallel for schedule(static) if (n * kk_ >= kOmpMinWork)
   for (int ci = 0; ci < in_.c; ++ci) {
     T* dst = dx.data() + ci * n;
     for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
@@ -183,7 +179,6 @@ void MaxPool2<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
   const int64_t hw = int64_t{h} * w, hw2 = int64_t{h2} * w2, n2 = batch * hw2;
   y.resize(n2, in_.c);
   argmax_.resize(static_cast<size_t>(n2 * in_.c));
-#pragma omp parallel for schedule(static) if (n2 * in_.c >= kOmpMinWork)
   for (int c = 0; c < in_.c; ++c) {
     const T* src = x.data() + c * x.rows();
     T* dst = y.data() + c * n2;
@@ -210,7 +205,6 @@ void MaxPool2<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, M
   if (dx == nullptr) return;
   const int64_t n2 = dy.rows();
   dx->setZero(x.rows(), x.cols());
-#pragma omp parallel for schedule(static) if (n2 * in_.c >= kOmpMinWork)
   for (int c = 0; c < in_.c; ++c) {
     const T* src = dy.data() + c * n2;
     T* dst = dx->data() + c * x.rows();
@@ -245,10 +239,10 @@ void Flatten<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Ma
 
 template <class T>
 double softmax_cross_entropy(const Mat<T>& logits, const int32_t* labels, Mat<T>* dlogits,
-                             int64_t* correct) {
+                             int64_t* correct, T grad_scale) {
   const int64_t classes = logits.rows(), batch = logits.cols();
   if (dlogits != nullptr) dlogits->resize(classes, batch);
-  const T inv_batch = T(1) / static_cast<T>(batch);
+  const T inv_batch = grad_scale != T(0) ? grad_scale : T(1) / static_cast<T>(batch);
   double loss = 0.0;
   int64_t right = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -298,9 +292,35 @@ void Network<T>::finalize() {
     l->bind(params_.data() + off, grads_.data() + off);
     off += l->num_params();
   }
-  acts_.resize(layers_.size() + 1);
-  dacts_.resize(layers_.size() + 1);
+  auto lane = std::make_unique<Lane>();
+  for (auto& l : layers_) lane->layers.push_back(l.get());
+  lane->acts.resize(layers_.size() + 1);
+  lane->dacts.resize(layers_.size() + 1);
+  lanes_.push_back(std::move(lane));
   finalized_ = true;
+}
+
+template <class T>
+void Network<T>::ensure_lanes(int n) {
+  while (static_cast<int>(lanes_.size()) < n) {
+    auto lane = std::make_unique<Lane>();
+    lane->grads.assign(params_.size(), T(0));
+    size_t off = 0;
+    for (const auto& l : layers_) {
+      lane->owned.push_back(l->clone());
+      lane->owned.back()->bind(params_.data() + off, lane->grads.data() + off);
+      lane->layers.push_back(lane->owned.back().get());
+      off += l->num_params();
+    }
+    lane->acts.resize(layers_.size() + 1);
+    lane->dacts.resize(layers_.size() + 1);
+    lanes_.push_back(std::move(lane));
+  }
+}
+
+template <class T>
+int Network<T>::lanes_for(int batch) const {
+  return std::max(1, std::min(omp_get_max_threads(), batch / kMinLaneBatch));
 }
 
 template <class T>
@@ -317,12 +337,16 @@ void Network<T>::init(uint64_t seed) {
 }
 
 template <class T>
-const Mat<T>& Network<T>::forward(const T* x, int batch) {
+void Network<T>::check_batch(int batch) const {
   if (!finalized_) throw UsageError("Network used before finalize");
   if (batch < 1) throw UsageError(fmt::format("Network: batch {} < 1", batch));
+}
+
+template <class T>
+const Mat<T>& Network<T>::forward_lane(Lane& lane, const T* x, int batch) {
   const int64_t hw = int64_t{input_.h} * input_.w;
-  Mat<T>& in = acts_[0];
-  if (layers_[0]->spatial_input()) {
+  Mat<T>& in = lane.acts[0];
+  if (lane.layers[0]->spatial_input()) {
     in.resize(batch * hw, input_.c);
     for (int b = 0; b < batch; ++b)  // sample-contiguous (b, c, y, x) to (c, b, y, x)
       for (int c = 0; c < input_.c; ++c)
@@ -331,31 +355,75 @@ const Mat<T>& Network<T>::forward(const T* x, int batch) {
     in.resize(input_.size(), batch);
     std::copy_n(x, input_.size() * batch, in.data());
   }
-  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->forward(acts_[i], acts_[i + 1], batch);
-  return acts_.back();
+  for (size_t i = 0; i < lane.layers.size(); ++i)
+    lane.layers[i]->forward(lane.acts[i], lane.acts[i + 1], batch);
+  return lane.acts.back();
 }
 
 template <class T>
 double Network<T>::forward_backward(const T* x, const int32_t* labels, int batch) {
-  const Mat<T>& logits = forward(x, batch);
-  const double loss = softmax_cross_entropy(logits, labels, &dacts_.back(), nullptr);
-  for (size_t i = layers_.size(); i-- > 0;)
-    layers_[i]->backward(acts_[i], acts_[i + 1], dacts_[i + 1], i > 0 ? &dacts_[i] : nullptr,
-                         batch);
+  check_batch(batch);
+  const int nl = lanes_for(batch);
+  ensure_lanes(nl);
+  const int64_t in = input_.size();
+  const int64_t n = static_cast<int64_t>(params_.size());
+  const T scale = T(1) / static_cast<T>(batch);
+#pragma omp parallel num_threads(nl)
+  {
+#pragma omp for schedule(static, 1)
+    for (int k = 0; k < nl; ++k) {
+      Lane& lane = *lanes_[k];
+      const int b0 = static_cast<int>(int64_t{batch} * k / nl);
+      const int b1 = static_cast<int>(int64_t{batch} * (k + 1) / nl);
+      const Mat<T>& logits = forward_lane(lane, x + b0 * in, b1 - b0);
+      lane.loss = softmax_cross_entropy<T>(logits, labels + b0, &lane.dacts.back(), nullptr, scale);
+      for (size_t i = lane.layers.size(); i-- > 0;) {
+        lane.layers[i]->backward(lane.acts[i], lane.acts[i + 1], lane.dacts[i + 1],
+                                 i > 0 ? &lane.dacts[i] : nullptr, b1 - b0);
+      }
+    }
+    if (nl > 1) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        T s = grads_[i];
+        for (int k = 1; k < nl; ++k) s += lanes_[k]->grads[i];
+        grads_[i] = s;
+      }
+    }
+  }
+  double loss = 0;
+  for (int k = 0; k < nl; ++k) loss += lanes_[k]->loss;
   return loss / batch;
 }
 
 template <class T>
 EvalResult Network<T>::evaluate(const T* x, const int32_t* labels, int batch) {
+  check_batch(batch);
+  const int nl = lanes_for(batch);
+  ensure_lanes(nl);
+  const int64_t in = input_.size();
+#pragma omp parallel for num_threads(nl) schedule(static, 1)
+  for (int k = 0; k < nl; ++k) {
+    Lane& lane = *lanes_[k];
+    const int b0 = static_cast<int>(int64_t{batch} * k / nl);
+    const int b1 = static_cast<int>(int64_t{batch} * (k + 1) / nl);
+    lane.correct = 0;
+    lane.loss = softmax_cross_entropy<T>(forward_lane(lane, x + b0 * in, b1 - b0), labels + b0,
+                                         nullptr, &lane.correct);
+  }
   EvalResult r;
-  r.loss_sum = softmax_cross_entropy<T>(forward(x, batch), labels, nullptr, &r.correct);
+  for (int k = 0; k < nl; ++k) {
+    r.loss_sum += lanes_[k]->loss;
+    r.correct += lanes_[k]->correct;
+  }
   r.count = batch;
   return r;
 }
 
 template <class T>
 void Network<T>::predict(const T* x, int batch, int32_t* out) {
-  const Mat<T>& logits = forward(x, batch);
+  check_batch(batch);
+  const Mat<T>& logits = forward_lane(*lanes_[0], x, batch);
   for (int b = 0; b < batch; ++b) {
     Eigen::Index arg = 0;
     logits.col(b).maxCoeff(&arg);
@@ -376,8 +444,8 @@ template class Flatten<double>;
 template class Network<float>;
 template class Network<double>;
 template double softmax_cross_entropy<float>(const Mat<float>&, const int32_t*, Mat<float>*,
-                                             int64_t*);
+                                             int64_t*, float);
 template double softmax_cross_entropy<double>(const Mat<double>&, const int32_t*, Mat<double>*,
-                                              int64_t*);
+                                              int64_t*, double);
 
 }  // namespace qring::train

@@ -39,6 +39,8 @@ class Layer {
   virtual std::string describe() const = 0;
   virtual Shape out_shape() const = 0;
   virtual bool spatial_input() const = 0;  // input layout: spatial or flat
+  // A new layer of the same kind and shape: no parameters bound, no workspaces.
+  virtual std::unique_ptr<Layer<T>> clone() const = 0;
   virtual size_t num_params() const { return 0; }
   virtual void bind(T* params, T* grads) {}
   virtual void init(Rng& rng) {}
@@ -54,6 +56,7 @@ template <class T>
 class Dense : public Layer<T> {
  public:
   Dense(int64_t in, int64_t out) : in_(in), out_(out) {}
+  std::unique_ptr<Layer<T>> clone() const override { return std::make_unique<Dense<T>>(in_, out_); }
   std::string describe() const override;
   Shape out_shape() const override { return {static_cast<int>(out_), 1, 1}; }
   bool spatial_input() const override { return false; }
@@ -74,6 +77,9 @@ template <class T>
 class Relu : public Layer<T> {
  public:
   Relu(Shape s, bool spatial) : s_(s), spatial_(spatial) {}
+  std::unique_ptr<Layer<T>> clone() const override {
+    return std::make_unique<Relu<T>>(s_, spatial_);
+  }
   std::string describe() const override { return "relu"; }
   Shape out_shape() const override { return s_; }
   bool spatial_input() const override { return spatial_; }
@@ -91,6 +97,9 @@ class Conv2d : public Layer<T> {
  public:
   Conv2d(Shape in, int out_channels, int kernel)
       : in_(in), cout_(out_channels), k_(kernel), kk_(int64_t{in.c} * kernel * kernel) {}
+  std::unique_ptr<Layer<T>> clone() const override {
+    return std::make_unique<Conv2d<T>>(in_, cout_, k_);
+  }
   std::string describe() const override;
   Shape out_shape() const override { return {cout_, in_.h, in_.w}; }
   bool spatial_input() const override { return true; }
@@ -117,6 +126,7 @@ template <class T>
 class MaxPool2 : public Layer<T> {
  public:
   explicit MaxPool2(Shape in) : in_(in) {}
+  std::unique_ptr<Layer<T>> clone() const override { return std::make_unique<MaxPool2<T>>(in_); }
   std::string describe() const override { return "maxpool2"; }
   Shape out_shape() const override { return {in_.c, in_.h / 2, in_.w / 2}; }
   bool spatial_input() const override { return true; }
@@ -133,6 +143,7 @@ template <class T>
 class Flatten : public Layer<T> {
  public:
   explicit Flatten(Shape in) : in_(in) {}
+  std::unique_ptr<Layer<T>> clone() const override { return std::make_unique<Flatten<T>>(in_); }
   std::string describe() const override { return "flatten"; }
   Shape out_shape() const override { return {static_cast<int>(in_.size()), 1, 1}; }
   bool spatial_input() const override { return true; }
@@ -150,16 +161,25 @@ struct EvalResult {
 };
 
 // Numerically stable softmax cross-entropy on logits (classes x B). Returns the summed loss;
-// if dlogits is not null, writes d(mean loss)/d(logits) = (softmax - onehot) / B. Counts
-// correct argmax predictions into *correct when not null.
+// if dlogits is not null, writes grad_scale * d(summed loss)/d(logits) =
+// grad_scale * (softmax - onehot), grad_scale defaulting (0) to 1/B, the gradient of the mean.
+// Counts correct argmax predictions into *correct when not null.
 template <class T>
 double softmax_cross_entropy(const Mat<T>& logits, const int32_t* labels, Mat<T>* dlogits,
-                             int64_t* correct);
+                             int64_t* correct, T grad_scale = T(0));
 
 // A sequential network ending in softmax cross-entropy.
+//
+// Threads: a batch is split into up to omp_get_max_threads() contiguous lanes of at least
+// kMinLaneBatch samples; each lane runs forward and backward on its own copy of the layers
+// (sharing the parameters, with its own gradient buffer and workspaces) in one OpenMP parallel
+// region, and the lane gradients are summed in lane order. With one lane, Eigen's own GEMM
+// threading applies. Results are deterministic for a given thread count and batch size.
 template <class T>
 class Network {
  public:
+  static constexpr int kMinLaneBatch = 16;
+
   Network(Shape input, int num_classes) : input_(input), classes_(num_classes) {}
   Network(const Network&) = delete;
   Network& operator=(const Network&) = delete;
@@ -190,16 +210,29 @@ class Network {
   EvalResult evaluate(const T* x, const int32_t* labels, int batch);
   void predict(const T* x, int batch, int32_t* out);
 
+  // How many lanes a batch of this size is split into with the current thread count.
+  int lanes_for(int batch) const;
+
  private:
-  const Mat<T>& forward(const T* x, int batch);
+  struct Lane {
+    std::vector<Layer<T>*> layers;  // lane 0: layers_; others: owned below
+    std::vector<std::unique_ptr<Layer<T>>> owned;
+    std::vector<T> grads;       // lanes > 0 (lane 0 uses grads_)
+    std::vector<Mat<T>> acts;   // acts[0] = input, acts[i+1] = output of layer i
+    std::vector<Mat<T>> dacts;  // gradients of acts
+    double loss = 0;
+    int64_t correct = 0;
+  };
+  void check_batch(int batch) const;
+  void ensure_lanes(int n);
+  const Mat<T>& forward_lane(Lane& lane, const T* x, int batch);
   Shape input_;
   int classes_;
   bool finalized_ = false;
   std::vector<std::unique_ptr<Layer<T>>> layers_;
   std::vector<T> params_;
   std::vector<T> grads_;
-  std::vector<Mat<T>> acts_;   // acts_[0] = input, acts_[i+1] = output of layer i
-  std::vector<Mat<T>> dacts_;  // gradients of acts_
+  std::vector<std::unique_ptr<Lane>> lanes_;
 };
 
 extern template class Dense<float>;
