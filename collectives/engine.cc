@@ -1,6 +1,7 @@
 #include "collectives/engine.h"
 
 #include <sched.h>
+#include <cstdlib>
 
 #include <algorithm>
 
@@ -22,7 +23,7 @@ void Work::wait() {
   // operations), spinning a little, then yield, then block in the kernel and let the engine
   // thread finish the work.
   for (int i = 0; i < 4000 && !done(); ++i) {
-    if (engine_ && engine_->try_progress()) {
+    if (std::getenv("QRING_NO_HELP") == nullptr && engine_ && engine_->try_progress()) {
       i = 0;
       continue;
     }
@@ -165,34 +166,41 @@ constexpr uint32_t kCtlMagic = 0x4C544351;  // "QCTL"
 constexpr uint8_t kProbe = 1, kAnswer = 2;
 }  // namespace
 
-void Engine::post_ctl_recv() {
-  ctl_req_ = ep_->irecv(net::kAnyPeer, net::make_tag(net::Op::kControl, 0, 0), &ctl_in_,
-                        sizeof(ctl_in_), (net::kSeqMask << 32) | net::kIgnoreChunk);
+void Engine::post_ctl_recv(int peer) {
+  CtlIn& in = ctl_in_[size_t(peer)];
+  in.req = ep_->irecv(peer, net::make_tag(net::Op::kControl, in.next, size_t(peer)), &in.msg,
+                      sizeof(in.msg));
 }
 
 void Engine::send_ctl(int peer, uint8_t type, int64_t probe_id) {
   auto m = std::make_unique<Ctl>(
       Ctl{kCtlMagic, 1, type, 0, uint32_t(rank_), 0, last_started_, probe_id});
-  auto req = ep_->isend(peer, net::make_tag(net::Op::kControl, 0, size_t(rank_)), m.get(),
-                        sizeof(Ctl));
+  auto req = ep_->isend(peer,
+                        net::make_tag(net::Op::kControl, ctl_out_next_[size_t(peer)]++,
+                                      size_t(rank_)),
+                        m.get(), sizeof(Ctl));
   ctl_out_.emplace_back(std::move(req), std::move(m));
 }
 
 bool Engine::poll_ctl() {
   bool moved = false;
-  while (ctl_req_ && ctl_req_->done()) {
-    if (ctl_req_->ok() && ctl_req_->bytes == sizeof(Ctl) && ctl_in_.magic == kCtlMagic &&
-        int(ctl_in_.from) < size_) {
-      Ctl m = ctl_in_;
+  for (int p = 0; p < int(ctl_in_.size()); ++p) {
+    CtlIn& in = ctl_in_[size_t(p)];
+    if (!in.req || !in.req->done()) continue;
+    if (in.req->ok() && in.req->bytes == sizeof(Ctl) && in.msg.magic == kCtlMagic &&
+        int(in.msg.from) == p) {
+      Ctl m = in.msg;
       if (m.type == kProbe) {
         send_ctl(int(m.from), kAnswer, m.probe_id);
       } else if (m.type == kAnswer && diag_ && m.probe_id == probe_id_) {
         diag_->answers[m.from] = m.last_started;
       }
-    } else {
-      spdlog::warn("rank {}: ignored a malformed control message", rank_);
+    } else if (in.req->state != net::RequestState::kCancelled) {
+      spdlog::warn("rank {}: ignored a malformed control message from rank {}", rank_, p);
     }
-    post_ctl_recv();
+    ++in.next;
+    post_ctl_recv(p);
+    --p;  // the next message from this peer may be waiting already
     moved = true;
   }
   while (!ctl_out_.empty() && ctl_out_.front().first->done()) ctl_out_.pop_front();
@@ -277,7 +285,13 @@ bool Engine::step() {
 
   bool moved = !starting.empty() || !calls.empty();
   try {
-    if (!ctl_req_ && size_ > 1) post_ctl_recv();
+    if (!ctl_posted_ && size_ > 1) {
+      ctl_in_.resize(size_t(size_));
+      ctl_out_next_.assign(size_t(size_), 0);
+      for (int p = 0; p < size_; ++p)
+        if (p != rank_) post_ctl_recv(p);
+      ctl_posted_ = true;
+    }
     for (auto& op : starting) {
       active_.push_back(std::move(op));
       if (active_.back()->sequenced()) last_started_ = active_.back()->seq;

@@ -98,14 +98,23 @@ class Engine {
     int64_t last_started;
     int64_t probe_id;
   };
-  void post_ctl_recv();
+  void post_ctl_recv(int peer);
   bool poll_ctl();
   void send_ctl(int peer, uint8_t type, int64_t probe_id);
   void start_diagnosis(EngineOp& op, const std::string& reason);
   void finish_diagnosis_if_due();
   std::chrono::milliseconds probe_window_;
-  Ctl ctl_in_{};
-  net::RequestPtr ctl_req_;
+  // One standing receive per peer with an exact tag numbered per (sender, receiver) stream
+  // (no ignore masks: libfabric 1.17's shm provider loses unexpected messages matched
+  // through one).
+  struct CtlIn {
+    Ctl msg{};
+    net::RequestPtr req;
+    uint64_t next = 0;
+  };
+  std::vector<CtlIn> ctl_in_;
+  std::vector<uint64_t> ctl_out_next_;
+  bool ctl_posted_ = false;
   std::deque<std::pair<net::RequestPtr, std::unique_ptr<Ctl>>> ctl_out_;
   int64_t last_started_ = -1;
   int64_t probe_id_ = 0;

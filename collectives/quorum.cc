@@ -148,8 +148,12 @@ class QuorumService final : public EngineOp {
   std::string waiting_on() const override { return "contributions"; }
 
   void start(net::Endpoint& ep) override {
-    if (rank_ == 0) post_ready_recv(ep);
-    if (rank_ != 0) post_decide_recv(ep);
+    if (rank_ == 0) {
+      ready_in_.resize(size_t(world_));
+      for (int p = 1; p < world_; ++p) post_ready_recv(ep, p);
+    } else {
+      post_decide_recv(ep);
+    }
   }
 
   void abort(net::Endpoint& ep) override {
@@ -231,7 +235,8 @@ class QuorumService final : public EngineOp {
   }
 
   void cancel_all(net::Endpoint& ep) {
-    if (ready_req_ && !ready_req_->done()) ep.cancel(ready_req_);
+    for (auto& in : ready_in_)
+      if (in.req && !in.req->done()) ep.cancel(in.req);
     if (decide_req_ && !decide_req_->done()) ep.cancel(decide_req_);
     for (auto& [t, rr] : result_recvs_)
       if (!rr.req->done()) ep.cancel(rr.req);
@@ -240,14 +245,19 @@ class QuorumService final : public EngineOp {
     rings_.clear();
   }
 
-  void post_ready_recv(net::Endpoint& ep) {
-    ready_req_ = ep.irecv(net::kAnyPeer, net::make_tag(net::Op::kQuorumReady, 0, 0), &ready_buf_,
-                          sizeof(ready_buf_), (net::kSeqMask << 32) | net::kIgnoreChunk);
+  // Control messages use exact tags numbered per (sender, receiver) stream, never ignore
+  // masks: libfabric 1.17's shm provider loses unexpected messages matched through an
+  // ignore mask. READY n of rank p carries tag (kQuorumReady, n, p); DECIDE n carries
+  // (kQuorumDecide, n, 0); the step travels in the message body.
+  void post_ready_recv(net::Endpoint& ep, int p) {
+    ReadyIn& in = ready_in_[size_t(p)];
+    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, size_t(p)), &in.msg,
+                      sizeof(in.msg));
   }
   void post_decide_recv(net::Endpoint& ep) {
     decide_buf_.assign(decide_size(world_), 0);
-    decide_req_ = ep.irecv(0, net::make_tag(net::Op::kQuorumDecide, 0, 0), decide_buf_.data(),
-                           decide_buf_.size(), net::kSeqMask << 32);
+    decide_req_ = ep.irecv(0, net::make_tag(net::Op::kQuorumDecide, decide_in_next_, 0),
+                           decide_buf_.data(), decide_buf_.size());
   }
 
   // Contributions made by the caller: READY to the coordinator (or recorded directly on it).
@@ -264,8 +274,8 @@ class QuorumService final : public EngineOp {
         auto buf = std::make_unique<std::vector<char>>(sizeof(ReadyMsg));
         ReadyMsg m{kReadyMagic, kWireVersion, 0, uint32_t(rank_), uint32_t(world_), t, count_};
         std::memcpy(buf->data(), &m, sizeof(m));
-        auto req = ep.isend(0, net::make_tag(net::Op::kQuorumReady, t, size_t(rank_)), buf->data(),
-                            buf->size());
+        auto req = ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, size_t(rank_)),
+                            buf->data(), buf->size());
         sends_.push_back({req, std::move(buf), nullptr});
       }
     }
@@ -274,11 +284,12 @@ class QuorumService final : public EngineOp {
 
   bool poll_ready(net::Endpoint& ep) {
     bool moved = false;
-    while (ready_req_ && ready_req_->done()) {
-      net::throw_if_failed(*ready_req_, "quorum READY receive");
-      int from = int(net::tag_chunk(ready_req_->matched_tag));
-      ReadyMsg m = ready_buf_;
-      if (ready_req_->bytes != sizeof(ReadyMsg) || m.magic != kReadyMagic)
+    for (int from = 1; from < world_; ++from) {
+      ReadyIn& in = ready_in_[size_t(from)];
+      if (!in.req || !in.req->done()) continue;
+      net::throw_if_failed(*in.req, "quorum READY receive");
+      ReadyMsg m = in.msg;
+      if (in.req->bytes != sizeof(ReadyMsg) || m.magic != kReadyMagic)
         throw ProtocolError(fmt::format("rank 0: malformed quorum READY from rank {}", from));
       if (m.version != kWireVersion)
         throw ProtocolError(fmt::format("rank 0: rank {} speaks quorum protocol version {}, this "
@@ -289,7 +300,9 @@ class QuorumService final : public EngineOp {
                                         "ranks; this world has {}",
                                         from, m.rank, m.world, world_));
       record_arrival(m.step, from, m.count);
-      post_ready_recv(ep);
+      ++in.next;
+      post_ready_recv(ep, from);
+      --from;  // the next READY of this peer may be waiting already
       moved = true;
     }
     return moved;
@@ -352,10 +365,11 @@ class QuorumService final : public EngineOp {
       std::vector<char> msg = encode_decide(t, cs, st, now);
       auto shared = std::make_shared<std::vector<char>>(msg);
       for (int r = 1; r < world_; ++r) {
-        auto req = ep.isend(r, net::make_tag(net::Op::kQuorumDecide, t, 0), shared->data(),
-                            shared->size());
+        auto req = ep.isend(r, net::make_tag(net::Op::kQuorumDecide, decide_out_next_, 0),
+                            shared->data(), shared->size());
         sends_.push_back({req, nullptr, shared});
       }
+      ++decide_out_next_;
       first_times_[t] = cs.first;
       decided_.insert(t);
       while (decided_.size() > kKeepDecided) {
@@ -409,6 +423,7 @@ class QuorumService final : public EngineOp {
                                         "expected {})",
                                         rank_, decide_req_->bytes, decide_size(world_)));
       std::vector<char> msg = decide_buf_;
+      ++decide_in_next_;
       post_decide_recv(ep);
       apply_decide(ep, msg);
       moved = true;
@@ -616,8 +631,13 @@ class QuorumService final : public EngineOp {
   bool finished_ = false, dead_ = false;
   Clock::time_point drain_deadline_{};
   // Coordinator.
-  ReadyMsg ready_buf_{};
-  net::RequestPtr ready_req_;
+  struct ReadyIn {
+    ReadyMsg msg{};
+    net::RequestPtr req;
+    uint64_t next = 0;  // number of the next READY expected from this peer
+  };
+  std::vector<ReadyIn> ready_in_;
+  uint64_t decide_out_next_ = 0;
   std::map<uint64_t, CoordStep> coord_;
   std::set<uint64_t> decided_;
   std::map<uint64_t, Clock::time_point> first_times_;
@@ -625,6 +645,8 @@ class QuorumService final : public EngineOp {
   // Everyone.
   std::vector<char> decide_buf_;
   net::RequestPtr decide_req_;
+  uint64_t decide_in_next_ = 0;
+  uint64_t ready_out_next_ = 0;
   std::deque<Send> sends_;
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;

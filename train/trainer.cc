@@ -132,6 +132,15 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
   fs::create_directories(ckpt_dir);
+  if (!opts.resume) {
+    // A fresh run owns its directory: checkpoints of an earlier run would mislead --resume.
+    size_t removed = 0;
+    for (auto& e : fs::directory_iterator(ckpt_dir))
+      if (e.path().extension() == ".qck") removed += fs::remove(e.path()) ? 1 : 0;
+    if (removed && rank == 0)
+      spdlog::warn("fresh run: removed {} checkpoint(s) of an earlier run in {}", removed,
+                   ckpt_dir.parent_path().string());
+  }
 
   DatasetPair data = load_datasets(cfg.data, seed);
   auto model = make_model(cfg.model, seed);
