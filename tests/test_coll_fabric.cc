@@ -111,12 +111,16 @@ INSTANTIATE_TEST_SUITE_P(Providers, FabricFailure, ::testing::Values("shm", "tcp
 
 // The quorum all-reduce across processes: every rank reports (bitmap, crc of output) per step
 // through the store; rank 0 checks they agree, and each rank checks exactness locally.
-TEST(FabricQuorum, ProcessesAgreeUnderStragglers) {
+class FabricQuorum : public ::testing::TestWithParam<Case> {};
+
+// Case.ranks is the quorum here; world 4. Q = W needs every READY and DECIDE delivered.
+TEST_P(FabricQuorum, ProcessesAgreeUnderStragglers) {
   const int world = 4, steps = 40;
+  const Case c = GetParam();
   auto res = run_procs(world, [&](int r, int n, net::Rendezvous& rdv) {
-    auto comm = open_comm(rdv, "shm");
+    auto comm = open_comm(rdv, c.provider);
     collectives::QuorumOptions qo;
-    qo.quorum = 3;
+    qo.quorum = c.ranks;
     qo.grace = std::chrono::milliseconds(1);
     qo.deadline = std::chrono::milliseconds(10000);
     collectives::QuorumAllreduce q(*comm, 1000, qo);
@@ -153,6 +157,12 @@ TEST(FabricQuorum, ProcessesAgreeUnderStragglers) {
   EXPECT_FALSE(res.timed_out);
   for (int r = 0; r < world; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricQuorum,
+                         ::testing::Values(Case{"shm", 3}, Case{"shm", 4}, Case{"tcp", 4}),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return i.param.provider + "_q" + std::to_string(i.param.ranks);
+                         });
 
 }  // namespace
 }  // namespace qring::testing
