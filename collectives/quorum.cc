@@ -135,14 +135,18 @@ namespace {
 class QuorumService final : public EngineOp {
  public:
   QuorumService(Engine& engine, const CommOptions& copts, size_t count, const QuorumOptions& o,
-                std::shared_ptr<QuorumAllreduce::Shared> sh)
+                std::shared_ptr<QuorumAllreduce::Shared> sh, uint32_t instance)
       : engine_(engine), copts_(copts), count_(count), o_(o), sh_(std::move(sh)),
-        rank_(engine.rank()), world_(engine.size()), esz_(dtype_size(o.type)) {
+        rank_(engine.rank()), world_(engine.size()), esz_(dtype_size(o.type)),
+        instance_(instance & 0xFF) {
     seq = 0;
     deadline = Clock::time_point::max();
   }
 
   std::string name() const override { return "quorum service"; }
+  // Chunk field of control tags: the sender's rank and this all-reduce's instance number, so
+  // a late message of an earlier instance on the same communicator never matches.
+  uint64_t chunk(int r) const { return uint64_t(r) | (uint64_t(instance_) << 16); }
   bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override { return "contributions"; }
@@ -251,12 +255,12 @@ class QuorumService final : public EngineOp {
   // (kQuorumDecide, n, 0); the step travels in the message body.
   void post_ready_recv(net::Endpoint& ep, int p) {
     ReadyIn& in = ready_in_[size_t(p)];
-    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, size_t(p)), &in.msg,
+    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, chunk(p)), &in.msg,
                       sizeof(in.msg));
   }
   void post_decide_recv(net::Endpoint& ep) {
     decide_buf_.assign(decide_size(world_), 0);
-    decide_req_ = ep.irecv(0, net::make_tag(net::Op::kQuorumDecide, decide_in_next_, 0),
+    decide_req_ = ep.irecv(0, net::make_tag(net::Op::kQuorumDecide, decide_in_next_, chunk(0)),
                            decide_buf_.data(), decide_buf_.size());
   }
 
@@ -274,7 +278,7 @@ class QuorumService final : public EngineOp {
         auto buf = std::make_unique<std::vector<char>>(sizeof(ReadyMsg));
         ReadyMsg m{kReadyMagic, kWireVersion, 0, uint32_t(rank_), uint32_t(world_), t, count_};
         std::memcpy(buf->data(), &m, sizeof(m));
-        auto req = ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, size_t(rank_)),
+        auto req = ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, chunk(rank_)),
                             buf->data(), buf->size());
         sends_.push_back({req, std::move(buf), nullptr});
       }
@@ -365,7 +369,7 @@ class QuorumService final : public EngineOp {
       std::vector<char> msg = encode_decide(t, cs, st, now);
       auto shared = std::make_shared<std::vector<char>>(msg);
       for (int r = 1; r < world_; ++r) {
-        auto req = ep.isend(r, net::make_tag(net::Op::kQuorumDecide, decide_out_next_, 0),
+        auto req = ep.isend(r, net::make_tag(net::Op::kQuorumDecide, decide_out_next_, chunk(0)),
                             shared->data(), shared->size());
         sends_.push_back({req, nullptr, shared});
       }
@@ -510,7 +514,7 @@ class QuorumService final : public EngineOp {
       rings_[t] = Ring{std::move(op), Clock::now(), members};
     } else {
       int from = members[size_t(rank_) % members.size()];
-      auto req = ep.irecv(from, net::make_tag(net::Op::kQuorumResult, t, 0), buf, count_ * esz_);
+      auto req = ep.irecv(from, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), buf, count_ * esz_);
       result_recvs_[t] = ResultRecv{req, from, Clock::now()};
     }
   }
@@ -541,7 +545,7 @@ class QuorumService final : public EngineOp {
           auto staged = std::make_shared<std::vector<char>>(
               static_cast<char*>(s.buf), static_cast<char*>(s.buf) + count_ * esz_);
           for (int x : targets) {
-            auto req = ep.isend(x, net::make_tag(net::Op::kQuorumResult, t, 0), staged->data(),
+            auto req = ep.isend(x, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), staged->data(),
                                 staged->size());
             sends_.push_back({req, nullptr, staged});
           }
@@ -628,6 +632,7 @@ class QuorumService final : public EngineOp {
   std::shared_ptr<QuorumAllreduce::Shared> sh_;
   int rank_, world_;
   size_t esz_;
+  uint32_t instance_;
   bool finished_ = false, dead_ = false;
   Clock::time_point drain_deadline_{};
   // Coordinator.
@@ -666,7 +671,10 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
     throw ConfigError(fmt::format("quorum hard deadline ({} ms) must exceed the grace ({} ms)",
                                   opts_.deadline.count(), opts_.grace.count()));
   if (opts_.late == LatePolicy::kCarry) carry_.assign(count * dtype_size(opts_.type), 0);
-  auto op = std::make_unique<QuorumService>(comm.engine(), comm.options(), count, opts_, shared_);
+  if (w > (1 << 16))
+    throw ConfigError(fmt::format("the quorum all-reduce supports up to 65536 ranks, not {}", w));
+  auto op = std::make_unique<QuorumService>(comm.engine(), comm.options(), count, opts_, shared_,
+                                            comm.next_seq());
   op->deadline = Clock::time_point::max();
   service_ = comm.submit(std::move(op));
 }
