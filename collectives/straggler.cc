@@ -165,7 +165,7 @@ bool sleep_unless(std::chrono::microseconds d, const std::function<bool()>& aban
     auto now = std::chrono::steady_clock::now();
     if (now >= until) return false;
     auto slice = std::min<std::chrono::steady_clock::duration>(until - now,
-                                                               std::chrono::milliseconds(1));
+                                                               std::chrono::microseconds(250));
     std::this_thread::sleep_for(slice);
   }
 }

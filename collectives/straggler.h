@@ -40,7 +40,7 @@ class StragglerModel {
   std::map<std::pair<uint64_t, int>, double> trace_;
 };
 
-// Sleeps for `d` in short slices, returning early (true) as soon as `abandon()` is true.
+// Sleeps for `d` in 250 us slices, returning early (true) as soon as `abandon()` is true.
 bool sleep_unless(std::chrono::microseconds d, const std::function<bool()>& abandon = {});
 
 }  // namespace qring::collectives

@@ -212,6 +212,13 @@ struct Options {
   double auto_seconds = 0;         // > 0: per size, as many iterations (<= -n) as fit this time
   bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
   bool spin = false;               // --op sendrecv: busy-poll instead of the endpoint's wait
+  // --op quorum
+  std::string quorum = "";         // count or fraction; empty = world size
+  long grace_ms = 0;
+  long deadline_ms = 30000;
+  std::string straggler = "none";
+  bool compare_full = false;
+  uint64_t seed = 1;
   bool help = false;
 };
 
@@ -248,6 +255,18 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "                       of the endpoint's spin-yield-sleep wait\n"
         "sendrecv measures ping-pong between ranks 2i and 2i+1: time = round trip / 2 (as\n"
         "fi_pingpong's usec/xfer), bandwidth = size / time.\n"
+        "  --quorum Q           quorum: contributions per step, a count or a fraction of the\n"
+        "                       world (default: all ranks)\n"
+        "  --grace-ms G         quorum: keep waiting G ms for more after the quorum (default 0)\n"
+        "  --deadline-ms H      quorum: hard deadline of a step (default 30000)\n"
+        "  --straggler SPEC     quorum: none|fixed:RANK:MS|exp:MEAN_MS|lognormal:MU:SIGMA|\n"
+        "                       tail:P:MS|trace:FILE (default none)\n"
+        "  --compare-full       quorum: also run the same steps with Q = world size and print\n"
+        "                       the latency ratio\n"
+        "  --seed N             quorum: seed of the straggler model (default 1)\n"
+        "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its straggler\n"
+        "delay (stopping early once excluded), contributes, and waits. Step latency is the\n"
+        "slowest rank's time from the start of its step to the end of its wait.\n"
         "  --idle-via W         idle: wait in the communicator's progress 'engine' (default) or\n"
         "                       in the raw 'endpoint' (Endpoint::wait)\n"
         "idle posts a receive that never matches on every rank, waits --seconds, cancels it and\n"
@@ -345,6 +364,24 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--spin") {
       qring_only();
       o.spin = true;
+    } else if (flag == "--quorum") {
+      qring_only();
+      o.quorum = value();
+    } else if (flag == "--grace-ms") {
+      qring_only();
+      o.grace_ms = parse_int(flag, value(), 0, 86'400'000);
+    } else if (flag == "--deadline-ms") {
+      qring_only();
+      o.deadline_ms = parse_int(flag, value(), 1, 86'400'000);
+    } else if (flag == "--straggler") {
+      qring_only();
+      o.straggler = value();
+    } else if (flag == "--compare-full") {
+      qring_only();
+      o.compare_full = true;
+    } else if (flag == "--seed") {
+      qring_only();
+      o.seed = uint64_t(parse_int(flag, value(), 0, INT64_MAX));
     } else if (flag == "--seconds") {
       qring_only();
       std::string v = value();

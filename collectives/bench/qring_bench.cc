@@ -8,7 +8,10 @@
 // data pattern, check, table and JSON are shared with qring-mpi-bench (bench_common.h).
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <optional>
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -19,6 +22,8 @@
 #include "collectives/bench/bench_common.h"
 #include "collectives/communicator.h"
 #include "collectives/engine.h"
+#include "collectives/quorum.h"
+#include "collectives/straggler.h"
 #include "net/bootstrap.h"
 #include "net/endpoint.h"
 #include "net/fabric_endpoint.h"
@@ -388,6 +393,172 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
   if (comm.rank() == 0) report_idle(all, wall, comm.provider(), "engine", rows);
 }
 
+
+// ------------------------------------------------------------------ quorum
+
+struct QuorumStats {
+  std::vector<double> lat_us;  // per timed step: the slowest rank's step latency
+  double contributors_mean = 0;
+  int64_t dropped = 0;
+  int64_t wrong = 0;
+};
+
+// Runs warmup + iters steps of the quorum all-reduce of `count` elements with quorum `q`.
+QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size_t count, int q,
+                         const collectives::StragglerModel& model) {
+  const int n = comm.size(), rank = comm.rank();
+  const size_t ts = dtype_bytes(o.dtype);
+  collectives::QuorumOptions qo;
+  qo.quorum = q;
+  qo.grace = std::chrono::milliseconds(o.grace_ms);
+  qo.deadline = std::chrono::milliseconds(o.deadline_ms);
+  qo.type = o.dtype;
+  qo.mean = o.redop == RedOp::kAvg;
+  collectives::QuorumAllreduce qa(comm, count, qo);
+  AlignedBuffer buf(count * ts);
+  comm.register_buffer(buf.data(), buf.size);
+  QuorumStats st;
+  std::vector<double> lat;
+  double contributors = 0;
+  const int steps = o.warmup + o.iters;
+  for (int s = 0; s < steps; ++s) {
+    const uint64_t step = uint64_t(s);
+    fill_pattern(buf.data(), o.dtype, count, step, rank);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool gave_up = collectives::sleep_unless(model.delay(o.seed, rank, step),
+                                             [&] { return qa.excluded(step); });
+    if (!gave_up) qa.contribute(step, buf.data(), count);
+    collectives::QuorumResult r = qa.wait(step, buf.data());
+    const auto t1 = std::chrono::steady_clock::now();
+    if (s >= o.warmup) {
+      lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      contributors += r.count;
+      st.dropped += n - r.count;
+    }
+    if (o.check) {
+      // Expected: the sum (or mean) over exactly S(step) of pattern(j + step, r).
+      alignas(8) unsigned char want[kPatternPeriod][8];
+      for (size_t k = 0; k < kPatternPeriod; ++k) {
+        int64_t sum = 0;
+        for (int p = 0; p < n; ++p)
+          if (r.contains(p)) sum += pattern(k, p);
+        if (!qo.mean) {
+          store_value(want[k], o.dtype, 0, double(sum));
+        } else if (o.dtype == DataType::kInt32 || o.dtype == DataType::kInt64) {
+          store_value(want[k], o.dtype, 0, double(sum / r.count));
+        } else if (o.dtype == DataType::kFloat64) {
+          store_value(want[k], o.dtype, 0, double(sum) / double(r.count));
+        } else {
+          store_value(want[k], o.dtype, 0, double(float(sum) / float(r.count)));
+        }
+      }
+      st.wrong += count_mismatches(buf.data(), ts, count, step, want);
+    }
+  }
+  // The step latency is the slowest rank's; contributor counts agree on every rank.
+  st.lat_us.assign(lat.size(), 0);
+  if (!lat.empty())
+    comm.allreduce(lat.data(), st.lat_us.data(), lat.size(), DataType::kFloat64, RedOp::kMax);
+  int64_t w = st.wrong;
+  comm.allreduce(&w, &st.wrong, 1, DataType::kInt64, RedOp::kSum);
+  st.contributors_mean = o.iters ? contributors / o.iters : 0;
+  comm.barrier();
+  return st;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = size_t(std::ceil(p / 100.0 * double(v.size()))) ;
+  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+int64_t run_quorum(collectives::Communicator& comm, const Options& o,
+                   std::vector<nlohmann::json>& rows) {
+  const int n = comm.size();
+  const int q = o.quorum.empty() ? n : collectives::resolve_quorum(o.quorum, n);
+  if (o.redop != RedOp::kSum && o.redop != RedOp::kAvg)
+    throw ConfigError("--op quorum: --redop must be sum or avg");
+  const auto model = collectives::StragglerModel::parse(o.straggler);
+  const size_t ts = dtype_bytes(o.dtype);
+  const bool print = comm.rank() == 0;
+  if (print) {
+    std::printf("# quorum all-reduce: %d ranks, provider %s, quorum %d, grace %ld ms, deadline "
+                "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
+                n, comm.provider().c_str(), q, o.grace_ms, o.deadline_ms, model.spec().c_str(),
+                static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
+                o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
+    std::printf("# step latency = the slowest rank's time from the start of its step (before "
+                "its straggler delay) to the end of its wait; busbw from p50\n#\n");
+    std::printf("# %10s %12s %10s %10s %10s %8s %8s %8s %6s", "size", "count", "p50(us)",
+                "p99(us)", "max(us)", "busbw", "contrib", "dropped", "#wrong");
+    if (o.compare_full)
+      std::printf(" | %10s %10s %8s %8s", "full p50", "full p99", "p50 x", "p99 x");
+    std::printf("\n");
+  }
+  int64_t total_wrong = 0;
+  for (size_t bytes : sweep_sizes(o)) {
+    const size_t count = bytes / ts;
+    if (count == 0) continue;
+    QuorumStats st = quorum_steps(comm, o, count, q, model);
+    std::optional<QuorumStats> full;
+    if (o.compare_full) full = quorum_steps(comm, o, count, n, model);
+    total_wrong += st.wrong + (full ? full->wrong : 0);
+    if (!print) continue;
+    auto row = [&](const QuorumStats& s, int quorum) {
+      double p50 = percentile(s.lat_us, 50), p99 = percentile(s.lat_us, 99),
+             mx = percentile(s.lat_us, 100);
+      double algbw = p50 > 0 ? double(count * ts) / (p50 * 1e-6) / 1e9 : 0;
+      nlohmann::json j{{"op", "quorum"},
+                       {"dtype", std::string(dtype_name(o.dtype))},
+                       {"redop", o.redop == RedOp::kAvg ? "avg" : "sum"},
+                       {"bytes", count * ts},
+                       {"count", count},
+                       {"ranks", n},
+                       {"provider", comm.provider()},
+                       {"in_place", true},
+                       {"quorum", quorum},
+                       {"grace_ms", o.grace_ms},
+                       {"straggler", model.spec()},
+                       {"time_us", p50},
+                       {"algbw_gbps", algbw},
+                       {"busbw_gbps", algbw * bus_factor(BenchOp::kAllreduce, n)},
+                       {"p50_us", p50},
+                       {"p99_us", p99},
+                       {"max_us", mx},
+                       {"contributors_mean", s.contributors_mean},
+                       {"dropped", s.dropped},
+                       {"wrong", s.wrong},
+                       {"iters", o.iters}};
+      return j;
+    };
+    auto j = row(st, q);
+    std::printf("  %10zu %12zu %10.1f %10.1f %10.1f %8.3f %8.2f %8lld %6lld", count * ts, count,
+                double(j["p50_us"]), double(j["p99_us"]), double(j["max_us"]),
+                double(j["busbw_gbps"]), st.contributors_mean, static_cast<long long>(st.dropped),
+                static_cast<long long>(st.wrong));
+    if (full) {
+      auto f = row(*full, n);
+      f["compare_full"] = true;
+      double r50 = double(j["p50_us"]) / std::max(1e-9, double(f["p50_us"]));
+      double r99 = double(j["p99_us"]) / std::max(1e-9, double(f["p99_us"]));
+      j["full_p50_us"] = f["p50_us"];
+      j["full_p99_us"] = f["p99_us"];
+      j["p50_ratio_vs_full"] = r50;
+      j["p99_ratio_vs_full"] = r99;
+      std::printf(" | %10.1f %10.1f %8.3f %8.3f", double(f["p50_us"]), double(f["p99_us"]), r50,
+                  r99);
+      rows.push_back(j);
+      rows.push_back(f);
+    } else {
+      rows.push_back(j);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return total_wrong;
+}
+
 // ------------------------------------------------------------------ main
 
 std::string provider_setting(const Options& o) {
@@ -427,6 +598,13 @@ int bench_main(const Options& o) {
         write();
         return 0;
       }
+      if (o.op == BenchOp::kQuorum) {
+        wrong = run_quorum(comm, o, rows);
+        write();
+        if (wrong > 0 && print)
+          std::fprintf(stderr, "qring-bench: %lld wrong elements\n", static_cast<long long>(wrong));
+        return wrong > 0 ? 1 : 0;
+      }
       QringBackend be(comm, o);
       Sweep<QringBackend> sweep(be, o);
       try {
@@ -465,10 +643,6 @@ int main(int argc, char** argv) {
   if (o.help) {
     std::fputs(usage("qring-bench", false).c_str(), stdout);
     return 0;
-  }
-  if (o.op == BenchOp::kQuorum) {
-    std::fprintf(stderr, "qring-bench: quorum op not available yet\n");
-    return 2;
   }
   try {
     return bench_main(o);
