@@ -110,8 +110,9 @@ start_munge() {
   install -d -o munge -g munge -m 0700 /var/log/munge /etc/munge
   install -d -o munge -g munge -m 0711 /var/lib/munge
   rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
+  # 8>&-: the daemons must not inherit the lock on $STATE.lock.
   runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid \
-    --log-file=/var/log/munge/munged.log ||
+    --log-file=/var/log/munge/munged.log 8>&- ||
     die "munged failed to start (see /var/log/munge/munged.log)"
   local i
   for ((i = 0; i < 50; i++)); do
@@ -245,7 +246,7 @@ start() {
   echo "$n" >"$STATE/nodes"
   start_munge
 
-  slurmctld -f "$CONF" -c -i || die "slurmctld failed to start (see $LOG/slurmctld.log)"
+  slurmctld -f "$CONF" -c -i 8>&- || die "slurmctld failed to start (see $LOG/slurmctld.log)"
   # Each slurmd in its own UTS namespace whose hostname is the node name, so that its tasks'
   # gethostname() tells the emulated nodes apart as on a real cluster. Without permission
   # for namespaces (or with QRING_SLURM_UTS=0) the nodes share this host's name.
@@ -256,9 +257,9 @@ start() {
     mkdir -p "$STATE/spool/$name"
     if [ $uts = 1 ]; then
       # shellcheck disable=SC2016 # expanded by the inner shell
-      unshare --uts sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' sh "$name" "$CONF"
+      unshare --uts sh -c 'hostname "$1" && exec slurmd -f "$2" -N "$1"' sh "$name" "$CONF" 8>&-
     else
-      slurmd -f "$CONF" -N "$name"
+      slurmd -f "$CONF" -N "$name" 8>&-
     fi || die "slurmd $name failed to start (see $LOG/slurmd-$name.log)"
   done
   if ! wait_idle "$n"; then
@@ -373,11 +374,18 @@ status() {
   return $rc
 }
 
+# start and stop change the cluster: one at a time.
+lock() {
+  mkdir -p "$(dirname "$STATE")"
+  exec 8>"$STATE.lock"
+  flock -w 120 8 || die "another local-cluster.sh start/stop held $STATE.lock for 120 s"
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case $cmd in
-  start) start "$@" ;;
-  stop) stop ;;
+  start) lock && start "$@" ;;
+  stop) lock && stop ;;
   status) status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
   *) usage ;;

@@ -92,6 +92,17 @@ if [ -n "$missing" ]; then
   exit 1
 fi
 
+# One test run at a time per cluster directory: a second run would stop the first one's cluster.
+exec 9>"$QRING_SLURM_DIR.tests.lock"
+if ! flock -n 9; then
+  echo "== waiting for another Slurm test run on $QRING_SLURM_DIR to finish (at most 30 min)"
+  if ! flock -w 1800 9; then
+    for s in "${SCENARIOS[@]}"; do fail "$s" "another test run held the cluster for 30 min"; done
+    finish
+    exit 1
+  fi
+fi
+
 WORK=$(mktemp -d /tmp/qring-slurm-tests.XXXXXX)
 mkdir -p "$WORK/logs"
 
@@ -113,7 +124,7 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== starting the local Slurm cluster (2 emulated nodes)"
-if ! "$CLUSTER" start --nodes 2; then
+if ! "$CLUSTER" start --nodes 2 9>&-; then
   for s in "${SCENARIOS[@]}"; do fail "$s" "local cluster did not start"; done
   finish
   exit 1
