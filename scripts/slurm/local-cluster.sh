@@ -36,7 +36,11 @@ RUN="$STATE/run"
 LOG="$STATE/log"
 START_TIMEOUT_S=${QRING_SLURM_START_TIMEOUT:-30}
 PKGS=(slurmctld slurmd slurm-client munge)
-MUNGE_SOCKET=/run/munge/munge.socket.2
+# A munged of its own (socket, pid, log and seed under $STATE/munge; the key the munge package
+# created), so that clusters with different state directories never share or stop each
+# other's munged. Slurm finds it through AuthInfo=socket=...
+MUNGE_DIR="$STATE/munge"
+MUNGE_SOCKET="$MUNGE_DIR/munge.socket.2"
 
 die() {
   echo "local-cluster: error: $*" >&2
@@ -101,26 +105,25 @@ munge_works() {
 
 start_munge() {
   if munge_works; then
-    alive_pid "$RUN/munged.pid" munged >/dev/null || say "using the munged already running"
-    return 0
+    alive_pid "$RUN/munged.pid" munged >/dev/null && return 0
   fi
+  # munged checks ownership and modes: it must run as the munge user, with its key readable
+  # only by that user and its socket directory owned by it and searchable by all (0711).
   [ -f /etc/munge/munge.key ] || die "/etc/munge/munge.key missing (reinstall munge)"
-  # munged refuses to start unless its directories belong to the munge user.
-  install -d -o munge -g munge -m 0755 /run/munge
-  install -d -o munge -g munge -m 0700 /var/log/munge /etc/munge
-  install -d -o munge -g munge -m 0711 /var/lib/munge
-  rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
+  rm -rf "$MUNGE_DIR"
+  install -d -o munge -g munge -m 0711 "$MUNGE_DIR"
   # 8>&-: the daemons must not inherit the lock on $STATE.lock.
-  runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid \
-    --log-file=/var/log/munge/munged.log 8>&- ||
-    die "munged failed to start (see /var/log/munge/munged.log)"
+  runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_SOCKET" \
+    --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log" \
+    --seed-file="$MUNGE_DIR/munged.seed" 8>&- ||
+    die "munged failed to start (see $MUNGE_DIR/munged.log)"
   local i
   for ((i = 0; i < 50; i++)); do
     munge_works && break
     sleep 0.1
   done
   munge_works || die "munged started but does not answer on $MUNGE_SOCKET"
-  cp /run/munge/munged.pid "$RUN/munged.pid"
+  cp "$MUNGE_DIR/munged.pid" "$RUN/munged.pid"
 }
 
 add_hosts() {
@@ -145,6 +148,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=socket=$MUNGE_SOCKET
 StateSaveLocation=$STATE/state
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
@@ -224,6 +228,7 @@ start() {
   [[ $n =~ ^[1-9][0-9]?$ ]] || die "--nodes must be 1..99, got '$n'"
   require_root
   mkdir -p "$STATE"
+  chmod 0755 "$STATE" # munged (user munge) reaches its socket directory through it
   local t0=$SECONDS
   if all_running "$(configured_nodes)"; then
     if [ "$(configured_nodes)" -eq "$n" ]; then
