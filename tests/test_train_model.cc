@@ -87,6 +87,16 @@ TEST(GradCheck, ConvOddSizes5x5AndMultiChannelInput) {
   gradient_check(*net, 2, 30);
 }
 
+TEST(GradCheck, KernelWiderThanImage) {
+  ModelSection m;
+  m.type = "cnn";
+  m.conv_channels = {2, 2};
+  m.conv_kernel = 7;  // the second conv sees a 2x2 image: most taps are padding
+  m.hidden = {};
+  auto net = build_network<double>(m, {1, 5, 4}, 3);
+  gradient_check(*net, 2, 40);
+}
+
 TEST(Softmax, StableForHugeLogits) {
   Mat<double> z(3, 2);
   z << 1000, -1000, 0, 0, -1000, 1000;
@@ -106,9 +116,8 @@ TEST(Softmax, StableForHugeLogits) {
 }
 
 // Direct convolution (PyTorch semantics, same padding) as an independent reference.
-TEST(Conv2d, MatchesDirectConvolution) {
-  const Shape in{2, 5, 6};
-  const int cout = 3, k = 3, batch = 2;
+void check_direct_convolution(Shape in, int cout, int k) {
+  const int batch = 2, pad = k / 2;
   Conv2d<double> conv(in, cout, k);
   std::vector<double> params = random_vec(conv.num_params(), 3), grads(conv.num_params());
   conv.bind(params.data(), grads.data());
@@ -131,13 +140,19 @@ TEST(Conv2d, MatchesDirectConvolution) {
           for (int c = 0; c < in.c; ++c)
             for (int ky = 0; ky < k; ++ky)
               for (int kx = 0; kx < k; ++kx) {
-                const int sy = yy + ky - 1, sx = xx + kx - 1;
+                const int sy = yy + ky - pad, sx = xx + kx - pad;
                 if (sy < 0 || sy >= in.h || sx < 0 || sx >= in.w) continue;
                 acc += w[((o * in.c + c) * k + ky) * k + kx] *
                        xs[((b * in.c + c) * in.h + sy) * in.w + sx];
               }
           EXPECT_NEAR(y(b * in.h * in.w + yy * in.w + xx, o), acc, 1e-12);
         }
+}
+
+TEST(Conv2d, MatchesDirectConvolution) {
+  check_direct_convolution({2, 5, 6}, 3, 3);
+  check_direct_convolution({3, 4, 7}, 2, 5);
+  check_direct_convolution({1, 3, 2}, 2, 7);  // kernel wider than the image
 }
 
 TEST(MaxPool2, PicksWindowMaxAndRoutesGradient) {

@@ -101,7 +101,8 @@ void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
     const int ci = static_cast<int>(r / (k * k));
     const int ky = static_cast<int>(r / k % k) - pad;
     const int kx = static_cast<int>(r % k) - pad;
-    const int x0 = std::max(0, -kx), x1 = std::min(w, w - kx);
+    // Output columns [x0, x1) read input columns [x0 + kx, x1 + kx); the rest is padding.
+    const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
     T* dst = cols_.data() + r * n;
     const T* src = x.data() + ci * n;
     for (int b = 0; b < batch; ++b) {
@@ -112,9 +113,9 @@ void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
           std::fill(d, d + w, T(0));
           continue;
         }
-        const T* s = src + b * hw + int64_t{sy} * w + kx;
+        const T* s = src + b * hw + int64_t{sy} * w;
         for (int xx = 0; xx < x0; ++xx) d[xx] = T(0);
-        for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx];
+        for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx + kx];
         for (int xx = x1; xx < w; ++xx) d[xx] = T(0);
       }
     }
@@ -131,15 +132,15 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
     for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
       const int ky = r / k % k - pad;
       const int kx = r % k - pad;
-      const int x0 = std::max(0, -kx), x1 = std::min(w, w - kx);
+      const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
       const T* src = dcols_.data() + int64_t{r} * n;
       for (int b = 0; b < batch; ++b) {
         for (int yy = 0; yy < h; ++yy) {
           const int sy = yy + ky;
           if (sy < 0 || sy >= h) continue;
           const T* s = src + b * hw + int64_t{yy} * w;
-          T* d = dst + b * hw + int64_t{sy} * w + kx;
-          for (int xx = x0; xx < x1; ++xx) d[xx] += s[xx];
+          T* d = dst + b * hw + int64_t{sy} * w;
+          for (int xx = x0; xx < x1; ++xx) d[xx + kx] += s[xx];
         }
       }
     }
