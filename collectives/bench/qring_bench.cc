@@ -650,7 +650,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "qring-bench: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {
-    const char* rank = std::getenv("QRING_RANK");
+    const char* rank = nullptr;
+    for (const char* v : {"QRING_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
+      if (!rank) rank = std::getenv(v);
     std::fprintf(stderr, "qring-bench: rank %s: error: %s\n", rank ? rank : "?", e.what());
     return 3;
   }
