@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Point-to-point bandwidth of qring's endpoint against libfabric's own fi_pingpong, on one host.
 #
-#   scripts/bench_p2p.sh [--pairs N] [--iters N] [--providers "shm tcp"] [--spin] [--out DIR]
+#   scripts/bench_p2p.sh [--pairs N] [--iters N] [--providers "shm tcp"] [--spin] [--pin]
+#                        [--out DIR]
 #
 # For each provider (shm, tcp = "tcp;ofi_rxm"), runs interleaved pairs (A B A B ...):
 #   A: fi_pingpong -e rdm -p P -I ITERS -S SIZE   (server and client on 127.0.0.1; untagged
@@ -9,6 +10,7 @@
 #   B: qring-launch -n 2 --provider P -- qring-bench --op sendrecv -b 1M -e 16M -f 16
 #      (tagged messages, the endpoint's spin-yield-sleep wait; --spin adds a third contender
 #      C that busy-polls like fi_pingpong)
+# --pin binds both tools' two processes to CPUs 0 and 1 (taskset), the same way for both.
 # Both report one-way bandwidth from a ping-pong: size / (round trip / 2), GB = 1e9 bytes.
 # Prints per provider and size the median of each tool and the ratio qring / fi_pingpong.
 # Target: ratio >= 0.9 at 1 MiB and 16 MiB. Raw results: OUT/p2p_raw.tsv, summary:
@@ -24,6 +26,7 @@ ITERS=100
 WARMUP=10
 PROVIDERS="shm tcp"
 SPIN=0
+PIN=0
 OUT=runs/bench
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,6 +34,7 @@ while [ $# -gt 0 ]; do
     --iters) ITERS=$2; shift 2 ;;
     --providers) PROVIDERS=$2; shift 2 ;;
     --spin) SPIN=1; shift ;;
+    --pin) PIN=1; shift ;;
     --out) OUT=$2; shift 2 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "bench_p2p.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -55,6 +59,12 @@ trap 'rm -rf "$TMP"' EXIT
 printf "pair\tprovider\tsize\ttool\tgbps\n" >"$RAW"
 SIZES="1048576 16777216"
 
+NCPU=$(nproc)
+pin() {  # pin CPU_INDEX: taskset prefix when --pin
+  [ "$PIN" = 1 ] && echo "taskset -c $(($1 % NCPU))"
+  return 0
+}
+
 fi_prov() { [ "$1" = tcp ] && echo "tcp;ofi_rxm" || echo "$1"; }
 
 # fi_pingpong for one size; prints GB/s (its MB/sec column is size / usec-per-transfer).
@@ -62,10 +72,12 @@ run_fi_pingpong() {
   local prov=$1 size=$2 port attempt out
   for attempt in 1 2 3; do
     port=$((20000 + RANDOM % 20000))
-    fi_pingpong -p "$prov" -e rdm -I "$ITERS" -S "$size" -B "$port" >"$TMP/srv" 2>&1 &
+    # shellcheck disable=SC2046
+    $(pin 0) fi_pingpong -p "$prov" -e rdm -I "$ITERS" -S "$size" -B "$port" >"$TMP/srv" 2>&1 &
     local srv=$!
     sleep 0.3
-    if out=$(timeout 120 fi_pingpong -p "$prov" -e rdm -I "$ITERS" -S "$size" -P "$port" 127.0.0.1 2>&1); then
+    # shellcheck disable=SC2046
+    if out=$(timeout 120 $(pin 1) fi_pingpong -p "$prov" -e rdm -I "$ITERS" -S "$size" -P "$port" 127.0.0.1 2>&1); then
       wait "$srv" || true
       echo "$out" | awk 'NR > 1 && NF >= 8 { printf "%.4f\n", $6 / 1000.0; exit }'
       return 0
@@ -80,8 +92,11 @@ run_fi_pingpong() {
 # qring-bench sendrecv over both sizes; prints "size gbps" lines.
 run_qring() {
   local prov=$1; shift
-  timeout 300 "$LAUNCH" -n 2 --provider "$prov" -- "$BENCH" --op sendrecv -b 1M -e 16M -f 16 \
-    -n "$ITERS" -w "$WARMUP" --json "$TMP/q.json" "$@" >"$TMP/q.out" 2>&1 || {
+  local wrap=()
+  # Rank r on CPU r, like the fi_pingpong server (0) and client (1).
+  [ "$PIN" = 1 ] && wrap=(sh -c 'exec taskset -c $((QRING_RANK % $(nproc))) "$@"' sh)
+  timeout 300 "$LAUNCH" -n 2 --provider "$prov" -- "${wrap[@]}" "$BENCH" --op sendrecv -b 1M \
+    -e 16M -f 16 -n "$ITERS" -w "$WARMUP" --json "$TMP/q.json" "$@" >"$TMP/q.out" 2>&1 || {
     echo "bench_p2p.sh: qring-bench sendrecv over $prov failed:" >&2
     cat "$TMP/q.out" >&2
     return 1
