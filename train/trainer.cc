@@ -22,6 +22,7 @@
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
+#include "train/trainer_core.h"
 
 namespace qring::train {
 
@@ -143,18 +144,15 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   }
 
   DatasetPair data = load_datasets(cfg.data, seed);
-  auto model = make_model(cfg.model, seed);
-  const size_t P = model->num_params();
-  Sgd sgd(P, sgd_options(cfg));
+  TrainerCore core(cfg, data, rank, world, quorum);
+  const size_t P = core.num_params();
   const int64_t B = cfg.train.batch_per_rank;
-  Sharder sharder(data.train.size(), rank, world, B, derive_seed(seed, 1));
-  const int64_t spe = sharder.batches_per_epoch();
+  const int64_t spe = core.steps_per_epoch();
   if (spe < 1)
     throw ConfigError(fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
                                   "batch of {} per rank",
                                   data.train.size(), world, B));
-  const int64_t total = cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * spe;
-  const LrSchedule sched = make_schedule(cfg, quorum, total);
+  const int64_t total = core.total_steps();
   const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
   const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : spe;
 
@@ -181,18 +179,14 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     } else {
       std::string path = checkpoint_path(ckpt_dir.string(), uint64_t(common));
       CheckpointState st = load_checkpoint(path);
-      if (st.config_fingerprint != cfg.fingerprint())
-        throw ConfigError(fmt::format("{}: written by a different configuration (seed, data, "
-                                      "model or batch differ); cannot resume",
-                                      path));
-      if (int(st.world) != world || int(st.rank) != rank || st.params.size() != P ||
-          st.velocity.size() != P)
-        throw DataError(fmt::format("{}: written by rank {} of {} for {} parameters; this is "
-                                    "rank {} of {} with {}",
-                                    path, st.rank, st.world, st.params.size(), rank, world, P));
-      std::memcpy(model->params(), st.params.data(), P * sizeof(float));
-      sgd.velocity() = st.velocity;
-      sharder.seek(st.position);
+      if (int(st.world) != world || int(st.rank) != rank)
+        throw DataError(fmt::format("{}: written by rank {} of {}; this is rank {} of {}", path,
+                                    st.rank, st.world, rank, world));
+      try {
+        core.restore(st);
+      } catch (const DataError& e) {
+        throw DataError(fmt::format("{}: {}", path, e.what()));
+      }
       std::vector<char> carry(reinterpret_cast<const char*>(st.carry.data()),
                               reinterpret_cast<const char*>(st.carry.data() + st.carry.size()));
       q.restore_carry(carry);
@@ -213,8 +207,6 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   }
   comm.barrier();
 
-  std::vector<float> x(size_t(B) * size_t(data.train.dim));
-  std::vector<int32_t> y(static_cast<size_t>(B));
   RunSummary sum;
   const auto t_start = Clock::now();
   double counted = 0, computed = 0, contributors = 0;
@@ -227,7 +219,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   double last_acc = -1, last_loss = 0;
 
   auto do_eval = [&](int64_t step) {
-    EvalOut e = evaluate_sharded(*model, data.test, cfg.train.eval_batch, comm);
+    EvalOut e = evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, comm);
     double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
     last_acc = e.accuracy;
     sum.test_accuracy = e.accuracy;
@@ -248,14 +240,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   };
 
   auto save = [&](int64_t step) {
-    CheckpointState st;
-    st.step = uint64_t(step);
-    st.position = sharder.position();
-    st.config_fingerprint = cfg.fingerprint();
-    st.world = uint32_t(world);
-    st.rank = uint32_t(rank);
-    st.params.assign(model->params(), model->params() + P);
-    st.velocity = sgd.velocity();
+    CheckpointState st = core.checkpoint_state();
     auto carry = q.pending_carry();
     st.carry.resize(carry.size() / sizeof(float));
     std::memcpy(st.carry.data(), carry.data(), carry.size());
@@ -273,15 +258,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   for (; t < total; ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
     const auto step_start = Clock::now();
-    const auto& idx = sharder.next_batch();
-    gather_batch(data.train, idx, x.data(), y.data());
     const auto delay = straggler.delay(seed, rank, uint64_t(t));
     bool abandoned = collectives::sleep_unless(delay, [&] { return q.excluded(uint64_t(t)); });
     double compute_ms = 0;
     if (!abandoned && !q.excluded(uint64_t(t))) {
       auto c0 = Clock::now();
-      float loss = float(model->forward_backward(x.data(), y.data(), int(B)));
-      std::memcpy(buf.data(), model->grads(), P * sizeof(float));
+      float loss = float(core.compute_gradient());
+      std::memcpy(buf.data(), core.gradient(), P * sizeof(float));
       buf[P] = loss;
       compute_ms = ms_since(c0);
       compute_total += compute_ms;
@@ -289,12 +272,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       q.contribute(uint64_t(t), buf.data(), P + 1);
     } else {
       abandoned = true;
+      core.skip_batch();  // stale work abandoned; the data stream stays aligned across ranks
     }
     const auto w0 = Clock::now();
     collectives::QuorumResult r = q.wait(uint64_t(t), buf.data());
     const double wait_ms = ms_since(w0);
-    const double lr = sched.at(t);
-    sgd.step(model->params(), buf.data(), lr);
+    const double lr = core.lr();
+    core.apply_gradient(buf.data());
     last_loss = buf[P];
 
     const double delay_ms = double(delay.count()) / 1000.0;
@@ -327,7 +311,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     }
     const int64_t done = t + 1;
     if (cfg.train.checksum_every > 0 && done % cfg.train.checksum_every == 0) {
-      int64_t mine = int64_t(checksum(model->params(), P));
+      int64_t mine = int64_t(checksum(core.params(), P));
       std::vector<int64_t> all(static_cast<size_t>(world));
       comm.allgather(&mine, all.data(), 1, DataType::kInt64);
       for (int p = 0; p < world; ++p)
@@ -370,7 +354,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   sum.samples_per_s = sum.wall_s > 0 ? counted / sum.wall_s : 0;
   sum.computed_samples_per_s = sum.wall_s > 0 ? computed / sum.wall_s : 0;
   sum.mean_contributors = ran > 0 ? contributors / double(ran) : 0;
-  sum.params_checksum = checksum(model->params(), P);
+  sum.params_checksum = checksum(core.params(), P);
 
   // The backup workers' saving, from the recorded timings: had every step waited for its
   // slowest rank, it would have taken max over ranks of (delay + compute) + the reduction.
