@@ -59,7 +59,7 @@ class Reader {
           fmt::format("{}: corrupt checkpoint: {} length {} exceeds the file", path_, what, count));
     }
     std::vector<U> v(count);
-    std::memcpy(v.data(), p_ + off_, count * sizeof(U));
+    if (count > 0) std::memcpy(v.data(), p_ + off_, count * sizeof(U));
     off_ += count * sizeof(U);
     return v;
   }
