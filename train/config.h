@@ -30,7 +30,7 @@ struct DataSection {
 struct ModelSection {
   std::string type = "mlp";                       // mlp | cnn
   std::vector<int64_t> hidden = {512, 256};       // MLP hidden layers; CNN dense-head hidden layers
-  std::vector<int64_t> conv_channels = {32, 64};  // CNN: one conv-ReLU-maxpool block per entry
+  std::vector<int64_t> conv_channels = {16, 32};  // CNN: one conv-ReLU-maxpool block per entry
   int64_t conv_kernel = 3;                        // CNN: odd square kernel, stride 1, same padding
 };
 
