@@ -124,11 +124,11 @@ TEST(Idx, TruncatedAndCorruptGzip) {
   auto cut = good;
   cut.resize(good.size() / 2);
   write_raw(p, cut);
-  expect_data_error([&] { read_idx(p); }, p, "gzip");
+  expect_data_error([&] { read_idx(p); }, p, "truncated gzip data: unexpected end of file");
   auto bad = good;
   bad[good.size() - 6] ^= 0xff;  // inside the CRC-32 trailer
   write_raw(p, bad);
-  expect_data_error([&] { read_idx(p); }, p, "gzip");
+  expect_data_error([&] { read_idx(p); }, p, "gzip data: incorrect data check");
 }
 
 TEST(Idx, ImageAndLabelValidation) {

@@ -21,6 +21,14 @@ struct GzCloser {
 };
 using GzFile = std::unique_ptr<gzFile_s, GzCloser>;
 
+// zlib's gzerror text starts with the path it was opened with; drop that repetition.
+std::string zlib_message(const std::string& path, const char* msg) {
+  std::string m = msg != nullptr ? msg : "unknown zlib error";
+  const std::string prefix = path + ": ";
+  if (m.rfind(prefix, 0) == 0) m.erase(0, prefix.size());
+  return m;
+}
+
 std::vector<uint8_t> read_all(const std::string& path) {
   errno = 0;
   GzFile f(gzopen(path.c_str(), "rb"));
@@ -36,7 +44,7 @@ std::vector<uint8_t> read_all(const std::string& path) {
       int err = 0;
       const char* msg = gzerror(f.get(), &err);
       throw DataError(fmt::format("{}: corrupt or unreadable gzip data: {}", path,
-                                  err == Z_ERRNO ? std::strerror(errno) : msg));
+                                  err == Z_ERRNO ? std::strerror(errno) : zlib_message(path, msg)));
     }
     if (n == 0) break;
     out.insert(out.end(), chunk.begin(), chunk.begin() + n);
@@ -45,7 +53,8 @@ std::vector<uint8_t> read_all(const std::string& path) {
   int err = 0;
   const char* msg = gzerror(f.get(), &err);
   if (err != Z_OK && err != Z_STREAM_END) {
-    throw DataError(fmt::format("{}: corrupt or truncated gzip data: {}", path, msg));
+    throw DataError(
+        fmt::format("{}: corrupt or truncated gzip data: {}", path, zlib_message(path, msg)));
   }
   return out;
 }
