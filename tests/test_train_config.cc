@@ -192,8 +192,9 @@ TEST(TrainConfig, StragglerSpecs) {
   EXPECT_DOUBLE_EQ(t.b, 200);
   StragglerSpec tr = parse_straggler_spec("trace:/tmp/a:b.txt");
   EXPECT_EQ(tr.file, "/tmp/a:b.txt");
-  for (const char* bad : {"", "fixed:2", "fixed:x:200", "fixed:-1:5", "exp:0", "exp:1:2",
-                          "tail:2:100", "lognormal:1", "trace:", "gamma:1", "none:1"}) {
+  EXPECT_EQ(parse_straggler_spec("").kind, StragglerSpec::Kind::kNone);
+  for (const char* bad : {"fixed:2", "fixed:x:200", "fixed:-1:5", "exp:-1", "exp:1:2", "tail:2:100",
+                          "lognormal:1", "trace:", "gamma:1", "none:1"}) {
     expect_config_error([&] { parse_straggler_spec(bad); }, "straggler.model");
   }
   expect_config_error([] { parse("", {"straggler.model=exp:abc"}); }, "straggler.model", "abc");

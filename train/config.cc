@@ -473,6 +473,7 @@ StragglerSpec parse_straggler_spec(const std::string& spec) {
   };
   StragglerSpec out;
   const std::string& kind = parts[0];
+  if (spec.empty()) return out;  // same as none (collectives::StragglerModel agrees)
   if (kind == "none") {
     arity(1, "none");
   } else if (kind == "fixed") {
@@ -488,7 +489,7 @@ StragglerSpec parse_straggler_spec(const std::string& spec) {
     arity(2, "exp:MEAN_MS");
     out.kind = StragglerSpec::Kind::kExp;
     out.a = number(1, "MEAN_MS");
-    if (out.a <= 0) fail(key, fmt::format("'{}': MEAN_MS must be > 0", spec));
+    if (out.a < 0) fail(key, fmt::format("'{}': MEAN_MS must be >= 0", spec));
   } else if (kind == "lognormal") {
     arity(3, "lognormal:MU:SIGMA");
     out.kind = StragglerSpec::Kind::kLognormal;

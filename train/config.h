@@ -117,7 +117,9 @@ struct TrainConfig {
   static std::vector<std::string> keys();
 };
 
-// Parsed straggler.model spec. Delays are in milliseconds, per rank per step:
+// Parsed straggler.model spec, the same grammar as collectives::StragglerModel (which the
+// training loop uses to sample delays; this parse lets the config name the key on errors).
+// Delays are in milliseconds, per rank per step ("" is the same as none):
 //   none                 no injected delay
 //   fixed:R:MS           rank R sleeps MS every step
 //   exp:MEAN             every rank sleeps Exp(mean MEAN) every step
