@@ -205,12 +205,33 @@ void MaxPool2<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, M
                            int batch) {
   if (dx == nullptr) return;
   const int64_t n2 = dy.rows();
-  dx->setZero(x.rows(), x.cols());
+  const int h = in_.h, w = in_.w, h2 = h / 2, w2 = w / 2;
+  if (h % 2 != 0 || w % 2 != 0) {  // rows or columns outside every window get zero
+    dx->setZero(x.rows(), x.cols());
+    for (int c = 0; c < in_.c; ++c) {
+      const T* src = dy.data() + c * n2;
+      T* dst = dx->data() + c * x.rows();
+      const int32_t* am = argmax_.data() + c * n2;
+      for (int64_t o = 0; o < n2; ++o) dst[am[o]] = src[o];
+    }
+    return;
+  }
+  // Windows tile the input: write each window once (zeros, then the max's gradient) instead
+  // of clearing the whole buffer in a separate pass.
+  dx->resize(x.rows(), x.cols());
+  const int64_t hw = int64_t{h} * w;
   for (int c = 0; c < in_.c; ++c) {
     const T* src = dy.data() + c * n2;
     T* dst = dx->data() + c * x.rows();
     const int32_t* am = argmax_.data() + c * n2;
-    for (int64_t o = 0; o < n2; ++o) dst[am[o]] += src[o];
+    for (int b = 0; b < batch; ++b) {
+      for (int yy = 0; yy < h2; ++yy) {
+        T* row = dst + b * hw + int64_t{2 * yy} * w;
+        std::fill(row, row + 2 * w, T(0));
+        const int64_t o = (int64_t{b} * h2 + yy) * w2;
+        for (int xx = 0; xx < w2; ++xx) dst[am[o + xx]] = src[o + xx];
+      }
+    }
   }
 }
 
