@@ -8,6 +8,7 @@
 #include <sstream>
 #include <toml.hpp>
 
+#include "collectives/straggler.h"
 #include "net/error.h"
 
 namespace qring::train {
@@ -370,7 +371,11 @@ void TrainConfig::validate(int world) const {
     fail("quorum.deadline_ms", fmt::format("must be > quorum.grace_ms ({}), got {}",
                                            quorum.grace_ms, quorum.deadline_ms));
   check_one_of("quorum.late_policy", quorum.late_policy, {"drop", "carry"});
-  parse_straggler_spec(straggler.model);
+  try {
+    collectives::StragglerModel::parse(straggler.model);  // the one parser of these specs
+  } catch (const ConfigError& e) {
+    fail("straggler.model", e.what());
+  }
   if (net.provider.empty()) fail("net.provider", "must not be empty");
   check_one_of("log.level", log.level, {"trace", "debug", "info", "warn", "error", "off"});
 }
@@ -435,84 +440,6 @@ uint64_t TrainConfig::fingerprint() const {
 std::vector<std::string> TrainConfig::keys() {
   std::vector<std::string> out;
   for (const auto& f : fields()) out.push_back(f.key);
-  return out;
-}
-
-StragglerSpec parse_straggler_spec(const std::string& spec) {
-  const std::string key = "straggler.model";
-  std::vector<std::string> parts;
-  size_t start = 0;
-  while (true) {
-    const size_t colon = spec.find(':', start);
-    if (colon == std::string::npos) {
-      parts.push_back(spec.substr(start));
-      break;
-    }
-    parts.push_back(spec.substr(start, colon - start));
-    start = colon + 1;
-    if (parts.size() == 1 && parts[0] == "trace") {  // the file name may contain ':'
-      parts.push_back(spec.substr(start));
-      break;
-    }
-  }
-  auto number = [&](size_t i, const char* what) {
-    const std::string& s = parts[i];
-    size_t used = 0;
-    double d = 0;
-    try {
-      d = std::stod(s, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (s.empty() || used != s.size() || !std::isfinite(d))
-      fail(key, fmt::format("'{}': {} '{}' is not a number", spec, what, s));
-    return d;
-  };
-  auto arity = [&](size_t n, const char* form) {
-    if (parts.size() != n) fail(key, fmt::format("'{}': expected {}", spec, form));
-  };
-  StragglerSpec out;
-  const std::string& kind = parts[0];
-  if (spec.empty()) return out;  // same as none (collectives::StragglerModel agrees)
-  if (kind == "none") {
-    arity(1, "none");
-  } else if (kind == "fixed") {
-    arity(3, "fixed:RANK:MS");
-    out.kind = StragglerSpec::Kind::kFixed;
-    const double r = number(1, "RANK");
-    if (r < 0 || r != std::floor(r) || r > 1e6)
-      fail(key, fmt::format("'{}': RANK must be a non-negative integer", spec));
-    out.rank = static_cast<int>(r);
-    out.a = number(2, "MS");
-    if (out.a < 0) fail(key, fmt::format("'{}': MS must be >= 0", spec));
-  } else if (kind == "exp") {
-    arity(2, "exp:MEAN_MS");
-    out.kind = StragglerSpec::Kind::kExp;
-    out.a = number(1, "MEAN_MS");
-    if (out.a < 0) fail(key, fmt::format("'{}': MEAN_MS must be >= 0", spec));
-  } else if (kind == "lognormal") {
-    arity(3, "lognormal:MU:SIGMA");
-    out.kind = StragglerSpec::Kind::kLognormal;
-    out.a = number(1, "MU");
-    out.b = number(2, "SIGMA");
-    if (out.b < 0) fail(key, fmt::format("'{}': SIGMA must be >= 0", spec));
-  } else if (kind == "tail") {
-    arity(3, "tail:P:MS");
-    out.kind = StragglerSpec::Kind::kTail;
-    out.a = number(1, "P");
-    out.b = number(2, "MS");
-    if (out.a < 0 || out.a > 1) fail(key, fmt::format("'{}': P must be in [0, 1]", spec));
-    if (out.b < 0) fail(key, fmt::format("'{}': MS must be >= 0", spec));
-  } else if (kind == "trace") {
-    arity(2, "trace:FILE");
-    out.kind = StragglerSpec::Kind::kTrace;
-    out.file = parts[1];
-    if (out.file.empty()) fail(key, fmt::format("'{}': FILE is empty", spec));
-  } else {
-    fail(key, fmt::format("unknown model '{}' (none, fixed:R:MS, exp:MEAN, lognormal:MU:SIGMA, "
-                          "tail:P:MS, trace:FILE)",
-                          spec));
-  }
   return out;
 }
 

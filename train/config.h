@@ -65,7 +65,7 @@ struct QuorumSection {
 };
 
 struct StragglerSection {
-  std::string model = "none";  // see StragglerSpec
+  std::string model = "none";  // collectives/straggler.h: none, fixed:R:MS, exp:MEAN_MS, ...
 };
 
 struct NetSection {
@@ -116,26 +116,5 @@ struct TrainConfig {
   // All dotted key names, in to_toml order.
   static std::vector<std::string> keys();
 };
-
-// Parsed straggler.model spec, the same grammar as collectives::StragglerModel (which the
-// training loop uses to sample delays; this parse lets the config name the key on errors).
-// Delays are in milliseconds, per rank per step ("" is the same as none):
-//   none                 no injected delay
-//   fixed:R:MS           rank R sleeps MS every step
-//   exp:MEAN             every rank sleeps Exp(mean MEAN) every step
-//   lognormal:MU:SIGMA   every rank sleeps exp(N(MU, SIGMA)) every step
-//   tail:P:MS            every rank, with probability P, sleeps MS
-//   trace:FILE           delays read from FILE (format defined by the trainer)
-struct StragglerSpec {
-  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace };
-  Kind kind = Kind::kNone;
-  int rank = -1;     // fixed
-  double a = 0.0;    // fixed: MS, exp: MEAN, lognormal: MU, tail: P
-  double b = 0.0;    // lognormal: SIGMA, tail: MS
-  std::string file;  // trace
-};
-
-// Throws ConfigError naming straggler.model on a malformed spec.
-StragglerSpec parse_straggler_spec(const std::string& spec);
 
 }  // namespace qring::train
