@@ -34,7 +34,7 @@ void check_buffers(const char* what, const void* send, const void* recv, size_t 
 WorkPtr Communicator::allreduce_async(const void* send, void* recv, size_t count, DataType type,
                                       RedOp op) {
   check_buffers("allreduce", send, recv, count);
-  RingArgs a{RingKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce};
+  RingArgs a{RingKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce, {}};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
@@ -43,7 +43,7 @@ WorkPtr Communicator::allreduce_async(const void* send, void* recv, size_t count
 WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count,
                                       DataType type) {
   check_buffers("allgather", send, recv, count);
-  RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather};
+  RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather, {}};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
@@ -52,7 +52,8 @@ WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count
 WorkPtr Communicator::reduce_scatter_async(const void* send, void* recv, size_t count,
                                            DataType type, RedOp op) {
   check_buffers("reduce_scatter", send, recv, count);
-  RingArgs a{RingKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter};
+  RingArgs a{RingKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter,
+              {}};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));

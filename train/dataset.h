@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "train/nn.h"
+
 namespace qring::train {
 
 struct DataSection;
@@ -14,7 +16,7 @@ struct DataSection;
 struct Dataset {
   int64_t dim = 784;
   int num_classes = 10;
-  std::vector<float> images;
+  AlignedVector<float> images;  // 64-byte aligned: see nn.h
   std::vector<int32_t> labels;
 
   int64_t size() const { return static_cast<int64_t>(labels.size()); }

@@ -27,6 +27,13 @@ namespace qring::train {
 template <class T>
 using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>;
 
+// Buffers that Eigen reads through Maps are aligned like Eigen's own matrices
+// (EIGEN_MAX_ALIGN_BYTES, 64 with AVX-512). Eigen's kernels pick their code path by pointer
+// alignment, so malloc's 16-byte alignment would make results depend on where a buffer
+// happened to land: the same run twice, or a resumed run, would not be bit-identical.
+template <class T>
+using AlignedVector = std::vector<T, Eigen::aligned_allocator<T>>;
+
 struct Shape {
   int c = 1, h = 1, w = 1;
   int64_t size() const { return int64_t{c} * h * w; }
@@ -230,8 +237,8 @@ class Network {
   int classes_;
   bool finalized_ = false;
   std::vector<std::unique_ptr<Layer<T>>> layers_;
-  std::vector<T> params_;
-  std::vector<T> grads_;
+  AlignedVector<T> params_;
+  AlignedVector<T> grads_;
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

@@ -21,6 +21,7 @@
 #include "train/config.h"
 #include "train/dataset.h"
 #include "train/model.h"
+#include "train/nn.h"
 #include "train/optim.h"
 
 namespace qring::train {
@@ -75,7 +76,7 @@ class TrainerCore {
   LrSchedule schedule_;
   int64_t total_steps_;
   int64_t step_ = 0;
-  std::vector<float> x_;
+  AlignedVector<float> x_;
   std::vector<int32_t> y_;
 };
 
