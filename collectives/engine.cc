@@ -255,17 +255,14 @@ void Engine::kick() {
   cv_.notify_one();
 }
 
-// Waiting for peers with operations active: poll, then yield, then sleep with a doubling
-// timeout, but on the condition variable, so new work (kick) wakes the engine at once.
-void Engine::idle_wait(uint32_t& idle_polls) {
-  ++idle_polls;
-  if (idle_polls < 64) return;
-  if (idle_polls < 512) {
+// Waiting for peers with operations active: poll, then yield, then sleep with net::Backoff's
+// doubling timeouts, but on the condition variable, so new work (kick) wakes the engine at once.
+void Engine::idle_wait(net::Backoff& backoff) {
+  auto sleep = backoff.next_sleep();
+  if (sleep.count() == 0) {
     sched_yield();
     return;
   }
-  uint32_t k = std::min<uint32_t>(idle_polls - 512, 9);
-  auto sleep = std::chrono::microseconds(1u << k);  // 1 us .. 512 us
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, sleep, [&] { return kicked_ || stop_; });
 }
@@ -355,7 +352,7 @@ bool Engine::try_progress() {
 }
 
 void Engine::loop() {
-  uint32_t idle_polls = 0;
+  net::Backoff backoff;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -365,7 +362,7 @@ void Engine::loop() {
         cv_.wait_for(lock, std::chrono::milliseconds(size_ > 1 ? 20 : 1000),
                      [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
       }
-      if (kicked_) idle_polls = 0;
+      if (kicked_) backoff.reset();
       kicked_ = false;
       if (stop_) break;
     }
@@ -375,9 +372,9 @@ void Engine::loop() {
       moved = step();
     }
     if (moved)
-      idle_polls = 0;
+      backoff.reset();
     else if (active_count_.load(std::memory_order_acquire) != 0)
-      idle_wait(idle_polls);
+      idle_wait(backoff);
   }
   // Shutdown: fail what is left so no caller waits forever.
   std::lock_guard<std::mutex> plock(progress_mu_);

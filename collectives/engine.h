@@ -85,7 +85,7 @@ class Engine {
  private:
   void loop();
   bool step();
-  void idle_wait(uint32_t& idle_polls);
+  void idle_wait(net::Backoff& backoff);
   // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
   // can name the rank that is missing rather than only the neighbour it waited on.
   struct Ctl {

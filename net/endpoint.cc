@@ -13,6 +13,8 @@ namespace {
 constexpr uint32_t kSpinPolls = 64;    // pure polling: a message usually lands within these
 constexpr uint32_t kYieldPolls = 512;  // then yield the core to ranks that compute
 constexpr long kMaxSleepNs = 500'000;  // then sleep, doubling up to 0.5 ms
+constexpr long kLongSleepNs = 4'000'000;                // and up to 4 ms once idle for long
+constexpr auto kLongIdle = std::chrono::milliseconds(50);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -30,17 +32,24 @@ std::string describe(const Request& r) {
 }
 }  // namespace
 
-void Backoff::idle() {
+std::chrono::nanoseconds Backoff::next_sleep() {
+  if (idle_polls_ == 0) idle_since_ = Clock::now();
   ++idle_polls_;
-  if (idle_polls_ < kSpinPolls) {
-    cpu_relax();
-  } else if (idle_polls_ < kYieldPolls) {
-    sched_yield();
-  } else {
-    uint32_t k = std::min<uint32_t>(idle_polls_ - kYieldPolls, 20);
-    long ns = std::min<long>(1000L << k, kMaxSleepNs);
-    timespec ts{0, ns};
+  if (idle_polls_ < kYieldPolls) return std::chrono::nanoseconds(0);
+  uint32_t k = std::min<uint32_t>(idle_polls_ - kYieldPolls, 20);
+  long cap = Clock::now() - idle_since_ > kLongIdle ? kLongSleepNs : kMaxSleepNs;
+  return std::chrono::nanoseconds(std::min<long>(1000L << k, cap));
+}
+
+void Backoff::idle() {
+  auto sleep = next_sleep();
+  if (sleep.count() > 0) {
+    timespec ts{0, long(sleep.count())};
     nanosleep(&ts, nullptr);
+  } else if (idle_polls_ < kSpinPolls) {
+    cpu_relax();
+  } else {
+    sched_yield();
   }
 }
 
