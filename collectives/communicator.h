@@ -43,6 +43,9 @@ struct CommOptions {
   size_t segment_bytes = size_t(1) << 20;
   // Segments in flight per link.
   int segments_in_flight = 4;
+  // All-reduces up to this size use recursive doubling (log2 n rounds), larger ones the
+  // bandwidth-optimal ring. 0: always the ring.
+  size_t small_allreduce_bytes = 64 * 1024;
   // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
   int reduce_threads = 0;
   // Ranks sharing this host (used by reduce_threads = 0).

@@ -243,6 +243,139 @@ class RingOp final : public EngineOp {
   bool done_ = false;
 };
 
+
+// Recursive doubling for small all-reduces: log2(p) exchange rounds instead of the ring's
+// 2(n-1) stages. With p the largest power of two <= n, each extra rank p+i first hands its
+// input to rank i (which reduces it in) and gets the final result back at the end. Partners
+// reduce (mine op theirs) and (theirs op mine): the same bits, as + min max are commutative,
+// so every rank ends bit-identical.
+class RecursiveDoublingOp final : public EngineOp {
+ public:
+  RecursiveDoublingOp(Engine& engine, const RingArgs& a) : engine_(engine), args_(a) {
+    if (a.members.empty()) {
+      for (int r = 0; r < engine.size(); ++r) ring_.push_back(r);
+    } else {
+      ring_ = a.members;
+    }
+    n_ = static_cast<int>(ring_.size());
+    auto it = std::find(ring_.begin(), ring_.end(), engine.rank());
+    if (it == ring_.end())
+      throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
+    me_ = static_cast<int>(it - ring_.begin());
+    p_ = 1;
+    while (p_ * 2 <= n_) p_ *= 2;
+    elem_ = dtype_size(a.type);
+    bytes_ = a.count * elem_;
+    threads_ = engine.reduce_threads();
+  }
+  std::string name() const override { return "allreduce"; }
+
+  void start(net::Endpoint& ep) override {
+    char* out = static_cast<char*>(args_.recv);
+    if (out != args_.send && bytes_) std::memcpy(out, args_.send, bytes_);
+    tmp_lease_ = engine_.scratch(std::max<size_t>(bytes_, 1));
+    tmp_ = tmp_lease_.data();
+    if (n_ == 1 || bytes_ == 0) {
+      finish_avg();
+      done_ = true;
+      return;
+    }
+    if (me_ >= p_) {  // extra rank: hand over, then wait for the result
+      phase_ = Phase::kExtraWait;
+      send_ = ep.isend(ring_[size_t(me_ - p_)], tag(0), out, bytes_);
+      recv_ = ep.irecv(ring_[size_t(me_ - p_)], tag(99), out, bytes_);
+      peer_ = me_ - p_;
+      return;
+    }
+    if (me_ + p_ < n_) {  // absorb the extra rank's input first
+      phase_ = Phase::kAbsorb;
+      peer_ = me_ + p_;
+      recv_ = ep.irecv(ring_[size_t(peer_)], tag(0), tmp_, bytes_);
+      return;
+    }
+    begin_round(ep);
+  }
+
+  bool advance(net::Endpoint& ep) override {
+    if (done_) return false;
+    if ((recv_ && !recv_->done()) || (send_ && !send_->done())) return false;
+    if (recv_) net::throw_if_failed(*recv_, "allreduce");
+    if (send_) net::throw_if_failed(*send_, "allreduce");
+    char* out = static_cast<char*>(args_.recv);
+    switch (phase_) {
+      case Phase::kExtraWait:
+        done_ = true;
+        break;
+      case Phase::kAbsorb:
+        reduce(out, out, tmp_, args_.count, args_.type, args_.op, threads_);
+        recv_.reset();
+        begin_round(ep);
+        break;
+      case Phase::kRounds:
+        reduce(out, out, tmp_, args_.count, args_.type, args_.op, threads_);
+        mask_ <<= 1;
+        if (mask_ < p_) {
+          begin_round(ep);
+        } else {
+          finish_avg();
+          if (me_ + p_ < n_) {
+            phase_ = Phase::kGiveBack;
+            peer_ = me_ + p_;
+            recv_.reset();
+            send_ = ep.isend(ring_[size_t(peer_)], tag(99), out, bytes_);
+          } else {
+            done_ = true;
+          }
+        }
+        break;
+      case Phase::kGiveBack:
+        done_ = true;
+        break;
+    }
+    return true;
+  }
+
+  bool finished() const override { return done_; }
+  void abort(net::Endpoint& ep) override {
+    if (recv_ && !recv_->done()) ep.cancel(recv_);
+  }
+  std::string waiting_on() const override {
+    if (recv_ && !recv_->done())
+      return fmt::format("receive from rank {} (recursive doubling, mask {})", ring_[size_t(peer_)],
+                         mask_);
+    return fmt::format("send to rank {} to complete", ring_[size_t(peer_)]);
+  }
+
+ private:
+  enum class Phase { kAbsorb, kRounds, kGiveBack, kExtraWait };
+  uint64_t tag(uint64_t round) const { return net::make_tag(args_.tag_op, seq, round); }
+  void begin_round(net::Endpoint& ep) {
+    phase_ = Phase::kRounds;
+    peer_ = me_ ^ mask_;
+    int round = 1;
+    for (int m = mask_; m > 1; m >>= 1) ++round;
+    recv_ = ep.irecv(ring_[size_t(peer_)], tag(uint64_t(round)), tmp_, bytes_);
+    send_ = ep.isend(ring_[size_t(peer_)], tag(uint64_t(round)), args_.recv, bytes_);
+  }
+  void finish_avg() {
+    if (args_.op == RedOp::kAvg && n_ > 1)
+      scale_avg(args_.recv, args_.count, args_.type, n_, threads_);
+  }
+
+  Engine& engine_;
+  RingArgs args_;
+  std::vector<int> ring_;
+  int n_, me_, p_;
+  size_t elem_, bytes_;
+  int threads_;
+  int mask_ = 1, peer_ = 0;
+  Phase phase_ = Phase::kRounds;
+  char* tmp_ = nullptr;
+  Engine::Lease tmp_lease_;
+  net::RequestPtr send_, recv_;
+  bool done_ = false;
+};
+
 // Pipelined chain from the root: root → root+1 → ... → root+n-1, segment by segment.
 class BroadcastOp final : public EngineOp {
  public:
@@ -389,6 +522,9 @@ class BarrierOp final : public EngineOp {
 
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args) {
+  if (args.kind == RingKind::kAllreduce &&
+      args.count * dtype_size(args.type) <= opts.small_allreduce_bytes)
+    return std::make_unique<RecursiveDoublingOp>(engine, args);
   return std::make_unique<RingOp>(engine, opts, args);
 }
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,

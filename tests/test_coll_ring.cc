@@ -34,14 +34,14 @@ size_t size_of(const GridCase& c) {
 
 class RingGrid : public ::testing::TestWithParam<GridCase> {};
 
-TEST_P(RingGrid, AllreduceBitExactEveryTypeOpAndPlacement) {
-  const GridCase c = GetParam();
+void allreduce_grid(const GridCase& c, size_t small_allreduce_bytes) {
   const size_t count = size_of(c);
   CommOptions opts;
   opts.timeout = std::chrono::seconds(20);
   // Tiny segments: many segments per chunk, several in flight, for the large sizes.
   opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
   opts.segments_in_flight = 3;
+  opts.small_allreduce_bytes = small_allreduce_bytes;
   std::atomic<size_t> wrong{0}, checked{0};
   run_ranks(c.ranks, opts, [&](Communicator& comm) {
     for (DataType t : kTypes) {
@@ -69,6 +69,12 @@ TEST_P(RingGrid, AllreduceBitExactEveryTypeOpAndPlacement) {
   });
   EXPECT_EQ(wrong.load(), 0u);
   EXPECT_EQ(checked.load(), size_t(c.ranks) * 5 * 4 * 2);
+}
+
+TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) { allreduce_grid(GetParam(), 0); }
+
+TEST_P(RingGrid, AllreduceRecursiveDoublingBitExactEveryTypeOpAndPlacement) {
+  allreduce_grid(GetParam(), SIZE_MAX);
 }
 
 TEST_P(RingGrid, AllgatherReduceScatterBroadcast) {
