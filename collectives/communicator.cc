@@ -21,7 +21,9 @@ bool Communicator::broken() const { return engine_->broken(); }
 
 WorkPtr Communicator::submit(std::unique_ptr<EngineOp> op) {
   if (op->deadline == Deadline{}) op->deadline = Clock::now() + opts_.timeout;
-  return engine_->submit(std::move(op));
+  bool wake = !caller_drives_;
+  caller_drives_ = false;
+  return engine_->submit(std::move(op), wake);
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // collectives::Communicator — owns an endpoint, the ring order and one progress engine
 // thread that runs every protocol, so collectives progress while the caller computes.
 //
+// A communicator is used by one thread at a time; several communicators per process are fine.
 // Usage (all ranks call collectives in the same order):
 //   Communicator comm(std::move(endpoint), opts);
 //   comm.allreduce(send, recv, count, DataType::kFloat32, RedOp::kSum);   // blocking
@@ -98,19 +99,28 @@ class Communicator {
   WorkPtr broadcast_async(void* buf, size_t count, DataType type, int root);
   WorkPtr barrier_async();
 
+  // Blocking forms: the calling thread drives the operation itself (no hand-off to the
+  // engine thread unless it takes long).
   void allreduce(const void* send, void* recv, size_t count, DataType type, RedOp op) {
+    caller_drives_ = true;
     allreduce_async(send, recv, count, type, op)->wait();
   }
   void allgather(const void* send, void* recv, size_t count, DataType type) {
+    caller_drives_ = true;
     allgather_async(send, recv, count, type)->wait();
   }
   void reduce_scatter(const void* send, void* recv, size_t count, DataType type, RedOp op) {
+    caller_drives_ = true;
     reduce_scatter_async(send, recv, count, type, op)->wait();
   }
   void broadcast(void* buf, size_t count, DataType type, int root) {
+    caller_drives_ = true;
     broadcast_async(buf, count, type, root)->wait();
   }
-  void barrier() { barrier_async()->wait(); }
+  void barrier() {
+    caller_drives_ = true;
+    barrier_async()->wait();
+  }
 
   // Registers a buffer that will be reused across calls (no-op where not needed).
   void register_buffer(const void* ptr, size_t bytes);
@@ -126,6 +136,7 @@ class Communicator {
   int size_;
   CommOptions opts_;
   uint32_t seq_ = 0;
+  bool caller_drives_ = false;  // the next submission is waited for at once by its caller
   std::unique_ptr<Engine> engine_;
 };
 

@@ -1,7 +1,6 @@
 #include "collectives/engine.h"
 
 #include <sched.h>
-#include <cstdlib>
 
 #include <algorithm>
 
@@ -22,12 +21,22 @@ void Work::wait() {
   // Drive the engine from this thread while it is free (no hand-off latency for small
   // operations), spinning a little, then yield, then block in the kernel and let the engine
   // thread finish the work.
+  if (engine_) engine_->helpers_.fetch_add(1, std::memory_order_acq_rel);
+  // Pure polling only while this node has a core per rank: on an oversubscribed node every
+  // unproductive poll yields, so the rank that has the message to send gets the core.
+  const int spin = engine_ && engine_->oversubscribed_ ? 0 : 100;
   for (int i = 0; i < 4000 && !done(); ++i) {
-    if (std::getenv("QRING_NO_HELP") == nullptr && engine_ && engine_->try_progress()) {
+    if (engine_ && engine_->try_progress()) {
       i = 0;
       continue;
     }
-    if (i > 100) sched_yield();
+    if (i >= spin) sched_yield();
+  }
+  if (engine_) {
+    // Hand the work back to the engine thread (it stays off the CPU while a caller helps,
+    // so an oversubscribed node runs one polling thread per rank, not two).
+    engine_->helpers_.fetch_sub(1, std::memory_order_acq_rel);
+    engine_->kick();
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
@@ -39,6 +48,7 @@ Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
   probe_window_ = std::clamp(opts.timeout / 4, std::chrono::milliseconds(50),
                              std::chrono::milliseconds(500));
   reduce_threads_ = opts.reduce_threads;
+  oversubscribed_ = opts.local_size > static_cast<int>(std::thread::hardware_concurrency());
   if (reduce_threads_ <= 0) {
     int hw = static_cast<int>(std::thread::hardware_concurrency());
     reduce_threads_ = std::max(1, hw / std::max(1, opts.local_size));
@@ -60,7 +70,7 @@ std::string Engine::broken_reason() const {
   return broken_reason_;
 }
 
-WorkPtr Engine::submit(std::unique_ptr<EngineOp> op) {
+WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake) {
   auto work = std::make_shared<Work>();
   work->engine_ = this;
   op->work = work;
@@ -73,9 +83,9 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op) {
     }
     if (stop_) throw UsageError("communicator is shutting down");
     incoming_.push_back(std::move(op));
-    kicked_ = true;
+    kicked_ = wake || kicked_;
   }
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return work;
 }
 
@@ -354,6 +364,14 @@ bool Engine::try_progress() {
 void Engine::loop() {
   net::Backoff backoff;
   while (true) {
+    if (helpers_.load(std::memory_order_acquire) > 0) {
+      // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(1),
+                   [&] { return stop_ || helpers_.load(std::memory_order_acquire) == 0; });
+      if (stop_) break;
+      continue;
+    }
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (active_count_.load(std::memory_order_acquire) == 0 && incoming_.empty() &&

@@ -47,7 +47,9 @@ class Engine {
   Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts);
   ~Engine();
 
-  WorkPtr submit(std::unique_ptr<EngineOp> op);
+  // wake = false: the caller waits on the work at once and drives it (Work::wait), so the
+  // engine thread is not woken for it.
+  WorkPtr submit(std::unique_ptr<EngineOp> op, bool wake = true);
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
   int rank() const { return rank_; }
@@ -138,6 +140,9 @@ class Engine {
   std::condition_variable cv_;
   std::mutex progress_mu_;  // held by whoever runs step(): the endpoint and every op
   std::atomic<size_t> active_count_{0};
+  std::atomic<int> helpers_{0};  // callers driving progress in Work::wait
+  bool oversubscribed_ = false;  // more ranks on this host than cores
+  friend class Work;
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;
