@@ -344,6 +344,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     }
   }
   if (rank == 0 && tty && cfg.log.progress) fmt::print(stderr, "\n");
+  const double loop_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   const int64_t ran = t - start;
   const bool finished = t >= total;
   if (finished) do_eval(t);
@@ -351,8 +352,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
 
   sum.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   sum.steps = t;
-  sum.samples_per_s = sum.wall_s > 0 ? counted / sum.wall_s : 0;
-  sum.computed_samples_per_s = sum.wall_s > 0 ? computed / sum.wall_s : 0;
+  // Throughput over the step loop (evaluations inside it included, the final one not).
+  sum.samples_per_s = loop_s > 0 ? counted / loop_s : 0;
+  sum.computed_samples_per_s = loop_s > 0 ? computed / loop_s : 0;
   sum.mean_contributors = ran > 0 ? contributors / double(ran) : 0;
   sum.params_checksum = checksum(core.params(), P);
 

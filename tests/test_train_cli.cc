@@ -1,0 +1,133 @@
+// qring-train as users run it: real processes under qring-launch, over shm and tcp.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kBuild = QRING_BUILD_DIR;
+const std::string kSource = QRING_SOURCE_DIR;
+
+struct Run {
+  int status = -1;
+  std::string output;
+};
+
+// Runs a shell command with a time limit; returns exit status and combined output.
+Run sh(const std::string& cmd, int timeout_s = 120) {
+  std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " bash -c '" + cmd + "' 2>&1";
+  Run r;
+  FILE* p = popen(full.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+std::string train_cmd(int ranks, const std::string& out, const std::string& name,
+                      const std::string& extra) {
+  return kBuild + "/net/qring-launch -n " + std::to_string(ranks) + " -- " + kBuild +
+         "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" + out +
+         " run.name=" + name + " log.progress=false " + extra;
+}
+
+std::set<std::string> checksums(const std::string& output) {
+  std::set<std::string> s;
+  std::regex re("params_checksum ([0-9a-f]{16})");
+  for (std::sregex_iterator it(output.begin(), output.end(), re), end; it != end; ++it)
+    s.insert((*it)[1]);
+  return s;
+}
+
+class TrainCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("qring-cli-" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+// Same seed, quorum = world, no stragglers: bit-identical parameters on every rank, across
+// repeated runs and across the shm and tcp providers.
+TEST_F(TrainCli, SameSeedGivesIdenticalParametersAcrossRunsAndProviders) {
+  const std::string steps = "train.steps=40 quorum.quorum=1.0";
+  auto a = sh(train_cmd(3, dir_, "shm1", steps + " net.provider=shm"));
+  auto b = sh(train_cmd(3, dir_, "shm2", steps + " net.provider=shm"));
+  auto c = sh(train_cmd(3, dir_, "tcp1", steps + " net.provider=tcp"));
+  ASSERT_EQ(a.status, 0) << a.output;
+  ASSERT_EQ(b.status, 0) << b.output;
+  ASSERT_EQ(c.status, 0) << c.output;
+  auto ca = checksums(a.output), cb = checksums(b.output), cc = checksums(c.output);
+  ASSERT_EQ(ca.size(), 1u) << "ranks disagree: " << a.output;
+  EXPECT_EQ(ca, cb);
+  EXPECT_EQ(ca, cc);
+  EXPECT_NE(c.output.find("tcp;ofi_rxm"), std::string::npos) << c.output;
+  auto summary = nlohmann::json::parse(std::ifstream(dir_ / "shm1" / "summary.json"));
+  EXPECT_EQ(summary["steps"], 40);
+  EXPECT_EQ(summary["provider"], "shm");
+}
+
+// A run SIGKILLed part-way resumes from its last checkpoint and ends where a straight run
+// ends, bit for bit.
+TEST_F(TrainCli, KilledRunResumesToTheSameParameters) {
+  const std::string opts =
+      "train.steps=120 quorum.quorum=1.0 train.checkpoint_every=10 net.provider=shm";
+  auto straight = sh(train_cmd(2, dir_, "straight", opts));
+  ASSERT_EQ(straight.status, 0) << straight.output;
+  // Slow the victim down (a straggler delay) so that the kill lands mid-run.
+  const std::string victim = train_cmd(2, dir_, "victim", opts + " straggler.model=fixed:1:15");
+  const std::string first_ckpt = (dir_ / "victim" / "checkpoints" / "rank-1").string();
+  // Kill everything (launcher and ranks) as soon as rank 1 has written a checkpoint.
+  auto killed = sh(victim + " & pid=$!; for i in $(seq 600); do ls " + first_ckpt +
+                   "/*.qck >/dev/null 2>&1 && break; sleep 0.05; done; kill -9 $pid; "
+                   "pkill -9 -f \"run.name=victim\"; wait $pid; exit 0");
+  ASSERT_TRUE(fs::exists(dir_ / "victim" / "checkpoints" / "rank-0")) << killed.output;
+  size_t ckpts = 0;
+  for (auto& e : fs::directory_iterator(dir_ / "victim" / "checkpoints" / "rank-0"))
+    ckpts += e.path().extension() == ".qck";
+  ASSERT_GT(ckpts, 0u) << "no checkpoint before the kill: " << killed.output;
+  auto resumed = sh(train_cmd(2, dir_, "victim", opts) + " --resume");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from step"), std::string::npos) << resumed.output;
+  EXPECT_EQ(checksums(resumed.output), checksums(straight.output)) << resumed.output;
+}
+
+TEST_F(TrainCli, BadConfigurationExitsTwoNamingTheKey) {
+  auto r = sh(kBuild + "/train/qring-train --config " + kSource +
+              "/configs/smoke.toml train.lr=-1 run.out_dir=" + dir_.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("train.lr"), std::string::npos) << r.output;
+  auto u = sh(kBuild + "/train/qring-train --config " + kSource +
+              "/configs/smoke.toml no.such_key=1");
+  EXPECT_EQ(u.status, 2) << u.output;
+  EXPECT_NE(u.output.find("no.such_key"), std::string::npos) << u.output;
+  auto m = sh(kBuild + "/train/qring-train --config /nonexistent.toml");
+  EXPECT_EQ(m.status, 2) << m.output;
+  auto d = sh(kBuild + "/train/qring-train --config " + kSource +
+              "/configs/smoke.toml data.dataset=fashion-mnist data.path=/nonexistent run.out_dir=" +
+              dir_.string());
+  EXPECT_EQ(d.status, 2) << d.output;
+  EXPECT_NE(d.output.find("/nonexistent"), std::string::npos) << d.output;
+}
+
+}  // namespace
