@@ -143,6 +143,7 @@ class Engine {
   std::atomic<int> helpers_{0};  // callers driving progress in Work::wait
   bool oversubscribed_ = false;  // more ranks on this host than cores
   friend class Work;
+  friend class QuorumAllreduce;
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;

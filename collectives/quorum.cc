@@ -17,6 +17,8 @@
 #include <optional>
 #include <set>
 
+#include <sched.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
@@ -711,6 +713,29 @@ std::map<uint64_t, std::vector<double>> QuorumAllreduce::arrival_log() const {
   return shared_->arrivals;
 }
 
+// While this rank waits anyway, it drives the engine itself for a bounded time (the decision
+// and the ring then progress without engine wake-ups), then leaves the rest to the engine
+// thread: a long wait for stragglers costs no CPU.
+void QuorumAllreduce::help_progress(uint64_t step) {
+  Engine& engine = comm_.engine();
+  auto finished = [&] {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    auto it = shared_->steps.find(step);
+    return shared_->poison || (it != shared_->steps.end() && (it->second.done || it->second.error));
+  };
+  engine.helpers_.fetch_add(1, std::memory_order_acq_rel);
+  for (int i = 0; i < 2000; ++i) {
+    if (engine.try_progress()) {
+      if (finished()) break;
+      continue;
+    }
+    if ((i & 15) == 0 && finished()) break;
+    sched_yield();
+  }
+  engine.helpers_.fetch_sub(1, std::memory_order_acq_rel);
+  engine.kick();
+}
+
 std::vector<char> QuorumAllreduce::pending_carry() const {
   return carry_pending_ ? carry_ : std::vector<char>{};
 }
@@ -767,6 +792,7 @@ QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
                                  step, next_step_));
   if (!out && count_) throw UsageError("quorum wait: null output buffer");
   auto t0 = Clock::now();
+  help_progress(step);
   std::unique_lock<std::mutex> lock(shared_->mu);
   StepLocal& s = shared_->steps[step];
   // Last-resort guard; the engine enforces the finer deadlines and reports them first.

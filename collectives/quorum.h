@@ -108,6 +108,7 @@ class QuorumAllreduce {
   struct Shared;
 
  private:
+  void help_progress(uint64_t step);
   Communicator& comm_;
   size_t count_;
   QuorumOptions opts_;

@@ -163,10 +163,11 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.late = collectives::parse_late_policy(cfg.quorum.late_policy);
   qo.type = DataType::kFloat32;
   qo.mean = true;
-  // The gradient plus one slot for the loss: the step's mean loss comes with the reduction.
+  // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
+  // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, P + 1, qo);
-  std::vector<float> buf(P + 1);
-  comm.register_buffer(buf.data(), buf.size() * sizeof(float));
+  float* const grad = core.gradient();
+  comm.register_buffer(grad, (P + 1) * sizeof(float));
 
   int64_t start = 0;
   if (opts.resume) {
@@ -263,23 +264,21 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     double compute_ms = 0;
     if (!abandoned && !q.excluded(uint64_t(t))) {
       auto c0 = Clock::now();
-      float loss = float(core.compute_gradient());
-      std::memcpy(buf.data(), core.gradient(), P * sizeof(float));
-      buf[P] = loss;
+      grad[P] = float(core.compute_gradient());
       compute_ms = ms_since(c0);
       compute_total += compute_ms;
       ++compute_n;
-      q.contribute(uint64_t(t), buf.data(), P + 1);
+      q.contribute(uint64_t(t), grad, P + 1);
     } else {
       abandoned = true;
       core.skip_batch();  // stale work abandoned; the data stream stays aligned across ranks
     }
     const auto w0 = Clock::now();
-    collectives::QuorumResult r = q.wait(uint64_t(t), buf.data());
+    collectives::QuorumResult r = q.wait(uint64_t(t), grad);
     const double wait_ms = ms_since(w0);
     const double lr = core.lr();
-    core.apply_gradient(buf.data());
-    last_loss = buf[P];
+    last_loss = grad[P];
+    core.apply_gradient(grad);
 
     const double delay_ms = double(delay.count()) / 1000.0;
     ready_after.push_back(float(delay_ms + (abandoned ? (compute_n ? compute_total / double(compute_n)
