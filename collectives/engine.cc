@@ -377,8 +377,12 @@ void Engine::loop() {
       if (active_count_.load(std::memory_order_acquire) == 0 && incoming_.empty() &&
           calls_.empty() && !stop_) {
         // Idle: sleep, waking now and then to answer peers' liveness probes.
-        cv_.wait_for(lock, std::chrono::milliseconds(size_ > 1 ? 20 : 1000),
-                     [&] { return stop_ || !incoming_.empty() || !calls_.empty(); });
+        // A kick (a caller handing an operation it started back to the engine) or an
+        // operation started by a caller ends the sleep too.
+        cv_.wait_for(lock, std::chrono::milliseconds(size_ > 1 ? 20 : 1000), [&] {
+          return stop_ || kicked_ || !incoming_.empty() || !calls_.empty() ||
+                 active_count_.load(std::memory_order_acquire) != 0;
+        });
       }
       if (kicked_) backoff.reset();
       kicked_ = false;
