@@ -16,8 +16,12 @@ Communicator::Communicator(std::unique_ptr<net::Endpoint> endpoint, CommOptions 
 
 Communicator::~Communicator() = default;
 
-std::string Communicator::provider() const { return engine_->provider(); }
-bool Communicator::broken() const { return engine_->broken(); }
+std::string Communicator::provider() const {
+  return engine_->provider();
+}
+bool Communicator::broken() const {
+  return engine_->broken();
+}
 
 WorkPtr Communicator::submit(std::unique_ptr<EngineOp> op) {
   if (op->deadline == Deadline{}) op->deadline = Clock::now() + opts_.timeout;
@@ -42,8 +46,7 @@ WorkPtr Communicator::allreduce_async(const void* send, void* recv, size_t count
   return submit(std::move(e));
 }
 
-WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count,
-                                      DataType type) {
+WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count, DataType type) {
   check_buffers("allgather", send, recv, count);
   RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather, {}};
   auto e = make_ring_op(*engine_, opts_, a);
@@ -54,8 +57,7 @@ WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count
 WorkPtr Communicator::reduce_scatter_async(const void* send, void* recv, size_t count,
                                            DataType type, RedOp op) {
   check_buffers("reduce_scatter", send, recv, count);
-  RingArgs a{RingKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter,
-              {}};
+  RingArgs a{RingKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter, {}};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));

@@ -94,8 +94,7 @@ class Communicator {
   // Every rank's `count` elements from `send` land at recv[rank * count].
   WorkPtr allgather_async(const void* send, void* recv, size_t count, DataType type);
   // send holds size()*count elements; rank r receives the reduction of block r into recv.
-  WorkPtr reduce_scatter_async(const void* send, void* recv, size_t count, DataType type,
-                               RedOp op);
+  WorkPtr reduce_scatter_async(const void* send, void* recv, size_t count, DataType type, RedOp op);
   WorkPtr broadcast_async(void* buf, size_t count, DataType type, int root);
   WorkPtr barrier_async();
 

@@ -1,13 +1,11 @@
 #include "collectives/engine.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sched.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
-
-#include <fmt/ranges.h>
-
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 namespace qring::collectives {
 
@@ -43,10 +41,9 @@ void Work::wait() {
 }
 
 Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
-    : ep_(std::move(ep)), rank_(ep_->rank()), size_(ep_->world_size()),
-      provider_(ep_->provider()) {
-  probe_window_ = std::clamp(opts.timeout / 4, std::chrono::milliseconds(50),
-                             std::chrono::milliseconds(500));
+    : ep_(std::move(ep)), rank_(ep_->rank()), size_(ep_->world_size()), provider_(ep_->provider()) {
+  probe_window_ =
+      std::clamp(opts.timeout / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(500));
   reduce_threads_ = opts.reduce_threads;
   oversubscribed_ = opts.local_size > static_cast<int>(std::thread::hardware_concurrency());
   if (reduce_threads_ <= 0) {
@@ -185,10 +182,9 @@ void Engine::post_ctl_recv(int peer) {
 void Engine::send_ctl(int peer, uint8_t type, int64_t probe_id) {
   auto m = std::make_unique<Ctl>(
       Ctl{kCtlMagic, 1, type, 0, uint32_t(rank_), 0, last_started_, probe_id});
-  auto req = ep_->isend(peer,
-                        net::make_tag(net::Op::kControl, ctl_out_next_[size_t(peer)]++,
-                                      size_t(rank_)),
-                        m.get(), sizeof(Ctl));
+  auto req = ep_->isend(
+      peer, net::make_tag(net::Op::kControl, ctl_out_next_[size_t(peer)]++, size_t(rank_)), m.get(),
+      sizeof(Ctl));
   ctl_out_.emplace_back(std::move(req), std::move(m));
 }
 
@@ -233,20 +229,23 @@ void Engine::start_diagnosis(EngineOp& op, const std::string& reason) {
 
 void Engine::finish_diagnosis_if_due() {
   if (!diag_) return;
-  bool all = std::none_of(diag_->answers.begin(), diag_->answers.end(),
-                          [](int64_t a) { return a == -2; });
+  bool all =
+      std::none_of(diag_->answers.begin(), diag_->answers.end(), [](int64_t a) { return a == -2; });
   if (!all && Clock::now() < diag_->until) return;
   std::vector<int> silent, behind;
   for (int p = 0; p < size_; ++p) {
     int64_t a = diag_->answers[size_t(p)];
-    if (a == -2) silent.push_back(p);
-    else if (a < int64_t(diag_->seq)) behind.push_back(p);
+    if (a == -2)
+      silent.push_back(p);
+    else if (a < int64_t(diag_->seq))
+      behind.push_back(p);
   }
   std::string reason = diag_->reason;
   if (!silent.empty())
-    reason += fmt::format("; no answer to a liveness probe from rank(s) {} (dead, hung, or "
-                          "communicator closed)",
-                          fmt::join(silent, ", "));
+    reason += fmt::format(
+        "; no answer to a liveness probe from rank(s) {} (dead, hung, or "
+        "communicator closed)",
+        fmt::join(silent, ", "));
   if (!behind.empty())
     reason += fmt::format("; rank(s) {} alive but never started {} #{}", fmt::join(behind, ", "),
                           diag_->op_name, diag_->seq);
@@ -329,9 +328,9 @@ bool Engine::step() {
     for (auto& op : active_) {
       if (now >= op->deadline) {
         auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
-        std::string reason = fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}",
-                                         rank_, op->name(), op->seq, waited.count(),
-                                         op->waiting_on());
+        std::string reason =
+            fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(),
+                        op->seq, waited.count(), op->waiting_on());
         if (size_ > 1) {
           start_diagnosis(*op, reason);
         } else {

@@ -8,6 +8,11 @@
 //   rank x ∉ S(t): receives the result from member S[x mod |S|] into an internal buffer
 #include "collectives/quorum.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sched.h>
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -16,12 +21,6 @@
 #include <mutex>
 #include <optional>
 #include <set>
-
-#include <sched.h>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 
 #include "collectives/engine.h"
 #include "collectives/reduce.h"
@@ -34,7 +33,9 @@ LatePolicy parse_late_policy(std::string_view s) {
   if (s == "carry") return LatePolicy::kCarry;
   throw ConfigError(fmt::format("unknown late policy '{}' (expected drop or carry)", s));
 }
-std::string_view to_string(LatePolicy p) { return p == LatePolicy::kDrop ? "drop" : "carry"; }
+std::string_view to_string(LatePolicy p) {
+  return p == LatePolicy::kDrop ? "drop" : "carry";
+}
 
 int resolve_quorum(std::string_view spec, int world) {
   std::string s(spec);
@@ -51,7 +52,8 @@ int resolve_quorum(std::string_view spec, int world) {
     q = static_cast<int>(v);
   }
   if (q < 1 || q > world)
-    throw ConfigError(fmt::format("quorum {} out of range [1, {}] for {} ranks", spec, world, world));
+    throw ConfigError(
+        fmt::format("quorum {} out of range [1, {}] for {} ranks", spec, world, world));
   return q;
 }
 
@@ -90,7 +92,9 @@ struct DecideHeader {
 };
 static_assert(sizeof(DecideHeader) == 48);
 
-size_t bitmap_bytes(int world) { return (size_t(world) + 7) / 8; }
+size_t bitmap_bytes(int world) {
+  return (size_t(world) + 7) / 8;
+}
 size_t decide_size(int world) {
   return sizeof(DecideHeader) + (bitmap_bytes(world) + 7) / 8 * 8 + 8 * size_t(world);
 }
@@ -138,8 +142,14 @@ class QuorumService final : public EngineOp {
  public:
   QuorumService(Engine& engine, const CommOptions& copts, size_t count, const QuorumOptions& o,
                 std::shared_ptr<QuorumAllreduce::Shared> sh, uint32_t instance)
-      : engine_(engine), copts_(copts), count_(count), o_(o), sh_(std::move(sh)),
-        rank_(engine.rank()), world_(engine.size()), esz_(dtype_size(o.type)),
+      : engine_(engine),
+        copts_(copts),
+        count_(count),
+        o_(o),
+        sh_(std::move(sh)),
+        rank_(engine.rank()),
+        world_(engine.size()),
+        esz_(dtype_size(o.type)),
         instance_(instance & 0xFF) {
     seq = 0;
     deadline = Clock::time_point::max();
@@ -236,7 +246,8 @@ class QuorumService final : public EngineOp {
   };
 
   Clock::time_point drain_deadline() {
-    if (drain_deadline_ == Clock::time_point{}) drain_deadline_ = Clock::now() + std::chrono::seconds(2);
+    if (drain_deadline_ == Clock::time_point{})
+      drain_deadline_ = Clock::now() + std::chrono::seconds(2);
     return drain_deadline_;
   }
 
@@ -280,8 +291,9 @@ class QuorumService final : public EngineOp {
         auto buf = std::make_unique<std::vector<char>>(sizeof(ReadyMsg));
         ReadyMsg m{kReadyMagic, kWireVersion, 0, uint32_t(rank_), uint32_t(world_), t, count_};
         std::memcpy(buf->data(), &m, sizeof(m));
-        auto req = ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, chunk(rank_)),
-                            buf->data(), buf->size());
+        auto req =
+            ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, chunk(rank_)),
+                     buf->data(), buf->size());
         sends_.push_back({req, std::move(buf), nullptr});
       }
     }
@@ -298,13 +310,15 @@ class QuorumService final : public EngineOp {
       if (in.req->bytes != sizeof(ReadyMsg) || m.magic != kReadyMagic)
         throw ProtocolError(fmt::format("rank 0: malformed quorum READY from rank {}", from));
       if (m.version != kWireVersion)
-        throw ProtocolError(fmt::format("rank 0: rank {} speaks quorum protocol version {}, this "
-                                        "rank {}",
-                                        from, m.version, kWireVersion));
+        throw ProtocolError(
+            fmt::format("rank 0: rank {} speaks quorum protocol version {}, this "
+                        "rank {}",
+                        from, m.version, kWireVersion));
       if (int(m.world) != world_ || int(m.rank) != from)
-        throw ProtocolError(fmt::format("rank 0: quorum READY from rank {} claims rank {} of {} "
-                                        "ranks; this world has {}",
-                                        from, m.rank, m.world, world_));
+        throw ProtocolError(
+            fmt::format("rank 0: quorum READY from rank {} claims rank {} of {} "
+                        "ranks; this world has {}",
+                        from, m.rank, m.world, world_));
       record_arrival(m.step, from, m.count);
       ++in.next;
       post_ready_recv(ep, from);
@@ -405,14 +419,14 @@ class QuorumService final : public EngineOp {
     h.bad_count = cs.bad_count;
     std::memcpy(msg.data(), &h, sizeof(h));
     auto* bitmap = reinterpret_cast<uint8_t*>(msg.data() + sizeof(h));
-    auto* offs = reinterpret_cast<int64_t*>(msg.data() + sizeof(h) +
-                                            (bitmap_bytes(world_) + 7) / 8 * 8);
+    auto* offs =
+        reinterpret_cast<int64_t*>(msg.data() + sizeof(h) + (bitmap_bytes(world_) + 7) / 8 * 8);
     for (int r = 0; r < world_; ++r) {
       if (cs.arrived[size_t(r)]) {
         bitmap[r / 8] |= uint8_t(1u << (r % 8));
-        offs[r] = std::chrono::duration_cast<std::chrono::microseconds>(*cs.arrived[size_t(r)] -
-                                                                         cs.first)
-                      .count();
+        offs[r] =
+            std::chrono::duration_cast<std::chrono::microseconds>(*cs.arrived[size_t(r)] - cs.first)
+                .count();
       } else {
         offs[r] = -1;
       }
@@ -425,9 +439,10 @@ class QuorumService final : public EngineOp {
     while (decide_req_ && decide_req_->done()) {
       net::throw_if_failed(*decide_req_, "quorum DECIDE receive");
       if (decide_req_->bytes != decide_size(world_))
-        throw ProtocolError(fmt::format("rank {}: malformed quorum DECIDE from rank 0 ({} bytes, "
-                                        "expected {})",
-                                        rank_, decide_req_->bytes, decide_size(world_)));
+        throw ProtocolError(
+            fmt::format("rank {}: malformed quorum DECIDE from rank 0 ({} bytes, "
+                        "expected {})",
+                        rank_, decide_req_->bytes, decide_size(world_)));
       std::vector<char> msg = decide_buf_;
       ++decide_in_next_;
       post_decide_recv(ep);
@@ -441,9 +456,10 @@ class QuorumService final : public EngineOp {
     DecideHeader h;
     std::memcpy(&h, msg.data(), sizeof(h));
     if (h.magic != kDecideMagic || h.version != kWireVersion || int(h.world) != world_)
-      throw ProtocolError(fmt::format("rank {}: malformed quorum DECIDE (magic {:#x}, version {}, "
-                                      "world {})",
-                                      rank_, h.magic, h.version, h.world));
+      throw ProtocolError(
+          fmt::format("rank {}: malformed quorum DECIDE (magic {:#x}, version {}, "
+                      "world {})",
+                      rank_, h.magic, h.version, h.world));
     const uint64_t t = h.step;
     const auto* bitmap = reinterpret_cast<const uint8_t*>(msg.data() + sizeof(h));
     const auto* offs = reinterpret_cast<const int64_t*>(msg.data() + sizeof(h) +
@@ -472,9 +488,10 @@ class QuorumService final : public EngineOp {
           res.dropped);
     }
     if (h.status == uint8_t(DecideStatus::kMismatch)) {
-      throw UsageError(fmt::format("rank {}: quorum step {}: rank {} contributed {} elements, "
-                                   "the others {}",
-                                   rank_, t, h.bad_rank, h.bad_count, count_));
+      throw UsageError(
+          fmt::format("rank {}: quorum step {}: rank {} contributed {} elements, "
+                      "the others {}",
+                      rank_, t, h.bad_rank, h.bad_count, count_));
     }
     if (h.status != uint8_t(DecideStatus::kOk) || res.count == 0)
       throw ProtocolError(fmt::format("rank {}: quorum DECIDE with status {}, {} contributors",
@@ -489,8 +506,8 @@ class QuorumService final : public EngineOp {
       s.result = res;
       if (res.self_counted) {
         if (!s.contributed)
-          throw ProtocolError(fmt::format("rank {}: counted in step {} without contributing",
-                                          rank_, t));
+          throw ProtocolError(
+              fmt::format("rank {}: counted in step {} without contributing", rank_, t));
         buf = s.buf;
       } else {
         s.excluded = true;
@@ -516,7 +533,8 @@ class QuorumService final : public EngineOp {
       rings_[t] = Ring{std::move(op), Clock::now(), members};
     } else {
       int from = members[size_t(rank_) % members.size()];
-      auto req = ep.irecv(from, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), buf, count_ * esz_);
+      auto req =
+          ep.irecv(from, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), buf, count_ * esz_);
       result_recvs_[t] = ResultRecv{req, from, Clock::now()};
     }
   }
@@ -547,8 +565,8 @@ class QuorumService final : public EngineOp {
           auto staged = std::make_shared<std::vector<char>>(
               static_cast<char*>(s.buf), static_cast<char*>(s.buf) + count_ * esz_);
           for (int x : targets) {
-            auto req = ep.isend(x, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), staged->data(),
-                                staged->size());
+            auto req = ep.isend(x, net::make_tag(net::Op::kQuorumResult, t, chunk(0)),
+                                staged->data(), staged->size());
             sends_.push_back({req, nullptr, staged});
           }
         }
@@ -692,7 +710,8 @@ QuorumAllreduce::~QuorumAllreduce() {
     auto until = Clock::now() + std::chrono::seconds(5);
     while (!service_->done() && Clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!service_->done()) spdlog::warn("rank {}: quorum service did not stop in 5 s", comm_.rank());
+    if (!service_->done())
+      spdlog::warn("rank {}: quorum service did not stop in 5 s", comm_.rank());
   } catch (...) {
   }
 }
@@ -754,9 +773,10 @@ void QuorumAllreduce::restore_carry(const std::vector<char>& bytes) {
 
 void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count) {
   if (count != count_)
-    throw UsageError(fmt::format("rank {}: quorum step {}: contribution of {} elements, this "
-                                 "all-reduce was set up for {}",
-                                 comm_.rank(), step, count, count_));
+    throw UsageError(
+        fmt::format("rank {}: quorum step {}: contribution of {} elements, this "
+                    "all-reduce was set up for {}",
+                    comm_.rank(), step, count, count_));
   if (!buf && count) throw UsageError("quorum contribute: null buffer");
   if (have_next_ && step != next_step_)
     throw UsageError(fmt::format("rank {}: contribution for step {}, but step {} is next",

@@ -61,16 +61,14 @@ struct QuorumResult {
   std::vector<uint8_t> contributors;  // bitmap: bit (r % 8) of byte r / 8 = rank r counted
   int count = 0;                      // |S(t)|
   bool self_counted = false;
-  std::vector<int> dropped;           // ranks outside S(t)
+  std::vector<int> dropped;  // ranks outside S(t)
   // Times in ms relative to the first contribution of the step seen by the coordinator.
-  double ready_ms = -1;   // this rank's contribution (-1: arrived after the decision)
-  double decide_ms = 0;   // the decision
+  double ready_ms = -1;  // this rank's contribution (-1: arrived after the decision)
+  double decide_ms = 0;  // the decision
   std::vector<double> ready_offsets_ms;  // every rank's, as known at the decision (-1 = late)
-  double reduce_ms = 0;   // the ring reduction on this rank (0 when excluded)
-  double wait_ms = 0;     // time this rank spent inside wait()
-  bool contains(int rank) const {
-    return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1;
-  }
+  double reduce_ms = 0;                  // the ring reduction on this rank (0 when excluded)
+  double wait_ms = 0;                    // time this rank spent inside wait()
+  bool contains(int rank) const { return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1; }
 };
 
 class QuorumAllreduce {

@@ -31,13 +31,16 @@ void reduce_typed(void* dst, const void* a, const void* b, size_t n, RedOp op, i
   switch (op) {
     case RedOp::kSum:
     case RedOp::kAvg:
-      apply(d, x, y, n, [](T p, T q) { return T(p + q); }, threads);
+      apply(
+          d, x, y, n, [](T p, T q) { return T(p + q); }, threads);
       return;
     case RedOp::kMin:
-      apply(d, x, y, n, [](T p, T q) { return q < p ? q : p; }, threads);
+      apply(
+          d, x, y, n, [](T p, T q) { return q < p ? q : p; }, threads);
       return;
     case RedOp::kMax:
-      apply(d, x, y, n, [](T p, T q) { return p < q ? q : p; }, threads);
+      apply(
+          d, x, y, n, [](T p, T q) { return p < q ? q : p; }, threads);
       return;
   }
 }
@@ -49,21 +52,22 @@ void reduce_bf16(void* dst, const void* a, const void* b, size_t n, RedOp op, in
   switch (op) {
     case RedOp::kSum:
     case RedOp::kAvg:
-      apply(d, x, y, n,
-            [](uint16_t p, uint16_t q) {
-              return float_to_bf16(bf16_to_float(p) + bf16_to_float(q));
-            },
-            threads);
+      apply(
+          d, x, y, n,
+          [](uint16_t p, uint16_t q) { return float_to_bf16(bf16_to_float(p) + bf16_to_float(q)); },
+          threads);
       return;
     case RedOp::kMin:
-      apply(d, x, y, n,
-            [](uint16_t p, uint16_t q) { return bf16_to_float(q) < bf16_to_float(p) ? q : p; },
-            threads);
+      apply(
+          d, x, y, n,
+          [](uint16_t p, uint16_t q) { return bf16_to_float(q) < bf16_to_float(p) ? q : p; },
+          threads);
       return;
     case RedOp::kMax:
-      apply(d, x, y, n,
-            [](uint16_t p, uint16_t q) { return bf16_to_float(p) < bf16_to_float(q) ? q : p; },
-            threads);
+      apply(
+          d, x, y, n,
+          [](uint16_t p, uint16_t q) { return bf16_to_float(p) < bf16_to_float(q) ? q : p; },
+          threads);
       return;
   }
 }
@@ -86,11 +90,16 @@ void reduce(void* dst, const void* a, const void* b, size_t count, DataType type
             int threads) {
   if (count == 0) return;
   switch (type) {
-    case DataType::kFloat32: return reduce_typed<float>(dst, a, b, count, op, threads);
-    case DataType::kFloat64: return reduce_typed<double>(dst, a, b, count, op, threads);
-    case DataType::kInt32: return reduce_typed<int32_t>(dst, a, b, count, op, threads);
-    case DataType::kInt64: return reduce_typed<int64_t>(dst, a, b, count, op, threads);
-    case DataType::kBFloat16: return reduce_bf16(dst, a, b, count, op, threads);
+    case DataType::kFloat32:
+      return reduce_typed<float>(dst, a, b, count, op, threads);
+    case DataType::kFloat64:
+      return reduce_typed<double>(dst, a, b, count, op, threads);
+    case DataType::kInt32:
+      return reduce_typed<int32_t>(dst, a, b, count, op, threads);
+    case DataType::kInt64:
+      return reduce_typed<int64_t>(dst, a, b, count, op, threads);
+    case DataType::kBFloat16:
+      return reduce_bf16(dst, a, b, count, op, threads);
   }
   throw UsageError("reduce: unknown data type");
 }
@@ -99,10 +108,14 @@ void scale_avg(void* dst, size_t count, DataType type, int divisor, int threads)
   (void)threads;
   if (divisor <= 1 || count == 0) return;
   switch (type) {
-    case DataType::kFloat32: return scale_typed<float>(dst, count, divisor);
-    case DataType::kFloat64: return scale_typed<double>(dst, count, divisor);
-    case DataType::kInt32: return scale_typed<int32_t>(dst, count, divisor);
-    case DataType::kInt64: return scale_typed<int64_t>(dst, count, divisor);
+    case DataType::kFloat32:
+      return scale_typed<float>(dst, count, divisor);
+    case DataType::kFloat64:
+      return scale_typed<double>(dst, count, divisor);
+    case DataType::kInt32:
+      return scale_typed<int32_t>(dst, count, divisor);
+    case DataType::kInt64:
+      return scale_typed<int64_t>(dst, count, divisor);
     case DataType::kBFloat16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < count; ++i) d[i] = float_to_bf16(bf16_to_float(d[i]) / float(divisor));

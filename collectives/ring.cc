@@ -1,10 +1,10 @@
 #include "collectives/ring.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "collectives/reduce.h"
 #include "net/error.h"
@@ -13,7 +13,9 @@ namespace qring::collectives {
 
 namespace {
 
-int mod(int a, int n) { return ((a % n) + n) % n; }
+int mod(int a, int n) {
+  return ((a % n) + n) % n;
+}
 
 struct Stage {
   int send_chunk;
@@ -49,9 +51,12 @@ class RingOp final : public EngineOp {
 
   std::string name() const override {
     switch (args_.kind) {
-      case RingKind::kAllreduce: return "allreduce";
-      case RingKind::kReduceScatter: return "reduce_scatter";
-      case RingKind::kAllgather: return "allgather";
+      case RingKind::kAllreduce:
+        return "allreduce";
+      case RingKind::kReduceScatter:
+        return "reduce_scatter";
+      case RingKind::kAllgather:
+        return "allgather";
     }
     return "ring";
   }
@@ -86,8 +91,8 @@ class RingOp final : public EngineOp {
     size_t max_chunk = chunk_length(total_, n_, 0);
     nseg_ = (max_chunk + seg_elems_ - 1) / seg_elems_;
     if (nseg_ > net::kChunkMask / (stages_.size() + 1))
-      throw UsageError(fmt::format("{}: {} segments per chunk is too many; raise segment_bytes",
-                                   name(), nseg_));
+      throw UsageError(
+          fmt::format("{}: {} segments per chunk is too many; raise segment_bytes", name(), nseg_));
     lanes_.resize(std::min<size_t>(size_t(window_), nseg_));
     if (in_place_) {
       tmp_lease_ = engine_.scratch(lanes_.size() * seg_elems_ * elem_);
@@ -104,7 +109,8 @@ class RingOp final : public EngineOp {
     if (done_) return false;
     bool moved = false;
     for (auto& lane : lanes_) {
-      while (lane.active && (!lane.send || lane.send->done()) && (!lane.recv || lane.recv->done())) {
+      while (lane.active && (!lane.send || lane.send->done()) &&
+             (!lane.recv || lane.recv->done())) {
         if (lane.send) net::throw_if_failed(*lane.send, name());
         if (lane.recv) {
           net::throw_if_failed(*lane.recv, name());
@@ -148,8 +154,8 @@ class RingOp final : public EngineOp {
         return fmt::format("receive from rank {} (stage {}, segment {})", left_, lane.stage,
                            lane.seg);
       if (lane.send && !lane.send->done())
-        return fmt::format("send to rank {} to complete (stage {}, segment {})", right_,
-                           lane.stage, lane.seg);
+        return fmt::format("send to rank {} to complete (stage {}, segment {})", right_, lane.stage,
+                           lane.seg);
     }
     return "nothing (finishing)";
   }
@@ -183,8 +189,8 @@ class RingOp final : public EngineOp {
     if (args_.kind == RingKind::kAllreduce || args_.kind == RingKind::kReduceScatter) {
       int shift = args_.kind == RingKind::kReduceScatter ? 1 : 0;
       for (int s = 0; s < n - 1; ++s)
-        stages_.push_back({mod(r - s - shift, n), mod(r - s - 1 - shift, n), true, s == 0,
-                           s == n - 2});
+        stages_.push_back(
+            {mod(r - s - shift, n), mod(r - s - 1 - shift, n), true, s == 0, s == n - 2});
     }
     if (args_.kind == RingKind::kAllreduce) {
       for (int s = 0; s < n - 1; ++s)
@@ -204,8 +210,8 @@ class RingOp final : public EngineOp {
     lane.recv.reset();
     lane.send.reset();
     if (rn) {
-      lane.recv_ptr = (st.reduce && in_place_) ? tmp_ + lane.slot * seg_elems_ * elem_
-                                                : out_ + rb * elem_;
+      lane.recv_ptr =
+          (st.reduce && in_place_) ? tmp_ + lane.slot * seg_elems_ * elem_ : out_ + rb * elem_;
       lane.recv = ep.irecv(left_, tag, lane.recv_ptr, rn * elem_);
     }
     if (sn) {
@@ -242,7 +248,6 @@ class RingOp final : public EngineOp {
   std::vector<Lane> lanes_;
   bool done_ = false;
 };
-
 
 // Recursive doubling for small all-reduces: log2(p) exchange rounds instead of the ring's
 // 2(n-1) stages. With p the largest power of two <= n, each extra rank p+i first hands its
@@ -421,8 +426,9 @@ class BroadcastOp final : public EngineOp {
       }
     }
     if (moved && next_seg_ < nseg_) {
-      lanes_.erase(std::remove_if(lanes_.begin(), lanes_.end(), [](const L& l) { return !l.active; }),
-                   lanes_.end());
+      lanes_.erase(
+          std::remove_if(lanes_.begin(), lanes_.end(), [](const L& l) { return !l.active; }),
+          lanes_.end());
       while (lanes_.size() < size_t(window_) && next_seg_ < nseg_) start_seg(ep);
     }
     if (segs_done_ == nseg_) done_ = true;

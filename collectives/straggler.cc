@@ -1,12 +1,12 @@
 #include "collectives/straggler.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
@@ -33,7 +33,8 @@ std::vector<std::string> split(std::string_view s, char sep) {
   size_t start = 0;
   while (true) {
     size_t p = s.find(sep, start);
-    out.emplace_back(s.substr(start, p == std::string_view::npos ? std::string_view::npos : p - start));
+    out.emplace_back(
+        s.substr(start, p == std::string_view::npos ? std::string_view::npos : p - start));
     if (p == std::string_view::npos) break;
     start = p + 1;
   }
@@ -88,9 +89,10 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
         throw ConfigError(fmt::format("{}:{}: {}", path, lineno, e.what()));
       }
       if (step < 0 || rank < 0 || ms < 0 || step != std::floor(step) || rank != std::floor(rank))
-        throw ConfigError(fmt::format("{}:{}: step and rank must be non-negative integers and "
-                                      "the delay >= 0",
-                                      path, lineno));
+        throw ConfigError(
+            fmt::format("{}:{}: step and rank must be non-negative integers and "
+                        "the delay >= 0",
+                        path, lineno));
       m.trace_[{uint64_t(step), int(rank)}] = ms;
     }
     return m;
@@ -127,10 +129,10 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
     if (m.b_ < 0 || m.b_ > 1)
       throw ConfigError(fmt::format("straggler model '{}': probability must be in [0, 1]", spec));
   } else {
-    throw ConfigError(fmt::format(
-        "unknown straggler model '{}' (expected none, fixed:RANK:MS, exp:MEAN_MS, "
-        "lognormal:MU:SIGMA, tail:P:MS or trace:FILE)",
-        spec));
+    throw ConfigError(
+        fmt::format("unknown straggler model '{}' (expected none, fixed:RANK:MS, exp:MEAN_MS, "
+                    "lognormal:MU:SIGMA, tail:P:MS or trace:FILE)",
+                    spec));
   }
   if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': delay must be >= 0", spec));
   return m;
@@ -139,16 +141,23 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
 std::chrono::microseconds StragglerModel::delay(uint64_t seed, int rank, uint64_t step) const {
   double ms = 0;
   switch (kind_) {
-    case Kind::kNone: break;
-    case Kind::kFixed: ms = rank == rank_ ? a_ : 0; break;
-    case Kind::kExp: ms = -a_ * std::log(uniform(seed, rank, step, 1)); break;
+    case Kind::kNone:
+      break;
+    case Kind::kFixed:
+      ms = rank == rank_ ? a_ : 0;
+      break;
+    case Kind::kExp:
+      ms = -a_ * std::log(uniform(seed, rank, step, 1));
+      break;
     case Kind::kLognormal: {
       double u1 = uniform(seed, rank, step, 2), u2 = uniform(seed, rank, step, 3);
       double z = std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
       ms = std::exp(a_ + b_ * z);
       break;
     }
-    case Kind::kTail: ms = uniform(seed, rank, step, 4) < b_ ? a_ : 0; break;
+    case Kind::kTail:
+      ms = uniform(seed, rank, step, 4) < b_ ? a_ : 0;
+      break;
     case Kind::kTrace: {
       auto it = trace_.find({step, rank});
       ms = it == trace_.end() ? 0 : it->second;
@@ -164,8 +173,8 @@ bool sleep_unless(std::chrono::microseconds d, const std::function<bool()>& aban
     if (abandon && abandon()) return true;
     auto now = std::chrono::steady_clock::now();
     if (now >= until) return false;
-    auto slice = std::min<std::chrono::steady_clock::duration>(until - now,
-                                                               std::chrono::microseconds(250));
+    auto slice =
+        std::min<std::chrono::steady_clock::duration>(until - now, std::chrono::microseconds(250));
     std::this_thread::sleep_for(slice);
   }
 }

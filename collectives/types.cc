@@ -8,32 +8,46 @@ namespace qring::collectives {
 
 size_t dtype_size(DataType t) {
   switch (t) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-    case DataType::kBFloat16: return 2;
+    case DataType::kFloat32:
+      return 4;
+    case DataType::kFloat64:
+      return 8;
+    case DataType::kInt32:
+      return 4;
+    case DataType::kInt64:
+      return 8;
+    case DataType::kBFloat16:
+      return 2;
   }
   throw UsageError("unknown data type");
 }
 
 std::string_view to_string(DataType t) {
   switch (t) {
-    case DataType::kFloat32: return "float32";
-    case DataType::kFloat64: return "float64";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
-    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32:
+      return "float32";
+    case DataType::kFloat64:
+      return "float64";
+    case DataType::kInt32:
+      return "int32";
+    case DataType::kInt64:
+      return "int64";
+    case DataType::kBFloat16:
+      return "bfloat16";
   }
   return "?";
 }
 
 std::string_view to_string(RedOp op) {
   switch (op) {
-    case RedOp::kSum: return "sum";
-    case RedOp::kAvg: return "avg";
-    case RedOp::kMin: return "min";
-    case RedOp::kMax: return "max";
+    case RedOp::kSum:
+      return "sum";
+    case RedOp::kAvg:
+      return "avg";
+    case RedOp::kMin:
+      return "min";
+    case RedOp::kMax:
+      return "max";
   }
   return "?";
 }

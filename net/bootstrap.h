@@ -20,9 +20,9 @@ struct BootstrapInfo {
   int local_rank = 0;
   int local_size = 1;
   std::string store_host = "127.0.0.1";
-  int store_port = 0;          // 0: single process, no store needed
+  int store_port = 0;  // 0: single process, no store needed
   std::string job_id = "local";
-  std::string source = "single";  // "env", "slurm", "mpi", "single"
+  std::string source = "single";   // "env", "slurm", "mpi", "single"
   std::vector<std::string> nodes;  // expanded node list when the launcher gives one
 };
 

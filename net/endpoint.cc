@@ -1,19 +1,18 @@
 #include "net/endpoint.h"
 
+#include <fmt/format.h>
 #include <sched.h>
 #include <time.h>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
 namespace qring::net {
 
 namespace {
-constexpr uint32_t kSpinPolls = 64;    // pure polling: a message usually lands within these
-constexpr uint32_t kYieldPolls = 512;  // then yield the core to ranks that compute
-constexpr long kMaxSleepNs = 500'000;  // then sleep, doubling up to 0.5 ms
-constexpr long kLongSleepNs = 4'000'000;                // and up to 4 ms once idle for long
+constexpr uint32_t kSpinPolls = 64;       // pure polling: a message usually lands within these
+constexpr uint32_t kYieldPolls = 512;     // then yield the core to ranks that compute
+constexpr long kMaxSleepNs = 500'000;     // then sleep, doubling up to 0.5 ms
+constexpr long kLongSleepNs = 4'000'000;  // and up to 4 ms once idle for long
 constexpr auto kLongIdle = std::chrono::milliseconds(50);
 
 inline void cpu_relax() {
@@ -55,8 +54,8 @@ void Backoff::idle() {
 
 void throw_if_failed(const Request& req, std::string_view what) {
   if (req.state == RequestState::kError)
-    throw IoError(fmt::format("{}{}{} failed: {}", what, what.empty() ? "" : ": ", describe(req),
-                              req.error));
+    throw IoError(
+        fmt::format("{}{}{} failed: {}", what, what.empty() ? "" : ": ", describe(req), req.error));
 }
 
 void Endpoint::wait(const RequestPtr& req, Deadline deadline, std::string_view what) {

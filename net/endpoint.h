@@ -30,7 +30,9 @@ using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 using std::chrono::milliseconds;
 
-inline Deadline deadline_in(std::chrono::nanoseconds d) { return Clock::now() + d; }
+inline Deadline deadline_in(std::chrono::nanoseconds d) {
+  return Clock::now() + d;
+}
 
 constexpr int kAnyPeer = -1;
 
@@ -38,13 +40,13 @@ enum class RequestState : uint8_t { kPending, kDone, kCancelled, kError };
 
 struct Request {
   bool is_send = false;
-  int peer = kAnyPeer;      // peer as posted (kAnyPeer for wildcard receives)
-  uint64_t tag = 0;         // tag as posted
-  uint64_t matched_tag = 0; // for receives: the tag of the message that matched
-  size_t len = 0;           // posted length
-  size_t bytes = 0;         // bytes transferred (receives: message length)
+  int peer = kAnyPeer;       // peer as posted (kAnyPeer for wildcard receives)
+  uint64_t tag = 0;          // tag as posted
+  uint64_t matched_tag = 0;  // for receives: the tag of the message that matched
+  size_t len = 0;            // posted length
+  size_t bytes = 0;          // bytes transferred (receives: message length)
   RequestState state = RequestState::kPending;
-  std::string error;        // set when state == kError
+  std::string error;  // set when state == kError
   // Implementation bookkeeping (fragments outstanding, provider context ...).
   int pending_parts = 0;
 

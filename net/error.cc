@@ -1,8 +1,7 @@
 #include "net/error.h"
 
-#include <rdma/fi_errno.h>
-
 #include <fmt/format.h>
+#include <rdma/fi_errno.h>
 
 namespace qring {
 

@@ -58,9 +58,8 @@ class DataError : public Error {
 
 // Wraps a libfabric call returning 0 or -FI_E*: throws FabricError naming the call, the
 // fi_strerror text and file:line.
-#define QRING_FI_CHECK(call)                                           \
-  do {                                                                 \
-    int qring_fi_ret_ = static_cast<int>(call);                        \
-    if (qring_fi_ret_ < 0)                                             \
-      throw ::qring::FabricError(#call, qring_fi_ret_, __FILE__, __LINE__); \
+#define QRING_FI_CHECK(call)                                                                     \
+  do {                                                                                           \
+    int qring_fi_ret_ = static_cast<int>(call);                                                  \
+    if (qring_fi_ret_ < 0) throw ::qring::FabricError(#call, qring_fi_ret_, __FILE__, __LINE__); \
   } while (0)

@@ -5,23 +5,22 @@
 // members are declared in creation order, so destruction closes them in reverse.
 #include "net/fabric_endpoint.h"
 
+#include <fmt/format.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
+#include <spdlog/spdlog.h>
 
 #include <cstring>
-#include <thread>
 #include <deque>
 #include <map>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
-
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include "net/error.h"
 
@@ -168,8 +167,8 @@ class FabricEndpoint final : public Endpoint {
       std::string addr = v.substr(nl + 1);
       int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
       if (n != 1)
-        throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL,
-                          __FILE__, __LINE__);
+        throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
+                          __LINE__);
     }
     spdlog::debug("rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {}",
                   rank_, provider_name_, info_->domain_attr->name, max_msg_, mr_local_);
@@ -221,8 +220,8 @@ class FabricEndpoint final : public Endpoint {
   RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
     if (peer != kAnyPeer) check_peer(peer, "irecv");
     if (ignore != 0 && len > max_msg_)
-      throw UsageError(fmt::format(
-          "irecv with an ignore mask is limited to {} bytes (asked {})", max_msg_, len));
+      throw UsageError(fmt::format("irecv with an ignore mask is limited to {} bytes (asked {})",
+                                   max_msg_, len));
     auto req = std::make_shared<Request>();
     req->peer = peer;
     req->tag = tag;
@@ -423,18 +422,19 @@ class FabricEndpoint final : public Endpoint {
     ssize_t r = fi_cq_readerr(cq_.get(), &err, 0);
     if (r < 0) throw FabricError("fi_cq_readerr", static_cast<int>(r), __FILE__, __LINE__);
     auto* c = static_cast<OpCtx*>(err.op_context);
-    if (!c) throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
-                                      fi_strerror(err.err)));
+    if (!c)
+      throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
+                                fi_strerror(err.err)));
     if (err.err == FI_ECANCELED) {
       finish_part(c, RequestState::kCancelled, {});
       return;
     }
-    std::string msg = err.err == FI_ETRUNC
-                          ? fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
-                                        err.olen + err.len, c->len)
-                          : fmt::format("{} ({})", fi_strerror(err.err),
-                                        fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data,
-                                                       nullptr, 0));
+    std::string msg =
+        err.err == FI_ETRUNC
+            ? fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
+                          err.olen + err.len, c->len)
+            : fmt::format("{} ({})", fi_strerror(err.err),
+                          fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
     finish_part(c, RequestState::kError, msg);
   }
 
@@ -472,9 +472,8 @@ std::string resolve_provider(const std::string& setting, bool single_host) {
   return "tcp;ofi_rxm";
 }
 
-std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank,
-                                               int world_size, Store& store, bool single_host,
-                                               Deadline deadline) {
+std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,
+                                               Store& store, bool single_host, Deadline deadline) {
   return std::make_unique<FabricEndpoint>(opts, rank, world_size, store, single_host, deadline);
 }
 

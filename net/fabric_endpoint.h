@@ -23,9 +23,8 @@ struct FabricOptions {
 // Opens an endpoint, publishes its address in `store` under "fabric/addr/<rank>", reads
 // every peer's address (until `deadline`) and inserts them into the address vector.
 // `single_host` decides what "auto" means.
-std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank,
-                                               int world_size, Store& store, bool single_host,
-                                               Deadline deadline);
+std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,
+                                               Store& store, bool single_host, Deadline deadline);
 
 // Resolves "auto"/"tcp" aliases to a provider string for fi_getinfo.
 std::string resolve_provider(const std::string& setting, bool single_host);

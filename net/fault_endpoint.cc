@@ -21,8 +21,8 @@ const FaultRule* FaultEndpoint::match(int peer, uint64_t tag) {
 
 RequestPtr FaultEndpoint::isend(int peer, uint64_t tag, const void* buf, size_t len) {
   const FaultRule* rule = match(peer, tag);
-  bool queued_behind = std::any_of(held_.begin(), held_.end(),
-                                   [&](const Held& h) { return h.peer == peer; });
+  bool queued_behind =
+      std::any_of(held_.begin(), held_.end(), [&](const Held& h) { return h.peer == peer; });
   if (!rule && !queued_behind) return inner_->isend(peer, tag, buf, len);
   auto proxy = std::make_shared<Request>();
   proxy->is_send = true;

@@ -16,8 +16,8 @@
 namespace qring::net {
 
 struct FaultRule {
-  int src = kAnyPeer;  // sender rank, or any
-  int dst = kAnyPeer;  // receiver rank, or any
+  int src = kAnyPeer;    // sender rank, or any
+  int dst = kAnyPeer;    // receiver rank, or any
   std::optional<Op> op;  // only messages of this protocol, or all
   std::chrono::milliseconds delay{0};
   bool drop = false;

@@ -1,10 +1,10 @@
 #include "net/inproc_endpoint.h"
 
+#include <fmt/format.h>
+
 #include <cstring>
 #include <list>
 #include <mutex>
-
-#include <fmt/format.h>
 
 #include "net/error.h"
 
@@ -166,7 +166,9 @@ InprocFabric::InprocFabric(int world_size) {
   for (int i = 0; i < world_size; ++i) boxes_.push_back(std::make_unique<Mailbox>());
 }
 InprocFabric::~InprocFabric() = default;
-int InprocFabric::world_size() const { return static_cast<int>(boxes_.size()); }
+int InprocFabric::world_size() const {
+  return static_cast<int>(boxes_.size());
+}
 
 std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank) {
   if (rank < 0 || rank >= world_size())

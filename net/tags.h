@@ -42,10 +42,18 @@ constexpr uint64_t make_tag(Op op, uint64_t seq, uint64_t chunk = 0) {
   return (uint64_t(static_cast<uint8_t>(op)) << 56) | ((seq & kSeqMask) << 32) |
          ((chunk & kChunkMask) << 8);
 }
-constexpr Op tag_op(uint64_t tag) { return static_cast<Op>(tag >> 56); }
-constexpr uint64_t tag_seq(uint64_t tag) { return (tag >> 32) & kSeqMask; }
-constexpr uint64_t tag_chunk(uint64_t tag) { return (tag >> 8) & kChunkMask; }
-constexpr uint64_t tag_frag(uint64_t tag) { return tag & kFragMask; }
+constexpr Op tag_op(uint64_t tag) {
+  return static_cast<Op>(tag >> 56);
+}
+constexpr uint64_t tag_seq(uint64_t tag) {
+  return (tag >> 32) & kSeqMask;
+}
+constexpr uint64_t tag_chunk(uint64_t tag) {
+  return (tag >> 8) & kChunkMask;
+}
+constexpr uint64_t tag_frag(uint64_t tag) {
+  return tag & kFragMask;
+}
 // Ignore mask for "any chunk" (e.g. a coordinator receiving control messages from any rank).
 constexpr uint64_t kIgnoreChunk = kChunkMask << 8;
 

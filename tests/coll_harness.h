@@ -16,14 +16,13 @@
 
 namespace qring::testing {
 
-using collectives::Communicator;
 using collectives::CommOptions;
+using collectives::Communicator;
 using collectives::DataType;
 using collectives::RedOp;
 
 // Runs fn(comm) on `n` threads, one Communicator each; rethrows the first failure.
-inline void run_ranks(int n, const CommOptions& opts,
-                      const std::function<void(Communicator&)>& fn,
+inline void run_ranks(int n, const CommOptions& opts, const std::function<void(Communicator&)>& fn,
                       const std::vector<net::FaultRule>& faults = {}) {
   net::InprocFabric fabric(n);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
@@ -46,15 +45,25 @@ inline void run_ranks(int n, const CommOptions& opts,
 }
 
 // Small integers: every sum over up to 8 ranks is exact in all types, bfloat16 included.
-inline int pattern(size_t j, int r) { return int((j * 7 + size_t(r) * 13) % 17) - 8; }
+inline int pattern(size_t j, int r) {
+  return int((j * 7 + size_t(r) * 13) % 17) - 8;
+}
 
 // Writes value v as element j of a buffer of `type`.
 inline void put(void* buf, size_t j, DataType type, double v) {
   switch (type) {
-    case DataType::kFloat32: static_cast<float*>(buf)[j] = float(v); break;
-    case DataType::kFloat64: static_cast<double*>(buf)[j] = v; break;
-    case DataType::kInt32: static_cast<int32_t*>(buf)[j] = int32_t(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(buf)[j] = int64_t(v); break;
+    case DataType::kFloat32:
+      static_cast<float*>(buf)[j] = float(v);
+      break;
+    case DataType::kFloat64:
+      static_cast<double*>(buf)[j] = v;
+      break;
+    case DataType::kInt32:
+      static_cast<int32_t*>(buf)[j] = int32_t(v);
+      break;
+    case DataType::kInt64:
+      static_cast<int64_t*>(buf)[j] = int64_t(v);
+      break;
     case DataType::kBFloat16:
       static_cast<uint16_t*>(buf)[j] = collectives::float_to_bf16(float(v));
       break;
@@ -76,10 +85,18 @@ inline void expected(void* out, size_t j, DataType type, RedOp op, int n) {
     return;
   }
   switch (type) {
-    case DataType::kFloat32: *static_cast<float*>(out) = float(sum) / float(n); break;
-    case DataType::kFloat64: *static_cast<double*>(out) = double(sum) / double(n); break;
-    case DataType::kInt32: *static_cast<int32_t*>(out) = int32_t(sum) / n; break;
-    case DataType::kInt64: *static_cast<int64_t*>(out) = int64_t(sum) / n; break;
+    case DataType::kFloat32:
+      *static_cast<float*>(out) = float(sum) / float(n);
+      break;
+    case DataType::kFloat64:
+      *static_cast<double*>(out) = double(sum) / double(n);
+      break;
+    case DataType::kInt32:
+      *static_cast<int32_t*>(out) = int32_t(sum) / n;
+      break;
+    case DataType::kInt64:
+      *static_cast<int64_t*>(out) = int64_t(sum) / n;
+      break;
     case DataType::kBFloat16:
       *static_cast<uint16_t*>(out) = collectives::float_to_bf16(float(sum) / float(n));
       break;

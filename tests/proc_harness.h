@@ -46,8 +46,7 @@ struct ProcResult {
 
 // fn(rank, world, rendezvous) runs in the child; its return value is the exit code, an
 // exception prints to stderr and exits 99.
-inline ProcResult run_procs(int n,
-                            const std::function<int(int, int, net::Rendezvous&)>& fn,
+inline ProcResult run_procs(int n, const std::function<int(int, int, net::Rendezvous&)>& fn,
                             std::chrono::milliseconds limit = std::chrono::seconds(60)) {
   int port = free_tcp_port();
   std::vector<pid_t> pids;

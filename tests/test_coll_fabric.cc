@@ -1,9 +1,8 @@
 // Collectives as real processes over libfabric (shm and tcp): ring all-reduce grid, a rank
 // killed mid-run, and the quorum all-reduce's agreement across processes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <zlib.h>
-
-#include <fmt/format.h>
 
 #include <random>
 
@@ -78,28 +77,32 @@ class FabricFailure : public ::testing::TestWithParam<std::string> {};
 TEST_P(FabricFailure, KilledRankMakesSurvivorsFailCleanly) {
   const std::string prov = GetParam();
   auto t0 = std::chrono::steady_clock::now();
-  auto res = run_procs(3, [&](int r, int n, net::Rendezvous& rdv) {
-    CommOptions co;
-    co.timeout = std::chrono::milliseconds(1500);
-    auto comm = open_comm(rdv, prov, co);
-    std::vector<float> buf(1 << 16, 1.f);
-    comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
-    if (r == 2) raise(SIGKILL);
-    try {
-      for (int i = 0; i < 3; ++i)
+  auto res = run_procs(
+      3,
+      [&](int r, int n, net::Rendezvous& rdv) {
+        CommOptions co;
+        co.timeout = std::chrono::milliseconds(1500);
+        auto comm = open_comm(rdv, prov, co);
+        std::vector<float> buf(1 << 16, 1.f);
         comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
-      return 1;
-    } catch (const IoError& e) {
-      std::string m = e.what();
-      fprintf(stderr, "rank %d survived with: %s\n", r, m.c_str());
-      if (m.find("allreduce #1") == std::string::npos && m.find("allreduce") == std::string::npos)
-        return 2;
-      if (!comm->broken()) return 3;
-    }
-    // Skip the rendezvous' exit barrier, which would wait for the dead rank.
-    fflush(stderr);
-    _exit(0);
-  }, std::chrono::seconds(30));
+        if (r == 2) raise(SIGKILL);
+        try {
+          for (int i = 0; i < 3; ++i)
+            comm->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+          return 1;
+        } catch (const IoError& e) {
+          std::string m = e.what();
+          fprintf(stderr, "rank %d survived with: %s\n", r, m.c_str());
+          if (m.find("allreduce #1") == std::string::npos &&
+              m.find("allreduce") == std::string::npos)
+            return 2;
+          if (!comm->broken()) return 3;
+        }
+        // Skip the rendezvous' exit barrier, which would wait for the dead rank.
+        fflush(stderr);
+        _exit(0);
+      },
+      std::chrono::seconds(30));
   EXPECT_FALSE(res.timed_out);
   EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
   EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
@@ -117,43 +120,49 @@ class FabricQuorum : public ::testing::TestWithParam<Case> {};
 TEST_P(FabricQuorum, ProcessesAgreeUnderStragglers) {
   const int world = 4, steps = 40;
   const Case c = GetParam();
-  auto res = run_procs(world, [&](int r, int n, net::Rendezvous& rdv) {
-    auto comm = open_comm(rdv, c.provider);
-    collectives::QuorumOptions qo;
-    qo.quorum = c.ranks;
-    qo.grace = std::chrono::milliseconds(1);
-    qo.deadline = std::chrono::milliseconds(10000);
-    collectives::QuorumAllreduce q(*comm, 1000, qo);
-    auto model = collectives::StragglerModel::parse("exp:2");
-    std::vector<float> buf(1000);
-    int bad = 0;
-    for (uint64_t t = 0; t < uint64_t(steps); ++t) {
-      for (size_t j = 0; j < buf.size(); ++j) buf[j] = float(pattern(j + t, r));
-      bool gave_up = collectives::sleep_unless(model.delay(42, r, t), [&] { return q.excluded(t); });
-      if (!gave_up) q.contribute(t, buf.data(), buf.size());
-      auto result = q.wait(t, buf.data());
-      for (size_t j = 0; j < buf.size(); ++j) {
-        float sum = 0;
-        for (int p = 0; p < n; ++p)
-          if (result.contains(p)) sum += float(pattern(j + t, p));
-        if (buf[j] != sum / float(result.count)) ++bad;
-      }
-      uLong crc = crc32(0, reinterpret_cast<const Bytef*>(buf.data()), uInt(buf.size() * 4));
-      rdv.store().set(fmt::format("q/{}/{}", r, t),
-                      fmt::format("{}:{}", int(result.contributors[0]), crc));
-    }
-    if (r == 0) {
-      for (uint64_t t = 0; t < uint64_t(steps); ++t) {
-        std::string ref = rdv.store().get(fmt::format("q/0/{}", t), net::deadline_in(std::chrono::seconds(20)));
-        for (int p = 1; p < n; ++p)
-          if (rdv.store().get(fmt::format("q/{}/{}", p, t), net::deadline_in(std::chrono::seconds(20))) != ref) {
-            fprintf(stderr, "step %lu: rank %d disagrees with rank 0\n", (unsigned long)t, p);
-            ++bad;
+  auto res = run_procs(
+      world,
+      [&](int r, int n, net::Rendezvous& rdv) {
+        auto comm = open_comm(rdv, c.provider);
+        collectives::QuorumOptions qo;
+        qo.quorum = c.ranks;
+        qo.grace = std::chrono::milliseconds(1);
+        qo.deadline = std::chrono::milliseconds(10000);
+        collectives::QuorumAllreduce q(*comm, 1000, qo);
+        auto model = collectives::StragglerModel::parse("exp:2");
+        std::vector<float> buf(1000);
+        int bad = 0;
+        for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+          for (size_t j = 0; j < buf.size(); ++j) buf[j] = float(pattern(j + t, r));
+          bool gave_up =
+              collectives::sleep_unless(model.delay(42, r, t), [&] { return q.excluded(t); });
+          if (!gave_up) q.contribute(t, buf.data(), buf.size());
+          auto result = q.wait(t, buf.data());
+          for (size_t j = 0; j < buf.size(); ++j) {
+            float sum = 0;
+            for (int p = 0; p < n; ++p)
+              if (result.contains(p)) sum += float(pattern(j + t, p));
+            if (buf[j] != sum / float(result.count)) ++bad;
           }
-      }
-    }
-    return bad ? 1 : 0;
-  }, std::chrono::seconds(60));
+          uLong crc = crc32(0, reinterpret_cast<const Bytef*>(buf.data()), uInt(buf.size() * 4));
+          rdv.store().set(fmt::format("q/{}/{}", r, t),
+                          fmt::format("{}:{}", int(result.contributors[0]), crc));
+        }
+        if (r == 0) {
+          for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+            std::string ref = rdv.store().get(fmt::format("q/0/{}", t),
+                                              net::deadline_in(std::chrono::seconds(20)));
+            for (int p = 1; p < n; ++p)
+              if (rdv.store().get(fmt::format("q/{}/{}", p, t),
+                                  net::deadline_in(std::chrono::seconds(20))) != ref) {
+                fprintf(stderr, "step %lu: rank %d disagrees with rank 0\n", (unsigned long)t, p);
+                ++bad;
+              }
+          }
+        }
+        return bad ? 1 : 0;
+      },
+      std::chrono::seconds(60));
   EXPECT_FALSE(res.timed_out);
   for (int r = 0; r < world; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
 }

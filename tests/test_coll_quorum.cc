@@ -20,7 +20,9 @@ using collectives::QuorumResult;
 using collectives::QuorumTimeout;
 using std::chrono::milliseconds;
 
-float grad(size_t j, int r, uint64_t step) { return float(pattern(j + step * 3, r)); }
+float grad(size_t j, int r, uint64_t step) {
+  return float(pattern(j + step * 3, r));
+}
 
 // Sleeps `d`, returning early (true) once `abandon()` says the work is stale.
 bool interruptible_sleep(milliseconds d, const std::function<bool()>& abandon) {
@@ -69,8 +71,10 @@ TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
       int delay = int(rng() % 4);
       if (rng() % 5 == 0) delay += 6;  // an occasional real straggler
       bool gave_up = interruptible_sleep(milliseconds(delay), [&] { return q.excluded(t); });
-      if (!gave_up) q.contribute(t, buf.data(), count);
-      else ++abandoned;
+      if (!gave_up)
+        q.contribute(t, buf.data(), count);
+      else
+        ++abandoned;
       QuorumResult r = q.wait(t, buf.data());
       EXPECT_GE(r.count, c.quorum);
       EXPECT_EQ(r.self_counted, r.contains(comm.rank()));
@@ -222,13 +226,14 @@ TEST(Quorum, CarryCountsALateGradientOnceInTheNextStep) {
     run_ranks(3, {}, [&](Communicator& comm) {
       QuorumAllreduce q(comm, 1, qo);
       const int r = comm.rank();
-      float g = float(10 * (r + 1));  // step 0 gradients: 10, 20, 30
+      float g = float(10 * (r + 1));                               // step 0 gradients: 10, 20, 30
       if (r == 2) std::this_thread::sleep_for(milliseconds(300));  // late, but contributes
       q.contribute(0, &g, 1);
       QuorumResult a = q.wait(0, &g);
       s0[size_t(r)] = a.contributors;
-      float h = float(r + 1);  // step 1 gradients: 1, 2, 3
-      if (r != 2) std::this_thread::sleep_for(milliseconds(300));  // now rank 2 is first
+      float h = float(r + 1);                                      // step 1 gradients: 1, 2, 3
+      // Rank 2 reaches step 1 at ~300 ms (after its late step 0); the others at ~600 ms.
+      if (r != 2) std::this_thread::sleep_for(milliseconds(600));
       q.contribute(1, &h, 1);
       QuorumResult b = q.wait(1, &h);
       s1[size_t(r)] = b.contributors;
@@ -239,7 +244,8 @@ TEST(Quorum, CarryCountsALateGradientOnceInTheNextStep) {
     ASSERT_EQ(s1[0], s1[2]);
     ASSERT_TRUE(s1[0][0] & 0b100) << "rank 2 is counted in step 1";
     float expect = 3.f + (policy == LatePolicy::kCarry ? 30.f : 0.f);
-    for (int r : {0, 1}) if (s1[0][0] & (1 << r)) expect += float(r + 1);
+    for (int r : {0, 1})
+      if (s1[0][0] & (1 << r)) expect += float(r + 1);
     for (int r = 0; r < 3; ++r) EXPECT_EQ(out1[size_t(r)], expect) << "rank " << r;
   }
 }

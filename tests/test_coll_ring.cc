@@ -24,11 +24,16 @@ struct GridCase {
 
 size_t size_of(const GridCase& c) {
   switch (c.size_kind) {
-    case 0: return 0;
-    case 1: return 1;
-    case 2: return size_t(c.ranks - 1);
-    case 3: return size_t(c.ranks) * 37 + 3;
-    default: return size_t(c.ranks) * 211 + 5;
+    case 0:
+      return 0;
+    case 1:
+      return 1;
+    case 2:
+      return size_t(c.ranks - 1);
+    case 3:
+      return size_t(c.ranks) * 37 + 3;
+    default:
+      return size_t(c.ranks) * 211 + 5;
   }
 }
 
@@ -71,7 +76,9 @@ void allreduce_grid(const GridCase& c, size_t small_allreduce_bytes) {
   EXPECT_EQ(checked.load(), size_t(c.ranks) * 5 * 4 * 2);
 }
 
-TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) { allreduce_grid(GetParam(), 0); }
+TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) {
+  allreduce_grid(GetParam(), 0);
+}
 
 TEST_P(RingGrid, AllreduceRecursiveDoublingBitExactEveryTypeOpAndPlacement) {
   allreduce_grid(GetParam(), SIZE_MAX);
@@ -219,12 +226,15 @@ TEST(Ring, DelayedMessagesStillGiveExactResults) {
   faults[0].delay = std::chrono::milliseconds(20);
   faults[0].skip_first = 3;
   std::atomic<size_t> wrong{0};
-  run_ranks(4, opts, [&](Communicator& comm) {
-    std::vector<double> buf(301);
-    for (size_t j = 0; j < buf.size(); ++j) buf[j] = pattern(j, comm.rank());
-    comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum);
-    wrong += count_wrong(buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum, comm.size());
-  }, faults);
+  run_ranks(
+      4, opts,
+      [&](Communicator& comm) {
+        std::vector<double> buf(301);
+        for (size_t j = 0; j < buf.size(); ++j) buf[j] = pattern(j, comm.rank());
+        comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum);
+        wrong += count_wrong(buf.data(), buf.size(), DataType::kFloat64, RedOp::kSum, comm.size());
+      },
+      faults);
   EXPECT_EQ(wrong.load(), 0u);
 }
 
@@ -235,14 +245,17 @@ TEST(Ring, DroppedMessageIsATimeoutNotAHang) {
   faults[0].src = 0;
   faults[0].drop = true;
   std::atomic<int> failed{0};
-  run_ranks(2, opts, [&](Communicator& comm) {
-    std::vector<float> buf(10, 1.f);
-    try {
-      comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
-    } catch (const CollectiveTimeout&) {
-      ++failed;
-    }
-  }, faults);
+  run_ranks(
+      2, opts,
+      [&](Communicator& comm) {
+        std::vector<float> buf(10, 1.f);
+        try {
+          comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+        } catch (const CollectiveTimeout&) {
+          ++failed;
+        }
+      },
+      faults);
   EXPECT_GE(failed.load(), 1);  // rank 1 never gets rank 0's data
 }
 

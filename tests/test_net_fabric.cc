@@ -13,7 +13,9 @@ namespace {
 using net::make_tag;
 using net::Op;
 
-uint8_t byte_at(size_t i, int rank) { return uint8_t((i * 131 + size_t(rank) * 7 + (i >> 9)) & 0xFF); }
+uint8_t byte_at(size_t i, int rank) {
+  return uint8_t((i * 131 + size_t(rank) * 7 + (i >> 9)) & 0xFF);
+}
 
 std::vector<uint8_t> pattern_buf(size_t n, int rank) {
   std::vector<uint8_t> v(n);
@@ -39,7 +41,8 @@ TEST_P(Fabric, ExchangeIsBitExactBothWays) {
   auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
     auto ep = open_endpoint(rdv, prov);
     int peer = 1 - r;
-    for (size_t size : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20, (size_t(1) << 22) + 5}) {
+    for (size_t size :
+         {size_t(0), size_t(1), size_t(4097), size_t(1) << 20, (size_t(1) << 22) + 5}) {
       auto out = pattern_buf(size, r);
       std::vector<uint8_t> in(size);
       auto rq = ep->irecv(peer, make_tag(Op::kUser, size & 0xFFFF, 1), in.data(), in.size());
@@ -66,8 +69,8 @@ TEST_P(Fabric, ManyMessagesOutstandingAndTagsMatchedOutOfOrder) {
       if (p == r) continue;
       for (int k = kMsgs - 1; k >= 0; --k) {
         in.emplace_back(size_t(100 + 37 * k));
-        reqs.push_back(ep->irecv(p, make_tag(Op::kUser, 7, size_t(k)), in.back().data(),
-                                 in.back().size()));
+        reqs.push_back(
+            ep->irecv(p, make_tag(Op::kUser, 7, size_t(k)), in.back().data(), in.back().size()));
       }
     }
     for (int p = 0; p < n; ++p) {
@@ -75,8 +78,8 @@ TEST_P(Fabric, ManyMessagesOutstandingAndTagsMatchedOutOfOrder) {
       for (int k = 0; k < kMsgs; ++k) {
         auto v = pattern_buf(size_t(100 + 37 * k), r * 1000 + k);
         out.push_back(std::move(v));
-        reqs.push_back(ep->isend(p, make_tag(Op::kUser, 7, size_t(k)), out.back().data(),
-                                 out.back().size()));
+        reqs.push_back(
+            ep->isend(p, make_tag(Op::kUser, 7, size_t(k)), out.back().data(), out.back().size()));
       }
     }
     ep->wait_all(reqs, kDl(), "exchange");

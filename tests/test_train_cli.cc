@@ -9,12 +9,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <string>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -117,8 +116,8 @@ TEST_F(TrainCli, BadConfigurationExitsTwoNamingTheKey) {
               "/configs/smoke.toml train.lr=-1 run.out_dir=" + dir_.string());
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("train.lr"), std::string::npos) << r.output;
-  auto u = sh(kBuild + "/train/qring-train --config " + kSource +
-              "/configs/smoke.toml no.such_key=1");
+  auto u =
+      sh(kBuild + "/train/qring-train --config " + kSource + "/configs/smoke.toml no.such_key=1");
   EXPECT_EQ(u.status, 2) << u.output;
   EXPECT_NE(u.output.find("no.such_key"), std::string::npos) << u.output;
   auto m = sh(kBuild + "/train/qring-train --config /nonexistent.toml");

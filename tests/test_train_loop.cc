@@ -28,9 +28,8 @@ std::vector<RunSummary> run_training(int world, const TrainConfig& cfg,
   std::vector<RunSummary> out(static_cast<size_t>(world));
   CommOptions co;
   co.timeout = std::chrono::seconds(30);
-  run_ranks(world, co, [&](Communicator& comm) {
-    out[size_t(comm.rank())] = train::train(cfg, comm, opts);
-  });
+  run_ranks(world, co,
+            [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm, opts); });
   return out;
 }
 

@@ -5,16 +5,15 @@
 //
 // Exit status: 0 done, 1 runtime failure (a peer lost, a deadline passed, drift...), 2 bad
 // command line, configuration or data.
+#include <fmt/format.h>
 #include <omp.h>
+#include <spdlog/spdlog.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include "collectives/communicator.h"
 #include "net/bootstrap.h"
@@ -89,8 +88,8 @@ int main(int argc, char** argv) {
   }
 
   try {
-    auto deadline = qring::net::deadline_in(std::chrono::milliseconds(
-        std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
+    auto deadline = qring::net::deadline_in(
+        std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
     qring::net::Rendezvous rdv(info, deadline);
     qring::net::FabricOptions fo;
     fo.provider = cfg.net.provider;
@@ -104,11 +103,12 @@ int main(int argc, char** argv) {
     topts.resume = resume;
     auto s = qring::train::train(cfg, comm, topts);
     if (info.rank == 0) {
-      fmt::print("test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
-                 "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
-                 "params_checksum {:016x}\n",
-                 s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
-                 s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
+      fmt::print(
+          "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
+          "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
+          "params_checksum {:016x}\n",
+          s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
+          s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
     } else {
       // Every rank states its final parameters so logs show the replicas agree.
       fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);

@@ -1,5 +1,8 @@
 #include "train/trainer.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,10 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
@@ -149,9 +148,10 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const int64_t B = cfg.train.batch_per_rank;
   const int64_t spe = core.steps_per_epoch();
   if (spe < 1)
-    throw ConfigError(fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
-                                  "batch of {} per rank",
-                                  data.train.size(), world, B));
+    throw ConfigError(
+        fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
+                    "batch of {} per rank",
+                    data.train.size(), world, B));
   const int64_t total = core.total_steps();
   const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
   const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : spe;
@@ -202,9 +202,10 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     std::ofstream(run_dir / "config.toml") << cfg.to_toml();
     if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
     metrics.open(run_dir / "metrics.jsonl", opts.resume ? std::ios::app : std::ios::trunc);
-    spdlog::info("training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
-                 "provider {}, straggler {}",
-                 cfg.model.type, P, world, quorum, total, spe, comm.provider(), straggler.spec());
+    spdlog::info(
+        "training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
+        "provider {}, straggler {}",
+        cfg.model.type, P, world, quorum, total, spe, comm.provider(), straggler.spec());
   }
   comm.barrier();
 
@@ -230,13 +231,17 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         e.accuracy >= cfg.train.target_accuracy)
       sum.time_to_target_s = wall;
     if (rank == 0) {
-      nlohmann::json j{{"type", "eval"},        {"step", step},         {"epoch", step / spe},
-                       {"wall_s", wall},        {"test_accuracy", e.accuracy},
+      nlohmann::json j{{"type", "eval"},
+                       {"step", step},
+                       {"epoch", step / spe},
+                       {"wall_s", wall},
+                       {"test_accuracy", e.accuracy},
                        {"test_loss", e.loss}};
       metrics << j.dump() << '\n';
       metrics.flush();
       if (!tty || !cfg.log.progress)
-        spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy, e.loss);
+        spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy,
+                     e.loss);
     }
   };
 
@@ -281,9 +286,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     core.apply_gradient(grad);
 
     const double delay_ms = double(delay.count()) / 1000.0;
-    ready_after.push_back(float(delay_ms + (abandoned ? (compute_n ? compute_total / double(compute_n)
-                                                                  : 0.0)
-                                                      : compute_ms)));
+    ready_after.push_back(
+        float(delay_ms +
+              (abandoned ? (compute_n ? compute_total / double(compute_n) : 0.0) : compute_ms)));
     step_ms_v.push_back(float(ms_since(step_start)));
     reduce_ms_v.push_back(float(r.reduce_ms));
     counted += double(r.count) * double(B);
@@ -315,9 +320,10 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       comm.allgather(&mine, all.data(), 1, DataType::kInt64);
       for (int p = 0; p < world; ++p)
         if (all[size_t(p)] != all[0])
-          throw Error(fmt::format("rank {}: replicas drifted at step {}: rank {} has parameter "
-                                  "checksum {:016x}, rank 0 has {:016x}",
-                                  rank, done, p, uint64_t(all[size_t(p)]), uint64_t(all[0])));
+          throw Error(
+              fmt::format("rank {}: replicas drifted at step {}: rank {} has parameter "
+                          "checksum {:016x}, rank 0 has {:016x}",
+                          rank, done, p, uint64_t(all[size_t(p)]), uint64_t(all[0])));
     }
     if (done % eval_every == 0 && done < total) do_eval(done);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
@@ -364,7 +370,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   double full = 0, actual = 0;
   for (size_t s = 0; s < ready_after.size(); ++s) {
     float mx = 0;
-    for (int p = 0; p < world; ++p) mx = std::max(mx, all_ready[size_t(p) * ready_after.size() + s]);
+    for (int p = 0; p < world; ++p)
+      mx = std::max(mx, all_ready[size_t(p) * ready_after.size() + s]);
     full += double(mx) + double(reduce_ms_v[s]);
     actual += double(step_ms_v[s]);
   }

@@ -3,11 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "collectives/communicator.h"
 #include "train/config.h"
@@ -21,8 +20,8 @@ struct RunSummary {
   double wall_s = 0;
   std::optional<double> time_to_target_s;
   int64_t steps = 0;
-  int64_t dropped_gradients = 0;   // (step, rank) contributions left out of S(t)
-  double samples_per_s = 0;        // samples whose gradients were counted, per second
+  int64_t dropped_gradients = 0;      // (step, rank) contributions left out of S(t)
+  double samples_per_s = 0;           // samples whose gradients were counted, per second
   double computed_samples_per_s = 0;  // samples every rank computed, per second
   double mean_contributors = 0;
   double full_sync_estimate_s = 0;  // estimated wall time had every step waited for all ranks

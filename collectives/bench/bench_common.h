@@ -213,7 +213,7 @@ struct Options {
   bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
   bool spin = false;               // --op sendrecv: busy-poll instead of the endpoint's wait
   // --op quorum
-  std::string quorum = "";         // count or fraction; empty = world size
+  std::string quorum = "";  // count or fraction; empty = world size
   long grace_ms = 0;
   long deadline_ms = 30000;
   std::string straggler = "none";

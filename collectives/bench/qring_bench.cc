@@ -11,10 +11,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <optional>
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -393,7 +393,6 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
   if (comm.rank() == 0) report_idle(all, wall, comm.provider(), "engine", rows);
 }
 
-
 // ------------------------------------------------------------------ quorum
 
 struct QuorumStats {
@@ -469,7 +468,7 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  size_t i = size_t(std::ceil(p / 100.0 * double(v.size()))) ;
+  size_t i = size_t(std::ceil(p / 100.0 * double(v.size())));
   return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
 }
 
@@ -483,15 +482,17 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
   const size_t ts = dtype_bytes(o.dtype);
   const bool print = comm.rank() == 0;
   if (print) {
-    std::printf("# quorum all-reduce: %d ranks, provider %s, quorum %d, grace %ld ms, deadline "
-                "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
-                n, comm.provider().c_str(), q, o.grace_ms, o.deadline_ms, model.spec().c_str(),
-                static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
-                o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
-    std::printf("# step latency = the slowest rank's time from the start of its step (before "
-                "its straggler delay) to the end of its wait; busbw from p50\n#\n");
-    std::printf("# %10s %12s %10s %10s %10s %8s %8s %8s %6s", "size", "count", "p50(us)",
-                "p99(us)", "max(us)", "busbw", "contrib", "dropped", "#wrong");
+    std::printf(
+        "# quorum all-reduce: %d ranks, provider %s, quorum %d, grace %ld ms, deadline "
+        "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
+        n, comm.provider().c_str(), q, o.grace_ms, o.deadline_ms, model.spec().c_str(),
+        static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
+        o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
+    std::printf(
+        "# step latency = the slowest rank's time from the start of its step (before "
+        "its straggler delay) to the end of its wait; busbw from p50\n#\n");
+    std::printf("# %10s %12s %10s %10s %10s %8s %8s %8s %6s", "size", "count", "p50(us)", "p99(us)",
+                "max(us)", "busbw", "contrib", "dropped", "#wrong");
     if (o.compare_full)
       std::printf(" | %10s %10s %8s %8s", "full p50", "full p99", "p50 x", "p99 x");
     std::printf("\n");
