@@ -60,6 +60,9 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   thread_.join();
+  // Close the endpoint (cancelling its posted receives) before the buffers those receives
+  // point into — control messages, scratch — are freed with the other members.
+  ep_.reset();
 }
 
 std::string Engine::broken_reason() const {

@@ -46,6 +46,16 @@ class InprocEndpoint final : public Endpoint {
   InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes)
       : rank_(rank), boxes_(std::move(boxes)) {}
 
+  // The mailbox outlives the endpoint: withdraw the receives still posted, or later senders
+  // would write into buffers that are gone.
+  ~InprocEndpoint() override {
+    auto& box = *boxes_[static_cast<size_t>(rank_)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    for (auto& p : box.posted) p.req->state = RequestState::kCancelled;
+    box.posted.clear();
+    box.completed.clear();
+  }
+
   int rank() const override { return rank_; }
   int world_size() const override { return static_cast<int>(boxes_.size()); }
   std::string provider() const override { return "inproc"; }
