@@ -6,6 +6,8 @@
 #include "net/fabric_endpoint.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
+
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -15,6 +17,9 @@
 #include <spdlog/spdlog.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <deque>
 #include <map>
 #include <thread>
@@ -77,6 +82,33 @@ InfoPtr query(const std::string& prov) {
   return InfoPtr(info);
 }
 
+// libfabric 1.17's shm provider names its region /dev/shm/<pid>:<n>:<m>. A process killed
+// with SIGKILL leaves its region behind, and a later process that gets the same pid then
+// fails fi_enable with -FI_EBUSY. Regions named after this pid that this process has not
+// mapped can only be such leftovers: remove them. Returns how many were removed.
+int remove_stale_shm_regions() {
+  std::string maps;
+  {
+    std::ifstream f("/proc/self/maps");
+    maps.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  const std::string prefix = std::to_string(getpid()) + ":";
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    if (maps.find("/dev/shm/" + name) != std::string::npos) continue;
+    if (std::filesystem::remove(e.path(), ec)) {
+      spdlog::warn("removed stale shared-memory region /dev/shm/{} of an earlier process with "
+                   "this pid",
+                   name);
+      ++removed;
+    }
+  }
+  return removed;
+}
+
 bool is_loopback_domain(const fi_info* i) {
   return i->domain_attr && i->domain_attr->name && std::strcmp(i->domain_attr->name, "lo") == 0;
 }
@@ -125,6 +157,7 @@ class FabricEndpoint final : public Endpoint {
     if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
 
+    if (provider_name_ == "shm") remove_stale_shm_regions();
     QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));
     QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
     fi_cq_attr cq_attr{};

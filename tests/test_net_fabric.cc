@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <numeric>
 
 #include "net/error.h"
@@ -206,6 +207,26 @@ TEST_P(Fabric, WildcardReceiveReportsTheMatchedTag) {
     return 0;
   });
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r;
+}
+
+// A rank SIGKILLed earlier leaves /dev/shm/<pid>:0:0 behind; a new process that gets the same
+// pid must still open its shm endpoint.
+TEST(FabricProvider, StaleShmRegionOfAnEarlierProcessWithThisPidIsRemoved) {
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    std::string stale = "/dev/shm/" + std::to_string(getpid()) + ":0:0";
+    {
+      std::ofstream f(stale);
+      f << std::string(4096, 'x');
+    }
+    auto ep = open_endpoint(rdv, "shm");
+    uint32_t v = uint32_t(r), got = 99;
+    auto q = ep->irecv(1 - r, make_tag(Op::kUser, 1, 1), &got, sizeof(got));
+    ep->wait(ep->isend(1 - r, make_tag(Op::kUser, 1, 1), &v, sizeof(v)), kDl());
+    ep->wait(q, kDl());
+    return got == uint32_t(1 - r) ? 0 : 1;
+  });
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
 }
 
 TEST(FabricProvider, AliasesResolve) {
