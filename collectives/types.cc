@@ -6,52 +6,6 @@
 
 namespace qring::collectives {
 
-size_t dtype_size(DataType t) {
-  switch (t) {
-    case DataType::kFloat32:
-      return 4;
-    case DataType::kFloat64:
-      return 8;
-    case DataType::kInt32:
-      return 4;
-    case DataType::kInt64:
-      return 8;
-    case DataType::kBFloat16:
-      return 2;
-  }
-  throw UsageError("unknown data type");
-}
-
-std::string_view to_string(DataType t) {
-  switch (t) {
-    case DataType::kFloat32:
-      return "float32";
-    case DataType::kFloat64:
-      return "float64";
-    case DataType::kInt32:
-      return "int32";
-    case DataType::kInt64:
-      return "int64";
-    case DataType::kBFloat16:
-      return "bfloat16";
-  }
-  return "?";
-}
-
-std::string_view to_string(RedOp op) {
-  switch (op) {
-    case RedOp::kSum:
-      return "sum";
-    case RedOp::kAvg:
-      return "avg";
-    case RedOp::kMin:
-      return "min";
-    case RedOp::kMax:
-      return "max";
-  }
-  return "?";
-}
-
 DataType parse_dtype(std::string_view s) {
   if (s == "float32" || s == "float" || s == "f32") return DataType::kFloat32;
   if (s == "float64" || s == "double" || s == "f64") return DataType::kFloat64;

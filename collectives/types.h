@@ -11,9 +11,36 @@ namespace qring::collectives {
 enum class DataType : uint8_t { kFloat32, kFloat64, kInt32, kInt64, kBFloat16 };
 enum class RedOp : uint8_t { kSum, kAvg, kMin, kMax };
 
-size_t dtype_size(DataType t);
-std::string_view to_string(DataType t);
-std::string_view to_string(RedOp op);
+// Header-only, so that qring-mpi-bench can use them without linking qring.
+constexpr size_t dtype_size(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat64: return 8;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+    case DataType::kBFloat16: return 2;
+  }
+  return 1;
+}
+constexpr std::string_view to_string(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kBFloat16: return "bfloat16";
+  }
+  return "?";
+}
+constexpr std::string_view to_string(RedOp op) {
+  switch (op) {
+    case RedOp::kSum: return "sum";
+    case RedOp::kAvg: return "avg";
+    case RedOp::kMin: return "min";
+    case RedOp::kMax: return "max";
+  }
+  return "?";
+}
 // Parse "float32"/"float"/"f32", "float64"/"double", "int32", "int64", "bfloat16"/"bf16";
 // "sum", "avg", "min", "max". Throw ConfigError on anything else.
 DataType parse_dtype(std::string_view s);

@@ -87,50 +87,10 @@ inline std::optional<BenchOp> parse_op(std::string_view s) {
   return std::nullopt;
 }
 
-// Local copies of the names so that qring-mpi-bench needs no qring library.
-inline std::string_view dtype_name(DataType t) {
-  switch (t) {
-    case DataType::kFloat32:
-      return "float32";
-    case DataType::kFloat64:
-      return "float64";
-    case DataType::kInt32:
-      return "int32";
-    case DataType::kInt64:
-      return "int64";
-    case DataType::kBFloat16:
-      return "bfloat16";
-  }
-  return "?";
-}
-inline size_t dtype_bytes(DataType t) {
-  switch (t) {
-    case DataType::kFloat32:
-      return 4;
-    case DataType::kFloat64:
-      return 8;
-    case DataType::kInt32:
-      return 4;
-    case DataType::kInt64:
-      return 8;
-    case DataType::kBFloat16:
-      return 2;
-  }
-  return 1;
-}
-inline std::string_view redop_name(RedOp op) {
-  switch (op) {
-    case RedOp::kSum:
-      return "sum";
-    case RedOp::kAvg:
-      return "avg";
-    case RedOp::kMin:
-      return "min";
-    case RedOp::kMax:
-      return "max";
-  }
-  return "?";
-}
+// The header-only names and sizes of collectives/types.h.
+inline std::string_view dtype_name(DataType t) { return collectives::to_string(t); }
+inline size_t dtype_bytes(DataType t) { return collectives::dtype_size(t); }
+inline std::string_view redop_name(RedOp op) { return collectives::to_string(op); }
 inline std::optional<DataType> parse_dtype_name(std::string_view s) {
   if (s == "float32" || s == "float" || s == "f32") return DataType::kFloat32;
   if (s == "float64" || s == "double" || s == "f64") return DataType::kFloat64;
