@@ -110,6 +110,7 @@ struct StepLocal {
   bool contributed = false;
   Clock::time_point contrib_time{};
   bool decided = false;
+  bool ring_finished = false;  // speculative ring (quorum = world) done, DECIDE pending
   bool excluded = false;
   bool done = false;
   std::exception_ptr error;
@@ -238,6 +239,7 @@ class QuorumService final : public EngineOp {
     std::unique_ptr<EngineOp> op;
     Clock::time_point started;
     std::vector<int> members;
+    bool speculative = false;
   };
   struct ResultRecv {
     net::RequestPtr req;
@@ -285,6 +287,7 @@ class QuorumService final : public EngineOp {
       ev.swap(sh_->ready_events);
     }
     for (uint64_t t : ev) {
+      if (speculate_) start_speculative_ring(ep, t);
       if (rank_ == 0) {
         record_arrival(t, 0, count_);
       } else {
@@ -298,6 +301,39 @@ class QuorumService final : public EngineOp {
       }
     }
     return !ev.empty();
+  }
+
+  // With quorum = world, S(t) can only be every rank (anything less is a timeout), so once one
+  // step has been decided OK (which proves every rank set this all-reduce up with the same
+  // count) the ring starts at contribute time, in parallel with READY/DECIDE, instead of a
+  // round trip through the coordinator later. The step completes when both the ring and the
+  // DECIDE are in; a DECIDE that reports a timeout aborts the ring.
+  void start_speculative_ring(net::Endpoint& ep, uint64_t t) {
+    void* buf;
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      buf = sh_->steps[t].buf;
+    }
+    std::vector<int> members(static_cast<size_t>(world_));
+    for (int r = 0; r < world_; ++r) members[size_t(r)] = r;
+    start_ring(ep, t, buf, std::move(members), /*speculative=*/true);
+  }
+
+  void start_ring(net::Endpoint& ep, uint64_t t, void* buf, std::vector<int> members,
+                  bool speculative) {
+    RingArgs a;
+    a.kind = RingKind::kAllreduce;
+    a.send = buf;
+    a.recv = buf;
+    a.count = count_;
+    a.type = o_.type;
+    a.op = o_.mean ? RedOp::kAvg : RedOp::kSum;
+    a.tag_op = net::Op::kQuorumData;
+    a.members = members;
+    auto op = make_ring_op(engine_, copts_, a);
+    op->seq = uint32_t(t);
+    op->start(ep);
+    rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), speculative};
   }
 
   bool poll_ready(net::Endpoint& ep) {
@@ -499,11 +535,22 @@ class QuorumService final : public EngineOp {
 
     void* buf = nullptr;
     std::function<void(uint64_t)> cb;
+    bool spec = false, finished = false;
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       StepLocal& s = sh_->steps[t];
+      spec = s.ring_finished || rings_.count(t);
+      if (spec && res.count != world_)
+        throw ProtocolError(fmt::format(
+            "rank {}: quorum step {} decided {} of {} contributors with quorum = world", rank_, t,
+            res.count, world_));
       s.decided = true;
+      double reduce_ms = s.result.reduce_ms;
       s.result = res;
+      if (s.ring_finished) {
+        s.result.reduce_ms = reduce_ms;
+        s.done = finished = true;
+      }
       if (res.self_counted) {
         if (!s.contributed)
           throw ProtocolError(
@@ -516,21 +563,13 @@ class QuorumService final : public EngineOp {
         cb = sh_->on_excluded;
       }
     }
+    // Every rank applies every DECIDE in step order, so all switch to speculation together.
+    if (o_.quorum == world_) speculate_ = true;
+    if (finished) sh_->cv.notify_all();
     if (cb) cb(t);
+    if (spec) return;
     if (res.self_counted) {
-      RingArgs a;
-      a.kind = RingKind::kAllreduce;
-      a.send = buf;
-      a.recv = buf;
-      a.count = count_;
-      a.type = o_.type;
-      a.op = o_.mean ? RedOp::kAvg : RedOp::kSum;
-      a.tag_op = net::Op::kQuorumData;
-      a.members = members;
-      auto op = make_ring_op(engine_, copts_, a);
-      op->seq = uint32_t(t);
-      op->start(ep);
-      rings_[t] = Ring{std::move(op), Clock::now(), members};
+      start_ring(ep, t, buf, members, /*speculative=*/false);
     } else {
       int from = members[size_t(rank_) % members.size()];
       auto req =
@@ -571,7 +610,10 @@ class QuorumService final : public EngineOp {
           }
         }
         s.result.reduce_ms = reduce_ms;
-        s.done = true;
+        if (s.decided)
+          s.done = true;
+        else
+          s.ring_finished = true;  // speculative: the DECIDE completes the step
       }
       sh_->cv.notify_all();
       it = rings_.erase(it);
@@ -617,20 +659,6 @@ class QuorumService final : public EngineOp {
 
   void check_deadlines() {
     auto now = Clock::now();
-    for (auto& [t, ring] : rings_) {
-      if (now > ring.started + o_.deadline)
-        throw CollectiveTimeout(fmt::format(
-            "rank {}: quorum step {}: the ring reduction among {} timed out after {} ms waiting "
-            "for {}",
-            rank_, t, ring.members, o_.deadline.count(), ring.op->waiting_on()));
-    }
-    for (auto& [t, rr] : result_recvs_) {
-      if (now > rr.started + o_.deadline)
-        throw QuorumTimeout(fmt::format("rank {}: quorum step {}: the result from rank {} did not "
-                                        "arrive within {} ms",
-                                        rank_, t, rr.from, o_.deadline.count()),
-                            {rr.from});
-    }
     if (rank_ != 0) {
       // The coordinator decides by (first contribution + H); ours came after the first.
       std::lock_guard<std::mutex> lock(sh_->mu);
@@ -642,6 +670,24 @@ class QuorumService final : public EngineOp {
                                           rank_, t, o_.deadline.count() + 2000),
                               {0});
       }
+    }
+    for (auto& [t, ring] : rings_) {
+      // A speculative ring starts before the coordinator's clock (first READY + H) does:
+      // leave the coordinator time to report a QuorumTimeout first.
+      auto limit = o_.deadline + (ring.speculative ? std::chrono::milliseconds(2000)
+                                                   : std::chrono::milliseconds(0));
+      if (now > ring.started + limit)
+        throw CollectiveTimeout(fmt::format(
+            "rank {}: quorum step {}: the ring reduction among {} timed out after {} ms waiting "
+            "for {}",
+            rank_, t, ring.members, limit.count(), ring.op->waiting_on()));
+    }
+    for (auto& [t, rr] : result_recvs_) {
+      if (now > rr.started + o_.deadline)
+        throw QuorumTimeout(fmt::format("rank {}: quorum step {}: the result from rank {} did not "
+                                        "arrive within {} ms",
+                                        rank_, t, rr.from, o_.deadline.count()),
+                            {rr.from});
     }
   }
 
@@ -672,6 +718,7 @@ class QuorumService final : public EngineOp {
   net::RequestPtr decide_req_;
   uint64_t decide_in_next_ = 0;
   uint64_t ready_out_next_ = 0;
+  bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::deque<Send> sends_;
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
@@ -742,14 +789,18 @@ void QuorumAllreduce::help_progress(uint64_t step) {
     auto it = shared_->steps.find(step);
     return shared_->poison || (it != shared_->steps.end() && (it->second.done || it->second.error));
   };
+  // As Work::wait: drive while anything moves; give up after 4000 unproductive polls in a row
+  // (then waiting for a straggler costs no CPU). Pure spinning only with a core per rank.
   engine.helpers_.fetch_add(1, std::memory_order_acq_rel);
-  for (int i = 0; i < 2000; ++i) {
+  const int spin = engine.oversubscribed_ ? 0 : 100;
+  for (int i = 0; i < 4000; ++i) {
     if (engine.try_progress()) {
       if (finished()) break;
+      i = 0;
       continue;
     }
     if ((i & 15) == 0 && finished()) break;
-    sched_yield();
+    if (i >= spin) sched_yield();
   }
   engine.helpers_.fetch_sub(1, std::memory_order_acq_rel);
   engine.kick();

@@ -193,6 +193,48 @@ TEST(Quorum, TwoSilentRanksBelowQuorumFailEveryLiveRankNamingThem) {
   }
 }
 
+// With quorum = world the ring starts at contribute time once a step has been decided
+// (docs/design.md); a rank that falls silent later must still end in a QuorumTimeout that
+// names it, not in a ring timeout or a hang.
+TEST(Quorum, SilentRankWithQuorumEqualsWorldFailsTheOthersNamingIt) {
+  QuorumOptions qo;
+  qo.deadline = milliseconds(300);
+  std::vector<std::string> msgs(3);
+  std::vector<std::vector<int>> missing(3);
+  std::atomic<int> done_live{0};
+  run_ranks(3, {}, [&](Communicator& comm) {
+    QuorumAllreduce q(comm, 1000, qo);
+    std::vector<float> buf(1000);
+    for (uint64_t t = 0; t < 3; ++t) {
+      for (size_t j = 0; j < buf.size(); ++j) buf[j] = grad(j, comm.rank(), t);
+      q.contribute(t, buf.data(), buf.size());
+      QuorumResult r = q.wait(t, buf.data());
+      EXPECT_EQ(r.count, 3);
+      float want = (grad(7, 0, t) + grad(7, 1, t) + grad(7, 2, t)) / 3.f;
+      EXPECT_EQ(buf[7], want) << "step " << t;
+    }
+    if (comm.rank() == 2) {  // silent from step 3 on: alive, never contributes
+      while (done_live.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+      return;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    q.contribute(3, buf.data(), buf.size());
+    try {
+      q.wait(3, buf.data());
+      ADD_FAILURE() << "step completed without rank 2";
+    } catch (const QuorumTimeout& e) {
+      msgs[size_t(comm.rank())] = e.what();
+      missing[size_t(comm.rank())] = e.missing();
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1500));
+    }
+    ++done_live;
+  });
+  for (int r : {0, 1}) {
+    EXPECT_EQ(missing[size_t(r)], (std::vector<int>{2})) << msgs[size_t(r)];
+    EXPECT_NE(msgs[size_t(r)].find("step 3"), std::string::npos) << msgs[size_t(r)];
+  }
+}
+
 TEST(Quorum, CoordinatorThatStragglesStillDecides) {
   QuorumOptions qo;
   qo.quorum = 2;

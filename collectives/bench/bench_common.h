@@ -178,6 +178,7 @@ struct Options {
   long deadline_ms = 30000;
   std::string straggler = "none";
   bool compare_full = false;
+  bool compare_allreduce = false;
   uint64_t seed = 1;
   bool help = false;
 };
@@ -223,10 +224,13 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "                       tail:P:MS|trace:FILE (default none)\n"
         "  --compare-full       quorum: also run the same steps with Q = world size and print\n"
         "                       the latency ratio\n"
+        "  --compare-allreduce  quorum: also run the same step loop with the plain in-place\n"
+        "                       all-reduce instead of the quorum op and print the ratio\n"
         "  --seed N             quorum: seed of the straggler model (default 1)\n"
         "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its straggler\n"
         "delay (stopping early once excluded), contributes, and waits. Step latency is the\n"
-        "slowest rank's time from the start of its step to the end of its wait.\n"
+        "slowest rank's time from the start of its step to the end of its wait. Timed steps\n"
+        "run back to back; with -c, up to 10 separate untimed steps are checked first.\n"
         "  --idle-via W         idle: wait in the communicator's progress 'engine' (default) or\n"
         "                       in the raw 'endpoint' (Endpoint::wait)\n"
         "idle posts a receive that never matches on every rank, waits --seconds, cancels it and\n"
@@ -339,6 +343,9 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--compare-full") {
       qring_only();
       o.compare_full = true;
+    } else if (flag == "--compare-allreduce") {
+      qring_only();
+      o.compare_allreduce = true;
     } else if (flag == "--seed") {
       qring_only();
       o.seed = uint64_t(parse_int(flag, value(), 0, INT64_MAX));

@@ -397,14 +397,20 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 
 struct QuorumStats {
   std::vector<double> lat_us;  // per timed step: the slowest rank's step latency
+  double mean_us = 0;          // the slowest rank's mean step latency
   double contributors_mean = 0;
   int64_t dropped = 0;
   int64_t wrong = 0;
 };
 
-// Runs warmup + iters steps of the quorum all-reduce of `count` elements with quorum `q`.
+// Runs the steps of one row: with -c, up to 10 untimed steps whose results are checked
+// against the reduction of exactly S(t) of the pattern; then -w warm-up and -n timed steps
+// back to back (no per-step fill or check: with sum the buffer is refilled before each
+// step, outside the timing). `q` = 0 runs the same loop with the plain in-place all-reduce
+// instead of the quorum op (--compare-allreduce), so both are measured the same way.
 QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size_t count, int q,
-                         const collectives::StragglerModel& model) {
+                         const collectives::StragglerModel& model,
+                         QuorumStats* paired = nullptr) {
   const int n = comm.size(), rank = comm.rank();
   const size_t ts = dtype_bytes(o.dtype);
   collectives::QuorumOptions qo;
@@ -414,27 +420,23 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   qo.type = o.dtype;
   qo.mean = o.redop == RedOp::kAvg;
   collectives::QuorumAllreduce qa(comm, count, qo);
-  AlignedBuffer buf(count * ts);
+  AlignedBuffer buf(count * ts), buf2(paired ? count * ts : 0);
   comm.register_buffer(buf.data(), buf.size);
+  if (paired) comm.register_buffer(buf2.data(), buf2.size);
   QuorumStats st;
-  std::vector<double> lat;
-  double contributors = 0;
-  const int steps = o.warmup + o.iters;
-  for (int s = 0; s < steps; ++s) {
-    const uint64_t step = uint64_t(s);
-    fill_pattern(buf.data(), o.dtype, count, step, rank);
-    const auto t0 = std::chrono::steady_clock::now();
-    bool gave_up = collectives::sleep_unless(model.delay(o.seed, rank, step),
-                                             [&] { return qa.excluded(step); });
-    if (!gave_up) qa.contribute(step, buf.data(), count);
-    collectives::QuorumResult r = qa.wait(step, buf.data());
-    const auto t1 = std::chrono::steady_clock::now();
-    if (s >= o.warmup) {
-      lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      contributors += r.count;
-      st.dropped += n - r.count;
-    }
-    if (o.check) {
+  uint64_t step = 0;
+  // One step; returns its contributor set (everyone for the plain all-reduce).
+  auto run_step = [&](uint64_t t) {
+    bool gave_up =
+        collectives::sleep_unless(model.delay(o.seed, rank, t), [&] { return qa.excluded(t); });
+    if (!gave_up) qa.contribute(t, buf.data(), count);
+    return qa.wait(t, buf.data());
+  };
+  if (o.check) {
+    const int checked = std::min(o.iters, 10);
+    for (int s = 0; s < checked; ++s, ++step) {
+      fill_pattern(buf.data(), o.dtype, count, step, rank);
+      collectives::QuorumResult r = run_step(step);
       // Expected: the sum (or mean) over exactly S(step) of pattern(j + step, r).
       alignas(8) unsigned char want[kPatternPeriod][8];
       for (size_t k = 0; k < kPatternPeriod; ++k) {
@@ -454,10 +456,48 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       st.wrong += count_mismatches(buf.data(), ts, count, step, want);
     }
   }
+  const bool refill = o.redop != RedOp::kAvg;  // sums grow step after step
+  fill_pattern(buf.data(), o.dtype, count, step, rank);
+  if (paired) fill_pattern(buf2.data(), o.dtype, count, step, rank);
+  std::vector<double> lat, lat2;
+  double contributors = 0;
+  comm.barrier();
+  for (int s = 0; s < o.warmup + o.iters; ++s, ++step) {
+    if (s == o.warmup) comm.barrier();
+    if (refill) fill_pattern(buf.data(), o.dtype, count, step, rank);
+    const auto t0 = std::chrono::steady_clock::now();
+    collectives::QuorumResult r = run_step(step);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (s >= o.warmup) {
+      lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      contributors += r.count;
+      st.dropped += n - r.count;
+    }
+    if (paired) {
+      if (refill) fill_pattern(buf2.data(), o.dtype, count, step, rank);
+      const auto p0 = std::chrono::steady_clock::now();
+      collectives::sleep_unless(model.delay(o.seed, rank, step), nullptr);
+      comm.allreduce(buf2.data(), buf2.data(), count, o.dtype, o.redop);
+      const auto p1 = std::chrono::steady_clock::now();
+      if (s >= o.warmup) lat2.push_back(std::chrono::duration<double, std::micro>(p1 - p0).count());
+    }
+  }
   // The step latency is the slowest rank's; contributor counts agree on every rank.
-  st.lat_us.assign(lat.size(), 0);
-  if (!lat.empty())
-    comm.allreduce(lat.data(), st.lat_us.data(), lat.size(), DataType::kFloat64, RedOp::kMax);
+  auto reduce_lat = [&](const std::vector<double>& l, QuorumStats& out) {
+    double mine = 0;
+    for (double x : l) mine += x;
+    mine = l.empty() ? 0 : mine / double(l.size());
+    comm.allreduce(&mine, &out.mean_us, 1, DataType::kFloat64, RedOp::kMax);
+    out.lat_us.assign(l.size(), 0);
+    if (!l.empty())
+      comm.allreduce(l.data(), out.lat_us.data(), l.size(), DataType::kFloat64, RedOp::kMax);
+  };
+  reduce_lat(lat, st);
+  if (paired) {
+    *paired = QuorumStats{};
+    reduce_lat(lat2, *paired);
+    paired->contributors_mean = n;
+  }
   int64_t w = st.wrong;
   comm.allreduce(&w, &st.wrong, 1, DataType::kInt64, RedOp::kSum);
   st.contributors_mean = o.iters ? contributors / o.iters : 0;
@@ -495,16 +535,21 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
                 "max(us)", "busbw", "contrib", "dropped", "#wrong");
     if (o.compare_full)
       std::printf(" | %10s %10s %8s %8s", "full p50", "full p99", "p50 x", "p99 x");
+    if (o.compare_allreduce)
+      std::printf(" | %10s %10s %10s %8s %8s", "mean(us)", "ar p50", "ar mean", "p50 x",
+                  "mean x");
     std::printf("\n");
   }
   int64_t total_wrong = 0;
   for (size_t bytes : sweep_sizes(o)) {
     const size_t count = bytes / ts;
     if (count == 0) continue;
-    QuorumStats st = quorum_steps(comm, o, count, q, model);
+    std::optional<QuorumStats> plain;
+    if (o.compare_allreduce) plain.emplace();
+    QuorumStats st = quorum_steps(comm, o, count, q, model, plain ? &*plain : nullptr);
     std::optional<QuorumStats> full;
     if (o.compare_full) full = quorum_steps(comm, o, count, n, model);
-    total_wrong += st.wrong + (full ? full->wrong : 0);
+    total_wrong += st.wrong + (full ? full->wrong : 0) + (plain ? plain->wrong : 0);
     if (!print) continue;
     auto row = [&](const QuorumStats& s, int quorum) {
       double p50 = percentile(s.lat_us, 50), p99 = percentile(s.lat_us, 99),
@@ -526,6 +571,7 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
                        {"busbw_gbps", algbw * bus_factor(BenchOp::kAllreduce, n)},
                        {"p50_us", p50},
                        {"p99_us", p99},
+                       {"mean_us", s.mean_us},
                        {"max_us", mx},
                        {"contributors_mean", s.contributors_mean},
                        {"dropped", s.dropped},
@@ -549,11 +595,23 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
       j["p99_ratio_vs_full"] = r99;
       std::printf(" | %10.1f %10.1f %8.3f %8.3f", double(f["p50_us"]), double(f["p99_us"]), r50,
                   r99);
-      rows.push_back(j);
       rows.push_back(f);
-    } else {
-      rows.push_back(j);
     }
+    if (plain) {
+      auto a = row(*plain, n);
+      a["op"] = "allreduce";
+      a["compare_allreduce"] = true;
+      double r50 = double(j["p50_us"]) / std::max(1e-9, double(a["p50_us"]));
+      double rmean = st.mean_us / std::max(1e-9, plain->mean_us);
+      j["allreduce_p50_us"] = a["p50_us"];
+      j["allreduce_mean_us"] = a["mean_us"];
+      j["p50_ratio_vs_allreduce"] = r50;
+      j["mean_ratio_vs_allreduce"] = rmean;
+      std::printf(" | %10.1f %10.1f %10.1f %8.3f %8.3f", st.mean_us, double(a["p50_us"]),
+                  plain->mean_us, r50, rmean);
+      rows.push_back(a);
+    }
+    rows.insert(rows.end() - (full ? 1 : 0) - (plain ? 1 : 0), j);
     std::printf("\n");
     std::fflush(stdout);
   }
