@@ -16,6 +16,7 @@
 #include <rdma/fi_tagged.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -184,10 +185,15 @@ class FabricEndpoint final : public Endpoint {
     }
     QRING_FI_CHECK(ret);
     name.resize(len);
-    store.set(fmt::format("fabric/addr/{}", rank), provider_name_ + '\n' + name);
+    // The n-th endpoint a process opens publishes under its own key, so several endpoints
+    // (communicators) per process each find their peers' matching endpoint. Every rank
+    // opens its endpoints in the same order, as communicators are created collectively.
+    const std::string prefix =
+        opts.instance == 0 ? "fabric/addr/" : fmt::format("fabric/{}/addr/", opts.instance);
+    store.set(prefix + std::to_string(rank), provider_name_ + '\n' + name);
     addrs_.resize(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) {
-      std::string v = store.get(fmt::format("fabric/addr/{}", r), deadline);
+      std::string v = store.get(prefix + std::to_string(r), deadline);
       size_t nl = v.find('\n');
       if (nl == std::string::npos)
         throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank, r));
@@ -507,7 +513,10 @@ std::string resolve_provider(const std::string& setting, bool single_host) {
 
 std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,
                                                Store& store, bool single_host, Deadline deadline) {
-  return std::make_unique<FabricEndpoint>(opts, rank, world_size, store, single_host, deadline);
+  static std::atomic<uint64_t> opened{0};
+  FabricOptions o = opts;
+  if (o.instance < 0) o.instance = int64_t(opened.fetch_add(1));
+  return std::make_unique<FabricEndpoint>(o, rank, world_size, store, single_host, deadline);
 }
 
 }  // namespace qring::net

@@ -1,6 +1,7 @@
 // libfabric RDM endpoint with tagged messages (fabtests' setup order, RAII teardown).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -18,9 +19,13 @@ struct FabricOptions {
   // Register every buffer even when the provider does not require it (FI_MR_LOCAL); tests
   // use it to exercise the registration cache on providers that need none.
   bool always_register = false;
+  // Address-exchange key: endpoint k publishes under "fabric/k/addr/<rank>" (k = 0:
+  // "fabric/addr/<rank>"). -1 (default): the number of endpoints this process opened
+  // before, so the n-th endpoint of every rank meets the n-th of the others.
+  int64_t instance = -1;
 };
 
-// Opens an endpoint, publishes its address in `store` under "fabric/addr/<rank>", reads
+// Opens an endpoint, publishes its address in `store` (key: FabricOptions::instance), reads
 // every peer's address (until `deadline`) and inserts them into the address vector.
 // `single_host` decides what "auto" means.
 std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,

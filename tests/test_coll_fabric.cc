@@ -36,17 +36,25 @@ TEST_P(FabricRing, AllreduceGridIsBitExact) {
     co.segment_bytes = 4096;
     co.timeout = std::chrono::seconds(20);
     auto comm = open_comm(rdv, c.provider, co);
+    // A second communicator on the same processes that always uses the ring (the first
+    // picks recursive doubling for small sizes and the direct all-reduce for 3+ ranks).
+    CommOptions ring_only = co;
+    ring_only.small_allreduce_bytes = 0;
+    ring_only.direct_allreduce_bytes = 0;
+    auto ring_comm = open_comm(rdv, c.provider, ring_only);
     size_t wrong = 0;
-    for (size_t count : {size_t(0), size_t(1), size_t(n - 1), size_t(1003), size_t(100003)}) {
-      for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
-        for (RedOp op : {RedOp::kSum, RedOp::kAvg, RedOp::kMax}) {
-          for (bool in_place : {false, true}) {
-            size_t esz = collectives::dtype_size(t);
-            std::vector<char> in(count * esz + 1), out(count * esz + 1);
-            for (size_t j = 0; j < count; ++j) put(in.data(), j, t, pattern(j, r));
-            void* dst = in_place ? in.data() : out.data();
-            comm->allreduce(in.data(), dst, count, t, op);
-            wrong += count_wrong(dst, count, t, op, n);
+    for (Communicator* cm : {comm.get(), ring_comm.get()}) {
+      for (size_t count : {size_t(0), size_t(1), size_t(n - 1), size_t(1003), size_t(100003)}) {
+        for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
+          for (RedOp op : {RedOp::kSum, RedOp::kAvg, RedOp::kMax}) {
+            for (bool in_place : {false, true}) {
+              size_t esz = collectives::dtype_size(t);
+              std::vector<char> in(count * esz + 1), out(count * esz + 1);
+              for (size_t j = 0; j < count; ++j) put(in.data(), j, t, pattern(j, r));
+              void* dst = in_place ? in.data() : out.data();
+              cm->allreduce(in.data(), dst, count, t, op);
+              wrong += count_wrong(dst, count, t, op, n);
+            }
           }
         }
       }

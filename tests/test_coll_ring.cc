@@ -39,14 +39,17 @@ size_t size_of(const GridCase& c) {
 
 class RingGrid : public ::testing::TestWithParam<GridCase> {};
 
-void allreduce_grid(const GridCase& c, size_t small_allreduce_bytes) {
+enum class Algo { kRing, kRecursiveDoubling, kDirect };
+
+void allreduce_grid(const GridCase& c, Algo algo) {
   const size_t count = size_of(c);
   CommOptions opts;
   opts.timeout = std::chrono::seconds(20);
   // Tiny segments: many segments per chunk, several in flight, for the large sizes.
   opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
   opts.segments_in_flight = 3;
-  opts.small_allreduce_bytes = small_allreduce_bytes;
+  opts.small_allreduce_bytes = algo == Algo::kRecursiveDoubling ? SIZE_MAX : 0;
+  opts.direct_allreduce_bytes = algo == Algo::kDirect ? SIZE_MAX : 0;
   std::atomic<size_t> wrong{0}, checked{0};
   run_ranks(c.ranks, opts, [&](Communicator& comm) {
     for (DataType t : kTypes) {
@@ -77,11 +80,16 @@ void allreduce_grid(const GridCase& c, size_t small_allreduce_bytes) {
 }
 
 TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) {
-  allreduce_grid(GetParam(), 0);
+  allreduce_grid(GetParam(), Algo::kRing);
 }
 
 TEST_P(RingGrid, AllreduceRecursiveDoublingBitExactEveryTypeOpAndPlacement) {
-  allreduce_grid(GetParam(), SIZE_MAX);
+  allreduce_grid(GetParam(), Algo::kRecursiveDoubling);
+}
+
+// The two-shot direct all-reduce (worlds of 3 to 8; smaller ones fall back to the ring).
+TEST_P(RingGrid, AllreduceDirectBitExactEveryTypeOpAndPlacement) {
+  allreduce_grid(GetParam(), Algo::kDirect);
 }
 
 TEST_P(RingGrid, AllgatherReduceScatterBroadcast) {
