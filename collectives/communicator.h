@@ -42,8 +42,8 @@ struct CommOptions {
   std::chrono::milliseconds timeout{60000};
   // Ring segment size in bytes (pipelining unit); tests set it tiny to cover many segments.
   size_t segment_bytes = size_t(1) << 20;
-  // Segments in flight per link.
-  int segments_in_flight = 4;
+  // Segments in flight per link; 0 = by provider (shm 2, others 4).
+  int segments_in_flight = 0;
   // All-reduces up to this size use recursive doubling (log2 n rounds), larger ones the
   // bandwidth-optimal ring. 0: always the ring.
   size_t small_allreduce_bytes = 64 * 1024;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <vector>
 
 #include "collectives/reduce.h"
@@ -15,6 +16,14 @@ namespace {
 
 int mod(int a, int n) {
   return ((a % n) + n) % n;
+}
+
+// Segments in flight per link; 0 = by provider. libfabric's shm provider copies (CMA) under
+// a lock of the receiving rank's region that senders to it spin on, so on shm fewer
+// segments in flight (shorter lock holds) measured faster; tcp gains from more.
+int lanes_for(const CommOptions& opts, const Engine& engine) {
+  if (opts.segments_in_flight > 0) return opts.segments_in_flight;
+  return engine.provider().rfind("shm", 0) == 0 ? 2 : 4;
 }
 
 struct Stage {
@@ -43,7 +52,7 @@ class RingOp final : public EngineOp {
       right_ = mod(r_ + 1, n_);
     }
     seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
-    window_ = std::max(1, opts.segments_in_flight);
+    window_ = lanes_for(opts, engine);
     threads_ = engine.reduce_threads();
     total_ = a.kind == RingKind::kAllreduce ? a.count : a.count * size_t(n_);
     build_stages();
@@ -109,9 +118,16 @@ class RingOp final : public EngineOp {
     if (done_) return false;
     bool moved = false;
     for (auto& lane : lanes_) {
-      while (lane.active && (!lane.send || lane.send->done()) &&
-             (!lane.recv || lane.recv->done())) {
-        if (lane.send) net::throw_if_failed(*lane.send, name());
+      // A lane moves on once its receive is in; its send may still be completing (kept in
+      // sends_ until done). Nothing overwrites a sent segment before the neighbour got it:
+      // the data that does causally depends on that neighbour having received it.
+      while (lane.active && (!lane.recv || lane.recv->done())) {
+        if (lane.send) {
+          if (lane.send->done())
+            net::throw_if_failed(*lane.send, name());
+          else
+            sends_.push_back(lane.send);
+        }
         if (lane.recv) {
           net::throw_if_failed(*lane.recv, name());
           if (lane.recv->bytes != lane.recv->len)
@@ -132,7 +148,12 @@ class RingOp final : public EngineOp {
         }
       }
     }
-    if (lanes_done_ == lanes_.size()) {
+    while (!sends_.empty() && sends_.front()->done()) {
+      net::throw_if_failed(*sends_.front(), name());
+      sends_.pop_front();
+      moved = true;
+    }
+    if (lanes_done_ == lanes_.size() && sends_.empty()) {
       if (args_.kind == RingKind::kReduceScatter)
         std::memcpy(args_.recv, out_ + off(r_) * elem_, args_.count * elem_);
       done_ = true;
@@ -157,6 +178,7 @@ class RingOp final : public EngineOp {
         return fmt::format("send to rank {} to complete (stage {}, segment {})", right_, lane.stage,
                            lane.seg);
     }
+    if (!sends_.empty()) return fmt::format("earlier sends to rank {} to complete", right_);
     return "nothing (finishing)";
   }
 
@@ -246,6 +268,7 @@ class RingOp final : public EngineOp {
   bool in_place_ = false;
   size_t nseg_ = 0, next_seg_ = 0, lanes_done_ = 0;
   std::vector<Lane> lanes_;
+  std::deque<net::RequestPtr> sends_;  // sends of finished stages still completing
   bool done_ = false;
 };
 
@@ -535,7 +558,7 @@ class BroadcastOp final : public EngineOp {
     elem_ = dtype_size(type);
     bytes_ = count * elem_;
     seg_bytes_ = std::max<size_t>(elem_, opts.segment_bytes / elem_ * elem_);
-    window_ = std::max(1, opts.segments_in_flight);
+    window_ = lanes_for(opts, engine);
     pos_ = mod(r_ - root_, n_);
     left_ = mod(r_ - 1, n_);
     right_ = mod(r_ + 1, n_);

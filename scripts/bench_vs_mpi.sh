@@ -13,7 +13,7 @@
 #        vs mpirun ... --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo ...
 # Each configuration runs interleaved pairs (qring, mpi, qring, mpi, ...; default 2 pairs).
 # Sizes 4K..256M (x4), or 4K..16M (x16) with --quick; per size as many iterations (at most
-# 20) as fit in ~0.3 s (--auto-iters), warmup up to 5, results checked bit-exactly.
+# 200) as fit in ~0.3 s (--auto-iters), warmup up to 5, results checked bit-exactly.
 # Prints per configuration and size the median out-of-place busbw of both, their ratio
 # qring/mpi, and the time ratio at 4 KiB (latency). Writes OUT/vs_mpi_summary.{json,md} and
 # the raw JSON of every run under OUT/raw/. Extra mpirun flags: $QRING_MPIRUN_FLAGS.
@@ -42,9 +42,9 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$QUICK" = 1 ]; then
-  SWEEP=(-b 4K -e 16M -f 16 -n 20 -w 3 --auto-iters 0.1)
+  SWEEP=(-b 4K -e 16M -f 16 -n 200 -w 3 --auto-iters 0.1)
 else
-  SWEEP=(-b 4K -e 256M -f 4 -n 20 -w 5 --auto-iters 0.3)
+  SWEEP=(-b 4K -e 256M -f 4 -n 200 -w 5 --auto-iters 0.3)
 fi
 
 BUILD=${QRING_BUILD:-build}
@@ -114,7 +114,8 @@ for n in ranks_list.split():
         lines.append(f"## {op}, {n} ranks, {tr} (qring provider "
                      f"{next(iter(per.values()))['qring'][0]['provider']} vs OpenMPI)")
         lines.append(f"{'size':>10} {'qring busbw':>12} {'mpi busbw':>10} {'ratio':>6}"
-                     f" {'qring us':>10} {'mpi us':>10}   (out-of-place, medians of {pairs})")
+                     f" {'qring us':>10} {'mpi us':>10} {'pair ratios':>12}"
+                     f"   (out-of-place, medians of {pairs}; pair ratios: min-max over the pairs)")
         for (b, ip), v in sorted(per.items()):
             med = lambda tool, k: statistics.median(x[k] for x in v[tool])
             e = {"bytes": b, "in_place": ip}
@@ -123,12 +124,16 @@ for n in ranks_list.split():
                 e[f"{tool}_time_us"] = med(tool, "time_us")
                 e[f"{tool}_busbw_runs"] = [x["busbw_gbps"] for x in v[tool]]
             e["busbw_ratio"] = e["qring_busbw_gbps"] / e["mpi_busbw_gbps"] if e["mpi_busbw_gbps"] else None
+            # Pair i: qring run i and the OpenMPI run right after it (same machine state).
+            e["pair_busbw_ratios"] = [q["busbw_gbps"] / m["busbw_gbps"]
+                                      for q, m in zip(v["qring"], v["mpi"]) if m["busbw_gbps"]]
             e["time_ratio"] = e["qring_time_us"] / e["mpi_time_us"] if e["mpi_time_us"] else None
             cfg["sizes"].append(e)
             if not ip:
                 lines.append(f"{b:>10} {e['qring_busbw_gbps']:>12.3f} {e['mpi_busbw_gbps']:>10.3f}"
                              f" {e['busbw_ratio']:>6.2f} {e['qring_time_us']:>10.1f}"
-                             f" {e['mpi_time_us']:>10.1f}")
+                             f" {e['mpi_time_us']:>10.1f}"
+                             f" {min(e['pair_busbw_ratios']):>5.2f}-{max(e['pair_busbw_ratios']):<5.2f}")
         small = [e for e in cfg["sizes"] if e["bytes"] == 4096 and not e["in_place"]]
         if small:
             cfg["latency_ratio_4k"] = small[0]["time_ratio"]
