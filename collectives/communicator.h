@@ -46,11 +46,7 @@ struct CommOptions {
   int segments_in_flight = 0;
   // All-reduces up to this size use recursive doubling (log2 n rounds), larger ones the
   // bandwidth-optimal ring. 0: always the ring.
-  size_t small_allreduce_bytes = 64 * 1024;
-  // Above that, worlds of 3..direct_allreduce_max_ranks ranks use the two-shot direct
-  // all-reduce up to this size (2 dependent steps instead of 2 (n-1)). 0: never.
-  size_t direct_allreduce_bytes = 1 << 20;
-  int direct_allreduce_max_ranks = 8;
+  size_t small_allreduce_bytes = 32 * 1024;
   // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
   int reduce_threads = 0;
   // Ranks sharing this host (used by reduce_threads = 0).

@@ -404,151 +404,6 @@ class RecursiveDoublingOp final : public EngineOp {
   bool done_ = false;
 };
 
-// Two-shot direct all-reduce for mid sizes on small worlds. Chunk c (balanced, as in the
-// ring) belongs to member c. Shot 1: every member sends chunk c of its input straight to
-// member c, all at once; the owner reduces its chunk over all n inputs (its own first, then
-// the others in member order) and applies avg. Shot 2: the owner sends the reduced chunk to
-// every member. Each chunk is reduced by exactly one rank, so every rank ends bit-identical.
-// Per rank the same bytes cross the wire as in the ring (2 (n-1)/n of the buffer), but with
-// two dependent steps instead of 2 (n-1): each step that needs a descheduled peer to run
-// costs a scheduling delay when ranks outnumber cores, so fewer steps win at mid sizes.
-class DirectOp final : public EngineOp {
- public:
-  DirectOp(Engine& engine, const RingArgs& a) : engine_(engine), args_(a) {
-    if (a.members.empty()) {
-      for (int r = 0; r < engine.size(); ++r) ring_.push_back(r);
-    } else {
-      ring_ = a.members;
-    }
-    n_ = static_cast<int>(ring_.size());
-    auto it = std::find(ring_.begin(), ring_.end(), engine.rank());
-    if (it == ring_.end())
-      throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
-    me_ = static_cast<int>(it - ring_.begin());
-    elem_ = dtype_size(a.type);
-    threads_ = engine.reduce_threads();
-  }
-  std::string name() const override { return "allreduce"; }
-
-  void start(net::Endpoint& ep) override {
-    in_ = static_cast<const char*>(args_.send);
-    out_ = static_cast<char*>(args_.recv);
-    const size_t total = args_.count;
-    if (n_ == 1 || total == 0) {
-      if (out_ != in_ && total) std::memcpy(out_, in_, total * elem_);
-      done_ = true;
-      return;
-    }
-    max_len_ = chunk_length(total, n_, 0);
-    const size_t mine = len(me_);
-    scratch_ = engine_.scratch(std::max<size_t>(1, size_t(n_ - 1) * max_len_ * elem_));
-    recv1_.resize(size_t(n_));
-    recv2_.resize(size_t(n_));
-    // Receives first (no unexpected messages), then the sends, staggered from the next
-    // member on so that not every rank starts with member 0. Shot 2's receive into chunk i
-    // of the output may be posted now even in place: member i can only send it after it
-    // has received all of this rank's chunk i.
-    for (int k = 1; k < n_; ++k) {
-      int i = (me_ + k) % n_;
-      if (mine) recv1_[size_t(i)] = ep.irecv(ring_[size_t(i)], tag(0), slot(i), mine * elem_);
-      if (len(i)) recv2_[size_t(i)] = ep.irecv(ring_[size_t(i)], tag(1), out_ + off(i) * elem_,
-                                               len(i) * elem_);
-    }
-    for (int k = 1; k < n_; ++k) {
-      int i = (me_ + k) % n_;
-      if (len(i)) sends_.push_back(ep.isend(ring_[size_t(i)], tag(0), in_ + off(i) * elem_,
-                                            len(i) * elem_));
-    }
-    if (mine == 0) shot_ = 2;  // fewer elements than members: nothing to reduce here
-  }
-
-  bool advance(net::Endpoint& ep) override {
-    if (done_) return false;
-    bool moved = false;
-    if (shot_ == 1) {
-      for (int i = 0; i < n_; ++i) {
-        auto& r = recv1_[size_t(i)];
-        if (r && !r->done()) return false;
-      }
-      const size_t mine = len(me_);
-      for (int i = 0; i < n_; ++i) {
-        auto& r = recv1_[size_t(i)];
-        if (!r) continue;
-        check(*r, ring_[size_t(i)], mine * elem_);
-      }
-      char* dst = out_ + off(me_) * elem_;
-      if (dst != in_ + off(me_) * elem_) std::memcpy(dst, in_ + off(me_) * elem_, mine * elem_);
-      for (int i = 0; i < n_; ++i)
-        if (i != me_) reduce(dst, dst, slot(i), mine, args_.type, args_.op, threads_);
-      if (args_.op == RedOp::kAvg) scale_avg(dst, mine, args_.type, n_, threads_);
-      for (int k = 1; k < n_; ++k)
-        sends_.push_back(ep.isend(ring_[size_t((me_ + k) % n_)], tag(1), dst, mine * elem_));
-      recv1_.clear();
-      shot_ = 2;
-      moved = true;
-    }
-    for (int i = 0; i < n_; ++i) {
-      auto& r = recv2_[size_t(i)];
-      if (r && !r->done()) return moved;
-    }
-    for (auto& s : sends_)
-      if (!s->done()) return moved;
-    for (int i = 0; i < n_; ++i)
-      if (recv2_[size_t(i)]) check(*recv2_[size_t(i)], ring_[size_t(i)], len(i) * elem_);
-    for (auto& s : sends_) net::throw_if_failed(*s, "allreduce");
-    done_ = true;
-    return true;
-  }
-
-  bool finished() const override { return done_; }
-  void abort(net::Endpoint& ep) override {
-    for (auto& r : recv1_)
-      if (r && !r->done()) ep.cancel(r);
-    for (auto& r : recv2_)
-      if (r && !r->done()) ep.cancel(r);
-  }
-  std::string waiting_on() const override {
-    for (int i = 0; i < int(recv1_.size()); ++i)
-      if (recv1_[size_t(i)] && !recv1_[size_t(i)]->done())
-        return fmt::format("receive from rank {} (direct all-reduce, shot 1)", ring_[size_t(i)]);
-    for (int i = 0; i < int(recv2_.size()); ++i)
-      if (recv2_[size_t(i)] && !recv2_[size_t(i)]->done())
-        return fmt::format("receive from rank {} (direct all-reduce, shot 2)", ring_[size_t(i)]);
-    for (auto& s : sends_)
-      if (!s->done()) return fmt::format("send to rank {} to complete", s->peer);
-    return "nothing (finishing)";
-  }
-
- private:
-  uint64_t tag(uint64_t shot) const { return net::make_tag(args_.tag_op, seq, shot); }
-  size_t off(int c) const { return chunk_offset(args_.count, n_, c); }
-  size_t len(int c) const { return chunk_length(args_.count, n_, c); }
-  // Shot 1 receive buffer for member i's contribution to this rank's chunk.
-  char* slot(int i) const {
-    size_t k = size_t(i < me_ ? i : i - 1);
-    return scratch_.data() + k * max_len_ * elem_;
-  }
-  void check(const net::Request& r, int from, size_t bytes) const {
-    net::throw_if_failed(r, "allreduce");
-    if (r.bytes != bytes)
-      throw ProtocolError(fmt::format("allreduce #{}: rank {} sent {} bytes, expected {}", seq, from,
-                                      r.bytes, bytes));
-  }
-
-  Engine& engine_;
-  RingArgs args_;
-  std::vector<int> ring_;
-  int n_, me_;
-  size_t elem_, max_len_ = 0;
-  int threads_;
-  int shot_ = 1;
-  const char* in_ = nullptr;
-  char* out_ = nullptr;
-  Engine::Lease scratch_;
-  std::vector<net::RequestPtr> recv1_, recv2_, sends_;
-  bool done_ = false;
-};
-
 // Pipelined chain from the root: root → root+1 → ... → root+n-1, segment by segment.
 class BroadcastOp final : public EngineOp {
  public:
@@ -696,13 +551,9 @@ class BarrierOp final : public EngineOp {
 
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args) {
-  const size_t bytes = args.count * dtype_size(args.type);
-  const int n = args.members.empty() ? engine.size() : int(args.members.size());
-  if (args.kind == RingKind::kAllreduce && bytes <= opts.small_allreduce_bytes)
+  if (args.kind == RingKind::kAllreduce &&
+      args.count * dtype_size(args.type) <= opts.small_allreduce_bytes)
     return std::make_unique<RecursiveDoublingOp>(engine, args);
-  if (args.kind == RingKind::kAllreduce && n >= 3 && n <= opts.direct_allreduce_max_ranks &&
-      bytes <= opts.direct_allreduce_bytes)
-    return std::make_unique<DirectOp>(engine, args);
   return std::make_unique<RingOp>(engine, opts, args);
 }
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,

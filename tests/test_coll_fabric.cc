@@ -37,10 +37,9 @@ TEST_P(FabricRing, AllreduceGridIsBitExact) {
     co.timeout = std::chrono::seconds(20);
     auto comm = open_comm(rdv, c.provider, co);
     // A second communicator on the same processes that always uses the ring (the first
-    // picks recursive doubling for small sizes and the direct all-reduce for 3+ ranks).
+    // picks recursive doubling for small sizes).
     CommOptions ring_only = co;
     ring_only.small_allreduce_bytes = 0;
-    ring_only.direct_allreduce_bytes = 0;
     auto ring_comm = open_comm(rdv, c.provider, ring_only);
     size_t wrong = 0;
     for (Communicator* cm : {comm.get(), ring_comm.get()}) {

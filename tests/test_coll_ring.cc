@@ -39,7 +39,7 @@ size_t size_of(const GridCase& c) {
 
 class RingGrid : public ::testing::TestWithParam<GridCase> {};
 
-enum class Algo { kRing, kRecursiveDoubling, kDirect };
+enum class Algo { kRing, kRecursiveDoubling };
 
 void allreduce_grid(const GridCase& c, Algo algo) {
   const size_t count = size_of(c);
@@ -49,7 +49,6 @@ void allreduce_grid(const GridCase& c, Algo algo) {
   opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
   opts.segments_in_flight = 3;
   opts.small_allreduce_bytes = algo == Algo::kRecursiveDoubling ? SIZE_MAX : 0;
-  opts.direct_allreduce_bytes = algo == Algo::kDirect ? SIZE_MAX : 0;
   std::atomic<size_t> wrong{0}, checked{0};
   run_ranks(c.ranks, opts, [&](Communicator& comm) {
     for (DataType t : kTypes) {
@@ -85,11 +84,6 @@ TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) {
 
 TEST_P(RingGrid, AllreduceRecursiveDoublingBitExactEveryTypeOpAndPlacement) {
   allreduce_grid(GetParam(), Algo::kRecursiveDoubling);
-}
-
-// The two-shot direct all-reduce (worlds of 3 to 8; smaller ones fall back to the ring).
-TEST_P(RingGrid, AllreduceDirectBitExactEveryTypeOpAndPlacement) {
-  allreduce_grid(GetParam(), Algo::kDirect);
 }
 
 TEST_P(RingGrid, AllgatherReduceScatterBroadcast) {

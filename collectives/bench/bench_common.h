@@ -166,7 +166,7 @@ struct Options {
   std::string provider;      // qring: empty = $QRING_PROVIDER or "auto"
   size_t segment_bytes = 0;  // qring: 0 = library default
   int inflight = 0;          // qring: 0 = library default
-  std::optional<size_t> small_bytes, direct_bytes;  // qring: unset = library default
+  std::optional<size_t> small_bytes;  // qring: unset = library default
   long timeout_ms = 60000;   // qring: deadline of every operation
   std::string json_path;
   double seconds = 10.0;           // --op idle
@@ -211,9 +211,8 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "auto)\n"
         "  --segment-bytes N    ring segment size (default: the library's)\n"
         "  --inflight N         segments in flight per link (default: the library's)\n"
-        "  --small-bytes N      all-reduces up to N bytes use recursive doubling (0: never)\n"
-        "  --direct-bytes N     then up to N bytes the two-shot direct all-reduce, on 3-8\n"
-        "                       ranks (0: never; default: the library's)\n"
+        "  --small-bytes N      all-reduces up to N bytes use recursive doubling, larger\n"
+        "                       ones the ring (0: always the ring; default: the library's)\n"
         "  --timeout-ms N       deadline of every operation (default 60000)\n"
         "  --seconds S          --op idle: how long every rank blocks in a receive (default 10)\n"
         "  --spin               sendrecv: busy-poll the completion queue (as fi_pingpong) instead\n"
@@ -324,10 +323,6 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
       qring_only();
       std::string v = value();
       o.small_bytes = v == "0" ? 0 : parse_size(v);
-    } else if (flag == "--direct-bytes") {
-      qring_only();
-      std::string v = value();
-      o.direct_bytes = v == "0" ? 0 : parse_size(v);
     } else if (flag == "--timeout-ms") {
       qring_only();
       o.timeout_ms = parse_int(flag, value(), 1, 86'400'000);
