@@ -356,6 +356,9 @@ bool Engine::step() {
       finish_diagnosis_if_due();
   }
   active_count_.store(active_.size(), std::memory_order_release);
+  all_passive_.store(!active_.empty() && std::all_of(active_.begin(), active_.end(),
+                                                     [](const auto& op) { return op->passive(); }),
+                     std::memory_order_release);
   return moved;
 }
 
@@ -367,6 +370,7 @@ bool Engine::try_progress() {
 
 void Engine::loop() {
   net::Backoff backoff;
+  int passive_passes = 0;
   while (true) {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
@@ -388,7 +392,10 @@ void Engine::loop() {
                  active_count_.load(std::memory_order_acquire) != 0;
         });
       }
-      if (kicked_) backoff.reset();
+      if (kicked_) {
+        backoff.reset();
+        passive_passes = 0;
+      }
       kicked_ = false;
       if (stop_) break;
     }
@@ -397,10 +404,20 @@ void Engine::loop() {
       std::lock_guard<std::mutex> plock(progress_mu_);
       moved = step();
     }
-    if (moved)
+    if (moved) {
       backoff.reset();
-    else if (active_count_.load(std::memory_order_acquire) != 0)
+      passive_passes = 0;
+    } else if (all_passive_.load(std::memory_order_acquire)) {
+      // Only standing receives: poll every 50 us, backing off to every 500 us; a kick (new
+      // work from this rank's caller) ends the sleep at once.
+      backoff.reset();
+      auto sleep = std::chrono::microseconds(50) * (1 << std::min(passive_passes++, 3));
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::min(sleep, std::chrono::microseconds(500)),
+                   [&] { return kicked_ || stop_ || !incoming_.empty() || !calls_.empty(); });
+    } else if (active_count_.load(std::memory_order_acquire) != 0) {
       idle_wait(backoff);
+    }
   }
   // Shutdown: fail what is left so no caller waits forever.
   std::lock_guard<std::mutex> plock(progress_mu_);

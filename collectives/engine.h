@@ -35,6 +35,11 @@ class EngineOp {
   virtual void start(net::Endpoint& /*ep*/) {}
   // False for long-lived services outside the collective sequence (the quorum service).
   virtual bool sequenced() const { return true; }
+  // True while the op has nothing in flight and only waits for peers' messages that may be
+  // noticed a little late (the quorum service between steps). When every active op is
+  // passive, the engine thread polls with short sleeps instead of spinning and yielding, so
+  // it leaves the cores to the ranks' own threads.
+  virtual bool passive() const { return false; }
 
   uint32_t seq = 0;
   Deadline deadline{};
@@ -140,6 +145,7 @@ class Engine {
   std::condition_variable cv_;
   std::mutex progress_mu_;  // held by whoever runs step(): the endpoint and every op
   std::atomic<size_t> active_count_{0};
+  std::atomic<bool> all_passive_{false};  // every active op is passive()
   std::atomic<int> helpers_{0};  // callers driving progress in Work::wait
   bool oversubscribed_ = false;  // more ranks on this host than cores
   friend class Work;

@@ -163,6 +163,11 @@ class QuorumService final : public EngineOp {
   bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override { return "contributions"; }
+  // Between steps: nothing of this rank in flight, only the standing READY/DECIDE receives.
+  bool passive() const override {
+    return rings_.empty() && result_recvs_.empty() && sends_.empty() && coord_.empty() &&
+           awaiting_decide_.empty() && !finished_;
+  }
 
   void start(net::Endpoint& ep) override {
     if (rank_ == 0) {
@@ -287,6 +292,7 @@ class QuorumService final : public EngineOp {
       ev.swap(sh_->ready_events);
     }
     for (uint64_t t : ev) {
+      awaiting_decide_.insert(t);
       if (speculate_) start_speculative_ring(ep, t);
       if (rank_ == 0) {
         record_arrival(t, 0, count_);
@@ -497,6 +503,7 @@ class QuorumService final : public EngineOp {
                       "world {})",
                       rank_, h.magic, h.version, h.world));
     const uint64_t t = h.step;
+    awaiting_decide_.erase(t);
     const auto* bitmap = reinterpret_cast<const uint8_t*>(msg.data() + sizeof(h));
     const auto* offs = reinterpret_cast<const int64_t*>(msg.data() + sizeof(h) +
                                                         (bitmap_bytes(world_) + 7) / 8 * 8);
@@ -719,6 +726,7 @@ class QuorumService final : public EngineOp {
   uint64_t decide_in_next_ = 0;
   uint64_t ready_out_next_ = 0;
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
+  std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
   std::deque<Send> sends_;
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
