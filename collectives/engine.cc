@@ -370,7 +370,6 @@ bool Engine::try_progress() {
 
 void Engine::loop() {
   net::Backoff backoff;
-  int passive_passes = 0;
   while (true) {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
@@ -392,10 +391,7 @@ void Engine::loop() {
                  active_count_.load(std::memory_order_acquire) != 0;
         });
       }
-      if (kicked_) {
-        backoff.reset();
-        passive_passes = 0;
-      }
+      if (kicked_) backoff.reset();
       kicked_ = false;
       if (stop_) break;
     }
@@ -406,14 +402,13 @@ void Engine::loop() {
     }
     if (moved) {
       backoff.reset();
-      passive_passes = 0;
     } else if (all_passive_.load(std::memory_order_acquire)) {
-      // Only standing receives: poll every 50 us, backing off to every 500 us; a kick (new
-      // work from this rank's caller) ends the sleep at once.
+      // Only standing receives: look every 250 us (what a READY or DECIDE may wait to be
+      // noticed while this rank's caller is busy elsewhere); a kick (new work from this
+      // rank's caller) ends the sleep at once.
       backoff.reset();
-      auto sleep = std::chrono::microseconds(50) * (1 << std::min(passive_passes++, 3));
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::min(sleep, std::chrono::microseconds(500)),
+      cv_.wait_for(lock, std::chrono::microseconds(250),
                    [&] { return kicked_ || stop_ || !incoming_.empty() || !calls_.empty(); });
     } else if (active_count_.load(std::memory_order_acquire) != 0) {
       idle_wait(backoff);

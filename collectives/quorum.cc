@@ -811,7 +811,9 @@ void QuorumAllreduce::help_progress(uint64_t step) {
     if (i >= spin) sched_yield();
   }
   engine.helpers_.fetch_sub(1, std::memory_order_acq_rel);
-  engine.kick();
+  // Hand an unfinished step to the engine thread; a finished one needs no wake-up (the
+  // engine reaps what is left on its next pass): waking it only steals a core.
+  if (!finished()) engine.kick();
 }
 
 std::vector<char> QuorumAllreduce::pending_carry() const {
@@ -862,7 +864,9 @@ void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count) {
     s.contrib_time = Clock::now();
     shared_->ready_events.push_back(step);
   }
-  comm_.engine().kick();
+  // Send READY (and start a speculative ring) from this thread when the engine is free;
+  // wake the engine thread only when it is busy elsewhere and might not look soon.
+  if (!comm_.engine().try_progress()) comm_.engine().kick();
 }
 
 QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
