@@ -370,6 +370,7 @@ bool Engine::try_progress() {
 
 void Engine::loop() {
   net::Backoff backoff;
+  int passive_passes = 0;
   while (true) {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
@@ -391,7 +392,10 @@ void Engine::loop() {
                  active_count_.load(std::memory_order_acquire) != 0;
         });
       }
-      if (kicked_) backoff.reset();
+      if (kicked_) {
+        backoff.reset();
+        passive_passes = 0;
+      }
       kicked_ = false;
       if (stop_) break;
     }
@@ -402,13 +406,17 @@ void Engine::loop() {
     }
     if (moved) {
       backoff.reset();
+      passive_passes = 0;
     } else if (all_passive_.load(std::memory_order_acquire)) {
-      // Only standing receives: look every 250 us (what a READY or DECIDE may wait to be
-      // noticed while this rank's caller is busy elsewhere); a kick (new work from this
+      // Only standing receives: look after 250 us, then every 0.5, 1, 2 ms (what the first
+      // READY of a step, or a DECIDE, may wait to be noticed while this rank's own thread
+      // computes; once a step is open the service is no longer passive). Waking more often
+      // cost the computing threads measurably (context switches). A kick (new work from this
       // rank's caller) ends the sleep at once.
       backoff.reset();
+      auto sleep = std::chrono::microseconds(250 << std::min(passive_passes++, 3));
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::chrono::microseconds(250),
+      cv_.wait_for(lock, sleep,
                    [&] { return kicked_ || stop_ || !incoming_.empty() || !calls_.empty(); });
     } else if (active_count_.load(std::memory_order_acquire) != 0) {
       idle_wait(backoff);

@@ -797,17 +797,24 @@ void QuorumAllreduce::help_progress(uint64_t step) {
     auto it = shared_->steps.find(step);
     return shared_->poison || (it != shared_->steps.end() && (it->second.done || it->second.error));
   };
-  // As Work::wait: drive while anything moves; give up after 4000 unproductive polls in a row
-  // (then waiting for a straggler costs no CPU). Pure spinning only with a core per rank.
+  // Drive while anything moves (a ring in flight keeps this thread busy, without hand-offs);
+  // after 2 ms without progress (waiting for a peer still computing) leave the step to the
+  // engine thread and sleep, so a rank that waits does not take turns on the core with the
+  // ranks that compute. Pure spinning only with a core per rank.
   engine.helpers_.fetch_add(1, std::memory_order_acq_rel);
   const int spin = engine.oversubscribed_ ? 0 : 100;
-  for (int i = 0; i < 4000; ++i) {
+  auto last = Clock::now();
+  for (int i = 0;; ++i) {
     if (engine.try_progress()) {
       if (finished()) break;
       i = 0;
+      last = Clock::now();
       continue;
     }
-    if ((i & 15) == 0 && finished()) break;
+    if ((i & 15) == 15) {
+      if (finished()) break;
+      if (Clock::now() - last > std::chrono::milliseconds(2)) break;
+    }
     if (i >= spin) sched_yield();
   }
   engine.helpers_.fetch_sub(1, std::memory_order_acq_rel);
