@@ -34,9 +34,12 @@ void Work::wait() {
     // Hand the work back to the engine thread (it stays off the CPU while a caller helps,
     // so an oversubscribed node runs one polling thread per rank, not two). Nothing to hand
     // over when this work is done and no other operation is active: waking the engine
-    // thread then only steals the core from the caller's next operation.
+    // thread then only steals the core from the caller's next operation. Passive ops (the
+    // quorum service between steps) need no wake-up either.
     engine_->helpers_.fetch_sub(1, std::memory_order_acq_rel);
-    if (!done() || engine_->active_count_.load(std::memory_order_acquire) != 0) engine_->kick();
+    if (!done() || (engine_->active_count_.load(std::memory_order_acquire) != 0 &&
+                    !engine_->all_passive_.load(std::memory_order_acquire)))
+      engine_->kick();
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
