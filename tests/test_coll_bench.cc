@@ -1,39 +1,23 @@
 // qring-bench as scripts run it: real processes under qring-launch, JSON rows checked for the
 // keys scripts depend on and for the values the run must produce.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
+#include <unistd.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
-#include <unistd.h>
+
+#include "cli_harness.h"
 
 namespace {
 
+using qring::testing::CmdResult;
+using qring::testing::sh;
+
 namespace fs = std::filesystem;
 const std::string kBuild = QRING_BUILD_DIR;
-
-struct CmdResult {
-  int status = -1;
-  std::string output;
-};
-
-CmdResult sh(const std::string& cmd, int timeout_s = 100) {
-  std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " bash -c '" + cmd + "' 2>&1";
-  CmdResult r;
-  FILE* p = popen(full.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
 
 class BenchCli : public ::testing::Test {
  protected:

@@ -4,7 +4,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,31 +14,16 @@
 #include <string>
 #include <thread>
 
+#include "cli_harness.h"
+
 namespace {
+
+using qring::testing::sh;
 
 namespace fs = std::filesystem;
 
 const std::string kBuild = QRING_BUILD_DIR;
 const std::string kSource = QRING_SOURCE_DIR;
-
-struct Run {
-  int status = -1;
-  std::string output;
-};
-
-// Runs a shell command with a time limit; returns exit status and combined output.
-Run sh(const std::string& cmd, int timeout_s = 120) {
-  std::string full = "timeout -s KILL " + std::to_string(timeout_s) + " bash -c '" + cmd + "' 2>&1";
-  Run r;
-  FILE* p = popen(full.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
 
 std::string train_cmd(int ranks, const std::string& out, const std::string& name,
                       const std::string& extra) {

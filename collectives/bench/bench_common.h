@@ -321,8 +321,7 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
       o.inflight = int(parse_int(flag, value(), 1, 1024));
     } else if (flag == "--small-bytes") {
       qring_only();
-      std::string v = value();
-      o.small_bytes = v == "0" ? 0 : parse_size(v);
+      o.small_bytes = parse_size(value());
     } else if (flag == "--timeout-ms") {
       qring_only();
       o.timeout_ms = parse_int(flag, value(), 1, 86'400'000);
