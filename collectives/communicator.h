@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -44,9 +45,13 @@ struct CommOptions {
   size_t segment_bytes = size_t(1) << 20;
   // Segments in flight per link; 0 = by provider (shm 2, others 4).
   int segments_in_flight = 0;
-  // All-reduces up to this size use recursive doubling (log2 n rounds), larger ones the
-  // bandwidth-optimal ring. 0: always the ring.
-  size_t small_allreduce_bytes = 32 * 1024;
+  // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset: by
+  // provider (32 KiB on shm, 64 KiB otherwise; ring.h).
+  std::optional<size_t> small_allreduce_bytes;
+  // Larger all-reduces up to this size use Rabenseifner's halving-doubling (2 log2 n steps,
+  // bandwidth-optimal like the ring) when the number of ranks is a power of two; above it,
+  // and for other rank counts, the ring. 0: never. Unset: 1 MiB (ring.h).
+  std::optional<size_t> halving_doubling_bytes;
   // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
   int reduce_threads = 0;
   // Ranks sharing this host (used by reduce_threads = 0).

@@ -103,14 +103,17 @@ class RingOp final : public EngineOp {
       throw UsageError(
           fmt::format("{}: {} segments per chunk is too many; raise segment_bytes", name(), nseg_));
     lanes_.resize(std::min<size_t>(size_t(window_), nseg_));
+    depth_ = std::min(kPrepost, stages_.size());
     if (in_place_) {
-      tmp_lease_ = engine_.scratch(lanes_.size() * seg_elems_ * elem_);
+      tmp_lease_ = engine_.scratch(lanes_.size() * depth_ * seg_elems_ * elem_);
       tmp_ = tmp_lease_.data();
     }
     for (size_t i = 0; i < lanes_.size(); ++i) {
       lanes_[i].seg = next_seg_++;
       lanes_[i].slot = i;
-      post(ep, lanes_[i]);
+      lanes_[i].recvs.resize(stages_.size());
+      lanes_[i].recv_ptrs.resize(stages_.size());
+      begin_segment(ep, lanes_[i]);
     }
   }
 
@@ -121,27 +124,28 @@ class RingOp final : public EngineOp {
       // A lane moves on once its receive is in; its send may still be completing (kept in
       // sends_ until done). Nothing overwrites a sent segment before the neighbour got it:
       // the data that does causally depends on that neighbour having received it.
-      while (lane.active && (!lane.recv || lane.recv->done())) {
+      while (lane.active && (!lane.recv() || lane.recv()->done())) {
         if (lane.send) {
           if (lane.send->done())
             net::throw_if_failed(*lane.send, name());
           else
             sends_.push_back(lane.send);
         }
-        if (lane.recv) {
-          net::throw_if_failed(*lane.recv, name());
-          if (lane.recv->bytes != lane.recv->len)
+        if (const auto& rv = lane.recv()) {
+          net::throw_if_failed(*rv, name());
+          if (rv->bytes != rv->len)
             throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", name(),
-                                            seq, left_, lane.recv->bytes, lane.recv->len));
+                                            seq, left_, rv->bytes, rv->len));
         }
         finish_stage(lane);
+        lane.recvs[lane.stage].reset();
         moved = true;
         if (++lane.stage < stages_.size()) {
-          post(ep, lane);
+          post_recv(ep, lane, lane.stage + depth_ - 1);
+          post_send(ep, lane);
         } else if (next_seg_ < nseg_) {
           lane.seg = next_seg_++;
-          lane.stage = 0;
-          post(ep, lane);
+          begin_segment(ep, lane);
         } else {
           lane.active = false;
           ++lanes_done_;
@@ -165,13 +169,14 @@ class RingOp final : public EngineOp {
 
   void abort(net::Endpoint& ep) override {
     for (auto& lane : lanes_)
-      if (lane.recv && !lane.recv->done()) ep.cancel(lane.recv);
+      for (auto& rv : lane.recvs)
+        if (rv && !rv->done()) ep.cancel(rv);
   }
 
   std::string waiting_on() const override {
     for (const auto& lane : lanes_) {
       if (!lane.active) continue;
-      if (lane.recv && !lane.recv->done())
+      if (lane.recv() && !lane.recv()->done())
         return fmt::format("receive from rank {} (stage {}, segment {})", left_, lane.stage,
                            lane.seg);
       if (lane.send && !lane.send->done())
@@ -183,13 +188,20 @@ class RingOp final : public EngineOp {
   }
 
  private:
+  // Receives are posted up to kPrepost stages ahead of the stage a lane is in, so a
+  // neighbour's segment usually finds its buffer posted: over tcp;ofi_rxm an eager message
+  // without a posted receive is read into a temporary buffer and copied again later.
+  static constexpr size_t kPrepost = 3;
+
   struct Lane {
     size_t seg = 0;
     size_t slot = 0;
     size_t stage = 0;
     bool active = true;
-    net::RequestPtr send, recv;
-    char* recv_ptr = nullptr;
+    net::RequestPtr send;
+    std::vector<net::RequestPtr> recvs;  // by stage; posted ahead
+    std::vector<char*> recv_ptrs;        // by stage
+    const net::RequestPtr& recv() const { return recvs[stage]; }
   };
 
   size_t off(int c) const {
@@ -224,32 +236,47 @@ class RingOp final : public EngineOp {
     }
   }
 
-  void post(net::Endpoint& ep, Lane& lane) {
-    const Stage& st = stages_[lane.stage];
-    uint64_t tag = net::make_tag(args_.tag_op, seq, lane.stage * nseg_ + lane.seg);
+  uint64_t tag(const Lane& lane, size_t stage) const {
+    return net::make_tag(args_.tag_op, seq, stage * nseg_ + lane.seg);
+  }
+
+  // Stage 0 of the lane's segment: receives for the first depth_ stages, then the first send.
+  void begin_segment(net::Endpoint& ep, Lane& lane) {
+    lane.stage = 0;
+    for (size_t t = 0; t < depth_; ++t) post_recv(ep, lane, t);
+    post_send(ep, lane);
+  }
+
+  void post_recv(net::Endpoint& ep, Lane& lane, size_t stage) {
+    if (stage >= stages_.size()) return;
+    const Stage& st = stages_[stage];
     auto [rb, rn] = seg(st.recv_chunk, lane.seg);
+    lane.recvs[stage].reset();
+    if (!rn) return;
+    char* p = (st.reduce && in_place_)
+                  ? tmp_ + ((lane.slot * depth_ + stage % depth_) * seg_elems_) * elem_
+                  : out_ + rb * elem_;
+    lane.recv_ptrs[stage] = p;
+    lane.recvs[stage] = ep.irecv(left_, tag(lane, stage), p, rn * elem_);
+  }
+
+  void post_send(net::Endpoint& ep, Lane& lane) {
+    const Stage& st = stages_[lane.stage];
     auto [sb, sn] = seg(st.send_chunk, lane.seg);
-    lane.recv.reset();
     lane.send.reset();
-    if (rn) {
-      lane.recv_ptr =
-          (st.reduce && in_place_) ? tmp_ + lane.slot * seg_elems_ * elem_ : out_ + rb * elem_;
-      lane.recv = ep.irecv(left_, tag, lane.recv_ptr, rn * elem_);
-    }
-    if (sn) {
-      const char* src = (st.send_from_input ? in_ : out_) + sb * elem_;
-      lane.send = ep.isend(right_, tag, src, sn * elem_);
-    }
+    if (!sn) return;
+    const char* src = (st.send_from_input ? in_ : out_) + sb * elem_;
+    lane.send = ep.isend(right_, tag(lane, lane.stage), src, sn * elem_);
   }
 
   void finish_stage(Lane& lane) {
     const Stage& st = stages_[lane.stage];
-    if (!st.reduce || !lane.recv) return;
+    if (!st.reduce || !lane.recv()) return;
     auto [rb, rn] = seg(st.recv_chunk, lane.seg);
     char* dst = out_ + rb * elem_;
     const char* mine = in_ + rb * elem_;
     if (in_place_)
-      reduce(dst, dst, lane.recv_ptr, rn, args_.type, args_.op, threads_);
+      reduce(dst, dst, lane.recv_ptrs[lane.stage], rn, args_.type, args_.op, threads_);
     else
       reduce(dst, dst, mine, rn, args_.type, args_.op, threads_);
     if (st.final_reduce && args_.op == RedOp::kAvg) scale_avg(dst, rn, args_.type, n_, threads_);
@@ -266,7 +293,7 @@ class RingOp final : public EngineOp {
   char* tmp_ = nullptr;
   Engine::Lease work_, tmp_lease_;
   bool in_place_ = false;
-  size_t nseg_ = 0, next_seg_ = 0, lanes_done_ = 0;
+  size_t nseg_ = 0, next_seg_ = 0, lanes_done_ = 0, depth_ = 1;
   std::vector<Lane> lanes_;
   std::deque<net::RequestPtr> sends_;  // sends of finished stages still completing
   bool done_ = false;
@@ -401,6 +428,219 @@ class RecursiveDoublingOp final : public EngineOp {
   char* tmp_ = nullptr;
   Engine::Lease tmp_lease_;
   net::RequestPtr send_, recv_;
+  bool done_ = false;
+};
+
+// Rabenseifner's all-reduce for a power-of-two number of ranks p: a reduce-scatter by
+// recursive halving (step k exchanges half of the range still held with the rank at distance
+// p/2^(k+1), keeps and reduces one half), then an all-gather by recursive doubling (distances
+// 1, 2, ..., p/2). Each rank sends 2(p-1)/p of the buffer like the ring, in 2 log2(p)
+// dependent steps instead of 2(p-1). Each step's region goes as segment_bytes messages, all
+// posted at once, and each received segment is reduced as it arrives; the receives of the
+// next step are posted one step ahead. Block b (of p balanced blocks) ends up reduced at
+// rank b alone and is copied from there, so every rank holds the same bits.
+class HalvingDoublingOp final : public EngineOp {
+ public:
+  HalvingDoublingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
+      : engine_(engine), args_(a) {
+    if (a.members.empty()) {
+      for (int r = 0; r < engine.size(); ++r) ring_.push_back(r);
+    } else {
+      ring_ = a.members;
+    }
+    n_ = static_cast<int>(ring_.size());
+    if (n_ & (n_ - 1))
+      throw UsageError(fmt::format("halving-doubling all-reduce needs a power-of-two number of "
+                                   "ranks, not {}",
+                                   n_));
+    auto it = std::find(ring_.begin(), ring_.end(), engine.rank());
+    if (it == ring_.end())
+      throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
+    me_ = static_cast<int>(it - ring_.begin());
+    for (int d = n_; d > 1; d >>= 1) ++log_;
+    elem_ = dtype_size(a.type);
+    seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
+    threads_ = engine.reduce_threads();
+  }
+  std::string name() const override { return "allreduce"; }
+
+  void start(net::Endpoint& ep) override {
+    out_ = static_cast<char*>(args_.recv);
+    in_ = static_cast<const char*>(args_.send);
+    in_place_ = args_.send == args_.recv;
+    const size_t count = args_.count;
+    if (n_ == 1 || count == 0) {
+      if (!in_place_ && count) std::memcpy(out_, in_, count * elem_);
+      done_ = true;
+      return;
+    }
+    // The largest region a step receives is the first step's half (blocks [0, p/2) are the
+    // largest by balanced chunking); it bounds the segments per step and the tags.
+    const size_t half = block_off(n_ / 2);
+    max_segs_ = (half + seg_elems_ - 1) / seg_elems_;
+    if (max_segs_ * size_t(2 * log_) > net::kChunkMask)
+      throw UsageError(fmt::format("allreduce: {} segments per step is too many; raise "
+                                   "segment_bytes",
+                                   max_segs_));
+    // Reduce-scatter steps receive into scratch (double-buffered by step parity, as the next
+    // step's receives are posted while this step still reduces), except the first step out
+    // of place, which receives straight into the output.
+    tmp_elems_ = half;
+    tmp_lease_ = engine_.scratch(2 * tmp_elems_ * elem_);
+    tmp_ = tmp_lease_.data();
+    steps_.resize(size_t(2 * log_));
+    int lo = 0, hi = n_;
+    for (int k = 0; k < 2 * log_; ++k) {
+      StepPlan& s = steps_[size_t(k)];
+      if (k < log_) {
+        int dist = n_ >> (k + 1), mid = (lo + hi) / 2;
+        s.reduce = true;
+        s.peer = me_ ^ dist;
+        if (me_ & dist) {
+          s.send_lo = lo, s.send_hi = mid, s.keep_lo = mid, s.keep_hi = hi;
+        } else {
+          s.send_lo = mid, s.send_hi = hi, s.keep_lo = lo, s.keep_hi = mid;
+        }
+        lo = s.keep_lo, hi = s.keep_hi;
+      } else {
+        int dist = 1 << (k - log_);
+        s.reduce = false;
+        s.peer = me_ ^ dist;
+        s.send_lo = lo, s.send_hi = hi;
+        if (me_ & dist) {
+          s.keep_lo = lo - dist, s.keep_hi = lo;
+          lo -= dist;
+        } else {
+          s.keep_lo = hi, s.keep_hi = hi + dist;
+          hi += dist;
+        }
+      }
+    }
+    post_recvs(ep, 0);
+    if (steps_.size() > 1) post_recvs(ep, 1);
+    post_sends(ep, 0);
+  }
+
+  bool advance(net::Endpoint& ep) override {
+    if (done_) return false;
+    bool moved = false;
+    while (step_ < steps_.size()) {
+      StepPlan& s = steps_[step_];
+      for (size_t j = 0; j < s.recvs.size(); ++j) {
+        auto& rv = s.recvs[j];
+        if (!rv || !rv->done()) continue;
+        net::throw_if_failed(*rv, name());
+        if (rv->bytes != rv->len)
+          throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", name(),
+                                          seq, ring_[size_t(s.peer)], rv->bytes, rv->len));
+        if (s.reduce) reduce_segment(s, j);
+        rv.reset();
+        ++s.recvs_done;
+        moved = true;
+      }
+      if (s.recvs_done < s.recvs.size()) break;
+      // Step complete: the last reduce-scatter step finishes block me_ (avg scaling).
+      if (step_ + 1 == size_t(log_) && args_.op == RedOp::kAvg) {
+        size_t b = block_off(me_), e = block_off(me_ + 1);
+        scale_avg(out_ + b * elem_, e - b, args_.type, n_, threads_);
+      }
+      for (auto& sd : s.sends) sends_.push_back(std::move(sd));
+      s.sends.clear();
+      ++step_;
+      moved = true;
+      if (step_ + 1 < steps_.size()) post_recvs(ep, step_ + 1);
+      if (step_ < steps_.size()) post_sends(ep, step_);
+    }
+    while (!sends_.empty() && sends_.front()->done()) {
+      net::throw_if_failed(*sends_.front(), name());
+      sends_.pop_front();
+      moved = true;
+    }
+    if (step_ == steps_.size() && sends_.empty()) done_ = true;
+    return moved;
+  }
+
+  bool finished() const override { return done_; }
+
+  void abort(net::Endpoint& ep) override {
+    for (auto& s : steps_)
+      for (auto& rv : s.recvs)
+        if (rv && !rv->done()) ep.cancel(rv);
+  }
+
+  std::string waiting_on() const override {
+    if (step_ < steps_.size())
+      return fmt::format("receive from rank {} (halving-doubling step {} of {})",
+                         ring_[size_t(steps_[step_].peer)], step_ + 1, steps_.size());
+    if (!sends_.empty()) return "sends to complete (halving-doubling)";
+    return "nothing (finishing)";
+  }
+
+ private:
+  struct StepPlan {
+    bool reduce = false;
+    int peer = 0;
+    int send_lo = 0, send_hi = 0, keep_lo = 0, keep_hi = 0;  // block ranges
+    std::vector<net::RequestPtr> recvs, sends;
+    std::vector<char*> recv_ptrs;
+    size_t recvs_done = 0;
+  };
+
+  size_t block_off(int b) const { return chunk_offset(args_.count, n_, b); }
+  uint64_t tag(size_t step, size_t j) const {
+    return net::make_tag(args_.tag_op, seq, step * max_segs_ + j);
+  }
+
+  void post_recvs(net::Endpoint& ep, size_t k) {
+    StepPlan& s = steps_[k];
+    size_t b = block_off(s.keep_lo), e = block_off(s.keep_hi);
+    size_t nseg = (e - b + seg_elems_ - 1) / seg_elems_;
+    s.recvs.resize(nseg);
+    s.recv_ptrs.resize(nseg);
+    const bool direct = !s.reduce || (k == 0 && !in_place_);
+    char* base = direct ? out_ + b * elem_ : tmp_ + (k % 2) * tmp_elems_ * elem_;
+    for (size_t j = 0; j < nseg; ++j) {
+      size_t off = j * seg_elems_, len = std::min(seg_elems_, e - b - off);
+      s.recv_ptrs[j] = base + off * elem_;
+      s.recvs[j] = ep.irecv(ring_[size_t(s.peer)], tag(k, j), s.recv_ptrs[j], len * elem_);
+    }
+  }
+
+  void post_sends(net::Endpoint& ep, size_t k) {
+    StepPlan& s = steps_[k];
+    size_t b = block_off(s.send_lo), e = block_off(s.send_hi);
+    const char* src = (k == 0 ? in_ : out_) + b * elem_;
+    for (size_t off = 0, j = 0; off < e - b; off += seg_elems_, ++j) {
+      size_t len = std::min(seg_elems_, e - b - off);
+      s.sends.push_back(
+          ep.isend(ring_[size_t(s.peer)], tag(k, j), src + off * elem_, len * elem_));
+    }
+  }
+
+  // dst = mine + theirs over segment j of step s's kept region; mine is the input at the
+  // first step, the partial result in the output after.
+  void reduce_segment(const StepPlan& s, size_t j) {
+    size_t b = block_off(s.keep_lo) + j * seg_elems_;
+    size_t len = std::min(seg_elems_, block_off(s.keep_hi) - b);
+    char* dst = out_ + b * elem_;
+    const char* mine = (&s == &steps_[0] ? in_ : out_) + b * elem_;
+    reduce(dst, s.recv_ptrs[j], mine, len, args_.type, args_.op, threads_);
+  }
+
+  Engine& engine_;
+  RingArgs args_;
+  std::vector<int> ring_;
+  int n_ = 1, me_ = 0, log_ = 0;
+  size_t elem_ = 1, seg_elems_ = 1, max_segs_ = 1, tmp_elems_ = 0;
+  int threads_ = 1;
+  const char* in_ = nullptr;
+  char* out_ = nullptr;
+  char* tmp_ = nullptr;
+  bool in_place_ = false;
+  Engine::Lease tmp_lease_;
+  std::vector<StepPlan> steps_;
+  size_t step_ = 0;
+  std::deque<net::RequestPtr> sends_;
   bool done_ = false;
 };
 
@@ -549,11 +789,25 @@ class BarrierOp final : public EngineOp {
 
 }  // namespace
 
+size_t small_allreduce_bytes(const CommOptions& opts, const std::string& provider) {
+  if (opts.small_allreduce_bytes) return *opts.small_allreduce_bytes;
+  return provider.rfind("shm", 0) == 0 ? kSmallAllreduceShm : kSmallAllreduceOther;
+}
+
+size_t halving_doubling_bytes(const CommOptions& opts) {
+  return opts.halving_doubling_bytes.value_or(kHalvingDoublingBytes);
+}
+
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args) {
-  if (args.kind == RingKind::kAllreduce &&
-      args.count * dtype_size(args.type) <= opts.small_allreduce_bytes)
-    return std::make_unique<RecursiveDoublingOp>(engine, args);
+  if (args.kind == RingKind::kAllreduce) {
+    const size_t bytes = args.count * dtype_size(args.type);
+    const size_t n = args.members.empty() ? size_t(engine.size()) : args.members.size();
+    if (bytes <= small_allreduce_bytes(opts, engine.provider()))
+      return std::make_unique<RecursiveDoublingOp>(engine, args);
+    if ((n & (n - 1)) == 0 && bytes <= halving_doubling_bytes(opts))
+      return std::make_unique<HalvingDoublingOp>(engine, opts, args);
+  }
   return std::make_unique<RingOp>(engine, opts, args);
 }
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "collectives/engine.h"
@@ -39,6 +40,15 @@ struct RingArgs {
   std::vector<int> members;
 };
 
+// All-reduce algorithm by size (CommOptions; defaults by provider, measured in
+// docs/benchmarks.md): recursive doubling up to small_allreduce_bytes, then halving-doubling
+// up to halving_doubling_bytes when the ring has a power-of-two size, then the ring.
+// Reduce-scatter and all-gather always use the ring.
+constexpr size_t kSmallAllreduceShm = 32 * 1024;
+constexpr size_t kSmallAllreduceOther = 64 * 1024;
+constexpr size_t kHalvingDoublingBytes = size_t(1) << 20;
+size_t small_allreduce_bytes(const CommOptions& opts, const std::string& provider);
+size_t halving_doubling_bytes(const CommOptions& opts);
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args);
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,

@@ -36,13 +36,19 @@ TEST_P(FabricRing, AllreduceGridIsBitExact) {
     co.segment_bytes = 4096;
     co.timeout = std::chrono::seconds(20);
     auto comm = open_comm(rdv, c.provider, co);
-    // A second communicator on the same processes that always uses the ring (the first
-    // picks recursive doubling for small sizes).
+    // More communicators on the same processes: one that always uses the ring, one that
+    // uses halving-doubling above 0 bytes (the ring where the rank count is not a power of
+    // two); the first picks by size and provider.
     CommOptions ring_only = co;
     ring_only.small_allreduce_bytes = 0;
+    ring_only.halving_doubling_bytes = 0;
     auto ring_comm = open_comm(rdv, c.provider, ring_only);
+    CommOptions hd_only = co;
+    hd_only.small_allreduce_bytes = 0;
+    hd_only.halving_doubling_bytes = SIZE_MAX;
+    auto hd_comm = open_comm(rdv, c.provider, hd_only);
     size_t wrong = 0;
-    for (Communicator* cm : {comm.get(), ring_comm.get()}) {
+    for (Communicator* cm : {comm.get(), ring_comm.get(), hd_comm.get()}) {
       for (size_t count : {size_t(0), size_t(1), size_t(n - 1), size_t(1003), size_t(100003)}) {
         for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kInt64}) {
           for (RedOp op : {RedOp::kSum, RedOp::kAvg, RedOp::kMax}) {

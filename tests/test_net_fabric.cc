@@ -229,6 +229,63 @@ TEST(FabricProvider, StaleShmRegionOfAnEarlierProcessWithThisPidIsRemoved) {
   EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
 }
 
+// Large messages that arrive before their receive is posted (over tcp;ofi_rxm those up to
+// the eager limit qring sets are read into a temporary buffer and copied at the match,
+// larger ones wait for the receive as a rendezvous) are delivered whole and in tag order.
+TEST_P(Fabric, LargeMessagesSentBeforeTheReceiveIsPostedArriveIntact) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_endpoint(rdv, prov);
+    const size_t sizes[] = {size_t(1) << 20, (size_t(4) << 20) + 3, (size_t(12) << 20) + 1};
+    if (r == 0) {
+      std::vector<std::vector<uint8_t>> out;
+      std::vector<net::RequestPtr> reqs;
+      for (size_t k = 0; k < 3; ++k) {
+        out.push_back(pattern_buf(sizes[k], int(k)));
+        reqs.push_back(ep->isend(1, make_tag(Op::kUser, 5, k), out.back().data(), sizes[k]));
+      }
+      ep->wait_all(reqs, kDl(), "sends");
+    } else {
+      // Let the sends arrive first (drive progress meanwhile so they are read).
+      auto until = net::Clock::now() + std::chrono::milliseconds(300);
+      while (net::Clock::now() < until) ep->progress();
+      for (size_t k = 3; k-- > 0;) {  // receives in reverse order of the sends
+        std::vector<uint8_t> in(sizes[k]);
+        auto q = ep->irecv(0, make_tag(Op::kUser, 5, k), in.data(), in.size());
+        ep->wait(q, kDl(), "recv");
+        if (q->bytes != sizes[k] || !check_buf(in, int(k))) return 1;
+      }
+    }
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
+// rxm refuses connections between endpoints with different eager limits; qring reports the
+// difference when the endpoints meet instead of timing out later.
+TEST(FabricProvider, DifferentRxmEagerLimitsAreAClearError) {
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    setenv("FI_OFI_RXM_EAGER_LIMIT", r == 0 ? "65536" : "131072", 1);
+    try {
+      open_endpoint(rdv, "tcp");
+    } catch (const ConfigError& e) {
+      std::string m = e.what();
+      fprintf(stderr, "rank %d: %s\n", r, m.c_str());
+      return m.find("FI_OFI_RXM_EAGER_LIMIT") != std::string::npos &&
+                     m.find("eager=131072") != std::string::npos &&
+                     m.find("eager=65536") != std::string::npos
+                 ? 0
+                 : 2;
+    }
+    return 1;
+  });
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
 TEST(FabricProvider, AliasesResolve) {
   EXPECT_EQ(net::resolve_provider("tcp", false), "tcp;ofi_rxm");
   EXPECT_EQ(net::resolve_provider("auto", true), "shm");

@@ -167,6 +167,7 @@ struct Options {
   size_t segment_bytes = 0;  // qring: 0 = library default
   int inflight = 0;          // qring: 0 = library default
   std::optional<size_t> small_bytes;  // qring: unset = library default
+  std::optional<size_t> hd_bytes;     // qring: unset = library default
   long timeout_ms = 60000;   // qring: deadline of every operation
   std::string json_path;
   double seconds = 10.0;           // --op idle
@@ -211,8 +212,11 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "auto)\n"
         "  --segment-bytes N    ring segment size (default: the library's)\n"
         "  --inflight N         segments in flight per link (default: the library's)\n"
-        "  --small-bytes N      all-reduces up to N bytes use recursive doubling, larger\n"
-        "                       ones the ring (0: always the ring; default: the library's)\n"
+        "  --small-bytes N      all-reduces up to N bytes use recursive doubling (0: never;\n"
+        "                       default: the library's)\n"
+        "  --hd-bytes N         larger all-reduces up to N bytes use halving-doubling when\n"
+        "                       the rank count is a power of two (0: never; default: the\n"
+        "                       library's)\n"
         "  --timeout-ms N       deadline of every operation (default 60000)\n"
         "  --seconds S          --op idle: how long every rank blocks in a receive (default 10)\n"
         "  --spin               sendrecv: busy-poll the completion queue (as fi_pingpong) instead\n"
@@ -322,6 +326,9 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--small-bytes") {
       qring_only();
       o.small_bytes = parse_size(value());
+    } else if (flag == "--hd-bytes") {
+      qring_only();
+      o.hd_bytes = parse_size(value());
     } else if (flag == "--timeout-ms") {
       qring_only();
       o.timeout_ms = parse_int(flag, value(), 1, 86'400'000);

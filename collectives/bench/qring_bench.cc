@@ -652,6 +652,7 @@ int bench_main(const Options& o) {
       if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
       if (o.inflight) co.segments_in_flight = o.inflight;
       if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
+      if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
       collectives::Communicator comm(std::move(ep), co);
       if (o.op == BenchOp::kIdle) {
         run_idle_engine(comm, o, rows);
