@@ -45,8 +45,8 @@ struct CommOptions {
   size_t segment_bytes = size_t(1) << 20;
   // Segments in flight per link; 0 = by provider (shm 2, others 4).
   int segments_in_flight = 0;
-  // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset: by
-  // provider (32 KiB on shm, 64 KiB otherwise; ring.h).
+  // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset:
+  // 32 KiB (ring.h).
   std::optional<size_t> small_allreduce_bytes;
   // Larger all-reduces up to this size use Rabenseifner's halving-doubling (2 log2 n steps,
   // bandwidth-optimal like the ring) when the number of ranks is a power of two; above it,

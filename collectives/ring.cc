@@ -789,9 +789,8 @@ class BarrierOp final : public EngineOp {
 
 }  // namespace
 
-size_t small_allreduce_bytes(const CommOptions& opts, const std::string& provider) {
-  if (opts.small_allreduce_bytes) return *opts.small_allreduce_bytes;
-  return provider.rfind("shm", 0) == 0 ? kSmallAllreduceShm : kSmallAllreduceOther;
+size_t small_allreduce_bytes(const CommOptions& opts) {
+  return opts.small_allreduce_bytes.value_or(kSmallAllreduceBytes);
 }
 
 size_t halving_doubling_bytes(const CommOptions& opts) {
@@ -803,7 +802,7 @@ std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
   if (args.kind == RingKind::kAllreduce) {
     const size_t bytes = args.count * dtype_size(args.type);
     const size_t n = args.members.empty() ? size_t(engine.size()) : args.members.size();
-    if (bytes <= small_allreduce_bytes(opts, engine.provider()))
+    if (bytes <= small_allreduce_bytes(opts))
       return std::make_unique<RecursiveDoublingOp>(engine, args);
     if ((n & (n - 1)) == 0 && bytes <= halving_doubling_bytes(opts))
       return std::make_unique<HalvingDoublingOp>(engine, opts, args);

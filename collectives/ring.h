@@ -18,7 +18,6 @@
 #pragma once
 
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "collectives/engine.h"
@@ -40,14 +39,14 @@ struct RingArgs {
   std::vector<int> members;
 };
 
-// All-reduce algorithm by size (CommOptions; defaults by provider, measured in
-// docs/benchmarks.md): recursive doubling up to small_allreduce_bytes, then halving-doubling
-// up to halving_doubling_bytes when the ring has a power-of-two size, then the ring.
+// All-reduce algorithm by size (CommOptions; defaults measured in docs/benchmarks.md):
+// recursive doubling up to small_allreduce_bytes, then halving-doubling up to
+// halving_doubling_bytes when the ring has a power-of-two size, then the ring. The choice
+// does not depend on the provider, so the same job gives the same bits over shm and tcp.
 // Reduce-scatter and all-gather always use the ring.
-constexpr size_t kSmallAllreduceShm = 32 * 1024;
-constexpr size_t kSmallAllreduceOther = 64 * 1024;
+constexpr size_t kSmallAllreduceBytes = 32 * 1024;
 constexpr size_t kHalvingDoublingBytes = size_t(1) << 20;
-size_t small_allreduce_bytes(const CommOptions& opts, const std::string& provider);
+size_t small_allreduce_bytes(const CommOptions& opts);
 size_t halving_doubling_bytes(const CommOptions& opts);
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args);

@@ -317,8 +317,10 @@ TEST(Quorum, MismatchedSizesAcrossRanksFailEveryRank) {
     size_t n = comm.rank() == 1 ? 5 : 4;
     QuorumAllreduce q(comm, n, qo);
     std::vector<float> buf(n, 1.f);
-    q.contribute(0, buf.data(), n);
+    // The coordinator decides the mismatch as soon as rank 1's READY is in, so a rank that
+    // contributes after that learns it already in contribute, the others in wait.
     try {
+      q.contribute(0, buf.data(), n);
       q.wait(0, buf.data());
     } catch (const UsageError& e) {
       if (std::string(e.what()).find("rank 1 contributed 5 elements") != std::string::npos)
