@@ -26,6 +26,31 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
   return engine.provider().rfind("shm", 0) == 0 ? 2 : 4;
 }
 
+// A completed receive of one segment: rethrows its error; fewer bytes than posted is a
+// protocol error naming the sender.
+void check_received(const net::Request& rv, const std::string& what, uint64_t seq, int peer) {
+  net::throw_if_failed(rv, what);
+  if (rv.bytes != rv.len)
+    throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", what, seq, peer,
+                                    rv.bytes, rv.len));
+}
+
+// Drops the completed sends at the front (rethrowing a failure); true if any was dropped.
+bool drain_sends(std::deque<net::RequestPtr>& sends, const std::string& what) {
+  bool any = false;
+  while (!sends.empty() && sends.front()->done()) {
+    net::throw_if_failed(*sends.front(), what);
+    sends.pop_front();
+    any = true;
+  }
+  return any;
+}
+
+void cancel_pending(net::Endpoint& ep, const std::vector<net::RequestPtr>& recvs) {
+  for (const auto& rv : recvs)
+    if (rv && !rv->done()) ep.cancel(rv);
+}
+
 struct Stage {
   int send_chunk;
   int recv_chunk;
@@ -131,12 +156,7 @@ class RingOp final : public EngineOp {
           else
             sends_.push_back(lane.send);
         }
-        if (const auto& rv = lane.recv()) {
-          net::throw_if_failed(*rv, name());
-          if (rv->bytes != rv->len)
-            throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", name(),
-                                            seq, left_, rv->bytes, rv->len));
-        }
+        if (lane.recv()) check_received(*lane.recv(), name(), seq, left_);
         finish_stage(lane);
         lane.recvs[lane.stage].reset();
         moved = true;
@@ -152,11 +172,7 @@ class RingOp final : public EngineOp {
         }
       }
     }
-    while (!sends_.empty() && sends_.front()->done()) {
-      net::throw_if_failed(*sends_.front(), name());
-      sends_.pop_front();
-      moved = true;
-    }
+    if (drain_sends(sends_, name())) moved = true;
     if (lanes_done_ == lanes_.size() && sends_.empty()) {
       if (args_.kind == RingKind::kReduceScatter)
         std::memcpy(args_.recv, out_ + off(r_) * elem_, args_.count * elem_);
@@ -168,9 +184,7 @@ class RingOp final : public EngineOp {
   bool finished() const override { return done_; }
 
   void abort(net::Endpoint& ep) override {
-    for (auto& lane : lanes_)
-      for (auto& rv : lane.recvs)
-        if (rv && !rv->done()) ep.cancel(rv);
+    for (const auto& lane : lanes_) cancel_pending(ep, lane.recvs);
   }
 
   std::string waiting_on() const override {
@@ -526,19 +540,17 @@ class HalvingDoublingOp final : public EngineOp {
     bool moved = false;
     while (step_ < steps_.size()) {
       StepPlan& s = steps_[step_];
-      for (size_t j = 0; j < s.recvs.size(); ++j) {
+      // Segments may complete out of order; those before first_pending are all done.
+      for (size_t j = s.first_pending; j < s.recvs.size(); ++j) {
         auto& rv = s.recvs[j];
         if (!rv || !rv->done()) continue;
-        net::throw_if_failed(*rv, name());
-        if (rv->bytes != rv->len)
-          throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", name(),
-                                          seq, ring_[size_t(s.peer)], rv->bytes, rv->len));
-        if (s.reduce) reduce_segment(s, j);
+        check_received(*rv, name(), seq, ring_[size_t(s.peer)]);
+        if (s.reduce) reduce_segment(step_, j);
         rv.reset();
-        ++s.recvs_done;
         moved = true;
       }
-      if (s.recvs_done < s.recvs.size()) break;
+      while (s.first_pending < s.recvs.size() && !s.recvs[s.first_pending]) ++s.first_pending;
+      if (s.first_pending < s.recvs.size()) break;
       // Step complete: the last reduce-scatter step finishes block me_ (avg scaling).
       if (step_ + 1 == size_t(log_) && args_.op == RedOp::kAvg) {
         size_t b = block_off(me_), e = block_off(me_ + 1);
@@ -551,11 +563,7 @@ class HalvingDoublingOp final : public EngineOp {
       if (step_ + 1 < steps_.size()) post_recvs(ep, step_ + 1);
       if (step_ < steps_.size()) post_sends(ep, step_);
     }
-    while (!sends_.empty() && sends_.front()->done()) {
-      net::throw_if_failed(*sends_.front(), name());
-      sends_.pop_front();
-      moved = true;
-    }
+    if (drain_sends(sends_, name())) moved = true;
     if (step_ == steps_.size() && sends_.empty()) done_ = true;
     return moved;
   }
@@ -563,9 +571,7 @@ class HalvingDoublingOp final : public EngineOp {
   bool finished() const override { return done_; }
 
   void abort(net::Endpoint& ep) override {
-    for (auto& s : steps_)
-      for (auto& rv : s.recvs)
-        if (rv && !rv->done()) ep.cancel(rv);
+    for (const auto& s : steps_) cancel_pending(ep, s.recvs);
   }
 
   std::string waiting_on() const override {
@@ -583,7 +589,7 @@ class HalvingDoublingOp final : public EngineOp {
     int send_lo = 0, send_hi = 0, keep_lo = 0, keep_hi = 0;  // block ranges
     std::vector<net::RequestPtr> recvs, sends;
     std::vector<char*> recv_ptrs;
-    size_t recvs_done = 0;
+    size_t first_pending = 0;  // receives before this index are complete
   };
 
   size_t block_off(int b) const { return chunk_offset(args_.count, n_, b); }
@@ -619,11 +625,12 @@ class HalvingDoublingOp final : public EngineOp {
 
   // dst = mine + theirs over segment j of step s's kept region; mine is the input at the
   // first step, the partial result in the output after.
-  void reduce_segment(const StepPlan& s, size_t j) {
+  void reduce_segment(size_t k, size_t j) {
+    const StepPlan& s = steps_[k];
     size_t b = block_off(s.keep_lo) + j * seg_elems_;
     size_t len = std::min(seg_elems_, block_off(s.keep_hi) - b);
     char* dst = out_ + b * elem_;
-    const char* mine = (&s == &steps_[0] ? in_ : out_) + b * elem_;
+    const char* mine = (k == 0 ? in_ : out_) + b * elem_;
     reduce(dst, s.recv_ptrs[j], mine, len, args_.type, args_.op, threads_);
   }
 

@@ -125,10 +125,8 @@ constexpr size_t kRxmEagerLimit = size_t(8) << 20;
 
 void set_rxm_defaults() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    if (std::getenv(kRxmEagerEnv) == nullptr)
-      setenv(kRxmEagerEnv, std::to_string(kRxmEagerLimit).c_str(), 0);
-  });
+  std::call_once(
+      once, [] { setenv(kRxmEagerEnv, std::to_string(kRxmEagerLimit).c_str(), /*overwrite=*/0); });
 }
 
 std::string rxm_eager_setting() {
@@ -161,7 +159,8 @@ class FabricEndpoint final : public Endpoint {
                  Deadline deadline)
       : rank_(rank), world_(world) {
     provider_setting_ = resolve_provider(opts.provider, single_host);
-    if (provider_setting_.find("ofi_rxm") != std::string::npos) set_rxm_defaults();
+    const bool rxm = provider_setting_.find("ofi_rxm") != std::string::npos;
+    if (rxm) set_rxm_defaults();
     InfoPtr all = query(provider_setting_);
     if (!all)
       throw ConfigError(fmt::format(
@@ -219,9 +218,8 @@ class FabricEndpoint final : public Endpoint {
         opts.instance == 0 ? "fabric/addr/" : fmt::format("fabric/{}/addr/", opts.instance);
     // "<provider>[ eager=<rxm eager limit>]\n<address>": rxm refuses connections between
     // endpoints with different eager limits, which would surface only as a timeout.
-    const std::string setting = provider_setting_.find("ofi_rxm") != std::string::npos
-                                    ? provider_name_ + " eager=" + rxm_eager_setting()
-                                    : provider_name_;
+    const std::string setting =
+        rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
     store.set(prefix + std::to_string(rank), setting + '\n' + name);
     addrs_.resize(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) {
