@@ -45,6 +45,12 @@ struct CommOptions {
   size_t segment_bytes = size_t(1) << 20;
   // Segments in flight per link; 0 = by provider (shm 2, others 4).
   int segments_in_flight = 0;
+  // Ring sends posted and not yet completed per link; further segments wait for the oldest
+  // send to complete. 0 = by provider: 1 on shm and tcp, where every byte is copied by a
+  // host CPU and more sends outstanding only cost cycles (shm: the sender spins on the
+  // receiver's region lock while the receiver copies); unlimited elsewhere (RDMA NICs
+  // pipeline them).
+  int sends_in_flight = 0;
   // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset:
   // 32 KiB (ring.h).
   std::optional<size_t> small_allreduce_bytes;

@@ -36,12 +36,14 @@ TEST_P(FabricRing, AllreduceGridIsBitExact) {
     co.segment_bytes = 4096;
     co.timeout = std::chrono::seconds(20);
     auto comm = open_comm(rdv, c.provider, co);
-    // More communicators on the same processes: one that always uses the ring, one that
-    // uses halving-doubling above 0 bytes (the ring where the rank count is not a power of
-    // two); the first picks by size and provider.
+    // More communicators on the same processes: one that always uses the ring (with up to 3
+    // sends outstanding per link instead of the default 1 on shm and tcp), one that uses
+    // halving-doubling above 0 bytes (the ring where the rank count is not a power of two);
+    // the first picks by size and provider.
     CommOptions ring_only = co;
     ring_only.small_allreduce_bytes = 0;
     ring_only.halving_doubling_bytes = 0;
+    ring_only.sends_in_flight = 3;
     auto ring_comm = open_comm(rdv, c.provider, ring_only);
     CommOptions hd_only = co;
     hd_only.small_allreduce_bytes = 0;

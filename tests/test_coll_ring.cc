@@ -41,13 +41,14 @@ class RingGrid : public ::testing::TestWithParam<GridCase> {};
 
 enum class Algo { kRing, kRecursiveDoubling, kHalvingDoubling };
 
-void allreduce_grid(const GridCase& c, Algo algo) {
+void allreduce_grid(const GridCase& c, Algo algo, int sends_in_flight = 0) {
   const size_t count = size_of(c);
   CommOptions opts;
   opts.timeout = std::chrono::seconds(20);
   // Tiny segments: many segments per chunk, several in flight, for the large sizes.
   opts.segment_bytes = c.size_kind == 4 ? 24 : 4096;
   opts.segments_in_flight = 3;
+  opts.sends_in_flight = sends_in_flight;  // 0: unlimited on the in-process endpoint
   opts.small_allreduce_bytes = algo == Algo::kRecursiveDoubling ? SIZE_MAX : 0;
   opts.halving_doubling_bytes = algo == Algo::kHalvingDoubling ? SIZE_MAX : 0;
   std::atomic<size_t> wrong{0}, checked{0};
@@ -81,6 +82,11 @@ void allreduce_grid(const GridCase& c, Algo algo) {
 
 TEST_P(RingGrid, AllreduceRingBitExactEveryTypeOpAndPlacement) {
   allreduce_grid(GetParam(), Algo::kRing);
+}
+
+// One send outstanding per link (the default on shm and tcp): later segments queue behind it.
+TEST_P(RingGrid, AllreduceRingOneSendAtATimeBitExactEveryTypeOpAndPlacement) {
+  allreduce_grid(GetParam(), Algo::kRing, 1);
 }
 
 TEST_P(RingGrid, AllreduceRecursiveDoublingBitExactEveryTypeOpAndPlacement) {

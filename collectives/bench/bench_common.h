@@ -166,6 +166,7 @@ struct Options {
   std::string provider;      // qring: empty = $QRING_PROVIDER or "auto"
   size_t segment_bytes = 0;  // qring: 0 = library default
   int inflight = 0;          // qring: 0 = library default
+  int sends_inflight = 0;    // qring: 0 = library default
   std::optional<size_t> small_bytes;  // qring: unset = library default
   std::optional<size_t> hd_bytes;     // qring: unset = library default
   long timeout_ms = 60000;   // qring: deadline of every operation
@@ -212,6 +213,7 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "auto)\n"
         "  --segment-bytes N    ring segment size (default: the library's)\n"
         "  --inflight N         segments in flight per link (default: the library's)\n"
+        "  --sends-inflight N   ring sends outstanding per link (default: the library's)\n"
         "  --small-bytes N      all-reduces up to N bytes use recursive doubling (0: never;\n"
         "                       default: the library's)\n"
         "  --hd-bytes N         larger all-reduces up to N bytes use halving-doubling when\n"
@@ -323,6 +325,9 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--inflight") {
       qring_only();
       o.inflight = int(parse_int(flag, value(), 1, 1024));
+    } else if (flag == "--sends-inflight") {
+      qring_only();
+      o.sends_inflight = int(parse_int(flag, value(), 1, 1024));
     } else if (flag == "--small-bytes") {
       qring_only();
       o.small_bytes = parse_size(value());

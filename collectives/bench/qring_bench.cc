@@ -651,6 +651,7 @@ int bench_main(const Options& o) {
       co.timeout = std::chrono::milliseconds(o.timeout_ms);
       if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
       if (o.inflight) co.segments_in_flight = o.inflight;
+      if (o.sends_inflight) co.sends_in_flight = o.sends_inflight;
       if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
       if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
       collectives::Communicator comm(std::move(ep), co);
