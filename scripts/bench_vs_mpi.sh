@@ -3,7 +3,7 @@
 # (qring-bench and qring-mpi-bench share collectives/bench/bench_common.h).
 #
 #   scripts/bench_vs_mpi.sh [--quick] [--op allreduce] [--pairs N] [--ranks "2 4"]
-#                           [--transports "shm tcp"] [--out DIR]
+#                           [--transports "shm tcp"] [--bind cores|none] [--out DIR]
 #
 # Configurations: ranks x transport, where
 #   shm: qring-launch -n N --provider shm -- qring-bench ...
@@ -11,6 +11,10 @@
 #        default selection: ob1 + vader shared memory)
 #   tcp: qring-launch -n N --provider tcp -- qring-bench ...   ("tcp;ofi_rxm" over loopback)
 #        vs mpirun ... --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo ...
+# Both bind their ranks the same way (--bind cores, the default): qring-launch's default
+# binding (rank r on CPU r mod CPUs when ranks > CPUs, else a block each) and
+# mpirun --map-by core:OVERSUBSCRIBE --bind-to core:overload-allowed, which places the ranks
+# on the same CPUs. --bind none: qring-launch --bind none and mpirun --bind-to none.
 # Each configuration runs interleaved pairs (qring, mpi, qring, mpi, ...; default 2 pairs).
 # Sizes 4K..256M (x4), or 4K..16M (x16) with --quick; per size as many iterations (at most
 # 200) as fit in ~0.3 s (--auto-iters), warmup up to 5, results checked bit-exactly.
@@ -27,6 +31,7 @@ OP=allreduce
 PAIRS=2
 RANKS_LIST="2 4"
 TRANSPORTS="shm tcp"
+BIND=cores
 OUT=runs/bench
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,8 +40,9 @@ while [ $# -gt 0 ]; do
     --pairs) PAIRS=$2; shift 2 ;;
     --ranks) RANKS_LIST=$2; shift 2 ;;
     --transports) TRANSPORTS=$2; shift 2 ;;
+    --bind) BIND=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "bench_vs_mpi.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,7 +66,12 @@ fi
 
 echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg) on $(nproc) cores" >&2
 mkdir -p "$OUT/raw"
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
+case "$BIND" in
+  cores) MPIBIND=(--map-by core:OVERSUBSCRIBE --bind-to core:overload-allowed) ;;
+  none) MPIBIND=(--bind-to none) ;;
+  *) echo "bench_vs_mpi.sh: --bind expects cores or none, got '$BIND'" >&2; exit 2 ;;
+esac
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe "${MPIBIND[@]}")
 # shellcheck disable=SC2206
 MPIRUN+=(${QRING_MPIRUN_FLAGS:-})
 start=$(date +%s)
@@ -70,7 +81,7 @@ run_one() {  # tool ranks transport pair
   local json="$OUT/raw/${OP}_${tool}_${n}r_${tr}_p${pair}.json" log
   log="${json%.json}.log"
   if [ "$tool" = qring ]; then
-    timeout 900 "$LAUNCH" -n "$n" --provider "$tr" -- "$BENCH" --op "$OP" "${SWEEP[@]}" \
+    timeout 900 "$LAUNCH" -n "$n" --provider "$tr" --bind "$BIND" -- "$BENCH" --op "$OP" "${SWEEP[@]}" \
       --json "$json" >"$log" 2>&1
   else
     local net=()

@@ -1,9 +1,11 @@
 // qring-launch end to end: runs the built binary with small shell commands as ranks.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -282,6 +284,43 @@ TEST(Launch, OverallTimeout) {
   EXPECT_EQ(run.finish(), 124);
   EXPECT_LT(run.elapsed, 5s);
   EXPECT_THAT(run.err, HasSubstr("timeout of 0.3 s expired"));
+}
+
+// --bind cores (the default) gives each rank its share of the launcher's CPUs (QRING_CPUS and
+// the affinity that nproc reports agree); --bind none leaves every rank on all of them.
+TEST(Launch, BindsEachRankToItsShareOfTheCpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  const int m = static_cast<int>(cpus.size());
+  const char* show = "echo \"cpus=$QRING_CPUS n=$(nproc)\"";
+
+  // More ranks than CPUs: rank r on CPU r mod m alone.
+  const int n = 2 * m;
+  LaunchRun over({"-n", std::to_string(n), "--", "sh", "-c", show});
+  EXPECT_EQ(over.finish(), 0);
+  for (int r = 0; r < n; ++r)
+    EXPECT_THAT(over.out, HasSubstr(fmt::format("[rank {}] cpus={} n=1\n", r, cpus[size_t(r % m)])))
+        << over.out;
+
+  // One rank: all of them.
+  LaunchRun one({"-n", "1", "--", "sh", "-c", show});
+  EXPECT_EQ(one.finish(), 0);
+  EXPECT_THAT(one.out, HasSubstr(fmt::format("[rank 0] cpus={} n={}\n", fmt::join(cpus, ","), m)));
+
+  // Unbound: every rank may use every CPU, and QRING_CPUS is not set (not even inherited).
+  LaunchRun none({"-n", std::to_string(n), "--bind", "none", "--", "sh", "-c", show},
+                 "QRING_CPUS=99");
+  EXPECT_EQ(none.finish(), 0);
+  for (int r = 0; r < n; ++r)
+    EXPECT_THAT(none.out, HasSubstr(fmt::format("[rank {}] cpus= n={}\n", r, m))) << none.out;
+
+  LaunchRun bad({"-n", "1", "--bind", "sockets", "--", "true"});
+  EXPECT_EQ(bad.finish(), 2);
+  EXPECT_THAT(bad.err, HasSubstr("--bind expects 'cores' or 'none', got 'sockets'"));
 }
 
 TEST(Launch, SuccessAndUsageErrors) {

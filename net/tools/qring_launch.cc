@@ -1,13 +1,16 @@
-// qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] -- CMD ARGS...
+// qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none] -- CMD ARGS...
 //
-// Starts N local ranks of CMD with the QRING_* bootstrap environment, prefixes their output
+// Starts N local ranks of CMD with the QRING_* bootstrap environment, binds each to its share
+// of the launcher's CPUs (QRING_CPUS lists them; --bind none leaves them unbound), prefixes their output
 // with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when one rank fails.
 // Exit status: 0 when every rank exits 0; the status of the first failing rank (128 + signal
 // when it was killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
 // --timeout-s; 2 on a usage error. See docs/bootstrap.md.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -38,17 +41,22 @@ constexpr auto kDrainLimit = std::chrono::seconds(1);  // output still read afte
 constexpr int kMaxRanks = 4096;
 
 constexpr const char* kUsage =
-    "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] -- CMD [ARGS...]\n"
+    "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind MODE]\n"
+    "                    -- CMD [ARGS...]\n"
     "  -n N            number of ranks to start on this host\n"
     "  --provider P    sets QRING_PROVIDER=P for every rank\n"
     "  --port PORT     rendezvous store port (default: a free port)\n"
-    "  --timeout-s S   kill all ranks and exit 124 after S seconds\n";
+    "  --timeout-s S   kill all ranks and exit 124 after S seconds\n"
+    "  --bind MODE     cores (default): each rank gets its share of the CPUs this launcher may\n"
+    "                  use, contiguous blocks when N <= CPUs, else CPU (rank mod CPUs), so ring\n"
+    "                  neighbours run on different CPUs; none: ranks are not bound\n";
 
 struct Options {
   int n = 0;
   std::string provider;
   int port = 0;
   double timeout_s = 0;
+  bool bind = true;
   std::vector<std::string> cmd;
 };
 
@@ -85,7 +93,8 @@ Options parse_args(int argc, char** argv) {
       value = a.substr(eq + 1);
       inline_value = true;
     }
-    if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s")
+    if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s" &&
+        name != "--bind")
       usage_error(fmt::format("unknown option '{}' (the command follows '--')", a));
     if (!inline_value) {
       if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", name));
@@ -98,6 +107,10 @@ Options parse_args(int argc, char** argv) {
       o.provider = value;
     } else if (name == "--port") {
       o.port = parse_int(name, value, 1, 65535);
+    } else if (name == "--bind") {
+      if (value != "cores" && value != "none")
+        usage_error(fmt::format("--bind expects 'cores' or 'none', got '{}'", value));
+      o.bind = value == "cores";
     } else {
       char* end = nullptr;
       o.timeout_s = std::strtod(value.c_str(), &end);
@@ -109,6 +122,33 @@ Options parse_args(int argc, char** argv) {
   if (o.n == 0) usage_error("-n N is required");
   if (o.cmd.empty()) usage_error("no command given after '--'");
   return o;
+}
+
+// The CPUs of each rank under --bind cores, from the CPUs this process may run on. N <= CPUs:
+// contiguous blocks whose sizes differ by at most one (a rank's OpenMP threads share a
+// block). N > CPUs: rank r gets CPU r mod CPUs, so consecutive ranks (ring neighbours) sit on
+// different CPUs and can run at the same time; measured on 2 CPUs, 4 ranks: all-reduces over
+// tcp 1.0-1.2x faster than unbound ranks, which the scheduler moves between CPUs.
+std::vector<std::vector<int>> plan_cpus(int n) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  std::vector<std::vector<int>> plan{size_t(n)};
+  if (cpus.empty()) return plan;  // unknown: leave every rank unbound
+  const int m = static_cast<int>(cpus.size());
+  for (int r = 0; r < n; ++r) {
+    if (n > m) {
+      plan[size_t(r)] = {cpus[size_t(r % m)]};
+    } else {
+      int base = m / n, extra = m % n;
+      int begin = r * base + std::min(r, extra), len = base + (r < extra ? 1 : 0);
+      plan[size_t(r)].assign(cpus.begin() + begin, cpus.begin() + begin + len);
+    }
+  }
+  return plan;
 }
 
 int pick_free_port() {
@@ -159,7 +199,7 @@ class Launcher {
   int run();
 
  private:
-  void start_rank(int r, int port, const sigset_t& child_mask);
+  void start_rank(int r, int port, const sigset_t& child_mask, const std::vector<int>& cpus);
   void on_output(Stream& s);
   void flush_partial(Stream& s);
   void reap();
@@ -177,7 +217,8 @@ class Launcher {
   int exit_code_ = 0;
 };
 
-void Launcher::start_rank(int r, int port, const sigset_t& child_mask) {
+void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
+                          const std::vector<int>& cpus) {
   int out[2], err[2];
   if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
     fmt::print(stderr, "qring-launch: pipe(): {}\n", std::strerror(errno));
@@ -211,6 +252,19 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask) {
     setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
     setenv("QRING_JOB_ID", fmt::format("launch-{}", parent).c_str(), 1);
     if (!opts_.provider.empty()) setenv("QRING_PROVIDER", opts_.provider.c_str(), 1);
+    unsetenv("QRING_CPUS");  // set below only when this rank is bound
+    if (!cpus.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int c : cpus) CPU_SET(c, &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) {
+        setenv("QRING_CPUS", fmt::format("{}", fmt::join(cpus, ",")).c_str(), 1);
+      } else {
+        write_all(2, fmt::format("qring-launch: rank {}: cannot bind to CPUs {}: {}; running "
+                                 "unbound\n",
+                                 r, fmt::join(cpus, ","), std::strerror(errno)));
+      }
+    }
     std::vector<char*> argv;
     for (auto& a : opts_.cmd) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -351,7 +405,8 @@ int Launcher::run() {
     return 1;
   }
   ranks_.resize(opts_.n);
-  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask);
+  auto plan = opts_.bind ? plan_cpus(opts_.n) : std::vector<std::vector<int>>(size_t(opts_.n));
+  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask, plan[size_t(r)]);
 
   std::optional<Clock::time_point> timeout_at;
   if (opts_.timeout_s > 0)
