@@ -46,10 +46,9 @@ struct CommOptions {
   // Segments in flight per link; 0 = by provider (shm 2, others 4).
   int segments_in_flight = 0;
   // Ring sends posted and not yet completed per link; further segments wait for the oldest
-  // send to complete. 0 = by provider: 1 on shm and tcp, where every byte is copied by a
-  // host CPU and more sends outstanding only cost cycles (shm: the sender spins on the
-  // receiver's region lock while the receiver copies); unlimited elsewhere (RDMA NICs
-  // pipeline them).
+  // send to complete. 0 = 1 on shm and tcp when this host has more ranks than cores (there a
+  // send posted while the receiver still copies only costs cycles: shm senders spin on the
+  // receiver's region lock), unlimited otherwise (ring.cc).
   int sends_in_flight = 0;
   // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset:
   // 32 KiB (ring.h).

@@ -60,6 +60,7 @@ class Engine {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int reduce_threads() const { return reduce_threads_; }
+  bool oversubscribed() const { return oversubscribed_; }
   std::string provider() const { return provider_; }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();

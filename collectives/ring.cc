@@ -27,16 +27,19 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
   return engine.provider().rfind("shm", 0) == 0 ? 2 : 4;
 }
 
-// Ring sends outstanding per link; 0 = by provider. On shm and tcp every byte is copied by a
-// CPU of this host, and a send posted while the neighbour still copies the previous one only
-// costs cycles: over shm the sender spins on the lock of the receiver's region, which the
-// receiver holds while it copies (CMA), and on an oversubscribed node that spin lasts until
-// the preempted receiver runs again (12 % of all cycles at 16 MiB on 4 ranks). One send at a
-// time measured faster on both. RDMA providers pipeline sends in the NIC: no limit there.
+// Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
+// (more ranks than cores) over shm or tcp, where every byte is copied by a CPU of this host,
+// a send posted while the neighbour still copies the previous one only costs cycles: over shm
+// the sender spins on the lock of the receiver's region, which the receiver holds while it
+// copies (CMA), and when the receiver is preempted that spin lasts until it runs again (12 %
+// of all cycles at 16 MiB on 4 ranks, 2 cores). One send at a time measured faster there.
+// With a core per rank the receiver is running and the spin is short, while more sends in
+// flight keep it copying: 2 ranks shm at 16 MiB were 15 % faster with 4 than with 1. RDMA
+// providers pipeline sends in the NIC: no limit there.
 size_t sends_for(const CommOptions& opts, const Engine& engine) {
   if (opts.sends_in_flight > 0) return size_t(opts.sends_in_flight);
   const std::string& p = engine.provider();
-  if (p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0) return 1;
+  if (engine.oversubscribed() && (p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0)) return 1;
   return std::numeric_limits<size_t>::max();
 }
 
