@@ -43,7 +43,7 @@ struct CommOptions {
   std::chrono::milliseconds timeout{60000};
   // Ring segment size in bytes (pipelining unit); tests set it tiny to cover many segments.
   size_t segment_bytes = size_t(1) << 20;
-  // Segments in flight per link; 0 = by provider (shm 2, others 4).
+  // Segments in flight per link (lanes); 0 = by provider (shm and tcp 1, others 4).
   int segments_in_flight = 0;
   // Ring sends posted and not yet completed per link; further segments wait for the oldest
   // send to complete. 0 = 1 on shm and tcp when this host has more ranks than cores (there a
@@ -55,7 +55,7 @@ struct CommOptions {
   std::optional<size_t> small_allreduce_bytes;
   // Larger all-reduces up to this size use Rabenseifner's halving-doubling (2 log2 n steps,
   // bandwidth-optimal like the ring) when the number of ranks is a power of two; above it,
-  // and for other rank counts, the ring. 0: never. Unset: 1 MiB (ring.h).
+  // and for other rank counts, the ring. 0: never. Unset: 512 KiB (ring.h).
   std::optional<size_t> halving_doubling_bytes;
   // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
   int reduce_threads = 0;

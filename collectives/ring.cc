@@ -19,12 +19,15 @@ int mod(int a, int n) {
   return ((a % n) + n) % n;
 }
 
-// Segments in flight per link; 0 = by provider. libfabric's shm provider copies (CMA) under
-// a lock of the receiving rank's region that senders to it spin on, so on shm fewer
-// segments in flight (shorter lock holds) measured faster; tcp gains from more.
+// Segments in flight per link (lanes); 0 = by provider. Over shm and tcp a CPU of this host
+// copies every byte, and the rank that reduces a segment is the one that copies the next, so
+// lanes buy no overlap there, only more messages in flight: one lane measured 5-35 % faster
+// than 2 (shm) or 4 (tcp) for 2 and 4 ranks at 4-64 MiB (docs/benchmarks.md). RDMA providers
+// move data while the CPU reduces: 4 lanes.
 int lanes_for(const CommOptions& opts, const Engine& engine) {
   if (opts.segments_in_flight > 0) return opts.segments_in_flight;
-  return engine.provider().rfind("shm", 0) == 0 ? 2 : 4;
+  const std::string& p = engine.provider();
+  return p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0 ? 1 : 4;
 }
 
 // Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
