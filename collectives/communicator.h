@@ -55,7 +55,7 @@ struct CommOptions {
   std::optional<size_t> small_allreduce_bytes;
   // Larger all-reduces up to this size use Rabenseifner's halving-doubling (2 log2 n steps,
   // bandwidth-optimal like the ring) when the number of ranks is a power of two; above it,
-  // and for other rank counts, the ring. 0: never. Unset: 512 KiB (ring.h).
+  // and for other rank counts, the ring. 0: never. Unset: 1 MiB (ring.h).
   std::optional<size_t> halving_doubling_bytes;
   // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
   int reduce_threads = 0;

@@ -45,7 +45,7 @@ struct RingArgs {
 // does not depend on the provider, so the same job gives the same bits over shm and tcp.
 // Reduce-scatter and all-gather always use the ring.
 constexpr size_t kSmallAllreduceBytes = 32 * 1024;
-constexpr size_t kHalvingDoublingBytes = size_t(512) << 10;
+constexpr size_t kHalvingDoublingBytes = size_t(1) << 20;
 size_t small_allreduce_bytes(const CommOptions& opts);
 size_t halving_doubling_bytes(const CommOptions& opts);
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
