@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Side-by-side comparison of qring-bench configurations or builds, in rotating order.
+
+  scripts/bench_ab.py --ranks N --provider P --rounds R
+                      (--config "ARGS" ... | --bin PATH ...) -- COMMON_ARGS
+
+Each round runs every configuration once (qring-launch -n N --provider P -- BENCH COMMON_ARGS
+CONFIG_ARGS), starting one further along each round (A B C, B C A, C A B, ...), so neither
+the machine's drift nor the order favours one. Prints per size the median out-of-place and
+in-place time of each configuration and the median over rounds of its time divided by the
+first configuration's time in the same round, with the range of those ratios.
+
+--config: extra qring-bench flags per configuration ("" for the defaults), one build.
+--bin: one qring-bench binary per configuration (e.g. an old build in a git worktree).
+Environment: QRING_BUILD (default build) for qring-launch and the default qring-bench.
+
+Example (one lane against the default on 2 ranks over shm):
+  scripts/bench_ab.py --ranks 2 --provider shm --rounds 5 --config "" --config "--inflight 1" \\
+      -- -b 4M -e 64M -f 4 -n 20 -w 3 -c 0
+"""
+import argparse
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROW = re.compile(r"\[rank 0\]\s+(\d+)\s+\d+\s+\S+\s+\S+\s+\S+\s+([\d.]+)\s+\S+\s+\S+\s+\S+\s+([\d.]+)")
+
+
+def main():
+    argv = sys.argv[1:]
+    common = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, common = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--provider", required=True)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--config", action="append", default=[])
+    ap.add_argument("--bin", action="append", default=[])
+    a = ap.parse_args(argv)
+    if bool(a.config) == bool(a.bin) or len(a.config or a.bin) < 2:
+        ap.error("give two or more --config, or two or more --bin")
+    build = os.environ.get("QRING_BUILD", "build")
+    launch = os.path.join(build, "net", "qring-launch")
+    default_bench = os.path.join(build, "collectives", "qring-bench")
+    if a.config:
+        runs = [(c or "default", default_bench, shlex.split(c)) for c in a.config]
+    else:
+        runs = [(b, b, []) for b in a.bin]
+    for path in [launch] + [r[1] for r in runs]:
+        if not os.access(path, os.X_OK):
+            sys.exit(f"bench_ab.py: {path} is missing (build qring-bench and qring-launch)")
+
+    res = [dict() for _ in runs]  # per config: size -> list of (round, oop, ip)
+    for rnd in range(a.rounds):
+        for k in range(len(runs)):
+            i = (rnd + k) % len(runs)
+            name, bench, extra = runs[i]
+            cmd = [launch, "-n", str(a.ranks), "--provider", a.provider, "--", bench] + common + extra
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"bench_ab.py: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+            for line in p.stdout.splitlines():
+                m = ROW.match(line)
+                if m:
+                    res[i].setdefault(int(m.group(1)), []).append((rnd, float(m.group(2)), float(m.group(3))))
+        print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+
+    print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; times in us (out-of-place/in-place),"
+          f" ratio = this / {runs[0][0]} in the same round (median, range of out-of-place)")
+    for size in sorted(res[0]):
+        base = {r: (o, ip) for r, o, ip in res[0][size]}
+        cells = []
+        for (name, _, _), rr in zip(runs, res):
+            v = rr.get(size, [])
+            if not v:
+                continue
+            ro = [o / base[r][0] for r, o, _ in v if r in base]
+            ri = [ip / base[r][1] for r, _, ip in v if r in base]
+            cells.append(f"{name}: {statistics.median(x[1] for x in v):.0f}/"
+                         f"{statistics.median(x[2] for x in v):.0f} r {statistics.median(ro):.2f}/"
+                         f"{statistics.median(ri):.2f} [{min(ro):.2f}-{max(ro):.2f}]")
+        print(f"{size:>10} | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
