@@ -64,6 +64,8 @@ class Engine {
   std::string provider() const { return provider_; }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();
+  // Wakes the engine thread from a wait without marking new work (kicked_ stays as it is).
+  void nudge();
   // One engine pass from a caller's thread if no other thread is in one (returns whether
   // anything moved). Waiters use it so small operations complete without a thread hand-off.
   bool try_progress();

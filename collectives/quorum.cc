@@ -817,10 +817,16 @@ void QuorumAllreduce::help_progress(uint64_t step) {
     }
     if (i >= spin) sched_yield();
   }
-  engine.helpers_.fetch_sub(1, std::memory_order_acq_rel);
-  // Hand an unfinished step to the engine thread; a finished one needs no wake-up (the
-  // engine reaps what is left on its next pass): waking it only steals a core.
-  if (!finished()) engine.kick();
+  const bool last_helper = engine.helpers_.fetch_sub(1, std::memory_order_acq_rel) == 1;
+  // Hand an unfinished step to the engine thread. A finished one needs no kick (the engine
+  // reaps what is left on its next pass), but the last helper to leave wakes the engine from
+  // its wait for helpers, so that it resumes looking after the quorum service (READY and
+  // DECIDE of the next step); without that it slept up to 20 ms there, and the cut-off step
+  // (4 ranks shm, 1 MiB, Q = 3, grace 5 ms) took 14.7-15.2 ms at p50 instead of 6.6.
+  if (!finished())
+    engine.kick();
+  else if (last_helper)
+    engine.nudge();
 }
 
 std::vector<char> QuorumAllreduce::pending_carry() const {
