@@ -19,7 +19,7 @@ void Work::wait() {
   // Drive the engine from this thread while it is free (no hand-off latency for small
   // operations), spinning a little, then yield, then block in the kernel and let the engine
   // thread finish the work.
-  if (engine_) engine_->helpers_.fetch_add(1, std::memory_order_acq_rel);
+  if (engine_) engine_->begin_help();
   // Pure polling only while this node has a core per rank: on an oversubscribed node every
   // unproductive poll yields, so the rank that has the message to send gets the core.
   const int spin = engine_ && engine_->oversubscribed_ ? 0 : 100;
@@ -35,15 +35,10 @@ void Work::wait() {
     // so an oversubscribed node runs one polling thread per rank, not two). Nothing to hand
     // over when this work is done and no other operation is active: waking the engine
     // thread then only steals the core from the caller's next operation. Passive ops (the
-    // quorum service between steps) need no wake-up either.
-    // Passive ops only: no kick (the engine keeps its passive polling pace), but the last
-    // helper to leave wakes it from its wait for helpers to resume that polling.
-    const bool last = engine_->helpers_.fetch_sub(1, std::memory_order_acq_rel) == 1;
-    const size_t active = engine_->active_count_.load(std::memory_order_acquire);
-    if (!done() || (active != 0 && !engine_->all_passive_.load(std::memory_order_acquire)))
-      engine_->kick();
-    else if (last && active != 0)
-      engine_->nudge();
+    // quorum service between steps) need no kick either.
+    engine_->end_help(!done() ||
+                      (engine_->active_count_.load(std::memory_order_acquire) != 0 &&
+                       !engine_->all_passive_.load(std::memory_order_acquire)));
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
@@ -268,10 +263,16 @@ void Engine::finish_diagnosis_if_due() {
   fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
 }
 
-void Engine::nudge() {
-  // Taking the lock orders this with the engine's check of its wait predicate: no lost wake-up.
-  { std::lock_guard<std::mutex> lock(mu_); }
-  cv_.notify_one();
+void Engine::end_help(bool hand_over) {
+  const bool last = helpers_.fetch_sub(1, std::memory_order_acq_rel) == 1;
+  if (hand_over) {
+    kick();
+  } else if (last && active_count_.load(std::memory_order_acquire) != 0) {
+    // Taking the lock orders this with the engine's check of its wait predicate: no lost
+    // wake-up.
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_one();
+  }
 }
 
 void Engine::kick() {
@@ -387,9 +388,8 @@ void Engine::loop() {
   while (true) {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
-      // The last caller to leave wakes this wait when something is left to do (kick or
-      // nudge, from Work::wait and the quorum's help_progress); the timeout is only a
-      // backstop. A short timeout (it was 1 ms) woke this thread ~1000 times a second per
+      // The last caller to leave wakes this wait when something is left to do (end_help,
+      // from Work::wait and the quorum's help_progress); the timeout is only a backstop. A short timeout (it was 1 ms) woke this thread ~1000 times a second per
       // rank, each wake-up preempting a rank that was copying or reducing on an
       // oversubscribed node (context switches per 1010 all-reduces: 0.8M -> 0.15M).
       std::unique_lock<std::mutex> lock(mu_);

@@ -64,8 +64,13 @@ class Engine {
   std::string provider() const { return provider_; }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();
-  // Wakes the engine thread from a wait without marking new work (kicked_ stays as it is).
-  void nudge();
+  // A caller that drives progress itself (try_progress in a loop) brackets that with these:
+  // the engine thread stays off the CPU in between. end_help(hand_over) kicks the engine
+  // when the caller leaves work to it; otherwise the last helper to leave still wakes it if
+  // operations remain (passive ones included, such as the quorum service), without marking
+  // new work, so that it resumes its own polling pace instead of sleeping out its backstop.
+  void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
+  void end_help(bool hand_over);
   // One engine pass from a caller's thread if no other thread is in one (returns whether
   // anything moved). Waiters use it so small operations complete without a thread hand-off.
   bool try_progress();
@@ -149,7 +154,7 @@ class Engine {
   std::mutex progress_mu_;  // held by whoever runs step(): the endpoint and every op
   std::atomic<size_t> active_count_{0};
   std::atomic<bool> all_passive_{false};  // every active op is passive()
-  std::atomic<int> helpers_{0};  // callers driving progress in Work::wait
+  std::atomic<int> helpers_{0};  // callers between begin_help and end_help
   bool oversubscribed_ = false;  // more ranks on this host than cores
   friend class Work;
   friend class QuorumAllreduce;

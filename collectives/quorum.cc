@@ -801,7 +801,7 @@ void QuorumAllreduce::help_progress(uint64_t step) {
   // after 2 ms without progress (waiting for a peer still computing) leave the step to the
   // engine thread and sleep, so a rank that waits does not take turns on the core with the
   // ranks that compute. Pure spinning only with a core per rank.
-  engine.helpers_.fetch_add(1, std::memory_order_acq_rel);
+  engine.begin_help();
   const int spin = engine.oversubscribed_ ? 0 : 100;
   auto last = Clock::now();
   for (int i = 0;; ++i) {
@@ -817,16 +817,10 @@ void QuorumAllreduce::help_progress(uint64_t step) {
     }
     if (i >= spin) sched_yield();
   }
-  const bool last_helper = engine.helpers_.fetch_sub(1, std::memory_order_acq_rel) == 1;
-  // Hand an unfinished step to the engine thread. A finished one needs no kick (the engine
-  // reaps what is left on its next pass), but the last helper to leave wakes the engine from
-  // its wait for helpers, so that it resumes looking after the quorum service (READY and
-  // DECIDE of the next step); without that it slept up to 20 ms there, and the cut-off step
-  // (4 ranks shm, 1 MiB, Q = 3, grace 5 ms) took 14.7-15.2 ms at p50 instead of 6.6.
-  if (!finished())
-    engine.kick();
-  else if (last_helper)
-    engine.nudge();
+  // Hand an unfinished step to the engine thread; a finished one needs no kick (the engine
+  // reaps what is left on its next pass), only the wake-up end_help gives the last helper's
+  // exit so that the engine looks after the quorum service again.
+  engine.end_help(!finished());
 }
 
 std::vector<char> QuorumAllreduce::pending_carry() const {

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "collectives/reduce.h"
@@ -19,6 +21,25 @@ int mod(int a, int n) {
   return ((a % n) + n) % n;
 }
 
+// shm and tcp: a CPU of this host copies every byte (CMA, or the kernel's socket copies).
+bool host_copies(const Engine& engine) {
+  const std::string& p = engine.provider();
+  return p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0;
+}
+
+// The ring's ranks in order (all of them unless args.members names a subset) and this rank's
+// index among them.
+std::pair<std::vector<int>, int> ring_and_index(const Engine& engine, const RingArgs& a) {
+  std::vector<int> ring = a.members;
+  if (ring.empty())
+    for (int r = 0; r < engine.size(); ++r) ring.push_back(r);
+  auto it = std::find(ring.begin(), ring.end(), engine.rank());
+  if (it == ring.end())
+    throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
+  const int me = static_cast<int>(it - ring.begin());
+  return {std::move(ring), me};
+}
+
 // Segments in flight per link (lanes); 0 = by provider. Over shm and tcp a CPU of this host
 // copies every byte, and the rank that reduces a segment is the one that copies the next, so
 // lanes buy no overlap there, only more messages in flight: one lane measured 5-35 % faster
@@ -26,8 +47,7 @@ int mod(int a, int n) {
 // move data while the CPU reduces: 4 lanes.
 int lanes_for(const CommOptions& opts, const Engine& engine) {
   if (opts.segments_in_flight > 0) return opts.segments_in_flight;
-  const std::string& p = engine.provider();
-  return p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0 ? 1 : 4;
+  return host_copies(engine) ? 1 : 4;
 }
 
 // Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
@@ -41,8 +61,7 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
 // providers pipeline sends in the NIC: no limit there.
 size_t sends_for(const CommOptions& opts, const Engine& engine) {
   if (opts.sends_in_flight > 0) return size_t(opts.sends_in_flight);
-  const std::string& p = engine.provider();
-  if (engine.oversubscribed() && (p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0)) return 1;
+  if (engine.oversubscribed() && host_copies(engine)) return 1;
   return std::numeric_limits<size_t>::max();
 }
 
@@ -82,20 +101,13 @@ struct Stage {
 class RingOp final : public EngineOp {
  public:
   RingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
-      : engine_(engine), args_(a), n_(engine.size()), r_(engine.rank()) {
+      : engine_(engine), args_(a) {
     elem_ = dtype_size(a.type);
-    if (!a.members.empty()) {
-      n_ = static_cast<int>(a.members.size());
-      auto it = std::find(a.members.begin(), a.members.end(), engine.rank());
-      if (it == a.members.end())
-        throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
-      r_ = static_cast<int>(it - a.members.begin());
-      left_ = a.members[size_t(mod(r_ - 1, n_))];
-      right_ = a.members[size_t(mod(r_ + 1, n_))];
-    } else {
-      left_ = mod(r_ - 1, n_);
-      right_ = mod(r_ + 1, n_);
-    }
+    auto [ring, me] = ring_and_index(engine, a);
+    n_ = static_cast<int>(ring.size());
+    r_ = me;
+    left_ = ring[size_t(mod(r_ - 1, n_))];
+    right_ = ring[size_t(mod(r_ + 1, n_))];
     seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
     window_ = lanes_for(opts, engine);
     max_sends_ = sends_for(opts, engine);
@@ -187,7 +199,6 @@ class RingOp final : public EngineOp {
         }
       }
     }
-    if (drain_sends(sends_, name())) moved = true;
     if (flush_sends(ep)) moved = true;
     if (lanes_done_ == lanes_.size() && sends_.empty() && unsent_.empty()) {
       if (args_.kind == RingKind::kReduceScatter)
@@ -295,17 +306,18 @@ class RingOp final : public EngineOp {
     flush_sends(ep);
   }
 
+  // Drops completed sends, then posts queued ones up to max_sends_ outstanding; true if
+  // either happened.
   bool flush_sends(net::Endpoint& ep) {
     bool any = false;
-    while (!unsent_.empty()) {
-      drain_sends(sends_, name());
-      if (sends_.size() >= max_sends_) break;
-      auto& u = unsent_.front();
+    while (true) {
+      any |= drain_sends(sends_, name());  // a send may complete as it is posted
+      if (unsent_.empty() || sends_.size() >= max_sends_) return any;
+      const Unsent& u = unsent_.front();
       sends_.push_back(ep.isend(right_, u.tag, u.src, u.bytes));
       unsent_.pop_front();
       any = true;
     }
-    return any;
   }
 
   void finish_stage(Lane& lane) {
@@ -353,16 +365,8 @@ class RingOp final : public EngineOp {
 class RecursiveDoublingOp final : public EngineOp {
  public:
   RecursiveDoublingOp(Engine& engine, const RingArgs& a) : engine_(engine), args_(a) {
-    if (a.members.empty()) {
-      for (int r = 0; r < engine.size(); ++r) ring_.push_back(r);
-    } else {
-      ring_ = a.members;
-    }
+    std::tie(ring_, me_) = ring_and_index(engine, a);
     n_ = static_cast<int>(ring_.size());
-    auto it = std::find(ring_.begin(), ring_.end(), engine.rank());
-    if (it == ring_.end())
-      throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
-    me_ = static_cast<int>(it - ring_.begin());
     p_ = 1;
     while (p_ * 2 <= n_) p_ *= 2;
     elem_ = dtype_size(a.type);
@@ -489,20 +493,12 @@ class HalvingDoublingOp final : public EngineOp {
  public:
   HalvingDoublingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
       : engine_(engine), args_(a) {
-    if (a.members.empty()) {
-      for (int r = 0; r < engine.size(); ++r) ring_.push_back(r);
-    } else {
-      ring_ = a.members;
-    }
+    std::tie(ring_, me_) = ring_and_index(engine, a);
     n_ = static_cast<int>(ring_.size());
     if (n_ & (n_ - 1))
       throw UsageError(fmt::format("halving-doubling all-reduce needs a power-of-two number of "
                                    "ranks, not {}",
                                    n_));
-    auto it = std::find(ring_.begin(), ring_.end(), engine.rank());
-    if (it == ring_.end())
-      throw UsageError(fmt::format("rank {} is not a member of the ring", engine.rank()));
-    me_ = static_cast<int>(it - ring_.begin());
     for (int d = n_; d > 1; d >>= 1) ++log_;
     elem_ = dtype_size(a.type);
     seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
