@@ -25,12 +25,14 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "net/error.h"
+#include "net/tcp_tuning.h"
 
 namespace qring::net {
 
@@ -153,6 +155,25 @@ struct OpCtx {
   bool posted = false;
 };
 
+// The peers' tcp endpoint addresses of one FabricEndpoint, registered with tcp_tuning (the
+// congestion control of the connections libfabric opens to them) while it lives.
+class TcpRegistrations {
+ public:
+  TcpRegistrations() = default;
+  TcpRegistrations(const TcpRegistrations&) = delete;
+  TcpRegistrations& operator=(const TcpRegistrations&) = delete;
+  ~TcpRegistrations() {
+    for (const auto& addr : regs_) unregister_tcp_peer(addr.data(), addr.size());
+  }
+  void add(const std::string& addr, const std::string& cc) {
+    register_tcp_peer(addr.data(), addr.size(), cc);
+    regs_.push_back(addr);
+  }
+
+ private:
+  std::vector<std::string> regs_;
+};
+
 class FabricEndpoint final : public Endpoint {
  public:
   FabricEndpoint(const FabricOptions& opts, int rank, int world, Store& store, bool single_host,
@@ -185,6 +206,12 @@ class FabricEndpoint final : public Endpoint {
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
 
     if (provider_name_ == "shm") remove_stale_shm_regions();
+    // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
+    // listening socket, made below, gets it here; connections to peers when they are opened.
+    const bool tcp = provider_name_.find("tcp") != std::string::npos;
+    const std::string tcp_cc = tcp ? tcp_congestion_for(single_host) : std::string();
+    std::optional<TcpListenScope> listen_scope;
+    if (!tcp_cc.empty()) listen_scope.emplace(tcp_cc);
     QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));
     QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
     fi_cq_attr cq_attr{};
@@ -211,6 +238,7 @@ class FabricEndpoint final : public Endpoint {
     }
     QRING_FI_CHECK(ret);
     name.resize(len);
+    listen_scope.reset();
     // The n-th endpoint a process opens publishes under its own key, so several endpoints
     // (communicators) per process each find their peers' matching endpoint. Every rank
     // opens its endpoints in the same order, as communicators are created collectively.
@@ -240,6 +268,7 @@ class FabricEndpoint final : public Endpoint {
             "the same {} on every rank",
             rank, setting, r, peer_setting, kRxmEagerEnv));
       std::string addr = v.substr(nl + 1);
+      if (!tcp_cc.empty() && r != rank) tcp_regs_.add(addr, tcp_cc);
       int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
       if (n != 1)
         throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
@@ -521,6 +550,7 @@ class FabricEndpoint final : public Endpoint {
   bool mr_virt_ = false;
   size_t max_msg_ = 0;
   InfoPtr info_;
+  TcpRegistrations tcp_regs_;  // outlives the endpoint's connections (destroyed after ep_)
   // Creation order; destroyed in reverse.
   Fid<fid_fabric> fabric_;
   Fid<fid_domain> domain_;

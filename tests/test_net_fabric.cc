@@ -1,6 +1,11 @@
 // FabricEndpoint as real processes over libfabric's shm and tcp providers.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -285,6 +290,95 @@ TEST(FabricProvider, DifferentRxmEagerLimitsAreAClearError) {
   EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
   EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
 }
+
+// Congestion control of every TCP socket of this process except those of the rendezvous
+// store (local or peer port store_port): what libfabric's tcp provider opened for qring.
+std::vector<std::string> fabric_socket_congestion(int store_port) {
+  std::vector<std::string> out;
+  DIR* d = opendir("/proc/self/fd");
+  if (!d) return out;
+  while (dirent* e = readdir(d)) {
+    int fd = atoi(e->d_name);
+    if (e->d_name[0] == '.' || fd == dirfd(d)) continue;
+    int type = 0, domain = 0;
+    socklen_t len = sizeof(type);
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) continue;
+    len = sizeof(domain);
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0 || domain != AF_INET) continue;
+    sockaddr_in local{}, peer{};
+    socklen_t ll = sizeof(local), pl = sizeof(peer);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll);
+    bool connected = getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) == 0;
+    if (ntohs(local.sin_port) == store_port || (connected && ntohs(peer.sin_port) == store_port))
+      continue;
+    char cc[32] = {};
+    len = sizeof(cc);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, &len) == 0) out.emplace_back(cc);
+  }
+  closedir(d);
+  return out;
+}
+
+std::string system_congestion() {
+  std::ifstream f("/proc/sys/net/ipv4/tcp_congestion_control");
+  std::string s;
+  f >> s;
+  return s;
+}
+
+// QRING_TCP_CONGESTION (net/tcp_tuning.h): the listening socket and the connections libfabric
+// opens for an endpoint get the setting from their start; the store's sockets keep the
+// system's. Case: setting, expected congestion control ("" = the system's).
+class TcpCongestion : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(TcpCongestion, FabricConnectionsGetTheSettingAndStillDeliver) {
+  const auto [setting, expected_in] = GetParam();
+  const std::string expected = *expected_in ? expected_in : system_congestion();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    if (*setting)
+      setenv("QRING_TCP_CONGESTION", setting, 1);
+    else
+      unsetenv("QRING_TCP_CONGESTION");
+    auto ep = open_endpoint(rdv, "tcp");
+    const int peer = 1 - r;
+    // Both directions, so each rank has connected or accepted.
+    for (int i = 0; i < 2; ++i) {
+      auto out = pattern_buf(size_t(1) << 20, r);
+      std::vector<uint8_t> in(out.size());
+      auto rq = ep->irecv(peer, make_tag(Op::kUser, 7, i), in.data(), in.size());
+      auto sq = ep->isend(peer, make_tag(Op::kUser, 7, i), out.data(), out.size());
+      ep->wait(sq, kDl(), "send");
+      ep->wait(rq, kDl(), "recv");
+      if (!check_buf(in, peer)) return 1;
+    }
+    auto ccs = fabric_socket_congestion(rdv.info().store_port);
+    std::string all;
+    for (const auto& c : ccs) all += c + " ";
+    fprintf(stderr, "rank %d: fabric sockets: %s(expected %s)\n", r, all.c_str(),
+            expected.c_str());
+    // At least the listener and one connection; every one with the expected setting.
+    if (ccs.size() < 2) return 2;
+    for (const auto& c : ccs)
+      if (c != expected) return 3;
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, TcpCongestion,
+    ::testing::Values(std::make_pair("", "cubic"), std::make_pair("auto", "cubic"),
+                      std::make_pair("reno", "reno"), std::make_pair("system", ""),
+                      // Unknown: a warning, and the system's default.
+                      std::make_pair("no-such-algorithm", "")),
+    [](const auto& info) {
+      std::string s = *info.param.first ? info.param.first : "unset";
+      for (auto& ch : s)
+        if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return s;
+    });
 
 TEST(FabricProvider, AliasesResolve) {
   EXPECT_EQ(net::resolve_provider("tcp", false), "tcp;ofi_rxm");
