@@ -9,7 +9,6 @@ namespace qring::collectives {
 
 Communicator::Communicator(std::unique_ptr<net::Endpoint> endpoint, CommOptions opts)
     : rank_(endpoint->rank()), size_(endpoint->world_size()), opts_(opts) {
-  if (opts_.segment_bytes == 0) throw UsageError("CommOptions.segment_bytes must be > 0");
   if (opts_.timeout.count() <= 0) throw UsageError("CommOptions.timeout must be > 0");
   engine_ = std::make_unique<Engine>(std::move(endpoint), opts_);
 }

@@ -41,8 +41,10 @@ class CollectiveTimeout : public TimeoutError {
 struct CommOptions {
   // Default deadline of each operation, measured from its submission.
   std::chrono::milliseconds timeout{60000};
-  // Ring segment size in bytes (pipelining unit); tests set it tiny to cover many segments.
-  size_t segment_bytes = size_t(1) << 20;
+  // Segment size in bytes (the unit of the ring, halving-doubling and broadcast messages);
+  // 0 = by provider: 2 MiB on shm and tcp, 1 MiB on others (ring.cc). Tests set it tiny to
+  // cover many segments.
+  size_t segment_bytes = 0;
   // Segments in flight per link (lanes); 0 = by provider (shm and tcp 1, others 4).
   int segments_in_flight = 0;
   // Ring sends posted and not yet completed per link; further segments wait for the oldest

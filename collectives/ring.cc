@@ -50,6 +50,19 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
   return host_copies(engine) ? 1 : 4;
 }
 
+// Segment size; 0 = by provider. Over shm and tcp a lane walks its segment through every stage
+// before it takes the next one (one lane, above), so each segment costs 2(n-1) steps that
+// each wait for a neighbour, and on an oversubscribed node for it to be scheduled: fewer,
+// larger segments measured faster there. 2 MiB against 1 MiB, rotated rounds (median
+// time ratio, out of place): 4 ranks shm 0.905 at 16 MiB (8 rounds) and 0.91 at 64 MiB,
+// 2 ranks shm 0.86-0.98, 4 ranks tcp 0.92-0.95, 2 ranks tcp 0.81-0.97 at 4-64 MiB
+// (docs/benchmarks.md). Segmenting never changes which values are added in which order, so
+// the bits do not depend on it. RDMA providers pipeline several lanes: 1 MiB.
+size_t segment_bytes_for(const CommOptions& opts, const Engine& engine) {
+  if (opts.segment_bytes > 0) return opts.segment_bytes;
+  return host_copies(engine) ? size_t(2) << 20 : size_t(1) << 20;
+}
+
 // Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
 // (more ranks than cores) over shm or tcp, where every byte is copied by a CPU of this host,
 // a send posted while the neighbour still copies the previous one only costs cycles: over shm
@@ -108,7 +121,7 @@ class RingOp final : public EngineOp {
     r_ = me;
     left_ = ring[size_t(mod(r_ - 1, n_))];
     right_ = ring[size_t(mod(r_ + 1, n_))];
-    seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
+    seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
     window_ = lanes_for(opts, engine);
     max_sends_ = sends_for(opts, engine);
     threads_ = engine.reduce_threads();
@@ -501,7 +514,7 @@ class HalvingDoublingOp final : public EngineOp {
                                    n_));
     for (int d = n_; d > 1; d >>= 1) ++log_;
     elem_ = dtype_size(a.type);
-    seg_elems_ = std::max<size_t>(1, opts.segment_bytes / elem_);
+    seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
     threads_ = engine.reduce_threads();
   }
   std::string name() const override { return "allreduce"; }
@@ -687,7 +700,7 @@ class BroadcastOp final : public EngineOp {
       : buf_(static_cast<char*>(buf)), n_(engine.size()), r_(engine.rank()), root_(root) {
     elem_ = dtype_size(type);
     bytes_ = count * elem_;
-    seg_bytes_ = std::max<size_t>(elem_, opts.segment_bytes / elem_ * elem_);
+    seg_bytes_ = std::max<size_t>(elem_, segment_bytes_for(opts, engine) / elem_ * elem_);
     window_ = lanes_for(opts, engine);
     pos_ = mod(r_ - root_, n_);
     left_ = mod(r_ - 1, n_);
