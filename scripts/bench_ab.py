@@ -10,7 +10,9 @@ the machine's drift nor the order favours one. Prints per size the median out-of
 in-place time of each configuration and the median over rounds of its time divided by the
 first configuration's time in the same round, with the range of those ratios.
 
---config: extra qring-bench flags per configuration ("" for the defaults), one build.
+--config: extra qring-bench flags per configuration ("" for the defaults), one build; leading
+          NAME=VALUE words are environment variables for that configuration's run
+          (e.g. --config "QRING_TCP_CONGESTION=system").
 --bin: one qring-bench binary per configuration (e.g. an old build in a git worktree).
 Environment: QRING_BUILD (default build) for qring-launch and the default qring-bench.
 
@@ -48,9 +50,16 @@ def main():
     launch = os.path.join(build, "net", "qring-launch")
     default_bench = os.path.join(build, "collectives", "qring-bench")
     if a.config:
-        runs = [(c or "default", default_bench, shlex.split(c)) for c in a.config]
+        runs = []
+        for c in a.config:
+            words = shlex.split(c)
+            env = {}
+            while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+                k, v = words.pop(0).split("=", 1)
+                env[k] = v
+            runs.append((c or "default", default_bench, words, env))
     else:
-        runs = [(b, b, []) for b in a.bin]
+        runs = [(b, b, [], {}) for b in a.bin]
     for path in [launch] + [r[1] for r in runs]:
         if not os.access(path, os.X_OK):
             sys.exit(f"bench_ab.py: {path} is missing (build qring-bench and qring-launch)")
@@ -59,9 +68,9 @@ def main():
     for rnd in range(a.rounds):
         for k in range(len(runs)):
             i = (rnd + k) % len(runs)
-            name, bench, extra = runs[i]
+            name, bench, extra, env = runs[i]
             cmd = [launch, "-n", str(a.ranks), "--provider", a.provider, "--", bench] + common + extra
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
             if p.returncode != 0:
                 sys.exit(f"bench_ab.py: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
             for line in p.stdout.splitlines():
@@ -75,7 +84,7 @@ def main():
     for size in sorted(res[0]):
         base = {r: (o, ip) for r, o, ip in res[0][size]}
         cells = []
-        for (name, _, _), rr in zip(runs, res):
+        for (name, _, _, _), rr in zip(runs, res):
             v = rr.get(size, [])
             if not v:
                 continue
