@@ -389,9 +389,10 @@ void Engine::loop() {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
       // The last caller to leave wakes this wait when something is left to do (end_help,
-      // from Work::wait and the quorum's help_progress); the timeout is only a backstop. A short timeout (it was 1 ms) woke this thread ~1000 times a second per
-      // rank, each wake-up preempting a rank that was copying or reducing on an
-      // oversubscribed node (context switches per 1010 all-reduces: 0.8M -> 0.15M).
+      // from Work::wait and the quorum's help_progress); the timeout is only a backstop. A
+      // short timeout (it was 1 ms) woke this thread ~1000 times a second per rank, each
+      // wake-up preempting a rank that was copying or reducing on an oversubscribed node
+      // (context switches per 1010 all-reduces: 0.8M -> 0.15M).
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, std::chrono::milliseconds(20),
                    [&] { return stop_ || helpers_.load(std::memory_order_acquire) == 0; });

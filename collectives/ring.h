@@ -13,8 +13,9 @@
 // Each chunk is cut into segments of CommOptions::segment_bytes (by provider: 2 MiB on shm and
 // tcp, 1 MiB elsewhere); segment j of every chunk forms a lane that walks through the 2(n-1)
 // stages on its own, and up to segments_in_flight lanes run at once (1 on shm and tcp, 4
-// elsewhere), so transfers and reductions of different segments overlap. Out of place, a received segment lands directly in the output and is reduced with
-// the local input there; in place it lands in engine scratch memory first.
+// elsewhere), so transfers and reductions of different segments overlap. Out of place, a
+// received segment lands directly in the output and is reduced with the local input there;
+// in place it lands in engine scratch memory first.
 #pragma once
 
 #include <memory>

@@ -208,8 +208,9 @@ class FabricEndpoint final : public Endpoint {
     if (provider_name_ == "shm") remove_stale_shm_regions();
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
-    const bool tcp = provider_name_.find("tcp") != std::string::npos;
-    const std::string tcp_cc = tcp ? tcp_congestion_for(single_host) : std::string();
+    const std::string tcp_cc = provider_name_.find("tcp") != std::string::npos
+                                   ? tcp_congestion_for(single_host)
+                                   : std::string();
     std::optional<TcpListenScope> listen_scope;
     if (!tcp_cc.empty()) listen_scope.emplace(tcp_cc);
     QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));

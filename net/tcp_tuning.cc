@@ -18,22 +18,25 @@ namespace qring::net {
 
 namespace {
 
+// Family tag + address bytes + port bytes of a sockaddr_in or sockaddr_in6.
+template <typename Addr, typename Port>
+std::string key_parts(char family, const Addr& addr, const Port& port) {
+  std::string k(1, family);
+  k.append(reinterpret_cast<const char*>(&addr), sizeof(addr));
+  k.append(reinterpret_cast<const char*>(&port), sizeof(port));
+  return k;
+}
+
 // An IPv4/IPv6 socket address as "4|6" + address bytes + port bytes; empty for anything else.
 std::string key_of(const sockaddr* sa, size_t len) {
   if (!sa) return {};
   if (sa->sa_family == AF_INET && len >= sizeof(sockaddr_in)) {
     const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    std::string k = "4";
-    k.append(reinterpret_cast<const char*>(&in->sin_addr), sizeof(in->sin_addr));
-    k.append(reinterpret_cast<const char*>(&in->sin_port), sizeof(in->sin_port));
-    return k;
+    return key_parts('4', in->sin_addr, in->sin_port);
   }
   if (sa->sa_family == AF_INET6 && len >= sizeof(sockaddr_in6)) {
     const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-    std::string k = "6";
-    k.append(reinterpret_cast<const char*>(&in6->sin6_addr), sizeof(in6->sin6_addr));
-    k.append(reinterpret_cast<const char*>(&in6->sin6_port), sizeof(in6->sin6_port));
-    return k;
+    return key_parts('6', in6->sin6_addr, in6->sin6_port);
   }
   return {};
 }
@@ -91,18 +94,19 @@ void before_connect(int fd, const sockaddr* addr, socklen_t len) {
   if (!cc.empty() && is_inet_stream(fd)) set_congestion(fd, cc);
 }
 
+// The value of QRING_TCP_CONGESTION ("auto" when unset or empty).
+std::string tcp_congestion_setting() {
+  const char* v = std::getenv("QRING_TCP_CONGESTION");
+  if (!v || !*v) return "auto";
+  return v;
+}
+
 void before_listen(int fd) {
   const std::string* cc = listen_cc;
   if (cc && !cc->empty() && is_inet_stream(fd)) set_congestion(fd, *cc);
 }
 
 }  // namespace
-
-std::string tcp_congestion_setting() {
-  const char* v = std::getenv("QRING_TCP_CONGESTION");
-  if (!v || !*v) return "auto";
-  return v;
-}
 
 std::string tcp_congestion_for(bool single_host) {
   const std::string setting = tcp_congestion_setting();

@@ -25,10 +25,7 @@
 
 namespace qring::net {
 
-// The value of QRING_TCP_CONGESTION ("auto" when unset or empty).
-std::string tcp_congestion_setting();
-
-// What the setting gives the connections of an endpoint (empty: the system's default).
+// What QRING_TCP_CONGESTION gives the connections of an endpoint (empty: the system's default).
 std::string tcp_congestion_for(bool single_host);
 
 // While alive, a socket this thread puts into the listening state gets congestion control

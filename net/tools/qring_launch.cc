@@ -1,8 +1,9 @@
 // qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none] -- CMD ARGS...
 //
 // Starts N local ranks of CMD with the QRING_* bootstrap environment, binds each to its share
-// of the launcher's CPUs (QRING_CPUS lists them; --bind none leaves them unbound), prefixes their output
-// with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when one rank fails.
+// of the launcher's CPUs (QRING_CPUS lists them; --bind none leaves them unbound), prefixes
+// their output with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when
+// one rank fails.
 // Exit status: 0 when every rank exits 0; the status of the first failing rank (128 + signal
 // when it was killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
 // --timeout-s; 2 on a usage error. See docs/bootstrap.md.
