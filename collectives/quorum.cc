@@ -22,7 +22,11 @@
 #include <optional>
 #include <set>
 
+#include <array>
+
 #include "collectives/engine.h"
+#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum_wire.h"
 #include "collectives/reduce.h"
 #include "collectives/ring.h"
 
@@ -59,49 +63,17 @@ int resolve_quorum(std::string_view spec, int world) {
 
 namespace {
 
-constexpr uint32_t kReadyMagic = 0x59445251;   // "QRDY"
-constexpr uint32_t kDecideMagic = 0x43454451;  // "QDEC"
-constexpr uint16_t kWireVersion = 1;
-constexpr size_t kKeepDecided = 4096;  // decided steps the coordinator remembers
-
-struct ReadyMsg {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t pad;
-  uint32_t rank;
-  uint32_t world;
-  uint64_t step;
-  uint64_t count;
-};
-static_assert(sizeof(ReadyMsg) == 32);
-
-enum class DecideStatus : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2 };
-
-struct DecideHeader {
-  uint32_t magic;
-  uint16_t version;
-  uint8_t status;
-  uint8_t pad;
-  uint32_t world;
-  uint32_t ncontrib;
-  uint64_t step;
-  int64_t decide_us;
-  uint32_t bad_rank;
-  uint32_t pad2;
-  uint64_t bad_count;
-};
-static_assert(sizeof(DecideHeader) == 48);
-
-size_t bitmap_bytes(int world) {
-  return (size_t(world) + 7) / 8;
-}
-size_t decide_size(int world) {
-  return sizeof(DecideHeader) + (bitmap_bytes(world) + 7) / 8 * 8 + 8 * size_t(world);
-}
-
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
+
+// Tag sequence of one attempt at a step: the ring and the result sends of a step that was
+// decided again never match those of an earlier attempt.
+uint64_t attempt_seq(uint64_t step, uint32_t attempt) {
+  return (step << 3) | (attempt & 7u);
+}
+
+using qproto::Event;
 
 }  // namespace
 
@@ -115,7 +87,9 @@ struct StepLocal {
   bool done = false;
   std::exception_ptr error;
   QuorumResult result;
-  std::vector<char> late_result;
+  // Where the result lands when it is not reduced in place: the excluded rank's copy, and in
+  // a job that survives lost ranks every rank's (kept until every live rank has the step).
+  std::shared_ptr<std::vector<char>> out;
 };
 
 struct QuorumAllreduce::Shared {
@@ -127,6 +101,8 @@ struct QuorumAllreduce::Shared {
   bool shutdown = false;
   std::function<void(uint64_t)> on_excluded;
   std::map<uint64_t, std::vector<double>> arrivals;  // coordinator only
+  std::vector<int> members;                          // as of the last completed step
+  std::vector<ViewChange> views;
 
   void fail(std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -154,6 +130,25 @@ class QuorumService final : public EngineOp {
         instance_(instance & 0xFF) {
     seq = 0;
     deadline = Clock::time_point::max();
+    cfg_.world = world_;
+    cfg_.self = coord_;
+    cfg_.quorum = o.fraction > 0 ? 0 : o.quorum;
+    cfg_.fraction = o.fraction;
+    cfg_.grace = o.grace;
+    cfg_.deadline = o.deadline;
+    cfg_.evict = o.evict;
+    cfg_.evict_steps = o.evict_steps;
+    cfg_.min_world = o.min_world;
+    cfg_.count = count;
+    // A job that can lose a rank keeps every contribution intact until its step completes
+    // (rings out of place) and every result until every live rank has it (recovery).
+    tolerant_ = qproto::floor_for(cfg_, world_ - 1) <= world_ - 1;
+    heartbeat_ = std::max(std::chrono::milliseconds(1), o.evict / 4);
+    view_.members.resize(size_t(world_));
+    for (int r = 0; r < world_; ++r) view_.members[size_t(r)] = r;
+    out_next_.assign(size_t(world_), 0);
+    behind_sends_.assign(size_t(world_), 0);
+    reported_behind_.assign(size_t(world_), false);
   }
 
   std::string name() const override { return "quorum service"; }
@@ -163,18 +158,36 @@ class QuorumService final : public EngineOp {
   bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override { return "contributions"; }
-  // Between steps: nothing of this rank in flight, only the standing READY/DECIDE receives.
+  // Between steps: nothing of this rank in flight, only the standing receives.
   bool passive() const override {
-    return rings_.empty() && result_recvs_.empty() && sends_.empty() && coord_.empty() &&
-           awaiting_decide_.empty() && !finished_;
+    return rings_.empty() && result_recvs_.empty() && sends_.empty() && awaiting_decide_.empty() &&
+           (!coord_state_ || !coord_state_->waiting()) && !finished_;
   }
 
   void start(net::Endpoint& ep) override {
-    if (rank_ == 0) {
-      ready_in_.resize(size_t(world_));
-      for (int p = 1; p < world_; ++p) post_ready_recv(ep, p);
+    auto now = Clock::now();
+    last_pass_ = last_down_ = last_up_ = last_beat_ = now;
+    if (rank_ == coord_) {
+      coord_state_ = std::make_unique<qproto::Coordinator>(cfg_, now);
+      coord_state_->on_arrival([this](uint64_t t, int r, double ms) {
+        std::lock_guard<std::mutex> lock(sh_->mu);
+        auto& log = sh_->arrivals[t];
+        if (log.empty()) log.assign(size_t(world_), -1.0);
+        log[size_t(r)] = ms;
+      });
+      up_in_.resize(size_t(world_));
+      for (int p = 0; p < world_; ++p)
+        if (p != rank_) post_up_recv(ep, p);
     } else {
-      post_decide_recv(ep);
+      post_down_recv(ep);
+    }
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      sh_->members = view_.members;
+      ViewChange v;
+      v.members = view_.members;
+      v.seen = now;
+      sh_->views.push_back(v);
     }
   }
 
@@ -188,18 +201,34 @@ class QuorumService final : public EngineOp {
   bool advance(net::Endpoint& ep) override {
     if (finished_) return false;
     bool moved = false;
+    bool fatal = false;
     try {
-      moved |= take_events(ep);
-      if (rank_ == 0) {
-        moved |= poll_ready(ep);
-        moved |= coordinate(ep);
-      } else {
-        moved |= poll_decide(ep);
+      const auto now = Clock::now();
+      // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
+      // Silence measured across the pause says nothing about the peers; start over.
+      if (now - last_pass_ > heartbeat_ * 2) {
+        last_down_ = now;
+        if (coord_state_) feed(ep, Event{Event::Kind::kTick}, /*resync=*/true);
       }
+      last_pass_ = now;
+      moved |= take_events(ep);
+      if (coord_state_)
+        moved |= poll_up(ep);
+      else
+        moved |= poll_down(ep);
       moved |= advance_rings(ep);
-      moved |= poll_results();
+      moved |= poll_results(ep);
       moved |= reap_sends();
+      heartbeat(ep);
       check_deadlines();
+    } catch (const Evicted&) {
+      fatal = true;
+      sh_->fail(std::current_exception());
+      dead_ = true;
+    } catch (const QuorumLost&) {
+      fatal = true;
+      sh_->fail(std::current_exception());
+      dead_ = true;
     } catch (...) {
       sh_->fail(std::current_exception());
       dead_ = true;
@@ -215,41 +244,48 @@ class QuorumService final : public EngineOp {
         for (auto& s : sends_) {
           if (s.req->done()) continue;
           // The provider may still read these buffers: leak them rather than free them.
-          (void)s.buf.release();
-          if (s.shared) (void)new std::shared_ptr<std::vector<char>>(s.shared);
+          if (s.buf) (void)new std::shared_ptr<std::vector<char>>(s.buf);
         }
         sends_.clear();
         finished_ = true;
       }
     }
+    // Eviction and a job below its quorum end every operation of this communicator, so that
+    // no collective among the old members waits for its deadline.
+    if (fatal) {
+      std::exception_ptr e;
+      {
+        std::lock_guard<std::mutex> lock(sh_->mu);
+        e = sh_->poison;
+      }
+      if (e) std::rethrow_exception(e);
+    }
     return moved;
   }
 
  private:
-  struct CoordStep {
-    Clock::time_point first{};
-    std::vector<std::optional<Clock::time_point>> arrived;
-    int n = 0;
-    Clock::time_point quorum_time{};
-    uint32_t bad_rank = 0;
-    uint64_t bad_count = 0;
-    bool mismatch = false;
-  };
   struct Send {
     net::RequestPtr req;
-    std::unique_ptr<std::vector<char>> buf;  // shared buffers are held by the first send
-    std::shared_ptr<std::vector<char>> shared;
+    std::shared_ptr<std::vector<char>> buf;
+    int peer = -1;
+    bool result = false;  // a step's result to a rank outside S(t)
   };
   struct Ring {
     std::unique_ptr<EngineOp> op;
     Clock::time_point started;
     std::vector<int> members;
+    uint32_t attempt = 0;
     bool speculative = false;
   };
   struct ResultRecv {
     net::RequestPtr req;
     int from;
     Clock::time_point started;
+  };
+  struct UpIn {
+    std::array<char, qwire::kUpBytes> msg{};
+    net::RequestPtr req;
+    uint64_t next = 0;  // number of the next message expected from this peer
   };
 
   Clock::time_point drain_deadline() {
@@ -259,9 +295,9 @@ class QuorumService final : public EngineOp {
   }
 
   void cancel_all(net::Endpoint& ep) {
-    for (auto& in : ready_in_)
+    for (auto& in : up_in_)
       if (in.req && !in.req->done()) ep.cancel(in.req);
-    if (decide_req_ && !decide_req_->done()) ep.cancel(decide_req_);
+    if (down_req_ && !down_req_->done()) ep.cancel(down_req_);
     for (auto& [t, rr] : result_recvs_)
       if (!rr.req->done()) ep.cancel(rr.req);
     result_recvs_.clear();
@@ -269,22 +305,234 @@ class QuorumService final : public EngineOp {
     rings_.clear();
   }
 
-  // Control messages use exact tags numbered per (sender, receiver) stream, never ignore
-  // masks: libfabric 1.17's shm provider loses unexpected messages matched through an
-  // ignore mask. READY n of rank p carries tag (kQuorumReady, n, p); DECIDE n carries
-  // (kQuorumDecide, n, 0); the step travels in the message body.
-  void post_ready_recv(net::Endpoint& ep, int p) {
-    ReadyIn& in = ready_in_[size_t(p)];
-    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, chunk(p)), &in.msg,
-                      sizeof(in.msg));
+  // ---- streams. Up: rank -> coordinator, (kQuorumReady, n, sender). Down: coordinator ->
+  // rank, (kQuorumDecide, n, coordinator). Exact tags numbered per stream, never ignore
+  // masks: libfabric 1.17's shm provider loses unexpected messages matched through one.
+  void post_up_recv(net::Endpoint& ep, int p) {
+    UpIn& in = up_in_[size_t(p)];
+    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, chunk(p)), in.msg.data(),
+                      in.msg.size());
   }
-  void post_decide_recv(net::Endpoint& ep) {
-    decide_buf_.assign(decide_size(world_), 0);
-    decide_req_ = ep.irecv(0, net::make_tag(net::Op::kQuorumDecide, decide_in_next_, chunk(0)),
-                           decide_buf_.data(), decide_buf_.size());
+  void post_down_recv(net::Endpoint& ep) {
+    down_buf_.assign(qwire::down_capacity(world_), 0);
+    down_req_ = ep.irecv(coord_, net::make_tag(net::Op::kQuorumDecide, down_in_next_, chunk(coord_)),
+                         down_buf_.data(), down_buf_.size());
+  }
+  void send_up(net::Endpoint& ep, qwire::Up type, Event e) {
+    e.from = rank_;
+    e.completed = completed_;
+    if (coord_state_) {
+      // The coordinator's own messages go straight into its state machine.
+      e.kind = type == qwire::Up::kReady       ? Event::Kind::kReady
+               : type == qwire::Up::kReport    ? Event::Kind::kReport
+               : type == qwire::Up::kBehind    ? Event::Kind::kBehind
+                                               : Event::Kind::kHeartbeat;
+      self_events_.push_back(e);
+      return;
+    }
+    auto buf = std::make_shared<std::vector<char>>(qwire::encode_up(world_, type, e));
+    auto req = ep.isend(coord_, net::make_tag(net::Op::kQuorumReady, up_out_next_++, chunk(rank_)),
+                        buf->data(), buf->size());
+    sends_.push_back({req, buf, coord_, false});
+    last_up_ = Clock::now();
+  }
+  void send_down(net::Endpoint& ep, int to, const std::shared_ptr<std::vector<char>>& buf) {
+    auto req = ep.isend(to, net::make_tag(net::Op::kQuorumDecide, out_next_[size_t(to)]++, chunk(rank_)),
+                        buf->data(), buf->size());
+    sends_.push_back({req, buf, to, false});
   }
 
-  // Contributions made by the caller: READY to the coordinator (or recorded directly on it).
+  // ---- the coordinator: messages in, actions out.
+  bool poll_up(net::Endpoint& ep) {
+    bool moved = false;
+    for (int from = 0; from < world_; ++from) {
+      if (from == rank_) continue;
+      UpIn& in = up_in_[size_t(from)];
+      if (!in.req || !in.req->done()) continue;
+      moved = true;
+      if (!in.req->ok()) {
+        // A transport error concerns that peer only: it falls silent and is evicted.
+        spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
+                     in.req->error);
+        in.req.reset();
+        continue;
+      }
+      qwire::Up type;
+      Event e = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from, &type);
+      ++in.next;
+      post_up_recv(ep, from);
+      --from;  // the next message of this peer may be waiting already
+      feed(ep, e);
+    }
+    moved |= drain_self(ep);
+    auto now = Clock::now();
+    if (now - last_tick_ >= std::chrono::microseconds(200)) {
+      last_tick_ = now;
+      feed(ep, Event{Event::Kind::kTick});
+    }
+    return moved;
+  }
+
+  bool drain_self(net::Endpoint& ep) {
+    bool moved = false;
+    while (!self_events_.empty()) {
+      Event e = self_events_.front();
+      self_events_.pop_front();
+      feed(ep, e);
+      moved = true;
+    }
+    return moved;
+  }
+
+  void feed(net::Endpoint& ep, const Event& e, bool resync = false) {
+    auto now = Clock::now();
+    if (resync) coord_state_->resync(now);
+    std::vector<qproto::Action> acts = coord_state_->handle(e, now);
+    for (auto& a : acts) act(ep, a);
+  }
+
+  void act(net::Endpoint& ep, const qproto::Action& a) {
+    using K = qproto::Action::Kind;
+    qwire::DownMsg m;
+    switch (a.kind) {
+      case K::kView:
+        m.type = qwire::Down::kView;
+        m.view = a.view;
+        m.left = a.left;
+        break;
+      case K::kDecide:
+        m.type = qwire::Down::kDecide;
+        m.decide = a.decide;
+        break;
+      case K::kRecover:
+        m.type = qwire::Down::kRecover;
+        m.step = a.step;
+        m.attempt = a.attempt;
+        break;
+      case K::kEvicted:
+        m.type = qwire::Down::kEvicted;
+        break;
+      case K::kFatal:
+        m.type = qwire::Down::kFatal;
+        m.text = a.reason;
+        break;
+    }
+    auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
+    if (a.kind == K::kEvicted) {
+      send_down(ep, a.to, buf);
+      return;
+    }
+    // To the members of the view in force (for a VIEW: the new one).
+    for (int r : coord_state_->view().members)
+      if (r != rank_) send_down(ep, r, buf);
+    last_down_ = Clock::now();
+    apply(ep, m);
+  }
+
+  // ---- every rank: the coordinator's messages, in the order it sent them.
+  bool poll_down(net::Endpoint& ep) {
+    bool moved = false;
+    while (down_req_ && down_req_->done()) {
+      if (!down_req_->ok())
+        throw IoError(fmt::format("rank {}: quorum: receive from the coordinator (rank {}) failed: {}",
+                                  rank_, coord_, down_req_->error));
+      qwire::DownMsg m = qwire::decode_down(down_buf_.data(), down_req_->bytes, world_, coord_);
+      ++down_in_next_;
+      last_down_ = Clock::now();
+      post_down_recv(ep);
+      apply(ep, m);
+      moved = true;
+    }
+    return moved;
+  }
+
+  void apply(net::Endpoint& ep, const qwire::DownMsg& m) {
+    switch (m.type) {
+      case qwire::Down::kHeartbeat:
+        return;
+      case qwire::Down::kEvicted:
+        throw Evicted(fmt::format(
+            "rank {}: evicted from the job: the other ranks stopped waiting for this one (silent "
+            "for more than quorum.evict_ms = {} ms, or too far behind); it must leave (exit)",
+            rank_, o_.evict.count()));
+      case qwire::Down::kFatal: {
+        std::vector<int> gone;
+        for (int r = 0; r < world_; ++r)
+          if (!view_.has(r)) gone.push_back(r);
+        throw QuorumLost(fmt::format("rank {}: the job stops: {}", rank_, m.text), gone);
+      }
+      case qwire::Down::kView:
+        apply_view(m);
+        return;
+      case qwire::Down::kRecover:
+        apply_recover(ep, m.step, m.attempt);
+        return;
+      case qwire::Down::kDecide:
+        apply_decide(ep, m.decide);
+        return;
+    }
+  }
+
+  void apply_view(const qwire::DownMsg& m) {
+    if (m.view.epoch <= view_.epoch)
+      throw ProtocolError(fmt::format("rank {}: quorum: view {} after view {}", rank_,
+                                      m.view.epoch, view_.epoch));
+    view_ = m.view;
+    ViewChange v;
+    v.epoch = view_.epoch;
+    v.members = view_.members;
+    for (auto& d : m.left) v.left.push_back({d.rank, qproto::to_string(d.why), d.silent_ms});
+    v.seen = Clock::now();
+    std::string who;
+    for (auto& d : v.left)
+      who += fmt::format("{}rank {} ({}, last heard {:.0f} ms before)", who.empty() ? "" : ", ",
+                         d.rank, d.why, d.silent_ms);
+    if (rank_ == coord_)
+      spdlog::warn("quorum: view {}: members {}; left: {}", v.epoch, v.members, who);
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      sh_->views.push_back(std::move(v));
+    }
+    if (!view_.has(rank_))
+      throw Evicted(fmt::format("rank {}: evicted from the job in view {} (members {}): the "
+                                "other ranks stopped waiting for this one; it must leave (exit)",
+                                rank_, view_.epoch, view_.members));
+    // Results owed to ranks that left are no longer sent.
+    for (auto& d : m.left) behind_sends_[size_t(d.rank)] = 0;
+  }
+
+  // A member was lost while step t may be unfinished: say whether this rank holds the result;
+  // if not, stop working on it (its reduction can no longer complete as decided) and wait for
+  // the step to be decided again.
+  void apply_recover(net::Endpoint& ep, uint64_t t, uint32_t attempt) {
+    bool have = done_.count(t) != 0;
+    if (!have) {
+      auto r = rings_.find(t);
+      if (r != rings_.end()) {
+        r->second.op->abort(ep);
+        rings_.erase(r);
+      }
+      auto rr = result_recvs_.find(t);
+      if (rr != result_recvs_.end()) {
+        if (!rr->second.req->done()) ep.cancel(rr->second.req);
+        result_recvs_.erase(rr);
+      }
+    }
+    Event e;
+    e.step = t;
+    e.attempt = attempt;
+    e.have = have;
+    send_up(ep, qwire::Up::kReport, e);
+  }
+
+  std::shared_ptr<std::vector<char>> result_buffer() {
+    for (auto& b : pool_)
+      if (b.use_count() == 1) return b;
+    pool_.push_back(std::make_shared<std::vector<char>>(count_ * esz_));
+    return pool_.back();
+  }
+
+  // Contributions made by the caller: READY to the coordinator.
   bool take_events(net::Endpoint& ep) {
     std::deque<uint64_t> ev;
     {
@@ -294,258 +542,140 @@ class QuorumService final : public EngineOp {
     for (uint64_t t : ev) {
       awaiting_decide_.insert(t);
       if (speculate_) start_speculative_ring(ep, t);
-      if (rank_ == 0) {
-        record_arrival(t, 0, count_);
-      } else {
-        auto buf = std::make_unique<std::vector<char>>(sizeof(ReadyMsg));
-        ReadyMsg m{kReadyMagic, kWireVersion, 0, uint32_t(rank_), uint32_t(world_), t, count_};
-        std::memcpy(buf->data(), &m, sizeof(m));
-        auto req =
-            ep.isend(0, net::make_tag(net::Op::kQuorumReady, ready_out_next_++, chunk(rank_)),
-                     buf->data(), buf->size());
-        sends_.push_back({req, std::move(buf), nullptr});
-      }
+      Event e;
+      e.step = t;
+      e.count = count_;
+      send_up(ep, qwire::Up::kReady, e);
     }
     return !ev.empty();
   }
 
-  // With quorum = world, S(t) can only be every rank (anything less is a timeout), so once one
-  // step has been decided OK (which proves every rank set this all-reduce up with the same
-  // count) the ring starts at contribute time, in parallel with READY/DECIDE, instead of a
-  // round trip through the coordinator later. The step completes when both the ring and the
-  // DECIDE are in; a DECIDE that reports a timeout aborts the ring.
+  // With quorum = world (no rank may be lost), S(t) can only be every rank, so once one step
+  // has been decided OK (which proves every rank set this all-reduce up with the same count)
+  // the ring starts at contribute time, in parallel with READY/DECIDE, instead of a round trip
+  // through the coordinator later. The step completes when both the ring and the DECIDE are
+  // in; a DECIDE that reports a timeout aborts the ring.
   void start_speculative_ring(net::Endpoint& ep, uint64_t t) {
     void* buf;
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       buf = sh_->steps[t].buf;
     }
-    std::vector<int> members(static_cast<size_t>(world_));
-    for (int r = 0; r < world_; ++r) members[size_t(r)] = r;
-    start_ring(ep, t, buf, std::move(members), /*speculative=*/true);
+    start_ring(ep, t, 0, buf, nullptr, view_.members, /*speculative=*/true);
   }
 
-  void start_ring(net::Endpoint& ep, uint64_t t, void* buf, std::vector<int> members,
-                  bool speculative) {
+  // In place (out == nullptr) or from the kept contribution into `out`.
+  void start_ring(net::Endpoint& ep, uint64_t t, uint32_t attempt, void* buf, void* out,
+                  std::vector<int> members, bool speculative) {
     RingArgs a;
     a.kind = RingKind::kAllreduce;
     a.send = buf;
-    a.recv = buf;
+    a.recv = out ? out : buf;
     a.count = count_;
     a.type = o_.type;
     a.op = o_.mean ? RedOp::kAvg : RedOp::kSum;
     a.tag_op = net::Op::kQuorumData;
     a.members = members;
     auto op = make_ring_op(engine_, copts_, a);
-    op->seq = uint32_t(t);
+    op->seq = uint32_t(attempt_seq(t, attempt));
     op->start(ep);
-    rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), speculative};
+    rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), attempt, speculative};
   }
 
-  bool poll_ready(net::Endpoint& ep) {
-    bool moved = false;
-    for (int from = 1; from < world_; ++from) {
-      ReadyIn& in = ready_in_[size_t(from)];
-      if (!in.req || !in.req->done()) continue;
-      net::throw_if_failed(*in.req, "quorum READY receive");
-      ReadyMsg m = in.msg;
-      if (in.req->bytes != sizeof(ReadyMsg) || m.magic != kReadyMagic)
-        throw ProtocolError(fmt::format("rank 0: malformed quorum READY from rank {}", from));
-      if (m.version != kWireVersion)
-        throw ProtocolError(
-            fmt::format("rank 0: rank {} speaks quorum protocol version {}, this "
-                        "rank {}",
-                        from, m.version, kWireVersion));
-      if (int(m.world) != world_ || int(m.rank) != from)
-        throw ProtocolError(
-            fmt::format("rank 0: quorum READY from rank {} claims rank {} of {} "
-                        "ranks; this world has {}",
-                        from, m.rank, m.world, world_));
-      record_arrival(m.step, from, m.count);
-      ++in.next;
-      post_ready_recv(ep, from);
-      --from;  // the next READY of this peer may be waiting already
-      moved = true;
+  void send_result(net::Endpoint& ep, uint64_t t, uint32_t attempt, int to,
+                   const std::shared_ptr<std::vector<char>>& buf) {
+    // At most one result in flight to a rank and one more waiting: a rank that does not take
+    // its results (stopped, or far behind) is reported instead of sent ever more copies.
+    if (behind_sends_[size_t(to)] >= 2) {
+      if (!reported_behind_[size_t(to)]) {
+        reported_behind_[size_t(to)] = true;
+        spdlog::warn("rank {}: quorum step {}: rank {} does not take its results; reporting it",
+                     rank_, t, to);
+        Event e;
+        e.behind = to;
+        send_up(ep, qwire::Up::kBehind, e);
+      }
+      return;
     }
-    return moved;
+    auto req = ep.isend(to, net::make_tag(net::Op::kQuorumResult, attempt_seq(t, attempt), chunk(0)),
+                        buf->data(), buf->size());
+    ++behind_sends_[size_t(to)];
+    sends_.push_back({req, buf, to, true});
   }
 
-  void record_arrival(uint64_t t, int from, uint64_t count) {
-    auto now = Clock::now();
-    bool late = t < low_water_ || decided_.count(t);
-    {
-      std::lock_guard<std::mutex> lock(sh_->mu);
-      auto& log = sh_->arrivals[t];
-      if (log.empty()) log.assign(size_t(world_), -1.0);
-      auto it = coord_.find(t);
-      Clock::time_point first = it != coord_.end() ? it->second.first : now;
-      if (late) {
-        auto f = first_times_.find(t);
-        if (f != first_times_.end()) first = f->second;
-      }
-      log[size_t(from)] = ms_between(first, now);
+  void apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
+    const uint64_t t = d.step;
+    if (d.epoch != view_.epoch)
+      throw ProtocolError(fmt::format("rank {}: quorum step {} decided in view {}, this rank is "
+                                      "in view {}",
+                                      rank_, t, d.epoch, view_.epoch));
+    if (d.settled >= 0) {
+      done_.erase(done_.begin(), done_.upper_bound(uint64_t(d.settled)));
+      kept_.erase(kept_.begin(), kept_.upper_bound(uint64_t(d.settled)));
     }
-    if (late) return;  // decided without it: the rank learns from DECIDE
-    auto [it, fresh] = coord_.try_emplace(t);
-    CoordStep& cs = it->second;
-    if (fresh) {
-      cs.first = now;
-      cs.arrived.assign(size_t(world_), std::nullopt);
-    }
-    if (cs.arrived[size_t(from)]) return;  // duplicate READY: ignore
-    cs.arrived[size_t(from)] = now;
-    if (count != count_ && !cs.mismatch) {
-      cs.mismatch = true;
-      cs.bad_rank = uint32_t(from);
-      cs.bad_count = count;
-    }
-    if (++cs.n == o_.quorum) cs.quorum_time = now;
-  }
-
-  bool coordinate(net::Endpoint& ep) {
-    bool moved = false;
-    auto now = Clock::now();
-    for (auto it = coord_.begin(); it != coord_.end();) {
-      CoordStep& cs = it->second;
-      DecideStatus st;
-      bool decide = false;
-      if (cs.mismatch) {
-        st = DecideStatus::kMismatch;
-        decide = true;
-      } else if (cs.n == world_ || (cs.n >= o_.quorum && now >= cs.quorum_time + o_.grace)) {
-        st = DecideStatus::kOk;
-        decide = true;
-      } else if (now >= cs.first + o_.deadline) {
-        st = DecideStatus::kTimeout;
-        decide = true;
-      }
-      if (!decide) {
-        ++it;
-        continue;
-      }
-      uint64_t t = it->first;
-      std::vector<char> msg = encode_decide(t, cs, st, now);
-      auto shared = std::make_shared<std::vector<char>>(msg);
-      for (int r = 1; r < world_; ++r) {
-        auto req = ep.isend(r, net::make_tag(net::Op::kQuorumDecide, decide_out_next_, chunk(0)),
-                            shared->data(), shared->size());
-        sends_.push_back({req, nullptr, shared});
-      }
-      ++decide_out_next_;
-      first_times_[t] = cs.first;
-      decided_.insert(t);
-      while (decided_.size() > kKeepDecided) {
-        low_water_ = std::max(low_water_, *decided_.begin() + 1);
-        first_times_.erase(*decided_.begin());
-        decided_.erase(decided_.begin());
-      }
-      it = coord_.erase(it);
-      apply_decide(ep, msg);
-      moved = true;
-    }
-    return moved;
-  }
-
-  std::vector<char> encode_decide(uint64_t t, const CoordStep& cs, DecideStatus st,
-                                  Clock::time_point now) {
-    std::vector<char> msg(decide_size(world_), 0);
-    DecideHeader h{};
-    h.magic = kDecideMagic;
-    h.version = kWireVersion;
-    h.status = uint8_t(st);
-    h.world = uint32_t(world_);
-    h.ncontrib = uint32_t(cs.n);
-    h.step = t;
-    h.decide_us = std::chrono::duration_cast<std::chrono::microseconds>(now - cs.first).count();
-    h.bad_rank = cs.bad_rank;
-    h.bad_count = cs.bad_count;
-    std::memcpy(msg.data(), &h, sizeof(h));
-    auto* bitmap = reinterpret_cast<uint8_t*>(msg.data() + sizeof(h));
-    auto* offs =
-        reinterpret_cast<int64_t*>(msg.data() + sizeof(h) + (bitmap_bytes(world_) + 7) / 8 * 8);
-    for (int r = 0; r < world_; ++r) {
-      if (cs.arrived[size_t(r)]) {
-        bitmap[r / 8] |= uint8_t(1u << (r % 8));
-        offs[r] =
-            std::chrono::duration_cast<std::chrono::microseconds>(*cs.arrived[size_t(r)] - cs.first)
-                .count();
-      } else {
-        offs[r] = -1;
-      }
-    }
-    return msg;
-  }
-
-  bool poll_decide(net::Endpoint& ep) {
-    bool moved = false;
-    while (decide_req_ && decide_req_->done()) {
-      net::throw_if_failed(*decide_req_, "quorum DECIDE receive");
-      if (decide_req_->bytes != decide_size(world_))
-        throw ProtocolError(
-            fmt::format("rank {}: malformed quorum DECIDE from rank 0 ({} bytes, "
-                        "expected {})",
-                        rank_, decide_req_->bytes, decide_size(world_)));
-      std::vector<char> msg = decide_buf_;
-      ++decide_in_next_;
-      post_decide_recv(ep);
-      apply_decide(ep, msg);
-      moved = true;
-    }
-    return moved;
-  }
-
-  void apply_decide(net::Endpoint& ep, const std::vector<char>& msg) {
-    DecideHeader h;
-    std::memcpy(&h, msg.data(), sizeof(h));
-    if (h.magic != kDecideMagic || h.version != kWireVersion || int(h.world) != world_)
-      throw ProtocolError(
-          fmt::format("rank {}: malformed quorum DECIDE (magic {:#x}, version {}, "
-                      "world {})",
-                      rank_, h.magic, h.version, h.world));
-    const uint64_t t = h.step;
-    awaiting_decide_.erase(t);
-    const auto* bitmap = reinterpret_cast<const uint8_t*>(msg.data() + sizeof(h));
-    const auto* offs = reinterpret_cast<const int64_t*>(msg.data() + sizeof(h) +
-                                                        (bitmap_bytes(world_) + 7) / 8 * 8);
     QuorumResult res;
     res.step = t;
-    res.contributors.assign(bitmap, bitmap + bitmap_bytes(world_));
-    std::vector<int> members;
+    res.epoch = d.epoch;
+    res.attempt = d.attempt;
+    res.contributors.assign((size_t(world_) + 7) / 8, 0);
+    for (int r : d.contributors) res.contributors[size_t(r) / 8] |= uint8_t(1u << (r % 8));
     for (int r = 0; r < world_; ++r) {
-      if ((bitmap[r / 8] >> (r % 8)) & 1)
-        members.push_back(r);
-      else
-        res.dropped.push_back(r);
-      res.ready_offsets_ms.push_back(offs[r] < 0 ? -1.0 : double(offs[r]) / 1000.0);
+      if (!res.contains(r)) res.dropped.push_back(r);
+      int64_t off = size_t(r) < d.offsets_us.size() ? d.offsets_us[size_t(r)] : -1;
+      res.ready_offsets_ms.push_back(off < 0 ? -1.0 : double(off) / 1000.0);
     }
-    res.count = int(members.size());
+    res.count = int(d.contributors.size());
     res.self_counted = res.contains(rank_);
     res.ready_ms = res.ready_offsets_ms[size_t(rank_)];
-    res.decide_ms = double(h.decide_us) / 1000.0;
+    res.decide_ms = double(d.decide_us) / 1000.0;
 
-    if (h.status == uint8_t(DecideStatus::kTimeout)) {
+    if (d.status == qproto::Status::kTimeout) {
       throw QuorumTimeout(
           fmt::format("rank {}: quorum step {} failed: only {} of {} ranks contributed within "
                       "the hard deadline of {} ms (quorum {}); ranks that never contributed: {}",
-                      rank_, t, res.count, world_, o_.deadline.count(), o_.quorum, res.dropped),
+                      rank_, t, res.count, world_, o_.deadline.count(), d.quorum, res.dropped),
           res.dropped);
     }
-    if (h.status == uint8_t(DecideStatus::kMismatch)) {
+    if (d.status == qproto::Status::kMismatch) {
       throw UsageError(
           fmt::format("rank {}: quorum step {}: rank {} contributed {} elements, "
                       "the others {}",
-                      rank_, t, h.bad_rank, h.bad_count, count_));
+                      rank_, t, d.bad_rank, d.bad_count, count_));
     }
-    if (h.status != uint8_t(DecideStatus::kOk) || res.count == 0)
-      throw ProtocolError(fmt::format("rank {}: quorum DECIDE with status {}, {} contributors",
-                                      rank_, h.status, res.count));
+    if (d.attempt == 0) awaiting_decide_.erase(t);
+    if (d.attempt > 0 && d.source >= 0) {
+      // Someone holds the result: it sends it to those that do not.
+      if (d.source == rank_) {
+        auto it = kept_.find(t);
+        if (it == kept_.end())
+          throw ProtocolError(fmt::format(
+              "rank {}: quorum step {}: asked to forward a result it does not hold", rank_, t));
+        for (int x : d.needers) send_result(ep, t, d.attempt, x, it->second);
+      }
+      if (!std::binary_search(d.needers.begin(), d.needers.end(), rank_)) return;
+    }
+    if (d.attempt > 0 && done_.count(t))
+      throw ProtocolError(fmt::format("rank {}: quorum step {} decided again after it completed here",
+                                      rank_, t));
 
     void* buf = nullptr;
+    std::shared_ptr<std::vector<char>> out;
     std::function<void(uint64_t)> cb;
     bool spec = false, finished = false;
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       StepLocal& s = sh_->steps[t];
+      if (d.status == qproto::Status::kSkipped) {
+        res.skipped = true;
+        res.self_counted = false;
+        s.decided = true;
+        s.result = res;
+        s.done = true;
+        sh_->members = view_.members;
+        sh_->cv.notify_all();
+        mark_done(t, nullptr);
+        return;
+      }
       spec = s.ring_finished || rings_.count(t);
       if (spec && res.count != world_)
         throw ProtocolError(fmt::format(
@@ -554,6 +684,7 @@ class QuorumService final : public EngineOp {
       s.decided = true;
       double reduce_ms = s.result.reduce_ms;
       s.result = res;
+      sh_->members = view_.members;
       if (s.ring_finished) {
         s.result.reduce_ms = reduce_ms;
         s.done = finished = true;
@@ -564,24 +695,46 @@ class QuorumService final : public EngineOp {
               fmt::format("rank {}: counted in step {} without contributing", rank_, t));
         buf = s.buf;
       } else {
+        if (!s.excluded) cb = sh_->on_excluded;
         s.excluded = true;
-        s.late_result.assign(count_ * esz_, 0);
-        buf = s.late_result.data();
-        cb = sh_->on_excluded;
+      }
+      if (!spec && (tolerant_ || !res.self_counted)) {
+        if (!s.out) s.out = result_buffer();
+        out = s.out;
       }
     }
     // Every rank applies every DECIDE in step order, so all switch to speculation together.
-    if (o_.quorum == world_) speculate_ = true;
-    if (finished) sh_->cv.notify_all();
+    if (!tolerant_ && o_.quorum == world_) speculate_ = true;
+    if (finished) {
+      sh_->cv.notify_all();
+      mark_done(t, nullptr);
+    }
     if (cb) cb(t);
     if (spec) return;
-    if (res.self_counted) {
-      start_ring(ep, t, buf, members, /*speculative=*/false);
+    if (d.attempt > 0 && d.source >= 0) {
+      post_result_recv(ep, t, d.attempt, d.source, out);
+    } else if (res.self_counted) {
+      start_ring(ep, t, d.attempt, buf, tolerant_ ? out->data() : nullptr, d.contributors,
+                 /*speculative=*/false);
     } else {
-      int from = members[size_t(rank_) % members.size()];
-      auto req =
-          ep.irecv(from, net::make_tag(net::Op::kQuorumResult, t, chunk(0)), buf, count_ * esz_);
-      result_recvs_[t] = ResultRecv{req, from, Clock::now()};
+      post_result_recv(ep, t, d.attempt,
+                       d.contributors[size_t(rank_) % d.contributors.size()], out);
+    }
+  }
+
+  void post_result_recv(net::Endpoint& ep, uint64_t t, uint32_t attempt, int from,
+                        const std::shared_ptr<std::vector<char>>& out) {
+    auto req = ep.irecv(from, net::make_tag(net::Op::kQuorumResult, attempt_seq(t, attempt), chunk(0)),
+                        out->data(), count_ * esz_);
+    result_recvs_[t] = ResultRecv{req, from, Clock::now()};
+  }
+
+  // Step t's result is complete on this rank.
+  void mark_done(uint64_t t, std::shared_ptr<std::vector<char>> out) {
+    completed_ = std::max(completed_, int64_t(t));
+    if (tolerant_) {
+      done_.insert(t);
+      if (out) kept_[t] = std::move(out);
     }
   }
 
@@ -589,32 +742,45 @@ class QuorumService final : public EngineOp {
     bool moved = false;
     for (auto it = rings_.begin(); it != rings_.end();) {
       Ring& ring = it->second;
-      moved |= ring.op->advance(ep);
+      try {
+        moved |= ring.op->advance(ep);
+      } catch (const std::exception& e) {
+        if (!tolerant_) throw;
+        // A peer of this ring failed: the coordinator evicts it (it falls silent) and decides
+        // the step again; the deadline below bounds the wait if it does not.
+        spdlog::warn("rank {}: quorum step {}: the reduction among {} failed: {}; waiting for "
+                     "the coordinator to decide the step again",
+                     rank_, it->first, ring.members, e.what());
+        ring.op->abort(ep);
+        failed_[it->first] = Clock::now();
+        it = rings_.erase(it);
+        moved = true;
+        continue;
+      }
       if (!ring.op->finished()) {
         ++it;
         continue;
       }
       const uint64_t t = it->first;
       double reduce_ms = ms_between(ring.started, Clock::now());
-      // Serve the ranks outside S(t) assigned to this member, from a staging copy so the
-      // caller gets its buffer back now even if a late rank is slow to take the result.
+      // Serve the ranks outside S(t) assigned to this member: from the kept result, or (in
+      // place) from a staging copy so the caller gets its buffer back now.
       std::vector<int> targets;
       size_t k = ring.members.size();
-      for (int x = 0; x < world_; ++x) {
+      for (int x : view_.members) {
         if (std::find(ring.members.begin(), ring.members.end(), x) != ring.members.end()) continue;
         if (ring.members[size_t(x) % k] == rank_) targets.push_back(x);
       }
+      std::shared_ptr<std::vector<char>> out;
       {
         std::lock_guard<std::mutex> lock(sh_->mu);
         StepLocal& s = sh_->steps[t];
+        out = s.out;
         if (!targets.empty()) {
-          auto staged = std::make_shared<std::vector<char>>(
-              static_cast<char*>(s.buf), static_cast<char*>(s.buf) + count_ * esz_);
-          for (int x : targets) {
-            auto req = ep.isend(x, net::make_tag(net::Op::kQuorumResult, t, chunk(0)),
-                                staged->data(), staged->size());
-            sends_.push_back({req, nullptr, staged});
-          }
+          auto src = out ? out
+                         : std::make_shared<std::vector<char>>(
+                               static_cast<char*>(s.buf), static_cast<char*>(s.buf) + count_ * esz_);
+          for (int x : targets) send_result(ep, t, ring.attempt, x, src);
         }
         s.result.reduce_ms = reduce_ms;
         if (s.decided)
@@ -623,25 +789,40 @@ class QuorumService final : public EngineOp {
           s.ring_finished = true;  // speculative: the DECIDE completes the step
       }
       sh_->cv.notify_all();
+      mark_done(t, out);
       it = rings_.erase(it);
       moved = true;
     }
     return moved;
   }
 
-  bool poll_results() {
+  bool poll_results(net::Endpoint& ep) {
+    (void)ep;
     bool moved = false;
     for (auto it = result_recvs_.begin(); it != result_recvs_.end();) {
       if (!it->second.req->done()) {
         ++it;
         continue;
       }
-      net::throw_if_failed(*it->second.req, "quorum result receive");
+      const uint64_t t = it->first;
+      if (!it->second.req->ok()) {
+        if (!tolerant_) net::throw_if_failed(*it->second.req, "quorum result receive");
+        spdlog::warn("rank {}: quorum step {}: the result from rank {} failed: {}", rank_, t,
+                     it->second.from, it->second.req->error);
+        failed_[t] = Clock::now();
+        it = result_recvs_.erase(it);
+        moved = true;
+        continue;
+      }
+      std::shared_ptr<std::vector<char>> out;
       {
         std::lock_guard<std::mutex> lock(sh_->mu);
-        sh_->steps[it->first].done = true;
+        StepLocal& s = sh_->steps[t];
+        s.done = true;
+        out = s.out;
       }
       sh_->cv.notify_all();
+      mark_done(t, out);
       it = result_recvs_.erase(it);
       moved = true;
     }
@@ -650,32 +831,62 @@ class QuorumService final : public EngineOp {
 
   bool reap_sends() {
     size_t before = sends_.size();
-    while (!sends_.empty() && sends_.front().req->done()) {
-      net::throw_if_failed(*sends_.front().req, "quorum send");
-      sends_.pop_front();
-    }
-    // Sends to a slow peer may hold the queue head; sweep the rest too.
     for (auto it = sends_.begin(); it != sends_.end();) {
-      if (it->req->done() && it->req->ok())
-        it = sends_.erase(it);
-      else
+      if (!it->req->done()) {
         ++it;
+        continue;
+      }
+      if (!it->req->ok())
+        // The peer failed: it falls silent and leaves the view; nothing else is affected.
+        spdlog::debug("rank {}: quorum send to rank {} failed: {}", rank_, it->peer,
+                      it->req->error);
+      if (it->result && behind_sends_[size_t(it->peer)] > 0) --behind_sends_[size_t(it->peer)];
+      it = sends_.erase(it);
     }
     return sends_.size() != before;
   }
 
+  // Every rank tells the coordinator it is alive (with the last step it completed), and the
+  // coordinator tells every member, so silence means a stopped or dead process, never a long
+  // computation: this runs on the engine thread.
+  void heartbeat(net::Endpoint& ep) {
+    auto now = Clock::now();
+    if (now - last_beat_ < heartbeat_ && completed_ == beat_completed_) return;
+    if (now - last_beat_ < heartbeat_ / 4) return;
+    last_beat_ = now;
+    beat_completed_ = completed_;
+    if (coord_state_) {
+      send_up(ep, qwire::Up::kHeartbeat, Event{});
+      drain_self(ep);
+      qwire::DownMsg m;
+      m.type = qwire::Down::kHeartbeat;
+      auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
+      for (int r : coord_state_->view().members)
+        if (r != rank_) send_down(ep, r, buf);
+    } else {
+      send_up(ep, qwire::Up::kHeartbeat, Event{});
+    }
+  }
+
   void check_deadlines() {
     auto now = Clock::now();
-    if (rank_ != 0) {
+    if (!coord_state_ && now - last_down_ > o_.evict + heartbeat_)
+      throw QuorumLost(
+          fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} ms "
+                      "(quorum.evict_ms = {}); it stopped or died, and this version has no "
+                      "coordinator failover",
+                      rank_, coord_, ms_between(last_down_, now), o_.evict.count()),
+          {coord_});
+    if (!coord_state_) {
       // The coordinator decides by (first contribution + H); ours came after the first.
       std::lock_guard<std::mutex> lock(sh_->mu);
       for (auto& [t, s] : sh_->steps) {
         if (s.contributed && !s.decided &&
             now > s.contrib_time + o_.deadline + std::chrono::seconds(2))
           throw QuorumTimeout(fmt::format("rank {}: quorum step {}: no decision from the "
-                                          "coordinator (rank 0) within {} ms of contributing",
-                                          rank_, t, o_.deadline.count() + 2000),
-                              {0});
+                                          "coordinator (rank {}) within {} ms of contributing",
+                                          rank_, t, coord_, o_.deadline.count() + 2000),
+                              {coord_});
       }
     }
     for (auto& [t, ring] : rings_) {
@@ -696,6 +907,18 @@ class QuorumService final : public EngineOp {
                                         rank_, t, rr.from, o_.deadline.count()),
                             {rr.from});
     }
+    for (auto it = failed_.begin(); it != failed_.end();) {
+      if (done_.count(it->first) || rings_.count(it->first) || result_recvs_.count(it->first)) {
+        it = failed_.erase(it);  // decided again and under way
+        continue;
+      }
+      if (now > it->second + o_.deadline)
+        throw QuorumTimeout(fmt::format("rank {}: quorum step {}: its reduction failed and the "
+                                        "step was not decided again within {} ms",
+                                        rank_, it->first, o_.deadline.count()),
+                            {});
+      ++it;
+    }
   }
 
   Engine& engine_;
@@ -706,30 +929,36 @@ class QuorumService final : public EngineOp {
   int rank_, world_;
   size_t esz_;
   uint32_t instance_;
+  qproto::Config cfg_;
+  const int coord_ = 0;
+  bool tolerant_ = false;
+  std::chrono::milliseconds heartbeat_{1000};
   bool finished_ = false, dead_ = false;
   Clock::time_point drain_deadline_{};
+  Clock::time_point last_pass_{}, last_down_{}, last_up_{}, last_beat_{}, last_tick_{};
+  int64_t completed_ = -1, beat_completed_ = -1;
+  qproto::View view_;
   // Coordinator.
-  struct ReadyIn {
-    ReadyMsg msg{};
-    net::RequestPtr req;
-    uint64_t next = 0;  // number of the next READY expected from this peer
-  };
-  std::vector<ReadyIn> ready_in_;
-  uint64_t decide_out_next_ = 0;
-  std::map<uint64_t, CoordStep> coord_;
-  std::set<uint64_t> decided_;
-  std::map<uint64_t, Clock::time_point> first_times_;
-  uint64_t low_water_ = 0;
+  std::unique_ptr<qproto::Coordinator> coord_state_;
+  std::vector<UpIn> up_in_;
+  std::vector<uint64_t> out_next_;  // per destination: number of the next down message
+  std::deque<Event> self_events_;
   // Everyone.
-  std::vector<char> decide_buf_;
-  net::RequestPtr decide_req_;
-  uint64_t decide_in_next_ = 0;
-  uint64_t ready_out_next_ = 0;
+  std::vector<char> down_buf_;
+  net::RequestPtr down_req_;
+  uint64_t down_in_next_ = 0;
+  uint64_t up_out_next_ = 0;
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
   std::deque<Send> sends_;
+  std::vector<int> behind_sends_;  // per rank: result sends to it not yet completed
+  std::vector<bool> reported_behind_;
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
+  std::map<uint64_t, Clock::time_point> failed_;  // steps whose reduction failed here
+  std::set<uint64_t> done_;  // completed here, not yet settled everywhere (tolerant jobs)
+  std::map<uint64_t, std::shared_ptr<std::vector<char>>> kept_;  // their results
+  std::vector<std::shared_ptr<std::vector<char>>> pool_;
 };
 
 }  // namespace
@@ -737,7 +966,19 @@ class QuorumService final : public EngineOp {
 QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions opts)
     : comm_(comm), count_(count), opts_(opts), shared_(std::make_shared<Shared>()) {
   const int w = comm.size();
+  if (opts_.fraction < 0 || opts_.fraction > 1)
+    throw ConfigError(fmt::format("quorum fraction {} must be in (0, 1]", opts_.fraction));
+  if (opts_.fraction > 0) {
+    qproto::Config c;
+    c.fraction = opts_.fraction;
+    opts_.quorum = qproto::quorum_for(c, w);
+  }
   if (opts_.quorum == 0) opts_.quorum = w;
+  if (opts_.evict.count() <= 0) throw ConfigError("quorum evict time must be > 0");
+  if (opts_.evict_steps < 0) throw ConfigError("quorum evict_steps must be >= 0");
+  if (opts_.min_world < 0 || opts_.min_world > w)
+    throw ConfigError(
+        fmt::format("quorum min_world {} out of range [0, {}]", opts_.min_world, w));
   if (opts_.quorum < 1 || opts_.quorum > w)
     throw ConfigError(fmt::format("quorum {} out of range [1, {}]", opts_.quorum, w));
   if (opts_.grace.count() < 0) throw ConfigError("quorum grace must be >= 0");
@@ -780,6 +1021,16 @@ bool QuorumAllreduce::excluded(uint64_t step) const {
   std::lock_guard<std::mutex> lock(shared_->mu);
   auto it = shared_->steps.find(step);
   return it != shared_->steps.end() && it->second.excluded;
+}
+
+std::vector<int> QuorumAllreduce::members() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->members;
+}
+
+std::vector<ViewChange> QuorumAllreduce::view_changes() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->views;
 }
 
 std::map<uint64_t, std::vector<double>> QuorumAllreduce::arrival_log() const {
@@ -902,13 +1153,15 @@ QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
   if (!s.done && shared_->poison) std::rethrow_exception(shared_->poison);
   QuorumResult res = std::move(s.result);
   const size_t bytes = count_ * dtype_size(opts_.type);
-  if (s.excluded) {
-    if (s.contributed && opts_.late == LatePolicy::kCarry) {
-      // The late gradient (with anything carried into it) counts in the next contribution.
-      std::memcpy(carry_.data(), s.buf, bytes);
-      carry_pending_ = true;
-    }
-    if (bytes) std::memcpy(out, s.late_result.data(), bytes);
+  if (s.excluded && s.contributed && opts_.late == LatePolicy::kCarry) {
+    // The late gradient (with anything carried into it) counts in the next contribution.
+    std::memcpy(carry_.data(), s.buf, bytes);
+    carry_pending_ = true;
+  }
+  if (res.skipped) {
+    // No result on any rank: the caller makes no update.
+  } else if (s.out) {
+    if (bytes) std::memcpy(out, s.out->data(), bytes);
   } else if (out != s.buf && bytes) {
     std::memcpy(out, s.buf, bytes);
   }

@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -41,6 +42,35 @@ struct QuorumOptions {
   LatePolicy late = LatePolicy::kDrop;
   DataType type = DataType::kFloat32;
   bool mean = true;  // mean over contributors, or sum
+  // Membership (docs/design.md, "Membership"). > 0: the quorum is this fraction of the live
+  // members, recomputed on every view change (`quorum` is then its value for the full world).
+  double fraction = 0;
+  // A rank silent this long (every rank's engine heartbeats every evict / 4) leaves the view.
+  std::chrono::milliseconds evict{5000};
+  // A rank that missed this many consecutive steps leaves the view (0 = never).
+  int evict_steps = 0;
+  // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
+  int min_world = 0;
+};
+
+// A rank that the others evicted while it was alive (paused, or too slow to take its
+// results): it learns at its next contact with the coordinator and must leave the job.
+class Evicted : public IoError {
+ public:
+  using IoError::IoError;
+};
+
+// A change of the live members, as this rank applied it.
+struct ViewChange {
+  uint64_t epoch = 0;
+  std::vector<int> members;
+  struct Left {
+    int rank;
+    std::string why;   // "silent", "missed steps", "not taking results"
+    double silent_ms;  // time since the coordinator had last heard from it
+  };
+  std::vector<Left> left;
+  Clock::time_point seen{};  // when this rank applied it
 };
 
 // "3" → 3; "0.75" → ceil(0.75 * world); "1.0" → world. ConfigError when out of [1, world].
@@ -56,6 +86,14 @@ class QuorumTimeout : public CollectiveTimeout {
   std::vector<int> missing_;
 };
 
+// The job cannot go on: fewer live ranks than it needs (quorum, quorum.min_world), or the
+// coordinator fell silent. Every rank gets it, naming who left and when each was last heard.
+class QuorumLost : public QuorumTimeout {
+ public:
+  using QuorumTimeout::QuorumTimeout;
+};
+
+
 struct QuorumResult {
   uint64_t step = 0;
   std::vector<uint8_t> contributors;  // bitmap: bit (r % 8) of byte r / 8 = rank r counted
@@ -68,6 +106,11 @@ struct QuorumResult {
   std::vector<double> ready_offsets_ms;  // every rank's, as known at the decision (-1 = late)
   double reduce_ms = 0;                  // the ring reduction on this rank (0 when excluded)
   double wait_ms = 0;                    // time this rank spent inside wait()
+  // No result: a member was lost mid-step and too few contributors survived. Every rank
+  // skips the step alike (count 0, no update); the output buffer is left untouched.
+  bool skipped = false;
+  uint64_t epoch = 0;     // the view that decided the step
+  uint32_t attempt = 0;   // > 0: decided again after a member was lost during the step
   bool contains(int rank) const { return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1; }
 };
 
@@ -99,6 +142,11 @@ class QuorumAllreduce {
   // for checkpoints: empty when none is pending. restore_carry() takes what it returned.
   std::vector<char> pending_carry() const;
   void restore_carry(const std::vector<char>& bytes);
+
+  // The live members as of the last step this rank completed, and every view change this rank
+  // has applied so far (the first entry is epoch 0, the full world).
+  std::vector<int> members() const;
+  std::vector<ViewChange> view_changes() const;
 
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }

@@ -1,0 +1,322 @@
+#include "collectives/quorum_coordinator.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace qring::collectives::qproto {
+
+namespace {
+constexpr size_t kKeepDecided = 4096;  // decided steps remembered for late arrivals
+
+double ms_between(Time a, Time b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+int64_t us_between(Time a, Time b) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
+}
+}  // namespace
+
+int quorum_for(const Config& c, int view_size) {
+  if (c.fraction > 0)
+    return std::max(1, int(std::ceil(c.fraction * double(view_size) - 1e-9)));
+  return c.quorum;
+}
+
+int floor_for(const Config& c, int view_size) {
+  return std::max(quorum_for(c, view_size), c.min_world);
+}
+
+bool View::has(int r) const {
+  return std::binary_search(members.begin(), members.end(), r);
+}
+
+const char* to_string(Why w) {
+  switch (w) {
+    case Why::kSilent: return "silent";
+    case Why::kMissedSteps: return "missed steps";
+    case Why::kBehind: return "not taking results";
+  }
+  return "?";
+}
+
+Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
+  view_.epoch = 0;
+  for (int r = 0; r < cfg_.world; ++r) view_.members.push_back(r);
+  last_heard_.assign(size_t(cfg_.world), now);
+  completed_.assign(size_t(cfg_.world), -1);
+  missed_.assign(size_t(cfg_.world), 0);
+}
+
+bool Coordinator::waiting() const {
+  if (!open_.empty()) return true;
+  return std::any_of(unsettled_.begin(), unsettled_.end(),
+                     [](const auto& u) { return u.second.recovering; });
+}
+
+void Coordinator::resync(Time now) {
+  for (int r : view_.members) last_heard_[size_t(r)] = now;
+}
+
+std::vector<Action> Coordinator::handle(const Event& e, Time now) {
+  std::vector<Action> out;
+  if (stopped_) return out;
+  if (e.kind != Event::Kind::kTick) {
+    const int r = e.from;
+    if (r < 0 || r >= cfg_.world) return out;
+    if (!view_.has(r)) {
+      // An evicted rank that is alive: it learns at its first contact.
+      Action a(Action::Kind::kEvicted);
+      a.to = r;
+      out.push_back(std::move(a));
+      return out;
+    }
+    last_heard_[size_t(r)] = now;
+    completed_[size_t(r)] = std::max(completed_[size_t(r)], e.completed);
+    switch (e.kind) {
+      case Event::Kind::kReady:
+        on_ready(r, e.step, e.count, now);
+        break;
+      case Event::Kind::kReport: {
+        auto it = unsettled_.find(e.step);
+        if (it != unsettled_.end() && it->second.recovering && it->second.attempt == e.attempt)
+          it->second.reports[r] = e.have;
+        break;
+      }
+      case Event::Kind::kBehind:
+        if (e.behind != cfg_.self && view_.has(e.behind))
+          pending_.push_back({e.behind, Why::kBehind,
+                              ms_between(last_heard_[size_t(e.behind)], now)});
+        break;
+      default:
+        break;
+    }
+  }
+  tick(now, out);
+  return out;
+}
+
+void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
+  const bool late = step < low_water_ || first_of_decided_.count(step);
+  if (late) {
+    if (on_arrival_) {
+      auto f = first_of_decided_.find(step);
+      if (f != first_of_decided_.end()) on_arrival_(step, from, ms_between(f->second, now));
+    }
+    return;  // decided without it: the rank learns from DECIDE
+  }
+  auto [it, fresh] = open_.try_emplace(step);
+  Open& o = it->second;
+  if (fresh) {
+    o.first = now;
+    o.arrived.assign(size_t(cfg_.world), std::nullopt);
+  }
+  if (o.arrived[size_t(from)]) return;  // duplicate READY
+  o.arrived[size_t(from)] = now;
+  if (on_arrival_) on_arrival_(step, from, ms_between(o.first, now));
+  if (count != cfg_.count && !o.mismatch) {
+    o.mismatch = true;
+    o.bad_rank = from;
+    o.bad_count = count;
+  }
+  recount(o, now);
+}
+
+void Coordinator::recount(Open& o, Time now) const {
+  o.n = 0;
+  for (int r : view_.members)
+    if (o.arrived[size_t(r)]) ++o.n;
+  if (o.n >= quorum_for(cfg_, view_.size())) {
+    if (!o.quorum_time) o.quorum_time = now;
+  } else {
+    o.quorum_time.reset();
+  }
+}
+
+void Coordinator::tick(Time now, std::vector<Action>& out) {
+  std::vector<Departure> left;
+  auto add = [&](const Departure& d) {
+    if (d.rank == cfg_.self || !view_.has(d.rank)) return;
+    for (auto& l : left)
+      if (l.rank == d.rank) return;
+    left.push_back(d);
+  };
+  for (auto& d : pending_) add(d);
+  pending_.clear();
+  for (int r : view_.members) {
+    if (r == cfg_.self) continue;
+    double silent = ms_between(last_heard_[size_t(r)], now);
+    if (silent > double(cfg_.evict.count())) add({r, Why::kSilent, silent});
+  }
+  if (!left.empty()) {
+    std::sort(left.begin(), left.end(),
+              [](const Departure& a, const Departure& b) { return a.rank < b.rank; });
+    change_view(std::move(left), now, out);
+    if (stopped_) return;
+  }
+  resolve_recoveries(out);
+  decide_open(now, out);
+  settle();
+}
+
+void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector<Action>& out) {
+  View next;
+  next.epoch = view_.epoch + 1;
+  for (int r : view_.members) {
+    bool gone = std::any_of(left.begin(), left.end(), [&](const Departure& d) { return d.rank == r; });
+    if (!gone) next.members.push_back(r);
+  }
+  view_ = next;
+  Action v(Action::Kind::kView);
+  v.view = view_;
+  v.left = left;
+  out.push_back(v);
+
+  const int floor = floor_for(cfg_, view_.size());
+  if (view_.size() < floor) {
+    std::string who;
+    for (auto& d : left)
+      who += fmt::format("{}rank {} ({}, last heard {:.0f} ms ago)", who.empty() ? "" : ", ",
+                         d.rank, to_string(d.why), d.silent_ms);
+    Action f(Action::Kind::kFatal);
+    f.reason = fmt::format(
+        "only {} of {} ranks are left (members {}), fewer than the {} the job needs (quorum {}, "
+        "min_world {}); left in view {}: {}",
+        view_.size(), cfg_.world, view_.members, floor, quorum_for(cfg_, view_.size()),
+        cfg_.min_world, view_.epoch, who);
+    out.push_back(f);
+    stopped_ = true;
+    return;
+  }
+  for (auto& [t, o] : open_) recount(o, now);
+  for (auto& [t, u] : unsettled_) {
+    if (u.recovering || u.skipped) continue;  // a recovery waits for the remaining members
+    bool hit = false;
+    for (auto& d : left)
+      hit |= d.rank == u.source ||
+             std::binary_search(u.contributors.begin(), u.contributors.end(), d.rank);
+    if (!hit) continue;
+    u.recovering = true;
+    ++u.attempt;
+    u.reports.clear();
+    Action a(Action::Kind::kRecover);
+    a.step = t;
+    a.attempt = u.attempt;
+    out.push_back(a);
+  }
+}
+
+void Coordinator::resolve_recoveries(std::vector<Action>& out) {
+  for (auto& [t, u] : unsettled_) {
+    if (!u.recovering) continue;
+    bool all = std::all_of(view_.members.begin(), view_.members.end(),
+                           [&](int r) { return u.reports.count(r) != 0; });
+    if (!all) continue;
+    Decision d;
+    d.step = t;
+    d.attempt = u.attempt;
+    d.epoch = view_.epoch;
+    d.quorum = quorum_for(cfg_, view_.size());
+    d.offsets_us.assign(size_t(cfg_.world), -1);
+    d.settled = settled_;
+    std::vector<int> haves, needers;
+    for (int r : view_.members) (u.reports[r] ? haves : needers).push_back(r);
+    if (!haves.empty()) {
+      // Someone completed the step: its result (with the departed member's contribution)
+      // is the step's result everywhere.
+      d.contributors = u.contributors;
+      d.source = haves.front();
+      d.needers = needers;
+      u.source = d.source;
+    } else {
+      std::vector<int> survivors;
+      for (int r : u.contributors)
+        if (view_.has(r)) survivors.push_back(r);
+      if (int(survivors.size()) >= d.quorum && !survivors.empty()) {
+        d.contributors = survivors;
+        u.contributors = survivors;
+        u.source = -1;
+      } else {
+        d.status = Status::kSkipped;
+        u.contributors.clear();
+        u.skipped = true;
+      }
+    }
+    u.recovering = false;
+    Action a(Action::Kind::kDecide);
+    a.decide = std::move(d);
+    out.push_back(std::move(a));
+  }
+}
+
+void Coordinator::decide_open(Time now, std::vector<Action>& out) {
+  const int q = quorum_for(cfg_, view_.size());
+  for (auto it = open_.begin(); it != open_.end();) {
+    Open& o = it->second;
+    Status st;
+    if (o.mismatch)
+      st = Status::kMismatch;
+    else if (o.n == view_.size() || (o.quorum_time && now >= *o.quorum_time + cfg_.grace))
+      st = Status::kOk;
+    else if (now >= o.first + cfg_.deadline)
+      st = Status::kTimeout;
+    else {
+      ++it;
+      continue;
+    }
+    const uint64_t t = it->first;
+    Decision d;
+    d.step = t;
+    d.epoch = view_.epoch;
+    d.status = st;
+    d.quorum = q;
+    d.decide_us = us_between(o.first, now);
+    d.bad_rank = o.bad_rank;
+    d.bad_count = o.bad_count;
+    d.settled = settled_;
+    d.offsets_us.assign(size_t(cfg_.world), -1);
+    for (int r = 0; r < cfg_.world; ++r)
+      if (o.arrived[size_t(r)]) d.offsets_us[size_t(r)] = us_between(o.first, *o.arrived[size_t(r)]);
+    for (int r : view_.members)
+      if (o.arrived[size_t(r)]) d.contributors.push_back(r);
+    if (st == Status::kOk) {
+      for (int r : view_.members) {
+        if (o.arrived[size_t(r)]) {
+          missed_[size_t(r)] = 0;
+        } else if (++missed_[size_t(r)] >= cfg_.evict_steps && cfg_.evict_steps > 0) {
+          pending_.push_back({r, Why::kMissedSteps, ms_between(last_heard_[size_t(r)], now)});
+        }
+      }
+      unsettled_[t].contributors = d.contributors;
+    } else {
+      stopped_ = true;  // every rank fails the step: the job ends
+    }
+    first_of_decided_[t] = o.first;
+    while (first_of_decided_.size() > kKeepDecided) {
+      low_water_ = std::max(low_water_, first_of_decided_.begin()->first + 1);
+      first_of_decided_.erase(first_of_decided_.begin());
+    }
+    it = open_.erase(it);
+    Action a(Action::Kind::kDecide);
+    a.decide = std::move(d);
+    out.push_back(std::move(a));
+    if (stopped_) return;
+  }
+}
+
+void Coordinator::settle() {
+  while (!unsettled_.empty()) {
+    auto it = unsettled_.begin();
+    if (it->second.recovering) return;
+    const int64_t t = int64_t(it->first);
+    bool all = std::all_of(view_.members.begin(), view_.members.end(),
+                           [&](int r) { return completed_[size_t(r)] >= t; });
+    if (!all) return;
+    settled_ = std::max(settled_, t);
+    unsettled_.erase(it);
+  }
+}
+
+}  // namespace qring::collectives::qproto

@@ -1,0 +1,174 @@
+// The quorum all-reduce's coordinator as a pure state machine: (state, event, now) -> actions.
+// No threads, no clock reads, no I/O: the quorum service (quorum.cc) feeds it the messages it
+// receives and periodic ticks, and carries out the actions it returns (send DECIDE / VIEW /
+// RECOVER / EVICTED / FATAL to the members). Tests drive it with a simulated clock.
+//
+// What it decides (docs/design.md, "Membership"):
+//  - S(t), the contributors of step t: every live member arrived, or the quorum arrived and
+//    the grace passed; fewer than the quorum by first arrival + deadline is a timeout.
+//  - The view (epoch, live members). A member silent for `evict` (every rank's engine
+//    heartbeats), one that missed `evict_steps` consecutive steps (0 = never), or one that a
+//    member reports as not taking its results leaves the next view. The quorum follows the
+//    view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
+//  - Recovery of a step that a departed member was part of: every live member reports
+//    whether it holds the step's final result (aborting its reduction if not). If one does,
+//    it forwards the result to the others (S(t) unchanged); if none does, the step is decided
+//    again among the surviving contributors, or skipped on every rank when too few remain.
+//    Either way every member ends the step with the same S(t) and the same bits.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace qring::collectives::qproto {
+
+using Clock = std::chrono::steady_clock;
+using Time = Clock::time_point;
+using Ms = std::chrono::milliseconds;
+
+struct Config {
+  int world = 1;
+  int self = 0;           // the coordinator's own rank
+  int quorum = 0;         // > 0: a count, kept as given
+  double fraction = 0;    // > 0: a fraction of the view, recomputed on every view change
+  Ms grace{0};
+  Ms deadline{30000};
+  Ms evict{5000};
+  int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
+  int min_world = 0;      // fewest members the job runs with; 0 = the quorum
+  uint64_t count = 0;     // elements per contribution (checked on every READY)
+};
+
+// The quorum in force for a view of `view_size` members (a fraction is rounded up).
+int quorum_for(const Config& c, int view_size);
+// Fewest members the job may continue with: max(quorum, min_world).
+int floor_for(const Config& c, int view_size);
+
+struct View {
+  uint64_t epoch = 0;
+  std::vector<int> members;  // sorted
+  bool has(int r) const;
+  int size() const { return int(members.size()); }
+};
+
+enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
+
+enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kBehind = 3 };
+const char* to_string(Why w);
+
+struct Departure {
+  int rank = -1;
+  Why why = Why::kSilent;
+  double silent_ms = 0;  // time since the coordinator last heard from it
+};
+
+struct Decision {
+  uint64_t step = 0;
+  uint32_t attempt = 0;  // 0: first decision; > 0: after a recovery
+  uint64_t epoch = 0;    // the view that decided it
+  Status status = Status::kOk;
+  int quorum = 0;        // the quorum in force
+  std::vector<int> contributors;  // S(t), sorted
+  // attempt > 0 and source >= 0: `source` holds the result and sends it to `needers`
+  // (S(t) unchanged). attempt > 0 and source < 0: a new reduction among `contributors`.
+  int source = -1;
+  std::vector<int> needers;
+  std::vector<int64_t> offsets_us;  // per rank: arrival after the step's first, -1 = none
+  int64_t decide_us = 0;
+  int bad_rank = -1;  // kMismatch: who sent another element count, and that count
+  uint64_t bad_count = 0;
+  int64_t settled = -1;  // every live member has completed every step <= settled
+};
+
+struct Action {
+  enum class Kind : uint8_t { kView, kDecide, kRecover, kEvicted, kFatal } kind;
+  explicit Action(Kind k) : kind(k) {}
+  View view;                    // kView: the new view (sent to its members)
+  std::vector<Departure> left;  // kView: who left and why
+  Decision decide;              // kDecide (sent to every member)
+  uint64_t step = 0;            // kRecover
+  uint32_t attempt = 0;         // kRecover
+  int to = -1;                  // kEvicted: the rank that contacted us while not a member
+  std::string reason;           // kFatal: the error every member reports
+};
+
+struct Event {
+  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kBehind, kTick } kind = Kind::kTick;
+  int from = -1;
+  uint64_t step = 0;       // kReady, kReport
+  uint64_t count = 0;      // kReady
+  int64_t completed = -1;  // highest step `from` has completed (every step before it too)
+  uint32_t attempt = 0;    // kReport
+  bool have = false;       // kReport: `from` holds the final result of `step`
+  int behind = -1;         // kBehind: the rank that does not take its results
+};
+
+class Coordinator {
+ public:
+  Coordinator(Config cfg, Time now);
+
+  std::vector<Action> handle(const Event& e, Time now);
+
+  const View& view() const { return view_; }
+  int quorum() const { return quorum_for(cfg_, view_.size()); }
+  bool stopped() const { return stopped_; }
+  const Config& config() const { return cfg_; }
+  // Every arrival (late ones included), as (step, rank, ms after the step's first arrival).
+  void on_arrival(std::function<void(uint64_t, int, double)> cb) { on_arrival_ = std::move(cb); }
+  // Steps decided but not yet completed by every live member.
+  size_t unsettled() const { return unsettled_.size(); }
+  // True while a step is open (READYs counted, no decision yet) or being recovered: the
+  // caller should tick promptly (the grace and the deadline run).
+  bool waiting() const;
+  // The coordinator's own process was stopped for a while: silence measured across the
+  // pause says nothing about the others, so every member starts a fresh evict period.
+  void resync(Time now);
+
+ private:
+  struct Open {
+    Time first{};
+    std::vector<std::optional<Time>> arrived;
+    int n = 0;
+    std::optional<Time> quorum_time;
+    bool mismatch = false;
+    int bad_rank = -1;
+    uint64_t bad_count = 0;
+  };
+  struct Unsettled {
+    std::vector<int> contributors;
+    uint32_t attempt = 0;
+    int source = -1;
+    bool skipped = false;
+    bool recovering = false;
+    std::map<int, bool> reports;  // rank -> holds the result
+  };
+
+  void on_ready(int from, uint64_t step, uint64_t count, Time now);
+  void tick(Time now, std::vector<Action>& out);
+  void change_view(std::vector<Departure> left, Time now, std::vector<Action>& out);
+  void resolve_recoveries(std::vector<Action>& out);
+  void decide_open(Time now, std::vector<Action>& out);
+  void settle();
+  void recount(Open& o, Time now) const;
+
+  Config cfg_;
+  View view_;
+  bool stopped_ = false;
+  std::vector<Time> last_heard_;
+  std::vector<int64_t> completed_;
+  std::vector<int> missed_;
+  std::vector<Departure> pending_;  // evictions decided outside tick()
+  std::map<uint64_t, Open> open_;
+  std::map<uint64_t, Time> first_of_decided_;  // for late arrivals' offsets
+  uint64_t low_water_ = 0;                     // every step below was decided
+  std::map<uint64_t, Unsettled> unsettled_;
+  int64_t settled_ = -1;
+  std::function<void(uint64_t, int, double)> on_arrival_;
+};
+
+}  // namespace qring::collectives::qproto

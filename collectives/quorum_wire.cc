@@ -1,0 +1,282 @@
+#include "collectives/quorum_wire.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "net/error.h"
+
+namespace qring::collectives::qwire {
+
+namespace {
+
+constexpr uint32_t kUpMagic = 0x50555251;    // "QRUP"
+constexpr uint32_t kDownMagic = 0x4E445251;  // "QRDN"
+
+struct UpWire {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t type;
+  uint8_t have;
+  uint32_t rank;
+  uint32_t world;
+  uint64_t step;
+  uint64_t count;
+  int64_t completed;
+  uint32_t attempt;
+  int32_t behind;
+};
+static_assert(sizeof(UpWire) == kUpBytes);
+
+struct DownWire {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t type;
+  uint8_t status;
+  uint32_t world;
+  uint32_t attempt;
+  uint64_t step;
+  uint64_t epoch;
+  int64_t decide_us;
+  int64_t settled;
+  int32_t bad_rank;
+  int32_t source;
+  uint64_t bad_count;
+  uint32_t quorum;
+  uint32_t body;  // bytes after the header
+};
+static_assert(sizeof(DownWire) == 72);
+
+struct DepartureWire {
+  uint32_t rank;
+  uint32_t why;
+  double silent_ms;
+};
+static_assert(sizeof(DepartureWire) == 16);
+
+size_t bitmap_bytes(int world) {
+  return (size_t(world) + 7) / 8;
+}
+
+void put_bitmap(std::vector<char>& out, int world, const std::vector<int>& ranks) {
+  size_t at = out.size();
+  out.resize(at + bitmap_bytes(world), 0);
+  for (int r : ranks) out[at + size_t(r) / 8] |= char(1u << (r % 8));
+}
+
+std::vector<int> get_bitmap(const char* p, int world) {
+  std::vector<int> r;
+  for (int i = 0; i < world; ++i)
+    if ((uint8_t(p[i / 8]) >> (i % 8)) & 1) r.push_back(i);
+  return r;
+}
+
+}  // namespace
+
+size_t down_capacity(int world) {
+  size_t decide = 2 * bitmap_bytes(world) + 8 * size_t(world);
+  size_t view = bitmap_bytes(world) + sizeof(DepartureWire) * size_t(world);
+  return sizeof(DownWire) + std::max({decide, view, kMaxFatalText});
+}
+
+std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
+  UpWire w{};
+  w.magic = kUpMagic;
+  w.version = kVersion;
+  w.type = uint8_t(type);
+  w.have = e.have ? 1 : 0;
+  w.rank = uint32_t(e.from);
+  w.world = uint32_t(world);
+  w.step = e.step;
+  w.count = e.count;
+  w.completed = e.completed;
+  w.attempt = e.attempt;
+  w.behind = e.behind;
+  std::vector<char> out(sizeof(w));
+  std::memcpy(out.data(), &w, sizeof(w));
+  return out;
+}
+
+qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type) {
+  if (len != sizeof(UpWire))
+    throw ProtocolError(
+        fmt::format("quorum: malformed message from rank {} ({} bytes, expected {})", from, len,
+                    sizeof(UpWire)));
+  UpWire w;
+  std::memcpy(&w, buf, sizeof(w));
+  if (w.magic != kUpMagic)
+    throw ProtocolError(fmt::format("quorum: malformed message from rank {} (magic {:#x})", from,
+                                    w.magic));
+  if (w.version != kVersion)
+    throw ProtocolError(fmt::format(
+        "quorum: rank {} speaks quorum protocol version {}, this rank {}", from, w.version,
+        kVersion));
+  if (int64_t(w.world) != world || int64_t(w.rank) != from)
+    throw ProtocolError(fmt::format(
+        "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
+        w.rank, w.world, world));
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kBehind))
+    throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
+  if (w.type == uint8_t(Up::kBehind) && (w.behind < 0 || w.behind >= world))
+    throw ProtocolError(
+        fmt::format("quorum: rank {} reports rank {} of {} as behind", from, w.behind, world));
+  if (w.completed < -1)
+    throw ProtocolError(fmt::format("quorum: rank {} reports completed step {}", from, w.completed));
+  *type = Up(w.type);
+  qproto::Event e;
+  switch (*type) {
+    case Up::kReady: e.kind = qproto::Event::Kind::kReady; break;
+    case Up::kHeartbeat: e.kind = qproto::Event::Kind::kHeartbeat; break;
+    case Up::kReport: e.kind = qproto::Event::Kind::kReport; break;
+    case Up::kBehind: e.kind = qproto::Event::Kind::kBehind; break;
+  }
+  e.from = from;
+  e.step = w.step;
+  e.count = w.count;
+  e.completed = w.completed;
+  e.attempt = w.attempt;
+  e.have = w.have != 0;
+  e.behind = w.behind;
+  return e;
+}
+
+std::vector<char> encode_down(int world, const DownMsg& m) {
+  DownWire h{};
+  h.magic = kDownMagic;
+  h.version = kVersion;
+  h.type = uint8_t(m.type);
+  h.world = uint32_t(world);
+  std::vector<char> body;
+  switch (m.type) {
+    case Down::kDecide: {
+      const auto& d = m.decide;
+      h.status = uint8_t(d.status);
+      h.attempt = d.attempt;
+      h.step = d.step;
+      h.epoch = d.epoch;
+      h.decide_us = d.decide_us;
+      h.settled = d.settled;
+      h.bad_rank = d.bad_rank;
+      h.source = d.source;
+      h.bad_count = d.bad_count;
+      h.quorum = uint32_t(d.quorum);
+      put_bitmap(body, world, d.contributors);
+      put_bitmap(body, world, d.needers);
+      size_t at = body.size();
+      body.resize(at + 8 * size_t(world));
+      for (int r = 0; r < world; ++r) {
+        int64_t v = size_t(r) < d.offsets_us.size() ? d.offsets_us[size_t(r)] : -1;
+        std::memcpy(body.data() + at + 8 * size_t(r), &v, 8);
+      }
+      break;
+    }
+    case Down::kView: {
+      h.epoch = m.view.epoch;
+      put_bitmap(body, world, m.view.members);
+      for (const auto& d : m.left) {
+        DepartureWire dw{uint32_t(d.rank), uint32_t(d.why), d.silent_ms};
+        size_t at = body.size();
+        body.resize(at + sizeof(dw));
+        std::memcpy(body.data() + at, &dw, sizeof(dw));
+      }
+      break;
+    }
+    case Down::kRecover:
+      h.step = m.step;
+      h.attempt = m.attempt;
+      break;
+    case Down::kFatal:
+      body.assign(m.text.begin(), m.text.begin() + long(std::min(m.text.size(), kMaxFatalText)));
+      break;
+    case Down::kEvicted:
+    case Down::kHeartbeat:
+      break;
+  }
+  h.body = uint32_t(body.size());
+  std::vector<char> out(sizeof(h) + body.size());
+  std::memcpy(out.data(), &h, sizeof(h));
+  if (!body.empty()) std::memcpy(out.data() + sizeof(h), body.data(), body.size());
+  return out;
+}
+
+DownMsg decode_down(const void* buf, size_t len, int world, int from) {
+  auto bad = [&](const std::string& what) {
+    return ProtocolError(
+        fmt::format("quorum: malformed message from the coordinator (rank {}): {}", from, what));
+  };
+  if (len < sizeof(DownWire)) throw bad(fmt::format("{} bytes", len));
+  DownWire h;
+  std::memcpy(&h, buf, sizeof(h));
+  if (h.magic != kDownMagic) throw bad(fmt::format("magic {:#x}", h.magic));
+  if (h.version != kVersion)
+    throw ProtocolError(fmt::format(
+        "quorum: the coordinator (rank {}) speaks quorum protocol version {}, this rank {}", from,
+        h.version, kVersion));
+  if (int64_t(h.world) != world)
+    throw bad(fmt::format("world {}, this world has {}", h.world, world));
+  if (size_t(h.body) != len - sizeof(h))
+    throw bad(fmt::format("body of {} bytes in a message of {}", h.body, len));
+  const char* body = static_cast<const char*>(buf) + sizeof(h);
+  DownMsg m;
+  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kHeartbeat))
+    throw bad(fmt::format("unknown type {}", h.type));
+  m.type = Down(h.type);
+  switch (m.type) {
+    case Down::kDecide: {
+      if (h.body != 2 * bitmap_bytes(world) + 8 * size_t(world))
+        throw bad(fmt::format("DECIDE body of {} bytes", h.body));
+      if (h.status > uint8_t(qproto::Status::kSkipped))
+        throw bad(fmt::format("DECIDE status {}", h.status));
+      auto& d = m.decide;
+      d.status = qproto::Status(h.status);
+      d.step = h.step;
+      d.attempt = h.attempt;
+      d.epoch = h.epoch;
+      d.decide_us = h.decide_us;
+      d.settled = h.settled;
+      d.bad_rank = h.bad_rank;
+      d.source = h.source;
+      d.bad_count = h.bad_count;
+      d.quorum = int(h.quorum);
+      if (d.source < -1 || d.source >= world) throw bad(fmt::format("source rank {}", d.source));
+      d.contributors = get_bitmap(body, world);
+      d.needers = get_bitmap(body + bitmap_bytes(world), world);
+      d.offsets_us.resize(size_t(world));
+      std::memcpy(d.offsets_us.data(), body + 2 * bitmap_bytes(world), 8 * size_t(world));
+      if (d.status == qproto::Status::kOk && d.contributors.empty())
+        throw bad("DECIDE without contributors");
+      break;
+    }
+    case Down::kView: {
+      size_t bm = bitmap_bytes(world);
+      if (h.body < bm || (h.body - bm) % sizeof(DepartureWire) != 0)
+        throw bad(fmt::format("VIEW body of {} bytes", h.body));
+      m.view.epoch = h.epoch;
+      m.view.members = get_bitmap(body, world);
+      for (size_t at = bm; at < h.body; at += sizeof(DepartureWire)) {
+        DepartureWire dw;
+        std::memcpy(&dw, body + at, sizeof(dw));
+        if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 3)
+          throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
+        m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
+      }
+      if (m.view.members.empty()) throw bad("VIEW without members");
+      break;
+    }
+    case Down::kRecover:
+      m.step = h.step;
+      m.attempt = h.attempt;
+      break;
+    case Down::kFatal:
+      if (h.body > kMaxFatalText) throw bad(fmt::format("FATAL text of {} bytes", h.body));
+      m.text.assign(body, h.body);
+      break;
+    case Down::kEvicted:
+    case Down::kHeartbeat:
+      if (h.body != 0) throw bad(fmt::format("body of {} bytes", h.body));
+      break;
+  }
+  return m;
+}
+
+}  // namespace qring::collectives::qwire

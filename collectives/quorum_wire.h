@@ -1,0 +1,56 @@
+// Wire format of the quorum all-reduce's control messages (version 2).
+//
+// Up (any rank -> coordinator), 48 bytes: READY, HEARTBEAT, REPORT (recovery), BEHIND.
+// Down (coordinator -> one rank), a 72-byte header and a body: DECIDE (contributor and needer
+// bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures), RECOVER, EVICTED,
+// FATAL (the error text), HEARTBEAT. Each direction of each (rank, coordinator) pair is one
+// stream of exactly tagged messages numbered in send order, so a rank applies the
+// coordinator's messages in the order they were sent.
+//
+// decode_* validate everything (magic, version, world, type, lengths, rank ranges) and throw
+// ProtocolError naming the sender: a malformed message never becomes silent garbage.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "collectives/quorum_coordinator.h"
+
+namespace qring::collectives::qwire {
+
+constexpr uint16_t kVersion = 2;
+
+enum class Up : uint8_t { kReady = 1, kHeartbeat = 2, kReport = 3, kBehind = 4 };
+enum class Down : uint8_t {
+  kDecide = 1,
+  kView = 2,
+  kRecover = 3,
+  kEvicted = 4,
+  kFatal = 5,
+  kHeartbeat = 6
+};
+
+constexpr size_t kUpBytes = 48;
+// Largest down message for a world of this size (the receive buffer each rank posts).
+size_t down_capacity(int world);
+constexpr size_t kMaxFatalText = 1024;
+
+std::vector<char> encode_up(int world, Up type, const qproto::Event& e);
+// Throws ProtocolError (naming `from`) when malformed.
+qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type);
+
+struct DownMsg {
+  Down type = Down::kHeartbeat;
+  qproto::Decision decide;             // kDecide
+  qproto::View view;                   // kView
+  std::vector<qproto::Departure> left; // kView
+  uint64_t step = 0;                   // kRecover
+  uint32_t attempt = 0;                // kRecover
+  std::string text;                    // kFatal
+};
+
+std::vector<char> encode_down(int world, const DownMsg& m);
+DownMsg decode_down(const void* buf, size_t len, int world, int from);
+
+}  // namespace qring::collectives::qwire

@@ -1,0 +1,474 @@
+// The quorum coordinator's decisions and membership as a pure function of events and a
+// simulated clock (collectives/quorum_coordinator.h), and the control message codec
+// (collectives/quorum_wire.h). No threads, no sleeps.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum_wire.h"
+#include "net/error.h"
+
+namespace qring::testing {
+namespace {
+
+using namespace collectives::qproto;
+using K = Action::Kind;
+using std::chrono::milliseconds;
+
+struct Sim {
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c;
+  explicit Sim(Config cfg) : c(cfg, Time{} + std::chrono::hours(1)) {}
+
+  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8) {
+    Event e;
+    e.kind = Event::Kind::kReady;
+    e.from = r;
+    e.step = t;
+    e.count = count;
+    e.completed = completed;
+    return c.handle(e, now);
+  }
+  std::vector<Action> beat(int r, int64_t completed = -1) {
+    Event e;
+    e.kind = Event::Kind::kHeartbeat;
+    e.from = r;
+    e.completed = completed;
+    return c.handle(e, now);
+  }
+  std::vector<Action> report(int r, uint64_t t, uint32_t attempt, bool have) {
+    Event e;
+    e.kind = Event::Kind::kReport;
+    e.from = r;
+    e.step = t;
+    e.attempt = attempt;
+    e.have = have;
+    return c.handle(e, now);
+  }
+  std::vector<Action> tick() { return c.handle(Event{}, now); }
+  // Advances the clock, with every rank in `alive` heartbeating every 10 ms.
+  std::vector<Action> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
+    std::vector<Action> all;
+    auto end = now + d;
+    while (now < end) {
+      now += milliseconds(10);
+      for (int r : alive) {
+        auto a = beat(r, completed);
+        all.insert(all.end(), a.begin(), a.end());
+      }
+      auto a = tick();
+      all.insert(all.end(), a.begin(), a.end());
+    }
+    return all;
+  }
+};
+
+Config base(int world, int quorum) {
+  Config c;
+  c.world = world;
+  c.quorum = quorum;
+  c.count = 8;
+  c.evict = milliseconds(500);
+  c.deadline = milliseconds(5000);
+  return c;
+}
+
+std::vector<Action> of(const std::vector<Action>& v, K k) {
+  std::vector<Action> r;
+  for (auto& a : v)
+    if (a.kind == k) r.push_back(a);
+  return r;
+}
+
+TEST(Coordinator, DecidesOnTheQuorumthArrivalWithoutGrace) {
+  Sim s(base(4, 3));
+  EXPECT_TRUE(s.ready(0, 0).empty());
+  s.now += milliseconds(2);
+  EXPECT_TRUE(s.ready(2, 0).empty());
+  s.now += milliseconds(3);
+  auto a = s.ready(1, 0);
+  ASSERT_EQ(a.size(), 1u);
+  ASSERT_EQ(a[0].kind, K::kDecide);
+  const Decision& d = a[0].decide;
+  EXPECT_EQ(d.status, Status::kOk);
+  EXPECT_EQ(d.contributors, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(d.epoch, 0u);
+  EXPECT_EQ(d.attempt, 0u);
+  EXPECT_EQ(d.offsets_us[2], 2000);
+  EXPECT_EQ(d.offsets_us[3], -1);
+  EXPECT_EQ(d.decide_us, 5000);
+  // The late rank is not counted afterwards.
+  EXPECT_TRUE(s.ready(3, 0).empty());
+}
+
+TEST(Coordinator, GraceCollectsLateArrivalsUntilItEnds) {
+  Config cfg = base(4, 2);
+  cfg.grace = milliseconds(5);
+  Sim s(cfg);
+  s.ready(0, 0);
+  s.ready(1, 0);
+  s.now += milliseconds(4);
+  EXPECT_TRUE(s.tick().empty());
+  s.ready(3, 0);
+  s.now += milliseconds(1);
+  auto a = of(s.tick(), K::kDecide);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].decide.contributors, (std::vector<int>{0, 1, 3}));
+}
+
+TEST(Coordinator, TooFewByTheDeadlineIsATimeout) {
+  Sim s(base(3, 3));
+  s.ready(0, 0);
+  auto a = s.run(milliseconds(5000), {1, 2});
+  auto d = of(a, K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kTimeout);
+  EXPECT_TRUE(s.c.stopped());
+}
+
+TEST(Coordinator, SilentMemberLeavesTheViewAfterEvictTime) {
+  Sim s(base(4, 3));
+  auto a = s.run(milliseconds(490), {1, 2});
+  EXPECT_TRUE(of(a, K::kView).empty());  // not yet
+  a = s.run(milliseconds(30), {1, 2});
+  auto v = of(a, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].view.epoch, 1u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 1, 2}));
+  ASSERT_EQ(v[0].left.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kSilent);
+  EXPECT_GT(v[0].left[0].silent_ms, 500);
+  EXPECT_TRUE(of(a, K::kFatal).empty());
+  // The integer quorum stays 3: the three left must all contribute.
+  s.ready(0, 0);
+  s.ready(1, 0);
+  auto d = of(s.ready(2, 0), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.epoch, 1u);
+  EXPECT_EQ(d[0].decide.quorum, 3);
+}
+
+TEST(Coordinator, FractionalQuorumFollowsTheView) {
+  Config cfg = base(4, 0);
+  cfg.fraction = 0.75;
+  Sim s(cfg);
+  EXPECT_EQ(s.c.quorum(), 3);
+  s.run(milliseconds(600), {1, 2});  // rank 3 leaves
+  ASSERT_EQ(s.c.view().size(), 3);
+  EXPECT_EQ(s.c.quorum(), 3);  // ceil(0.75 * 3)
+  s.run(milliseconds(600), {1});   // rank 2 leaves: ceil(0.75 * 2) = 2
+  ASSERT_EQ(s.c.view().size(), 2);
+  EXPECT_EQ(s.c.quorum(), 2);
+  EXPECT_FALSE(s.c.stopped());
+}
+
+TEST(Coordinator, BelowQuorumStopsTheJobNamingWhoLeft) {
+  Sim s(base(4, 4));
+  auto a = s.run(milliseconds(600), {1, 3});
+  auto f = of(a, K::kFatal);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_NE(f[0].reason.find("rank 2 (silent, last heard"), std::string::npos) << f[0].reason;
+  EXPECT_NE(f[0].reason.find("quorum 4"), std::string::npos) << f[0].reason;
+  EXPECT_TRUE(s.c.stopped());
+  EXPECT_TRUE(s.tick().empty());
+}
+
+TEST(Coordinator, MinWorldAboveTheQuorumStopsEarlier) {
+  Config cfg = base(4, 2);
+  cfg.min_world = 4;
+  Sim s(cfg);
+  auto a = s.run(milliseconds(600), {1, 2});
+  ASSERT_EQ(of(a, K::kFatal).size(), 1u);
+  EXPECT_NE(of(a, K::kFatal)[0].reason.find("min_world 4"), std::string::npos);
+}
+
+TEST(Coordinator, MissedStepsEvictWhenConfigured) {
+  Config cfg = base(4, 3);
+  cfg.evict_steps = 2;
+  Sim s(cfg);
+  std::vector<Action> all;
+  for (uint64_t t = 0; t < 2; ++t) {
+    EXPECT_EQ(s.c.view().size(), 4);
+    for (int r = 0; r < 3; ++r) {
+      auto a = s.ready(r, t, int64_t(t) - 1);
+      all.insert(all.end(), a.begin(), a.end());
+    }
+    auto a = s.beat(3, int64_t(t) - 1);  // alive, but never contributes
+    all.insert(all.end(), a.begin(), a.end());
+  }
+  auto v = of(all, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kMissedSteps);
+}
+
+TEST(Coordinator, MissedStepsNeverEvictByDefault) {
+  Sim s(base(4, 3));
+  for (uint64_t t = 0; t < 50; ++t) {
+    s.ready(0, t, int64_t(t) - 1);
+    s.ready(1, t, int64_t(t) - 1);
+    s.ready(2, t, int64_t(t) - 1);
+    s.beat(3, int64_t(t) - 1);
+  }
+  EXPECT_EQ(s.c.view().size(), 4);
+}
+
+TEST(Coordinator, EvictedRankIsToldAtItsNextContact) {
+  Sim s(base(4, 3));
+  s.run(milliseconds(600), {1, 2});
+  ASSERT_FALSE(s.c.view().has(3));
+  auto a = s.beat(3);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].kind, K::kEvicted);
+  EXPECT_EQ(a[0].to, 3);
+  a = s.ready(3, 7);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].kind, K::kEvicted);
+}
+
+TEST(Coordinator, RankNotTakingItsResultsIsEvicted) {
+  Sim s(base(4, 3));
+  Event e;
+  e.kind = Event::Kind::kBehind;
+  e.from = 1;
+  e.behind = 3;
+  auto v = of(s.c.handle(e, s.now), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kBehind);
+}
+
+TEST(Coordinator, ItsOwnPauseEvictsNobody) {
+  Sim s(base(4, 3));
+  s.now += milliseconds(10000);  // the coordinator was stopped
+  s.c.resync(s.now);
+  EXPECT_TRUE(of(s.tick(), K::kView).empty());
+  EXPECT_EQ(s.c.view().size(), 4);
+}
+
+// Step 0 decided with S = {0, 1, 2}; then rank 2 dies before everyone completed it.
+Sim with_lost_member(int quorum) {
+  Sim s(base(4, quorum));
+  s.ready(0, 0);
+  s.ready(1, 0);
+  auto d = s.ready(2, 0);
+  EXPECT_EQ(of(d, K::kDecide).size(), 1u);
+  return s;
+}
+
+TEST(Coordinator, LostMemberWithTheResultSomewhereIsForwarded) {
+  Sim s = with_lost_member(3);
+  auto a = s.run(milliseconds(600), {0, 1, 3});
+  auto r = of(a, K::kRecover);
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].step, 0u);
+  EXPECT_EQ(r[0].attempt, 1u);
+  EXPECT_EQ(s.c.view().members, (std::vector<int>{0, 1, 3}));
+  EXPECT_TRUE(s.report(0, 0, 1, false).empty());
+  EXPECT_TRUE(s.report(3, 0, 1, false).empty());
+  EXPECT_TRUE(s.report(1, 0, 0, true).empty());  // a report of an older attempt is ignored
+  auto d = of(s.report(1, 0, 1, true), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kOk);
+  EXPECT_EQ(d[0].decide.attempt, 1u);
+  EXPECT_EQ(d[0].decide.source, 1);
+  EXPECT_EQ(d[0].decide.needers, (std::vector<int>{0, 3}));
+  // S(0) is unchanged: rank 2's contribution is in the result everyone ends with.
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(d[0].decide.epoch, 1u);
+  // Settled once every live member completed it.
+  EXPECT_EQ(s.c.unsettled(), 1u);
+  s.beat(0, 0);
+  s.beat(1, 0);
+  s.beat(3, 0);
+  EXPECT_EQ(s.c.unsettled(), 0u);
+}
+
+TEST(Coordinator, LostMemberWithoutAResultIsDecidedAgainAmongTheSurvivors) {
+  Config cfg = base(4, 2);
+  cfg.grace = milliseconds(5);  // S(0) = {0, 1, 2}: all three arrive within the grace
+  Sim s(cfg);
+  s.ready(0, 0);
+  s.ready(1, 0);
+  s.ready(2, 0);
+  s.now += milliseconds(5);
+  auto first = of(s.tick(), K::kDecide);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(first[0].decide.contributors, (std::vector<int>{0, 1, 2}));
+  s.run(milliseconds(600), {0, 1, 3});
+  s.report(0, 0, 1, false);
+  s.report(1, 0, 1, false);
+  auto d = of(s.report(3, 0, 1, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kOk);
+  EXPECT_EQ(d[0].decide.source, -1);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1}));
+  EXPECT_EQ(d[0].decide.attempt, 1u);
+}
+
+TEST(Coordinator, LostMemberWithTooFewSurvivorsSkipsTheStepEverywhere) {
+  Sim s = with_lost_member(3);
+  s.run(milliseconds(600), {0, 1, 3});
+  s.report(0, 0, 1, false);
+  s.report(1, 0, 1, false);
+  auto d = of(s.report(3, 0, 1, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kSkipped);
+  EXPECT_TRUE(d[0].decide.contributors.empty());
+}
+
+TEST(Coordinator, RecoveryWaitsForEveryLiveMemberAndSurvivesAnotherLoss) {
+  Config cfg = base(5, 0);
+  cfg.fraction = 0.6;  // 3 of 5, 3 of 4, 2 of 3
+  Sim s(cfg);
+  s.ready(0, 0);
+  s.ready(1, 0);
+  s.ready(2, 0);
+  ASSERT_EQ(s.c.unsettled(), 1u);
+  auto a = s.run(milliseconds(600), {0, 1, 3, 4});  // rank 2 dies
+  ASSERT_EQ(of(a, K::kRecover).size(), 1u);
+  s.report(0, 0, 1, false);
+  s.report(1, 0, 1, false);
+  s.report(3, 0, 1, false);
+  // rank 4 dies before reporting: the recovery completes among the rest.
+  a = s.run(milliseconds(600), {0, 1, 3});
+  auto d = of(a, K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.epoch, 2u);
+  EXPECT_EQ(d[0].decide.quorum, 2);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1}));
+}
+
+TEST(Coordinator, LossOfARankOutsideAStepNeedsNoRecovery) {
+  Sim s = with_lost_member(3);
+  auto a = s.run(milliseconds(600), {0, 1, 2});  // rank 3 (not in S(0)) dies
+  EXPECT_TRUE(of(a, K::kRecover).empty());
+  EXPECT_EQ(of(a, K::kView).size(), 1u);
+}
+
+TEST(Coordinator, ContributionsOfARankThatLeftDoNotCount) {
+  Sim s(base(4, 3));
+  s.ready(3, 0);
+  s.ready(0, 0);
+  s.run(milliseconds(600), {0, 1, 2});  // rank 3 leaves with its READY counted
+  s.ready(1, 0);
+  auto d = of(s.ready(2, 0), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
+}
+
+TEST(Coordinator, CountMismatchIsReported) {
+  Sim s(base(2, 2));
+  s.ready(0, 0);
+  auto d = of(s.ready(1, 0, -1, 9), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kMismatch);
+  EXPECT_EQ(d[0].decide.bad_rank, 1);
+  EXPECT_EQ(d[0].decide.bad_count, 9u);
+}
+
+namespace wire = collectives::qwire;
+
+TEST(QuorumWire, RoundTripsEveryMessage) {
+  const int world = 11;
+  Event e;
+  e.from = 7;
+  e.step = 123456789;
+  e.count = 42;
+  e.completed = 99;
+  e.attempt = 3;
+  e.have = true;
+  e.behind = 4;
+  auto up = wire::encode_up(world, wire::Up::kReport, e);
+  ASSERT_EQ(up.size(), wire::kUpBytes);
+  wire::Up type;
+  Event back = wire::decode_up(up.data(), up.size(), world, 7, &type);
+  EXPECT_EQ(type, wire::Up::kReport);
+  EXPECT_EQ(back.kind, Event::Kind::kReport);
+  EXPECT_EQ(back.step, e.step);
+  EXPECT_EQ(back.completed, 99);
+  EXPECT_EQ(back.attempt, 3u);
+  EXPECT_TRUE(back.have);
+
+  wire::DownMsg m;
+  m.type = wire::Down::kDecide;
+  m.decide.step = 77;
+  m.decide.attempt = 2;
+  m.decide.epoch = 5;
+  m.decide.contributors = {0, 3, 10};
+  m.decide.needers = {4};
+  m.decide.source = 3;
+  m.decide.quorum = 3;
+  m.decide.settled = 75;
+  m.decide.offsets_us.assign(world, -1);
+  m.decide.offsets_us[3] = 1500;
+  auto buf = wire::encode_down(world, m);
+  ASSERT_LE(buf.size(), wire::down_capacity(world));
+  auto d = wire::decode_down(buf.data(), buf.size(), world, 0);
+  EXPECT_EQ(d.type, wire::Down::kDecide);
+  EXPECT_EQ(d.decide.contributors, m.decide.contributors);
+  EXPECT_EQ(d.decide.needers, m.decide.needers);
+  EXPECT_EQ(d.decide.source, 3);
+  EXPECT_EQ(d.decide.settled, 75);
+  EXPECT_EQ(d.decide.offsets_us, m.decide.offsets_us);
+
+  wire::DownMsg v;
+  v.type = wire::Down::kView;
+  v.view.epoch = 9;
+  v.view.members = {0, 1, 2, 5};
+  v.left = {{3, Why::kSilent, 812.5}, {4, Why::kBehind, 12}};
+  buf = wire::encode_down(world, v);
+  ASSERT_LE(buf.size(), wire::down_capacity(world));
+  auto vb = wire::decode_down(buf.data(), buf.size(), world, 0);
+  EXPECT_EQ(vb.view.members, v.view.members);
+  ASSERT_EQ(vb.left.size(), 2u);
+  EXPECT_EQ(vb.left[0].silent_ms, 812.5);
+  EXPECT_EQ(vb.left[1].why, Why::kBehind);
+
+  wire::DownMsg f;
+  f.type = wire::Down::kFatal;
+  f.text = std::string(5000, 'x');  // cut to the limit
+  buf = wire::encode_down(world, f);
+  ASSERT_LE(buf.size(), wire::down_capacity(world));
+  EXPECT_EQ(wire::decode_down(buf.data(), buf.size(), world, 0).text.size(), wire::kMaxFatalText);
+}
+
+TEST(QuorumWire, RejectsMalformedMessages) {
+  const int world = 4;
+  Event e;
+  e.from = 2;
+  auto up = wire::encode_up(world, wire::Up::kReady, e);
+  wire::Up type;
+  EXPECT_THROW(wire::decode_up(up.data(), up.size() - 1, world, 2, &type), ProtocolError);
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);  // rank
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), 5, 2, &type), ProtocolError);      // world
+  auto bad = up;
+  bad[6] = 9;  // type
+  EXPECT_THROW(wire::decode_up(bad.data(), bad.size(), world, 2, &type), ProtocolError);
+  bad = up;
+  bad[4] = 1;  // version
+  EXPECT_THROW(wire::decode_up(bad.data(), bad.size(), world, 2, &type), ProtocolError);
+
+  wire::DownMsg m;
+  m.type = wire::Down::kDecide;
+  m.decide.contributors = {0, 1};
+  m.decide.offsets_us.assign(world, -1);
+  auto buf = wire::encode_down(world, m);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size() - 8, world, 0), ProtocolError);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), 12, 0), ProtocolError);
+  auto b2 = buf;
+  b2[0] ^= 1;  // magic
+  EXPECT_THROW(wire::decode_down(b2.data(), b2.size(), world, 0), ProtocolError);
+  m.decide.contributors.clear();  // OK without contributors
+  buf = wire::encode_down(world, m);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+  m.decide.contributors = {1};
+  m.decide.source = 7;  // source out of range
+  buf = wire::encode_down(world, m);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+}
+
+}  // namespace
+}  // namespace qring::testing
