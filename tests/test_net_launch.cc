@@ -152,6 +152,14 @@ TEST(Launch, FailingRankStopsTheOthers) {
   EXPECT_EQ(code, 3);
   EXPECT_LT(run.elapsed, 5s);
   EXPECT_THAT(run.err, HasSubstr("qring-launch: rank 1 exited with status 3"));
+  EXPECT_THAT(run.err, Not(HasSubstr("ranks lost")));  // no --tolerate-failures: fail-fast
+
+  // An explicit --tolerate-failures 0 is the same fail-fast; 75 (evicted) is just a failure.
+  LaunchRun zero({"-n", "3", "--tolerate-failures", "0", "--", "sh", "-c",
+                  "if [ $QRING_RANK = 1 ]; then exit 75; fi; sleep 30"});
+  EXPECT_EQ(zero.finish(), 75);
+  EXPECT_LT(zero.elapsed, 5s);
+  EXPECT_THAT(zero.err, HasSubstr("qring-launch: rank 1 exited with status 75; stopping"));
 }
 
 TEST(Launch, NoRankOrGrandchildSurvives) {
@@ -225,11 +233,12 @@ TEST(Launch, OutputIsPrefixedLineByLine) {
 TEST(Launch, SetsTheBootstrapEnvironment) {
   LaunchRun run({"-n", "3", "--provider", "tcp", "--port", "23456", "--", "sh", "-c",
                  "echo \"$QRING_RANK $QRING_WORLD_SIZE $QRING_LOCAL_RANK $QRING_LOCAL_SIZE "
-                 "$QRING_STORE $QRING_JOB_ID $QRING_PROVIDER\""});
+                 "$QRING_STORE $QRING_JOB_ID $QRING_PROVIDER $QRING_TOLERATE_FAILURES\""},
+                "QRING_TOLERATE_FAILURES=9");  // not inherited: the launcher sets its own
   EXPECT_EQ(run.finish(), 0);
   for (int r = 0; r < 3; ++r)
     EXPECT_THAT(run.out,
-                HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp\n", r, r,
+                HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp 0\n", r, r,
                                       r, run.pid())));
 
   // Without --port a free port is chosen, the same for every rank; no provider is set.
@@ -277,6 +286,93 @@ TEST(Launch, SigtermIgnoringRankIsKilledAfterGrace) {
   EXPECT_GE(run.elapsed, 3s);  // SIGTERM was ignored: SIGKILL after the 3 s grace
   EXPECT_LT(run.elapsed, 7s);
   EXPECT_THAT(run.err, HasSubstr("sending SIGKILL"));
+}
+
+// --tolerate-failures K: a rank killed by a signal is reported at once, the others run to
+// the end, and the launcher exits 100 + lost ranks ("degraded success").
+TEST(Launch, ToleratesALostRank) {
+  LaunchRun run({"-n", "4", "--tolerate-failures", "1", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 2 ]; then kill -9 $$; fi; sleep 0.5; "
+                 "echo finished-$QRING_RANK tolerate=$QRING_TOLERATE_FAILURES"});
+  EXPECT_EQ(run.finish(), 101) << run.out << run.err;
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err,
+              testing::ContainsRegex("qring-launch: rank 2 \\(pid [0-9]+\\) was killed by signal 9 "
+                                     "\\(SIGKILL\\); 1 of 4 ranks lost, tolerating up to 1\n"));
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "qring-launch: finished with 1 of 4 ranks lost \\(tolerating up to "
+                           "1\\): rank 2 \\(pid [0-9]+\\) was killed by signal 9 \\(SIGKILL\\); "
+                           "exit status 101\n"));
+  EXPECT_THAT(run.err, Not(HasSubstr("stopping the other ranks")));
+  for (int r : {0, 1, 3})
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] finished-{} tolerate=1\n", r, r)));
+  EXPECT_THAT(run.out, Not(HasSubstr("finished-2")));
+}
+
+// Exit status 75 is a rank evicted from the job: lost, named "evicted"; a second loss of
+// another kind adds up (102).
+TEST(Launch, EvictedRankCountsAsLost) {
+  LaunchRun run({"-n", "4", "--tolerate-failures", "2", "--", "sh", "-c",
+                 "case $QRING_RANK in 1) exit 75;; 3) sleep 0.2; exit 3;; esac; sleep 0.5; "
+                 "echo finished-$QRING_RANK"});
+  EXPECT_EQ(run.finish(), 102) << run.out << run.err;
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err, testing::ContainsRegex("qring-launch: rank 1 \\(pid [0-9]+\\) was evicted "
+                                              "\\(exit status 75\\); [12] of 4 ranks lost, "
+                                              "tolerating up to 2\n"));
+  EXPECT_THAT(run.err,
+              testing::ContainsRegex("qring-launch: rank 3 \\(pid [0-9]+\\) exited with "
+                                     "status 3; [12] of 4 ranks lost, tolerating up to 2"));
+  EXPECT_THAT(run.err, HasSubstr("qring-launch: finished with 2 of 4 ranks lost"));
+  EXPECT_THAT(run.err, testing::ContainsRegex("rank 1 \\(pid [0-9]+\\) was evicted \\(exit "
+                                              "status 75\\).*exit status 102\n"));
+  for (int r : {0, 2})
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] finished-{}\n", r, r)));
+}
+
+// More losses than tolerated: fail-fast as without the flag; the status is the failing rank's,
+// never one of the degraded-success statuses.
+TEST(Launch, TooManyLostRanksStopTheOthers) {
+  LaunchRun run({"-n", "4", "--tolerate-failures", "1", "--", "sh", "-c",
+                 "case $QRING_RANK in 1) exit 3;; 2) sleep 0.2; exit 4;; esac; sleep 30; "
+                 "echo finished-$QRING_RANK"});
+  int code = run.finish();
+  EXPECT_THAT(code, testing::AnyOf(3, 4)) << run.err;  // whichever loss was reaped second
+  EXPECT_LT(run.elapsed, 5s);                          // the sleep 30 ranks were stopped
+  EXPECT_THAT(run.err, HasSubstr("1 of 4 ranks lost, tolerating up to 1\n"));
+  EXPECT_THAT(run.err,
+              HasSubstr("2 of 4 ranks lost, more than the 1 tolerated; stopping the other ranks"));
+  EXPECT_THAT(run.err, Not(HasSubstr("finished with")));
+  EXPECT_THAT(run.out, Not(HasSubstr("finished-")));
+
+  // A failing status inside the degraded-success range is reported as 1.
+  LaunchRun clash({"-n", "3", "--tolerate-failures", "1", "--", "sh", "-c",
+                   "case $QRING_RANK in 0) exit 101;; 1) sleep 0.2; exit 101;; esac; sleep 30"});
+  EXPECT_EQ(clash.finish(), 1) << clash.err;
+  EXPECT_LT(clash.elapsed, 5s);
+}
+
+// Signal forwarding is unchanged with --tolerate-failures: ranks ended by the forwarded
+// SIGTERM are not "lost", the launcher exits 128 + SIGTERM.
+TEST(Launch, ForwardsSigtermWhileTolerating) {
+  LaunchRun run({"-n", "3", "--tolerate-failures", "1", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 2 ]; then exit 5; fi; trap 'echo got-term; exit 7' TERM; "
+                 "echo ready; while :; do sleep 0.05; done"});
+  ASSERT_TRUE(run.read_until(
+      [&] {
+        return run.out.find("[rank 0] ready") != std::string::npos &&
+               run.out.find("[rank 1] ready") != std::string::npos &&
+               run.err.find("1 of 3 ranks lost") != std::string::npos;
+      },
+      5s))
+      << run.out << run.err;
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.finish(), 128 + SIGTERM);
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.out, HasSubstr("[rank 0] got-term"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 1] got-term"));
+  EXPECT_THAT(run.err, HasSubstr("received SIGTERM"));
+  EXPECT_THAT(run.err, Not(HasSubstr("2 of 3 ranks lost")));
 }
 
 TEST(Launch, OverallTimeout) {
@@ -336,6 +432,12 @@ TEST(Launch, SuccessAndUsageErrors) {
   EXPECT_EQ(no_cmd.finish(), 2);
   LaunchRun bad_n({"-n", "x", "--", "true"});
   EXPECT_EQ(bad_n.finish(), 2);
+  LaunchRun tolerate_all({"-n", "2", "--tolerate-failures", "2", "--", "true"});
+  EXPECT_EQ(tolerate_all.finish(), 2);
+  EXPECT_THAT(tolerate_all.err, HasSubstr("--tolerate-failures 2 must be below -n 2"));
+  LaunchRun tolerate_bad({"-n", "30", "--tolerate-failures=24", "--", "true"});
+  EXPECT_EQ(tolerate_bad.finish(), 2);
+  EXPECT_THAT(tolerate_bad.err, HasSubstr("--tolerate-failures expects an integer in [0, 23]"));
   LaunchRun unknown({"-n", "1", "--bogus", "--", "true"});
   EXPECT_EQ(unknown.finish(), 2);
   EXPECT_THAT(unknown.err, HasSubstr("unknown option '--bogus'"));

@@ -1,11 +1,14 @@
-// qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none] -- CMD ARGS...
+// qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none]
+//              [--tolerate-failures K] -- CMD ARGS...
 //
 // Starts N local ranks of CMD with the QRING_* bootstrap environment, binds each to its share
 // of the launcher's CPUs (QRING_CPUS lists them; --bind none leaves them unbound), prefixes
 // their output with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when
-// one rank fails.
-// Exit status: 0 when every rank exits 0; the status of the first failing rank (128 + signal
-// when it was killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
+// one rank fails -- or, with --tolerate-failures K, when more than K ranks have failed (a rank
+// exiting non-zero, 75 = evicted, or killed by a signal is "lost"; the others keep running).
+// Exit status: 0 when every rank exits 0; 100 + k when k <= K ranks were lost and every other
+// rank exited 0; the status of the failing rank that stopped the job (128 + signal when it was
+// killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
 // --timeout-s; 2 on a usage error. See docs/bootstrap.md.
 #include <dirent.h>
 #include <fcntl.h>
@@ -40,17 +43,25 @@ using std::chrono::milliseconds;
 constexpr auto kKillGrace = std::chrono::seconds(3);   // SIGTERM, then SIGKILL after this
 constexpr auto kDrainLimit = std::chrono::seconds(1);  // output still read after the last exit
 constexpr int kMaxRanks = 4096;
+// 100 + lost ranks must stay below 124 (timeout), 127 (cannot execute) and 128 + signal.
+constexpr int kMaxTolerated = 23;
+constexpr int kDegradedBase = 100;
+constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
 
 constexpr const char* kUsage =
     "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind MODE]\n"
-    "                    -- CMD [ARGS...]\n"
+    "                    [--tolerate-failures K] -- CMD [ARGS...]\n"
     "  -n N            number of ranks to start on this host\n"
     "  --provider P    sets QRING_PROVIDER=P for every rank\n"
     "  --port PORT     rendezvous store port (default: a free port)\n"
     "  --timeout-s S   kill all ranks and exit 124 after S seconds\n"
     "  --bind MODE     cores (default): each rank gets its share of the CPUs this launcher may\n"
     "                  use, contiguous blocks when N <= CPUs, else CPU (rank mod CPUs), so ring\n"
-    "                  neighbours run on different CPUs; none: ranks are not bound\n";
+    "                  neighbours run on different CPUs; none: ranks are not bound\n"
+    "  --tolerate-failures K\n"
+    "                  keep the other ranks running while at most K ranks (K < N, K <= 23)\n"
+    "                  have failed (exited non-zero, 75 = evicted, or killed by a signal);\n"
+    "                  exit 100 + lost ranks if all others exit 0. Default 0: fail-fast\n";
 
 struct Options {
   int n = 0;
@@ -58,6 +69,7 @@ struct Options {
   int port = 0;
   double timeout_s = 0;
   bool bind = true;
+  int tolerate = 0;
   std::vector<std::string> cmd;
 };
 
@@ -95,7 +107,7 @@ Options parse_args(int argc, char** argv) {
       inline_value = true;
     }
     if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s" &&
-        name != "--bind")
+        name != "--bind" && name != "--tolerate-failures")
       usage_error(fmt::format("unknown option '{}' (the command follows '--')", a));
     if (!inline_value) {
       if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", name));
@@ -112,6 +124,8 @@ Options parse_args(int argc, char** argv) {
       if (value != "cores" && value != "none")
         usage_error(fmt::format("--bind expects 'cores' or 'none', got '{}'", value));
       o.bind = value == "cores";
+    } else if (name == "--tolerate-failures") {
+      o.tolerate = parse_int(name, value, 0, kMaxTolerated);
     } else {
       char* end = nullptr;
       o.timeout_s = std::strtod(value.c_str(), &end);
@@ -122,6 +136,9 @@ Options parse_args(int argc, char** argv) {
   for (; i < argc; ++i) o.cmd.emplace_back(argv[i]);
   if (o.n == 0) usage_error("-n N is required");
   if (o.cmd.empty()) usage_error("no command given after '--'");
+  if (o.tolerate >= o.n)
+    usage_error(fmt::format("--tolerate-failures {} must be below -n {} (one rank must survive)",
+                            o.tolerate, o.n));
   return o;
 }
 
@@ -189,9 +206,29 @@ struct Stream {
   std::string partial;
 };
 
+// How a rank ended, for the messages: "exited with status 3", "was evicted (exit status 75)",
+// "was killed by signal 9 (SIGKILL)".
+std::string describe_end(int status) {
+  if (WIFEXITED(status)) {
+    int code = WEXITSTATUS(status);
+    if (code == kEvictedStatus) return fmt::format("was evicted (exit status {})", code);
+    return fmt::format("exited with status {}", code);
+  }
+  int sig = WTERMSIG(status);
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("was killed by signal {} (SIG{})", sig, abbrev)
+                : fmt::format("was killed by signal {}", sig);
+}
+
 struct Rank {
   pid_t pid = -1;
   bool running = false;
+};
+
+struct LostRank {
+  int rank = 0;
+  pid_t pid = -1;
+  std::string how;  // describe_end()
 };
 
 class Launcher {
@@ -211,6 +248,7 @@ class Launcher {
   Options opts_;
   std::vector<Rank> ranks_;
   std::vector<Stream> streams_;
+  std::vector<LostRank> lost_;  // --tolerate-failures: ranks lost so far, in order
   bool stopping_ = false;
   bool killed_ = false;
   int signals_received_ = 0;
@@ -252,6 +290,7 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     setenv("QRING_LOCAL_SIZE", std::to_string(opts_.n).c_str(), 1);
     setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
     setenv("QRING_JOB_ID", fmt::format("launch-{}", parent).c_str(), 1);
+    setenv("QRING_TOLERATE_FAILURES", std::to_string(opts_.tolerate).c_str(), 1);
     if (!opts_.provider.empty()) setenv("QRING_PROVIDER", opts_.provider.c_str(), 1);
     unsetenv("QRING_CPUS");  // set below only when this rank is bound
     if (!cpus.empty()) {
@@ -377,6 +416,26 @@ void Launcher::reap() {
     int r = static_cast<int>(it - ranks_.begin());
     bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
     if (!failed || stopping_) continue;
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (opts_.tolerate > 0) {
+      lost_.push_back({r, p, describe_end(status)});
+      const int lost = static_cast<int>(lost_.size());
+      std::string what = fmt::format("rank {} (pid {}) {}; {} of {} ranks lost", r, p,
+                                     lost_.back().how, lost, opts_.n);
+      if (lost <= opts_.tolerate) {
+        write_all(2, fmt::format("qring-launch: {}, tolerating up to {}\n", what, opts_.tolerate));
+        // What the lost rank left behind in its process group has no use any more.
+        kill(-p, SIGKILL);
+        continue;
+      }
+      // Fail-fast from here on. A status in the degraded-success range would read as success.
+      if (code > kDegradedBase && code <= kDegradedBase + opts_.tolerate) code = 1;
+      begin_stop(SIGTERM,
+                 fmt::format("{}, more than the {} tolerated; stopping the other ranks", what,
+                             opts_.tolerate),
+                 code);
+      continue;
+    }
     if (WIFEXITED(status)) {
       begin_stop(SIGTERM,
                  fmt::format("rank {} exited with status {}; stopping the other ranks", r,
@@ -483,6 +542,17 @@ int Launcher::run() {
     if (s.fd >= 0) close(s.fd);
   }
   close(sfd);
+  if (exit_code_ == 0 && !lost_.empty()) {
+    // Degraded success: every rank that was not lost exited 0.
+    std::vector<std::string> list;
+    for (const auto& l : lost_)
+      list.push_back(fmt::format("rank {} (pid {}) {}", l.rank, l.pid, l.how));
+    exit_code_ = kDegradedBase + static_cast<int>(lost_.size());
+    write_all(
+        2, fmt::format("qring-launch: finished with {} of {} ranks lost (tolerating up to "
+                       "{}): {}; exit status {}\n",
+                       lost_.size(), opts_.n, opts_.tolerate, fmt::join(list, "; "), exit_code_));
+  }
   return exit_code_;
 }
 

@@ -25,8 +25,8 @@ qring_setup() {
     "${SLURM_JOB_NUM_NODES:-?} node(s), ${SLURM_NTASKS:-?} task(s); repo ${QRING_ROOT} @ ${rev};" \
     "build ${QRING_BUILD}; started $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   local v
-  for v in QRING_PROVIDER QRING_STORE_PORT QRING_SRUN_ARGS FI_PROVIDER FI_LOG_LEVEL \
-    FI_TCP_IFACE; do
+  for v in QRING_PROVIDER QRING_STORE_PORT QRING_SRUN_ARGS QRING_TOLERATE_FAILURES FI_PROVIDER \
+    FI_LOG_LEVEL FI_TCP_IFACE; do
     [ -n "${!v:-}" ] && echo "qring-slurm: $v=${!v}"
   done
   # Several nodes: the other ranks reach the store on the first node by its Slurm name.
@@ -61,19 +61,40 @@ qring_resolve_config() {
   fi
 }
 
+# Prints QRING_TOLERATE_FAILURES (unset or empty: 0); dies when it is not a non-negative
+# integer.
+qring_tolerated_failures() {
+  local k=${QRING_TOLERATE_FAILURES:-0}
+  [[ $k =~ ^[0-9]+$ ]] ||
+    qring_die "QRING_TOLERATE_FAILURES must be a non-negative integer, got '$k'"
+  echo $((10#$k))
+}
+
 # Starts one process per task. If any task fails, Slurm kills the others
-# (--kill-on-bad-exit=1) and srun reports which task failed. Output lines carry the task
-# number (--label). Extra srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores").
-# Returns srun's exit code.
+# (--kill-on-bad-exit=1) and srun reports which task failed -- unless the job tolerates lost
+# ranks (QRING_TOLERATE_FAILURES > 0, e.g. a quorum below the world size): then a failed task
+# does not end the step (--kill-on-bad-exit=0 --no-kill) and the others run on; srun still
+# exits non-zero when any task failed. Output lines carry the task number (--label). Extra
+# srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores"). Returns srun's exit code.
 qring_srun() {
-  local rc=0
-  local -a extra=()
+  local rc=0 tolerate
+  local -a extra=() kill_opts=(--kill-on-bad-exit=1)
+  tolerate=$(qring_tolerated_failures) || exit 2
+  if [ "$tolerate" -gt 0 ]; then
+    kill_opts=(--kill-on-bad-exit=0 --no-kill)
+    export QRING_TOLERATE_FAILURES=$tolerate # the ranks see it too
+    echo "qring-slurm: QRING_TOLERATE_FAILURES=$tolerate: a failed task does not stop the others"
+  fi
   # shellcheck disable=SC2206 # QRING_SRUN_ARGS is a list of options, split on spaces
   [ -n "${QRING_SRUN_ARGS:-}" ] && extra=(${QRING_SRUN_ARGS})
-  echo "qring-slurm: srun --kill-on-bad-exit=1 --label ${extra[*]}${extra[*]:+ }$*"
-  srun --kill-on-bad-exit=1 --label "${extra[@]}" "$@" || rc=$?
+  echo "qring-slurm: srun ${kill_opts[*]} --label ${extra[*]}${extra[*]:+ }$*"
+  srun "${kill_opts[@]}" --label "${extra[@]}" "$@" || rc=$?
   if [ $rc -eq 0 ]; then
     echo "qring-slurm: job ${SLURM_JOB_ID} step finished, exit code 0"
+  elif [ "$tolerate" -gt 0 ]; then
+    echo "qring-slurm: job ${SLURM_JOB_ID} step ended with exit code $rc: at least one task" \
+      "failed or was evicted, the others were not stopped (up to $tolerate lost ranks" \
+      "tolerated); the 'srun: error:' lines above name the tasks = ranks" >&2
   else
     echo "qring-slurm: job ${SLURM_JOB_ID} step FAILED, exit code $rc (the 'srun: error:' lines" \
       "above name the failing task = rank)" >&2
