@@ -12,6 +12,10 @@
 // `ignore`, from `peer` (or from any peer with kAnyPeer). Messages from one peer with the same
 // tag are matched in the order they were sent. A message longer than the posted receive is an
 // error (ProtocolError on the request); a shorter one completes with Request::bytes.
+//
+// Peers are independent: a peer that stops reading (stopped, dead, overloaded) may hold back
+// the sends to itself, never traffic with other peers, and an error that concerns one peer
+// fails only its requests (see suspect_peers()).
 #pragma once
 
 #include <chrono>
@@ -21,6 +25,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "net/tags.h"
 
@@ -81,6 +86,13 @@ class Endpoint {
   // needs no registration). Unregistered buffers are registered on the fly and cached.
   virtual void register_memory(const void* /*ptr*/, size_t /*len*/) {}
   virtual void deregister_memory(const void* /*ptr*/) {}
+
+  // Ranks that an error has concerned, sorted: a post the transport refused outright or a
+  // completion error of a request to or from that rank (truncation included). Such an
+  // error fails only its request (RequestState::kError, the message names the rank); the
+  // endpoint and its traffic with other ranks go on. Cancellations mark no one, nor do
+  // errors of any-peer receives (no source known). Called by the thread driving the endpoint.
+  virtual std::vector<int> suspect_peers() const { return {}; }
 
   // Blocks cheaply (spin briefly, then yield, then sleep with backoff) until `req` is done or
   // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.

@@ -16,13 +16,13 @@
 #include <rdma/fi_tagged.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -153,6 +153,18 @@ struct OpCtx {
   fi_addr_t addr = FI_ADDR_UNSPEC;
   void* desc = nullptr;
   bool posted = false;
+  OpCtx* next = nullptr;  // next in its post queue while refused
+};
+
+// The posts of one direction with one peer: a FIFO of those not handed to the provider yet
+// (refused, or over the in-flight cap of sends), linked through OpCtx::next (no allocation on the
+// hot path), and how many are with the provider.
+struct PostQueue {
+  OpCtx* head = nullptr;
+  OpCtx* tail = nullptr;
+  int32_t slot = -1;          // index in FabricEndpoint::active_, -1 while empty
+  uint32_t inflight = 0;      // posted, not completed
+  uint32_t cap = UINT32_MAX;  // at most this many posted
 };
 
 // The peers' tcp endpoint addresses of one FabricEndpoint, registered with tcp_tuning (the
@@ -275,6 +287,17 @@ class FabricEndpoint final : public Endpoint {
         throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
                           __LINE__);
     }
+    // Some providers refuse sends for the whole endpoint once one peer holds enough of its
+    // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
+    // nothing never give theirs back). A quarter of the depth in flight per peer keeps a
+    // stopped peer from starving the others. Receives have no cap: one posted beyond it
+    // could be needed to complete a send that earlier ones wait for (rendezvous).
+    const auto send_cap =
+        static_cast<uint32_t>(std::clamp<size_t>(info_->tx_attr->size / 4, 1, 1u << 16));
+    queues_.resize(2 * static_cast<size_t>(world) + 1);
+    for (size_t i = 0; i < static_cast<size_t>(world); ++i) queues_[i].cap = send_cap;
+    active_.reserve(queues_.size());
+    suspect_.assign(static_cast<size_t>(world), 0);
     spdlog::debug("rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {}",
                   rank_, provider_name_, info_->domain_attr->name, max_msg_, mr_local_);
   }
@@ -352,9 +375,11 @@ class FabricEndpoint final : public Endpoint {
       handled += static_cast<size_t>(n);
       if (n < 32) break;
     }
-    if (!backlog_.empty()) retry_backlog();
+    if (!active_.empty()) handled += retry_queues();
     return handled;
   }
+
+  std::vector<int> suspect_peers() const override { return suspects_; }
 
   bool cancel(const RequestPtr& req) override {
     if (req->done()) return false;
@@ -368,15 +393,22 @@ class FabricEndpoint final : public Endpoint {
         }
       }
     }
-    // Unposted fragments in the backlog: drop them.
-    for (auto it = backlog_.begin(); it != backlog_.end();) {
-      if ((*it)->req == req) {
-        finish_part(*it, RequestState::kCancelled, {});
-        it = backlog_.erase(it);
+    // Unposted fragments in its post queue: drop them.
+    const size_t qi = queue_index(false, req->peer);
+    PostQueue& q = queues_[qi];
+    OpCtx* prev = nullptr;
+    for (OpCtx* c = q.head; c;) {
+      OpCtx* next = c->next;
+      if (c->req == req) {
+        (prev ? prev->next : q.head) = next;
+        if (q.tail == c) q.tail = prev;
+        finish_part(c, RequestState::kCancelled, {});
       } else {
-        ++it;
+        prev = c;
       }
+      c = next;
     }
+    if (!q.head) deactivate(qi);
     // The provider reports each cancelled receive as an FI_ECANCELED completion; wait for
     // them so the buffer is free when we return.
     Deadline dl = deadline_in(std::chrono::seconds(5));
@@ -461,40 +493,122 @@ class FabricEndpoint final : public Endpoint {
       c->addr = addr;
       c->desc = descriptor(c->buf, n);
       outstanding_.insert(c);
-      if (!backlog_.empty() || !try_post(c)) backlog_.push_back(c);
+      // Behind earlier refused posts of the same queue (order), else straight to the provider.
+      const size_t qi = queue_index(req->is_send, req->peer);
+      const PostQueue& q = queues_[qi];
+      if (!q.head && q.inflight < q.cap) {
+        ssize_t ret = post(c);
+        if (ret == 0) continue;
+        if (ret != -FI_EAGAIN) {
+          fail_post(c, ret);  // fails the request: its later fragments are not posted
+          return;
+        }
+      }
+      enqueue(qi, c);
     }
   }
 
-  bool try_post(OpCtx* c) {
+  // Post queues: sends to p at p, receives from p at world + p, any-peer receives at
+  // 2 * world. Posts the provider refused, or sends over the in-flight cap, wait there in
+  // order and are retried from progress(), each queue on its own: a peer that stops reading
+  // holds back only its own queue.
+  size_t queue_index(bool is_send, int peer) const {
+    if (peer == kAnyPeer) return 2 * static_cast<size_t>(world_);
+    return static_cast<size_t>(peer) + (is_send ? 0 : static_cast<size_t>(world_));
+  }
+
+  void enqueue(size_t qi, OpCtx* c) {
+    PostQueue& q = queues_[qi];
+    c->next = nullptr;
+    if (q.tail)
+      q.tail->next = c;
+    else
+      q.head = c;
+    q.tail = c;
+    if (q.slot < 0) {
+      q.slot = static_cast<int32_t>(active_.size());
+      active_.push_back(static_cast<uint32_t>(qi));  // reserved: never reallocates
+    }
+  }
+
+  void deactivate(size_t qi) {
+    PostQueue& q = queues_[qi];
+    if (q.slot < 0) return;
+    const uint32_t last = active_.back();
+    active_[static_cast<size_t>(q.slot)] = last;
+    queues_[last].slot = q.slot;
+    active_.pop_back();
+    q.slot = -1;
+  }
+
+  // Hands one fragment to the provider: 0, -FI_EAGAIN (refused for now) or a hard error.
+  ssize_t post(OpCtx* c) {
     ssize_t ret;
     if (c->req->is_send)
       ret = fi_tsend(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
     else
       ret = fi_trecv(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
-    if (ret == -FI_EAGAIN) {
-      // Drive completions so the provider can free resources, then let progress() retry.
-      return false;
+    if (ret >= 0) {
+      c->posted = true;
+      ++queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
+      return 0;
     }
-    if (ret < 0) {
-      outstanding_.erase(c);
-      RequestPtr req = c->req;
-      delete c;
-      throw FabricError(req->is_send ? "fi_tsend" : "fi_trecv", static_cast<int>(ret), __FILE__,
-                        __LINE__);
-    }
-    c->posted = true;
-    return true;
+    return ret;
   }
 
-  void retry_backlog() {
-    while (!backlog_.empty()) {
-      OpCtx* c = backlog_.front();
-      if (!try_post(c)) {
-        // Drain completions once; the next progress() call tries again.
-        return;
-      }
-      backlog_.pop_front();
+  // A post failed with a hard error. For a directed request it concerns that peer only: the
+  // request fails and the peer is marked suspect. An any-peer receive names no peer: the
+  // endpoint itself is in trouble, which throws (after failing the request).
+  void fail_post(OpCtx* c, ssize_t ret) {
+    const bool send = c->req->is_send;
+    const int peer = c->req->peer;
+    const char* fn = send ? "fi_tsend" : "fi_trecv";
+    if (peer == kAnyPeer) {
+      finish_part(c, RequestState::kError, fmt::format("{}: {}", fn, fi_strerror(int(-ret))));
+      throw FabricError(fn, static_cast<int>(ret), __FILE__, __LINE__);
     }
+    std::string msg = fmt::format("{} rank {}: {} failed: {}", send ? "to" : "from", peer, fn,
+                                  fi_strerror(int(-ret)));
+    mark_suspect(peer, msg);
+    finish_part(c, RequestState::kError, msg);
+  }
+
+  void mark_suspect(int peer, const std::string& why) {
+    if (peer < 0 || peer >= world_ || suspect_[static_cast<size_t>(peer)]) return;
+    suspect_[static_cast<size_t>(peer)] = 1;
+    suspects_.insert(std::lower_bound(suspects_.begin(), suspects_.end(), peer), peer);
+    spdlog::warn("rank {}: rank {} is suspect: {}", rank_, peer, why);
+  }
+
+  // Retries every non-empty post queue, each up to its first refusal. Returns the requests
+  // that ended here (fragments of failed requests dropped, hard errors).
+  size_t retry_queues() {
+    size_t ended = 0;
+    for (size_t i = 0; i < active_.size();) {
+      const uint32_t qi = active_[i];
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        // A request that already failed (an earlier fragment) posts no more fragments.
+        const bool failed = c->req->state == RequestState::kError;
+        if (!failed && q.inflight >= q.cap) break;  // completions make room
+        const ssize_t ret = failed ? 0 : post(c);
+        if (ret == -FI_EAGAIN) break;  // the next progress() tries again
+        q.head = c->next;
+        if (!q.head) {
+          q.tail = nullptr;
+          deactivate(qi);
+        }
+        c->next = nullptr;
+        if (failed) {
+          finish_part(c, RequestState::kError, {});
+        } else if (ret != 0) {
+          ++ended;
+          fail_post(c, ret);
+        }
+      }
+      if (i < active_.size() && active_[i] == qi) ++i;  // still refused: next queue
+    }
+    return ended;
   }
 
   void finish_part(OpCtx* c, RequestState st, const std::string& err) {
@@ -509,6 +623,7 @@ class FabricEndpoint final : public Endpoint {
     if (r.pending_parts == 0 && r.state == RequestState::kCancelled) {
       // fine: fully cancelled
     }
+    if (c->posted) --queues_[queue_index(r.is_send, r.peer)].inflight;
     outstanding_.erase(c);
     delete c;
   }
@@ -530,16 +645,28 @@ class FabricEndpoint final : public Endpoint {
     if (!c)
       throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
                                 fi_strerror(err.err)));
-    if (err.err == FI_ECANCELED) {
+    // Some providers (shm) report the error code negated.
+    const int code = err.err < 0 ? -err.err : err.err;
+    if (code == FI_ECANCELED) {
       finish_part(c, RequestState::kCancelled, {});
       return;
     }
-    std::string msg =
-        err.err == FI_ETRUNC
-            ? fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
-                          err.olen + err.len, c->len)
-            : fmt::format("{} ({})", fi_strerror(err.err),
+    const Request& req = *c->req;
+    std::string detail =
+        code == FI_ETRUNC
+            ? (err.olen > 0 ? fmt::format("message truncated: {} bytes arrived for a {}-byte "
+                                          "buffer",
+                                          err.olen + err.len, c->len)
+                            : fmt::format("message truncated: more than {} bytes arrived", c->len))
+            : fmt::format("{} ({})", fi_strerror(code),
                           fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
+    // An error of a request to or from one peer fails that request and marks the peer
+    // suspect; the endpoint and its other peers go on.
+    std::string msg =
+        req.peer == kAnyPeer
+            ? "from any peer: " + detail
+            : fmt::format("{} rank {}: {}", req.is_send ? "to" : "from", req.peer, detail);
+    if (req.peer != kAnyPeer) mark_suspect(req.peer, msg);
     finish_part(c, RequestState::kError, msg);
   }
 
@@ -562,7 +689,10 @@ class FabricEndpoint final : public Endpoint {
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;
   std::unordered_set<OpCtx*> outstanding_;
-  std::deque<OpCtx*> backlog_;
+  std::vector<PostQueue> queues_;  // see queue_index()
+  std::vector<uint32_t> active_;   // indices of the non-empty queues
+  std::vector<char> suspect_;      // per rank: an error concerned it
+  std::vector<int> suspects_;      // the same, sorted
 };
 
 }  // namespace

@@ -1,8 +1,17 @@
 // Fault injection for tests: wraps any Endpoint and delays or drops the messages it sends
 // that match a rule. Installing the same plan on every rank covers "messages to rank X"
 // (dst = X) and "messages from rank X" (src = X).
+//
+// cut(X) removes rank X from this endpoint's network at runtime: from then on every message
+// it sends to X is dropped (held ones too) and no receive from X completes (receives posted
+// earlier included; one that the inner endpoint matched meanwhile is ignored, its buffer
+// contents undefined). Nothing is reported: the ranks see silence, as from a partitioned or
+// frozen peer; cancel() still withdraws such a receive. Cutting X on every rank, and every
+// rank on X, takes X out entirely. Any-peer receives are not filtered (the source of their
+// message is unknown). Delayed messages are held per peer: one peer's never hold another's.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -34,14 +43,19 @@ class FaultEndpoint final : public Endpoint {
   std::string provider() const override { return inner_->provider() + "+faults"; }
   size_t max_message_size() const override { return inner_->max_message_size(); }
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override;
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
-    return inner_->irecv(peer, tag, buf, len, ignore);
-  }
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override;
   size_t progress() override;
-  bool cancel(const RequestPtr& req) override { return inner_->cancel(req); }
+  bool cancel(const RequestPtr& req) override;
   void register_memory(const void* p, size_t n) override { inner_->register_memory(p, n); }
   void deregister_memory(const void* p) override { inner_->deregister_memory(p); }
+  std::vector<int> suspect_peers() const override { return inner_->suspect_peers(); }
 
+  // Cuts `peer` off (see above); permanent. Thread-safe: any thread may call it while the
+  // owner drives the endpoint, which applies it from its next isend/irecv/progress.
+  void cut(int peer);
+  bool is_cut(int peer) const;
+
+  // Messages dropped by rules or by a cut; messages delayed by rules.
   size_t dropped() const { return dropped_; }
   size_t delayed() const { return delayed_; }
 
@@ -56,15 +70,23 @@ class FaultEndpoint final : public Endpoint {
   };
   struct Forwarded {
     RequestPtr proxy;
-    RequestPtr inner;
+    RequestPtr inner;  // receives from a cut peer: null once withdrawn
   };
   const FaultRule* match(int peer, uint64_t tag);
+  void drop_cut_receives();
 
   std::unique_ptr<Endpoint> inner_;
   std::vector<FaultRule> rules_;
   std::vector<int> seen_;  // per rule: matching messages seen
   std::deque<Held> held_;
   std::vector<Forwarded> forwarded_;
+  // Directed receives: proxies over the inner requests, so that a cut can hold them back.
+  std::vector<Forwarded> recvs_;
+  std::vector<Forwarded> cut_recvs_;    // receives from cut peers: never complete
+  std::vector<std::atomic<bool>> cut_;  // per rank
+  std::atomic<uint64_t> cuts_{0};       // cut() calls so far
+  uint64_t cuts_applied_ = 0;           // owner: cuts applied to recvs_
+  bool recvs_dirty_ = false;            // an inner cancel may have completed receives
   size_t dropped_ = 0;
   size_t delayed_ = 0;
 };

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -29,6 +30,7 @@ struct InprocFabric::Mailbox {
   };
   struct Done {
     RequestPtr req;
+    int src;
     size_t bytes;
     uint64_t tag;
     std::string error;
@@ -76,13 +78,10 @@ class InprocEndpoint final : public Endpoint {
         Request& r = *it->req;
         if ((r.peer == kAnyPeer || r.peer == rank_) && matches(r.tag, it->ignore, tag)) {
           if (len > r.len) {
-            box.completed.push_back({it->req, len, tag,
-                                     fmt::format("message truncated: {} bytes arrived for a "
-                                                 "{}-byte buffer",
-                                                 len, r.len)});
+            box.completed.push_back({it->req, rank_, len, tag, truncated(rank_, len, r.len)});
           } else {
             if (len) std::memcpy(it->buf, buf, len);
-            box.completed.push_back({it->req, len, tag, {}});
+            box.completed.push_back({it->req, rank_, len, tag, {}});
           }
           box.posted.erase(it);
           req->state = RequestState::kDone;
@@ -110,8 +109,8 @@ class InprocEndpoint final : public Endpoint {
         req->bytes = it->data.size();
         if (it->data.size() > len) {
           req->state = RequestState::kError;
-          req->error = fmt::format("message truncated: {} bytes arrived for a {}-byte buffer",
-                                   it->data.size(), len);
+          req->error = truncated(it->src, it->data.size(), len);
+          mark_suspect(it->src);
         } else {
           if (!it->data.empty()) std::memcpy(buf, it->data.data(), it->data.size());
           req->state = RequestState::kDone;
@@ -140,6 +139,7 @@ class InprocEndpoint final : public Endpoint {
       } else {
         d.req->state = RequestState::kError;
         d.req->error = d.error;
+        mark_suspect(d.src);
       }
     }
     return done.size();
@@ -159,7 +159,22 @@ class InprocEndpoint final : public Endpoint {
     return false;  // already matched; progress() will complete it
   }
 
+  // Each rank's mailbox has its own lists and sends are eager copies: nothing one peer does
+  // (or fails to do) can hold back traffic with another. The only per-peer error here is a
+  // truncated message; it marks its sender (known even for any-peer receives).
+  std::vector<int> suspect_peers() const override { return suspects_; }
+
  private:
+  static std::string truncated(int src, size_t got, size_t room) {
+    return fmt::format("from rank {}: message truncated: {} bytes arrived for a {}-byte buffer",
+                       src, got, room);
+  }
+
+  void mark_suspect(int peer) {
+    auto it = std::lower_bound(suspects_.begin(), suspects_.end(), peer);
+    if (it == suspects_.end() || *it != peer) suspects_.insert(it, peer);
+  }
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_size())
       throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_size()));
@@ -167,6 +182,7 @@ class InprocEndpoint final : public Endpoint {
 
   int rank_;
   std::vector<InprocFabric::Mailbox*> boxes_;
+  std::vector<int> suspects_;  // sorted
 };
 
 }  // namespace
