@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "collectives/engine.h"
 #include "collectives/ring.h"
 
@@ -34,20 +36,34 @@ void check_buffers(const char* what, const void* send, const void* recv, size_t 
   if (count && (!send || !recv))
     throw UsageError(fmt::format("{}: null buffer for {} elements", what, count));
 }
+void check_members(const char* what, const std::vector<int>& m, int rank, int size) {
+  if (m.empty()) return;
+  for (size_t i = 0; i < m.size(); ++i)
+    if (m[i] < 0 || m[i] >= size || (i > 0 && m[i] <= m[i - 1]))
+      throw UsageError(fmt::format("{}: members must be distinct ranks in [0, {}) in ascending "
+                                   "order",
+                                   what, size));
+  if (!std::binary_search(m.begin(), m.end(), rank))
+    throw UsageError(fmt::format("{}: rank {} is not among the members", what, rank));
+}
 }  // namespace
 
 WorkPtr Communicator::allreduce_async(const void* send, void* recv, size_t count, DataType type,
-                                      RedOp op) {
+                                      RedOp op, const std::vector<int>& members) {
   check_buffers("allreduce", send, recv, count);
-  RingArgs a{RingKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce, {}};
+  check_members("allreduce", members, rank_, size_);
+  RingArgs a{RingKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce, members};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
 }
 
-WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count, DataType type) {
+WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count, DataType type,
+                                      const std::vector<int>& members) {
   check_buffers("allgather", send, recv, count);
-  RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather, {}};
+  check_members("allgather", members, rank_, size_);
+  RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather,
+             members};
   auto e = make_ring_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));

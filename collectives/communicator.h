@@ -102,9 +102,14 @@ class Communicator {
   bool broken() const;
 
   // recv may equal send (in place). count in elements. Buffers must stay valid until done.
-  WorkPtr allreduce_async(const void* send, void* recv, size_t count, DataType type, RedOp op);
-  // Every rank's `count` elements from `send` land at recv[rank * count].
-  WorkPtr allgather_async(const void* send, void* recv, size_t count, DataType type);
+  // `members` (sorted ranks, this one among them; empty = every rank) runs the collective
+  // among those ranks only: the live members of a quorum all-reduce's view after a loss.
+  WorkPtr allreduce_async(const void* send, void* recv, size_t count, DataType type, RedOp op,
+                          const std::vector<int>& members = {});
+  // Every rank's `count` elements from `send` land at recv[rank * count]; with `members`,
+  // member i's land at recv[i * count].
+  WorkPtr allgather_async(const void* send, void* recv, size_t count, DataType type,
+                          const std::vector<int>& members = {});
   // send holds size()*count elements; rank r receives the reduction of block r into recv.
   WorkPtr reduce_scatter_async(const void* send, void* recv, size_t count, DataType type, RedOp op);
   WorkPtr broadcast_async(void* buf, size_t count, DataType type, int root);
@@ -112,13 +117,15 @@ class Communicator {
 
   // Blocking forms: the calling thread drives the operation itself (no hand-off to the
   // engine thread unless it takes long).
-  void allreduce(const void* send, void* recv, size_t count, DataType type, RedOp op) {
+  void allreduce(const void* send, void* recv, size_t count, DataType type, RedOp op,
+                 const std::vector<int>& members = {}) {
     caller_drives_ = true;
-    allreduce_async(send, recv, count, type, op)->wait();
+    allreduce_async(send, recv, count, type, op, members)->wait();
   }
-  void allgather(const void* send, void* recv, size_t count, DataType type) {
+  void allgather(const void* send, void* recv, size_t count, DataType type,
+                 const std::vector<int>& members = {}) {
     caller_drives_ = true;
-    allgather_async(send, recv, count, type)->wait();
+    allgather_async(send, recv, count, type, members)->wait();
   }
   void reduce_scatter(const void* send, void* recv, size_t count, DataType type, RedOp op) {
     caller_drives_ = true;

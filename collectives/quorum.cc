@@ -100,6 +100,7 @@ struct QuorumAllreduce::Shared {
   std::exception_ptr poison;
   bool shutdown = false;
   std::function<void(uint64_t)> on_excluded;
+  std::function<void(uint64_t, const char*)> on_phase;
   std::map<uint64_t, std::vector<double>> arrivals;  // coordinator only
   std::vector<int> members;                          // as of the last completed step
   std::vector<ViewChange> views;
@@ -147,8 +148,8 @@ class QuorumService final : public EngineOp {
     view_.members.resize(size_t(world_));
     for (int r = 0; r < world_; ++r) view_.members[size_t(r)] = r;
     out_next_.assign(size_t(world_), 0);
-    behind_sends_.assign(size_t(world_), 0);
-    reported_behind_.assign(size_t(world_), false);
+    results_to_.resize(size_t(world_));
+    reported_suspect_.assign(size_t(world_), false);
   }
 
   std::string name() const override { return "quorum service"; }
@@ -218,7 +219,7 @@ class QuorumService final : public EngineOp {
         moved |= poll_down(ep);
       moved |= advance_rings(ep);
       moved |= poll_results(ep);
-      moved |= reap_sends();
+      moved |= reap_sends(ep);
       heartbeat(ep);
       check_deadlines();
     } catch (const Evicted&) {
@@ -237,6 +238,23 @@ class QuorumService final : public EngineOp {
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       stop = sh_->shutdown;
+    }
+    if (stop && !dead_ && !bye_sent_) {
+      // Finished: nobody may take this rank's silence from now on for a failure.
+      bye_sent_ = true;
+      try {
+        if (coord_state_) {
+          qwire::DownMsg m;
+          m.type = qwire::Down::kBye;
+          auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
+          for (int r : coord_state_->view().members)
+            if (r != rank_) send_down(ep, r, buf);
+        } else {
+          send_up(ep, qwire::Up::kBye, Event{});
+        }
+      } catch (const std::exception& e) {
+        spdlog::debug("rank {}: quorum: goodbye not sent: {}", rank_, e.what());
+      }
     }
     if ((stop || dead_) && !finished_) {
       cancel_all(ep);
@@ -276,6 +294,7 @@ class QuorumService final : public EngineOp {
     std::vector<int> members;
     uint32_t attempt = 0;
     bool speculative = false;
+    bool phase_told = false;
   };
   struct ResultRecv {
     net::RequestPtr req;
@@ -323,10 +342,11 @@ class QuorumService final : public EngineOp {
     e.completed = completed_;
     if (coord_state_) {
       // The coordinator's own messages go straight into its state machine.
-      e.kind = type == qwire::Up::kReady       ? Event::Kind::kReady
-               : type == qwire::Up::kReport    ? Event::Kind::kReport
-               : type == qwire::Up::kBehind    ? Event::Kind::kBehind
-                                               : Event::Kind::kHeartbeat;
+      e.kind = type == qwire::Up::kReady     ? Event::Kind::kReady
+               : type == qwire::Up::kReport  ? Event::Kind::kReport
+               : type == qwire::Up::kSuspect ? Event::Kind::kSuspect
+               : type == qwire::Up::kBye     ? Event::Kind::kBye
+                                             : Event::Kind::kHeartbeat;
       self_events_.push_back(e);
       return;
     }
@@ -352,8 +372,9 @@ class QuorumService final : public EngineOp {
       moved = true;
       if (!in.req->ok()) {
         // A transport error concerns that peer only: it falls silent and is evicted.
-        spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
-                     in.req->error);
+        if (in.req->state != net::RequestState::kCancelled)
+          spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
+                       in.req->error);
         in.req.reset();
         continue;
       }
@@ -366,7 +387,7 @@ class QuorumService final : public EngineOp {
     }
     moved |= drain_self(ep);
     auto now = Clock::now();
-    if (now - last_tick_ >= std::chrono::microseconds(200)) {
+    if (!bye_sent_ && now - last_tick_ >= std::chrono::microseconds(200)) {
       last_tick_ = now;
       feed(ep, Event{Event::Kind::kTick});
     }
@@ -450,10 +471,13 @@ class QuorumService final : public EngineOp {
     switch (m.type) {
       case qwire::Down::kHeartbeat:
         return;
+      case qwire::Down::kBye:
+        coordinator_done_ = true;  // its silence from now on is no failure
+        return;
       case qwire::Down::kEvicted:
         throw Evicted(fmt::format(
             "rank {}: evicted from the job: the other ranks stopped waiting for this one (silent "
-            "for more than quorum.evict_ms = {} ms, or too far behind); it must leave (exit)",
+            "for more than quorum.evict_ms = {} ms, or unreachable); it must leave (exit)",
             rank_, o_.evict.count()));
       case qwire::Down::kFatal: {
         std::vector<int> gone;
@@ -498,7 +522,7 @@ class QuorumService final : public EngineOp {
                                 "other ranks stopped waiting for this one; it must leave (exit)",
                                 rank_, view_.epoch, view_.members));
     // Results owed to ranks that left are no longer sent.
-    for (auto& d : m.left) behind_sends_[size_t(d.rank)] = 0;
+    for (auto& d : m.left) results_to_[size_t(d.rank)].queued.clear();
   }
 
   // A member was lost while step t may be unfinished: say whether this rank holds the result;
@@ -579,28 +603,40 @@ class QuorumService final : public EngineOp {
     auto op = make_ring_op(engine_, copts_, a);
     op->seq = uint32_t(attempt_seq(t, attempt));
     op->start(ep);
-    rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), attempt, speculative};
+    rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), attempt, speculative, false};
   }
 
+  // Results to a rank outside S(t): at most two in flight to one rank, later ones wait here
+  // (they are kept until every live rank has the step anyway), so a rank that stops reading
+  // holds no more than that in the transport; it leaves the view when it falls silent.
   void send_result(net::Endpoint& ep, uint64_t t, uint32_t attempt, int to,
                    const std::shared_ptr<std::vector<char>>& buf) {
-    // At most one result in flight to a rank and one more waiting: a rank that does not take
-    // its results (stopped, or far behind) is reported instead of sent ever more copies.
-    if (behind_sends_[size_t(to)] >= 2) {
-      if (!reported_behind_[size_t(to)]) {
-        reported_behind_[size_t(to)] = true;
-        spdlog::warn("rank {}: quorum step {}: rank {} does not take its results; reporting it",
-                     rank_, t, to);
-        Event e;
-        e.behind = to;
-        send_up(ep, qwire::Up::kBehind, e);
-      }
-      return;
+    ResultsTo& q = results_to_[size_t(to)];
+    q.queued.push_back({t, attempt, buf});
+    flush_results(ep, to);
+  }
+  void flush_results(net::Endpoint& ep, int to) {
+    ResultsTo& q = results_to_[size_t(to)];
+    while (q.in_flight < 2 && !q.queued.empty()) {
+      auto r = std::move(q.queued.front());
+      q.queued.pop_front();
+      auto req = ep.isend(to, net::make_tag(net::Op::kQuorumResult, attempt_seq(r.step, r.attempt),
+                                            chunk(0)),
+                          r.buf->data(), r.buf->size());
+      ++q.in_flight;
+      sends_.push_back({req, r.buf, to, true});
     }
-    auto req = ep.isend(to, net::make_tag(net::Op::kQuorumResult, attempt_seq(t, attempt), chunk(0)),
-                        buf->data(), buf->size());
-    ++behind_sends_[size_t(to)];
-    sends_.push_back({req, buf, to, true});
+  }
+
+  // A transport error with `peer`: the coordinator evicts it if it also misses a heartbeat.
+  void suspect(net::Endpoint& ep, int peer, const std::string& what) {
+    if (peer < 0 || peer >= world_ || peer == rank_ || reported_suspect_[size_t(peer)]) return;
+    reported_suspect_[size_t(peer)] = true;
+    spdlog::warn("rank {}: quorum: rank {} is unreachable ({}); telling the coordinator", rank_,
+                 peer, what);
+    Event e;
+    e.suspect = peer;
+    send_up(ep, qwire::Up::kSuspect, e);
   }
 
   void apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
@@ -694,6 +730,7 @@ class QuorumService final : public EngineOp {
           throw ProtocolError(
               fmt::format("rank {}: counted in step {} without contributing", rank_, t));
         buf = s.buf;
+        s.excluded = false;  // a late contribution counted when the step was decided again
       } else {
         if (!s.excluded) cb = sh_->on_excluded;
         s.excluded = true;
@@ -743,7 +780,17 @@ class QuorumService final : public EngineOp {
     for (auto it = rings_.begin(); it != rings_.end();) {
       Ring& ring = it->second;
       try {
-        moved |= ring.op->advance(ep);
+        bool m = ring.op->advance(ep);
+        moved |= m;
+        if (m && !ring.phase_told) {
+          ring.phase_told = true;
+          std::function<void(uint64_t, const char*)> cb;
+          {
+            std::lock_guard<std::mutex> lock(sh_->mu);
+            cb = sh_->on_phase;
+          }
+          if (cb) cb(it->first, "ring");
+        }
       } catch (const std::exception& e) {
         if (!tolerant_) throw;
         // A peer of this ring failed: the coordinator evicts it (it falls silent) and decides
@@ -797,7 +844,6 @@ class QuorumService final : public EngineOp {
   }
 
   bool poll_results(net::Endpoint& ep) {
-    (void)ep;
     bool moved = false;
     for (auto it = result_recvs_.begin(); it != result_recvs_.end();) {
       if (!it->second.req->done()) {
@@ -809,6 +855,7 @@ class QuorumService final : public EngineOp {
         if (!tolerant_) net::throw_if_failed(*it->second.req, "quorum result receive");
         spdlog::warn("rank {}: quorum step {}: the result from rank {} failed: {}", rank_, t,
                      it->second.from, it->second.req->error);
+        suspect(ep, it->second.from, it->second.req->error);
         failed_[t] = Clock::now();
         it = result_recvs_.erase(it);
         moved = true;
@@ -829,19 +876,23 @@ class QuorumService final : public EngineOp {
     return moved;
   }
 
-  bool reap_sends() {
+  bool reap_sends(net::Endpoint& ep) {
     size_t before = sends_.size();
     for (auto it = sends_.begin(); it != sends_.end();) {
       if (!it->req->done()) {
         ++it;
         continue;
       }
-      if (!it->req->ok())
-        // The peer failed: it falls silent and leaves the view; nothing else is affected.
-        spdlog::debug("rank {}: quorum send to rank {} failed: {}", rank_, it->peer,
-                      it->req->error);
-      if (it->result && behind_sends_[size_t(it->peer)] > 0) --behind_sends_[size_t(it->peer)];
+      const int peer = it->peer;
+      // A failed send concerns that peer only: it is reported, nothing else is affected.
+      if (!it->req->ok() && it->req->state != net::RequestState::kCancelled && !dead_)
+        suspect(ep, peer, it->req->error);
+      const bool result = it->result;
       it = sends_.erase(it);
+      if (result) {
+        --results_to_[size_t(peer)].in_flight;
+        if (view_.has(peer)) flush_results(ep, peer);
+      }
     }
     return sends_.size() != before;
   }
@@ -850,6 +901,7 @@ class QuorumService final : public EngineOp {
   // coordinator tells every member, so silence means a stopped or dead process, never a long
   // computation: this runs on the engine thread.
   void heartbeat(net::Endpoint& ep) {
+    if (bye_sent_) return;
     auto now = Clock::now();
     if (now - last_beat_ < heartbeat_ && completed_ == beat_completed_) return;
     if (now - last_beat_ < heartbeat_ / 4) return;
@@ -870,7 +922,7 @@ class QuorumService final : public EngineOp {
 
   void check_deadlines() {
     auto now = Clock::now();
-    if (!coord_state_ && now - last_down_ > o_.evict + heartbeat_)
+    if (!coord_state_ && !coordinator_done_ && now - last_down_ > o_.evict + heartbeat_)
       throw QuorumLost(
           fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} ms "
                       "(quorum.evict_ms = {}); it stopped or died, and this version has no "
@@ -933,7 +985,7 @@ class QuorumService final : public EngineOp {
   const int coord_ = 0;
   bool tolerant_ = false;
   std::chrono::milliseconds heartbeat_{1000};
-  bool finished_ = false, dead_ = false;
+  bool finished_ = false, dead_ = false, bye_sent_ = false, coordinator_done_ = false;
   Clock::time_point drain_deadline_{};
   Clock::time_point last_pass_{}, last_down_{}, last_up_{}, last_beat_{}, last_tick_{};
   int64_t completed_ = -1, beat_completed_ = -1;
@@ -951,8 +1003,17 @@ class QuorumService final : public EngineOp {
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
   std::deque<Send> sends_;
-  std::vector<int> behind_sends_;  // per rank: result sends to it not yet completed
-  std::vector<bool> reported_behind_;
+  struct QueuedResult {
+    uint64_t step;
+    uint32_t attempt;
+    std::shared_ptr<std::vector<char>> buf;
+  };
+  struct ResultsTo {
+    int in_flight = 0;
+    std::deque<QueuedResult> queued;
+  };
+  std::vector<ResultsTo> results_to_;  // per rank outside S(t): its results
+  std::vector<bool> reported_suspect_;
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
   std::map<uint64_t, Clock::time_point> failed_;  // steps whose reduction failed here
@@ -1017,10 +1078,24 @@ void QuorumAllreduce::on_excluded(std::function<void(uint64_t)> cb) {
   shared_->on_excluded = std::move(cb);
 }
 
+void QuorumAllreduce::on_phase(std::function<void(uint64_t, const char*)> cb) {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->on_phase = std::move(cb);
+}
+
 bool QuorumAllreduce::excluded(uint64_t step) const {
   std::lock_guard<std::mutex> lock(shared_->mu);
   auto it = shared_->steps.find(step);
   return it != shared_->steps.end() && it->second.excluded;
+}
+
+bool QuorumAllreduce::survives_loss() const {
+  qproto::Config c;
+  c.quorum = opts_.fraction > 0 ? 0 : opts_.quorum;
+  c.fraction = opts_.fraction;
+  c.min_world = opts_.min_world;
+  const int w = comm_.size();
+  return w > 1 && qproto::floor_for(c, w - 1) <= w - 1;
 }
 
 std::vector<int> QuorumAllreduce::members() const {

@@ -134,6 +134,9 @@ class QuorumAllreduce {
   bool excluded(uint64_t step) const;
   // Called (on the engine thread; keep it short) when this rank is excluded from a step.
   void on_excluded(std::function<void(uint64_t)> cb);
+  // Called on the engine thread with (step, "ring") once this rank's reduction of the step
+  // has moved: where fault tests kill or stop a rank mid-reduction (fault_inject.h).
+  void on_phase(std::function<void(uint64_t, const char*)> cb);
   // Coordinator (rank 0): per step, each rank's contribution time at the coordinator in ms
   // after the step's first (late ones included; -1 = never arrived). Empty elsewhere.
   std::map<uint64_t, std::vector<double>> arrival_log() const;
@@ -147,6 +150,9 @@ class QuorumAllreduce {
   // has applied so far (the first entry is epoch 0, the full world).
   std::vector<int> members() const;
   std::vector<ViewChange> view_changes() const;
+
+  // Whether the job goes on when a rank is lost (max(quorum, min_world) < world).
+  bool survives_loss() const;
 
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }

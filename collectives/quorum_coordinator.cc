@@ -37,7 +37,7 @@ const char* to_string(Why w) {
   switch (w) {
     case Why::kSilent: return "silent";
     case Why::kMissedSteps: return "missed steps";
-    case Why::kBehind: return "not taking results";
+    case Why::kUnreachable: return "unreachable";
   }
   return "?";
 }
@@ -48,6 +48,8 @@ Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
   last_heard_.assign(size_t(cfg_.world), now);
   completed_.assign(size_t(cfg_.world), -1);
   missed_.assign(size_t(cfg_.world), 0);
+  suspect_.assign(size_t(cfg_.world), false);
+  finished_.assign(size_t(cfg_.world), false);
 }
 
 bool Coordinator::waiting() const {
@@ -74,6 +76,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
       return out;
     }
     last_heard_[size_t(r)] = now;
+    if (e.kind != Event::Kind::kSuspect) suspect_[size_t(r)] = false;  // it spoke: reachable
     completed_[size_t(r)] = std::max(completed_[size_t(r)], e.completed);
     switch (e.kind) {
       case Event::Kind::kReady:
@@ -85,10 +88,11 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
           it->second.reports[r] = e.have;
         break;
       }
-      case Event::Kind::kBehind:
-        if (e.behind != cfg_.self && view_.has(e.behind))
-          pending_.push_back({e.behind, Why::kBehind,
-                              ms_between(last_heard_[size_t(e.behind)], now)});
+      case Event::Kind::kSuspect:
+        if (e.suspect >= 0 && e.suspect < cfg_.world) suspect_[size_t(e.suspect)] = true;
+        break;
+      case Event::Kind::kBye:
+        finished_[size_t(r)] = true;
         break;
       default:
         break;
@@ -101,6 +105,10 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
 void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
   const bool late = step < low_water_ || first_of_decided_.count(step);
   if (late) {
+    auto u = unsettled_.find(step);
+    if (u != unsettled_.end() && view_.has(from) &&
+        std::find(u->second.late.begin(), u->second.late.end(), from) == u->second.late.end())
+      u->second.late.push_back(from);
     if (on_arrival_) {
       auto f = first_of_decided_.find(step);
       if (f != first_of_decided_.end()) on_arrival_(step, from, ms_between(f->second, now));
@@ -146,9 +154,12 @@ void Coordinator::tick(Time now, std::vector<Action>& out) {
   for (auto& d : pending_) add(d);
   pending_.clear();
   for (int r : view_.members) {
-    if (r == cfg_.self) continue;
+    if (r == cfg_.self || finished_[size_t(r)]) continue;
     double silent = ms_between(last_heard_[size_t(r)], now);
-    if (silent > double(cfg_.evict.count())) add({r, Why::kSilent, silent});
+    if (silent > double(cfg_.evict.count()))
+      add({r, Why::kSilent, silent});
+    else if (suspect_[size_t(r)] && silent > double(cfg_.evict.count()) / 4)
+      add({r, Why::kUnreachable, silent});  // a transport error and a missed heartbeat
   }
   if (!left.empty()) {
     std::sort(left.begin(), left.end(),
@@ -234,6 +245,9 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
       std::vector<int> survivors;
       for (int r : u.contributors)
         if (view_.has(r)) survivors.push_back(r);
+      for (int r : u.late)
+        if (view_.has(r)) survivors.push_back(r);
+      std::sort(survivors.begin(), survivors.end());
       if (int(survivors.size()) >= d.quorum && !survivors.empty()) {
         d.contributors = survivors;
         u.contributors = survivors;

@@ -8,12 +8,14 @@
 //    the grace passed; fewer than the quorum by first arrival + deadline is a timeout.
 //  - The view (epoch, live members). A member silent for `evict` (every rank's engine
 //    heartbeats), one that missed `evict_steps` consecutive steps (0 = never), or one that a
-//    member reports as not taking its results leaves the next view. The quorum follows the
+//    member had a transport error with and that has missed a heartbeat (silent for evict / 4)
+//    leaves the next view. A rank that said goodbye (finished the job) is never evicted. The quorum follows the
 //    view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
 //  - Recovery of a step that a departed member was part of: every live member reports
 //    whether it holds the step's final result (aborting its reduction if not). If one does,
 //    it forwards the result to the others (S(t) unchanged); if none does, the step is decided
-//    again among the surviving contributors, or skipped on every rank when too few remain.
+//    again among the surviving contributors (late ones included: their contributions are
+//    intact), or skipped on every rank when fewer than the quorum remain.
 //    Either way every member ends the step with the same S(t) and the same bits.
 #pragma once
 
@@ -58,7 +60,7 @@ struct View {
 
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
 
-enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kBehind = 3 };
+enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3 };
 const char* to_string(Why w);
 
 struct Departure {
@@ -98,14 +100,16 @@ struct Action {
 };
 
 struct Event {
-  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kBehind, kTick } kind = Kind::kTick;
+  // kSuspect: `from` had a transport error with rank `suspect`. kBye: `from` finished the job
+  // (its silence from now on is no failure).
+  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kSuspect, kBye, kTick } kind = Kind::kTick;
   int from = -1;
   uint64_t step = 0;       // kReady, kReport
   uint64_t count = 0;      // kReady
   int64_t completed = -1;  // highest step `from` has completed (every step before it too)
   uint32_t attempt = 0;    // kReport
   bool have = false;       // kReport: `from` holds the final result of `step`
-  int behind = -1;         // kBehind: the rank that does not take its results
+  int suspect = -1;        // kSuspect: the rank a transport error concerned
 };
 
 class Coordinator {
@@ -141,6 +145,7 @@ class Coordinator {
   };
   struct Unsettled {
     std::vector<int> contributors;
+    std::vector<int> late;  // contributed after the decision (their buffers are intact)
     uint32_t attempt = 0;
     int source = -1;
     bool skipped = false;
@@ -163,6 +168,8 @@ class Coordinator {
   std::vector<int64_t> completed_;
   std::vector<int> missed_;
   std::vector<Departure> pending_;  // evictions decided outside tick()
+  std::vector<bool> suspect_;       // a member reported a transport error with it
+  std::vector<bool> finished_;      // said goodbye
   std::map<uint64_t, Open> open_;
   std::map<uint64_t, Time> first_of_decided_;  // for late arrivals' offsets
   uint64_t low_water_ = 0;                     // every step below was decided

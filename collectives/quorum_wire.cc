@@ -24,7 +24,7 @@ struct UpWire {
   uint64_t count;
   int64_t completed;
   uint32_t attempt;
-  int32_t behind;
+  int32_t suspect;
 };
 static_assert(sizeof(UpWire) == kUpBytes);
 
@@ -91,7 +91,7 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   w.count = e.count;
   w.completed = e.completed;
   w.attempt = e.attempt;
-  w.behind = e.behind;
+  w.suspect = e.suspect;
   std::vector<char> out(sizeof(w));
   std::memcpy(out.data(), &w, sizeof(w));
   return out;
@@ -115,11 +115,11 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kBehind))
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kBye))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
-  if (w.type == uint8_t(Up::kBehind) && (w.behind < 0 || w.behind >= world))
+  if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
-        fmt::format("quorum: rank {} reports rank {} of {} as behind", from, w.behind, world));
+        fmt::format("quorum: rank {} reports rank {} of {} as suspect", from, w.suspect, world));
   if (w.completed < -1)
     throw ProtocolError(fmt::format("quorum: rank {} reports completed step {}", from, w.completed));
   *type = Up(w.type);
@@ -128,7 +128,8 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     case Up::kReady: e.kind = qproto::Event::Kind::kReady; break;
     case Up::kHeartbeat: e.kind = qproto::Event::Kind::kHeartbeat; break;
     case Up::kReport: e.kind = qproto::Event::Kind::kReport; break;
-    case Up::kBehind: e.kind = qproto::Event::Kind::kBehind; break;
+    case Up::kSuspect: e.kind = qproto::Event::Kind::kSuspect; break;
+    case Up::kBye: e.kind = qproto::Event::Kind::kBye; break;
   }
   e.from = from;
   e.step = w.step;
@@ -136,7 +137,7 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.completed = w.completed;
   e.attempt = w.attempt;
   e.have = w.have != 0;
-  e.behind = w.behind;
+  e.suspect = w.suspect;
   return e;
 }
 
@@ -190,6 +191,7 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
       break;
     case Down::kEvicted:
     case Down::kHeartbeat:
+    case Down::kBye:
       break;
   }
   h.body = uint32_t(body.size());
@@ -218,7 +220,7 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
     throw bad(fmt::format("body of {} bytes in a message of {}", h.body, len));
   const char* body = static_cast<const char*>(buf) + sizeof(h);
   DownMsg m;
-  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kHeartbeat))
+  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kBye))
     throw bad(fmt::format("unknown type {}", h.type));
   m.type = Down(h.type);
   switch (m.type) {
@@ -273,6 +275,7 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
       break;
     case Down::kEvicted:
     case Down::kHeartbeat:
+    case Down::kBye:
       if (h.body != 0) throw bad(fmt::format("body of {} bytes", h.body));
       break;
   }

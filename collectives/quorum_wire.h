@@ -1,6 +1,7 @@
 // Wire format of the quorum all-reduce's control messages (version 2).
 //
-// Up (any rank -> coordinator), 48 bytes: READY, HEARTBEAT, REPORT (recovery), BEHIND.
+// Up (any rank -> coordinator), 48 bytes: READY, HEARTBEAT, REPORT (recovery), SUSPECT (a
+// transport error with a rank), BYE (finished).
 // Down (coordinator -> one rank), a 72-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures), RECOVER, EVICTED,
 // FATAL (the error text), HEARTBEAT. Each direction of each (rank, coordinator) pair is one
@@ -21,14 +22,15 @@ namespace qring::collectives::qwire {
 
 constexpr uint16_t kVersion = 2;
 
-enum class Up : uint8_t { kReady = 1, kHeartbeat = 2, kReport = 3, kBehind = 4 };
+enum class Up : uint8_t { kReady = 1, kHeartbeat = 2, kReport = 3, kSuspect = 4, kBye = 5 };
 enum class Down : uint8_t {
   kDecide = 1,
   kView = 2,
   kRecover = 3,
   kEvicted = 4,
   kFatal = 5,
-  kHeartbeat = 6
+  kHeartbeat = 6,
+  kBye = 7  // the coordinator finished the job
 };
 
 constexpr size_t kUpBytes = 48;

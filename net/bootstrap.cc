@@ -305,7 +305,9 @@ Rendezvous::~Rendezvous() {
     store_->set(fmt::format("exit/{}", info_.rank), "1");
     if (server_) {
       std::vector<std::string> keys;
-      for (int r = 0; r < info_.world_size; ++r) keys.push_back(fmt::format("exit/{}", r));
+      for (int r = 0; r < info_.world_size; ++r)
+        if (std::find(lost_.begin(), lost_.end(), r) == lost_.end())
+          keys.push_back(fmt::format("exit/{}", r));
       store_->wait(keys, deadline_in(kExitBarrierTimeout));
     }
   } catch (const std::exception& e) {

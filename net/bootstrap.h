@@ -46,6 +46,8 @@ class Rendezvous {
   // In-process variant over an existing store (tests, ranks as threads).
   Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadline);
   ~Rendezvous();
+  // Ranks lost during the job (dead or evicted): the final barrier does not wait for them.
+  void lost(const std::vector<int>& ranks) { lost_ = ranks; }
   Store& store();
   const BootstrapInfo& info() const { return info_; }
   const std::vector<std::string>& hostnames() const { return hostnames_; }
@@ -57,6 +59,7 @@ class Rendezvous {
   std::unique_ptr<Store> owned_;
   Store* store_ = nullptr;
   std::vector<std::string> hostnames_;
+  std::vector<int> lost_;
 };
 
 }  // namespace qring::net

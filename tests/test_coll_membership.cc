@@ -228,16 +228,43 @@ TEST(Coordinator, EvictedRankIsToldAtItsNextContact) {
   EXPECT_EQ(a[0].kind, K::kEvicted);
 }
 
-TEST(Coordinator, RankNotTakingItsResultsIsEvicted) {
+TEST(Coordinator, UnreachableRankIsEvictedOnceItMissesAHeartbeat) {
   Sim s(base(4, 3));
   Event e;
-  e.kind = Event::Kind::kBehind;
+  e.kind = Event::Kind::kSuspect;
   e.from = 1;
-  e.behind = 3;
-  auto v = of(s.c.handle(e, s.now), K::kView);
+  e.suspect = 3;
+  s.beat(3);
+  EXPECT_TRUE(of(s.c.handle(e, s.now), K::kView).empty());  // heard from it just now
+  s.now += milliseconds(100);
+  EXPECT_TRUE(of(s.tick(), K::kView).empty());  // within a heartbeat period (evict / 4)
+  s.now += milliseconds(50);
+  auto v = of(s.tick(), K::kView);
   ASSERT_EQ(v.size(), 1u);
   EXPECT_EQ(v[0].left[0].rank, 3);
-  EXPECT_EQ(v[0].left[0].why, Why::kBehind);
+  EXPECT_EQ(v[0].left[0].why, Why::kUnreachable);
+}
+
+TEST(Coordinator, SuspectThatSpeaksAgainIsCleared) {
+  Sim s(base(4, 3));
+  Event e;
+  e.kind = Event::Kind::kSuspect;
+  e.from = 1;
+  e.suspect = 3;
+  s.c.handle(e, s.now);
+  auto a = s.run(milliseconds(400), {1, 2, 3});
+  EXPECT_TRUE(of(a, K::kView).empty());
+}
+
+TEST(Coordinator, RankThatSaidGoodbyeIsNeverEvicted) {
+  Sim s(base(4, 4));
+  Event e;
+  e.kind = Event::Kind::kBye;
+  e.from = 3;
+  s.c.handle(e, s.now);
+  auto a = s.run(milliseconds(2000), {1, 2});
+  EXPECT_TRUE(of(a, K::kView).empty());
+  EXPECT_TRUE(of(a, K::kFatal).empty());
 }
 
 TEST(Coordinator, ItsOwnPauseEvictsNobody) {
@@ -306,6 +333,19 @@ TEST(Coordinator, LostMemberWithoutAResultIsDecidedAgainAmongTheSurvivors) {
   EXPECT_EQ(d[0].decide.source, -1);
   EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1}));
   EXPECT_EQ(d[0].decide.attempt, 1u);
+}
+
+TEST(Coordinator, LateContributorsStandInForALostMember) {
+  Sim s = with_lost_member(3);
+  s.ready(3, 0);  // late for step 0: not counted, but its contribution is intact
+  auto a = s.run(milliseconds(600), {0, 1, 3});
+  ASSERT_EQ(of(a, K::kRecover).size(), 1u);
+  s.report(0, 0, 1, false);
+  s.report(1, 0, 1, false);
+  auto d = of(s.report(3, 0, 1, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kOk);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 3}));
 }
 
 TEST(Coordinator, LostMemberWithTooFewSurvivorsSkipsTheStepEverywhere) {
@@ -380,7 +420,7 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   e.completed = 99;
   e.attempt = 3;
   e.have = true;
-  e.behind = 4;
+  e.suspect = 4;
   auto up = wire::encode_up(world, wire::Up::kReport, e);
   ASSERT_EQ(up.size(), wire::kUpBytes);
   wire::Up type;
@@ -418,14 +458,14 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   v.type = wire::Down::kView;
   v.view.epoch = 9;
   v.view.members = {0, 1, 2, 5};
-  v.left = {{3, Why::kSilent, 812.5}, {4, Why::kBehind, 12}};
+  v.left = {{3, Why::kSilent, 812.5}, {4, Why::kUnreachable, 12}};
   buf = wire::encode_down(world, v);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
   auto vb = wire::decode_down(buf.data(), buf.size(), world, 0);
   EXPECT_EQ(vb.view.members, v.view.members);
   ASSERT_EQ(vb.left.size(), 2u);
   EXPECT_EQ(vb.left[0].silent_ms, 812.5);
-  EXPECT_EQ(vb.left[1].why, Why::kBehind);
+  EXPECT_EQ(vb.left[1].why, Why::kUnreachable);
 
   wire::DownMsg f;
   f.type = wire::Down::kFatal;

@@ -108,7 +108,8 @@ class Fd {
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const CheckpointState& s) {
+void save_checkpoint(const std::string& path, const CheckpointState& s,
+                     const std::function<void()>& before_rename) {
   Writer w;
   w.buf.insert(w.buf.end(), kMagic, kMagic + sizeof(kMagic));
   w.put<uint32_t>(kVersion);
@@ -146,6 +147,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& s) {
   }
   if (::fsync(fd.get()) != 0) sys_fail("fsync " + tmp, path);
   if (::close(fd.release()) != 0) sys_fail("close " + tmp, path);
+  if (before_rename) before_rename();
   if (::rename(tmp.c_str(), path.c_str()) != 0) sys_fail("rename " + tmp, path);
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";

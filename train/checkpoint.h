@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,7 +40,10 @@ struct CheckpointState {
 };
 
 // Throws qring::Error (naming the path and the failing call) if the file cannot be written.
-void save_checkpoint(const std::string& path, const CheckpointState& state);
+// `before_rename`, when given, runs once the temporary file is complete and synced but not
+// yet renamed into place (fault tests kill a rank there).
+void save_checkpoint(const std::string& path, const CheckpointState& state,
+                     const std::function<void()>& before_rename = {});
 
 // Throws qring::DataError naming the file and the problem (missing, truncated, bad magic,
 // unsupported version, CRC mismatch, inconsistent lengths).

@@ -161,6 +161,9 @@ std::vector<Field> fields() {
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
+  f.push_back(int_field("quorum.evict_ms", QRING_ACC(quorum.evict_ms)));
+  f.push_back(int_field("quorum.evict_steps", QRING_ACC(quorum.evict_steps)));
+  f.push_back(int_field("quorum.min_world", QRING_ACC(quorum.min_world)));
   f.push_back(string_field("straggler.model", QRING_ACC(straggler.model)));
   f.push_back(string_field("net.provider", QRING_ACC(net.provider)));
   f.push_back(string_field("log.level", QRING_ACC(log.level)));
@@ -371,6 +374,12 @@ void TrainConfig::validate(int world) const {
     fail("quorum.deadline_ms", fmt::format("must be > quorum.grace_ms ({}), got {}",
                                            quorum.grace_ms, quorum.deadline_ms));
   check_one_of("quorum.late_policy", quorum.late_policy, {"drop", "carry"});
+  check_min("quorum.evict_ms", quorum.evict_ms, 1);
+  check_min("quorum.evict_steps", quorum.evict_steps, 0);
+  check_min("quorum.min_world", quorum.min_world, 0);
+  if (world > 0 && quorum.min_world > world)
+    fail("quorum.min_world",
+         fmt::format("{} is more than the {} ranks of this job", quorum.min_world, world));
   try {
     collectives::StragglerModel::parse(straggler.model);  // the one parser of these specs
   } catch (const ConfigError& e) {

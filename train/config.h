@@ -62,6 +62,13 @@ struct QuorumSection {
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry
+  // Membership (docs/design.md, "Membership"): a rank silent this long leaves the job's view
+  // (every rank's engine heartbeats, so long compute is not silence); one that missed
+  // evict_steps consecutive steps too (0 = never); the job stops below min_world live ranks
+  // (0 = the quorum).
+  int64_t evict_ms = 5000;
+  int64_t evict_steps = 0;
+  int64_t min_world = 0;
 };
 
 struct StragglerSection {

@@ -3,8 +3,9 @@
 //   qring-launch -n 4 -- qring-train --config configs/fmnist-mlp.toml [key=value ...]
 //   srun qring-train --config configs/fmnist-mlp.toml quorum.quorum=3
 //
-// Exit status: 0 done, 1 runtime failure (a peer lost, a deadline passed, drift...), 2 bad
-// command line, configuration or data.
+// Exit status: 0 done, 1 runtime failure (the job lost more ranks than its quorum allows, a
+// deadline passed, drift...), 2 bad command line, configuration or data, 75 this rank was
+// evicted while alive (paused or too slow; the others went on without it).
 #include <fmt/format.h>
 #include <omp.h>
 #include <spdlog/spdlog.h>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/quorum.h"
 #include "net/bootstrap.h"
 #include "net/error.h"
 #include "net/fabric_endpoint.h"
@@ -23,6 +25,8 @@
 #include "train/trainer.h"
 
 namespace {
+
+constexpr int kExitEvicted = 75;  // qring-launch --tolerate-failures counts it as a lost rank
 
 const char* kUsage =
     "usage: qring-train --config FILE [--resume] [section.key=value ...]\n"
@@ -33,7 +37,9 @@ const char* kUsage =
     "                  straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp\n"
     "\n"
     "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
-    "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n";
+    "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"
+    "QRING_FAULT=kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
+    "(fault tests; collectives/fault_inject.h).\n";
 
 }  // namespace
 
@@ -101,7 +107,9 @@ int main(int argc, char** argv) {
     qring::collectives::Communicator comm(std::move(ep), co);
     qring::train::TrainerOptions topts;
     topts.resume = resume;
+    if (const char* f = std::getenv("QRING_FAULT")) topts.fault = qring::collectives::FaultSpec::parse(f);
     auto s = qring::train::train(cfg, comm, topts);
+    rdv.lost(s.evicted_ranks);
     if (info.rank == 0) {
       fmt::print(
           "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
@@ -114,6 +122,11 @@ int main(int argc, char** argv) {
       fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
     }
     std::fflush(stdout);
+  } catch (const qring::collectives::Evicted& e) {
+    // Alive, but the others went on without this rank: leave with the status qring-launch
+    // counts as a lost rank (--tolerate-failures).
+    spdlog::error("{}", e.what());
+    return kExitEvicted;
   } catch (const qring::ConfigError& e) {
     spdlog::error("{}", e.what());
     return 2;

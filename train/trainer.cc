@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -68,10 +70,15 @@ struct EvalOut {
 };
 
 // Each rank evaluates its slice of the test set; the sums are all-reduced (exact in float64).
+// Over the live members only (`members`, sorted): after a lost rank the survivors split the
+// test set among themselves.
 EvalOut evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
-                         collectives::Communicator& comm) {
+                         collectives::Communicator& comm, const std::vector<int>& members) {
   const int64_t n = test.size();
-  const int64_t begin = n * comm.rank() / comm.size(), end = n * (comm.rank() + 1) / comm.size();
+  const int64_t k = int64_t(members.size());
+  const int64_t me =
+      int64_t(std::lower_bound(members.begin(), members.end(), comm.rank()) - members.begin());
+  const int64_t begin = n * me / k, end = n * (me + 1) / k;
   double v[3] = {0, 0, 0};
   for (int64_t s = begin; s < end; s += batch) {
     int b = int(std::min(batch, end - s));
@@ -80,7 +87,9 @@ EvalOut evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
     v[1] += double(r.correct);
     v[2] += double(r.count);
   }
-  comm.allreduce(v, v, 3, DataType::kFloat64, RedOp::kSum);
+  if (k > 1)
+    comm.allreduce(v, v, 3, DataType::kFloat64, RedOp::kSum,
+                   int(members.size()) == comm.size() ? std::vector<int>{} : members);
   EvalOut o;
   o.accuracy = v[2] > 0 ? v[1] / v[2] : 0;
   o.loss = v[2] > 0 ? v[0] / v[2] : 0;
@@ -120,6 +129,10 @@ nlohmann::json RunSummary::to_json() const {
   j["full_sync_estimate_s"] = full_sync_estimate_s;
   j["backup_saved_s"] = backup_saved_s;
   j["params_checksum"] = fmt::format("{:016x}", params_checksum);
+  j["failures_survived"] = failures_survived;
+  j["evicted_ranks"] = evicted_ranks;
+  j["skipped_steps"] = skipped_steps;
+  j["recovery_s"] = recovery_s;
   return j;
 }
 
@@ -163,11 +176,26 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.late = collectives::parse_late_policy(cfg.quorum.late_policy);
   qo.type = DataType::kFloat32;
   qo.mean = true;
+  if (cfg.quorum.quorum_is_fraction) qo.fraction = cfg.quorum.quorum;
+  qo.evict = std::chrono::milliseconds(cfg.quorum.evict_ms);
+  qo.evict_steps = int(cfg.quorum.evict_steps);
+  qo.min_world = int(cfg.quorum.min_world);
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, P + 1, qo);
   float* const grad = core.gradient();
   comm.register_buffer(grad, (P + 1) * sizeof(float));
+  // QRING_FAULT fires once, from this thread or (phase "ring") the engine thread; the
+  // callback owns what it uses, as the engine may call it until `q` is gone.
+  auto maybe_fault = [fault = opts.fault, fired = std::make_shared<std::atomic<bool>>(false),
+                      rank](int64_t step, const char* phase) {
+    if (fault && fault->matches(rank, uint64_t(step), phase) && !fired->exchange(true)) {
+      spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", fault->spec(), step);
+      fault->inject();
+    }
+  };
+  if (opts.fault && opts.fault->phase == "ring")
+    q.on_phase([maybe_fault](uint64_t step, const char* phase) { maybe_fault(int64_t(step), phase); });
 
   int64_t start = 0;
   if (opts.resume) {
@@ -214,14 +242,21 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   double counted = 0, computed = 0, contributors = 0;
   double compute_total = 0;
   int64_t compute_n = 0;
-  std::vector<float> ready_after;  // per step: delay + compute, for the full-sync estimate
+  std::vector<float> ready_after;  // per step: compute time, for the full-sync estimate
   std::vector<float> step_ms_v, reduce_ms_v;
   auto last_progress = Clock::now() - std::chrono::hours(1);
   const bool tty = isatty(2);
   double last_acc = -1, last_loss = 0;
 
+  // A job that survives lost ranks evaluates on rank 0 alone (the whole test set; replicas
+  // are identical): a collective among the ranks could wait for one that died since the
+  // last step. A job that cannot lose a rank shards the evaluation over all of them.
+  const bool eval_alone = q.survives_loss();
   auto do_eval = [&](int64_t step) {
-    EvalOut e = evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, comm);
+    maybe_fault(step, "eval");
+    if (eval_alone && rank != 0) return;
+    EvalOut e = evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, comm,
+                                 eval_alone ? std::vector<int>{rank} : q.members());
     double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
     last_acc = e.accuracy;
     sum.test_accuracy = e.accuracy;
@@ -251,7 +286,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     st.carry.resize(carry.size() / sizeof(float));
     std::memcpy(st.carry.data(), carry.data(), carry.size());
     st.meta = nlohmann::json{{"run", cfg.run.name}, {"quorum", quorum}}.dump();
-    save_checkpoint(checkpoint_path(ckpt_dir.string(), uint64_t(step)), st);
+    save_checkpoint(checkpoint_path(ckpt_dir.string(), uint64_t(step)), st,
+                    [&] { maybe_fault(step, "checkpoint"); });
     // Keep the newest three: a rank killed mid-write still leaves a common older one.
     std::vector<std::string> all;
     for (auto& e : fs::directory_iterator(ckpt_dir))
@@ -260,9 +296,50 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     for (size_t i = 0; i + 3 < all.size(); ++i) fs::remove(all[i]);
   };
 
+  // View changes (ranks lost), logged when the first step decided without them completes.
+  uint64_t view_epoch = 0;
+  auto log_views = [&](int64_t step, const collectives::QuorumResult& r) {
+    const auto now = Clock::now();
+    for (const auto& v : q.view_changes()) {
+      if (v.epoch <= view_epoch || v.epoch > r.epoch) continue;
+      double detect_ms = 0;
+      nlohmann::json left = nlohmann::json::array();
+      std::vector<int> who;
+      for (const auto& l : v.left) {
+        left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
+        sum.evicted_ranks.push_back(l.rank);
+        who.push_back(l.rank);
+        detect_ms = std::max(detect_ms, l.silent_ms);
+        ++sum.failures_survived;
+      }
+      // From the lost rank's last sign of life to this step, the first completed without it.
+      const double recovery =
+          detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
+      sum.recovery_s = std::max(sum.recovery_s, recovery);
+      if (rank == 0) {
+        nlohmann::json j{{"type", "view"},
+                         {"step", step},
+                         {"epoch", v.epoch},
+                         {"wall_s", std::chrono::duration<double>(now - t_start).count()},
+                         {"members", v.members},
+                         {"left", left},
+                         {"detection_ms", detect_ms},
+                         {"recovery_s", recovery}};
+        metrics << j.dump() << '\n';
+        metrics.flush();
+      }
+      spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
+                   "completed {:.2f} s after the lost rank's last sign of life",
+                   v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
+                   fmt::join(v.members, ", "), step, recovery);
+    }
+    view_epoch = r.epoch;
+  };
+
   int64_t t = start;
   for (; t < total; ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
+    maybe_fault(t, "step");
     const auto step_start = Clock::now();
     const auto delay = straggler.delay(seed, rank, uint64_t(t));
     bool abandoned = collectives::sleep_unless(delay, [&] { return q.excluded(uint64_t(t)); });
@@ -274,6 +351,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       compute_total += compute_ms;
       ++compute_n;
       q.contribute(uint64_t(t), grad, P + 1);
+      maybe_fault(t, "ready");
     } else {
       abandoned = true;
       core.skip_batch();  // stale work abandoned; the data stream stays aligned across ranks
@@ -282,13 +360,19 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     collectives::QuorumResult r = q.wait(uint64_t(t), grad);
     const double wait_ms = ms_since(w0);
     const double lr = core.lr();
-    last_loss = grad[P];
-    core.apply_gradient(grad);
+    if (r.skipped) {
+      // A member was lost mid-step and too few contributors survived: no rank updates.
+      ++sum.skipped_steps;
+      spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
+    } else {
+      last_loss = grad[P];
+      core.apply_gradient(grad);
+    }
+    if (r.epoch != view_epoch) log_views(t, r);
 
     const double delay_ms = double(delay.count()) / 1000.0;
     ready_after.push_back(
-        float(delay_ms +
-              (abandoned ? (compute_n ? compute_total / double(compute_n) : 0.0) : compute_ms)));
+        float(abandoned ? (compute_n ? compute_total / double(compute_n) : 0.0) : compute_ms));
     step_ms_v.push_back(float(ms_since(step_start)));
     reduce_ms_v.push_back(float(r.reduce_ms));
     counted += double(r.count) * double(B);
@@ -310,20 +394,24 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                        {"wait_ms", wait_ms},
                        {"allreduce_ms", r.reduce_ms},
                        {"decide_ms", r.decide_ms},
-                       {"ready_ms", r.ready_offsets_ms}};
+                       {"ready_ms", r.ready_offsets_ms},
+                       {"view", r.epoch},
+                       {"skipped", r.skipped}};
       metrics << j.dump() << '\n';
     }
     const int64_t done = t + 1;
     if (cfg.train.checksum_every > 0 && done % cfg.train.checksum_every == 0) {
       int64_t mine = int64_t(checksum(core.params(), P));
-      std::vector<int64_t> all(static_cast<size_t>(world));
-      comm.allgather(&mine, all.data(), 1, DataType::kInt64);
-      for (int p = 0; p < world; ++p)
-        if (all[size_t(p)] != all[0])
+      const std::vector<int> members = q.members();
+      std::vector<int64_t> all(members.size());
+      comm.allgather(&mine, all.data(), 1, DataType::kInt64,
+                     int(members.size()) == world ? std::vector<int>{} : members);
+      for (size_t i = 0; i < members.size(); ++i)
+        if (all[i] != all[0])
           throw Error(
               fmt::format("rank {}: replicas drifted at step {}: rank {} has parameter "
-                          "checksum {:016x}, rank 0 has {:016x}",
-                          rank, done, p, uint64_t(all[size_t(p)]), uint64_t(all[0])));
+                          "checksum {:016x}, rank {} has {:016x}",
+                          rank, done, members[i], uint64_t(all[i]), members[0], uint64_t(all[0])));
     }
     if (done % eval_every == 0 && done < total) do_eval(done);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
@@ -337,10 +425,14 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         double eta = (done > start) ? wall / double(done - start) * double(total - done) : 0;
         std::string line = fmt::format(
             "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
-            "ETA {}",
+            "ETA {}{}",
             t / spe + 1, (total + spe - 1) / spe, done, total, last_loss,
             last_acc < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * last_acc), sps,
-            contributors / double(done - start), hms(eta));
+            contributors / double(done - start), hms(eta),
+            sum.evicted_ranks.empty()
+                ? std::string()
+                : fmt::format(" live {}/{} (lost {})", world - int(sum.evicted_ranks.size()),
+                              world, fmt::join(sum.evicted_ranks, ",")));
         if (tty)
           fmt::print(stderr, "\r\033[K{}", line);
         else
@@ -365,14 +457,15 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
 
   // The backup workers' saving, from the recorded timings: had every step waited for its
   // slowest rank, it would have taken max over ranks of (delay + compute) + the reduction.
-  std::vector<float> all_ready(ready_after.size() * size_t(world));
-  comm.allgather(ready_after.data(), all_ready.data(), ready_after.size(), DataType::kFloat32);
+  // Every rank's straggler delay is a pure function of (seed, rank, step), so the estimate
+  // needs no exchange with the others (which a lost rank could not answer): the slowest
+  // rank's delay plus this rank's compute time and reduction.
   double full = 0, actual = 0;
   for (size_t s = 0; s < ready_after.size(); ++s) {
-    float mx = 0;
+    double mx = 0;
     for (int p = 0; p < world; ++p)
-      mx = std::max(mx, all_ready[size_t(p) * ready_after.size() + s]);
-    full += double(mx) + double(reduce_ms_v[s]);
+      mx = std::max(mx, double(straggler.delay(seed, p, uint64_t(start) + s).count()) / 1000.0);
+    full += mx + double(ready_after[s]) + double(reduce_ms_v[s]);
     actual += double(step_ms_v[s]);
   }
   sum.full_sync_estimate_s = full / 1000.0;

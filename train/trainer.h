@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/fault_inject.h"
 #include "train/config.h"
 
 namespace qring::train {
@@ -27,6 +28,13 @@ struct RunSummary {
   double full_sync_estimate_s = 0;  // estimated wall time had every step waited for all ranks
   double backup_saved_s = 0;        // full_sync_estimate_s - the measured step time
   uint64_t params_checksum = 0;
+  // Membership: ranks lost and survived, steps skipped on every rank because a member was
+  // lost mid-step with too few contributors left, and the longest recovery (from the lost
+  // rank's last sign of life to the first step completed in the view without it).
+  int64_t failures_survived = 0;
+  std::vector<int> evicted_ranks;
+  int64_t skipped_steps = 0;
+  double recovery_s = 0;
   nlohmann::json to_json() const;
 };
 
@@ -35,6 +43,8 @@ struct TrainerOptions {
   // Stop after this many steps of this invocation (0 = run to the end); tests use it to
   // simulate a run killed part-way.
   int64_t stop_after = 0;
+  // A real fault to inject into this process at a named phase (QRING_FAULT; fault tests).
+  std::optional<collectives::FaultSpec> fault;
 };
 
 // Runs training on this rank. All ranks call it with the same config and communicator world.

@@ -1,0 +1,90 @@
+#include "collectives/fault_inject.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <vector>
+
+#include "net/error.h"
+
+namespace qring::collectives {
+
+namespace {
+std::vector<std::string> split(std::string_view s) {
+  std::vector<std::string> parts;
+  size_t at = 0;
+  while (true) {
+    size_t c = s.find(':', at);
+    parts.emplace_back(s.substr(at, c == std::string_view::npos ? s.npos : c - at));
+    if (c == std::string_view::npos) break;
+    at = c + 1;
+  }
+  return parts;
+}
+
+int64_t number(std::string_view spec, const std::string& v, const char* what) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end || errno || x < 0)
+    throw ConfigError(fmt::format("fault '{}': {} '{}' is not a number >= 0", spec, what, v));
+  return x;
+}
+}  // namespace
+
+std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
+  if (spec.empty() || spec == "none") return std::nullopt;
+  auto p = split(spec);
+  FaultSpec f;
+  size_t phase_at;
+  if (p[0] == "kill" && (p.size() == 3 || p.size() == 4)) {
+    f.action = Action::kKill;
+    phase_at = 3;
+  } else if (p[0] == "stop" && (p.size() == 4 || p.size() == 5)) {
+    f.action = Action::kStop;
+    f.stop_ms = int(number(spec, p[3], "pause (ms)"));
+    phase_at = 4;
+  } else {
+    throw ConfigError(fmt::format(
+        "fault '{}': expected kill:RANK:STEP[:PHASE] or stop:RANK:STEP:MS[:PHASE]", spec));
+  }
+  f.rank = int(number(spec, p[1], "rank"));
+  f.step = uint64_t(number(spec, p[2], "step"));
+  if (p.size() > phase_at) f.phase = p[phase_at];
+  if (f.phase != "step" && f.phase != "ready" && f.phase != "ring" && f.phase != "checkpoint" &&
+      f.phase != "eval")
+    throw ConfigError(fmt::format(
+        "fault '{}': unknown phase '{}' (step, ready, ring, checkpoint, eval)", spec, f.phase));
+  return f;
+}
+
+std::string FaultSpec::spec() const {
+  if (action == Action::kKill) return fmt::format("kill:{}:{}:{}", rank, step, phase);
+  return fmt::format("stop:{}:{}:{}:{}", rank, step, stop_ms, phase);
+}
+
+void FaultSpec::inject() const {
+  if (action == Action::kKill) {
+    ::kill(::getpid(), SIGKILL);
+    ::pause();
+  }
+  const pid_t self = ::getpid();
+  const pid_t waker = ::fork();
+  if (waker == 0) {
+    // Only async-signal-safe calls in the child of a threaded process.
+    struct timespec ts{stop_ms / 1000, long(stop_ms % 1000) * 1000000L};
+    while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    ::kill(self, SIGCONT);
+    ::_exit(0);
+  }
+  ::kill(self, SIGSTOP);
+  ::waitpid(waker, nullptr, 0);  // continued: the waker exits at once
+}
+
+}  // namespace qring::collectives

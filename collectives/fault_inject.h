@@ -1,0 +1,41 @@
+// Real faults at named phases of a rank's step, for fault tests and benchmarks: the process
+// kills itself with SIGKILL, or stops itself with SIGSTOP and is continued (SIGCONT) after a
+// pause by a child it forks first. Nothing is simulated: the other ranks see a dead or a
+// frozen process.
+//
+//   kill:RANK:STEP[:PHASE]       SIGKILL at step STEP of rank RANK (or the first step after
+//                                it that has PHASE)
+//   stop:RANK:STEP:MS[:PHASE]    SIGSTOP there, SIGCONT MS milliseconds later
+//
+// PHASE: step (default; before the step's work), ready (right after the contribution was
+// handed over), ring (on the engine thread, once the step's reduction has moved), checkpoint
+// (a checkpoint written but not yet renamed into place), eval (before an evaluation).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace qring::collectives {
+
+struct FaultSpec {
+  enum class Action : uint8_t { kKill, kStop } action = Action::kKill;
+  int rank = 0;
+  uint64_t step = 0;
+  int stop_ms = 0;
+  std::string phase = "step";
+
+  // ConfigError on a malformed spec; an empty string is no fault.
+  static std::optional<FaultSpec> parse(std::string_view spec);
+  std::string spec() const;
+  // The first time rank `r` reaches `ph` at or after STEP (a step whose reduction this rank
+  // is not part of has no "ring" phase): the caller fires once.
+  bool matches(int r, uint64_t t, std::string_view ph) const {
+    return r == rank && t >= step && ph == phase;
+  }
+  // Carries the fault out on this process (does not return for kill).
+  void inject() const;
+};
+
+}  // namespace qring::collectives
