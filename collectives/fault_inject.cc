@@ -63,6 +63,19 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
   return f;
 }
 
+std::vector<FaultSpec> FaultSpec::parse_list(std::string_view specs) {
+  std::vector<FaultSpec> out;
+  size_t at = 0;
+  while (at <= specs.size()) {
+    size_t c = specs.find(',', at);
+    auto one = specs.substr(at, c == std::string_view::npos ? specs.npos : c - at);
+    if (auto f = parse(one)) out.push_back(*f);
+    if (c == std::string_view::npos) break;
+    at = c + 1;
+  }
+  return out;
+}
+
 std::string FaultSpec::spec() const {
   if (action == Action::kKill) return fmt::format("kill:{}:{}:{}", rank, step, phase);
   return fmt::format("stop:{}:{}:{}:{}", rank, step, stop_ms, phase);

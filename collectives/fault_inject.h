@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace qring::collectives {
 
@@ -28,6 +29,9 @@ struct FaultSpec {
 
   // ConfigError on a malformed spec; an empty string is no fault.
   static std::optional<FaultSpec> parse(std::string_view spec);
+  // Several faults separated by commas ("kill:1:30,kill:3:60"): a job losing ranks one after
+  // the other.
+  static std::vector<FaultSpec> parse_list(std::string_view specs);
   std::string spec() const;
   // The first time rank `r` reaches `ph` at or after STEP (a step whose reduction this rank
   // is not part of has no "ring" phase): the caller fires once.

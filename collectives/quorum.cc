@@ -204,14 +204,7 @@ class QuorumService final : public EngineOp {
     bool moved = false;
     bool fatal = false;
     try {
-      const auto now = Clock::now();
-      // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
-      // Silence measured across the pause says nothing about the peers; start over.
-      if (now - last_pass_ > heartbeat_ * 2) {
-        last_down_ = now;
-        if (coord_state_) feed(ep, Event{Event::Kind::kTick}, /*resync=*/true);
-      }
-      last_pass_ = now;
+      resync_after_pause(ep);
       moved |= take_events(ep);
       if (coord_state_)
         moved |= poll_up(ep);
@@ -221,7 +214,8 @@ class QuorumService final : public EngineOp {
       moved |= poll_results(ep);
       moved |= reap_sends(ep);
       heartbeat(ep);
-      check_deadlines();
+      // The process may have been stopped during this pass too (SIGSTOP lands anywhere).
+      if (!resync_after_pause(ep)) check_deadlines();
     } catch (const Evicted&) {
       fatal = true;
       sh_->fail(std::current_exception());
@@ -306,6 +300,18 @@ class QuorumService final : public EngineOp {
     net::RequestPtr req;
     uint64_t next = 0;  // number of the next message expected from this peer
   };
+
+  // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
+  // Silence measured across the pause says nothing about the peers; every clock starts over.
+  bool resync_after_pause(net::Endpoint& ep) {
+    const auto now = Clock::now();
+    const bool paused = now - last_pass_ > heartbeat_ * 2;
+    last_pass_ = now;
+    if (!paused) return false;
+    last_down_ = now;
+    if (coord_state_) feed(ep, Event{Event::Kind::kTick}, /*resync=*/true);
+    return true;
+  }
 
   Clock::time_point drain_deadline() {
     if (drain_deadline_ == Clock::time_point{})
@@ -460,6 +466,7 @@ class QuorumService final : public EngineOp {
       qwire::DownMsg m = qwire::decode_down(down_buf_.data(), down_req_->bytes, world_, coord_);
       ++down_in_next_;
       last_down_ = Clock::now();
+      heard_coordinator_ = true;
       post_down_recv(ep);
       apply(ep, m);
       moved = true;
@@ -922,7 +929,10 @@ class QuorumService final : public EngineOp {
 
   void check_deadlines() {
     auto now = Clock::now();
-    if (!coord_state_ && !coordinator_done_ && now - last_down_ > o_.evict + heartbeat_)
+    // Until the coordinator has spoken once (start-up) the deadline applies.
+    const auto silence_limit =
+        (heard_coordinator_ ? o_.evict : std::max(o_.evict, o_.deadline)) + heartbeat_;
+    if (!coord_state_ && !coordinator_done_ && now - last_down_ > silence_limit)
       throw QuorumLost(
           fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} ms "
                       "(quorum.evict_ms = {}); it stopped or died, and this version has no "
@@ -986,6 +996,7 @@ class QuorumService final : public EngineOp {
   bool tolerant_ = false;
   std::chrono::milliseconds heartbeat_{1000};
   bool finished_ = false, dead_ = false, bye_sent_ = false, coordinator_done_ = false;
+  bool heard_coordinator_ = false;
   Clock::time_point drain_deadline_{};
   Clock::time_point last_pass_{}, last_down_{}, last_up_{}, last_beat_{}, last_tick_{};
   int64_t completed_ = -1, beat_completed_ = -1;

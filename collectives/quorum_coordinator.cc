@@ -50,6 +50,7 @@ Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
   missed_.assign(size_t(cfg_.world), 0);
   suspect_.assign(size_t(cfg_.world), false);
   finished_.assign(size_t(cfg_.world), false);
+  heard_.assign(size_t(cfg_.world), false);
 }
 
 bool Coordinator::waiting() const {
@@ -76,6 +77,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
       return out;
     }
     last_heard_[size_t(r)] = now;
+    heard_[size_t(r)] = true;
     if (e.kind != Event::Kind::kSuspect) suspect_[size_t(r)] = false;  // it spoke: reachable
     completed_[size_t(r)] = std::max(completed_[size_t(r)], e.completed);
     switch (e.kind) {
@@ -156,7 +158,10 @@ void Coordinator::tick(Time now, std::vector<Action>& out) {
   for (int r : view_.members) {
     if (r == cfg_.self || finished_[size_t(r)]) continue;
     double silent = ms_between(last_heard_[size_t(r)], now);
-    if (silent > double(cfg_.evict.count()))
+    // Until a rank has spoken once (start-up: loading data, connecting) the deadline applies.
+    const double limit = double(heard_[size_t(r)] ? cfg_.evict.count()
+                                                  : std::max(cfg_.evict, cfg_.deadline).count());
+    if (silent > limit)
       add({r, Why::kSilent, silent});
     else if (suspect_[size_t(r)] && silent > double(cfg_.evict.count()) / 4)
       add({r, Why::kUnreachable, silent});  // a transport error and a missed heartbeat

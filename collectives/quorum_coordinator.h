@@ -170,6 +170,7 @@ class Coordinator {
   std::vector<Departure> pending_;  // evictions decided outside tick()
   std::vector<bool> suspect_;       // a member reported a transport error with it
   std::vector<bool> finished_;      // said goodbye
+  std::vector<bool> heard_;         // has spoken at least once (start-up takes longer)
   std::map<uint64_t, Open> open_;
   std::map<uint64_t, Time> first_of_decided_;  // for late arrivals' offsets
   uint64_t low_water_ = 0;                     // every step below was decided

@@ -19,7 +19,12 @@ using std::chrono::milliseconds;
 struct Sim {
   Time now = Time{} + std::chrono::hours(1);
   Coordinator c;
-  explicit Sim(Config cfg) : c(cfg, Time{} + std::chrono::hours(1)) {}
+  // started: every rank has spoken once (past start-up, where the deadline applies instead
+  // of the evict time).
+  explicit Sim(Config cfg, bool started = true) : c(cfg, Time{} + std::chrono::hours(1)) {
+    if (started)
+      for (int r = 0; r < cfg.world; ++r) beat(r);
+  }
 
   std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8) {
     Event e;
@@ -125,6 +130,15 @@ TEST(Coordinator, TooFewByTheDeadlineIsATimeout) {
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].decide.status, Status::kTimeout);
   EXPECT_TRUE(s.c.stopped());
+}
+
+TEST(Coordinator, RankNeverHeardFromHasTheDeadlineToStart) {
+  Sim s(base(4, 3), /*started=*/false);
+  auto a = s.run(milliseconds(4900), {1, 2});  // rank 3 still starting up
+  EXPECT_TRUE(of(a, K::kView).empty());
+  a = s.run(milliseconds(200), {1, 2});
+  ASSERT_EQ(of(a, K::kView).size(), 1u);
+  EXPECT_EQ(of(a, K::kView)[0].left[0].rank, 3);
 }
 
 TEST(Coordinator, SilentMemberLeavesTheViewAfterEvictTime) {

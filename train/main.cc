@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
     qring::collectives::Communicator comm(std::move(ep), co);
     qring::train::TrainerOptions topts;
     topts.resume = resume;
-    if (const char* f = std::getenv("QRING_FAULT")) topts.fault = qring::collectives::FaultSpec::parse(f);
+    if (const char* f = std::getenv("QRING_FAULT"))
+      topts.faults = qring::collectives::FaultSpec::parse_list(f);
     auto s = qring::train::train(cfg, comm, topts);
     rdv.lost(s.evicted_ranks);
     if (info.rank == 0) {

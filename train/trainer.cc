@@ -185,16 +185,20 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   collectives::QuorumAllreduce q(comm, P + 1, qo);
   float* const grad = core.gradient();
   comm.register_buffer(grad, (P + 1) * sizeof(float));
-  // QRING_FAULT fires once, from this thread or (phase "ring") the engine thread; the
-  // callback owns what it uses, as the engine may call it until `q` is gone.
-  auto maybe_fault = [fault = opts.fault, fired = std::make_shared<std::atomic<bool>>(false),
+  // Each QRING_FAULT entry fires once, from this thread or (phase "ring") the engine thread;
+  // the callback owns what it uses, as the engine may call it until `q` is gone.
+  auto maybe_fault = [faults = opts.faults,
+                      fired = std::make_shared<std::vector<std::atomic<bool>>>(opts.faults.size()),
                       rank](int64_t step, const char* phase) {
-    if (fault && fault->matches(rank, uint64_t(step), phase) && !fired->exchange(true)) {
-      spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", fault->spec(), step);
-      fault->inject();
+    for (size_t i = 0; i < faults.size(); ++i) {
+      if (faults[i].matches(rank, uint64_t(step), phase) && !(*fired)[i].exchange(true)) {
+        spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", faults[i].spec(), step);
+        faults[i].inject();
+      }
     }
   };
-  if (opts.fault && opts.fault->phase == "ring")
+  if (std::any_of(opts.faults.begin(), opts.faults.end(),
+                  [](const auto& f) { return f.phase == "ring"; }))
     q.on_phase([maybe_fault](uint64_t step, const char* phase) { maybe_fault(int64_t(step), phase); });
 
   int64_t start = 0;

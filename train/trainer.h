@@ -43,8 +43,8 @@ struct TrainerOptions {
   // Stop after this many steps of this invocation (0 = run to the end); tests use it to
   // simulate a run killed part-way.
   int64_t stop_after = 0;
-  // A real fault to inject into this process at a named phase (QRING_FAULT; fault tests).
-  std::optional<collectives::FaultSpec> fault;
+  // Real faults to inject into this process at named phases (QRING_FAULT; fault tests).
+  std::vector<collectives::FaultSpec> faults;
 };
 
 // Runs training on this rank. All ranks call it with the same config and communicator world.

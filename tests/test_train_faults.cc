@@ -1,0 +1,202 @@
+// Ranks that stop or die during training (issue "ranks that stop or die"): real processes
+// under qring-launch, real faults (SIGKILL, SIGSTOP/SIGCONT) injected by the victim itself at
+// a named phase of a step (QRING_FAULT, collectives/fault_inject.h). The survivors must
+// finish training with bit-identical parameters, lose at most one step per failure, and no
+// run may hang (every run is bounded by the harness's time limit).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <string>
+
+#include "cli_harness.h"
+
+namespace {
+
+using qring::testing::sh;
+namespace fs = std::filesystem;
+
+const std::string kBuild = QRING_BUILD_DIR;
+const std::string kSource = QRING_SOURCE_DIR;
+
+// Short synthetic runs: 4 ms steps or so; the evict time is short so that a run takes
+// seconds. Every wait is bounded (deadline_ms), and the harness kills a run after 120 s.
+std::string run_cmd(const std::string& fault, int ranks, int tolerate, const std::string& out,
+                    const std::string& name, const std::string& extra) {
+  return "QRING_FAULT=" + fault + " " + kBuild + "/net/qring-launch -n " + std::to_string(ranks) +
+         " --tolerate-failures " + std::to_string(tolerate) + " -- " + kBuild +
+         "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" + out +
+         " run.name=" + name +
+         " log.progress=false quorum.evict_ms=300 quorum.deadline_ms=8000 train.steps=300 "
+         "train.checkpoint_every=10 " +
+         extra;
+}
+
+// Every "params_checksum X" line of the output (rank 0's summary and the other ranks').
+std::multiset<std::string> checksums(const std::string& output) {
+  std::multiset<std::string> s;
+  std::regex re("params_checksum ([0-9a-f]{16})");
+  for (std::sregex_iterator it(output.begin(), output.end(), re), end; it != end; ++it)
+    s.insert((*it)[1]);
+  return s;
+}
+
+class TrainFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("qring-faults-" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  nlohmann::json summary(const std::string& name) {
+    return nlohmann::json::parse(std::ifstream(dir_ / name / "summary.json"));
+  }
+  fs::path dir_;
+};
+
+struct FaultCase {
+  std::string action;  // kill | stop
+  int rank;
+  std::string phase;
+  std::string provider;
+};
+void PrintTo(const FaultCase& c, std::ostream* os) {
+  *os << c.action << " rank " << c.rank << " at " << c.phase << " over " << c.provider;
+}
+
+std::string case_name(const ::testing::TestParamInfo<FaultCase>& i) {
+  return i.param.action + "_rank" + std::to_string(i.param.rank) + "_" + i.param.phase + "_" +
+         i.param.provider;
+}
+
+class FaultMatrix : public TrainFaults, public ::testing::WithParamInterface<FaultCase> {};
+
+// W = 4, quorum 3: one rank killed (or stopped longer than the evict time) at step 40, at
+// one of four phases. The job finishes on the other three with identical parameters; the
+// stopped rank, continued, learns it was evicted and exits 75.
+TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
+  const FaultCase c = GetParam();
+  // A stopped rank is continued while the others still train (1000 steps take seconds), so
+  // that it finds out it was evicted.
+  const std::string fault = c.action == "kill"
+                                ? "kill:" + std::to_string(c.rank) + ":40:" + c.phase
+                                : "stop:" + std::to_string(c.rank) + ":40:600:" + c.phase;
+  const int steps = c.action == "kill" ? 300 : 1000;
+  auto r = sh(run_cmd(fault, 4, 1, dir_, "m",
+                      "quorum.quorum=3 train.steps=" + std::to_string(steps) +
+                          " net.provider=" + c.provider));
+  ASSERT_EQ(r.status, 101) << r.output;  // one rank lost, the others finished
+  const std::string victim = "rank " + std::to_string(c.rank);
+  EXPECT_NE(r.output.find("qring-launch: " + victim), std::string::npos) << r.output;
+  if (c.action == "kill") {
+    EXPECT_NE(r.output.find("killed by signal 9"), std::string::npos) << r.output;
+  } else {
+    EXPECT_NE(r.output.find("was evicted (exit status 75)"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(victim + ": evicted from the job"), std::string::npos) << r.output;
+  }
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 3u) << r.output;  // the three survivors
+  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "survivors disagree: " << r.output;
+  auto s = summary("m");
+  EXPECT_EQ(s["steps"], steps) << s.dump();
+  EXPECT_EQ(s["finished"], true);
+  EXPECT_EQ(s["failures_survived"], 1) << s.dump();
+  EXPECT_EQ(s["evicted_ranks"], nlohmann::json::array({c.rank})) << s.dump();
+  EXPECT_LE(s["skipped_steps"].get<int>(), 1) << s.dump();
+  EXPECT_GT(s["recovery_s"].get<double>(), 0.0) << s.dump();
+  // The view change is in the metrics, with who left.
+  std::ifstream m(dir_ / "m" / "metrics.jsonl");
+  std::string line;
+  int views = 0;
+  while (std::getline(m, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "view") continue;
+    ++views;
+    EXPECT_EQ(j["left"][0]["rank"], c.rank) << line;
+    EXPECT_EQ(j["members"].size(), 3u) << line;
+  }
+  EXPECT_EQ(views, 1);
+}
+
+std::vector<FaultCase> matrix() {
+  std::vector<FaultCase> v;
+  for (const char* prov : {"tcp", "shm"})
+    for (const char* action : {"kill", "stop"})
+      for (int rank : {1, 3})
+        for (const char* phase : {"step", "ready", "ring", "checkpoint"})
+          v.push_back({action, rank, phase, prov});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, FaultMatrix, ::testing::ValuesIn(matrix()), case_name);
+
+// W = 5, quorum 3: two ranks die one after the other; the three left finish.
+TEST_F(TrainFaults, FiveRanksLoseTwoOneAfterTheOther) {
+  auto r = sh(run_cmd("kill:2:30:ring,kill:4:80:step", 5, 2, dir_, "two",
+                      "quorum.quorum=3 net.provider=tcp"));
+  ASSERT_EQ(r.status, 102) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 3u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 3u) << r.output;
+  auto s = summary("two");
+  EXPECT_EQ(s["steps"], 300);
+  EXPECT_EQ(s["failures_survived"], 2) << s.dump();
+  EXPECT_EQ(s["evicted_ranks"], nlohmann::json::array({2, 4})) << s.dump();
+  EXPECT_LE(s["skipped_steps"].get<int>(), 2) << s.dump();
+}
+
+// A fractional quorum follows the view: 0.75 of 4 is 3, of 3 is 3, of 2 is 2: the job
+// survives two losses that an integer quorum of 3 would not.
+TEST_F(TrainFaults, FractionalQuorumShrinksWithTheView) {
+  auto r = sh(run_cmd("kill:1:30:step,kill:2:80:step", 4, 2, dir_, "frac",
+                      "quorum.quorum=0.75 net.provider=tcp"));
+  ASSERT_EQ(r.status, 102) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 2u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 2u) << r.output;
+  EXPECT_EQ(summary("frac")["failures_survived"], 2);
+}
+
+// Quorum = world: a lost rank stops the job on every rank, with an error naming it.
+TEST_F(TrainFaults, QuorumOfTheWholeWorldStopsNamingTheDeadRank) {
+  auto r = sh(run_cmd("kill:2:30:step", 4, 1, dir_, "full", "quorum.quorum=4 net.provider=tcp"));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.status, 101) << r.output;
+  EXPECT_NE(r.output.find("fewer than the 4 the job needs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2 ("), std::string::npos) << r.output;
+}
+
+// Fewer live ranks than quorum.min_world stops the job even though the quorum would allow
+// going on.
+TEST_F(TrainFaults, MinWorldStopsTheJob) {
+  auto r = sh(run_cmd("kill:3:30:step", 4, 1, dir_, "minw",
+                      "quorum.quorum=2 quorum.min_world=4 net.provider=tcp"));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.status, 101) << r.output;
+  EXPECT_NE(r.output.find("min_world 4"), std::string::npos) << r.output;
+}
+
+// A pause shorter than the evict time costs nothing: the rank catches up and every rank
+// ends with the same parameters.
+TEST_F(TrainFaults, ShortPauseIsNotAFailure) {
+  auto r = sh(run_cmd("stop:2:40:100:ring", 4, 1, dir_, "short",
+                      "quorum.quorum=3 quorum.evict_ms=2000 net.provider=tcp"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << r.output;
+  EXPECT_EQ(summary("short")["failures_survived"], 0);
+}
+
+TEST_F(TrainFaults, MalformedFaultSpecIsAConfigError) {
+  auto r = sh("QRING_FAULT=explode:1:2 " + kBuild + "/train/qring-train --config " + kSource +
+              "/configs/smoke.toml run.out_dir=" + dir_.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("explode:1:2"), std::string::npos) << r.output;
+}
+
+}  // namespace
