@@ -103,6 +103,7 @@ struct QuorumAllreduce::Shared {
   std::function<void(uint64_t, const char*)> on_phase;
   std::map<uint64_t, std::vector<double>> arrivals;  // coordinator only
   std::vector<int> members;                          // as of the last completed step
+  int coordinator = 0;                               // the rank coordinating now
   std::vector<ViewChange> views;
 
   void fail(std::exception_ptr e) {
@@ -168,19 +169,20 @@ class QuorumService final : public EngineOp {
   void start(net::Endpoint& ep) override {
     auto now = Clock::now();
     last_pass_ = last_down_ = last_up_ = last_beat_ = now;
+    // Any rank may become the coordinator (failover): every rank takes messages of both
+    // directions from every peer.
+    up_in_.resize(size_t(world_));
+    down_in_.resize(size_t(world_));
+    up_out_next_.assign(size_t(world_), 0);
+    told_deposed_.assign(size_t(world_), false);
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      post_up_recv(ep, p);
+      post_down_recv(ep, p);
+    }
     if (rank_ == coord_) {
       coord_state_ = std::make_unique<qproto::Coordinator>(cfg_, now);
-      coord_state_->on_arrival([this](uint64_t t, int r, double ms) {
-        std::lock_guard<std::mutex> lock(sh_->mu);
-        auto& log = sh_->arrivals[t];
-        if (log.empty()) log.assign(size_t(world_), -1.0);
-        log[size_t(r)] = ms;
-      });
-      up_in_.resize(size_t(world_));
-      for (int p = 0; p < world_; ++p)
-        if (p != rank_) post_up_recv(ep, p);
-    } else {
-      post_down_recv(ep);
+      log_arrivals();
     }
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
@@ -206,16 +208,15 @@ class QuorumService final : public EngineOp {
     try {
       resync_after_pause(ep);
       moved |= take_events(ep);
-      if (coord_state_)
-        moved |= poll_up(ep);
-      else
-        moved |= poll_down(ep);
+      moved |= poll_down(ep);
+      moved |= poll_up(ep);
+      moved |= gather_takeover(ep);
       moved |= advance_rings(ep);
       moved |= poll_results(ep);
       moved |= reap_sends(ep);
       heartbeat(ep);
       // The process may have been stopped during this pass too (SIGSTOP lands anywhere).
-      if (!resync_after_pause(ep)) check_deadlines();
+      if (!resync_after_pause(ep)) check_deadlines(ep);
     } catch (const Evicted&) {
       fatal = true;
       sh_->fail(std::current_exception());
@@ -252,7 +253,11 @@ class QuorumService final : public EngineOp {
     }
     if ((stop || dead_) && !finished_) {
       cancel_all(ep);
-      if (sends_.empty() || Clock::now() > drain_deadline()) {
+      // Sends to ranks that left may never complete: they are not waited for.
+      const bool only_lost = std::all_of(sends_.begin(), sends_.end(), [&](const Send& x) {
+        return x.req->done() || !view_.has(x.peer);
+      });
+      if (sends_.empty() || only_lost || Clock::now() > drain_deadline()) {
         for (auto& s : sends_) {
           if (s.req->done()) continue;
           // The provider may still read these buffers: leak them rather than free them.
@@ -295,10 +300,17 @@ class QuorumService final : public EngineOp {
     int from;
     Clock::time_point started;
   };
-  struct UpIn {
-    std::array<char, qwire::kUpBytes> msg{};
+  struct In {
+    std::vector<char> msg;
     net::RequestPtr req;
     uint64_t next = 0;  // number of the next message expected from this peer
+  };
+  struct Takeover {
+    uint64_t epoch = 0;
+    std::vector<int> candidates;  // the last view without the silent coordinator
+    Clock::time_point started{};
+    std::map<int, Event> acks;
+    std::vector<Event> early;  // messages of members that switched already (READYs ...)
   };
 
   // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
@@ -309,7 +321,110 @@ class QuorumService final : public EngineOp {
     last_pass_ = now;
     if (!paused) return false;
     last_down_ = now;
-    if (coord_state_) feed(ep, Event{Event::Kind::kTick}, /*resync=*/true);
+    if (coord_state_) feed(ep, Event{}, /*resync=*/true);
+    return true;
+  }
+
+  // ---- failover. The coordinator fell silent: this rank proposes itself for the next epoch
+  // to the other members of the last view and coordinates once a majority of that view
+  // (itself included) accepted; members that do not answer within the evict time are left
+  // out. A member accepts one takeover per epoch, so two candidates never both win.
+  void start_takeover(net::Endpoint& ep, const std::vector<int>& cands) {
+    spdlog::warn("rank {}: quorum: the coordinator (rank {}) is silent; taking over", rank_,
+                 coord_);
+    takeover_ = Takeover{};
+    takeover_->epoch = std::max(view_.epoch, acked_epoch_) + 1;
+    takeover_->candidates = cands;
+    takeover_->started = Clock::now();
+    acked_epoch_ = takeover_->epoch;
+    qwire::DownMsg m;
+    m.type = qwire::Down::kTakeover;
+    m.view.epoch = takeover_->epoch;
+    m.view.members = cands;
+    auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
+    for (int r : cands)
+      if (r != rank_) send_down(ep, r, buf);
+  }
+
+  void answer_takeover(net::Endpoint& ep, int from, const qproto::View& v) {
+    if (coord_state_ || v.epoch <= view_.epoch || v.epoch <= acked_epoch_ || !v.has(rank_))
+      return;  // stale, or this rank coordinates, or it accepted another candidate already
+    if (takeover_) {
+      if (from > rank_) return;  // the lower candidate wins
+      takeover_.reset();
+    }
+    acked_epoch_ = v.epoch;
+    spdlog::warn("rank {}: quorum: rank {} takes over from the silent coordinator (rank {})",
+                 rank_, from, coord_);
+    coord_ = from;
+    last_down_ = Clock::now();
+    heard_coordinator_ = true;
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      sh_->coordinator = from;
+    }
+    Event e;
+    e.epoch = v.epoch;
+    for (auto& [t, k] : decisions_) e.known.push_back(k);
+    send_up(ep, qwire::Up::kAck, e);
+    // The new coordinator has not seen the contributions still waiting for a decision.
+    for (uint64_t t : awaiting_decide_) {
+      Event r;
+      r.step = t;
+      r.count = count_;
+      send_up(ep, qwire::Up::kReady, r);
+    }
+  }
+
+  bool gather_takeover(net::Endpoint& ep) {
+    if (!takeover_) return false;
+    auto now = Clock::now();
+    const int acked = int(takeover_->acks.size()) + 1;
+    const bool majority = 2 * acked > view_.size();
+    const bool all = acked == int(takeover_->candidates.size());
+    const bool waited = now - takeover_->started > o_.evict;
+    if (!(majority && (all || waited))) {
+      if (now - takeover_->started > 2 * o_.evict + o_.deadline)
+        throw QuorumLost(fmt::format(
+            "rank {}: quorum: the coordinator (rank {}) fell silent and only {} of the {} ranks "
+            "of the last view accepted this rank as its successor, not a majority",
+            rank_, coord_, acked, view_.size()),
+            {coord_});
+      return false;
+    }
+    qproto::View v;
+    v.epoch = takeover_->epoch;
+    v.members.push_back(rank_);
+    std::vector<int64_t> completed(size_t(world_), -1);
+    completed[size_t(rank_)] = completed_;
+    std::vector<qproto::Known> known;
+    for (auto& [t, k] : decisions_) known.push_back(k);
+    for (auto& [r, e] : takeover_->acks) {
+      v.members.push_back(r);
+      completed[size_t(r)] = e.completed;
+      known.insert(known.end(), e.known.begin(), e.known.end());
+    }
+    std::sort(v.members.begin(), v.members.end());
+    spdlog::warn("rank {}: quorum: coordinating from view {} (members {}) after rank {} fell "
+                 "silent",
+                 rank_, v.epoch, v.members, coord_);
+    qproto::Config cfg = cfg_;
+    cfg.self = rank_;
+    std::vector<qproto::Action> out;
+    coord_state_ = std::make_unique<qproto::Coordinator>(cfg, now, v, completed, known, out);
+    coord_ = rank_;
+    log_arrivals();
+    auto early = std::move(takeover_->early);
+    takeover_.reset();
+    for (auto& a : out) act(ep, a);
+    for (auto& e : early) feed(ep, e);
+    for (uint64_t t : awaiting_decide_) {
+      Event r;
+      r.step = t;
+      r.count = count_;
+      send_up(ep, qwire::Up::kReady, r);
+    }
+    drain_self(ep);
     return true;
   }
 
@@ -319,10 +434,22 @@ class QuorumService final : public EngineOp {
     return drain_deadline_;
   }
 
+  void log_arrivals() {
+    coord_state_->on_arrival([this](uint64_t t, int r, double ms) {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      auto& log = sh_->arrivals[t];
+      if (log.empty()) log.assign(size_t(world_), -1.0);
+      log[size_t(r)] = ms;
+    });
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    sh_->coordinator = rank_;
+  }
+
   void cancel_all(net::Endpoint& ep) {
     for (auto& in : up_in_)
       if (in.req && !in.req->done()) ep.cancel(in.req);
-    if (down_req_ && !down_req_->done()) ep.cancel(down_req_);
+    for (auto& in : down_in_)
+      if (in.req && !in.req->done()) ep.cancel(in.req);
     for (auto& [t, rr] : result_recvs_)
       if (!rr.req->done()) ep.cancel(rr.req);
     result_recvs_.clear();
@@ -334,14 +461,16 @@ class QuorumService final : public EngineOp {
   // rank, (kQuorumDecide, n, coordinator). Exact tags numbered per stream, never ignore
   // masks: libfabric 1.17's shm provider loses unexpected messages matched through one.
   void post_up_recv(net::Endpoint& ep, int p) {
-    UpIn& in = up_in_[size_t(p)];
+    In& in = up_in_[size_t(p)];
+    in.msg.resize(qwire::up_capacity(world_));
     in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumReady, in.next, chunk(p)), in.msg.data(),
                       in.msg.size());
   }
-  void post_down_recv(net::Endpoint& ep) {
-    down_buf_.assign(qwire::down_capacity(world_), 0);
-    down_req_ = ep.irecv(coord_, net::make_tag(net::Op::kQuorumDecide, down_in_next_, chunk(coord_)),
-                         down_buf_.data(), down_buf_.size());
+  void post_down_recv(net::Endpoint& ep, int p) {
+    In& in = down_in_[size_t(p)];
+    in.msg.resize(qwire::down_capacity(world_));
+    in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumDecide, in.next, chunk(p)), in.msg.data(),
+                      in.msg.size());
   }
   void send_up(net::Endpoint& ep, qwire::Up type, Event e) {
     e.from = rank_;
@@ -356,8 +485,10 @@ class QuorumService final : public EngineOp {
       self_events_.push_back(e);
       return;
     }
+    if (takeover_) return;  // collecting acks: this rank is about to coordinate
     auto buf = std::make_shared<std::vector<char>>(qwire::encode_up(world_, type, e));
-    auto req = ep.isend(coord_, net::make_tag(net::Op::kQuorumReady, up_out_next_++, chunk(rank_)),
+    auto req = ep.isend(coord_, net::make_tag(net::Op::kQuorumReady,
+                                              up_out_next_[size_t(coord_)]++, chunk(rank_)),
                         buf->data(), buf->size());
     sends_.push_back({req, buf, coord_, false});
     last_up_ = Clock::now();
@@ -369,11 +500,13 @@ class QuorumService final : public EngineOp {
   }
 
   // ---- the coordinator: messages in, actions out.
+  // Messages to a coordinator: fed to this rank's state machine when it coordinates, kept
+  // while it gathers the acks of a takeover, dropped otherwise (stale).
   bool poll_up(net::Endpoint& ep) {
     bool moved = false;
     for (int from = 0; from < world_; ++from) {
       if (from == rank_) continue;
-      UpIn& in = up_in_[size_t(from)];
+      In& in = up_in_[size_t(from)];
       if (!in.req || !in.req->done()) continue;
       moved = true;
       if (!in.req->ok()) {
@@ -389,13 +522,29 @@ class QuorumService final : public EngineOp {
       ++in.next;
       post_up_recv(ep, from);
       --from;  // the next message of this peer may be waiting already
-      feed(ep, e);
+      if (type == qwire::Up::kDeposed) {
+        if (coord_state_)
+          throw Evicted(fmt::format(
+              "rank {}: evicted from the job: while this rank (the coordinator) was unreachable, "
+              "rank {} took over from it; it must leave (exit)",
+              rank_, from));
+        continue;
+      }
+      if (takeover_) {
+        if (type == qwire::Up::kAck && e.epoch == takeover_->epoch)
+          takeover_->acks[e.from] = e;
+        else
+          takeover_->early.push_back(e);
+      } else if (coord_state_) {
+        feed(ep, e);
+      }
     }
+    if (!coord_state_) return moved;
     moved |= drain_self(ep);
     auto now = Clock::now();
     if (!bye_sent_ && now - last_tick_ >= std::chrono::microseconds(200)) {
       last_tick_ = now;
-      feed(ep, Event{Event::Kind::kTick});
+      feed(ep, Event{});
     }
     return moved;
   }
@@ -413,7 +562,12 @@ class QuorumService final : public EngineOp {
 
   void feed(net::Endpoint& ep, const Event& e, bool resync = false) {
     auto now = Clock::now();
-    if (resync) coord_state_->resync(now);
+    // This process may have been stopped since the last pass (SIGSTOP lands anywhere, also
+    // inside this pass): the others' silence across the pause is no evidence.
+    if (resync || now - last_pass_ > heartbeat_ * 2) {
+      coord_state_->resync(now);
+      last_pass_ = last_down_ = now;
+    }
     std::vector<qproto::Action> acts = coord_state_->handle(e, now);
     for (auto& a : acts) act(ep, a);
   }
@@ -457,19 +611,44 @@ class QuorumService final : public EngineOp {
   }
 
   // ---- every rank: the coordinator's messages, in the order it sent them.
+  // Messages of coordinators, each stream in the order it was sent: the current
+  // coordinator's are applied, a takeover is answered, a deposed coordinator's are dropped.
   bool poll_down(net::Endpoint& ep) {
     bool moved = false;
-    while (down_req_ && down_req_->done()) {
-      if (!down_req_->ok())
-        throw IoError(fmt::format("rank {}: quorum: receive from the coordinator (rank {}) failed: {}",
-                                  rank_, coord_, down_req_->error));
-      qwire::DownMsg m = qwire::decode_down(down_buf_.data(), down_req_->bytes, world_, coord_);
-      ++down_in_next_;
-      last_down_ = Clock::now();
-      heard_coordinator_ = true;
-      post_down_recv(ep);
-      apply(ep, m);
-      moved = true;
+    for (int from = 0; from < world_; ++from) {
+      if (from == rank_) continue;
+      In& in = down_in_[size_t(from)];
+      while (in.req && in.req->done()) {
+        moved = true;
+        if (!in.req->ok()) {
+          if (in.req->state != net::RequestState::kCancelled)
+            spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
+                         in.req->error);
+          in.req.reset();
+          break;
+        }
+        qwire::DownMsg m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
+        ++in.next;
+        post_down_recv(ep, from);
+        if (m.type == qwire::Down::kTakeover) {
+          answer_takeover(ep, from, m.view);
+        } else if (from == coord_ && !coord_state_) {
+          last_down_ = Clock::now();
+          heard_coordinator_ = true;
+          apply(ep, m);
+        } else if (!told_deposed_[size_t(from)] && m.type != qwire::Down::kBye) {
+          // A coordinator that was replaced while it was unreachable: tell it, once.
+          told_deposed_[size_t(from)] = true;
+          Event e;
+          e.from = rank_;
+          auto buf = std::make_shared<std::vector<char>>(
+              qwire::encode_up(world_, qwire::Up::kDeposed, e));
+          auto req = ep.isend(from, net::make_tag(net::Op::kQuorumReady,
+                                                  up_out_next_[size_t(from)]++, chunk(rank_)),
+                              buf->data(), buf->size());
+          sends_.push_back({req, buf, from, false});
+        }
+      }
     }
     return moved;
   }
@@ -477,6 +656,7 @@ class QuorumService final : public EngineOp {
   void apply(net::Endpoint& ep, const qwire::DownMsg& m) {
     switch (m.type) {
       case qwire::Down::kHeartbeat:
+      case qwire::Down::kTakeover:  // answered in poll_down
         return;
       case qwire::Down::kBye:
         coordinator_done_ = true;  // its silence from now on is no failure
@@ -655,6 +835,12 @@ class QuorumService final : public EngineOp {
     if (d.settled >= 0) {
       done_.erase(done_.begin(), done_.upper_bound(uint64_t(d.settled)));
       kept_.erase(kept_.begin(), kept_.upper_bound(uint64_t(d.settled)));
+      decisions_.erase(decisions_.begin(), decisions_.upper_bound(uint64_t(d.settled)));
+    }
+    if (d.status == qproto::Status::kOk || d.status == qproto::Status::kSkipped) {
+      auto& k = decisions_[t];
+      if (d.attempt >= k.attempt) k = {t, d.attempt, d.status == qproto::Status::kSkipped, d.contributors};
+      while (decisions_.size() > qwire::kMaxKnown) decisions_.erase(decisions_.begin());
     }
     QuorumResult res;
     res.step = t;
@@ -927,16 +1113,25 @@ class QuorumService final : public EngineOp {
     }
   }
 
-  void check_deadlines() {
+  void check_deadlines(net::Endpoint& ep) {
     auto now = Clock::now();
     // Until the coordinator has spoken once (start-up) the deadline applies.
     const auto silence_limit =
         (heard_coordinator_ ? o_.evict : std::max(o_.evict, o_.deadline)) + heartbeat_;
-    if (!coord_state_ && !coordinator_done_ && now - last_down_ > silence_limit)
+    if (!coord_state_ && !coordinator_done_ && now - last_down_ > silence_limit && tolerant_) {
+      // Failover: the members of the last view other than the coordinator take over in rank
+      // order, each after the ones before it had their turn.
+      std::vector<int> cands;
+      for (int r : view_.members)
+        if (r != coord_) cands.push_back(r);
+      const auto k = std::find(cands.begin(), cands.end(), rank_) - cands.begin();
+      if (!takeover_ && now - last_down_ > silence_limit + k * (o_.evict + heartbeat_))
+        start_takeover(ep, cands);
+    } else if (!coord_state_ && !coordinator_done_ && now - last_down_ > silence_limit)
       throw QuorumLost(
           fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} ms "
-                      "(quorum.evict_ms = {}); it stopped or died, and this version has no "
-                      "coordinator failover",
+                      "(quorum.evict_ms = {}); it stopped or died, and a job that cannot lose a "
+                      "rank stops",
                       rank_, coord_, ms_between(last_down_, now), o_.evict.count()),
           {coord_});
     if (!coord_state_) {
@@ -992,7 +1187,7 @@ class QuorumService final : public EngineOp {
   size_t esz_;
   uint32_t instance_;
   qproto::Config cfg_;
-  const int coord_ = 0;
+  int coord_ = 0;  // the coordinator this rank follows (the lowest live rank after failover)
   bool tolerant_ = false;
   std::chrono::milliseconds heartbeat_{1000};
   bool finished_ = false, dead_ = false, bye_sent_ = false, coordinator_done_ = false;
@@ -1003,14 +1198,16 @@ class QuorumService final : public EngineOp {
   qproto::View view_;
   // Coordinator.
   std::unique_ptr<qproto::Coordinator> coord_state_;
-  std::vector<UpIn> up_in_;
+  std::vector<In> up_in_;  // per peer: its messages to this rank as coordinator
   std::vector<uint64_t> out_next_;  // per destination: number of the next down message
   std::deque<Event> self_events_;
   // Everyone.
-  std::vector<char> down_buf_;
-  net::RequestPtr down_req_;
-  uint64_t down_in_next_ = 0;
-  uint64_t up_out_next_ = 0;
+  std::vector<In> down_in_;            // per peer: its messages as coordinator
+  std::vector<uint64_t> up_out_next_;  // per peer: number of the next message to it
+  std::optional<Takeover> takeover_;   // this rank gathers acks to take over
+  uint64_t acked_epoch_ = 0;           // the last takeover epoch this rank accepted
+  std::vector<bool> told_deposed_;     // per peer: told it that another rank took over
+  std::map<uint64_t, qproto::Known> decisions_;  // decisions not yet settled everywhere
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
   std::deque<Send> sends_;
@@ -1107,6 +1304,11 @@ bool QuorumAllreduce::survives_loss() const {
   c.min_world = opts_.min_world;
   const int w = comm_.size();
   return w > 1 && qproto::floor_for(c, w - 1) <= w - 1;
+}
+
+int QuorumAllreduce::coordinator() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->coordinator;
 }
 
 std::vector<int> QuorumAllreduce::members() const {

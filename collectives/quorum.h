@@ -150,6 +150,9 @@ class QuorumAllreduce {
   // has applied so far (the first entry is epoch 0, the full world).
   std::vector<int> members() const;
   std::vector<ViewChange> view_changes() const;
+  // The rank that coordinates now (0 until it is lost; then the lowest live rank that took
+  // over). It writes the job's outputs.
+  int coordinator() const;
 
   // Whether the job goes on when a rank is lost (max(quorum, min_world) < world).
   bool survives_loss() const;

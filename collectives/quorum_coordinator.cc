@@ -53,6 +53,50 @@ Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
   heard_.assign(size_t(cfg_.world), false);
 }
 
+Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
+                         const std::vector<Known>& known, std::vector<Action>& out)
+    : Coordinator(std::move(cfg), now) {
+  view_ = std::move(view);
+  for (int r : view_.members) {
+    heard_[size_t(r)] = true;
+    if (size_t(r) < completed.size()) completed_[size_t(r)] = completed[size_t(r)];
+  }
+  Action v(Action::Kind::kView);
+  v.view = view_;
+  for (int r = 0; r < cfg_.world; ++r)
+    if (!view_.has(r)) v.left.push_back({r, Why::kSilent, double(cfg_.evict.count())});
+  out.push_back(v);
+  uint64_t next = 0;
+  for (const auto& k : known) {
+    next = std::max(next, k.step + 1);
+    auto& u = unsettled_[k.step];
+    if (k.attempt >= u.attempt) {
+      u.attempt = k.attempt;
+      u.contributors = k.contributors;
+      u.skipped = k.skipped;
+    }
+  }
+  low_water_ = next;  // every step below was decided by the old coordinator
+  for (auto it = unsettled_.begin(); it != unsettled_.end();) {
+    auto& [t, u] = *it;
+    bool all = std::all_of(view_.members.begin(), view_.members.end(),
+                           [&](int r) { return completed_[size_t(r)] >= int64_t(t); });
+    if (all || u.skipped) {
+      it = unsettled_.erase(it);
+      continue;
+    }
+    // The old coordinator may have been part of it, or may have decided it again where not
+    // every member saw: ask everyone, as after any loss.
+    u.recovering = true;
+    ++u.attempt;
+    Action a(Action::Kind::kRecover);
+    a.step = t;
+    a.attempt = u.attempt;
+    out.push_back(a);
+    ++it;
+  }
+}
+
 bool Coordinator::waiting() const {
   if (!open_.empty()) return true;
   return std::any_of(unsettled_.begin(), unsettled_.end(),
@@ -178,6 +222,7 @@ void Coordinator::tick(Time now, std::vector<Action>& out) {
 }
 
 void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector<Action>& out) {
+  const int prev_size = view_.size();
   View next;
   next.epoch = view_.epoch + 1;
   for (int r : view_.members) {
@@ -191,17 +236,24 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
   out.push_back(v);
 
   const int floor = floor_for(cfg_, view_.size());
-  if (view_.size() < floor) {
+  // A view must keep a majority of the one before: a side cut off from the rest never goes
+  // on alone (the other side, with the majority, elects a new coordinator).
+  const bool majority = 2 * view_.size() > prev_size;
+  if (view_.size() < floor || !majority) {
     std::string who;
     for (auto& d : left)
       who += fmt::format("{}rank {} ({}, last heard {:.0f} ms ago)", who.empty() ? "" : ", ",
                          d.rank, to_string(d.why), d.silent_ms);
     Action f(Action::Kind::kFatal);
-    f.reason = fmt::format(
-        "only {} of {} ranks are left (members {}), fewer than the {} the job needs (quorum {}, "
-        "min_world {}); left in view {}: {}",
-        view_.size(), cfg_.world, view_.members, floor, quorum_for(cfg_, view_.size()),
-        cfg_.min_world, view_.epoch, who);
+    f.reason =
+        majority
+            ? fmt::format("only {} of {} ranks are left (members {}), fewer than the {} the job "
+                          "needs (quorum {}, min_world {}); left in view {}: {}",
+                          view_.size(), cfg_.world, view_.members, floor,
+                          quorum_for(cfg_, view_.size()), cfg_.min_world, view_.epoch, who)
+            : fmt::format("lost a majority of the last view ({} of {} ranks left: {}): this "
+                          "side may be cut off from the others and stops; left in view {}: {}",
+                          view_.size(), prev_size, view_.members, view_.epoch, who);
     out.push_back(f);
     stopped_ = true;
     return;
@@ -272,6 +324,14 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
 
 void Coordinator::decide_open(Time now, std::vector<Action>& out) {
   const int q = quorum_for(cfg_, view_.size());
+  // A lease: decide only while a majority of the view has been heard from within half the
+  // evict time. A coordinator cut off from the others stops deciding before any member,
+  // which waits the whole evict time, can start to take over from it.
+  int fresh = 0;
+  for (int r : view_.members)
+    if (r == cfg_.self || ms_between(last_heard_[size_t(r)], now) <= double(cfg_.evict.count()) / 2)
+      ++fresh;
+  if (2 * fresh <= view_.size()) return;
   for (auto it = open_.begin(); it != open_.end();) {
     Open& o = it->second;
     Status st;

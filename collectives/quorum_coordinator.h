@@ -99,10 +99,22 @@ struct Action {
   std::string reason;           // kFatal: the error every member reports
 };
 
+// A decision a rank knows of (takeover): the highest attempt it saw for a step that is not
+// settled yet, with that attempt's contributors.
+struct Known {
+  uint64_t step = 0;
+  uint32_t attempt = 0;
+  bool skipped = false;
+  std::vector<int> contributors;
+};
+
 struct Event {
   // kSuspect: `from` had a transport error with rank `suspect`. kBye: `from` finished the job
   // (its silence from now on is no failure).
-  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kSuspect, kBye, kTick } kind = Kind::kTick;
+  // kAck: `from` accepts `epoch` with this rank as its coordinator (failover; the service
+  // collects them before a Coordinator exists).
+  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kSuspect, kBye, kAck, kTick } kind =
+      Kind::kTick;
   int from = -1;
   uint64_t step = 0;       // kReady, kReport
   uint64_t count = 0;      // kReady
@@ -110,11 +122,21 @@ struct Event {
   uint32_t attempt = 0;    // kReport
   bool have = false;       // kReport: `from` holds the final result of `step`
   int suspect = -1;        // kSuspect: the rank a transport error concerned
+  uint64_t epoch = 0;      // kAck
+  std::vector<Known> known;  // kAck: decisions `from` saw that may not be settled
 };
 
 class Coordinator {
  public:
   Coordinator(Config cfg, Time now);
+  // Failover: this rank (cfg.self, the lowest of `view`) takes over from a coordinator that
+  // fell silent, after the members of `view` acknowledged it. `completed` (per rank) and
+  // `known` (the union of what the members saw) rebuild the state; every known step that is
+  // not completed by every member is recovered (RECOVER with a higher attempt), and steps
+  // nobody saw decided are decided afresh from the READYs the members send again. `out`
+  // gets the new VIEW and the RECOVERs.
+  Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
+              const std::vector<Known>& known, std::vector<Action>& out);
 
   std::vector<Action> handle(const Event& e, Time now);
 

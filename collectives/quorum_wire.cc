@@ -73,6 +73,17 @@ std::vector<int> get_bitmap(const char* p, int world) {
 
 }  // namespace
 
+struct KnownWire {
+  uint64_t step;
+  uint32_t attempt;
+  uint32_t skipped;
+};
+static_assert(sizeof(KnownWire) == 16);
+
+size_t up_capacity(int world) {
+  return sizeof(UpWire) + kMaxKnown * (sizeof(KnownWire) + bitmap_bytes(world));
+}
+
 size_t down_capacity(int world) {
   size_t decide = 2 * bitmap_bytes(world) + 8 * size_t(world);
   size_t view = bitmap_bytes(world) + sizeof(DepartureWire) * size_t(world);
@@ -92,18 +103,34 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   w.completed = e.completed;
   w.attempt = e.attempt;
   w.suspect = e.suspect;
+  if (type == Up::kAck) w.count = e.epoch;
   std::vector<char> out(sizeof(w));
   std::memcpy(out.data(), &w, sizeof(w));
+  if (type == Up::kAck) {
+    for (size_t i = 0; i < e.known.size() && i < kMaxKnown; ++i) {
+      const auto& k = e.known[i];
+      KnownWire kw{k.step, k.attempt, k.skipped ? 1u : 0u};
+      size_t at = out.size();
+      out.resize(at + sizeof(kw));
+      std::memcpy(out.data() + at, &kw, sizeof(kw));
+      put_bitmap(out, world, k.contributors);
+    }
+  }
   return out;
 }
 
 qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type) {
-  if (len != sizeof(UpWire))
+  if (len < sizeof(UpWire))
     throw ProtocolError(
         fmt::format("quorum: malformed message from rank {} ({} bytes, expected {})", from, len,
                     sizeof(UpWire)));
   UpWire w;
   std::memcpy(&w, buf, sizeof(w));
+  const size_t entry = sizeof(KnownWire) + bitmap_bytes(world);
+  const size_t extra = len - sizeof(UpWire);
+  if (w.type == uint8_t(Up::kAck) ? (extra % entry != 0 || extra / entry > kMaxKnown) : extra != 0)
+    throw ProtocolError(fmt::format(
+        "quorum: malformed message from rank {} (type {}, {} bytes)", from, w.type, len));
   if (w.magic != kUpMagic)
     throw ProtocolError(fmt::format("quorum: malformed message from rank {} (magic {:#x})", from,
                                     w.magic));
@@ -115,7 +142,7 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kBye))
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kDeposed))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
   if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
@@ -130,6 +157,8 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     case Up::kReport: e.kind = qproto::Event::Kind::kReport; break;
     case Up::kSuspect: e.kind = qproto::Event::Kind::kSuspect; break;
     case Up::kBye: e.kind = qproto::Event::Kind::kBye; break;
+    case Up::kAck: e.kind = qproto::Event::Kind::kAck; break;
+    case Up::kDeposed: e.kind = qproto::Event::Kind::kTick; break;  // handled by the service
   }
   e.from = from;
   e.step = w.step;
@@ -138,6 +167,16 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.attempt = w.attempt;
   e.have = w.have != 0;
   e.suspect = w.suspect;
+  if (*type == Up::kAck) {
+    e.epoch = w.count;
+    const char* p = static_cast<const char*>(buf) + sizeof(UpWire);
+    for (size_t i = 0; i < extra / entry; ++i, p += entry) {
+      KnownWire kw;
+      std::memcpy(&kw, p, sizeof(kw));
+      qproto::Known k{kw.step, kw.attempt, kw.skipped != 0, get_bitmap(p + sizeof(kw), world)};
+      e.known.push_back(std::move(k));
+    }
+  }
   return e;
 }
 
@@ -189,6 +228,10 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
     case Down::kFatal:
       body.assign(m.text.begin(), m.text.begin() + long(std::min(m.text.size(), kMaxFatalText)));
       break;
+    case Down::kTakeover:
+      h.epoch = m.view.epoch;
+      put_bitmap(body, world, m.view.members);
+      break;
     case Down::kEvicted:
     case Down::kHeartbeat:
     case Down::kBye:
@@ -220,7 +263,7 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
     throw bad(fmt::format("body of {} bytes in a message of {}", h.body, len));
   const char* body = static_cast<const char*>(buf) + sizeof(h);
   DownMsg m;
-  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kBye))
+  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kTakeover))
     throw bad(fmt::format("unknown type {}", h.type));
   m.type = Down(h.type);
   switch (m.type) {
@@ -272,6 +315,12 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
     case Down::kFatal:
       if (h.body > kMaxFatalText) throw bad(fmt::format("FATAL text of {} bytes", h.body));
       m.text.assign(body, h.body);
+      break;
+    case Down::kTakeover:
+      if (h.body != bitmap_bytes(world)) throw bad(fmt::format("TAKEOVER body of {} bytes", h.body));
+      m.view.epoch = h.epoch;
+      m.view.members = get_bitmap(body, world);
+      if (m.view.members.empty()) throw bad("TAKEOVER without members");
       break;
     case Down::kEvicted:
     case Down::kHeartbeat:

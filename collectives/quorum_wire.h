@@ -22,7 +22,15 @@ namespace qring::collectives::qwire {
 
 constexpr uint16_t kVersion = 2;
 
-enum class Up : uint8_t { kReady = 1, kHeartbeat = 2, kReport = 3, kSuspect = 4, kBye = 5 };
+enum class Up : uint8_t {
+  kReady = 1,
+  kHeartbeat = 2,
+  kReport = 3,
+  kSuspect = 4,
+  kBye = 5,
+  kAck = 6,     // accepts a takeover: 48 bytes + the decisions it knows (failover)
+  kDeposed = 7  // to a rank that still acts as coordinator: another one took over
+};
 enum class Down : uint8_t {
   kDecide = 1,
   kView = 2,
@@ -30,10 +38,15 @@ enum class Down : uint8_t {
   kEvicted = 4,
   kFatal = 5,
   kHeartbeat = 6,
-  kBye = 7  // the coordinator finished the job
+  kBye = 7,      // the coordinator finished the job
+  kTakeover = 8  // a member takes over from a silent coordinator (epoch, proposed members)
 };
 
 constexpr size_t kUpBytes = 48;
+// Decisions an ACK carries at most (the unsettled window is a few steps).
+constexpr size_t kMaxKnown = 8;
+// Largest up message (the receive buffer every rank posts for every peer).
+size_t up_capacity(int world);
 // Largest down message for a world of this size (the receive buffer each rank posts).
 size_t down_capacity(int world);
 constexpr size_t kMaxFatalText = 1024;

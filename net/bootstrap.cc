@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <exception>
 #include <charconv>
 #include <climits>
 #include <cstdlib>
@@ -302,8 +303,15 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadlin
 
 Rendezvous::~Rendezvous() {
   try {
+    // Rank 0 serves the store: when it was lost there is nobody to meet at the exit.
+    if (!server_ && std::find(lost_.begin(), lost_.end(), 0) != lost_.end()) {
+      owned_.reset();
+      return;
+    }
     store_->set(fmt::format("exit/{}", info_.rank), "1");
-    if (server_) {
+    // A rank that leaves with an error does not wait for the others: the job has failed, or
+    // goes on without it (a rank evicted from a job that tolerates losses).
+    if (server_ && std::uncaught_exceptions() == 0) {
       std::vector<std::string> keys;
       for (int r = 0; r < info_.world_size; ++r)
         if (std::find(lost_.begin(), lost_.end(), r) == lost_.end())

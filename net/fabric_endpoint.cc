@@ -1,11 +1,13 @@
 // FabricEndpoint: libfabric RDM endpoint with tagged messages.
 //
 // Setup follows fabtests' order: fi_getinfo → fi_fabric → fi_domain → CQ → AV → fi_endpoint →
-// bind → fi_enable → fi_getname / exchange through the store / fi_av_insert. The Fid<T>
-// members are declared in creation order, so destruction closes them in reverse.
+// bind → fi_enable → fi_getname / exchange through the store / fi_av_insert (on shm one
+// endpoint per peer: see "Pairwise endpoints" below). The Fid<T> members are declared in
+// creation order, so destruction closes them in reverse.
 #include "net/fabric_endpoint.h"
 
 #include <fmt/format.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <rdma/fabric.h>
@@ -20,6 +22,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -140,11 +143,95 @@ bool is_loopback_domain(const fi_info* i) {
   return i->domain_attr && i->domain_attr->name && std::strcmp(i->domain_attr->name, "lo") == 0;
 }
 
+// Pairwise endpoints (FabricOptions::pairwise). shm sends above its inject size (4 KiB) by
+// CMA (or SAR, or a mapped file) and completes each through a response the receiver writes
+// into the sender's one response queue, which the sender reads in order and stops at the first
+// response still busy. With one endpoint for every peer, a large send to a peer that stopped
+// or died thus held back the completion of every later large send, to any peer; one endpoint
+// per peer gives each peer its own queue. Setting for "auto": QRING_SHM_PAIRWISE (0 or 1).
+constexpr const char* kPairwiseEnv = "QRING_SHM_PAIRWISE";
+
+// Memory: each endpoint is one shm region, a file in /dev/shm of 16 MiB (its 8 MiB SAR pool
+// plus queues sized by the depths, rounded up to a power of two) of which ~3.8 MiB are touched
+// when it is created (shm zero-fills from its name to the end of the file) and the rest only
+// as used. Smaller queue depths do not help: they leave more of the 16 MiB to that zero fill
+// (measured with 8 ranks, per rank in /dev/shm: depth 1024 (shm's default) 26 MiB, 256 48 MiB,
+// one endpoint 4 MiB). So the endpoints keep shm's depths. All ranks of a host together
+// need W (W - 1) regions: "auto" uses pairwise endpoints only while those fit in half of
+// /dev/shm (a container's default 64 MiB holds 3 ranks' worth), so that no rank dies of
+// SIGBUS when tmpfs runs out.
+constexpr size_t kShmRegionBytes = size_t(4) << 20;  // touched per region, about
+
+bool use_pairwise(FabricOptions::Pairwise setting, const std::string& provider, int rank,
+                  int world) {
+  if (world < 2) return false;  // no peers to separate
+  if (setting == FabricOptions::Pairwise::kOn) return true;
+  if (setting == FabricOptions::Pairwise::kOff) return false;
+  if (provider != "shm") return false;
+  const char* v = std::getenv(kPairwiseEnv);
+  if (v && std::strcmp(v, "1") == 0) return true;
+  if (v && std::strcmp(v, "0") == 0) return false;
+  if (v && *v) throw ConfigError(fmt::format("{}='{}': expected 0 or 1", kPairwiseEnv, v));
+  // Every rank of the host decides alike: same world, same /dev/shm.
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return true;
+  const size_t total = size_t(fs.f_blocks) * size_t(fs.f_frsize);
+  const size_t need = size_t(world) * size_t(world - 1) * kShmRegionBytes;
+  if (need <= total / 2) return true;
+  if (rank == 0)
+    spdlog::warn("shm: one endpoint per peer would take ~{} MiB of /dev/shm ({} MiB): using one "
+                 "endpoint for all peers, where a stopped or dead rank can hold back large sends "
+                 "to the others ({}=1 forces one per peer)",
+                 need >> 20, total >> 20, kPairwiseEnv);
+  return false;
+}
+
+std::string endpoint_name(fid_ep* ep) {
+  std::string name(256, '\0');
+  size_t len = name.size();
+  int ret = fi_getname(&ep->fid, name.data(), &len);
+  if (ret == -FI_ETOOSMALL) {
+    name.resize(len);
+    ret = fi_getname(&ep->fid, name.data(), &len);
+  }
+  QRING_FI_CHECK(ret);
+  name.resize(len);
+  return name;
+}
+
+// Entry `index` of a pairwise address list ("<length>:<address>" per rank, rank order)
+// published by rank `from`.
+std::string pair_address(const std::string& list, int world, int index, int from) {
+  size_t pos = 0;
+  for (int i = 0; i < world; ++i) {
+    const size_t colon = list.find(':', pos);
+    size_t len = 0;
+    bool ok = colon != std::string::npos && colon > pos;
+    for (size_t k = pos; ok && k < colon; ++k) {
+      ok = list[k] >= '0' && list[k] <= '9' && len < (size_t(1) << 20);
+      len = len * 10 + size_t(list[k] - '0');
+    }
+    if (!ok || colon + 1 + len > list.size()) break;
+    if (i == index) {
+      if (len == 0) break;
+      return list.substr(colon + 1, len);
+    }
+    pos = colon + 1 + len;
+  }
+  throw ProtocolError(
+      fmt::format("rank {}: malformed pairwise fabric addresses of rank {}", index, from));
+}
+
+struct AnyRecv;
+
 // One posted libfabric operation (one fragment of a request). FI_CONTEXT(2) mode: the
 // provider may use the first bytes of the context, so fi_context2 comes first.
 struct OpCtx {
   fi_context2 ctx;
   RequestPtr req;
+  fid_ep* ep = nullptr;          // the libfabric endpoint it goes to
+  std::shared_ptr<AnyRecv> any;  // set for the per-peer parts of a pairwise any-peer receive
+  uint32_t any_index = 0;        // which part
   // For posts the provider refused with -FI_EAGAIN (retried from progress()).
   void* buf = nullptr;
   size_t len = 0;
@@ -165,6 +252,44 @@ struct PostQueue {
   int32_t slot = -1;          // index in FabricEndpoint::active_, -1 while empty
   uint32_t inflight = 0;      // posted, not completed
   uint32_t cap = UINT32_MAX;  // at most this many posted
+};
+
+// A message that a part of a pairwise any-peer receive took after another part had already
+// completed that receive (two peers' messages matched at once): it goes to the oldest pending
+// any-peer receive that matches it, else to the next receive posted (from any peer or from
+// its sender) that does.
+struct Leftover {
+  int peer = 0;
+  uint64_t tag = 0;
+  std::vector<char> data;
+};
+
+// An any-peer receive over pairwise endpoints, where no single libfabric receive sees every
+// peer: one directed receive per peer, each into its own staging buffer, in that peer's
+// receive queue (so it keeps its place among that peer's directed receives). The first
+// message to arrive completes the caller's request and the other parts are cancelled; a
+// message one of them took anyway becomes a Leftover. (Also a receive that a Leftover
+// completes: `ready`, no parts.) Any-peer receives among themselves keep each sender's
+// order; a directed receive posted while a part of an earlier any-peer receive is still
+// pending can, when both match and the part loses its race, get that sender's next message
+// before the kept one (which goes to the next matching receive): qring's protocols never
+// mix the two on the same tags.
+struct AnyRecv {
+  struct Part {
+    RequestPtr req;        // the internal receive from one peer
+    OpCtx* ctx = nullptr;  // its one operation while req is pending
+    std::vector<char> stage;
+    bool cancelling = false;
+  };
+  RequestPtr req;  // the caller's
+  char* buf = nullptr;
+  size_t len = 0;
+  uint64_t tag = 0;
+  uint64_t ignore = 0;
+  std::vector<Part> parts;
+  size_t live = 0;        // parts not ended yet
+  bool resolved = false;  // req has its final state
+  std::optional<Leftover> ready;  // a kept message this receive takes in the next progress()
 };
 
 // The peers' tcp endpoint addresses of one FabricEndpoint, registered with tcp_tuning (the
@@ -217,7 +342,9 @@ class FabricEndpoint final : public Endpoint {
     if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
 
-    if (provider_name_ == "shm") remove_stale_shm_regions();
+    shm_ = provider_name_ == "shm";
+    pairwise_ = use_pairwise(opts.pairwise, provider_name_, rank, world);
+    if (shm_) remove_stale_shm_regions();
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
     const std::string tcp_cc = provider_name_.find("tcp") != std::string::npos
@@ -236,32 +363,50 @@ class FabricEndpoint final : public Endpoint {
     av_attr.type = FI_AV_TABLE;
     av_attr.count = static_cast<size_t>(world);
     QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
-    QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep_.out(), nullptr));
-    QRING_FI_CHECK(fi_ep_bind(ep_.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-    QRING_FI_CHECK(fi_ep_bind(ep_.get(), &av_.get()->fid, 0));
-    QRING_FI_CHECK(fi_enable(ep_.get()));
-
-    // Exchange addresses through the store.
-    std::string name(256, '\0');
-    size_t len = name.size();
-    int ret = fi_getname(&ep_.get()->fid, name.data(), &len);
-    if (ret == -FI_ETOOSMALL) {
-      name.resize(len);
-      ret = fi_getname(&ep_.get()->fid, name.data(), &len);
+    // Pairwise: endpoint i serves peer i below this rank's number and peer i + 1 from it on;
+    // messages to itself share the next rank's endpoint. All of them share the CQ (one read
+    // progresses every endpoint bound to it) and the AV (entry p: peer p's endpoint for this
+    // rank). Otherwise one endpoint serves everyone.
+    const int n_eps = pairwise_ ? world - 1 : 1;
+    std::vector<std::string> names;
+    for (int i = 0; i < n_eps; ++i) {
+      Fid<fid_ep>& ep = eps_.emplace_back();
+      QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+      QRING_FI_CHECK(fi_enable(ep.get()));
+      names.push_back(endpoint_name(ep.get()));
     }
-    QRING_FI_CHECK(ret);
-    name.resize(len);
+    std::vector<size_t> index(static_cast<size_t>(world), 0);
+    if (pairwise_) {
+      for (int p = 0; p < world; ++p) {
+        const int q = p == rank ? (rank + 1) % world : p;
+        index[static_cast<size_t>(p)] = static_cast<size_t>(q < rank ? q : q - 1);
+      }
+    }
+    for (size_t i : index) ep_of_.push_back(eps_[i].get());
     listen_scope.reset();
     // The n-th endpoint a process opens publishes under its own key, so several endpoints
     // (communicators) per process each find their peers' matching endpoint. Every rank
     // opens its endpoints in the same order, as communicators are created collectively.
     const std::string prefix =
         opts.instance == 0 ? "fabric/addr/" : fmt::format("fabric/{}/addr/", opts.instance);
-    // "<provider>[ eager=<rxm eager limit>]\n<address>": rxm refuses connections between
-    // endpoints with different eager limits, which would surface only as a timeout.
-    const std::string setting =
-        rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
-    store.set(prefix + std::to_string(rank), setting + '\n' + name);
+    // "<provider>[ eager=<rxm eager limit>][ pairwise]\n<address>": rxm refuses connections
+    // between endpoints with different eager limits, which would surface only as a timeout,
+    // and pairwise ranks look for one address per peer. Pairwise, the address part is one
+    // "<length>:<address>" per rank in rank order (empty for the rank itself).
+    std::string setting = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
+    if (pairwise_) setting += " pairwise";
+    std::string published = setting + '\n';
+    if (pairwise_) {
+      for (int p = 0; p < world; ++p) {
+        const std::string a = p == rank ? std::string() : names[index[static_cast<size_t>(p)]];
+        published += std::to_string(a.size()) + ':' + a;
+      }
+    } else {
+      published += names[0];
+    }
+    store.set(prefix + std::to_string(rank), published);
     addrs_.resize(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) {
       std::string v = store.get(prefix + std::to_string(r), deadline);
@@ -275,12 +420,21 @@ class FabricEndpoint final : public Endpoint {
             "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
             "provider on every rank",
             rank, provider_name_, r, peer_prov));
-      if (peer_setting != setting)
+      if (peer_setting != setting) {
+        const bool pairwise_differs =
+            (peer_setting.find(" pairwise") != std::string::npos) != pairwise_;
         throw ConfigError(fmt::format(
             "rank {}: libfabric settings differ: this rank has '{}', rank {} has '{}'; export "
             "the same {} on every rank",
-            rank, setting, r, peer_setting, kRxmEagerEnv));
-      std::string addr = v.substr(nl + 1);
+            rank, setting, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
+      }
+      std::string addr;
+      if (r == rank)
+        addr = names[index[static_cast<size_t>(r)]];  // pairwise: the endpoint's own name
+      else if (pairwise_)
+        addr = pair_address(v.substr(nl + 1), world, rank, r);
+      else
+        addr = v.substr(nl + 1);
       if (!tcp_cc.empty() && r != rank) tcp_regs_.add(addr, tcp_cc);
       int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
       if (n != 1)
@@ -290,22 +444,27 @@ class FabricEndpoint final : public Endpoint {
     // Some providers refuse sends for the whole endpoint once one peer holds enough of its
     // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
     // nothing never give theirs back). A quarter of the depth in flight per peer keeps a
-    // stopped peer from starving the others. Receives have no cap: one posted beyond it
-    // could be needed to complete a send that earlier ones wait for (rendezvous).
+    // stopped peer from starving the others. Pairwise, a peer's endpoint is its own: up to
+    // the full depth. Receives have no cap: one posted beyond it could be needed to complete
+    // a send that earlier ones wait for (rendezvous).
+    const size_t depth = info_->tx_attr->size;
     const auto send_cap =
-        static_cast<uint32_t>(std::clamp<size_t>(info_->tx_attr->size / 4, 1, 1u << 16));
+        static_cast<uint32_t>(std::clamp<size_t>(pairwise_ ? depth : depth / 4, 1, 1u << 16));
     queues_.resize(2 * static_cast<size_t>(world) + 1);
     for (size_t i = 0; i < static_cast<size_t>(world); ++i) queues_[i].cap = send_cap;
     active_.reserve(queues_.size());
     suspect_.assign(static_cast<size_t>(world), 0);
-    spdlog::debug("rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {}",
-                  rank_, provider_name_, info_->domain_attr->name, max_msg_, mr_local_);
+    spdlog::debug(
+        "rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {} endpoints {} "
+        "(queue depths tx {} rx {})",
+        rank_, provider_name_, info_->domain_attr->name, max_msg_, mr_local_, eps_.size(),
+        info_->tx_attr->size, info_->rx_attr->size);
   }
 
   ~FabricEndpoint() override {
     // Cancel what is still posted so the provider drops its references before close.
     for (OpCtx* c : outstanding_) {
-      if (c->posted) fi_cancel(&ep_.get()->fid, c);
+      if (c->posted) fi_cancel(&c->ep->fid, c);
     }
     // Drain completions (cancellations, sends still finishing) for a short while.
     fi_cq_tagged_entry entries[16];
@@ -322,7 +481,7 @@ class FabricEndpoint final : public Endpoint {
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
     }
-    ep_.reset();
+    eps_.clear();
     for (auto& [addr, mr] : mrs_) fi_close(&mr.mr->fid);
     mrs_.clear();
     for (OpCtx* c : outstanding_) delete c;
@@ -341,7 +500,8 @@ class FabricEndpoint final : public Endpoint {
     req->tag = tag;
     req->len = len;
     req->bytes = len;
-    post_fragments(req, const_cast<void*>(buf), len, tag, 0, addrs_[static_cast<size_t>(peer)]);
+    post_fragments(req, const_cast<void*>(buf), len, tag, 0, addrs_[static_cast<size_t>(peer)],
+                   ep_of_[static_cast<size_t>(peer)]);
     return req;
   }
 
@@ -350,12 +510,20 @@ class FabricEndpoint final : public Endpoint {
     if (ignore != 0 && len > max_msg_)
       throw UsageError(fmt::format("irecv with an ignore mask is limited to {} bytes (asked {})",
                                    max_msg_, len));
+    if (pairwise_) {
+      if (!stash_.empty())
+        if (RequestPtr kept = take_kept(peer, tag, ignore, buf, len)) return kept;
+      if (peer == kAnyPeer) return irecv_any(tag, buf, len, ignore);
+    }
     auto req = std::make_shared<Request>();
     req->peer = peer;
     req->tag = tag;
     req->len = len;
-    fi_addr_t addr = peer == kAnyPeer ? FI_ADDR_UNSPEC : addrs_[static_cast<size_t>(peer)];
-    post_fragments(req, buf, len, tag, ignore, addr);
+    if (peer == kAnyPeer)
+      post_fragments(req, buf, len, tag, ignore, FI_ADDR_UNSPEC, eps_.front().get());
+    else
+      post_fragments(req, buf, len, tag, ignore, addrs_[static_cast<size_t>(peer)],
+                     ep_of_[static_cast<size_t>(peer)]);
     return req;
   }
 
@@ -376,6 +544,7 @@ class FabricEndpoint final : public Endpoint {
       if (n < 32) break;
     }
     if (!active_.empty()) handled += retry_queues();
+    if (!any_.empty()) handled += progress_any();
     return handled;
   }
 
@@ -384,36 +553,29 @@ class FabricEndpoint final : public Endpoint {
   bool cancel(const RequestPtr& req) override {
     if (req->done()) return false;
     if (req->is_send) return false;
-    bool any = false;
-    for (OpCtx* c : outstanding_) {
-      if (c->req == req) {
-        if (c->posted) {
-          fi_cancel(&ep_.get()->fid, c);
-          any = true;
+    bool posted = false;
+    auto it = std::find_if(any_.begin(), any_.end(), [&](const auto& a) { return a->req == req; });
+    if (it != any_.end()) {
+      const std::shared_ptr<AnyRecv> a = *it;
+      if (a->ready) {  // it holds a message already: it completes now
+        take_ready(*a);
+        return false;
+      }
+      posted = cancel_parts(*a);
+    } else {
+      for (OpCtx* c : outstanding_) {
+        if (c->req == req && c->posted) {
+          fi_cancel(&c->ep->fid, c);
+          posted = true;
         }
       }
+      drop_queued(req);  // unposted fragments: cancelled at once
     }
-    // Unposted fragments in its post queue: drop them.
-    const size_t qi = queue_index(false, req->peer);
-    PostQueue& q = queues_[qi];
-    OpCtx* prev = nullptr;
-    for (OpCtx* c = q.head; c;) {
-      OpCtx* next = c->next;
-      if (c->req == req) {
-        (prev ? prev->next : q.head) = next;
-        if (q.tail == c) q.tail = prev;
-        finish_part(c, RequestState::kCancelled, {});
-      } else {
-        prev = c;
-      }
-      c = next;
-    }
-    if (!q.head) deactivate(qi);
     // The provider reports each cancelled receive as an FI_ECANCELED completion; wait for
     // them so the buffer is free when we return.
     Deadline dl = deadline_in(std::chrono::seconds(5));
     Backoff backoff;
-    while (any && !req->done()) {
+    while (posted && !req->done()) {
       if (progress()) continue;
       if (Clock::now() > dl)
         throw TimeoutError(fmt::format("rank {}: cancel of a receive (tag {:#x}) did not complete",
@@ -476,8 +638,10 @@ class FabricEndpoint final : public Endpoint {
     return fi_mr_desc(mrs_[p].mr);
   }
 
+  // `any`: the request is part `any_index` of that pairwise any-peer receive (one fragment).
   void post_fragments(const RequestPtr& req, void* buf, size_t len, uint64_t tag, uint64_t ignore,
-                      fi_addr_t addr) {
+                      fi_addr_t addr, fid_ep* ep, const std::shared_ptr<AnyRecv>& any = nullptr,
+                      uint32_t any_index = 0) {
     size_t parts = len == 0 ? 1 : (len + max_msg_ - 1) / max_msg_;
     req->pending_parts = static_cast<int>(parts);
     char* p = static_cast<char*>(buf);
@@ -491,6 +655,12 @@ class FabricEndpoint final : public Endpoint {
       c->tag = tag | (i & kFragMask);
       c->ignore = ignore;
       c->addr = addr;
+      c->ep = ep;
+      if (any) {
+        c->any = any;
+        c->any_index = any_index;
+        any->parts[any_index].ctx = c;
+      }
       c->desc = descriptor(c->buf, n);
       outstanding_.insert(c);
       // Behind earlier refused posts of the same queue (order), else straight to the provider.
@@ -545,14 +715,17 @@ class FabricEndpoint final : public Endpoint {
   ssize_t post(OpCtx* c) {
     ssize_t ret;
     if (c->req->is_send)
-      ret = fi_tsend(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
+      ret = fi_tsend(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
     else
-      ret = fi_trecv(ep_.get(), c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
+      ret = fi_trecv(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
     if (ret >= 0) {
       c->posted = true;
       ++queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
       return 0;
     }
+    // shm refuses a receive beyond its rx depth (posted receives) with -FI_ENOMEM: it waits
+    // like a refused post until earlier receives complete.
+    if (ret == -FI_ENOMEM && shm_ && !c->req->is_send) return -FI_EAGAIN;
     return ret;
   }
 
@@ -625,7 +798,196 @@ class FabricEndpoint final : public Endpoint {
     }
     if (c->posted) --queues_[queue_index(r.is_send, r.peer)].inflight;
     outstanding_.erase(c);
+    if (c->any) {
+      const std::shared_ptr<AnyRecv> any = std::move(c->any);
+      const uint32_t index = c->any_index;
+      delete c;
+      if (any->parts[index].req->pending_parts == 0) on_part_done(any, index);
+      return;
+    }
     delete c;
+  }
+
+  // ---- any-peer receives over pairwise endpoints (AnyRecv).
+
+  static bool tag_matches(uint64_t msg_tag, uint64_t tag, uint64_t ignore) {
+    return ((msg_tag ^ tag) & ~ignore) == 0;
+  }
+
+  std::shared_ptr<AnyRecv> new_any(int peer, uint64_t tag, void* buf, size_t len,
+                                   uint64_t ignore) {
+    auto req = std::make_shared<Request>();
+    req->peer = peer;
+    req->tag = tag;
+    req->len = len;
+    req->pending_parts = 1;
+    auto a = std::make_shared<AnyRecv>();
+    a->req = req;
+    a->buf = static_cast<char*>(buf);
+    a->len = len;
+    a->tag = tag;
+    a->ignore = ignore;
+    any_.push_back(a);
+    return a;
+  }
+
+  // A receive (from `peer` or any peer) that a kept message matches takes it: the message
+  // was its sender's next one (a part took it in the sender's order). Completed in the next
+  // progress(). Null if none matches.
+  RequestPtr take_kept(int peer, uint64_t tag, uint64_t ignore, void* buf, size_t len) {
+    for (auto it = stash_.begin(); it != stash_.end(); ++it) {
+      if ((peer == kAnyPeer || it->peer == peer) && tag_matches(it->tag, tag, ignore)) {
+        auto a = new_any(peer, tag, buf, len, ignore);
+        a->ready = std::move(*it);
+        stash_.erase(it);
+        ++ready_any_;
+        return a->req;
+      }
+    }
+    return nullptr;
+  }
+
+  RequestPtr irecv_any(uint64_t tag, void* buf, size_t len, uint64_t ignore) {
+    if (len > max_msg_)
+      throw UsageError(fmt::format("an any-peer receive is limited to {} bytes (asked {})",
+                                   max_msg_, len));
+    auto a = new_any(kAnyPeer, tag, buf, len, ignore);
+    const RequestPtr req = a->req;
+    a->parts.reserve(static_cast<size_t>(world_));
+    for (int p = 0; p < world_ && !a->resolved; ++p) {
+      const auto i = static_cast<uint32_t>(a->parts.size());
+      AnyRecv::Part& part = a->parts.emplace_back();
+      part.req = std::make_shared<Request>();
+      part.req->peer = p;
+      part.req->tag = tag;
+      part.req->len = len;
+      part.stage.resize(len);
+      ++a->live;
+      post_fragments(part.req, part.stage.data(), len, tag, ignore,
+                     addrs_[static_cast<size_t>(p)], ep_of_[static_cast<size_t>(p)], a, i);
+    }
+    return req;
+  }
+
+  // Completes any-peer receives that took a kept message, drops finished ones from the front.
+  size_t progress_any() {
+    size_t handled = 0;
+    if (ready_any_ > 0) {
+      for (size_t i = 0; i < any_.size() && ready_any_ > 0; ++i) {
+        if (any_[i]->ready) {
+          take_ready(*any_[i]);
+          ++handled;
+        }
+      }
+    }
+    while (!any_.empty() && any_.front()->resolved && any_.front()->live == 0) any_.pop_front();
+    return handled;
+  }
+
+  void take_ready(AnyRecv& a) {
+    Leftover m = std::move(*a.ready);
+    a.ready.reset();
+    --ready_any_;
+    resolve(a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+  }
+
+  // Gives the caller's request its final state; the parts still pending are cancelled.
+  void resolve(AnyRecv& a, RequestState st, const char* data, size_t bytes, uint64_t tag,
+               std::string err) {
+    Request& r = *a.req;
+    a.resolved = true;
+    if (st == RequestState::kDone && bytes > a.len) {
+      st = RequestState::kError;
+      err = fmt::format("{}: message truncated: {} bytes arrived for a {}-byte buffer",
+                        r.peer == kAnyPeer ? "from any peer" : fmt::format("from rank {}", r.peer),
+                        bytes, a.len);
+      if (r.peer != kAnyPeer) mark_suspect(r.peer, err);
+    }
+    if (st == RequestState::kDone) {
+      if (bytes > 0) std::memcpy(a.buf, data, bytes);
+      r.bytes = bytes;
+      r.matched_tag = tag;
+    } else if (st == RequestState::kError) {
+      r.error = std::move(err);
+    }
+    r.pending_parts = 0;
+    r.state = st;
+    cancel_parts(a);
+  }
+
+  // Cancels the parts still pending: unposted ones at once, posted ones through the provider
+  // (which reports FI_ECANCELED, or the message if one matched first). Returns whether any
+  // posted part is still to report.
+  bool cancel_parts(AnyRecv& a) {
+    bool posted = false;
+    for (AnyRecv::Part& part : a.parts) {
+      if (part.req->done() || !part.ctx) continue;
+      if (part.ctx->posted) {
+        if (!part.cancelling) fi_cancel(&part.ctx->ep->fid, part.ctx);
+        part.cancelling = true;
+        posted = true;
+      } else {
+        drop_queued(part.req);
+      }
+    }
+    return posted;
+  }
+
+  // Part `index` of `ap` has ended (message, error or cancellation).
+  void on_part_done(const std::shared_ptr<AnyRecv>& ap, uint32_t index) {
+    AnyRecv& a = *ap;
+    AnyRecv::Part& part = a.parts[index];
+    part.ctx = nullptr;
+    --a.live;
+    const Request& sub = *part.req;
+    if (sub.state == RequestState::kDone) {
+      if (!a.resolved) {
+        resolve(a, RequestState::kDone, part.stage.data(), sub.bytes, sub.matched_tag, {});
+      } else {
+        part.stage.resize(sub.bytes);
+        hand_on(Leftover{sub.peer, sub.matched_tag, std::move(part.stage)});
+      }
+    } else if (sub.state == RequestState::kError) {
+      if (!a.resolved)
+        resolve(a, RequestState::kError, nullptr, 0, 0, sub.error);
+      else
+        spdlog::warn("rank {}: a message for a finished any-peer receive failed: {}", rank_,
+                     sub.error);
+    } else if (a.live == 0 && !a.resolved) {  // every part cancelled
+      a.resolved = true;
+      a.req->pending_parts = 0;
+      a.req->state = RequestState::kCancelled;
+    }
+  }
+
+  // A message that a part of an already finished any-peer receive took: to the oldest pending
+  // any-peer receive it matches, else kept for the next one.
+  void hand_on(Leftover m) {
+    for (const auto& a : any_) {
+      if (a->resolved || a->ready || !tag_matches(m.tag, a->tag, a->ignore)) continue;
+      resolve(*a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+      return;
+    }
+    stash_.push_back(std::move(m));
+  }
+
+  // Removes the unposted fragments of a receive from its post queue, cancelled.
+  void drop_queued(const RequestPtr& req) {
+    const size_t qi = queue_index(false, req->peer);
+    PostQueue& q = queues_[qi];
+    OpCtx* prev = nullptr;
+    for (OpCtx* c = q.head; c;) {
+      OpCtx* next = c->next;
+      if (c->req == req) {
+        (prev ? prev->next : q.head) = next;
+        if (q.tail == c) q.tail = prev;
+        finish_part(c, RequestState::kCancelled, {});
+      } else {
+        prev = c;
+      }
+      c = next;
+    }
+    if (!q.head) deactivate(qi);
   }
 
   void complete(const fi_cq_tagged_entry& e) {
@@ -678,13 +1040,16 @@ class FabricEndpoint final : public Endpoint {
   bool mr_virt_ = false;
   size_t max_msg_ = 0;
   InfoPtr info_;
-  TcpRegistrations tcp_regs_;  // outlives the endpoint's connections (destroyed after ep_)
+  TcpRegistrations tcp_regs_;  // outlives the endpoints' connections (destroyed after eps_)
   // Creation order; destroyed in reverse.
   Fid<fid_fabric> fabric_;
   Fid<fid_domain> domain_;
   Fid<fid_cq> cq_;
   Fid<fid_av> av_;
-  Fid<fid_ep> ep_;
+  std::deque<Fid<fid_ep>> eps_;  // pairwise: one per peer (see the constructor), else one
+  std::vector<fid_ep*> ep_of_;   // per rank: the endpoint that talks to it
+  bool pairwise_ = false;
+  bool shm_ = false;
   std::vector<fi_addr_t> addrs_;
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;
@@ -693,6 +1058,11 @@ class FabricEndpoint final : public Endpoint {
   std::vector<uint32_t> active_;   // indices of the non-empty queues
   std::vector<char> suspect_;      // per rank: an error concerned it
   std::vector<int> suspects_;      // the same, sorted
+  // Pairwise any-peer receives in posting order (finished ones leave from the front), the
+  // messages kept for later ones, and how many hold one to complete in progress().
+  std::deque<std::shared_ptr<AnyRecv>> any_;
+  std::deque<Leftover> stash_;
+  size_t ready_any_ = 0;
 };
 
 }  // namespace

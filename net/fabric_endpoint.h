@@ -23,6 +23,14 @@ struct FabricOptions {
   // "fabric/addr/<rank>"). -1 (default): the number of endpoints this process opened
   // before, so the n-th endpoint of every rank meets the n-th of the others.
   int64_t instance = -1;
+  // One libfabric endpoint per peer ("pairwise") instead of one for all peers. shm completes
+  // every send above its inject size (4 KiB) through one response queue per endpoint, in
+  // order, so with one endpoint a peer that stopped or died with such a send outstanding held
+  // back every later large send to any peer. kAuto: on for shm while the W (W - 1) regions of
+  // the host's ranks fit in half of /dev/shm (~4 MiB each), off for other providers (ofi_rxm
+  // keeps a connection per peer already); QRING_SHM_PAIRWISE=0 or 1 decides for shm instead.
+  enum class Pairwise { kAuto, kOn, kOff };
+  Pairwise pairwise = Pairwise::kAuto;
 };
 
 // Opens an endpoint, publishes its address in `store` (key: FabricOptions::instance), reads

@@ -413,6 +413,72 @@ TEST(Coordinator, ContributionsOfARankThatLeftDoNotCount) {
   EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
 }
 
+TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
+  // Rank 0 (the old coordinator) decided step 5 with S = {0, 1, 2}; rank 1 completed it,
+  // rank 2 did not; rank 3 was late. Rank 1 takes over with members {1, 2, 3}.
+  Config cfg = base(4, 2);
+  cfg.self = 1;
+  View v;
+  v.epoch = 1;
+  v.members = {1, 2, 3};
+  std::vector<Action> out;
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c(cfg, now, v, {-1, 5, 4, 4}, {Known{5, 0, false, {0, 1, 2}}}, out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].kind, K::kView);
+  EXPECT_EQ(out[0].view.members, (std::vector<int>{1, 2, 3}));
+  ASSERT_EQ(out[0].left.size(), 1u);
+  EXPECT_EQ(out[0].left[0].rank, 0);
+  EXPECT_EQ(out[1].kind, K::kRecover);
+  EXPECT_EQ(out[1].step, 5u);
+  EXPECT_EQ(out[1].attempt, 1u);
+  auto ev = [&](Event::Kind k, int from, uint64_t step, bool have) {
+    Event e;
+    e.kind = k;
+    e.from = from;
+    e.step = step;
+    e.attempt = 1;
+    e.have = have;
+    e.count = 8;
+    return c.handle(e, now);
+  };
+  ev(Event::Kind::kReport, 1, 5, true);
+  ev(Event::Kind::kReport, 2, 5, false);
+  auto d = of(ev(Event::Kind::kReport, 3, 5, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.source, 1);  // it holds the result: S(5) stays {0, 1, 2}
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(d[0].decide.needers, (std::vector<int>{2, 3}));
+  // Step 6 nobody saw decided: decided afresh from the READYs sent again.
+  ev(Event::Kind::kReady, 2, 6, false);
+  d = of(ev(Event::Kind::kReady, 3, 6, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{2, 3}));
+  EXPECT_EQ(d[0].decide.epoch, 1u);
+  // A READY for step 4 (decided by the old coordinator) is late, not a new step.
+  EXPECT_TRUE(of(ev(Event::Kind::kReady, 3, 4, false), K::kDecide).empty());
+}
+
+TEST(Coordinator, MinoritySideStopsInsteadOfDecidingAlone) {
+  // Quorum 1 would let a coordinator cut off from everyone decide steps alone: the view
+  // must keep a majority of the one before, so it stops instead.
+  Sim s(base(4, 1));
+  auto a = s.run(milliseconds(600), {});
+  auto f = of(a, K::kFatal);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_NE(f[0].reason.find("lost a majority"), std::string::npos) << f[0].reason;
+  EXPECT_TRUE(s.c.stopped());
+}
+
+TEST(Coordinator, CutOffCoordinatorStopsDecidingWithinHalfTheEvictTime) {
+  Sim s(base(4, 1));
+  s.now += milliseconds(260);  // nobody heard from for more than evict / 2
+  EXPECT_TRUE(of(s.ready(0, 0), K::kDecide).empty());
+  s.beat(1);
+  EXPECT_TRUE(of(s.tick(), K::kDecide).empty());  // 2 of 4 is no majority
+  EXPECT_EQ(of(s.beat(2), K::kDecide).size(), 1u);  // 3 of 4 heard from: decided
+}
+
 TEST(Coordinator, CountMismatchIsReported) {
   Sim s(base(2, 2));
   s.ready(0, 0);

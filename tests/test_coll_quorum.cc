@@ -341,5 +341,64 @@ TEST(Quorum, ResolveQuorumSpec) {
   EXPECT_THROW(collectives::resolve_quorum("x", 4), ConfigError);
 }
 
+// The coordinator (rank 0) is cut off from the others by the fault endpoint mid-run: the
+// majority elects rank 1 and goes on; the cut-off rank never decides a step of its own (the
+// quorum of 2 needs another rank) and stops with an error. Every step that two ranks both
+// completed has one contributor set and the same bits on both.
+TEST(QuorumMembership, CutOffCoordinatorIsReplacedAndNoStepHasTwoOutcomes) {
+  const int world = 4, steps = 60, cut_at = 20;
+  const size_t count = 37;
+  QuorumOptions qo;
+  qo.quorum = 2;
+  qo.deadline = milliseconds(3000);
+  qo.evict = milliseconds(200);
+  net::InprocFabric fabric(world);
+  std::vector<net::FaultEndpoint*> fault(static_cast<size_t>(world), nullptr);
+  std::vector<std::vector<StepRecord>> rec(static_cast<size_t>(world));
+  std::vector<std::string> error(static_cast<size_t>(world));
+  std::atomic<int> ready{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto fe = std::make_unique<net::FaultEndpoint>(fabric.endpoint(r),
+                                                       std::vector<net::FaultRule>{});
+        fault[size_t(r)] = fe.get();
+        ++ready;
+        while (ready.load() < world) std::this_thread::yield();
+        Communicator comm(std::move(fe), CommOptions{});
+        QuorumAllreduce q(comm, count, qo);
+        std::vector<float> buf(count);
+        for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+          if (r == 0 && t == uint64_t(cut_at))
+            for (int p = 1; p < world; ++p) {
+              fault[0]->cut(p);
+              fault[size_t(p)]->cut(0);
+            }
+          for (size_t j = 0; j < count; ++j) buf[j] = grad(j, r, t);
+          q.contribute(t, buf.data(), count);
+          QuorumResult res = q.wait(t, buf.data());
+          rec[size_t(r)].push_back({res.contributors, buf});
+          std::this_thread::sleep_for(milliseconds(2));
+        }
+      } catch (const std::exception& e) {
+        error[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 1; r < world; ++r) {
+    EXPECT_EQ(error[size_t(r)], "") << "rank " << r;
+    ASSERT_EQ(rec[size_t(r)].size(), size_t(steps)) << "rank " << r;
+  }
+  EXPECT_NE(error[0], "") << "the cut-off coordinator went on alone";
+  EXPECT_LE(rec[0].size(), size_t(cut_at) + 1) << error[0];
+  for (int r = 0; r < world; ++r)
+    for (size_t t = 0; t < rec[size_t(r)].size(); ++t) {
+      EXPECT_EQ(rec[size_t(r)][t].bitmap, rec[1][t].bitmap) << "rank " << r << " step " << t;
+      EXPECT_EQ(rec[size_t(r)][t].out, rec[1][t].out) << "rank " << r << " step " << t;
+    }
+}
+
 }  // namespace
 }  // namespace qring::testing

@@ -76,7 +76,8 @@ std::string case_name(const ::testing::TestParamInfo<FaultCase>& i) {
 class FaultMatrix : public TrainFaults, public ::testing::WithParamInterface<FaultCase> {};
 
 // W = 4, quorum 3: one rank killed (or stopped longer than the evict time) at step 40, at
-// one of four phases. The job finishes on the other three with identical parameters; the
+// one of four phases; rank 0 is the coordinator, whose loss makes rank 1 take over. The job
+// finishes on the other three with identical parameters and its outputs complete; the
 // stopped rank, continued, learns it was evicted and exits 75.
 TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   const FaultCase c = GetParam();
@@ -126,7 +127,7 @@ std::vector<FaultCase> matrix() {
   std::vector<FaultCase> v;
   for (const char* prov : {"tcp", "shm"})
     for (const char* action : {"kill", "stop"})
-      for (int rank : {1, 3})
+      for (int rank : {0, 1, 3})
         for (const char* phase : {"step", "ready", "ring", "checkpoint"})
           v.push_back({action, rank, phase, prov});
   return v;

@@ -228,12 +228,22 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     }
   }
 
+  // The job's outputs come from the rank that coordinates: rank 0, or after it was lost the
+  // rank that took over, which appends to the same files.
   std::ofstream metrics;
+  auto lead = [&] {
+    if (q.coordinator() != rank) return false;
+    if (!metrics.is_open()) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    return true;
+  };
   if (rank == 0) {
     fs::create_directories(run_dir);
     std::ofstream(run_dir / "config.toml") << cfg.to_toml();
     if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
-    metrics.open(run_dir / "metrics.jsonl", opts.resume ? std::ios::app : std::ios::trunc);
+    if (!opts.resume) std::ofstream(run_dir / "metrics.jsonl", std::ios::trunc);
+    // Appending: a rank that takes over as coordinator appends to the same file, each line in
+    // one write (flushed per line), so a deposed coordinator never overwrites its lines.
+    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     spdlog::info(
         "training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
         "provider {}, straggler {}",
@@ -258,7 +268,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const bool eval_alone = q.survives_loss();
   auto do_eval = [&](int64_t step) {
     maybe_fault(step, "eval");
-    if (eval_alone && rank != 0) return;
+    if (eval_alone && !lead()) return;
     EvalOut e = evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, comm,
                                  eval_alone ? std::vector<int>{rank} : q.members());
     double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -269,7 +279,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     if (cfg.train.target_accuracy > 0 && !sum.time_to_target_s &&
         e.accuracy >= cfg.train.target_accuracy)
       sum.time_to_target_s = wall;
-    if (rank == 0) {
+    if (lead()) {
       nlohmann::json j{{"type", "eval"},
                        {"step", step},
                        {"epoch", step / spe},
@@ -320,7 +330,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       const double recovery =
           detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
       sum.recovery_s = std::max(sum.recovery_s, recovery);
-      if (rank == 0) {
+      if (lead()) {
         nlohmann::json j{{"type", "view"},
                          {"step", step},
                          {"epoch", v.epoch},
@@ -384,7 +394,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     contributors += r.count;
     sum.dropped_gradients += world - r.count;
 
-    if (rank == 0) {
+    if (lead()) {
       nlohmann::json j{{"type", "step"},
                        {"step", t},
                        {"epoch", t / spe},
@@ -401,7 +411,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                        {"ready_ms", r.ready_offsets_ms},
                        {"view", r.epoch},
                        {"skipped", r.skipped}};
-      metrics << j.dump() << '\n';
+      // Flushed per step: a coordinator killed mid-run leaves every step it recorded.
+      metrics << j.dump() << '\n' << std::flush;
     }
     const int64_t done = t + 1;
     if (cfg.train.checksum_every > 0 && done % cfg.train.checksum_every == 0) {
@@ -419,7 +430,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     }
     if (done % eval_every == 0 && done < total) do_eval(done);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
-    if (rank == 0 && cfg.log.progress) {
+    if (cfg.log.progress && lead()) {
       auto now = Clock::now();
       double since = std::chrono::duration<double>(now - last_progress).count();
       if ((tty && since > 0.25) || (!tty && since > 10) || done == total) {
@@ -444,7 +455,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       }
     }
   }
-  if (rank == 0 && tty && cfg.log.progress) fmt::print(stderr, "\n");
+  if (tty && cfg.log.progress && lead()) fmt::print(stderr, "\n");
   const double loop_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   const int64_t ran = t - start;
   const bool finished = t >= total;
@@ -475,7 +486,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   sum.full_sync_estimate_s = full / 1000.0;
   sum.backup_saved_s = (full - actual) / 1000.0;
 
-  if (rank == 0) {
+  if (lead()) {
     metrics.close();
     nlohmann::json j = sum.to_json();
     j["world"] = world;
