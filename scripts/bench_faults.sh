@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# A rank lost mid-training, measured: the MLP on 4 ranks (quorum 3) with and without a
+# SIGKILL of rank 2 at 30 % of training, same seed, and a 3-rank run of the same config for
+# the step time the survivors should reach. Prints final accuracy of each run, recovery_s
+# (from the lost rank's last sign of life to the first step completed without it), and the
+# step-time p50/p99 before and after the failure against the 3-rank run.
+#
+#   scripts/bench_faults.sh [--config configs/fmnist-mlp.toml] [--epochs 3] [--evict-ms 1000]
+#                           [--provider auto] [--rank 2]
+#
+# Acceptance (issue "ranks that stop or die"): accuracy within 0.5 points of the run without
+# a failure; recovery_s <= evict_ms + 1 s; p50 after the failure within 10 % of the 3-rank
+# p50.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=configs/fmnist-mlp.toml
+EPOCHS=3
+EVICT=1000
+PROVIDER=auto
+VICTIM=2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) CONFIG=$2; shift 2 ;;
+    --epochs) EPOCHS=$2; shift 2 ;;
+    --evict-ms) EVICT=$2; shift 2 ;;
+    --provider) PROVIDER=$2; shift 2 ;;
+    --rank) VICTIM=$2; shift 2 ;;
+    *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+BUILD=${QRING_BUILD:-build}
+[ -x "$BUILD/train/qring-train" ] || QRING_TARGETS="qring-train qring-launch" scripts/build.sh "$BUILD"
+OUT=${QRING_BENCH_OUT:-runs/bench-faults}
+mkdir -p "$OUT"
+common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$EPOCHS"
+        "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
+
+# Steps of the 4-rank run, to place the kill at 30 % of training.
+BATCH=$(grep -E '^batch_per_rank' "$CONFIG" | sed 's/.*= *//; s/ .*//')
+TRAIN=$(python3 -c "
+import sys
+cfg = open('$CONFIG').read()
+print(10000 if 'synthetic' in cfg else 60000)")
+STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
+KILL_AT=$(( STEPS * 3 / 10 ))
+echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
+
+run() {  # name ranks fault
+  local name=$1 ranks=$2 fault=$3 status=0
+  QRING_FAULT=$fault "$BUILD/net/qring-launch" -n "$ranks" --tolerate-failures 1 -- \
+    "$BUILD/train/qring-train" "${common[@]}" "run.name=$name" > "$OUT/$name.log" 2>&1 || status=$?
+  echo "  $name: exit $status"
+}
+run clean 4 none
+run killed 4 "kill:$VICTIM:$KILL_AT:step"
+run three 3 none
+
+python3 - "$OUT" "$KILL_AT" "$EVICT" <<'PY'
+import json, statistics, sys
+out, kill_at, evict = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+def load(name):
+    steps, view = [], None
+    for line in open(f"{out}/{name}/metrics.jsonl"):
+        j = json.loads(line)
+        if j["type"] == "step":
+            steps.append(j)
+        elif j["type"] == "view" and view is None:
+            view = j
+    steps.sort(key=lambda j: j["step"])
+    # Step time: wall time between consecutive steps at the coordinator.
+    dt = {b["step"]: 1000 * (b["wall_s"] - a["wall_s"]) for a, b in zip(steps, steps[1:])
+          if b["step"] == a["step"] + 1}
+    return json.load(open(f"{out}/{name}/summary.json")), dt, view
+
+def pct(v, p):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(p / 100 * len(v)))] if v else float("nan")
+
+clean, dt_clean, _ = load("clean")
+killed, dt_killed, view = load("killed")
+three, dt_three, _ = load("three")
+after = [t for s, t in dt_killed.items() if s > kill_at + 20]
+before = [t for s, t in dt_killed.items() if 20 < s < kill_at]
+acc_gap = 100 * (clean["test_accuracy"] - killed["test_accuracy"])
+p50_ratio = statistics.median(after) / statistics.median(list(dt_three.values())[20:])
+print()
+print("| run | test accuracy | failures survived | skipped steps | recovery_s | step p50 / p99 (ms) |")
+print("|---|---|---|---|---|---|")
+print(f"| 4 ranks, no failure | {clean['test_accuracy']:.4f} | 0 | 0 | - | "
+      f"{pct(dt_clean.values(), 50):.2f} / {pct(dt_clean.values(), 99):.2f} |")
+print(f"| 4 ranks, SIGKILL at step {kill_at}: before | {killed['test_accuracy']:.4f} | "
+      f"{killed['failures_survived']} | {killed['skipped_steps']} | {killed['recovery_s']:.2f} | "
+      f"{pct(before, 50):.2f} / {pct(before, 99):.2f} |")
+print(f"| ... after (from step {kill_at + 20}) | | | | | {pct(after, 50):.2f} / {pct(after, 99):.2f} |")
+print(f"| 3 ranks from the start | {three['test_accuracy']:.4f} | 0 | 0 | - | "
+      f"{pct(list(dt_three.values())[20:], 50):.2f} / {pct(list(dt_three.values())[20:], 99):.2f} |")
+print()
+ok_acc = abs(acc_gap) <= 0.5
+ok_rec = killed["recovery_s"] <= evict / 1000 + 1
+ok_p50 = p50_ratio <= 1.10
+print(f"accuracy gap {acc_gap:+.2f} points (<= 0.5: {'yes' if ok_acc else 'NO'}); "
+      f"recovery_s {killed['recovery_s']:.2f} (<= {evict / 1000 + 1:.1f}: {'yes' if ok_rec else 'NO'}); "
+      f"p50 after / 3-rank p50 {p50_ratio:.3f} (<= 1.10: {'yes' if ok_p50 else 'NO'})")
+PY
