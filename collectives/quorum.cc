@@ -22,7 +22,6 @@
 #include <optional>
 #include <set>
 
-#include <array>
 
 #include "collectives/engine.h"
 #include "collectives/quorum_coordinator.h"
@@ -168,7 +167,7 @@ class QuorumService final : public EngineOp {
 
   void start(net::Endpoint& ep) override {
     auto now = Clock::now();
-    last_pass_ = last_down_ = last_up_ = last_beat_ = now;
+    last_pass_ = last_down_ = last_beat_ = now;
     // Any rank may become the coordinator (failover): every rank takes messages of both
     // directions from every peer.
     up_in_.resize(size_t(world_));
@@ -491,7 +490,6 @@ class QuorumService final : public EngineOp {
                                               up_out_next_[size_t(coord_)]++, chunk(rank_)),
                         buf->data(), buf->size());
     sends_.push_back({req, buf, coord_, false});
-    last_up_ = Clock::now();
   }
   void send_down(net::Endpoint& ep, int to, const std::shared_ptr<std::vector<char>>& buf) {
     auto req = ep.isend(to, net::make_tag(net::Op::kQuorumDecide, out_next_[size_t(to)]++, chunk(rank_)),
@@ -500,6 +498,18 @@ class QuorumService final : public EngineOp {
   }
 
   // ---- the coordinator: messages in, actions out.
+  // Whether the next message of a stream is in. A failed receive ends the stream: the error
+  // concerns that peer only, which falls silent and leaves the view.
+  bool arrived(In& in, int from) {
+    if (!in.req || !in.req->done()) return false;
+    if (in.req->ok()) return true;
+    if (in.req->state != net::RequestState::kCancelled)
+      spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
+                   in.req->error);
+    in.req.reset();
+    return false;
+  }
+
   // Messages to a coordinator: fed to this rank's state machine when it coordinates, kept
   // while it gathers the acks of a takeover, dropped otherwise (stale).
   bool poll_up(net::Endpoint& ep) {
@@ -507,16 +517,8 @@ class QuorumService final : public EngineOp {
     for (int from = 0; from < world_; ++from) {
       if (from == rank_) continue;
       In& in = up_in_[size_t(from)];
-      if (!in.req || !in.req->done()) continue;
+      if (!arrived(in, from)) continue;
       moved = true;
-      if (!in.req->ok()) {
-        // A transport error concerns that peer only: it falls silent and is evicted.
-        if (in.req->state != net::RequestState::kCancelled)
-          spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
-                       in.req->error);
-        in.req.reset();
-        continue;
-      }
       qwire::Up type;
       Event e = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from, &type);
       ++in.next;
@@ -618,15 +620,8 @@ class QuorumService final : public EngineOp {
     for (int from = 0; from < world_; ++from) {
       if (from == rank_) continue;
       In& in = down_in_[size_t(from)];
-      while (in.req && in.req->done()) {
+      while (arrived(in, from)) {
         moved = true;
-        if (!in.req->ok()) {
-          if (in.req->state != net::RequestState::kCancelled)
-            spdlog::warn("rank {}: quorum: receive from rank {} failed: {}", rank_, from,
-                         in.req->error);
-          in.req.reset();
-          break;
-        }
         qwire::DownMsg m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
         ++in.next;
         post_down_recv(ep, from);
@@ -1193,7 +1188,7 @@ class QuorumService final : public EngineOp {
   bool finished_ = false, dead_ = false, bye_sent_ = false, coordinator_done_ = false;
   bool heard_coordinator_ = false;
   Clock::time_point drain_deadline_{};
-  Clock::time_point last_pass_{}, last_down_{}, last_up_{}, last_beat_{}, last_tick_{};
+  Clock::time_point last_pass_{}, last_down_{}, last_beat_{}, last_tick_{};
   int64_t completed_ = -1, beat_completed_ = -1;
   qproto::View view_;
   // Coordinator.
