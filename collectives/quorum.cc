@@ -1065,24 +1065,30 @@ class QuorumService final : public EngineOp {
   }
 
   bool reap_sends(net::Endpoint& ep) {
-    size_t before = sends_.size();
+    bool moved = false;
+    // What completed sends call for is done after the sweep: it posts new sends, and a
+    // deque's iterators do not survive a push_back.
+    std::vector<std::pair<int, std::string>> failed;
+    std::vector<int> flush;
     for (auto it = sends_.begin(); it != sends_.end();) {
       if (!it->req->done()) {
         ++it;
         continue;
       }
-      const int peer = it->peer;
       // A failed send concerns that peer only: it is reported, nothing else is affected.
       if (!it->req->ok() && it->req->state != net::RequestState::kCancelled && !dead_)
-        suspect(ep, peer, it->req->error);
-      const bool result = it->result;
-      it = sends_.erase(it);
-      if (result) {
-        --results_to_[size_t(peer)].in_flight;
-        if (view_.has(peer)) flush_results(ep, peer);
+        failed.emplace_back(it->peer, it->req->error);
+      if (it->result) {
+        --results_to_[size_t(it->peer)].in_flight;
+        flush.push_back(it->peer);
       }
+      it = sends_.erase(it);
+      moved = true;
     }
-    return sends_.size() != before;
+    for (auto& [peer, error] : failed) suspect(ep, peer, error);
+    for (int peer : flush)
+      if (view_.has(peer)) flush_results(ep, peer);
+    return moved;
   }
 
   // Every rank tells the coordinator it is alive (with the last step it completed), and the
