@@ -304,7 +304,9 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
         if (view_.has(r)) survivors.push_back(r);
       for (int r : u.late)
         if (view_.has(r)) survivors.push_back(r);
+      // A rank may be both (after a takeover it sends its READY again): count it once.
       std::sort(survivors.begin(), survivors.end());
+      survivors.erase(std::unique(survivors.begin(), survivors.end()), survivors.end());
       if (int(survivors.size()) >= d.quorum && !survivors.empty()) {
         d.contributors = survivors;
         u.contributors = survivors;

@@ -459,6 +459,36 @@ TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
   EXPECT_TRUE(of(ev(Event::Kind::kReady, 3, 4, false), K::kDecide).empty());
 }
 
+TEST(Coordinator, TakeoverCountsARankOnceWhenItSendsItsReadyAgain) {
+  // Step 5 was decided by the old coordinator with S = {1, 2, 3}; rank 3 did not see the
+  // DECIDE and sends its READY to the new coordinator again. Nobody holds the result.
+  Config cfg = base(4, 2);
+  cfg.self = 1;
+  View v;
+  v.epoch = 1;
+  v.members = {1, 2, 3};
+  std::vector<Action> out;
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c(cfg, now, v, {-1, 4, 4, 4}, {Known{5, 0, false, {1, 2, 3}}}, out);
+  Event e;
+  e.kind = Event::Kind::kReady;
+  e.from = 3;
+  e.step = 5;
+  e.count = 8;
+  c.handle(e, now);
+  std::vector<Action> d;
+  for (int r : {1, 2, 3}) {
+    Event rep;
+    rep.kind = Event::Kind::kReport;
+    rep.from = r;
+    rep.step = 5;
+    rep.attempt = 1;
+    d = c.handle(rep, now);
+  }
+  ASSERT_EQ(of(d, K::kDecide).size(), 1u);
+  EXPECT_EQ(of(d, K::kDecide)[0].decide.contributors, (std::vector<int>{1, 2, 3}));
+}
+
 TEST(Coordinator, MinoritySideStopsInsteadOfDecidingAlone) {
   // Quorum 1 would let a coordinator cut off from everyone decide steps alone: the view
   // must keep a majority of the one before, so it stops instead.
