@@ -78,6 +78,7 @@ using qproto::Event;
 
 struct StepLocal {
   void* buf = nullptr;
+  std::optional<uint64_t> digest;  // sent with the READY
   bool contributed = false;
   Clock::time_point contrib_time{};
   bool decided = false;
@@ -96,6 +97,20 @@ struct QuorumAllreduce::Shared {
   std::condition_variable cv;
   std::map<uint64_t, StepLocal> steps;
   std::deque<uint64_t> ready_events;  // contributed steps whose READY is not sent yet
+  struct Report {
+    uint64_t key;
+    uint32_t part, parts;
+    std::vector<double> values;
+  };
+  std::deque<Report> reports_out;  // report() calls not sent yet
+  // Coordinator: reports received, by key then part (a few keys at most).
+  std::map<uint64_t, std::map<int, std::vector<double>>> reports_in;
+  void keep_report(uint64_t key, uint32_t part, std::vector<double> v) {
+    std::lock_guard<std::mutex> lock(mu);
+    reports_in[key][int(part)] = std::move(v);
+    while (reports_in.size() > 16) reports_in.erase(reports_in.begin());
+    cv.notify_all();
+  }
   std::exception_ptr poison;
   bool shutdown = false;
   std::function<void(uint64_t)> on_excluded;
@@ -367,12 +382,7 @@ class QuorumService final : public EngineOp {
     for (auto& [t, k] : decisions_) e.known.push_back(k);
     send_up(ep, qwire::Up::kAck, e);
     // The new coordinator has not seen the contributions still waiting for a decision.
-    for (uint64_t t : awaiting_decide_) {
-      Event r;
-      r.step = t;
-      r.count = count_;
-      send_up(ep, qwire::Up::kReady, r);
-    }
+    for (uint64_t t : awaiting_decide_) send_up(ep, qwire::Up::kReady, ready_event(t));
   }
 
   bool gather_takeover(net::Endpoint& ep) {
@@ -417,12 +427,7 @@ class QuorumService final : public EngineOp {
     takeover_.reset();
     for (auto& a : out) act(ep, a);
     for (auto& e : early) feed(ep, e);
-    for (uint64_t t : awaiting_decide_) {
-      Event r;
-      r.step = t;
-      r.count = count_;
-      send_up(ep, qwire::Up::kReady, r);
-    }
+    for (uint64_t t : awaiting_decide_) send_up(ep, qwire::Up::kReady, ready_event(t));
     drain_self(ep);
     return true;
   }
@@ -531,6 +536,13 @@ class QuorumService final : public EngineOp {
               "rank {} took over from it; it must leave (exit)",
               rank_, from));
         continue;
+      }
+      if (type == qwire::Up::kShard) {
+        // A part of a report: kept for gather_reports() (when this rank coordinates, or is
+        // about to), and a sign of life like a heartbeat.
+        if (coord_state_ || takeover_)
+          sh_->keep_report(e.step, e.attempt, std::move(e.values));
+        e.values.clear();
       }
       if (takeover_) {
         if (type == qwire::Up::kAck && e.epoch == takeover_->epoch)
@@ -741,19 +753,44 @@ class QuorumService final : public EngineOp {
   // Contributions made by the caller: READY to the coordinator.
   bool take_events(net::Endpoint& ep) {
     std::deque<uint64_t> ev;
+    std::deque<QuorumAllreduce::Shared::Report> reports;
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       ev.swap(sh_->ready_events);
+      reports.swap(sh_->reports_out);
+      for (uint64_t t : ev) {
+        auto it = sh_->steps.find(t);
+        if (it != sh_->steps.end() && it->second.digest) digests_[t] = *it->second.digest;
+      }
     }
     for (uint64_t t : ev) {
       awaiting_decide_.insert(t);
       if (speculate_) start_speculative_ring(ep, t);
-      Event e;
-      e.step = t;
-      e.count = count_;
-      send_up(ep, qwire::Up::kReady, e);
+      send_up(ep, qwire::Up::kReady, ready_event(t));
     }
-    return !ev.empty();
+    for (auto& r : reports) {
+      if (coord_state_) {
+        sh_->keep_report(r.key, r.part, std::move(r.values));
+        continue;
+      }
+      Event e;
+      e.step = r.key;
+      e.attempt = r.part;
+      e.count = r.parts;
+      e.values = std::move(r.values);
+      send_up(ep, qwire::Up::kShard, e);
+    }
+    return !ev.empty() || !reports.empty();
+  }
+
+  // The READY of step t (sent again to a coordinator that takes over).
+  Event ready_event(uint64_t t) const {
+    Event e;
+    e.step = t;
+    e.count = count_;
+    auto d = digests_.find(t);
+    if (d != digests_.end()) e.digest = d->second;
+    return e;
   }
 
   // With quorum = world (no rank may be lost), S(t) can only be every rank, so once one step
@@ -866,7 +903,10 @@ class QuorumService final : public EngineOp {
                       "the others {}",
                       rank_, t, d.bad_rank, d.bad_count, count_));
     }
-    if (d.attempt == 0) awaiting_decide_.erase(t);
+    if (d.attempt == 0) {
+      awaiting_decide_.erase(t);
+      digests_.erase(t);
+    }
     if (d.attempt > 0 && d.source >= 0) {
       // Someone holds the result: it sends it to those that do not.
       if (d.source == rank_) {
@@ -1211,6 +1251,7 @@ class QuorumService final : public EngineOp {
   std::map<uint64_t, qproto::Known> decisions_;  // decisions not yet settled everywhere
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
+  std::map<uint64_t, uint64_t> digests_;  // their READYs' digests
   std::deque<Send> sends_;
   struct QueuedResult {
     uint64_t step;
@@ -1379,7 +1420,51 @@ void QuorumAllreduce::restore_carry(const std::vector<char>& bytes) {
   carry_pending_ = true;
 }
 
-void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count) {
+void QuorumAllreduce::report(uint64_t key, int part, int parts, std::vector<double> values) {
+  if (parts < 1 || parts > comm_.size() || part < 0 || part >= parts)
+    throw UsageError(fmt::format("quorum report: part {} of {} ({} ranks)", part, parts,
+                                 comm_.size()));
+  if (values.empty() || values.size() > qwire::kMaxShardValues)
+    throw UsageError(fmt::format("quorum report: {} values (1 to {})", values.size(),
+                                 qwire::kMaxShardValues));
+  for (double v : values)
+    if (!std::isfinite(v)) throw UsageError("quorum report: a value is not finite");
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    if (shared_->poison) std::rethrow_exception(shared_->poison);
+    shared_->reports_out.push_back({key, uint32_t(part), uint32_t(parts), std::move(values)});
+  }
+  if (!comm_.engine().try_progress()) comm_.engine().kick();
+}
+
+std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(uint64_t key, int parts,
+                                                                   int skip,
+                                                                   Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(shared_->mu);
+  auto have = [&] {
+    auto it = shared_->reports_in.find(key);
+    int n = 0;
+    if (it != shared_->reports_in.end())
+      for (auto& [p, v] : it->second) n += (p < parts && p != skip) ? 1 : 0;
+    return n >= parts - (skip >= 0 && skip < parts ? 1 : 0);
+  };
+  // The engine thread receives the parts (keep_report notifies).
+  while (!have() && !shared_->poison && Clock::now() < until)
+    shared_->cv.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(50)));
+  if (shared_->poison) std::rethrow_exception(shared_->poison);
+  std::map<int, std::vector<double>> out;
+  auto it = shared_->reports_in.find(key);
+  if (it != shared_->reports_in.end()) {
+    for (auto& [p, v] : it->second)
+      if (p < parts && p != skip) out[p] = std::move(v);
+  }
+  // This key and every older one are done.
+  shared_->reports_in.erase(shared_->reports_in.begin(), shared_->reports_in.upper_bound(key));
+  return out;
+}
+
+void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
+                                 std::optional<uint64_t> digest) {
   if (count != count_)
     throw UsageError(
         fmt::format("rank {}: quorum step {}: contribution of {} elements, this "
@@ -1407,6 +1492,7 @@ void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count) {
     std::lock_guard<std::mutex> lock(shared_->mu);
     StepLocal& s = shared_->steps[step];
     s.buf = buf;
+    s.digest = digest;
     s.contributed = true;
     s.contrib_time = Clock::now();
     shared_->ready_events.push_back(step);

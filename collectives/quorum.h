@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -126,7 +127,11 @@ class QuorumAllreduce {
   // wait(step) returns; when counted, the reduction happens in place in it. Steps are
   // consecutive. Under LatePolicy::kCarry, gradients that missed earlier steps are added to
   // `buf` here (so they count exactly once).
-  void contribute(uint64_t step, void* buf, size_t count);
+  // `digest`: a digest of this rank's replicated state before the step (a parameter checksum),
+  // sent with the READY; two ranks with different digests for one step stop the job on every
+  // rank (QuorumLost, "replicas drifted", naming both).
+  void contribute(uint64_t step, void* buf, size_t count,
+                  std::optional<uint64_t> digest = std::nullopt);
   // Blocks until step's result is known and writes it to `out` (count elements; may be the
   // contributed buffer). Allowed without contribute() for a step this rank abandons.
   QuorumResult wait(uint64_t step, void* out);
@@ -140,6 +145,17 @@ class QuorumAllreduce {
   // Coordinator (rank 0): per step, each rank's contribution time at the coordinator in ms
   // after the step's first (late ones included; -1 = never arrived). Empty elsewhere.
   std::map<uint64_t, std::vector<double>> arrival_log() const;
+
+  // Small sums gathered at the coordinator without a collective (the sharded evaluation): a
+  // rank sends part `part` of `parts` of the report `key` (1 to 8 finite float64) and goes on;
+  // nothing waits for it. Reports travel on the control stream to the coordinator in force;
+  // one sent while the coordinator changes may be lost.
+  void report(uint64_t key, int part, int parts, std::vector<double> values);
+  // At the coordinator: waits until parts [0, parts) of `key` other than `skip` (its own;
+  // -1 = none) are in, or until `until`, and returns those that arrived (part -> values).
+  // Reports of this key and of older keys are dropped afterwards.
+  std::map<int, std::vector<double>> gather_reports(uint64_t key, int parts, int skip,
+                                                    Clock::time_point until);
 
   // The late gradient waiting to be carried into the next contribution (LatePolicy::kCarry),
   // for checkpoints: empty when none is pending. restore_carry() takes what it returned.

@@ -126,6 +126,10 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
     completed_[size_t(r)] = std::max(completed_[size_t(r)], e.completed);
     switch (e.kind) {
       case Event::Kind::kReady:
+        if (e.digest) {
+          check_digest(r, e.step, *e.digest, out);
+          if (stopped_) return out;
+        }
         on_ready(r, e.step, e.count, now);
         break;
       case Event::Kind::kReport: {
@@ -146,6 +150,24 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
   }
   tick(now, out);
   return out;
+}
+
+void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
+                               std::vector<Action>& out) {
+  auto [it, fresh] = digests_.try_emplace(step, from, digest);
+  if (fresh) {
+    while (digests_.size() > 64) digests_.erase(digests_.begin());
+    return;
+  }
+  const auto [first, want] = it->second;
+  if (want == digest) return;
+  Action f(Action::Kind::kFatal);
+  f.reason = fmt::format(
+      "replicas drifted: before step {} rank {} has parameter checksum {:016x}, rank {} has "
+      "{:016x}",
+      step, first, want, from, digest);
+  out.push_back(std::move(f));
+  stopped_ = true;
 }
 
 void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {

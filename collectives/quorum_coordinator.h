@@ -17,6 +17,9 @@
 //    again among the surviving contributors (late ones included: their contributions are
 //    intact), or skipped on every rank when fewer than the quorum remain.
 //    Either way every member ends the step with the same S(t) and the same bits.
+//  - Replicas that drifted: READYs may carry a digest of the sender's replicated state before
+//    the step (qring-train: a parameter checksum every train.checksum_every steps); two
+//    different digests for one step stop the job on every rank (FATAL naming both ranks).
 #pragma once
 
 #include <chrono>
@@ -124,6 +127,10 @@ struct Event {
   int suspect = -1;        // kSuspect: the rank a transport error concerned
   uint64_t epoch = 0;      // kAck
   std::vector<Known> known;  // kAck: decisions `from` saw that may not be settled
+  // kReady: a digest of the sender's replicated state before the step (a parameter checksum);
+  // the coordinator stops the job when two ranks' digests of one step differ.
+  std::optional<uint64_t> digest;
+  std::vector<double> values;  // a SHARD's values (kept by the service, not by the coordinator)
 };
 
 class Coordinator {
@@ -176,6 +183,7 @@ class Coordinator {
   };
 
   void on_ready(int from, uint64_t step, uint64_t count, Time now);
+  void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Action>& out);
   void tick(Time now, std::vector<Action>& out);
   void change_view(std::vector<Departure> left, Time now, std::vector<Action>& out);
   void resolve_recoveries(std::vector<Action>& out);
@@ -198,6 +206,7 @@ class Coordinator {
   uint64_t low_water_ = 0;                     // every step below was decided
   std::map<uint64_t, Unsettled> unsettled_;
   int64_t settled_ = -1;
+  std::map<uint64_t, std::pair<int, uint64_t>> digests_;  // step -> (first rank, its digest)
   std::function<void(uint64_t, int, double)> on_arrival_;
 };
 

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "net/error.h"
@@ -81,7 +83,8 @@ struct KnownWire {
 static_assert(sizeof(KnownWire) == 16);
 
 size_t up_capacity(int world) {
-  return sizeof(UpWire) + kMaxKnown * (sizeof(KnownWire) + bitmap_bytes(world));
+  return sizeof(UpWire) + std::max(kMaxKnown * (sizeof(KnownWire) + bitmap_bytes(world)),
+                                   kMaxShardValues * sizeof(double));
 }
 
 size_t down_capacity(int world) {
@@ -106,6 +109,15 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   if (type == Up::kAck) w.count = e.epoch;
   std::vector<char> out(sizeof(w));
   std::memcpy(out.data(), &w, sizeof(w));
+  if (type == Up::kReady && e.digest) {
+    out.resize(sizeof(w) + 8);
+    std::memcpy(out.data() + sizeof(w), &*e.digest, 8);
+  }
+  if (type == Up::kShard) {
+    const size_t n = std::min(e.values.size(), kMaxShardValues);
+    out.resize(sizeof(w) + 8 * n);
+    if (n) std::memcpy(out.data() + sizeof(w), e.values.data(), 8 * n);
+  }
   if (type == Up::kAck) {
     for (size_t i = 0; i < e.known.size() && i < kMaxKnown; ++i) {
       const auto& k = e.known[i];
@@ -128,7 +140,16 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   std::memcpy(&w, buf, sizeof(w));
   const size_t entry = sizeof(KnownWire) + bitmap_bytes(world);
   const size_t extra = len - sizeof(UpWire);
-  if (w.type == uint8_t(Up::kAck) ? (extra % entry != 0 || extra / entry > kMaxKnown) : extra != 0)
+  bool bad_len;
+  if (w.type == uint8_t(Up::kAck))
+    bad_len = extra % entry != 0 || extra / entry > kMaxKnown;
+  else if (w.type == uint8_t(Up::kReady))
+    bad_len = extra != 0 && extra != 8;
+  else if (w.type == uint8_t(Up::kShard))
+    bad_len = extra == 0 || extra % 8 != 0 || extra / 8 > kMaxShardValues;
+  else
+    bad_len = extra != 0;
+  if (bad_len)
     throw ProtocolError(fmt::format(
         "quorum: malformed message from rank {} (type {}, {} bytes)", from, w.type, len));
   if (w.magic != kUpMagic)
@@ -142,11 +163,15 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kDeposed))
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kShard))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
   if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
         fmt::format("quorum: rank {} reports rank {} of {} as suspect", from, w.suspect, world));
+  if (w.type == uint8_t(Up::kShard) && (w.count == 0 || w.count > uint64_t(world) ||
+                                        uint64_t(w.attempt) >= w.count))
+    throw ProtocolError(fmt::format("quorum: rank {} sends part {} of {} of a report", from,
+                                    w.attempt, w.count));
   if (w.completed < -1)
     throw ProtocolError(fmt::format("quorum: rank {} reports completed step {}", from, w.completed));
   *type = Up(w.type);
@@ -159,6 +184,7 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     case Up::kBye: e.kind = qproto::Event::Kind::kBye; break;
     case Up::kAck: e.kind = qproto::Event::Kind::kAck; break;
     case Up::kDeposed: e.kind = qproto::Event::Kind::kTick; break;  // handled by the service
+    case Up::kShard: e.kind = qproto::Event::Kind::kHeartbeat; break;  // kept by the service
   }
   e.from = from;
   e.step = w.step;
@@ -167,6 +193,20 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.attempt = w.attempt;
   e.have = w.have != 0;
   e.suspect = w.suspect;
+  const char* extra_at = static_cast<const char*>(buf) + sizeof(UpWire);
+  if (*type == Up::kReady && extra == 8) {
+    uint64_t d;
+    std::memcpy(&d, extra_at, 8);
+    e.digest = d;
+  }
+  if (*type == Up::kShard) {
+    e.values.resize(extra / 8);
+    std::memcpy(e.values.data(), extra_at, extra);
+    for (double v : e.values)
+      if (!std::isfinite(v))
+        throw ProtocolError(
+            fmt::format("quorum: rank {} sends a report with a non-finite value", from));
+  }
   if (*type == Up::kAck) {
     e.epoch = w.count;
     const char* p = static_cast<const char*>(buf) + sizeof(UpWire);

@@ -1,7 +1,8 @@
-// Wire format of the quorum all-reduce's control messages (version 2).
+// Wire format of the quorum all-reduce's control messages (version 3).
 //
-// Up (any rank -> coordinator), 48 bytes: READY, HEARTBEAT, REPORT (recovery), SUSPECT (a
-// transport error with a rank), BYE (finished).
+// Up (any rank -> coordinator), 48 bytes: READY (+ 8 bytes: the sender's parameter digest,
+// when it sends one), HEARTBEAT, REPORT (recovery), SUSPECT (a transport error with a rank),
+// BYE (finished), SHARD (+ 1..8 float64: a part of a sum gathered at the coordinator).
 // Down (coordinator -> one rank), a 72-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures), RECOVER, EVICTED,
 // FATAL (the error text), HEARTBEAT. Each direction of each (rank, coordinator) pair is one
@@ -20,7 +21,7 @@
 
 namespace qring::collectives::qwire {
 
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3;
 
 enum class Up : uint8_t {
   kReady = 1,
@@ -29,7 +30,8 @@ enum class Up : uint8_t {
   kSuspect = 4,
   kBye = 5,
   kAck = 6,     // accepts a takeover: 48 bytes + the decisions it knows (failover)
-  kDeposed = 7  // to a rank that still acts as coordinator: another one took over
+  kDeposed = 7,  // to a rank that still acts as coordinator: another one took over
+  kShard = 8     // part `attempt` of `count` parts of the report keyed `step` (+ float64s)
 };
 enum class Down : uint8_t {
   kDecide = 1,
@@ -45,6 +47,8 @@ enum class Down : uint8_t {
 constexpr size_t kUpBytes = 48;
 // Decisions an ACK carries at most (the unsettled window is a few steps).
 constexpr size_t kMaxKnown = 8;
+// float64 values a SHARD carries at most.
+constexpr size_t kMaxShardValues = 8;
 // Largest up message (the receive buffer every rank posts for every peer).
 size_t up_capacity(int world);
 // Largest down message for a world of this size (the receive buffer each rank posts).

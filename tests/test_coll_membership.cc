@@ -3,6 +3,7 @@
 // (collectives/quorum_wire.h). No threads, no sleeps.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "collectives/quorum_coordinator.h"
@@ -519,6 +520,51 @@ TEST(Coordinator, CountMismatchIsReported) {
   EXPECT_EQ(d[0].decide.bad_count, 9u);
 }
 
+std::vector<Action> ready_with(Sim& s, int r, uint64_t t, uint64_t digest) {
+  Event e;
+  e.kind = Event::Kind::kReady;
+  e.from = r;
+  e.step = t;
+  e.count = 8;
+  e.digest = digest;
+  return s.c.handle(e, s.now);
+}
+
+TEST(Coordinator, EqualDigestsDecideAsUsual) {
+  Sim s(base(3, 2));
+  EXPECT_TRUE(ready_with(s, 0, 0, 0xabc).empty());
+  auto d = of(ready_with(s, 1, 0, 0xabc), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kOk);
+  // A READY without a digest is compared with nothing.
+  EXPECT_TRUE(of(s.ready(2, 0), K::kFatal).empty());
+  EXPECT_FALSE(s.c.stopped());
+}
+
+TEST(Coordinator, DifferentDigestsForOneStepStopTheJobNamingBothRanks) {
+  Sim s(base(4, 3));
+  ready_with(s, 3, 5, 0x1111);
+  auto a = ready_with(s, 1, 5, 0x2222);
+  auto f = of(a, K::kFatal);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_NE(f[0].reason.find("replicas drifted"), std::string::npos) << f[0].reason;
+  EXPECT_NE(f[0].reason.find("step 5 rank 3 has parameter checksum 0000000000001111"),
+            std::string::npos)
+      << f[0].reason;
+  EXPECT_NE(f[0].reason.find("rank 1 has 0000000000002222"), std::string::npos) << f[0].reason;
+  EXPECT_TRUE(of(a, K::kDecide).empty());
+  EXPECT_TRUE(s.c.stopped());
+}
+
+TEST(Coordinator, LateReadyWithAnotherDigestStillStopsTheJob) {
+  Sim s(base(3, 2));
+  ready_with(s, 0, 0, 7);
+  ASSERT_EQ(of(ready_with(s, 1, 0, 7), K::kDecide).size(), 1u);
+  auto f = of(ready_with(s, 2, 0, 8), K::kFatal);  // after the decision: still compared
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_TRUE(s.c.stopped());
+}
+
 namespace wire = collectives::qwire;
 
 TEST(QuorumWire, RoundTripsEveryMessage) {
@@ -583,6 +629,80 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   buf = wire::encode_down(world, f);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
   EXPECT_EQ(wire::decode_down(buf.data(), buf.size(), world, 0).text.size(), wire::kMaxFatalText);
+}
+
+TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
+  const int world = 6;
+  Event e;
+  e.from = 4;
+  e.step = 31;
+  e.count = 100;
+  auto plain = wire::encode_up(world, wire::Up::kReady, e);
+  EXPECT_EQ(plain.size(), wire::kUpBytes);
+  wire::Up type;
+  EXPECT_FALSE(wire::decode_up(plain.data(), plain.size(), world, 4, &type).digest);
+  e.digest = 0xfedcba9876543210ull;
+  auto with = wire::encode_up(world, wire::Up::kReady, e);
+  ASSERT_EQ(with.size(), wire::kUpBytes + 8);
+  Event back = wire::decode_up(with.data(), with.size(), world, 4, &type);
+  EXPECT_EQ(type, wire::Up::kReady);
+  ASSERT_TRUE(back.digest);
+  EXPECT_EQ(*back.digest, 0xfedcba9876543210ull);
+
+  Event sh;
+  sh.from = 4;
+  sh.step = 600;  // the report's key
+  sh.attempt = 2;  // part
+  sh.count = 5;    // parts
+  sh.values = {1.5, 4096, 9999.25};
+  auto buf = wire::encode_up(world, wire::Up::kShard, sh);
+  ASSERT_LE(buf.size(), wire::up_capacity(world));
+  back = wire::decode_up(buf.data(), buf.size(), world, 4, &type);
+  EXPECT_EQ(type, wire::Up::kShard);
+  EXPECT_EQ(back.kind, Event::Kind::kHeartbeat);  // a sign of life for the coordinator
+  EXPECT_EQ(back.step, 600u);
+  EXPECT_EQ(back.attempt, 2u);
+  EXPECT_EQ(back.count, 5u);
+  EXPECT_EQ(back.values, sh.values);
+}
+
+TEST(QuorumWire, RejectsMalformedDigestsAndShards) {
+  const int world = 4;
+  wire::Up type;
+  Event e;
+  e.from = 1;
+  e.digest = 5;
+  auto r = wire::encode_up(world, wire::Up::kReady, e);
+  EXPECT_THROW(wire::decode_up(r.data(), r.size() - 4, world, 1, &type), ProtocolError);
+  auto hb = wire::encode_up(world, wire::Up::kHeartbeat, e);
+  hb.resize(hb.size() + 8);  // only a READY carries a digest
+  EXPECT_THROW(wire::decode_up(hb.data(), hb.size(), world, 1, &type), ProtocolError);
+
+  Event sh;
+  sh.from = 1;
+  sh.attempt = 0;
+  sh.count = 2;
+  sh.values = {1, 2};
+  auto ok = wire::encode_up(world, wire::Up::kShard, sh);
+  EXPECT_NO_THROW(wire::decode_up(ok.data(), ok.size(), world, 1, &type));
+  EXPECT_THROW(wire::decode_up(ok.data(), ok.size() - 3, world, 1, &type), ProtocolError);
+  auto none = ok;
+  none.resize(wire::kUpBytes);  // no values
+  EXPECT_THROW(wire::decode_up(none.data(), none.size(), world, 1, &type), ProtocolError);
+  auto many = ok;
+  many.resize(wire::kUpBytes + 8 * (wire::kMaxShardValues + 1));
+  EXPECT_THROW(wire::decode_up(many.data(), many.size(), world, 1, &type), ProtocolError);
+  sh.attempt = 2;  // part 2 of 2
+  auto part = wire::encode_up(world, wire::Up::kShard, sh);
+  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
+  sh.attempt = 0;
+  sh.count = 5;  // more parts than ranks
+  part = wire::encode_up(world, wire::Up::kShard, sh);
+  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
+  sh.count = 2;
+  sh.values = {1, std::nan("")};
+  part = wire::encode_up(world, wire::Up::kShard, sh);
+  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
 }
 
 TEST(QuorumWire, RejectsMalformedMessages) {

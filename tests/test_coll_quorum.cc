@@ -330,6 +330,72 @@ TEST(Quorum, MismatchedSizesAcrossRanksFailEveryRank) {
   EXPECT_EQ(errors.load(), 3);
 }
 
+TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {
+  std::atomic<int> errors{0};
+  run_ranks(3, {}, [&](Communicator& comm) {
+    QuorumOptions qo;
+    qo.quorum = 2;
+    qo.deadline = milliseconds(3000);
+    QuorumAllreduce q(comm, 4, qo);
+    std::vector<float> buf(4, 1.f);
+    try {
+      // Step 0 agrees; before step 1 rank 2's "parameters" differ.
+      q.contribute(0, buf.data(), 4, uint64_t(77));
+      q.wait(0, buf.data());
+      q.contribute(1, buf.data(), 4, uint64_t(comm.rank() == 2 ? 78 : 77));
+      q.wait(1, buf.data());
+      // Decided before rank 2's READY came in: the next step fails.
+      q.contribute(2, buf.data(), 4);
+      q.wait(2, buf.data());
+    } catch (const collectives::QuorumLost& e) {
+      const std::string w = e.what();
+      if (w.find("replicas drifted: before step 1") != std::string::npos &&
+          w.find("000000000000004e") != std::string::npos &&
+          w.find("000000000000004d") != std::string::npos && w.find("rank 2") != std::string::npos)
+        ++errors;
+      else
+        ADD_FAILURE() << w;
+    }
+  });
+  EXPECT_EQ(errors.load(), 3);
+}
+
+TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
+  std::atomic<int> gathered{0};
+  run_ranks(4, {}, [&](Communicator& comm) {
+    QuorumOptions qo;
+    qo.quorum = 3;
+    qo.deadline = milliseconds(3000);
+    QuorumAllreduce q(comm, 4, qo);
+    std::vector<float> buf(4, 1.f);
+    q.contribute(0, buf.data(), 4);
+    q.wait(0, buf.data());
+    const int r = comm.rank();
+    if (q.coordinator() != r) {
+      // Rank 3 never reports key 10: the coordinator stops waiting at its deadline.
+      if (r != 3) q.report(10, r, 4, {double(r), 0.5 * r});
+      q.report(11, r, 4, {double(10 * r)});
+    } else {
+      EXPECT_THROW(q.report(12, 4, 4, {1.0}), UsageError);           // part out of range
+      EXPECT_THROW(q.report(12, 0, 4, std::vector<double>(9)), UsageError);  // too many
+      auto t0 = std::chrono::steady_clock::now();
+      auto a = q.gather_reports(10, 4, r, t0 + milliseconds(300));
+      EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(290));
+      EXPECT_EQ(a.size(), 2u);
+      EXPECT_EQ(a[1], (std::vector<double>{1.0, 0.5}));
+      EXPECT_EQ(a[2], (std::vector<double>{2.0, 1.0}));
+      EXPECT_EQ(a.count(3), 0u);
+      auto b = q.gather_reports(11, 4, r, t0 + milliseconds(5000));
+      EXPECT_EQ(b.size(), 3u);
+      EXPECT_EQ(b[3], (std::vector<double>{30.0}));
+      ++gathered;
+    }
+    q.contribute(1, buf.data(), 4);
+    q.wait(1, buf.data());
+  });
+  EXPECT_EQ(gathered.load(), 1);
+}
+
 TEST(Quorum, ResolveQuorumSpec) {
   EXPECT_EQ(collectives::resolve_quorum("3", 4), 3);
   EXPECT_EQ(collectives::resolve_quorum("0.75", 4), 3);

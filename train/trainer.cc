@@ -13,7 +13,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
+#include <optional>
 
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
@@ -69,17 +71,12 @@ struct EvalOut {
   double accuracy = 0, loss = 0;
 };
 
-// Each rank evaluates its slice of the test set; the sums are all-reduced (exact in float64).
-// Over the live members only (`members`, sorted): after a lost rank the survivors split the
-// test set among themselves.
-EvalOut evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
-                         collectives::Communicator& comm, const std::vector<int>& members) {
+// Sums (loss, correct, count) over slice `part` of `parts` of the test set.
+std::vector<double> evaluate_slice(Model& model, const Dataset& test, int64_t batch, int64_t part,
+                                   int64_t parts) {
   const int64_t n = test.size();
-  const int64_t k = int64_t(members.size());
-  const int64_t me =
-      int64_t(std::lower_bound(members.begin(), members.end(), comm.rank()) - members.begin());
-  const int64_t begin = n * me / k, end = n * (me + 1) / k;
-  double v[3] = {0, 0, 0};
+  const int64_t begin = n * part / parts, end = n * (part + 1) / parts;
+  std::vector<double> v(3, 0.0);
   for (int64_t s = begin; s < end; s += batch) {
     int b = int(std::min(batch, end - s));
     EvalResult r = model.evaluate(test.image(s), test.labels.data() + s, b);
@@ -87,9 +84,49 @@ EvalOut evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
     v[1] += double(r.correct);
     v[2] += double(r.count);
   }
-  if (k > 1)
-    comm.allreduce(v, v, 3, DataType::kFloat64, RedOp::kSum,
-                   int(members.size()) == comm.size() ? std::vector<int>{} : members);
+  return v;
+}
+
+// The sharded evaluation, without a collective: each live member (`members`, sorted, the
+// same on every rank after a step) evaluates its slice of the test set and sends the sums to
+// the coordinator, which adds them in slice order (exact in float64: the same bits whoever
+// evaluated a slice). Nobody but the coordinator waits, and it waits a bounded time: the
+// slices of a member that died or stopped during the evaluation it evaluates itself. Only the
+// coordinator gets a result (nullopt elsewhere).
+std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
+                                        collectives::QuorumAllreduce& q, int rank, uint64_t key) {
+  const std::vector<int> members = q.members();
+  const int64_t k = int64_t(members.size());
+  const int64_t me =
+      int64_t(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
+  const bool lead = q.coordinator() == rank;
+  const auto t0 = Clock::now();
+  std::vector<double> mine = evaluate_slice(model, test, batch, me, k);
+  if (!lead) {
+    q.report(key, int(me), int(k), std::move(mine));
+    return std::nullopt;
+  }
+  std::map<int, std::vector<double>> parts;
+  if (k > 1) {
+    // The others started at about the same time (right after the same step): a slice is
+    // overdue after twice this rank's time for one, plus the eviction time.
+    const auto own = Clock::now() - t0;
+    parts = q.gather_reports(key, int(k), int(me),
+                             Clock::now() + 2 * own + q.options().evict);
+  }
+  parts[int(me)] = std::move(mine);
+  double v[3] = {0, 0, 0};
+  for (int64_t i = 0; i < k; ++i) {
+    auto it = parts.find(int(i));
+    if (it == parts.end() || it->second.size() != 3) {
+      spdlog::warn("evaluation at step {}: no sums from rank {} (slice {} of {}); evaluating "
+                   "that slice here",
+                   key, members[size_t(i)], i, k);
+      parts[int(i)] = evaluate_slice(model, test, batch, i, k);
+      it = parts.find(int(i));
+    }
+    for (int j = 0; j < 3; ++j) v[j] += it->second[size_t(j)];
+  }
   EvalOut o;
   o.accuracy = v[2] > 0 ? v[1] / v[2] : 0;
   o.loss = v[2] > 0 ? v[0] / v[2] : 0;
@@ -262,15 +299,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const bool tty = isatty(2);
   double last_acc = -1, last_loss = 0;
 
-  // A job that survives lost ranks evaluates on rank 0 alone (the whole test set; replicas
-  // are identical): a collective among the ranks could wait for one that died since the
-  // last step. A job that cannot lose a rank shards the evaluation over all of them.
-  const bool eval_alone = q.survives_loss();
+  // Sharded over the live members; the result at the coordinator only (evaluate_sharded).
   auto do_eval = [&](int64_t step) {
     maybe_fault(step, "eval");
-    if (eval_alone && !lead()) return;
-    EvalOut e = evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, comm,
-                                 eval_alone ? std::vector<int>{rank} : q.members());
+    std::optional<EvalOut> got =
+        evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, q, rank, uint64_t(step));
+    if (!got) return;
+    const EvalOut& e = *got;
     double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
     last_acc = e.accuracy;
     sum.test_accuracy = e.accuracy;
@@ -292,6 +327,33 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy,
                      e.loss);
     }
+  };
+
+  // The parameters after the last step, which no READY carries: every member reports its
+  // checksum (two exact 32-bit halves) to the coordinator, which compares them.
+  auto check_final_replicas = [&](int64_t step) {
+    const uint64_t mine = checksum(core.params(), P);
+    const std::vector<int> members = q.members();
+    const int k = int(members.size());
+    const int me = int(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
+    const uint64_t key = uint64_t(step) | (uint64_t(1) << 62);
+    if (q.coordinator() != rank) {
+      q.report(key, me, k, {double(mine >> 32), double(mine & 0xFFFFFFFFu)});
+      return;
+    }
+    if (k < 2) return;
+    auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict);
+    for (auto& [i, v] : parts) {
+      if (v.size() != 2) continue;
+      const uint64_t theirs = (uint64_t(v[0]) << 32) | uint64_t(v[1]);
+      if (theirs != mine)
+        throw Error(fmt::format("rank {}: replicas drifted: after step {} rank {} has parameter "
+                                "checksum {:016x}, rank {} (this one) has {:016x}",
+                                rank, step, members[size_t(i)], theirs, rank, mine));
+    }
+    if (int(parts.size()) < k - 1)
+      spdlog::warn("parameter checksums after step {}: {} of {} members answered", step,
+                   parts.size() + 1, k);
   };
 
   auto save = [&](int64_t step) {
@@ -364,7 +426,12 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       compute_ms = ms_since(c0);
       compute_total += compute_ms;
       ++compute_n;
-      q.contribute(uint64_t(t), grad, P + 1);
+      // Every train.checksum_every steps the READY carries a checksum of the parameters
+      // (after t steps); the coordinator stops the job if two members' differ.
+      std::optional<uint64_t> digest;
+      if (cfg.train.checksum_every > 0 && t > 0 && t % cfg.train.checksum_every == 0)
+        digest = checksum(core.params(), P);
+      q.contribute(uint64_t(t), grad, P + 1, digest);
       maybe_fault(t, "ready");
     } else {
       abandoned = true;
@@ -415,19 +482,6 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       metrics << j.dump() << '\n' << std::flush;
     }
     const int64_t done = t + 1;
-    if (cfg.train.checksum_every > 0 && done % cfg.train.checksum_every == 0) {
-      int64_t mine = int64_t(checksum(core.params(), P));
-      const std::vector<int> members = q.members();
-      std::vector<int64_t> all(members.size());
-      comm.allgather(&mine, all.data(), 1, DataType::kInt64,
-                     int(members.size()) == world ? std::vector<int>{} : members);
-      for (size_t i = 0; i < members.size(); ++i)
-        if (all[i] != all[0])
-          throw Error(
-              fmt::format("rank {}: replicas drifted at step {}: rank {} has parameter "
-                          "checksum {:016x}, rank {} has {:016x}",
-                          rank, done, members[i], uint64_t(all[i]), members[0], uint64_t(all[0])));
-    }
     if (done % eval_every == 0 && done < total) do_eval(done);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
     if (cfg.log.progress && lead()) {
@@ -460,6 +514,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const int64_t ran = t - start;
   const bool finished = t >= total;
   if (finished) do_eval(t);
+  if (finished && cfg.train.checksum_every > 0) check_final_replicas(t);
   if (cfg.train.checkpoint_every > 0 || finished) save(t);
 
   sum.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
