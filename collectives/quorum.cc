@@ -255,9 +255,7 @@ class QuorumService final : public EngineOp {
         if (coord_state_) {
           qwire::DownMsg m;
           m.type = qwire::Down::kBye;
-          auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
-          for (int r : coord_state_->view().members)
-            if (r != rank_) send_down(ep, r, buf);
+          broadcast_down(ep, m);
         } else {
           send_up(ep, qwire::Up::kBye, Event{});
         }
@@ -490,11 +488,21 @@ class QuorumService final : public EngineOp {
       return;
     }
     if (takeover_) return;  // collecting acks: this rank is about to coordinate
+    send_up_to(ep, coord_, type, e);
+  }
+  // On the up stream to `to` (the coordinator, or a deposed one told so).
+  void send_up_to(net::Endpoint& ep, int to, qwire::Up type, const Event& e) {
     auto buf = std::make_shared<std::vector<char>>(qwire::encode_up(world_, type, e));
-    auto req = ep.isend(coord_, net::make_tag(net::Op::kQuorumReady,
-                                              up_out_next_[size_t(coord_)]++, chunk(rank_)),
+    auto req = ep.isend(to, net::make_tag(net::Op::kQuorumReady, up_out_next_[size_t(to)]++,
+                                          chunk(rank_)),
                         buf->data(), buf->size());
-    sends_.push_back({req, buf, coord_, false});
+    sends_.push_back({req, buf, to, false});
+  }
+  // The coordinator's message to every other member of the view in force (one encoding).
+  void broadcast_down(net::Endpoint& ep, const qwire::DownMsg& m) {
+    auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
+    for (int r : coord_state_->view().members)
+      if (r != rank_) send_down(ep, r, buf);
   }
   void send_down(net::Endpoint& ep, int to, const std::shared_ptr<std::vector<char>>& buf) {
     auto req = ep.isend(to, net::make_tag(net::Op::kQuorumDecide, out_next_[size_t(to)]++, chunk(rank_)),
@@ -612,14 +620,12 @@ class QuorumService final : public EngineOp {
         m.text = a.reason;
         break;
     }
-    auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
     if (a.kind == K::kEvicted) {
-      send_down(ep, a.to, buf);
+      send_down(ep, a.to, std::make_shared<std::vector<char>>(qwire::encode_down(world_, m)));
       return;
     }
     // To the members of the view in force (for a VIEW: the new one).
-    for (int r : coord_state_->view().members)
-      if (r != rank_) send_down(ep, r, buf);
+    broadcast_down(ep, m);
     last_down_ = Clock::now();
     apply(ep, m);
   }
@@ -648,12 +654,7 @@ class QuorumService final : public EngineOp {
           told_deposed_[size_t(from)] = true;
           Event e;
           e.from = rank_;
-          auto buf = std::make_shared<std::vector<char>>(
-              qwire::encode_up(world_, qwire::Up::kDeposed, e));
-          auto req = ep.isend(from, net::make_tag(net::Op::kQuorumReady,
-                                                  up_out_next_[size_t(from)]++, chunk(rank_)),
-                              buf->data(), buf->size());
-          sends_.push_back({req, buf, from, false});
+          send_up_to(ep, from, qwire::Up::kDeposed, e);
         }
       }
     }
@@ -1146,9 +1147,7 @@ class QuorumService final : public EngineOp {
       drain_self(ep);
       qwire::DownMsg m;
       m.type = qwire::Down::kHeartbeat;
-      auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
-      for (int r : coord_state_->view().members)
-        if (r != rank_) send_down(ep, r, buf);
+      broadcast_down(ep, m);
     } else {
       send_up(ep, qwire::Up::kHeartbeat, Event{});
     }

@@ -183,6 +183,10 @@ struct Options {
   bool compare_full = false;
   bool compare_allreduce = false;
   uint64_t seed = 1;
+  // --op quorum --fault: kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE], comma-separated
+  // (collectives/fault_inject.h; parsed by qring-bench, which links it).
+  std::string fault;
+  long evict_ms = 0;  // quorum: silence that evicts a rank; 0 = 1000 with --fault, else 5000
   bool help = false;
 };
 
@@ -236,10 +240,25 @@ inline std::string usage(std::string_view prog, bool mpi) {
         "  --compare-allreduce  quorum: also run the same step loop with the plain in-place\n"
         "                       all-reduce instead of the quorum op and print the ratio\n"
         "  --seed N             quorum: seed of the straggler model (default 1)\n"
+        "  --fault SPEC         quorum: a real fault in the timed loop: kill:RANK:STEP[:PHASE]\n"
+        "                       (SIGKILL) or stop:RANK:STEP:MS[:PHASE] (SIGSTOP, SIGCONT after MS);\n"
+        "                       comma list allowed; PHASE step (default), ready or ring; STEP\n"
+        "                       counts the timed steps of the first size only (use -b = -e).\n"
+        "                       Needs a quorum below the world size; not with --compare-*\n"
+        "  --evict-ms N         quorum: a rank silent N ms leaves the view (default 1000 with\n"
+        "                       --fault, else the library's 5000)\n"
         "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its straggler\n"
         "delay (stopping early once excluded), contributes, and waits. Step latency is the\n"
         "slowest rank's time from the start of its step to the end of its wait. Timed steps\n"
         "run back to back; with -c, up to 10 separate untimed steps are checked first.\n"
+        "With --fault the timed loop goes on past -n until each fault has played out (a killed\n"
+        "rank left the view; a stopped one resumed, plus --evict-ms, so that an evicted one\n"
+        "learns it and exits 75) and at least max(10, -n - STEP) steps ran after it; the row\n"
+        "adds recovery_s (from the lost rank's last sign of life to the first step completed in\n"
+        "the new view), p50/p99 before the fault and after the recovery, and the slowest step\n"
+        "in between. The current coordinator prints (rank 0 may be the victim). Ranks lost in\n"
+        "the first size end the sweep there. Run it under qring-launch --tolerate-failures K\n"
+        "(exit 100 + lost ranks).\n"
         "  --idle-via W         idle: wait in the communicator's progress 'engine' (default) or\n"
         "                       in the raw 'endpoint' (Endpoint::wait)\n"
         "idle posts a receive that never matches on every rank, waits --seconds, cancels it and\n"
@@ -364,6 +383,13 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
     } else if (flag == "--compare-allreduce") {
       qring_only();
       o.compare_allreduce = true;
+    } else if (flag == "--fault") {
+      qring_only();
+      o.fault = value();
+      if (o.fault.empty()) throw ConfigError("--fault needs a spec (kill:RANK:STEP, ...)");
+    } else if (flag == "--evict-ms") {
+      qring_only();
+      o.evict_ms = parse_int(flag, value(), 1, 86'400'000);
     } else if (flag == "--seed") {
       qring_only();
       o.seed = uint64_t(parse_int(flag, value(), 0, INT64_MAX));
@@ -380,6 +406,15 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
   }
   if (o.min_bytes > o.max_bytes)
     throw ConfigError(fmt::format("-b {} is larger than -e {}", o.min_bytes, o.max_bytes));
+  if (!o.fault.empty()) {
+    if (o.op != BenchOp::kQuorum)
+      throw ConfigError(fmt::format("--fault is only valid with --op quorum (not --op {})",
+                                    op_name(o.op)));
+    if (o.compare_full || o.compare_allreduce)
+      throw ConfigError(
+          "--fault cannot be combined with --compare-full or --compare-allreduce (their steps "
+          "need every rank)");
+  }
   return o;
 }
 
@@ -421,6 +456,23 @@ inline void store_value(void* buf, DataType t, size_t i, double v) {
       static_cast<uint16_t*>(buf)[i] = collectives::float_to_bf16(float(v));
       break;
   }
+}
+
+// Element i of buf (type t) as a double.
+inline double load_value(const void* buf, DataType t, size_t i) {
+  switch (t) {
+    case DataType::kFloat32:
+      return static_cast<const float*>(buf)[i];
+    case DataType::kFloat64:
+      return static_cast<const double*>(buf)[i];
+    case DataType::kInt32:
+      return static_cast<const int32_t*>(buf)[i];
+    case DataType::kInt64:
+      return double(static_cast<const int64_t*>(buf)[i]);
+    case DataType::kBFloat16:
+      return collectives::bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
+  }
+  return 0;
 }
 
 constexpr size_t kPatternPeriod = 17;  // pattern(j, r) depends on j only through j mod 17

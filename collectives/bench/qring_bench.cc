@@ -3,12 +3,23 @@
 //   qring-launch -n 4 -- qring-bench --op allreduce -b 4K -e 64M -f 4 --json out.json
 //   qring-launch -n 2 --provider tcp -- qring-bench --op sendrecv -b 1M -e 16M -f 16
 //   qring-launch -n 4 -- qring-bench --op idle --seconds 10
+//   qring-launch -n 4 --tolerate-failures 1 -- qring-bench --op quorum --quorum 3 -b 1M -e 1M
+//       -n 200 --evict-ms 1000 --fault kill:2:80 --json out.json
 //
 // Collectives run through a Communicator; sendrecv and idle use the endpoint alone. The sweep,
 // data pattern, check, table and JSON are shared with qring-mpi-bench (bench_common.h).
+//
+// --op quorum --fault kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] (comma list;
+// collectives/fault_inject.h) kills or stops a rank at timed step STEP of the first size. The
+// loop goes on until the fault played out, the statistics are reduced among the live members
+// only and the coordinator at the end prints recovery_s, p50/p99 before the fault and after
+// the recovery and the slowest step in between. A killed rank dies; a stopped rank evicted
+// meanwhile exits 75 (qring-launch --tolerate-failures K then exits 100 + lost ranks).
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +33,7 @@
 #include "collectives/bench/bench_common.h"
 #include "collectives/communicator.h"
 #include "collectives/engine.h"
+#include "collectives/fault_inject.h"
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
 #include "net/bootstrap.h"
@@ -31,6 +43,9 @@
 namespace qring::bench {
 namespace {
 
+constexpr int kExitEvicted = 75;  // as qring-train: this rank was evicted while alive
+
+using net::Clock;
 using net::Deadline;
 using net::Endpoint;
 using net::RequestPtr;
@@ -395,41 +410,136 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 
 // ------------------------------------------------------------------ quorum
 
+// --fault: what this rank saw of one timed step.
+struct StepSeen {
+  uint64_t epoch = 0;    // the view that decided it
+  bool skipped = false;  // no result (a member was lost mid-step, too few survived)
+  bool settled = false;  // decided once every fault had played out (see fault_settled)
+  Clock::time_point done{};
+};
+
+// --fault: the fault's effect on the step loop, computed by the rank that prints.
+struct FaultReport {
+  std::string spec;
+  long evict_ms = 0;
+  std::vector<int> lost;     // ranks that left the view
+  std::vector<int> members;  // the live members at the end
+  int coordinator = 0;
+  std::optional<double> recovery_s;  // worst over view changes
+  double detection_ms = 0;           // the lost rank's silence when it was evicted (max)
+  int64_t before = 0, between = 0, after = 0, skipped = 0;
+  std::optional<double> p50_before, p99_before, p50_after, p99_after, between_max;
+  nlohmann::json views = nlohmann::json::array();
+};
+
 struct QuorumStats {
   std::vector<double> lat_us;  // per timed step: the slowest rank's step latency
   double mean_us = 0;          // the slowest rank's mean step latency
   double contributors_mean = 0;
   int64_t dropped = 0;
   int64_t wrong = 0;
+  int steps = 0;               // timed steps run (-n, more with --fault)
+  // --fault: whether this rank prints the row (the coordinator at the end), and the report.
+  bool printer = true;
+  std::vector<int> lost;
+  std::optional<FaultReport> fault;
 };
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = size_t(std::ceil(p / 100.0 * double(v.size())));
+  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+std::chrono::milliseconds evict_time(const Options& o) {
+  return std::chrono::milliseconds(o.evict_ms > 0 ? o.evict_ms : o.fault.empty() ? 5000 : 1000);
+}
+
+// The members of view `epoch` as this rank applied it.
+std::vector<int> members_at(const std::vector<collectives::ViewChange>& views, uint64_t epoch,
+                            int world) {
+  std::vector<int> m;
+  for (const auto& v : views)
+    if (v.epoch <= epoch) m = v.members;
+  if (m.empty())
+    for (int r = 0; r < world; ++r) m.push_back(r);
+  return m;
+}
+
+std::string fault_specs(const std::vector<collectives::FaultSpec>& faults) {
+  std::vector<std::string> v;
+  for (const auto& f : faults) v.push_back(f.spec());
+  return fmt::format("{}", fmt::join(v, ","));
+}
+
+bool has(const std::vector<int>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 
 // Runs the steps of one row: with -c, up to 10 untimed steps whose results are checked
 // against the reduction of exactly S(t) of the pattern; then -w warm-up and -n timed steps
 // back to back (no per-step fill or check: with sum the buffer is refilled before each
 // step, outside the timing). `q` = 0 runs the same loop with the plain in-place all-reduce
 // instead of the quorum op (--compare-allreduce), so both are measured the same way.
+//
+// `faults` (--fault, first size only): fired at their timed step. Ranks may then die or be
+// evicted, so the loop avoids every collective over the world after the warm-up: the loop's
+// end is agreed through the steps themselves (below), the statistics are reduced among the
+// live members of the last view, and the coordinator of that view prints.
 QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size_t count, int q,
                          const collectives::StragglerModel& model,
-                         QuorumStats* paired = nullptr) {
+                         QuorumStats* paired = nullptr,
+                         const std::vector<collectives::FaultSpec>& faults = {}) {
   const int n = comm.size(), rank = comm.rank();
   const size_t ts = dtype_bytes(o.dtype);
+  const bool faulty = !faults.empty();
   collectives::QuorumOptions qo;
   qo.quorum = q;
   qo.grace = std::chrono::milliseconds(o.grace_ms);
   qo.deadline = std::chrono::milliseconds(o.deadline_ms);
   qo.type = o.dtype;
   qo.mean = o.redop == RedOp::kAvg;
+  qo.evict = evict_time(o);
   collectives::QuorumAllreduce qa(comm, count, qo);
+  if (faulty && !qa.survives_loss())
+    throw ConfigError(fmt::format(
+        "--fault: quorum {} of {} ranks leaves no room to lose a rank (use --quorum {} or less)",
+        q, n, n - 1));
   AlignedBuffer buf(count * ts), buf2(paired ? count * ts : 0);
   comm.register_buffer(buf.data(), buf.size);
   if (paired) comm.register_buffer(buf2.data(), buf2.size);
   QuorumStats st;
   uint64_t step = 0;
+  // Set once the checked steps are done: quorum step number of timed step 0.
+  auto first_timed = std::make_shared<std::atomic<uint64_t>>(UINT64_MAX);
+  // Each fault fires once, from this thread (phases step, ready) or the engine thread (ring);
+  // the callback owns what it uses, as the engine may call it until `qa` is gone.
+  auto maybe_fault = [faults, first_timed, rank,
+                      fired = std::make_shared<std::vector<std::atomic<bool>>>(faults.size())](
+                         uint64_t t, const char* phase) {
+    const uint64_t t0 = first_timed->load();
+    if (t0 == UINT64_MAX || t < t0) return;
+    for (size_t i = 0; i < faults.size(); ++i) {
+      if (faults[i].matches(rank, t - t0, phase) && !(*fired)[i].exchange(true)) {
+        std::fprintf(stderr, "qring-bench: rank %d: injecting fault %s at timed step %llu\n", rank,
+                     faults[i].spec().c_str(), static_cast<unsigned long long>(t - t0));
+        std::fflush(stdout);
+        std::fflush(stderr);
+        faults[i].inject();
+      }
+    }
+  };
+  if (std::any_of(faults.begin(), faults.end(), [](const auto& f) { return f.phase == "ring"; }))
+    qa.on_phase(maybe_fault);
   // One step; returns its contributor set (everyone for the plain all-reduce).
   auto run_step = [&](uint64_t t) {
     bool gave_up =
         collectives::sleep_unless(model.delay(o.seed, rank, t), [&] { return qa.excluded(t); });
-    if (!gave_up) qa.contribute(t, buf.data(), count);
+    if (!gave_up) {
+      qa.contribute(t, buf.data(), count);
+      if (faulty) maybe_fault(t, "ready");
+    }
     return qa.wait(t, buf.data());
   };
   if (o.check) {
@@ -456,23 +566,91 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       st.wrong += count_mismatches(buf.data(), ts, count, step, want);
     }
   }
+  first_timed->store(step + uint64_t(o.warmup));
   const bool refill = o.redop != RedOp::kAvg;  // sums grow step after step
   fill_pattern(buf.data(), o.dtype, count, step, rank);
   if (paired) fill_pattern(buf2.data(), o.dtype, count, step, rank);
   std::vector<double> lat, lat2;
+  std::vector<StepSeen> seen;
   double contributors = 0;
+
+  // --fault: the loop runs -n timed steps and then on while some rank still wants more: a
+  // fault has not played out yet (a killed rank is still in the view; a stopped one has not
+  // been running again for the evict time, so that an evicted one learns it while the job
+  // still runs), or fewer than `after_min` steps were decided after that. The ranks agree on
+  // the loop's end through the steps themselves: from timed step -n - 1 on, element 0 of each
+  // contribution is a vote (n = more, 0 = enough), and the step's result -- the same bits on
+  // every rank -- says whether another step follows. Votes stop at a hard cap, so the loop
+  // ends.
+  const auto evict = qo.evict;
+  const auto settle = std::max<std::chrono::milliseconds>(std::chrono::milliseconds(500), evict);
+  uint64_t last_fault_step = 0;
+  for (const auto& f : faults) last_fault_step = std::max(last_fault_step, f.step);
+  const int after_min = std::max(10, o.iters - int(last_fault_step));
+  std::vector<std::optional<Clock::time_point>> fault_time(faults.size());
+  auto played_out = [&](size_t i, const std::vector<int>& members, Clock::time_point now,
+                        std::chrono::milliseconds extra) {
+    const auto& f = faults[i];
+    if (!fault_time[i]) return false;
+    if (f.action == collectives::FaultSpec::Action::kKill) return !has(members, f.rank);
+    // Stopped: evicted, or running again. The vote waits a little longer (`extra`).
+    return (!has(members, f.rank) && extra.count() == 0) ||
+           now >= *fault_time[i] + std::chrono::milliseconds(f.stop_ms) + extra;
+  };
+  std::optional<Clock::time_point> cap;
+  int64_t settled_steps = 0;
+  auto want_more = [&](Clock::time_point now) {
+    if (cap && now > *cap) return false;
+    const auto members = qa.members();
+    for (size_t i = 0; i < faults.size(); ++i)
+      if (!played_out(i, members, now, settle)) return true;
+    return settled_steps < after_min + 1;  // the first completes the recovery
+  };
+
   comm.barrier();
-  for (int s = 0; s < o.warmup + o.iters; ++s, ++step) {
-    if (s == o.warmup) comm.barrier();
+  bool more = false;
+  for (int s = 0; s < o.warmup + o.iters || more; ++s, ++step) {
+    if (s == o.warmup) comm.barrier();  // before any fault: every rank is there
+    const int idx = s - o.warmup;       // timed step (< 0: warm-up)
+    if (faulty && idx >= 0) {
+      const auto now = Clock::now();
+      for (size_t i = 0; i < faults.size(); ++i) {
+        if (!fault_time[i] && uint64_t(idx) >= faults[i].step) {
+          fault_time[i] = now;
+          // Bounded: a kill evicts after E (a lost coordinator: the takeover, after up to
+          // max(E, deadline) and E per candidate); a stop plays out after its pause.
+          auto c = now + std::chrono::milliseconds(faults[i].stop_ms) + settle + 3 * evict +
+                   std::chrono::milliseconds(o.deadline_ms) + std::chrono::seconds(10);
+          cap = cap ? std::max(*cap, c) : c;
+        }
+      }
+      maybe_fault(step, "step");
+    }
     if (refill) fill_pattern(buf.data(), o.dtype, count, step, rank);
+    const bool voting = faulty && idx >= o.iters - 1;
+    if (voting) store_value(buf.data(), o.dtype, 0, want_more(Clock::now()) ? double(n) : 0.0);
     const auto t0 = std::chrono::steady_clock::now();
     collectives::QuorumResult r = run_step(step);
     const auto t1 = std::chrono::steady_clock::now();
-    if (s >= o.warmup) {
+    if (idx >= 0) {
       lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
       contributors += r.count;
       st.dropped += n - r.count;
     }
+    if (faulty && idx >= 0) {
+      StepSeen v;
+      v.epoch = r.epoch;
+      v.skipped = r.skipped;
+      v.done = t1;
+      const auto members = members_at(qa.view_changes(), r.epoch, n);
+      v.settled = true;
+      for (size_t i = 0; i < faults.size(); ++i)
+        v.settled = v.settled && played_out(i, members, t1, std::chrono::milliseconds(0));
+      settled_steps += v.settled;
+      seen.push_back(v);
+    }
+    // A skipped step leaves the buffer as it was (every rank skips alike): one more step.
+    if (voting) more = r.skipped || load_value(buf.data(), o.dtype, 0) > 0;
     if (paired) {
       if (refill) fill_pattern(buf2.data(), o.dtype, count, step, rank);
       const auto p0 = std::chrono::steady_clock::now();
@@ -482,52 +660,225 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       if (s >= o.warmup) lat2.push_back(std::chrono::duration<double, std::micro>(p1 - p0).count());
     }
   }
-  // The step latency is the slowest rank's; contributor counts agree on every rank.
+  st.steps = int(lat.size());
+
+  // The ranks the statistics are reduced among: every rank, or with --fault the members of
+  // the view that decided the last step (the same list on each of them).
+  std::vector<int> members;
+  if (faulty) {
+    // Views applied after the last step are left out: not every rank need have them yet.
+    const uint64_t last_epoch = seen.empty() ? 0 : seen.back().epoch;
+    const auto views = qa.view_changes();
+    members = members_at(views, last_epoch, n);
+    for (const auto& v : views)
+      for (const auto& l : v.left)
+        if (v.epoch <= last_epoch)
+          if (!has(st.lost, l.rank)) st.lost.push_back(l.rank);
+    std::sort(st.lost.begin(), st.lost.end());
+    for (const auto& f : faults)
+      if (f.action == collectives::FaultSpec::Action::kKill && has(members, f.rank))
+        throw TimeoutError(fmt::format(
+            "rank {}: --fault {}: rank {} is still a member of the view {} steps after it was due "
+            "to be killed (evict time {} ms; a fault at phase ring fires only in a step the "
+            "rank reduces); the statistics cannot be gathered without it",
+            rank, f.spec(), f.rank, st.steps - int64_t(f.step), evict.count()));
+  }
+  const std::vector<int> among = int(members.size()) == n ? std::vector<int>{} : members;
+
+  // The step latency is the slowest rank's; contributor counts agree on every rank. Every
+  // rank among `among` ran the same steps, so the vectors have the same length.
   auto reduce_lat = [&](const std::vector<double>& l, QuorumStats& out) {
     double mine = 0;
     for (double x : l) mine += x;
     mine = l.empty() ? 0 : mine / double(l.size());
-    comm.allreduce(&mine, &out.mean_us, 1, DataType::kFloat64, RedOp::kMax);
+    comm.allreduce(&mine, &out.mean_us, 1, DataType::kFloat64, RedOp::kMax, among);
     out.lat_us.assign(l.size(), 0);
     if (!l.empty())
-      comm.allreduce(l.data(), out.lat_us.data(), l.size(), DataType::kFloat64, RedOp::kMax);
+      comm.allreduce(l.data(), out.lat_us.data(), l.size(), DataType::kFloat64, RedOp::kMax,
+                     among);
   };
   reduce_lat(lat, st);
   if (paired) {
     *paired = QuorumStats{};
     reduce_lat(lat2, *paired);
     paired->contributors_mean = n;
+    paired->steps = int(lat2.size());
   }
   int64_t w = st.wrong;
-  comm.allreduce(&w, &st.wrong, 1, DataType::kInt64, RedOp::kSum);
-  st.contributors_mean = o.iters ? contributors / o.iters : 0;
-  comm.barrier();
+  comm.allreduce(&w, &st.wrong, 1, DataType::kInt64, RedOp::kSum, among);
+  st.contributors_mean = st.steps ? contributors / st.steps : 0;
+  if (!faulty) {
+    comm.barrier();
+    st.printer = rank == 0;
+    return st;
+  }
+
+  // --fault: the coordinator of the last view prints.
+  st.printer = qa.coordinator() == rank;
+  if (!st.printer) return st;
+  FaultReport fr;
+  fr.spec = fault_specs(faults);
+  fr.evict_ms = long(evict.count());
+  fr.lost = st.lost;
+  fr.members = members;
+  fr.coordinator = rank;
+  uint64_t first_fault_step = UINT64_MAX;
+  for (const auto& f : faults) first_fault_step = std::min(first_fault_step, f.step);
+  // Before: the steps before the first fault's. After the recovery: the steps that began
+  // once the first step decided after every fault played out had completed (that step, which
+  // the failure held up, counts as in between).
+  std::vector<double> before, after;
+  bool recovered = false;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    const double l = st.lat_us[i];
+    fr.skipped += seen[i].skipped;
+    if (i < first_fault_step) {
+      before.push_back(l);
+    } else if (seen[i].settled && recovered) {
+      after.push_back(l);
+    } else {
+      recovered = recovered || seen[i].settled;
+      ++fr.between;
+      fr.between_max = std::max(fr.between_max.value_or(0.0), l);
+    }
+  }
+  fr.before = int64_t(before.size());
+  fr.after = int64_t(after.size());
+  if (!before.empty()) {
+    fr.p50_before = percentile(before, 50);
+    fr.p99_before = percentile(before, 99);
+  }
+  if (!after.empty()) {
+    fr.p50_after = percentile(after, 50);
+    fr.p99_after = percentile(after, 99);
+  }
+  // Recovery per view change: from the lost rank's last sign of life (its silence when the
+  // coordinator evicted it, before this rank applied the view) to the first step that
+  // completed with a result in the new view.
+  for (const auto& v : qa.view_changes()) {
+    if (v.epoch == 0) continue;
+    double silent_ms = 0;
+    nlohmann::json left = nlohmann::json::array();
+    for (const auto& l : v.left) {
+      silent_ms = std::max(silent_ms, l.silent_ms);
+      left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
+    }
+    fr.detection_ms = std::max(fr.detection_ms, silent_ms);
+    std::optional<double> rec;
+    for (size_t i = 0; i < seen.size(); ++i) {
+      if (seen[i].epoch >= v.epoch && !seen[i].skipped) {
+        rec = silent_ms / 1000.0 + std::chrono::duration<double>(seen[i].done - v.seen).count();
+        break;
+      }
+    }
+    if (rec) fr.recovery_s = std::max(fr.recovery_s.value_or(0.0), *rec);
+    fr.views.push_back({{"epoch", v.epoch},
+                        {"members", v.members},
+                        {"left", left},
+                        {"recovery_s", rec ? nlohmann::json(*rec) : nlohmann::json()}});
+  }
+  st.fault = std::move(fr);
   return st;
 }
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t i = size_t(std::ceil(p / 100.0 * double(v.size())));
-  return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+std::string join_ranks(const std::vector<int>& v) {
+  return v.empty() ? std::string("none") : fmt::format("{}", fmt::join(v, ","));
 }
 
-int64_t run_quorum(collectives::Communicator& comm, const Options& o,
-                   std::vector<nlohmann::json>& rows) {
+// --fault: the readable block under the row, and the JSON keys of the row.
+void report_fault(const FaultReport& f, nlohmann::json& j) {
+  auto us = [](const std::optional<double>& v) {
+    return v ? fmt::format("{:.1f} us", *v) : std::string("-");
+  };
+  std::printf("# fault %s (evict %ld ms): lost rank(s) %s; live members %s, coordinator %d\n",
+              f.spec.c_str(), f.evict_ms, join_ranks(f.lost).c_str(),
+              join_ranks(f.members).c_str(), f.coordinator);
+  if (f.recovery_s)
+    std::printf(
+        "#   recovery %.3f s from the lost rank's last sign of life (silent %.0f ms when "
+        "evicted) to the first step completed in the new view\n",
+        *f.recovery_s, f.detection_ms);
+  else
+    std::printf("#   no view change (nobody was evicted)\n");
+  std::printf("#   before the fault: %lld steps, p50 %s, p99 %s\n",
+              static_cast<long long>(f.before), us(f.p50_before).c_str(),
+              us(f.p99_before).c_str());
+  std::printf("#   in between:       %lld steps, slowest %s\n", static_cast<long long>(f.between),
+              us(f.between_max).c_str());
+  std::printf("#   after recovery:   %lld steps, p50 %s, p99 %s; %lld step(s) skipped\n",
+              static_cast<long long>(f.after), us(f.p50_after).c_str(),
+              us(f.p99_after).c_str(), static_cast<long long>(f.skipped));
+  auto opt = [](const std::optional<double>& v) {
+    return v ? nlohmann::json(*v) : nlohmann::json();
+  };
+  j["fault"] = f.spec;
+  j["evict_ms"] = f.evict_ms;
+  j["lost_ranks"] = f.lost;
+  j["members"] = f.members;
+  j["coordinator"] = f.coordinator;
+  j["recovery_s"] = opt(f.recovery_s);
+  j["detection_ms"] = f.detection_ms;
+  j["steps_before"] = f.before;
+  j["steps_between"] = f.between;
+  j["steps_after"] = f.after;
+  j["p50_before_us"] = opt(f.p50_before);
+  j["p99_before_us"] = opt(f.p99_before);
+  j["between_max_us"] = opt(f.between_max);
+  j["p50_after_us"] = opt(f.p50_after);
+  j["p99_after_us"] = opt(f.p99_after);
+  j["skipped_steps"] = f.skipped;
+  j["views"] = f.views;
+}
+
+// The faults of --fault, checked against this run (n = 0: world size not known yet).
+std::vector<collectives::FaultSpec> bench_faults(const Options& o, int n) {
+  auto faults = collectives::FaultSpec::parse_list(o.fault);
+  for (const auto& f : faults) {
+    if (f.phase != "step" && f.phase != "ready" && f.phase != "ring")
+      throw ConfigError(fmt::format(
+          "--fault {}: phase '{}' does not occur in qring-bench (step, ready or ring)", f.spec(),
+          f.phase));
+    if (n > 0 && f.rank >= n)
+      throw ConfigError(
+          fmt::format("--fault {}: rank {} out of range for {} ranks", f.spec(), f.rank, n));
+    if (f.step >= uint64_t(o.iters))
+      throw ConfigError(fmt::format(
+          "--fault {}: step {} is not among the -n {} timed steps", f.spec(), f.step, o.iters));
+  }
+  return faults;
+}
+
+struct QuorumOutcome {
+  int64_t wrong = 0;
+  bool writer = false;    // printed the rows: writes --json
+  std::vector<int> lost;  // ranks lost (--fault)
+};
+
+QuorumOutcome run_quorum(collectives::Communicator& comm, const Options& o,
+                         std::vector<nlohmann::json>& rows) {
   const int n = comm.size();
   const int q = o.quorum.empty() ? n : collectives::resolve_quorum(o.quorum, n);
   if (o.redop != RedOp::kSum && o.redop != RedOp::kAvg)
     throw ConfigError("--op quorum: --redop must be sum or avg");
   const auto model = collectives::StragglerModel::parse(o.straggler);
+  const auto faults = bench_faults(o, n);
   const size_t ts = dtype_bytes(o.dtype);
-  const bool print = comm.rank() == 0;
-  if (print) {
+  QuorumOutcome out;
+  out.writer = comm.rank() == 0;
+  if (comm.rank() == 0) {
     std::printf(
         "# quorum all-reduce: %d ranks, provider %s, quorum %d, grace %ld ms, deadline "
         "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
         n, comm.provider().c_str(), q, o.grace_ms, o.deadline_ms, model.spec().c_str(),
         static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
         o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
+    if (!faults.empty()) {
+      const std::string spec = fault_specs(faults);
+      std::printf(
+          "# fault %s in the first size, evict %lld ms: the loop runs until it played out "
+          "and the coordinator at the end prints\n",
+          spec.c_str(), static_cast<long long>(evict_time(o).count()));
+    }
     std::printf(
         "# step latency = the slowest rank's time from the start of its step (before "
         "its straggler delay) to the end of its wait; busbw from p50\n#\n");
@@ -539,18 +890,30 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
       std::printf(" | %10s %10s %10s %8s %8s", "mean(us)", "ar p50", "ar mean", "p50 x",
                   "mean x");
     std::printf("\n");
+    std::fflush(stdout);  // rank 0 may be a fault's victim
   }
-  int64_t total_wrong = 0;
+  bool first = true;
   for (size_t bytes : sweep_sizes(o)) {
     const size_t count = bytes / ts;
     if (count == 0) continue;
+    if (!out.lost.empty()) {
+      // A fresh quorum all-reduce over the world would have to lose the dead ranks again.
+      if (out.writer)
+        std::printf("# %zu bytes and larger: not run, rank(s) %s were lost in the first size\n",
+                    bytes, join_ranks(out.lost).c_str());
+      break;
+    }
     std::optional<QuorumStats> plain;
     if (o.compare_allreduce) plain.emplace();
-    QuorumStats st = quorum_steps(comm, o, count, q, model, plain ? &*plain : nullptr);
+    QuorumStats st = quorum_steps(comm, o, count, q, model, plain ? &*plain : nullptr,
+                                  first ? faults : std::vector<collectives::FaultSpec>{});
+    first = false;
+    out.lost = st.lost;
     std::optional<QuorumStats> full;
     if (o.compare_full) full = quorum_steps(comm, o, count, n, model);
-    total_wrong += st.wrong + (full ? full->wrong : 0) + (plain ? plain->wrong : 0);
-    if (!print) continue;
+    out.wrong += st.wrong + (full ? full->wrong : 0) + (plain ? plain->wrong : 0);
+    out.writer = st.printer;
+    if (!st.printer) continue;
     auto row = [&](const QuorumStats& s, int quorum) {
       double p50 = percentile(s.lat_us, 50), p99 = percentile(s.lat_us, 99),
              mx = percentile(s.lat_us, 100);
@@ -576,7 +939,7 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
                        {"contributors_mean", s.contributors_mean},
                        {"dropped", s.dropped},
                        {"wrong", s.wrong},
-                       {"iters", o.iters}};
+                       {"iters", s.steps}};
       return j;
     };
     auto j = row(st, q);
@@ -611,11 +974,12 @@ int64_t run_quorum(collectives::Communicator& comm, const Options& o,
                   plain->mean_us, r50, rmean);
       rows.push_back(a);
     }
-    rows.insert(rows.end() - (full ? 1 : 0) - (plain ? 1 : 0), j);
     std::printf("\n");
+    if (st.fault) report_fault(*st.fault, j);
+    rows.insert(rows.end() - (full ? 1 : 0) - (plain ? 1 : 0), j);
     std::fflush(stdout);
   }
-  return total_wrong;
+  return out;
 }
 
 // ------------------------------------------------------------------ main
@@ -661,11 +1025,15 @@ int bench_main(const Options& o) {
         return 0;
       }
       if (o.op == BenchOp::kQuorum) {
-        wrong = run_quorum(comm, o, rows);
-        write();
-        if (wrong > 0 && print)
-          std::fprintf(stderr, "qring-bench: %lld wrong elements\n", static_cast<long long>(wrong));
-        return wrong > 0 ? 1 : 0;
+        // With --fault the rows come from the coordinator at the end (rank 0 may be lost),
+        // and the final barrier of the rendezvous does not wait for the lost ranks.
+        QuorumOutcome out = run_quorum(comm, o, rows);
+        rdv.lost(out.lost);
+        if (out.writer && !o.json_path.empty()) write_json(o.json_path, rows);
+        if (out.wrong > 0 && out.writer)
+          std::fprintf(stderr, "qring-bench: %lld wrong elements\n",
+                       static_cast<long long>(out.wrong));
+        return out.wrong > 0 ? 1 : 0;
       }
       QringBackend be(comm, o);
       Sweep<QringBackend> sweep(be, o);
@@ -677,6 +1045,8 @@ int bench_main(const Options& o) {
       }
       rows = sweep.rows();
     }
+  } catch (const collectives::Evicted&) {
+    throw;  // the others went on without this rank: their coordinator writes the rows
   } catch (...) {
     write();
     throw;
@@ -698,6 +1068,7 @@ int main(int argc, char** argv) {
   Options o;
   try {
     o = parse_args(argc, argv, /*mpi=*/false);
+    if (!o.help && !o.fault.empty()) bench_faults(o, 0);  // the spec's syntax, before the rendezvous
   } catch (const qring::ConfigError& e) {
     std::fprintf(stderr, "qring-bench: %s\n", e.what());
     return 2;
@@ -711,6 +1082,11 @@ int main(int argc, char** argv) {
   } catch (const qring::ConfigError& e) {
     std::fprintf(stderr, "qring-bench: %s\n", e.what());
     return 2;
+  } catch (const qring::collectives::Evicted& e) {
+    // Stopped (--fault stop) past the evict time: the others went on without this rank. The
+    // status qring-launch --tolerate-failures counts as a lost rank.
+    std::fprintf(stderr, "qring-bench: %s\n", e.what());
+    return kExitEvicted;
   } catch (const std::exception& e) {
     const char* rank = nullptr;
     for (const char* v : {"QRING_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
