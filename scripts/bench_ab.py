@@ -9,6 +9,8 @@ CONFIG_ARGS), starting one further along each round (A B C, B C A, C A B, ...), 
 the machine's drift nor the order favours one. Prints per size the median out-of-place and
 in-place time of each configuration and the median over rounds of its time divided by the
 first configuration's time in the same round, with the range of those ratios.
+With --op quorum (its table: size count p50 p99 max busbw contrib dropped #wrong) it prints
+per size the median p50/p99 step latency and the ratios of p50.
 
 --config: extra qring-bench flags per configuration ("" for the defaults), one build; leading
           NAME=VALUE words are environment variables for that configuration's run
@@ -19,6 +21,9 @@ Environment: QRING_BUILD (default build) for qring-launch and the default qring-
 Example (one lane against the default on 2 ranks over shm):
   scripts/bench_ab.py --ranks 2 --provider shm --rounds 5 --config "" --config "--inflight 1" \\
       -- -b 4M -e 64M -f 4 -n 20 -w 3 -c 0
+Quorum steps, quorum 3 against all 4 ranks:
+  scripts/bench_ab.py --ranks 4 --provider tcp --rounds 4 --config "--quorum 3" --config "" \\
+      -- --op quorum -b 64K -e 1M -n 50 -w 5
 """
 import argparse
 import os
@@ -28,7 +33,13 @@ import statistics
 import subprocess
 import sys
 
+# Table rows as qring-launch prefixes them. Collectives (rank 0): size count type redop root
+# | out-of-place time algbw busbw #wrong | in-place time ... -> size, oop time, in-place time.
 ROW = re.compile(r"\[rank 0\]\s+(\d+)\s+\d+\s+\S+\s+\S+\s+\S+\s+([\d.]+)\s+\S+\s+\S+\s+\S+\s+([\d.]+)")
+# --op quorum (printed by the coordinator, which need not be rank 0): size count p50 p99 max
+# busbw contrib dropped #wrong [| compare columns] -> size, p50, p99.
+QROW = re.compile(r"\[rank \d+\]\s+(\d+)\s+\d+\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+"
+                  r"\s+\d+\s+\d+(\s+\|.*)?\s*$")
 
 
 def main():
@@ -64,7 +75,8 @@ def main():
         if not os.access(path, os.X_OK):
             sys.exit(f"bench_ab.py: {path} is missing (build qring-bench and qring-launch)")
 
-    res = [dict() for _ in runs]  # per config: size -> list of (round, oop, ip)
+    res = [dict() for _ in runs]  # per config: size -> list of (round, oop, ip) or (round, p50, p99)
+    quorum = False  # rows of --op quorum seen
     for rnd in range(a.rounds):
         for k in range(len(runs)):
             i = (rnd + k) % len(runs)
@@ -74,13 +86,20 @@ def main():
             if p.returncode != 0:
                 sys.exit(f"bench_ab.py: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
             for line in p.stdout.splitlines():
-                m = ROW.match(line)
+                m = ROW.match(line) or QROW.match(line)
                 if m:
+                    quorum = quorum or m.re is QROW
                     res[i].setdefault(int(m.group(1)), []).append((rnd, float(m.group(2)), float(m.group(3))))
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
 
-    print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; times in us (out-of-place/in-place),"
-          f" ratio = this / {runs[0][0]} in the same round (median, range of out-of-place)")
+    if not any(res):
+        sys.exit("bench_ab.py: no table rows in the output (neither collective nor --op quorum)")
+    if quorum:
+        print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; quorum step latency in us (p50/p99),"
+              f" ratio = p50 / {runs[0][0]}'s p50 in the same round (median, range)")
+    else:
+        print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; times in us (out-of-place/in-place),"
+              f" ratio = this / {runs[0][0]} in the same round (median, range of out-of-place)")
     for size in sorted(res[0]):
         base = {r: (o, ip) for r, o, ip in res[0][size]}
         cells = []
@@ -88,11 +107,16 @@ def main():
             v = rr.get(size, [])
             if not v:
                 continue
-            ro = [o / base[r][0] for r, o, _ in v if r in base]
-            ri = [ip / base[r][1] for r, _, ip in v if r in base]
-            cells.append(f"{name}: {statistics.median(x[1] for x in v):.0f}/"
-                         f"{statistics.median(x[2] for x in v):.0f} r {statistics.median(ro):.2f}/"
-                         f"{statistics.median(ri):.2f} [{min(ro):.2f}-{max(ro):.2f}]")
+            ro = [o / base[r][0] for r, o, _ in v if r in base and base[r][0] > 0]
+            ri = [ip / base[r][1] for r, _, ip in v if r in base and base[r][1] > 0]
+            med = f"{statistics.median(x[1] for x in v):.0f}/{statistics.median(x[2] for x in v):.0f}"
+            if not ro:
+                cells.append(f"{name}: {med} r -")
+            elif quorum:
+                cells.append(f"{name}: {med} r {statistics.median(ro):.2f} [{min(ro):.2f}-{max(ro):.2f}]")
+            else:
+                mi = f"{statistics.median(ri):.2f}" if ri else "-"
+                cells.append(f"{name}: {med} r {statistics.median(ro):.2f}/{mi} [{min(ro):.2f}-{max(ro):.2f}]")
         print(f"{size:>10} | " + " | ".join(cells))
 
 

@@ -29,8 +29,10 @@ class BenchCli : public ::testing::Test {
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
-  std::string bench(int ranks, const std::string& provider, const std::string& args) {
+  std::string bench(int ranks, const std::string& provider, const std::string& args,
+                    int tolerate = 0) {
     return kBuild + "/net/qring-launch -n " + std::to_string(ranks) + " --provider " + provider +
+           (tolerate ? " --tolerate-failures " + std::to_string(tolerate) : std::string()) +
            " -- " + kBuild + "/collectives/qring-bench " + args;
   }
   nlohmann::json rows(const std::string& file) {
@@ -119,6 +121,118 @@ TEST_F(BenchCli, BadQuorumArgumentsFailWithAClearMessage) {
   r = sh(bench(2, "tcp", "--op quorum -b 4K -e 4K -n 1 --redop max"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--redop must be sum or avg"), std::string::npos) << r.output;
+}
+
+// --fault: 4 ranks, quorum 3, a rank lost at timed step 20 of 60 (64 KiB steps take well
+// under a millisecond, so the loop goes on past -n until the rank has left the view and 40
+// steps ran after the recovery). Bounds are generous: only the order of magnitude of the
+// recovery is asserted (the evict time is 500 ms).
+constexpr const char* kFaultRun =
+    "--op quorum --quorum 3 -b 64K -e 64K -n 60 -w 5 --evict-ms 500 --json ";
+
+void expect_fault_row(const nlohmann::json& rs, int lost, const std::string& spec) {
+  ASSERT_EQ(rs.size(), 1u) << rs.dump();
+  const auto& q = rs[0];
+  for (const char* k : {"fault", "evict_ms", "recovery_s", "detection_ms", "p50_before_us",
+                        "p99_before_us", "p50_after_us", "p99_after_us", "between_max_us",
+                        "steps_before", "steps_between", "steps_after", "lost_ranks",
+                        "skipped_steps", "members", "coordinator", "views"})
+    EXPECT_TRUE(q.contains(k)) << k << " missing in " << q.dump();
+  EXPECT_EQ(q["op"], "quorum");
+  EXPECT_EQ(q["fault"], spec);
+  EXPECT_EQ(q["evict_ms"], 500);
+  EXPECT_EQ(q["lost_ranks"], nlohmann::json::array({lost})) << q.dump();
+  nlohmann::json members = nlohmann::json::array();
+  for (int r = 0; r < 4; ++r)
+    if (r != lost) members.push_back(r);
+  EXPECT_EQ(q["members"], members) << q.dump();
+  EXPECT_EQ(q["coordinator"], lost == 0 ? 1 : 0) << q.dump();
+  EXPECT_EQ(q["wrong"], 0);
+  ASSERT_TRUE(q["recovery_s"].is_number()) << q.dump();
+  EXPECT_GT(double(q["recovery_s"]), 0.0) << q.dump();
+  EXPECT_LT(double(q["recovery_s"]), 0.5 + 2.0) << q.dump();
+  // Timed steps 0..19 come before the fault; the last of them may have been held up by it
+  // (the victim still took part), which makes them steps in between.
+  EXPECT_LE(q["steps_before"].get<int>(), 20) << q.dump();
+  EXPECT_GE(q["steps_before"].get<int>(), 10) << q.dump();
+  EXPECT_GE(q["steps_after"].get<int>(), 40) << q.dump();
+  EXPECT_GE(q["steps_between"].get<int>(), 1) << q.dump();  // the step that saw the recovery
+  EXPECT_GE(q["iters"].get<int>(), 60) << q.dump();
+  EXPECT_EQ(q["iters"].get<int>(), q["steps_before"].get<int>() +
+                                       q["steps_between"].get<int>() +
+                                       q["steps_after"].get<int>())
+      << q.dump();
+  ASSERT_TRUE(q["p50_before_us"].is_number() && q["p50_after_us"].is_number()) << q.dump();
+  EXPECT_GT(double(q["p50_before_us"]), 0.0);
+  EXPECT_GT(double(q["p50_after_us"]), 0.0);
+  EXPECT_GE(double(q["p99_after_us"]), double(q["p50_after_us"]));
+  EXPECT_LE(q["skipped_steps"].get<int>(), 1) << q.dump();
+  ASSERT_EQ(q["views"].size(), 1u) << q.dump();
+  EXPECT_EQ(q["views"][0]["left"][0]["rank"], lost) << q.dump();
+}
+
+// A rank killed (SIGKILL) mid-loop: the survivors go on, the coordinator reports the recovery,
+// and qring-launch --tolerate-failures 1 exits 101 (one rank lost).
+TEST_F(BenchCli, QuorumFaultKillReportsTheRecovery) {
+  auto j = (dir_ / "k.json").string();
+  CmdResult r = sh(bench(4, "tcp", kFaultRun + j + " --fault kill:2:20", 1));
+  ASSERT_EQ(r.status, 101) << r.output;
+  EXPECT_NE(r.output.find("rank 2 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("killed by signal 9"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("# fault kill:2:20:step (evict 500 ms): lost rank(s) 2"),
+            std::string::npos)
+      << r.output;
+  expect_fault_row(rows("k.json"), 2, "kill:2:20:step");
+}
+
+// The coordinator (rank 0) killed: rank 1 takes over, prints and writes the JSON.
+TEST_F(BenchCli, QuorumFaultKillOfTheCoordinatorIsReportedByTheNewOne) {
+  auto j = (dir_ / "k0.json").string();
+  CmdResult r = sh(bench(4, "shm", kFaultRun + j + " --fault kill:0:20", 1));
+  ASSERT_EQ(r.status, 101) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] # fault kill:0:20:step"), std::string::npos) << r.output;
+  expect_fault_row(rows("k0.json"), 0, "kill:0:20:step");
+}
+
+// A rank stopped (SIGSTOP) for 3 s, longer than the evict time: the others evict it and go
+// on until it runs again; it learns it was evicted and exits 75.
+TEST_F(BenchCli, QuorumFaultStoppedRankIsEvictedAndExits75) {
+  auto j = (dir_ / "s.json").string();
+  CmdResult r = sh(bench(4, "tcp", kFaultRun + j + " --fault stop:1:20:3000", 1));
+  ASSERT_EQ(r.status, 101) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was evicted (exit status 75)"), std::string::npos) << r.output;
+  expect_fault_row(rows("s.json"), 1, "stop:1:20:3000:step");
+  auto q = rows("s.json")[0];
+  // Silent for the evict time, give or take the heartbeat; recovered before it ran again.
+  EXPECT_GE(double(q["detection_ms"]), 400.0) << q.dump();
+  EXPECT_LT(double(q["recovery_s"]), 3.0) << q.dump();
+}
+
+TEST_F(BenchCli, BadFaultArgumentsFailWithAClearMessage) {
+  CmdResult r = sh(bench(2, "tcp", "--op allreduce -b 4K -e 4K -n 1 --fault kill:1:0"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--fault is only valid with --op quorum"), std::string::npos)
+      << r.output;
+  r = sh(bench(2, "tcp", "--op quorum -b 4K -e 4K -n 4 --fault kill:1:2"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("leaves no room to lose a rank"), std::string::npos) << r.output;
+  r = sh(bench(2, "tcp", "--op quorum --quorum 1 -b 4K -e 4K -n 4 --fault kill:1:4"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("not among the -n 4 timed steps"), std::string::npos) << r.output;
+  r = sh(bench(2, "tcp", "--op quorum --quorum 1 -b 4K -e 4K -n 4 --fault kill:2:1"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("rank 2 out of range for 2 ranks"), std::string::npos) << r.output;
+  r = sh(bench(2, "tcp", "--op quorum --quorum 1 -b 4K -e 4K -n 4 --fault kill:1:1:eval"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("phase 'eval' does not occur"), std::string::npos) << r.output;
+  r = sh(bench(2, "tcp", "--op quorum --quorum 1 -b 4K -e 4K -n 4 --fault kill:1"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("expected kill:RANK:STEP"), std::string::npos) << r.output;
+  r = sh(bench(2, "tcp",
+               "--op quorum --quorum 1 -b 4K -e 4K -n 4 --fault kill:1:1 --compare-allreduce"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot be combined"), std::string::npos) << r.output;
 }
 
 }  // namespace

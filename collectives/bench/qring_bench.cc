@@ -414,7 +414,7 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 struct StepSeen {
   uint64_t epoch = 0;    // the view that decided it
   bool skipped = false;  // no result (a member was lost mid-step, too few survived)
-  bool settled = false;  // decided once every fault had played out (see fault_settled)
+  bool settled = false;  // decided once every fault had played out (played_out)
   Clock::time_point done{};
 };
 
@@ -428,7 +428,7 @@ struct FaultReport {
   std::optional<double> recovery_s;  // worst over view changes
   double detection_ms = 0;           // the lost rank's silence when it was evicted (max)
   int64_t before = 0, between = 0, after = 0, skipped = 0;
-  std::optional<double> p50_before, p99_before, p50_after, p99_after, between_max;
+  std::optional<double> p50_before, p99_before, p50_after, p99_after, between_p50, between_max;
   nlohmann::json views = nlohmann::json::array();
 };
 
@@ -438,7 +438,7 @@ struct QuorumStats {
   double contributors_mean = 0;
   int64_t dropped = 0;
   int64_t wrong = 0;
-  int steps = 0;               // timed steps run (-n, more with --fault)
+  int steps = 0;  // timed steps run (-n, more with --fault)
   // --fault: whether this rank prints the row (the coordinator at the end), and the report.
   bool printer = true;
   std::vector<int> lost;
@@ -576,8 +576,10 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
 
   // --fault: the loop runs -n timed steps and then on while some rank still wants more: a
   // fault has not played out yet (a killed rank is still in the view; a stopped one has not
-  // been running again for the evict time, so that an evicted one learns it while the job
-  // still runs), or fewer than `after_min` steps were decided after that. The ranks agree on
+  // been running again for `settle`, so that an evicted one learns it while the job still
+  // runs), or fewer than `after_min` steps were decided after that. A stopped rank's pause is
+  // timed from the start of its STEP here (a ready or ring phase comes later), or once it was
+  // evicted from when it fell silent. The ranks agree on
   // the loop's end through the steps themselves: from timed step -n - 1 on, element 0 of each
   // contribution is a vote (n = more, 0 = enough), and the step's result -- the same bits on
   // every rank -- says whether another step follows. Votes stop at a hard cap, so the loop
@@ -588,14 +590,27 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   for (const auto& f : faults) last_fault_step = std::max(last_fault_step, f.step);
   const int after_min = std::max(10, o.iters - int(last_fault_step));
   std::vector<std::optional<Clock::time_point>> fault_time(faults.size());
+  // When rank r fell silent, on this rank's clock, if it left the view: `silent_ms` before
+  // this rank applied the view change (the coordinator's silence, exact whatever the phase).
+  auto fell_silent = [&](int r) -> std::optional<Clock::time_point> {
+    for (const auto& v : qa.view_changes())
+      for (const auto& l : v.left)
+        if (l.rank == r) return v.seen - std::chrono::microseconds(int64_t(l.silent_ms * 1000));
+    return std::nullopt;
+  };
+  // Whether fault i has played out: a killed rank left the view; a stopped one was evicted
+  // or runs again. `extra` > 0 (the vote): a stopped rank has run again for that long.
   auto played_out = [&](size_t i, const std::vector<int>& members, Clock::time_point now,
                         std::chrono::milliseconds extra) {
     const auto& f = faults[i];
     if (!fault_time[i]) return false;
     if (f.action == collectives::FaultSpec::Action::kKill) return !has(members, f.rank);
-    // Stopped: evicted, or running again. The vote waits a little longer (`extra`).
-    return (!has(members, f.rank) && extra.count() == 0) ||
-           now >= *fault_time[i] + std::chrono::milliseconds(f.stop_ms) + extra;
+    const auto pause = std::chrono::milliseconds(f.stop_ms);
+    if (has(members, f.rank)) return now >= *fault_time[i] + pause + extra;
+    if (extra.count() == 0) return true;
+    // Evicted: it runs again `pause` after it fell silent.
+    const auto silent = fell_silent(f.rank);
+    return !silent || now >= *silent + pause + extra;
   };
   std::optional<Clock::time_point> cap;
   int64_t settled_steps = 0;
@@ -684,6 +699,26 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
             rank, f.spec(), f.rank, st.steps - int64_t(f.step), evict.count()));
   }
   const std::vector<int> among = int(members.size()) == n ? std::vector<int>{} : members;
+  uint64_t first_fault_step = UINT64_MAX;
+  for (const auto& f : faults) first_fault_step = std::min(first_fault_step, f.step);
+  // --fault: the steps before the failure: before the first fault's STEP, and completed on
+  // every live rank before the first victim struck (this rank's start of STEP, or when the
+  // victim fell silent if that was earlier): a step the dying rank still took part in (its
+  // ring, a result it was to forward) is held up by the failure and counts as in between.
+  std::vector<double> early(seen.size(), 0.0);
+  if (faulty) {
+    std::optional<Clock::time_point> struck;
+    for (size_t i = 0; i < faults.size(); ++i) {
+      auto t = fault_time[i];
+      if (auto silent = fell_silent(faults[i].rank); silent && (!t || *silent < *t)) t = silent;
+      if (t && (!struck || *t < *struck)) struck = t;
+    }
+    for (size_t i = 0; i < seen.size(); ++i)
+      early[i] = i < first_fault_step && (!struck || seen[i].done < *struck) ? 1.0 : 0.0;
+    if (!early.empty())
+      comm.allreduce(early.data(), early.data(), early.size(), DataType::kFloat64, RedOp::kMin,
+                     among);
+  }
 
   // The step latency is the slowest rank's; contributor counts agree on every rank. Every
   // rank among `among` ran the same steps, so the vectors have the same length.
@@ -722,25 +757,27 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   fr.lost = st.lost;
   fr.members = members;
   fr.coordinator = rank;
-  uint64_t first_fault_step = UINT64_MAX;
-  for (const auto& f : faults) first_fault_step = std::min(first_fault_step, f.step);
-  // Before: the steps before the first fault's. After the recovery: the steps that began
-  // once the first step decided after every fault played out had completed (that step, which
-  // the failure held up, counts as in between).
-  std::vector<double> before, after;
+  // Before: `early` above. After the recovery: the steps that began once the first step
+  // decided after every fault played out had completed (that step, which the failure held
+  // up, counts as in between).
+  std::vector<double> before, between, after;
   bool recovered = false;
   for (size_t i = 0; i < seen.size(); ++i) {
     const double l = st.lat_us[i];
     fr.skipped += seen[i].skipped;
-    if (i < first_fault_step) {
+    if (early[i] > 0) {
       before.push_back(l);
     } else if (seen[i].settled && recovered) {
       after.push_back(l);
     } else {
       recovered = recovered || seen[i].settled;
-      ++fr.between;
-      fr.between_max = std::max(fr.between_max.value_or(0.0), l);
+      between.push_back(l);
     }
+  }
+  fr.between = int64_t(between.size());
+  if (!between.empty()) {
+    fr.between_p50 = percentile(between, 50);
+    fr.between_max = percentile(between, 100);
   }
   fr.before = int64_t(before.size());
   fr.after = int64_t(after.size());
@@ -803,7 +840,8 @@ void report_fault(const FaultReport& f, nlohmann::json& j) {
   std::printf("#   before the fault: %lld steps, p50 %s, p99 %s\n",
               static_cast<long long>(f.before), us(f.p50_before).c_str(),
               us(f.p99_before).c_str());
-  std::printf("#   in between:       %lld steps, slowest %s\n", static_cast<long long>(f.between),
+  std::printf("#   in between:       %lld steps, p50 %s, slowest %s\n",
+              static_cast<long long>(f.between), us(f.between_p50).c_str(),
               us(f.between_max).c_str());
   std::printf("#   after recovery:   %lld steps, p50 %s, p99 %s; %lld step(s) skipped\n",
               static_cast<long long>(f.after), us(f.p50_after).c_str(),
@@ -823,6 +861,7 @@ void report_fault(const FaultReport& f, nlohmann::json& j) {
   j["steps_after"] = f.after;
   j["p50_before_us"] = opt(f.p50_before);
   j["p99_before_us"] = opt(f.p99_before);
+  j["between_p50_us"] = opt(f.between_p50);
   j["between_max_us"] = opt(f.between_max);
   j["p50_after_us"] = opt(f.p50_after);
   j["p99_after_us"] = opt(f.p99_after);
@@ -1068,7 +1107,8 @@ int main(int argc, char** argv) {
   Options o;
   try {
     o = parse_args(argc, argv, /*mpi=*/false);
-    if (!o.help && !o.fault.empty()) bench_faults(o, 0);  // the spec's syntax, before the rendezvous
+    // The fault spec's syntax, before the rendezvous.
+    if (!o.help && !o.fault.empty()) bench_faults(o, 0);
   } catch (const qring::ConfigError& e) {
     std::fprintf(stderr, "qring-bench: %s\n", e.what());
     return 2;
