@@ -1,8 +1,12 @@
 // Launch detection and rendezvous (net/bootstrap.h); documented in docs/bootstrap.md.
 #include "net/bootstrap.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +29,7 @@ std::optional<std::string> process_env(const std::string& name) {
 namespace {
 
 constexpr auto kExitBarrierTimeout = std::chrono::seconds(10);
+constexpr size_t kMinSecretChars = 16;
 
 int64_t parse_int(const std::string& name, const std::string& value, int64_t min, int64_t max) {
   int64_t v = 0;
@@ -215,7 +220,14 @@ BootstrapInfo from_mpi(const Env& env, bool ompi) {
   b.local_rank = env.integer(lrank_var, 0).value_or(b.rank);
   b.local_size = env.integer(lsize_var, 1).value_or(b.world_size);
   check_local(b, lrank_var, lsize_var);
-  b.job_id = env.str("QRING_JOB_ID").value_or("mpi");
+  // The launcher's job namespace tells two mpirun jobs apart (Open MPI / PMIx).
+  b.job_id = "mpi";
+  for (const char* var : {"QRING_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"}) {
+    if (auto v = env.str(var)) {
+      b.job_id = var == std::string("QRING_JOB_ID") ? *v : "mpi-" + *v;
+      break;
+    }
+  }
   if (auto s = env.str("QRING_STORE")) {
     std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
   } else if (env.has("MASTER_ADDR") && env.has("MASTER_PORT")) {
@@ -231,9 +243,6 @@ BootstrapInfo from_mpi(const Env& env, bool ompi) {
   return b;
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "127.0.0.1" || host == "localhost" || host.rfind("127.", 0) == 0;
-}
 
 std::string this_hostname() {
   char buf[256] = {};
@@ -258,7 +267,45 @@ BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
     return b;  // single process
   }
   if (b.world_size == 1 && !env.has("QRING_STORE")) b.store_port = 0;
+  if (auto secret = env.str("QRING_JOB_SECRET")) {
+    if (secret->size() < kMinSecretChars)
+      throw ConfigError(fmt::format(
+          "QRING_JOB_SECRET has {} characters, fewer than {}; use a random one, e.g. "
+          "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
+          secret->size(), kMinSecretChars));
+    b.job_secret = *secret;
+  }
   return b;
+}
+
+std::string store_bind_address(const std::string& store_host) {
+  in_addr a{};
+  if (inet_pton(AF_INET, store_host.c_str(), &a) == 1) return store_host;  // numeric
+  if (store_host == "localhost") return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(store_host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr)
+    throw ConfigError(fmt::format("rendezvous store host '{}' does not resolve on rank 0: {}",
+                                  store_host, gai_strerror(rc)));
+  std::string chosen;
+  for (addrinfo* i = res; i != nullptr && chosen.empty(); i = i->ai_next) {
+    char buf[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ai_addr)->sin_addr, buf, sizeof(buf));
+    if (!is_loopback_host(buf)) chosen = buf;
+  }
+  freeaddrinfo(res);
+  if (chosen.empty()) {
+    spdlog::warn(
+        "rendezvous store host '{}' resolves only to loopback addresses here, but the other "
+        "ranks connect to it by name: the store listens on every interface (set QRING_STORE to "
+        "an address of this host to choose one)",
+        store_host);
+    return "0.0.0.0";
+  }
+  return chosen;
 }
 
 Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(info) {
@@ -269,14 +316,29 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(inf
   if (info_.store_port == 0) {
     owned_ = std::make_unique<MemoryStore>();  // single process
   } else {
+    const bool loopback = is_loopback_host(info_.store_host);
+    if (info_.job_secret.empty() && !loopback)
+      throw ConfigError(fmt::format(
+          "rank {}: the rendezvous store {}:{} is not on loopback, so the job needs a secret: "
+          "set QRING_JOB_SECRET to the same random string (16+ characters) on every rank "
+          "(qring-launch and scripts/slurm do this)",
+          info_.rank, info_.store_host, info_.store_port));
     std::string connect_host = info_.store_host;
     if (info_.rank == 0) {
-      std::string bind_host = is_loopback(info_.store_host) ? "127.0.0.1" : "0.0.0.0";
+      std::string bind_host = store_bind_address(info_.store_host);
+      if (info_.job_secret.empty() && info_.world_size > 1)
+        spdlog::warn(
+            "rendezvous: QRING_JOB_SECRET is not set: any local user can join the store on "
+            "{}:{} (qring-launch sets a secret; by hand: export QRING_JOB_SECRET=<random>)",
+            bind_host, info_.store_port);
+      StoreServerOptions opts;
+      opts.secret = info_.job_secret;
       server_ = std::make_unique<TcpStoreServer>(bind_host, info_.store_port, info_.world_size,
-                                                 info_.job_id);
-      connect_host = "127.0.0.1";
+                                                 info_.job_id, std::move(opts));
+      connect_host = bind_host == "0.0.0.0" ? "127.0.0.1" : bind_host;
     }
-    JoinInfo join{kProtocolVersion, info_.rank, info_.world_size, info_.job_id, host};
+    JoinInfo join{kProtocolVersion, info_.rank,  info_.world_size,
+                  info_.job_id,     host,        info_.job_secret};
     owned_ = std::make_unique<TcpStore>(connect_host, info_.store_port, join, deadline);
   }
   store_ = owned_.get();

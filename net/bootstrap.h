@@ -22,6 +22,9 @@ struct BootstrapInfo {
   std::string store_host = "127.0.0.1";
   int store_port = 0;  // 0: single process, no store needed
   std::string job_id = "local";
+  // QRING_JOB_SECRET: proven by every rank to the store (net/store.h). Empty: the store may
+  // only listen on loopback, and any local user could join it.
+  std::string job_secret;
   std::string source = "single";   // "env", "slurm", "mpi", "single"
   std::vector<std::string> nodes;  // expanded node list when the launcher gives one
 };
@@ -35,11 +38,23 @@ std::optional<std::string> process_env(const std::string& name);
 // mpirun/PMI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, PMI_RANK/PMI_SIZE; store from
 // QRING_STORE or MASTER_ADDR/MASTER_PORT) > single process. Throws ConfigError on
 // malformed or inconsistent values (rank >= world size, bad host:port ...).
+// The job id: QRING_JOB_ID; else Slurm's "<job>.<step>"; under mpirun/PMI the launcher's
+// job namespace (PMIX_NAMESPACE, OMPI_MCA_ess_base_jobid); else "env" / "mpi". The job secret:
+// QRING_JOB_SECRET (at least 16 characters; qring-launch and scripts/slurm set a random one).
+// A store that is not on loopback needs one (Rendezvous throws ConfigError without).
 BootstrapInfo detect_bootstrap(const EnvLookup& env = process_env);
 
-// The rendezvous: rank 0 serves a TcpStoreServer, every rank joins it (version, world size,
-// job id validated) and publishes its hostname. Destruction is a final barrier with a
-// deadline so rank 0 never closes the store while others still use it.
+// The local address rank 0's store binds for `store_host`: itself for a numeric loopback
+// address, 127.0.0.1 for "localhost", else the first non-loopback IPv4 address the name
+// resolves to ("0.0.0.0", with a warning, when it resolves only to loopback addresses, as a
+// Debian hostname in /etc/hosts does). ConfigError when it does not resolve.
+std::string store_bind_address(const std::string& store_host);
+
+// The rendezvous: rank 0 serves a TcpStoreServer on the address the other ranks connect to
+// (store_host as rank 0 resolves it; loopback for a loopback store), every rank joins it
+// (proof of the job secret, version, world size, job id validated) and publishes its hostname.
+// Destruction is a final barrier with a deadline so rank 0 never closes the store while
+// others still use it.
 class Rendezvous {
  public:
   Rendezvous(const BootstrapInfo& info, Deadline deadline);

@@ -3,9 +3,14 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <sys/random.h>
 
+#include <cerrno>
 #include <charconv>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -25,6 +30,60 @@ int64_t parse_counter(const std::string& key, const std::string& value) {
     throw UsageError(fmt::format("store add: value of key '{}' is not an integer: '{}'", key,
                                  value.substr(0, 64)));
   return v;
+}
+
+std::string hmac_sha256(std::string_view key, std::string_view message) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  // HMAC() takes a null key as "no key"; an empty key must still be a key.
+  static const unsigned char kEmpty = 0;
+  const void* k = key.empty() ? &kEmpty : static_cast<const void*>(key.data());
+  if (HMAC(EVP_sha256(), k, static_cast<int>(key.size()),
+           reinterpret_cast<const unsigned char*>(message.data()), message.size(), out,
+           &len) == nullptr ||
+      len != 32)
+    throw IoError("HMAC-SHA256 failed (OpenSSL)");
+  return std::string(reinterpret_cast<const char*>(out), len);
+}
+
+std::string random_bytes(size_t n) {
+  std::string out(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(out.data() + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(fmt::format("getrandom(): {} (errno {})", std::strerror(errno), errno));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return out;
+}
+
+std::string random_hex(size_t n) {
+  std::string bytes = random_bytes(n);
+  std::string out;
+  out.reserve(2 * n);
+  for (unsigned char b : bytes) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+bool is_loopback_host(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0;
+}
+
+int key_owner(std::string_view key, int world_size) {
+  auto slash = key.find('/');
+  if (slash == std::string_view::npos) return -1;
+  std::string_view family = key.substr(0, slash);
+  if (family != "host" && family != "exit" && family != "fabric") return -1;
+  std::string_view last = key.substr(key.rfind('/') + 1);
+  int rank = -1;
+  auto [p, ec] = std::from_chars(last.data(), last.data() + last.size(), rank);
+  if (last.empty() || ec != std::errc() || p != last.data() + last.size() || rank < 0 ||
+      rank >= world_size)
+    return -1;
+  return rank;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,16 +2,19 @@
 // deadline and throws TimeoutError naming the keys it waited for.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "net/endpoint.h"  // Clock, Deadline
 
 namespace qring::net {
 
-constexpr uint32_t kProtocolVersion = 1;
+// 2: the server opens with a CHALLENGE, JOIN proves the job secret (HMAC-SHA256), MISSING.
+constexpr uint32_t kProtocolVersion = 2;
 
 class Store {
  public:
@@ -61,13 +64,19 @@ class MemoryStore : public Store {
 
 // Wire protocol of TcpStore / TcpStoreServer (docs/bootstrap.md). Every frame is
 //   magic u32 | version u16 | type u16 | request id u32 | payload length u32 | payload
-// little-endian; strings are u32 length + bytes, integers i64. Requests: JOIN (must come
-// first), SET, GET, WAIT, CHECK, ADD; replies OK or ERROR(reason) echo the request id.
-// A frame with a bad magic, a payload over kMaxFrameBytes or a malformed payload makes the
-// server close that connection.
+// little-endian; strings are u32 length + bytes, integers i64. The server speaks first: a
+// CHALLENGE (id 0) carrying a fresh random nonce. The client's first message must be JOIN,
+// which proves the job secret without sending it (see join_proof()); the server answers OK
+// with its own proof (server_proof()), so a client also knows it reached its job's store.
+// Then: SET, GET, WAIT, CHECK, ADD, MISSING; replies OK or ERROR(reason) echo the request id.
+// Before JOIN succeeds a frame may carry at most kMaxHandshakeFrameBytes; a frame with a bad
+// magic, a payload over the limit or a malformed payload makes the server close that
+// connection. A failed JOIN gets ERROR("rejected") and nothing else; the server logs why.
 constexpr uint32_t kStoreMagic = 0x51524E47;  // "QRNG"
 constexpr size_t kFrameHeaderBytes = 16;
 constexpr size_t kMaxFrameBytes = size_t{64} << 20;
+constexpr size_t kMaxHandshakeFrameBytes = 4096;
+constexpr size_t kNonceBytes = 32;
 enum class StoreMsg : uint16_t {
   kJoin = 1,
   kSet = 2,
@@ -75,27 +84,69 @@ enum class StoreMsg : uint16_t {
   kWait = 4,
   kCheck = 5,
   kAdd = 6,
+  kChallenge = 7,  // server -> client, first frame of a connection: str nonce
+  kMissing = 8,    // keys -> the keys that do not exist (for timeout messages)
   kOk = 0x80,
   kError = 0x81,
 };
 
 // Who is joining: sent by every TcpStore client when it connects and validated by the server.
+// The secret itself never goes on the wire.
 struct JoinInfo {
   uint32_t version = kProtocolVersion;
   int rank = 0;
   int world_size = 1;
   std::string job_id;
   std::string hostname;
+  std::string secret;  // the job secret (QRING_JOB_SECRET); empty only for a loopback store
+};
+
+// HMAC-SHA256(key, message): 32 bytes.
+std::string hmac_sha256(std::string_view key, std::string_view message);
+// `n` bytes from getrandom(); IoError if the kernel cannot supply them.
+std::string random_bytes(size_t n);
+// 2n lowercase hex digits of n random bytes (job secrets, unique job ids).
+std::string random_hex(size_t n);
+// The JOIN payload without its proof: u32 version | i64 rank | i64 world size | str job id |
+// str hostname | str client nonce.
+std::string encode_join_fields(const JoinInfo& join, std::string_view client_nonce);
+// What a client proves: HMAC(secret, "qring-store-join" | server nonce | join fields), and
+// what the server answers: HMAC(secret, "qring-store-server" | server nonce | join fields).
+std::string join_proof(std::string_view secret, std::string_view server_nonce,
+                       std::string_view join_fields);
+std::string server_proof(std::string_view secret, std::string_view server_nonce,
+                         std::string_view join_fields);
+// True for the addresses and names of this host's loopback interface (127.0.0.0/8,
+// "localhost").
+bool is_loopback_host(const std::string& host);
+
+// The rank that owns `key`, or -1 for a shared key. The keys a rank publishes about itself
+// -- "host/<r>", "exit/<r>", "fabric/.../<r>" -- belong to rank r: only r may SET or ADD them.
+int key_owner(std::string_view key, int world_size);
+
+struct StoreServerOptions {
+  // The job secret every JOIN must prove. Empty: no proof is needed (anyone who can reach
+  // the port can join), so the server then binds only a loopback address.
+  std::string secret;
+  // Connections that have not joined yet: at most world size + this many at a time (more
+  // are closed at once), each dropped when it has not joined within handshake_timeout.
+  int max_handshakes = 64;
+  std::chrono::milliseconds handshake_timeout{10000};
 };
 
 // The TCP key-value store server that rank 0 runs (one thread, poll()-based). It knows the
-// world it serves and rejects, with an error reply the client raises: a protocol version,
-// world size or job id different from its own, rank < 0 or >= world size, a rank that already
-// joined, and malformed or truncated messages.
+// world it serves and rejects (ERROR "rejected" to the client, the reason in its log): a JOIN
+// whose proof of the job secret is wrong, a protocol version, world size or job id different
+// from its own, rank < 0 or >= world size, a rank that already joined, and malformed or
+// truncated messages. A joined rank may not write another rank's keys (key_owner()). Its
+// memory and descriptors stay bounded under floods of connections, oversized or trickled
+// frames, and descriptor exhaustion (accept backs off, warnings are rate-limited).
 class TcpStoreServer {
  public:
-  // port 0 picks a free port; see port().
-  TcpStoreServer(const std::string& bind_host, int port, int world_size, std::string job_id);
+  // port 0 picks a free port; see port(). ConfigError for an empty secret with a bind
+  // address that is not loopback.
+  TcpStoreServer(const std::string& bind_host, int port, int world_size, std::string job_id,
+                 StoreServerOptions options = {});
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
@@ -106,8 +157,10 @@ class TcpStoreServer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Client of TcpStoreServer. Connects (retrying until `deadline`, then TimeoutError naming
-// host:port) and joins with `join` (ProtocolError carrying the server's reason on rejection).
+// Client of TcpStoreServer. Connects (retrying until `deadline`, also when the server closes
+// the connection before its CHALLENGE, then TimeoutError naming host:port) and joins with
+// `join` (ProtocolError on rejection, or when the server cannot prove the job secret).
+// A wait() that times out names only the keys still missing.
 class TcpStore : public Store {
  public:
   TcpStore(const std::string& host, int port, const JoinInfo& join, Deadline deadline);

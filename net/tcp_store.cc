@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
@@ -31,6 +32,10 @@ namespace {
 constexpr auto kOpTimeout = std::chrono::seconds(60);
 // A client that does not read its replies is dropped once this much is queued for it.
 constexpr size_t kMaxQueuedBytes = size_t{256} << 20;
+// Out of descriptors, the server stops accepting for this long after each failed accept.
+constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+// Warnings an attacker or a resource shortage can repeat are logged at most this often.
+constexpr auto kWarnInterval = std::chrono::seconds(5);
 
 std::string errno_text(int err) {
   return fmt::format("{} (errno {})", std::strerror(err), err);
@@ -197,7 +202,71 @@ int remaining_ms(Deadline deadline) {
   return static_cast<int>(std::clamp<int64_t>(left, 0, 1'000'000));
 }
 
+// A string from an unauthenticated peer, safe for one log line: at most 64 characters,
+// anything unprintable escaped.
+std::string printable(std::string_view s) {
+  std::string out;
+  for (unsigned char ch : s.substr(0, 64))
+    out += (ch >= 0x20 && ch < 0x7f && ch != '\\') ? std::string(1, static_cast<char>(ch))
+                                                   : fmt::format("\\x{:02x}", ch);
+  if (s.size() > 64) out += fmt::format("...({} bytes)", s.size());
+  return out;
+}
+
+// A warning that may repeat at a high rate: logged at most once per kWarnInterval, with the
+// number of occurrences suppressed since the last line.
+class RateLimitedWarning {
+ public:
+  template <class... Args>
+  void operator()(fmt::format_string<Args...> f, Args&&... args) {
+    auto now = Clock::now();
+    if (logged_ && now - last_ < kWarnInterval) {
+      ++suppressed_;
+      return;
+    }
+    std::string msg = fmt::format(f, std::forward<Args>(args)...);
+    if (suppressed_ > 0)
+      msg += fmt::format(" ({} more like this since the last report)", suppressed_);
+    spdlog::warn("{}", msg);
+    logged_ = true;
+    last_ = now;
+    suppressed_ = 0;
+  }
+
+ private:
+  bool logged_ = false;
+  Clock::time_point last_;
+  uint64_t suppressed_ = 0;
+};
+
 }  // namespace
+
+std::string encode_join_fields(const JoinInfo& join, std::string_view client_nonce) {
+  std::string p;
+  put_u32(p, join.version);
+  put_i64(p, join.rank);
+  put_i64(p, join.world_size);
+  put_str(p, join.job_id);
+  put_str(p, join.hostname);
+  put_str(p, client_nonce);
+  return p;
+}
+
+std::string join_proof(std::string_view secret, std::string_view server_nonce,
+                       std::string_view join_fields) {
+  std::string m = "qring-store-join";
+  m.append(server_nonce);
+  m.append(join_fields);
+  return hmac_sha256(secret, m);
+}
+
+std::string server_proof(std::string_view secret, std::string_view server_nonce,
+                         std::string_view join_fields) {
+  std::string m = "qring-store-server";
+  m.append(server_nonce);
+  m.append(join_fields);
+  return hmac_sha256(secret, m);
+}
 
 // =============================================================================================
 // Server
@@ -212,6 +281,9 @@ struct TcpStoreServer::Impl {
     bool closing = false;  // an error reply is queued; then the write side is shut down
     bool shut = false;     // and input is discarded until the client closes
     int rank = -1;
+    std::string nonce;  // of this connection's CHALLENGE
+    // Dropped at this time unless it has joined (then: never, until it is closing).
+    Clock::time_point expires = Clock::time_point::max();
   };
   struct Parked {
     uint64_t conn;
@@ -222,8 +294,14 @@ struct TcpStoreServer::Impl {
 
   int world_size;
   std::string job_id;
+  StoreServerOptions options;
   Fd listen_fd;
   Fd wake_fd;
+  Fd reserve_fd;  // a spare descriptor: lets accept() shed a connection when none are left
+  Clock::time_point accept_paused_until;
+  RateLimitedWarning accept_warning;
+  RateLimitedWarning refuse_warning;
+  RateLimitedWarning handshake_warning;
   int port = 0;
   std::map<uint64_t, Conn> conns;
   uint64_t next_conn = 1;
@@ -247,7 +325,23 @@ struct TcpStoreServer::Impl {
     put_str(p, reason);
     reply(c, id, StoreMsg::kError, p);
     c.closing = true;
+    // A rejected client reads the reply and closes; one that does not is dropped.
+    c.expires = std::min(c.expires, Clock::now() + options.handshake_timeout);
   }
+  // A failed handshake: the client learns only that it was rejected, the log says why.
+  void reject_join(Conn& c, uint32_t id, const std::string& why) {
+    spdlog::warn("store server: rejected JOIN from {}: {}", c.peer, why);
+    reject(c, id, "rejected");
+  }
+  static size_t frame_limit(const Conn& c) {
+    return c.joined ? kMaxFrameBytes : kMaxHandshakeFrameBytes;
+  }
+  size_t handshakes() const {
+    return static_cast<size_t>(std::count_if(conns.begin(), conns.end(),
+                                             [](const auto& kv) { return !kv.second.joined; }));
+  }
+  void expire_connections();
+  int poll_timeout_ms() const;
   bool has_all(const std::vector<std::string>& keys) const {
     return std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return data.count(k); });
   }
@@ -261,13 +355,22 @@ struct TcpStoreServer::Impl {
 };
 
 TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world_size,
-                               std::string job_id)
+                               std::string job_id, StoreServerOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (world_size < 1) throw UsageError(fmt::format("store server: world size {} < 1", world_size));
   if (port < 0 || port > 65535) throw UsageError(fmt::format("store server: bad port {}", port));
+  if (options.secret.empty() && !is_loopback_host(bind_host))
+    throw ConfigError(fmt::format(
+        "store server: refusing to serve {} without a job secret: anyone who reaches the port "
+        "could join the job; set QRING_JOB_SECRET (the same on every rank), or keep the store "
+        "on loopback",
+        bind_host));
+  if (options.max_handshakes < 1 || options.handshake_timeout <= milliseconds(0))
+    throw UsageError("store server: max_handshakes and handshake_timeout must be positive");
   auto& s = *impl_;
   s.world_size = world_size;
   s.job_id = std::move(job_id);
+  s.options = std::move(options);
   sockaddr_in addr{};
   std::string err;
   if (!resolve_ipv4(bind_host, port, addr, err))
@@ -276,9 +379,17 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
   if (s.listen_fd.get() < 0) throw IoError("store server: socket(): " + errno_text(errno));
   int one = 1;
   setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
-    throw IoError(
-        fmt::format("store server: cannot bind {}:{}: {}", bind_host, port, errno_text(errno)));
+  if (bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    std::string hint;
+    if (err == EADDRINUSE)
+      hint = "; another process (another job?) uses this port: pick another (QRING_STORE_PORT, "
+             "QRING_STORE or --port)";
+    else if (err == EADDRNOTAVAIL)
+      hint = "; that is not an address of this host: the store runs on rank 0's host";
+    throw IoError(fmt::format("store server: cannot bind {}:{}: {}{}", bind_host, port,
+                              errno_text(err), hint));
+  }
   if (listen(s.listen_fd.get(), 256) != 0)
     throw IoError("store server: listen(): " + errno_text(errno));
   socklen_t len = sizeof(addr);
@@ -286,6 +397,8 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
   s.port = ntohs(addr.sin_port);
   s.wake_fd = Fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (s.wake_fd.get() < 0) throw IoError("store server: eventfd(): " + errno_text(errno));
+  s.reserve_fd = Fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (s.reserve_fd.get() < 0) throw IoError("store server: open(/dev/null): " + errno_text(errno));
   s.thread = std::thread([&s] {
     try {
       s.run();
@@ -293,8 +406,8 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
       spdlog::error("store server on port {} stopped: {}", s.port, e.what());
     }
   });
-  spdlog::debug("store server listening on {}:{} (world size {}, job '{}')", bind_host, s.port,
-                world_size, s.job_id);
+  spdlog::debug("store server listening on {}:{} (world size {}, job '{}'{})", bind_host, s.port,
+                world_size, s.job_id, s.options.secret.empty() ? ", no job secret" : "");
 }
 
 TcpStoreServer::~TcpStoreServer() {
@@ -315,14 +428,16 @@ void TcpStoreServer::Impl::run() {
     pfds.clear();
     ids.clear();
     pfds.push_back({wake_fd.get(), POLLIN, 0});
-    pfds.push_back({listen_fd.get(), POLLIN, 0});
+    // While accepting is paused the listening socket is not watched (it stays readable).
+    short listen_ev = Clock::now() >= accept_paused_until ? POLLIN : 0;
+    pfds.push_back({listen_fd.get(), listen_ev, 0});
     for (auto& [id, c] : conns) {
       short ev = POLLIN;
       if (!c.out.empty()) ev |= POLLOUT;
       pfds.push_back({c.fd.get(), ev, 0});
       ids.push_back(id);
     }
-    int n = poll(pfds.data(), pfds.size(), -1);
+    int n = poll(pfds.data(), pfds.size(), poll_timeout_ms());
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("store server: poll(): {}", errno_text(errno));
@@ -342,11 +457,32 @@ void TcpStoreServer::Impl::run() {
       if (ok) ok = flush(c);
       if (!ok) close_conn(ids[i]);
     }
-    // Replies to parked requests may have been queued on any connection.
+    // Replies to parked requests (and CHALLENGEs) may have been queued on any connection.
     for (auto it = conns.begin(); it != conns.end();) {
       auto cur = it++;
       if (!cur->second.out.empty() && !flush(cur->second)) close_conn(cur->first);
     }
+    expire_connections();
+  }
+}
+
+int TcpStoreServer::Impl::poll_timeout_ms() const {
+  auto next = Clock::time_point::max();
+  for (const auto& [id, c] : conns) next = std::min(next, c.expires);
+  if (Clock::now() < accept_paused_until) next = std::min(next, accept_paused_until);
+  if (next == Clock::time_point::max()) return -1;
+  return remaining_ms(next);
+}
+
+void TcpStoreServer::Impl::expire_connections() {
+  auto now = Clock::now();
+  for (auto it = conns.begin(); it != conns.end();) {
+    auto cur = it++;
+    if (cur->second.expires > now) continue;
+    if (!cur->second.closing)
+      handshake_warning("store server: {} did not join within {} ms; dropping it",
+                        cur->second.peer, options.handshake_timeout.count());
+    close_conn(cur->first);
   }
 }
 
@@ -354,15 +490,42 @@ void TcpStoreServer::Impl::accept_all() {
   while (true) {
     int fd = accept4(listen_fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
-        spdlog::warn("store server: accept(): {}", errno_text(errno));
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // Out of descriptors (EMFILE, ENFILE) or memory: the pending connection keeps the
+      // listening socket readable, so poll() would return at once, forever. Shed it with the
+      // reserved descriptor (its client retries) and stop accepting for a while.
+      if (err == EMFILE || err == ENFILE) {
+        reserve_fd.reset();
+        int shed = accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
+        if (shed >= 0) ::close(shed);
+        reserve_fd = Fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+      }
+      accept_warning(
+          "store server on port {}: accept(): {}; refusing connections for {} ms at a time "
+          "until descriptors or memory free up (ulimit -n)",
+          port, errno_text(err), kAcceptBackoff.count());
+      accept_paused_until = Clock::now() + kAcceptBackoff;
       return;
+    }
+    if (handshakes() >= static_cast<size_t>(world_size + options.max_handshakes)) {
+      refuse_warning(
+          "store server on port {}: {} connections are already joining; closing a new one "
+          "from {}",
+          port, world_size + options.max_handshakes, peer_name(fd));
+      ::close(fd);
+      continue;
     }
     set_nodelay(fd);
     Conn c;
     c.fd = Fd(fd);
     c.peer = peer_name(fd);
+    c.nonce = random_bytes(kNonceBytes);
+    c.expires = Clock::now() + options.handshake_timeout;
+    std::string p;
+    put_str(p, c.nonce);
+    reply(c, 0, StoreMsg::kChallenge, p);
     conns.emplace(next_conn++, std::move(c));
   }
 }
@@ -370,13 +533,21 @@ void TcpStoreServer::Impl::accept_all() {
 bool TcpStoreServer::Impl::read_conn(Conn& c) {
   char buf[65536];
   while (true) {
-    ssize_t r = recv(c.fd.get(), buf, sizeof(buf), 0);
+    // Before JOIN succeeds, at most one handshake frame is buffered: process() handles it
+    // (or closes the connection) before more is read.
+    size_t want = sizeof(buf);
+    if (!c.joined) {
+      const size_t cap = kFrameHeaderBytes + kMaxHandshakeFrameBytes;
+      if (c.in.size() >= cap) return true;
+      want = std::min(want, cap - c.in.size());
+    }
+    ssize_t r = recv(c.fd.get(), buf, want, 0);
     if (r > 0) {
       c.in.append(buf, static_cast<size_t>(r));
       // Reject an oversized header before buffering its payload.
       if (c.in.size() >= kFrameHeaderBytes) {
         Header h = decode_header(c.in.data());
-        if (h.magic != kStoreMagic || h.len > kMaxFrameBytes) return true;  // process() reports
+        if (h.magic != kStoreMagic || h.len > frame_limit(c)) return true;  // process() reports
         if (c.in.size() >= kFrameHeaderBytes + h.len) return true;
       }
       continue;
@@ -411,11 +582,11 @@ bool TcpStoreServer::Impl::process(uint64_t cid, Conn& c) {
       ok = false;
       break;
     }
-    if (h.len > kMaxFrameBytes) {
+    if (h.len > frame_limit(c)) {
       spdlog::error(
-          "store server: frame of {} bytes from {} exceeds the limit of {} bytes; "
+          "store server: frame of {} bytes from {} exceeds the limit of {} bytes{}; "
           "closing the connection",
-          h.len, c.peer, kMaxFrameBytes);
+          h.len, c.peer, frame_limit(c), c.joined ? "" : " before JOIN");
       ok = false;
       break;
     }
@@ -439,60 +610,87 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     return false;
   };
   if (h.version != kProtocolVersion) {
-    reject(c, h.id,
-           fmt::format("protocol version mismatch: client speaks version {}, server version {}",
-                       h.version, kProtocolVersion));
+    std::string why = fmt::format("protocol version mismatch: client speaks version {}, server "
+                                  "version {}",
+                                  h.version, kProtocolVersion);
+    if (c.joined)
+      reject(c, h.id, why);
+    else
+      reject_join(c, h.id, why);
     return true;
   }
   auto type = static_cast<StoreMsg>(h.type);
   if (!c.joined && type != StoreMsg::kJoin) {
-    reject(c, h.id, "the first message of a connection must be JOIN");
+    reject_join(c, h.id, fmt::format("the first message was of type {:#x}, not JOIN", h.type));
     return true;
   }
+  // SET and ADD of a key that belongs to another rank (key_owner()).
+  auto refuse_foreign = [&](const std::string& key, const char* op) {
+    int owner = key_owner(key, world_size);
+    if (owner < 0 || owner == c.rank) return false;
+    spdlog::warn("store server: rank {} ({}) tried to {} key '{}' of rank {}; refused", c.rank,
+                 c.peer, op, printable(key), owner);
+    std::string out;
+    put_str(out, fmt::format("rank {} may not {} key '{}': it belongs to rank {}", c.rank, op,
+                             key, owner));
+    reply(c, h.id, StoreMsg::kError, out);
+    return true;
+  };
   PayloadReader r(payload);
   switch (type) {
     case StoreMsg::kJoin: {
       uint32_t version = 0;
       int64_t rank = 0, world = 0;
-      std::string job, host;
+      std::string job, host, client_nonce, proof;
       if (!r.u32(version) || !r.i64(rank) || !r.i64(world) || !r.str(job) || !r.str(host) ||
-          !r.at_end())
+          !r.str(client_nonce) || !r.str(proof) || !r.at_end())
         return malformed("JOIN");
+      // The proof covers everything before it: the fields as the client sent them.
+      std::string_view fields = payload.substr(0, payload.size() - 4 - proof.size());
+      std::string expected = join_proof(options.secret, c.nonce, fields);
+      std::string who = fmt::format("rank {} on '{}', world size {}, job '{}'", rank,
+                                    printable(host), world, printable(job));
       if (c.joined) {
         reject(c, h.id, fmt::format("rank {} sent JOIN twice", c.rank));
       } else if (version != kProtocolVersion) {
-        reject(c, h.id,
-               fmt::format("protocol version mismatch: client speaks version {}, server version {}",
-                           version, kProtocolVersion));
+        reject_join(c, h.id,
+                    fmt::format("{}: protocol version mismatch: client speaks version {}, "
+                                "server version {}",
+                                who, version, kProtocolVersion));
+      } else if (proof.size() != expected.size() ||
+                 CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0) {
+        reject_join(c, h.id,
+                    fmt::format("{}: wrong proof of the job secret (another job, a different "
+                                "QRING_JOB_SECRET, or not a qring rank)",
+                                who));
       } else if (world != world_size) {
-        reject(c, h.id,
-               fmt::format("world size mismatch: rank {} on {} says {}, the store serves {}", rank,
-                           host, world, world_size));
+        reject_join(c, h.id,
+                    fmt::format("{}: world size mismatch, the store serves {}", who, world_size));
       } else if (job != job_id) {
-        reject(c, h.id,
-               fmt::format("job id mismatch: rank {} on {} has '{}', the store serves '{}'", rank,
-                           host, job, job_id));
+        reject_join(c, h.id,
+                    fmt::format("{}: job id mismatch, the store serves '{}'", who, job_id));
       } else if (rank < 0 || rank >= world_size) {
-        reject(c, h.id, fmt::format("rank {} out of range [0, {})", rank, world_size));
+        reject_join(c, h.id, fmt::format("{}: rank out of range [0, {})", who, world_size));
       } else if (auto it = rank_conn.find(static_cast<int>(rank)); it != rank_conn.end()) {
-        reject(c, h.id,
-               fmt::format("duplicate rank {}: already joined from {}", rank,
-                           conns.count(it->second) ? conns.at(it->second).peer : "?"));
+        reject_join(c, h.id,
+                    fmt::format("{}: duplicate rank, already joined from {}", who,
+                                conns.count(it->second) ? conns.at(it->second).peer : "?"));
       } else {
         c.joined = true;
         c.rank = static_cast<int>(rank);
+        c.expires = Clock::time_point::max();
         rank_conn[c.rank] = cid;
-        spdlog::debug("store server: rank {} ({}) joined from {}", rank, host, c.peer);
-        reply(c, h.id, StoreMsg::kOk);
+        spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
+        std::string out;
+        put_str(out, server_proof(options.secret, c.nonce, fields));
+        reply(c, h.id, StoreMsg::kOk, out);
       }
-      if (c.closing)
-        spdlog::warn("store server: rejected JOIN from {}: rank {}, world size {}, job '{}'",
-                     c.peer, rank, world, job);
       return true;
     }
     case StoreMsg::kSet: {
       std::string key, value;
       if (!r.str(key) || !r.str(value) || !r.at_end()) return malformed("SET");
+      if (refuse_foreign(key, "set")) return true;
       data[key] = std::move(value);
       reply(c, h.id, StoreMsg::kOk);
       wake(key);
@@ -524,10 +722,20 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
       }
       return true;
     }
+    case StoreMsg::kMissing: {
+      std::vector<std::string> keys;
+      if (!r.keys(keys) || !r.at_end()) return malformed("MISSING");
+      std::vector<std::string> missing;
+      for (auto& k : keys)
+        if (!data.count(k)) missing.push_back(std::move(k));
+      reply(c, h.id, StoreMsg::kOk, encode_keys(missing));
+      return true;
+    }
     case StoreMsg::kAdd: {
       std::string key;
       int64_t delta = 0;
       if (!r.str(key) || !r.i64(delta) || !r.at_end()) return malformed("ADD");
+      if (refuse_foreign(key, "add to")) return true;
       int64_t v = 0;
       try {
         auto it = data.find(key);
@@ -638,6 +846,11 @@ struct TcpStore::Impl {
   std::string in;  // touched only by the reading thread
 
   bool try_connect(const std::string& host, int port, Deadline deadline, std::string& err);
+  // Reads the server's CHALLENGE into `nonce`; false (with `err`) when the connection closes
+  // first, as when the server is out of descriptors or connection slots: then retry.
+  bool read_challenge(Deadline deadline, std::string& nonce, std::string& err);
+  // The keys of `keys` the store does not have (for a timeout message).
+  std::vector<std::string> missing(const std::vector<std::string>& keys);
   bool send_all(const std::string& frame, Deadline deadline, std::string& err);
   ReadResult read_frame(Deadline deadline, Header& h, std::string& payload, std::string& err);
   // Sends one request and waits for its reply. `what` describes the wait for TimeoutError.
@@ -698,6 +911,37 @@ bool TcpStore::Impl::try_connect(const std::string& host, int port, Deadline dea
   set_nodelay(s.get());
   fd = std::move(s);
   return true;
+}
+
+bool TcpStore::Impl::read_challenge(Deadline deadline, std::string& nonce, std::string& err) {
+  Header h;
+  std::string payload;
+  ReadResult rr = read_frame(deadline, h, payload, err);
+  if (rr == ReadResult::kTimeout)
+    throw TimeoutError(fmt::format(
+        "rank {}: store {} accepted the connection but sent no CHALLENGE before the deadline "
+        "(not a qring store of protocol version {}?)",
+        join.rank, where, kProtocolVersion));
+  if (rr == ReadResult::kMalformed) throw ProtocolError(err);
+  if (rr == ReadResult::kError) return false;
+  PayloadReader pr(payload);
+  if (h.type != static_cast<uint16_t>(StoreMsg::kChallenge) || h.version != kProtocolVersion ||
+      !pr.str(nonce) || !pr.at_end() || nonce.size() != kNonceBytes)
+    throw ProtocolError(fmt::format(
+        "malformed reply from store {}: expected a CHALLENGE of protocol version {}, got type "
+        "{:#x}, version {}, {} bytes",
+        where, kProtocolVersion, h.type, h.version, payload.size()));
+  return true;
+}
+
+std::vector<std::string> TcpStore::Impl::missing(const std::vector<std::string>& keys) {
+  auto r = request(StoreMsg::kMissing, encode_keys(keys), deadline_in(std::chrono::seconds(5)),
+                   "the reply to MISSING");
+  expect_ok<UsageError>(r, "MISSING");
+  PayloadReader pr(r.payload);
+  std::vector<std::string> out;
+  if (!pr.keys(out) || !pr.at_end()) malformed("MISSING", "bad key list");
+  return out;
 }
 
 bool TcpStore::Impl::send_all(const std::string& frame, Deadline deadline, std::string& err) {
@@ -837,10 +1081,15 @@ TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Dead
     throw ConfigError(fmt::format("store address {}: port out of range", s.where));
   auto start = Clock::now();
   std::string err;
+  std::string server_nonce;
   int attempts = 0;
   while (true) {
     ++attempts;
-    if (s.try_connect(host, port, deadline, err)) break;
+    if (s.try_connect(host, port, deadline, err)) {
+      if (s.read_challenge(deadline, server_nonce, err)) break;
+      s.fd.reset();
+      s.in.clear();
+    }
     if (Clock::now() >= deadline) {
       auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
       throw TimeoutError(
@@ -851,14 +1100,27 @@ TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Dead
     std::this_thread::sleep_for(
         std::min<Clock::duration>(milliseconds(50), deadline - Clock::now()));
   }
-  std::string p;
-  put_u32(p, join.version);
-  put_i64(p, join.rank);
-  put_i64(p, join.world_size);
-  put_str(p, join.job_id);
-  put_str(p, join.hostname);
+  const std::string fields = encode_join_fields(join, random_bytes(kNonceBytes));
+  std::string p = fields;
+  put_str(p, join_proof(join.secret, server_nonce, fields));
   auto r = s.request(StoreMsg::kJoin, p, deadline, "the reply to JOIN");
+  if (r.h.type == static_cast<uint16_t>(StoreMsg::kError))
+    throw ProtocolError(fmt::format(
+        "store {} rejected JOIN of rank {} (world size {}, job '{}'): the store's log on rank 0 "
+        "says why (a different QRING_JOB_SECRET, job id, world size or protocol version, or "
+        "the rank already joined)",
+        s.where, join.rank, join.world_size, join.job_id));
   s.expect_ok<ProtocolError>(r, "JOIN");
+  PayloadReader pr(r.payload);
+  std::string proof;
+  if (!pr.str(proof) || !pr.at_end()) s.malformed("JOIN", "bad server proof encoding");
+  const std::string expected = server_proof(join.secret, server_nonce, fields);
+  if (proof.size() != expected.size() ||
+      CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0)
+    throw ProtocolError(fmt::format(
+        "store {} accepted JOIN of rank {} but cannot prove the job secret: not this job's "
+        "store (check QRING_STORE and QRING_JOB_SECRET)",
+        s.where, join.rank));
 }
 
 TcpStore::~TcpStore() = default;
@@ -884,7 +1146,25 @@ std::string TcpStore::get(const std::string& key, Deadline deadline) {
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
-  auto r = impl_->request(StoreMsg::kWait, encode_keys(keys), deadline, describe_keys(keys));
+  auto start = Clock::now();
+  Impl::Reply r;
+  try {
+    r = impl_->request(StoreMsg::kWait, encode_keys(keys), deadline, describe_keys(keys));
+  } catch (const TimeoutError&) {
+    // Name the keys still missing, not every key waited for.
+    auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+    std::string what;
+    try {
+      auto missing = impl_->missing(keys);
+      what = missing.empty() ? fmt::format("{} (all present now)", describe_keys(keys))
+                             : fmt::format("{} ({} of {} missing)", describe_keys(missing),
+                                           missing.size(), keys.size());
+    } catch (const Error& e) {
+      what = fmt::format("{} (cannot tell which are missing: {})", describe_keys(keys), e.what());
+    }
+    throw TimeoutError(fmt::format("store {} (rank {}): timed out after {} ms waiting for {}",
+                                   impl_->where, impl_->join.rank, ms, what));
+  }
   impl_->expect_ok<UsageError>(r, "WAIT");
   if (!r.payload.empty()) impl_->malformed("WAIT", "unexpected payload");
 }

@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake pkg-config git ca-certificates
-  libfabric-dev libfabric-bin
+  libfabric-dev libfabric-bin libssl-dev
   libeigen3-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libcli11-dev libtoml11-dev nlohmann-json3-dev zlib1g-dev
   dataset-fashion-mnist

@@ -1,6 +1,10 @@
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <map>
@@ -233,6 +237,33 @@ TEST(DetectBootstrap, MpiAndPmi) {
               HasSubstr("MASTER_PORT='x'"));
 }
 
+// Issue 15 items 1 and 5: the job secret comes from QRING_JOB_SECRET; under mpirun the
+// launcher's job namespace keeps two jobs' ids apart.
+TEST(DetectBootstrap, JobSecretAndJobIdentity) {
+  Vars env{{"QRING_RANK", "1"}, {"QRING_WORLD_SIZE", "2"}, {"QRING_STORE", "h:9"}};
+  EXPECT_EQ(detect(env).job_secret, "");
+  env["QRING_JOB_SECRET"] = "0123456789abcdef0123";
+  EXPECT_EQ(detect(env).job_secret, "0123456789abcdef0123");
+  env["QRING_JOB_SECRET"] = "short";
+  EXPECT_THAT(error_of(env), HasSubstr("QRING_JOB_SECRET has 5 characters, fewer than 16"));
+
+  Vars slurm{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},  {"SLURM_JOB_ID", "77"},
+             {"SLURM_STEP_ID", "3"}, {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_NODELIST", "n1"},
+             {"QRING_JOB_SECRET", "from-the-sbatch-script-0123"}};
+  auto b = detect(slurm);
+  EXPECT_EQ(b.job_id, "77.3");
+  EXPECT_EQ(b.job_secret, "from-the-sbatch-script-0123");
+
+  Vars mpi{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"QRING_STORE", "h:9"}};
+  EXPECT_EQ(detect(mpi).job_id, "mpi");
+  mpi["OMPI_MCA_ess_base_jobid"] = "123456";
+  EXPECT_EQ(detect(mpi).job_id, "mpi-123456");
+  mpi["PMIX_NAMESPACE"] = "prterun-host-4242@1";
+  EXPECT_EQ(detect(mpi).job_id, "mpi-prterun-host-4242@1");
+  mpi["QRING_JOB_ID"] = "mine";
+  EXPECT_EQ(detect(mpi).job_id, "mine");
+}
+
 std::string my_hostname() {
   char buf[256] = {};
   gethostname(buf, sizeof(buf) - 1);
@@ -259,6 +290,7 @@ TEST(Rendezvous, ThreeRanksOverTcp) {
         info.store_host = "127.0.0.1";
         info.store_port = port;
         info.job_id = "rdv-test";
+        info.job_secret = "rdv-test-secret-0123456789";
         info.source = "env";
         if (r != 0) std::this_thread::sleep_for(milliseconds(50 * r));
         Rendezvous rdv(info, deadline_in(5s));
@@ -333,6 +365,108 @@ TEST(Rendezvous, MissingRankTimesOutInsteadOfHanging) {
     EXPECT_THAT(e.what(), HasSubstr("host/1"));
   }
   EXPECT_LT(Clock::now() - t0, 1500ms);
+}
+
+// Issue 15 item 1: a process that reaches the store port but does not hold the job secret
+// cannot take a free rank's place; the real rank then joins and the rendezvous completes.
+TEST(Rendezvous, RankWithoutTheSecretCannotJoin) {
+  int port = free_port();
+  auto info_of = [&](int rank, const std::string& secret) {
+    BootstrapInfo info;
+    info.rank = rank;
+    info.world_size = 2;
+    info.store_port = port;
+    info.job_id = "secret-test";
+    info.job_secret = secret;
+    info.source = "env";
+    return info;
+  };
+  const std::string secret = "the-right-secret-0123456789";
+  std::vector<std::string> hosts;
+  std::thread rank0([&] {
+    try {
+      Rendezvous rdv(info_of(0, secret), deadline_in(5s));
+      hosts = rdv.hostnames();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank 0: " << e.what();
+    }
+  });
+  for (const std::string& wrong : {std::string("a-guessed-secret-0123456789"), std::string()}) {
+    try {
+      Rendezvous intruder(info_of(1, wrong), deadline_in(3s));
+      ADD_FAILURE() << "a rank with the wrong secret joined";
+    } catch (const ProtocolError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("rejected JOIN of rank 1"));
+    }
+  }
+  {
+    Rendezvous rank1(info_of(1, secret), deadline_in(5s));
+    EXPECT_EQ(rank1.hostnames().size(), 2u);
+  }
+  rank0.join();
+  EXPECT_EQ(hosts.size(), 2u);
+}
+
+// Issue 15 items 1 and 5: a store other hosts reach needs a secret, on every rank.
+TEST(Rendezvous, StoreOffLoopbackNeedsASecret) {
+  for (int rank : {0, 1}) {
+    BootstrapInfo info;
+    info.rank = rank;
+    info.world_size = 2;
+    info.store_host = "192.0.2.1";  // TEST-NET-1: never reached, the check comes first
+    info.store_port = 29500;
+    try {
+      Rendezvous rdv(info, deadline_in(300ms));
+      ADD_FAILURE() << "rank " << rank << " started without a secret";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("set QRING_JOB_SECRET"));
+    }
+  }
+}
+
+// A non-loopback IPv4 address of this host, or "" when it has none.
+std::string local_ipv4() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return {};
+  std::string found;
+  for (ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof(buf));
+    if (std::string(buf).rfind("127.", 0) != 0) found = buf;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+bool can_connect(const std::string& ip, int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+  bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
+// Issue 15 item 5: rank 0's store listens on the address the other ranks connect to, not on
+// every interface.
+TEST(Rendezvous, StoreBindsTheAddressTheRanksUse) {
+  EXPECT_EQ(store_bind_address("127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(store_bind_address("localhost"), "127.0.0.1");
+  EXPECT_THROW(store_bind_address("no-such-host.invalid"), ConfigError);
+  std::string ip = local_ipv4();
+  if (ip.empty()) GTEST_SKIP() << "this host has no non-loopback IPv4 address";
+  EXPECT_EQ(store_bind_address(ip), ip);
+  BootstrapInfo info;
+  info.world_size = 1;
+  info.store_host = ip;
+  info.store_port = free_port();
+  info.job_secret = "bind-test-secret-0123456789";
+  Rendezvous rdv(info, deadline_in(3s));
+  EXPECT_TRUE(can_connect(ip, info.store_port));
+  EXPECT_FALSE(can_connect("127.0.0.1", info.store_port)) << "the store listens on loopback too";
 }
 
 }  // namespace

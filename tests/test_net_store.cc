@@ -1,17 +1,26 @@
 // One suite over every Store (MemoryStore, PrefixStore, TcpStore), then TCP-specific cases:
-// join validation, malformed frames from raw sockets, unreachable stores.
+// join validation and the job-secret handshake, key ownership, malformed frames from raw
+// sockets, floods of connections, descriptor exhaustion, unreachable stores.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "net/error.h"
@@ -22,13 +31,23 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::string kSecret = "0123456789abcdef-test-secret";
 
 int64_t ms_since(Clock::time_point t) {
   return std::chrono::duration_cast<milliseconds>(Clock::now() - t).count();
 }
 
-JoinInfo join_info(int rank, int world = 4, std::string job = "job") {
-  return JoinInfo{kProtocolVersion, rank, world, std::move(job), "testhost"};
+JoinInfo join_info(int rank, int world = 4, std::string job = "job",
+                   std::string secret = kSecret) {
+  return JoinInfo{kProtocolVersion, rank, world, std::move(job), "testhost", std::move(secret)};
+}
+
+StoreServerOptions with_secret(std::string secret = kSecret) {
+  StoreServerOptions o;
+  o.secret = std::move(secret);
+  return o;
 }
 
 struct MemoryKind {
@@ -41,7 +60,7 @@ struct PrefixKind {
   Store& store() { return prefixed; }
 };
 struct TcpKind {
-  TcpStoreServer server{"127.0.0.1", 0, 4, "job"};
+  TcpStoreServer server{"127.0.0.1", 0, 4, "job", with_secret()};
   TcpStore client{"127.0.0.1", server.port(), join_info(0), deadline_in(5s)};
   Store& store() { return client; }
 };
@@ -121,6 +140,7 @@ TYPED_TEST(StoreTest, WaitAndCheck) {
     FAIL() << "wait for a missing key returned";
   } catch (const TimeoutError& e) {
     EXPECT_THAT(e.what(), HasSubstr("w3"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("w1")));  // only the missing keys are named
   }
 }
 
@@ -199,33 +219,16 @@ std::string rejection(const TcpStoreServer& server, const JoinInfo& join) {
   return "(accepted)";
 }
 
-TEST(TcpStore, JoinRejections) {
-  TcpStoreServer server("127.0.0.1", 0, 3, "job-1");
-  JoinInfo ok{kProtocolVersion, 1, 3, "job-1", "h"};
-  TcpStore first("127.0.0.1", server.port(), ok, deadline_in(3s));
-
-  JoinInfo j = ok;
-  j.version = kProtocolVersion + 1;
-  EXPECT_THAT(rejection(server, j), HasSubstr("protocol version mismatch"));
-  j = ok;
-  j.world_size = 4;
-  EXPECT_THAT(rejection(server, j), HasSubstr("world size mismatch"));
-  j = ok;
-  j.job_id = "job-2";
-  EXPECT_THAT(rejection(server, j), HasSubstr("job id mismatch"));
-  j = ok;
-  j.rank = 3;
-  EXPECT_THAT(rejection(server, j), HasSubstr("rank 3 out of range [0, 3)"));
-  j.rank = -1;
-  EXPECT_THAT(rejection(server, j), HasSubstr("rank -1 out of range"));
-  EXPECT_THAT(rejection(server, ok), HasSubstr("duplicate rank 1"));
-
-  // The accepted client is unaffected, and a valid new rank still joins.
-  first.set("x", "1");
-  j = ok;
-  j.rank = 2;
-  TcpStore second("127.0.0.1", server.port(), j, deadline_in(3s));
-  EXPECT_EQ(second.get("x", deadline_in(1s)), "1");
+// Without a secret the store serves loopback only (and then needs no proof beyond the empty
+// key); any other bind address needs a secret.
+TEST(TcpStore, NoSecretMeansLoopbackOnly) {
+  EXPECT_THROW(TcpStoreServer("0.0.0.0", 0, 2, "job"), ConfigError);
+  TcpStoreServer server("127.0.0.1", 0, 2, "job");
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2, "job", ""), deadline_in(3s));
+  rank0.set("k", "v");
+  EXPECT_THAT(rejection(server, join_info(1, 2, "job", kSecret)), HasSubstr("rejected"));
+  TcpStoreServer secured("0.0.0.0", 0, 2, "job", with_secret());
+  TcpStore c("127.0.0.1", secured.port(), join_info(1, 2), deadline_in(3s));
 }
 
 // A raw TCP connection for sending hand-made frames.
@@ -240,22 +243,45 @@ class RawConn {
     EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
   }
   ~RawConn() { close(fd_); }
+  int fd() const { return fd_; }
   void send_bytes(const std::string& b) {
     ASSERT_EQ(send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
   }
-  // Reads until EOF or 3 s; returns the bytes and whether EOF was seen.
-  std::pair<std::string, bool> read_until_eof() {
+  // Reads until EOF or `limit`; returns the bytes and whether EOF was seen.
+  std::pair<std::string, bool> read_until_eof(Clock::duration limit = 3s) {
     std::string got;
-    auto deadline = deadline_in(3s);
+    auto deadline = Clock::now() + limit;
     while (Clock::now() < deadline) {
       pollfd p{fd_, POLLIN, 0};
-      if (poll(&p, 1, 100) <= 0) continue;
+      if (poll(&p, 1, 20) <= 0) continue;
       char buf[4096];
       ssize_t r = recv(fd_, buf, sizeof(buf), 0);
       if (r <= 0) return {got, true};
       got.append(buf, r);
     }
     return {got, false};
+  }
+  // Reads exactly `n` bytes (empty on EOF or after 3 s).
+  std::string read_exactly(size_t n) {
+    std::string got;
+    auto deadline = deadline_in(3s);
+    while (got.size() < n && Clock::now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      char buf[4096];
+      ssize_t r = recv(fd_, buf, std::min(sizeof(buf), n - got.size()), 0);
+      if (r <= 0) return {};
+      got.append(buf, r);
+    }
+    return got.size() == n ? got : std::string();
+  }
+  // The nonce of the server's CHALLENGE (the first frame of every connection).
+  std::string challenge() {
+    std::string f = read_exactly(kFrameHeaderBytes + 4 + kNonceBytes);
+    EXPECT_EQ(f.size(), kFrameHeaderBytes + 4 + kNonceBytes) << "no CHALLENGE";
+    if (f.empty()) return {};
+    EXPECT_EQ(static_cast<uint8_t>(f[6]), static_cast<uint8_t>(StoreMsg::kChallenge));
+    return f.substr(kFrameHeaderBytes + 4);
   }
 
  private:
@@ -279,18 +305,217 @@ std::string frame(StoreMsg type, const std::string& payload, uint32_t len_overri
   put_le(f, len_override ? len_override : payload.size(), 4);
   return f + payload;
 }
-std::string join_frame(int rank, int world, const std::string& job) {
-  std::string p;
-  put_le(p, kProtocolVersion, 4);
-  put_le(p, static_cast<uint64_t>(rank), 8);
-  put_le(p, static_cast<uint64_t>(world), 8);
-  put_str(p, job);
-  put_str(p, "raw");
+// A JOIN frame answering the CHALLENGE `nonce`, proving `secret`.
+std::string join_frame(const std::string& nonce, int rank, int world, const std::string& job,
+                       const std::string& secret = kSecret) {
+  JoinInfo j{kProtocolVersion, rank, world, job, "raw", secret};
+  std::string fields = encode_join_fields(j, std::string(kNonceBytes, 'c'));
+  std::string p = fields;
+  put_str(p, join_proof(secret, nonce, fields));
   return frame(StoreMsg::kJoin, p);
+}
+// Size of the OK reply to a JOIN (it carries the server's proof).
+constexpr size_t kJoinReplyBytes = kFrameHeaderBytes + 4 + 32;
+// Joins `c` as `rank`; true when the server accepted.
+bool raw_join(RawConn& c, int rank, int world, const std::string& job) {
+  c.send_bytes(join_frame(c.challenge(), rank, world, job));
+  std::string r = c.read_exactly(kJoinReplyBytes);
+  return r.size() == kJoinReplyBytes && static_cast<uint8_t>(r[6]) == 0x80;
+}
+
+TEST(TcpStore, JoinRejections) {
+  TcpStoreServer server("127.0.0.1", 0, 3, "job-1", with_secret());
+  JoinInfo ok = join_info(1, 3, "job-1");
+  TcpStore first("127.0.0.1", server.port(), ok, deadline_in(3s));
+
+  // Every rejection reads the same, and none echoes what the store expects (its world size
+  // 3, its job id 'job-1'): the reasons are in the server's log only.
+  auto rejected_blindly = [&](const JoinInfo& j) {
+    std::string msg = rejection(server, j);
+    EXPECT_THAT(msg, HasSubstr("rejected JOIN of rank"));
+    EXPECT_THAT(msg, Not(HasSubstr("serves")));
+    EXPECT_THAT(msg, Not(HasSubstr("mismatch")));
+    EXPECT_THAT(msg, Not(HasSubstr("out of range")));
+    EXPECT_THAT(msg, Not(HasSubstr("duplicate")));
+    return msg;
+  };
+  JoinInfo j = ok;
+  j.version = kProtocolVersion + 1;
+  rejected_blindly(j);
+  j = ok;
+  j.world_size = 4;
+  EXPECT_THAT(rejected_blindly(j), Not(HasSubstr("world size 3")));
+  j = ok;
+  j.job_id = "job-2";
+  EXPECT_THAT(rejected_blindly(j), Not(HasSubstr("job-1")));
+  j = ok;
+  j.rank = 3;
+  EXPECT_THAT(rejected_blindly(j), Not(HasSubstr("[0, 3)")));
+  j.rank = -1;
+  rejected_blindly(j);
+  rejected_blindly(ok);  // rank 1 already joined
+  j = ok;
+  j.secret = "another job's secret";
+  rejected_blindly(j);
+  j.secret = "";
+  rejected_blindly(j);
+
+  {  // on the wire too: a JOIN with the right secret but the wrong world size gets "rejected"
+    RawConn c(server.port());
+    c.send_bytes(join_frame(c.challenge(), 2, 4, "job-1"));
+    auto [bytes, eof] = c.read_until_eof();
+    EXPECT_TRUE(eof);
+    EXPECT_EQ(bytes.substr(std::min(bytes.size(), kFrameHeaderBytes + 4)), "rejected");
+  }
+
+  // The accepted client is unaffected, and a valid new rank still joins.
+  first.set("x", "1");
+  j = ok;
+  j.rank = 2;
+  TcpStore second("127.0.0.1", server.port(), j, deadline_in(3s));
+  EXPECT_EQ(second.get("x", deadline_in(1s)), "1");
+}
+
+TEST(TcpStore, HmacSha256MatchesRfc4231) {
+  auto hex = [](const std::string& s) {
+    std::string out;
+    for (unsigned char ch : s) out += fmt::format("{:02x}", ch);
+    return out;
+  };
+  // RFC 4231 test cases 1, 2 and 6 (a key longer than the block size).
+  EXPECT_EQ(hex(hmac_sha256(std::string(20, '\x0b'), "Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  EXPECT_EQ(hex(hmac_sha256("Jefe", "what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_EQ(hex(hmac_sha256(std::string(131, '\xaa'),
+                            "Test Using Larger Than Block-Size Key - Hash Key First")),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+  // An empty key is a key, not "no key".
+  EXPECT_EQ(hmac_sha256("", "m").size(), 32u);
+  EXPECT_NE(hmac_sha256("", "m"), hmac_sha256("k", "m"));
+  EXPECT_EQ(random_hex(16).size(), 32u);
+  EXPECT_NE(random_hex(16), random_hex(16));
+}
+
+// Issue 15 item 1: someone who reaches the port but does not know the job secret can neither
+// join nor read nor write anything -- not even the keys of ranks that have not joined yet.
+TEST(TcpStore, UnauthenticatedClientCannotJoinReadOrWrite) {
+  TcpStoreServer server("127.0.0.1", 0, 2, "job", with_secret());
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(3s));
+  rank0.set("fabric/addr/0", "the-real-address-of-rank-0");
+
+  // A client that knows everything but the secret: rank 1 is free, still rejected.
+  EXPECT_THAT(rejection(server, join_info(1, 2, "job", "guessed-secret-0123456789")),
+              HasSubstr("rejected JOIN"));
+  EXPECT_THAT(rejection(server, join_info(1, 2, "job", "")), HasSubstr("rejected JOIN"));
+  {  // a JOIN with a proof made up without the secret: "rejected", nothing else, then EOF
+    RawConn c(server.port());
+    c.send_bytes(join_frame(c.challenge(), 1, 2, "job", "not the secret"));
+    auto [bytes, eof] = c.read_until_eof();
+    EXPECT_TRUE(eof);
+    EXPECT_THAT(bytes, HasSubstr("rejected"));
+    EXPECT_THAT(bytes, Not(HasSubstr("job")));
+  }
+  {  // a JOIN replayed from another connection (another nonce) is rejected
+    RawConn a(server.port());
+    std::string replay = join_frame(a.challenge(), 1, 2, "job");
+    RawConn b(server.port());
+    b.challenge();
+    b.send_bytes(replay);
+    EXPECT_THAT(b.read_until_eof().first, HasSubstr("rejected"));
+  }
+  for (StoreMsg type : {StoreMsg::kGet, StoreMsg::kSet, StoreMsg::kAdd}) {
+    // Requests without a JOIN: no value comes back, nothing is written.
+    RawConn c(server.port());
+    std::string p;
+    put_str(p, type == StoreMsg::kGet ? "fabric/addr/0" : "fabric/addr/1");
+    if (type == StoreMsg::kSet) put_str(p, "attacker");
+    if (type == StoreMsg::kAdd) put_le(p, 1, 8);
+    c.send_bytes(frame(type, p));
+    auto [bytes, eof] = c.read_until_eof();
+    EXPECT_TRUE(eof);
+    EXPECT_THAT(bytes, Not(HasSubstr("the-real-address")));
+  }
+  EXPECT_FALSE(rank0.check({"fabric/addr/1"}));
+  // The real rank 1 still joins.
+  TcpStore rank1("127.0.0.1", server.port(), join_info(1, 2), deadline_in(3s));
+  EXPECT_EQ(rank1.get("fabric/addr/0", deadline_in(1s)), "the-real-address-of-rank-0");
+}
+
+// The client checks the server's proof: a store that does not know the secret (here one
+// that accepts any JOIN) gets no further than the JOIN, so a rank never publishes to it.
+TEST(TcpStore, ClientRejectsAStoreThatCannotProveTheSecret) {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  socklen_t len = sizeof(a);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  std::thread fake([lfd] {
+    int c = accept(lfd, nullptr, nullptr);
+    std::string p;
+    put_str(p, std::string(kNonceBytes, 'n'));
+    std::string challenge = frame(StoreMsg::kChallenge, p);
+    challenge[8] = 0;  // request id 0
+    send(c, challenge.data(), challenge.size(), MSG_NOSIGNAL);
+    char buf[4096];
+    pollfd pf{c, POLLIN, 0};
+    poll(&pf, 1, 3000);
+    recv(c, buf, sizeof(buf), 0);
+    std::string ok;
+    put_str(ok, std::string(32, 'x'));  // not the server proof
+    std::string f = frame(StoreMsg::kOk, ok);
+    f[8] = 1;  // the client's first request id
+    send(c, f.data(), f.size(), MSG_NOSIGNAL);
+    std::this_thread::sleep_for(300ms);
+    close(c);
+  });
+  try {
+    TcpStore c("127.0.0.1", ntohs(a.sin_port), join_info(0), deadline_in(3s));
+    ADD_FAILURE() << "joined a store that does not know the secret";
+  } catch (const ProtocolError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cannot prove the job secret"));
+  }
+  fake.join();
+  close(lfd);
+}
+
+// A joined rank may write only its own keys ("host/<r>", "exit/<r>", "fabric/.../<r>").
+TEST(TcpStore, RankWritesOnlyItsOwnKeys) {
+  TcpStoreServer server("127.0.0.1", 0, 3, "job", with_secret());
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 3), deadline_in(3s));
+  TcpStore rank1("127.0.0.1", server.port(), join_info(1, 3), deadline_in(3s));
+  rank0.set("host/0", "node-a");
+  rank0.set("fabric/addr/0", "addr-0");
+  for (const char* key : {"host/0", "fabric/addr/0", "fabric/2/addr/0", "exit/2", "host/2"}) {
+    try {
+      rank1.set(key, "planted");
+      ADD_FAILURE() << "rank 1 wrote " << key;
+    } catch (const UsageError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(fmt::format("may not set key '{}'", key)));
+    }
+  }
+  EXPECT_THROW(rank1.add("exit/0", 1), UsageError);
+  EXPECT_EQ(rank0.get("host/0", deadline_in(1s)), "node-a");
+  EXPECT_EQ(rank0.get("fabric/addr/0", deadline_in(1s)), "addr-0");
+  EXPECT_FALSE(rank0.check({"host/2"}));
+  // Its own keys and shared ones are fine, and the connection stays usable.
+  rank1.set("host/1", "node-b");
+  rank1.set("fabric/addr/1", "addr-1");
+  rank1.set("q/0/1", "shared");
+  rank1.set("counter", "0");
+  EXPECT_EQ(rank1.add("counter", 2), 2);
+  EXPECT_EQ(rank0.get("host/1", deadline_in(1s)), "node-b");
+  EXPECT_EQ(key_owner("fabric/7/addr/2", 3), 2);
+  EXPECT_EQ(key_owner("fabric/7/addr/3", 3), -1);  // no such rank
+  EXPECT_EQ(key_owner("data/1", 3), -1);
+  EXPECT_EQ(key_owner("host/x", 3), -1);
 }
 
 TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
-  TcpStoreServer server("127.0.0.1", 0, 4, "job");
+  TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
   TcpStore good("127.0.0.1", server.port(), join_info(0), deadline_in(3s));
   good.set("before", "1");
 
@@ -308,7 +533,7 @@ TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
     RawConn c(server.port());
     c.send_bytes(frame(StoreMsg::kJoin, std::string(10, 'a'), 100));
   }
-  {  // a request before JOIN gets an error reply naming the reason, then EOF
+  {  // a request before JOIN gets "rejected", then EOF
     RawConn c(server.port());
     std::string p;
     put_str(p, "k");
@@ -316,22 +541,22 @@ TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
     c.send_bytes(frame(StoreMsg::kSet, p));
     auto [bytes, eof] = c.read_until_eof();
     EXPECT_TRUE(eof);
-    EXPECT_THAT(bytes, HasSubstr("must be JOIN"));
+    EXPECT_THAT(bytes, HasSubstr("rejected"));
   }
   {  // valid JOIN, then a SET whose string length runs past the payload
     RawConn c(server.port());
-    c.send_bytes(join_frame(1, 4, "job"));
+    c.send_bytes(join_frame(c.challenge(), 1, 4, "job"));
     std::string p;
     put_le(p, 1000, 4);
     p += "short";
     c.send_bytes(frame(StoreMsg::kSet, p));
     auto [bytes, eof] = c.read_until_eof();
     EXPECT_TRUE(eof);
-    EXPECT_EQ(bytes.size(), kFrameHeaderBytes);  // only the JOIN reply
+    EXPECT_EQ(bytes.size(), kJoinReplyBytes);  // only the JOIN reply
   }
   {  // valid JOIN, then an unknown message type
     RawConn c(server.port());
-    c.send_bytes(join_frame(2, 4, "job"));
+    ASSERT_TRUE(raw_join(c, 2, 4, "job"));
     c.send_bytes(frame(static_cast<StoreMsg>(0x77), ""));
     EXPECT_TRUE(c.read_until_eof().second);
   }
@@ -347,23 +572,214 @@ TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
   EXPECT_EQ(late.get("during", deadline_in(1s)), "2");
 }
 
-TEST(TcpStore, GetTimeoutNamesKeyAndHostPort) {
-  TcpStoreServer server("127.0.0.1", 0, 4, "job");
-  TcpStore c("127.0.0.1", server.port(), join_info(2), deadline_in(3s));
+// Issue 15 item 3: before JOIN a frame may carry a few KiB only; a bigger header closes the
+// connection at once instead of making the server buffer up to 64 MiB.
+TEST(TcpStore, HandshakeFramesAreSmall) {
+  TcpStoreServer server("127.0.0.1", 0, 2, "job", with_secret());
+  {
+    RawConn c(server.port());
+    c.send_bytes(frame(StoreMsg::kJoin, std::string(100, 'j'), 64u << 20));
+    auto t0 = Clock::now();
+    EXPECT_TRUE(c.read_until_eof(2s).second);
+    EXPECT_LT(ms_since(t0), 1000);
+  }
+  {
+    RawConn c(server.port());
+    c.send_bytes(frame(StoreMsg::kJoin, "", kMaxHandshakeFrameBytes + 1));
+    EXPECT_TRUE(c.read_until_eof(2s).second);
+  }
+  // A frame at the limit is read (and rejected as a malformed JOIN).
+  {
+    RawConn c(server.port());
+    c.send_bytes(frame(StoreMsg::kJoin, std::string(kMaxHandshakeFrameBytes, 'j')));
+    EXPECT_TRUE(c.read_until_eof(2s).second);
+  }
+  // After JOIN the full frame size is allowed.
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(3s));
+  std::string big(1 << 20, 'b');
+  rank0.set("big", big);
+  EXPECT_EQ(rank0.get("big", deadline_in(2s)), big);
+}
+
+// Issue 15 item 3: connections that do not join in time -- idle, or trickling a frame a byte
+// at a time -- are dropped.
+TEST(TcpStore, SlowAndIdleHandshakesAreDropped) {
+  StoreServerOptions o = with_secret();
+  o.handshake_timeout = 300ms;
+  TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
+  RawConn idle(server.port());
+  RawConn trickle(server.port());
+  std::string f = frame(StoreMsg::kJoin, std::string(200, 'j'));
+  auto t0 = Clock::now();
+  bool trickle_closed = false;
+  for (size_t i = 0; i < f.size() && ms_since(t0) < 3000; ++i) {
+    if (send(trickle.fd(), &f[i], 1, MSG_NOSIGNAL) != 1) {
+      trickle_closed = true;
+      break;
+    }
+    std::this_thread::sleep_for(20ms);
+    pollfd p{trickle.fd(), POLLIN, 0};
+    char buf[256];
+    if (poll(&p, 1, 0) == 1 && recv(trickle.fd(), buf, sizeof(buf), MSG_PEEK) == 0) {
+      trickle_closed = true;
+      break;
+    }
+  }
+  EXPECT_TRUE(trickle_closed) << "a trickled JOIN kept its connection";
+  EXPECT_LT(ms_since(t0), 1500);
+  auto [bytes, eof] = idle.read_until_eof(2s);
+  EXPECT_TRUE(eof) << "an idle connection was kept";
+  EXPECT_EQ(bytes.size(), kFrameHeaderBytes + 4 + kNonceBytes);  // just the CHALLENGE
+  // A joined rank is never dropped for being idle.
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(3s));
+  std::this_thread::sleep_for(500ms);
+  rank0.set("k", "v");
+  EXPECT_EQ(rank0.get("k", deadline_in(1s)), "v");
+}
+
+// Issue 15 item 3: connections that have not joined are capped; past the cap new ones are
+// closed at once, and once the flood ends a rank joins (its client retries until its deadline).
+TEST(TcpStore, ConnectionFloodIsCapped) {
+  StoreServerOptions o = with_secret();
+  o.max_handshakes = 4;  // world size 2 + 4 connections may be joining
+  TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
+  std::vector<std::unique_ptr<RawConn>> flood;
+  for (int i = 0; i < 30; ++i) flood.push_back(std::make_unique<RawConn>(server.port()));
+  int closed = 0;
+  for (auto& c : flood) {
+    auto [bytes, eof] = c->read_until_eof(100ms);
+    if (eof && bytes.empty()) ++closed;  // closed before its CHALLENGE
+  }
+  EXPECT_GE(closed, 24);
+  // While the flood holds its slots a rank cannot join; when it ends, the rank gets in.
+  std::thread ender([&] {
+    std::this_thread::sleep_for(300ms);
+    flood.clear();
+  });
+  auto t0 = Clock::now();
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(5s));
+  EXPECT_GE(ms_since(t0), 200);
+  ender.join();
+  rank0.set("k", "v");
+  EXPECT_EQ(rank0.get("k", deadline_in(1s)), "v");
+}
+
+// Issue 15 item 4: past the descriptor limit accept() fails with EMFILE; the server must not
+// spin on the readable listening socket nor flood its log, and serves again once descriptors
+// free up. Runs in a forked child (RLIMIT_NOFILE is per process) whose output goes to a file.
+TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
+  auto log_path = std::filesystem::temp_directory_path() /
+                  fmt::format("qring-store-emfile-{}.log", getpid());
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (log < 0 || dup2(log, 1) < 0 || dup2(log, 2) < 0) _exit(10);  // spdlog: stdout
+    close(log);
+    close(to_child[1]);
+    close(from_child[0]);
+    int rc = 0;
+    {
+      StoreServerOptions o = with_secret();
+      o.handshake_timeout = 400ms;
+      TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
+      // Room for two more descriptors at most: new ones take the lowest free number, which
+      // must stay below the limit (descriptors already open above it stay usable).
+      int lowest_free = 0;
+      while (fcntl(lowest_free, F_GETFD) != -1) ++lowest_free;
+      rlimit lim{};
+      getrlimit(RLIMIT_NOFILE, &lim);
+      lim.rlim_cur = static_cast<rlim_t>(lowest_free + 2);
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(11);
+      int port = server.port();
+      if (write(from_child[1], &port, sizeof(port)) != sizeof(port)) _exit(12);
+      char go = 0;
+      if (read(to_child[0], &go, 1) != 1) _exit(13);  // the parent's flood is connected
+      rusage before{}, after{};
+      getrusage(RUSAGE_SELF, &before);
+      std::this_thread::sleep_for(1s);
+      getrusage(RUSAGE_SELF, &after);
+      auto cpu_us = [](const rusage& u) {
+        return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1000000L + u.ru_utime.tv_usec +
+               u.ru_stime.tv_usec;
+      };
+      int64_t cpu_ms = (cpu_us(after) - cpu_us(before)) / 1000;
+      if (write(from_child[1], &cpu_ms, sizeof(cpu_ms)) != sizeof(cpu_ms)) _exit(14);
+      if (read(to_child[0], &go, 1) != 1) rc = 15;  // the parent's rank has joined
+    }
+    _exit(rc);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  int port = 0;
+  ASSERT_EQ(read(from_child[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  std::vector<std::unique_ptr<RawConn>> flood;
+  for (int i = 0; i < 20; ++i) flood.push_back(std::make_unique<RawConn>(port));
+  ASSERT_EQ(write(to_child[1], "g", 1), 1);
+  int64_t cpu_ms = -1;
+  ASSERT_EQ(read(from_child[0], &cpu_ms, sizeof(cpu_ms)), static_cast<ssize_t>(sizeof(cpu_ms)));
+  // A spinning server thread burns a whole core for the second.
+  EXPECT_LT(cpu_ms, 300) << "the server spent " << cpu_ms << " ms of CPU in 1 s at the fd limit";
+  // Once the flood is gone (and the two accepted connections time out), a rank joins.
+  flood.clear();
   try {
-    c.wait({"present", "absent"}, deadline_in(100ms));
+    TcpStore rank0("127.0.0.1", port, join_info(0, 2), deadline_in(5s));
+    rank0.set("k", "v");
+    EXPECT_EQ(rank0.get("k", deadline_in(1s)), "v");
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "no rank could join after the descriptor exhaustion: " << e.what();
+  }
+  ASSERT_EQ(write(to_child[1], "d", 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  std::ifstream in(log_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::filesystem::remove(log_path);
+  std::string log = text.str();
+  size_t lines = static_cast<size_t>(std::count(log.begin(), log.end(), '\n'));
+  EXPECT_LT(lines, 20u) << "the server logged " << lines << " lines; the first ones:\n"
+                        << log.substr(0, 2000);
+  EXPECT_THAT(log, HasSubstr("accept(): Too many open files"));
+  close(to_child[1]);
+  close(from_child[0]);
+}
+
+// Issue 15 item 7: a timed-out wait names the keys still missing, not every key.
+TEST(TcpStore, GetTimeoutNamesKeyAndHostPort) {
+  TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
+  TcpStore c("127.0.0.1", server.port(), join_info(2), deadline_in(3s));
+  c.set("present", "1");
+  c.set("here-too", "1");
+  try {
+    c.wait({"present", "absent", "here-too", "gone"}, deadline_in(100ms));
     FAIL() << "wait returned";
   } catch (const TimeoutError& e) {
     EXPECT_THAT(e.what(), HasSubstr(fmt::format("127.0.0.1:{}", server.port())));
-    EXPECT_THAT(e.what(), HasSubstr("'absent'"));
+    EXPECT_THAT(e.what(), HasSubstr("keys ['absent', 'gone'] (2 of 4 missing)"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("present")));
+    EXPECT_THAT(e.what(), Not(HasSubstr("here-too")));
     EXPECT_THAT(e.what(), HasSubstr("rank 2"));
   }
+  try {
+    c.get("absent", deadline_in(100ms));
+    FAIL() << "get returned";
+  } catch (const TimeoutError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("key 'absent'"));
+  }
+  c.set("absent", "1");  // the client still works after its timeouts
+  c.set("gone", "1");
+  c.wait({"present", "absent", "here-too", "gone"}, deadline_in(1s));
 }
 
 // Random bytes, random headers and random payloads after a valid JOIN: the server drops the
 // offending connections and keeps serving.
 TEST(TcpStore, RandomGarbageNeverBreaksTheServer) {
-  TcpStoreServer server("127.0.0.1", 0, 64, "job");
+  TcpStoreServer server("127.0.0.1", 0, 64, "job", with_secret());
   TcpStore good("127.0.0.1", server.port(), join_info(0, 64), deadline_in(3s));
   good.set("k", "v");
   std::mt19937 rng(42);
@@ -376,7 +792,17 @@ TEST(TcpStore, RandomGarbageNeverBreaksTheServer) {
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
     std::string bytes;
-    if (i % 3 != 0) bytes = join_frame(1 + i % 62, 64, "job");  // rank 63 stays free
+    if (i % 3 != 0) {  // garbage after a valid JOIN; rank 63 stays free
+      char hdr[kFrameHeaderBytes + 4 + kNonceBytes];
+      size_t got = 0;
+      while (got < sizeof(hdr)) {
+        ssize_t r = recv(fd, hdr + got, sizeof(hdr) - got, 0);
+        ASSERT_GT(r, 0) << "no CHALLENGE";
+        got += static_cast<size_t>(r);
+      }
+      std::string nonce(hdr + kFrameHeaderBytes + 4, kNonceBytes);
+      bytes = join_frame(nonce, 1 + i % 62, 64, "job");
+    }
     int frames = 1 + static_cast<int>(rng() % 4);
     for (int f = 0; f < frames; ++f) {
       std::string payload(rng() % 48, '\0');
@@ -413,9 +839,7 @@ TEST(TcpStore, MalformedReplyRaisesProtocolError) {
   getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
   int port = ntohs(a.sin_port);
   std::thread fake([lfd] {
-    int c = accept(lfd, nullptr, nullptr);
-    char buf[256];
-    recv(c, buf, sizeof(buf), 0);
+    int c = accept(lfd, nullptr, nullptr);  // garbage instead of a CHALLENGE
     std::string garbage(16, '\x11');
     send(c, garbage.data(), garbage.size(), MSG_NOSIGNAL);
     std::this_thread::sleep_for(300ms);
@@ -465,7 +889,7 @@ TEST(TcpStore, ClientConnectsBeforeServerStarts) {
   std::unique_ptr<TcpStoreServer> server;
   std::thread starter([&] {
     std::this_thread::sleep_for(200ms);
-    server = std::make_unique<TcpStoreServer>("127.0.0.1", port, 2, "job");
+    server = std::make_unique<TcpStoreServer>("127.0.0.1", port, 2, "job", with_secret());
   });
   TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(5s));
   starter.join();
@@ -474,7 +898,7 @@ TEST(TcpStore, ClientConnectsBeforeServerStarts) {
 }
 
 TEST(TcpStore, ServerShutdownFailsWaitersPromptly) {
-  auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, 2, "job");
+  auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, 2, "job", with_secret());
   TcpStore c("127.0.0.1", server->port(), join_info(1, 2), deadline_in(3s));
   std::thread stopper([&] {
     std::this_thread::sleep_for(100ms);

@@ -70,12 +70,23 @@ qring_tolerated_failures() {
   echo $((10#$k))
 }
 
+# Prints a new random job secret: 32 bytes from the kernel's CSPRNG as 64 hex digits.
+qring_new_secret() {
+  local s
+  s=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n') || return 1
+  [ ${#s} -eq 64 ] || return 1
+  echo "$s"
+}
+
 # Starts one process per task. If any task fails, Slurm kills the others
 # (--kill-on-bad-exit=1) and srun reports which task failed -- unless the job tolerates lost
 # ranks (QRING_TOLERATE_FAILURES > 0, e.g. a quorum below the world size): then a failed task
 # does not end the step (--kill-on-bad-exit=0 --no-kill) and the others run on; srun still
 # exits non-zero when any task failed. Output lines carry the task number (--label). Extra
-# srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores"). Returns srun's exit code.
+# srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores"). Every step gets a fresh
+# random QRING_JOB_SECRET (or the one already set), which srun hands to its tasks in their
+# environment (not on the command line): the ranks prove it to the rendezvous store, so
+# nobody else who can reach the store's port can join the job. Returns srun's exit code.
 qring_srun() {
   local rc=0 tolerate
   local -a extra=() kill_opts=(--kill-on-bad-exit=1)
@@ -87,8 +98,12 @@ qring_srun() {
   fi
   # shellcheck disable=SC2206 # QRING_SRUN_ARGS is a list of options, split on spaces
   [ -n "${QRING_SRUN_ARGS:-}" ] && extra=(${QRING_SRUN_ARGS})
+  local secret=${QRING_JOB_SECRET:-}
+  if [ -z "$secret" ]; then
+    secret=$(qring_new_secret) || qring_die "cannot read /dev/urandom for the job secret"
+  fi
   echo "qring-slurm: srun ${kill_opts[*]} --label ${extra[*]}${extra[*]:+ }$*"
-  srun "${kill_opts[@]}" --label "${extra[@]}" "$@" || rc=$?
+  QRING_JOB_SECRET=$secret srun "${kill_opts[@]}" --label "${extra[@]}" "$@" || rc=$?
   if [ $rc -eq 0 ]; then
     echo "qring-slurm: job ${SLURM_JOB_ID} step finished, exit code 0"
   elif [ "$tolerate" -gt 0 ]; then
