@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "net/bootstrap.h"
+#include "net/fabric_endpoint.h"
 
 namespace {
 
@@ -198,6 +199,30 @@ TEST(Launch, KilledLauncherTakesItsRanksAlong) {
   }
 }
 
+// A rank that is a wrapper (a shell running its program as a child, not exec'ing it): when
+// the launcher is SIGKILLed, the parent-death signal reaches only a direct child, so the
+// wrapper's children must be killed by the rank's supervisor, which outlives the launcher.
+TEST(Launch, KilledLauncherTakesWrappedRanksChildrenAlong) {
+  TempDir dir;
+  std::string script = fmt::format(
+      "sleep 30 >/dev/null 2>&1 & echo $! > {}/$QRING_RANK.pid.tmp; "
+      "mv {}/$QRING_RANK.pid.tmp {}/$QRING_RANK.pid; wait",
+      dir.path, dir.path, dir.path);
+  LaunchRun run({"-n", "2", "--", "sh", "-c", script});
+  auto deadline = Clock::now() + 5s;
+  while (dir.pids(2).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  auto pids = dir.pids(2);
+  ASSERT_EQ(pids.size(), 2u);
+  kill(run.pid(), SIGKILL);
+  EXPECT_EQ(run.finish(), 128 + SIGKILL);
+  deadline = Clock::now() + 3s;
+  for (pid_t p : pids) {
+    while (!process_gone(p) && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+    EXPECT_TRUE(process_gone(p)) << "sleep 30 with pid " << p << " survived the launcher";
+    if (!process_gone(p)) kill(p, SIGKILL);  // do not leave it behind
+  }
+}
+
 TEST(Launch, OutputIsPrefixedLineByLine) {
   LaunchRun run({"-n", "2", "--", "sh", "-c",
                  "echo out-$QRING_RANK; echo err-$QRING_RANK >&2; seq 1 300; "
@@ -236,10 +261,14 @@ TEST(Launch, SetsTheBootstrapEnvironment) {
                  "$QRING_STORE $QRING_JOB_ID $QRING_PROVIDER $QRING_TOLERATE_FAILURES\""},
                 "QRING_TOLERATE_FAILURES=9");  // not inherited: the launcher sets its own
   EXPECT_EQ(run.finish(), 0);
+  // The job id: launch-<launcher pid>-<random hex>, the same for every rank.
+  std::smatch id;
+  ASSERT_TRUE(
+      std::regex_search(run.out, id, std::regex(fmt::format("launch-{}-[0-9a-f]+ ", run.pid()))))
+      << run.out;
   for (int r = 0; r < 3; ++r)
-    EXPECT_THAT(run.out,
-                HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 launch-{} tcp 0\n", r, r,
-                                      r, run.pid())));
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] {} 3 {} 3 127.0.0.1:23456 {}tcp 0\n", r,
+                                               r, r, id.str())));
 
   // Without --port a free port is chosen, the same for every rank; no provider is set.
   LaunchRun run2({"-n", "2", "--", "sh", "-c", "echo \"store=$QRING_STORE p=$QRING_PROVIDER\""});
@@ -454,6 +483,97 @@ TEST(LaunchChild, Rendezvous) {
     rdv.store().get(fmt::format("hello/{}", r), qring::net::deadline_in(10s));
   std::printf("rank %d/%d source=%s hosts=%zu single=%d\n", info.rank, info.world_size,
               info.source.c_str(), rdv.hostnames().size(), rdv.single_host() ? 1 : 0);
+}
+
+// The shm regions (/dev/shm/<pid>:<n>:<m>) of this process.
+std::vector<std::string> shm_regions_of(pid_t pid) {
+  std::vector<std::string> out;
+  const std::string prefix = fmt::format("{}:", pid);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
+  return out;
+}
+
+// Runs only as a rank under qring-launch (see DeadRanksLeaveNoShmRegions): opens pairwise shm
+// endpoints (one region per peer), reports its pid in $QRING_TEST_LAUNCH_SHM/<rank>.pid, then
+// rank 1 SIGKILLs itself once every rank has reported; rank 0 ignores SIGTERM, so that only
+// the launcher's SIGKILL ends it; the others wait for the launcher's SIGTERM.
+TEST(LaunchChild, ShmRegions) {
+  const char* dir = std::getenv("QRING_TEST_LAUNCH_SHM");
+  if (!dir) GTEST_SKIP() << "runs as a qring-launch rank";
+  auto info = qring::net::detect_bootstrap();
+  qring::net::Rendezvous rdv(info, qring::net::deadline_in(10s));
+  qring::net::FabricOptions opts;
+  opts.provider = "shm";
+  opts.pairwise = qring::net::FabricOptions::Pairwise::kOn;
+  auto ep = qring::net::make_fabric_endpoint(opts, info.rank, info.world_size, rdv.store(),
+                                             rdv.single_host(), qring::net::deadline_in(10s));
+  std::printf("regions=%zu\n", shm_regions_of(getpid()).size());
+  std::fflush(stdout);
+  {
+    std::string tmp = fmt::format("{}/{}.tmp", dir, info.rank);
+    std::ofstream(tmp) << getpid() << "\n";
+    std::filesystem::rename(tmp, fmt::format("{}/{}.pid", dir, info.rank));
+  }
+  if (info.rank == 0) signal(SIGTERM, SIG_IGN);
+  if (info.rank == 1) {
+    auto deadline = Clock::now() + 10s;
+    while (Clock::now() < deadline) {
+      int n = 0;
+      for (int r = 0; r < info.world_size; ++r)
+        n += std::filesystem::exists(fmt::format("{}/{}.pid", dir, r)) ? 1 : 0;
+      if (n == info.world_size) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    raise(SIGKILL);
+  }
+  std::this_thread::sleep_for(20s);
+}
+
+// A rank killed by SIGKILL cannot unlink its shm regions (16 MiB each); the launcher's side
+// removes them, also those of a rank that ignored SIGTERM and was SIGKILLed with its group.
+// A region of a dead process that was not of this job stays.
+TEST(Launch, DeadRanksLeaveNoShmRegions) {
+  TempDir dir;
+  pid_t other = fork();
+  if (other == 0) _exit(0);
+  ASSERT_GT(other, 0);
+  waitpid(other, nullptr, 0);
+  const std::string decoy = fmt::format("/dev/shm/{}:0:0", other);
+  std::ofstream(decoy) << "not this job's\n";
+  ASSERT_TRUE(std::filesystem::exists(decoy));
+
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::string env = "QRING_TEST_LAUNCH_SHM=" + dir.path;
+  LaunchRun run(
+      {"-n", "3", "--timeout-s", "30", "--", self, "--gtest_filter=LaunchChild.ShmRegions"},
+      env.c_str());
+  EXPECT_EQ(run.finish(20s), 128 + SIGKILL) << run.out << run.err;
+  EXPECT_LT(run.elapsed, 10s);
+  auto pids = dir.pids(3);
+  ASSERT_EQ(pids.size(), 3u) << run.out << run.err;
+  for (int r = 0; r < 3; ++r)
+    EXPECT_THAT(run.out, HasSubstr(fmt::format("[rank {}] regions=2\n", r))) << run.out;
+  EXPECT_THAT(run.err,
+              testing::ContainsRegex(fmt::format(
+                  "removed 2 shared-memory regions that rank 1 \\(pid {}\\) left", pids[1])))
+      << run.err;
+  // Rank 0 ignored SIGTERM: SIGKILLed with its supervisor, so the launcher itself reaps it
+  // (or the supervisor did, if it came first).
+  EXPECT_THAT(run.err, HasSubstr("sending SIGKILL"));
+  EXPECT_THAT(run.err, testing::ContainsRegex(fmt::format(
+                           "removed 2 shared-memory regions that (a process of )?rank 0 \\(pid "
+                           "{}\\) left",
+                           pids[0])))
+      << run.err;
+  for (pid_t p : pids) {
+    auto left = shm_regions_of(p);
+    EXPECT_TRUE(left.empty()) << "left behind: " << fmt::format("{}", fmt::join(left, " "));
+    for (const auto& f : left) std::filesystem::remove(f);
+  }
+  EXPECT_TRUE(std::filesystem::exists(decoy)) << "a region not of this job was removed";
+  std::filesystem::remove(decoy);
 }
 
 TEST(Launch, LaunchedRanksRendezvous) {

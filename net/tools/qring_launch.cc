@@ -10,6 +10,9 @@
 // rank exited 0; the status of the failing rank that stopped the job (128 + signal when it was
 // killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
 // --timeout-s; 2 on a usage error. See docs/bootstrap.md.
+// Each rank runs under a supervisor (a fork of the launcher, see supervise()) that leads the
+// rank's process group, kills that group if the launcher dies (even by SIGKILL), and removes
+// the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
 #include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -19,8 +22,10 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,6 +40,8 @@
 #include <string>
 #include <vector>
 
+#include "net/store.h"  // random_hex: the job id and secret
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -47,6 +54,10 @@ constexpr int kMaxRanks = 4096;
 constexpr int kMaxTolerated = 23;
 constexpr int kDegradedBase = 100;
 constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
+// The signal a rank's supervisor gets when the launcher dies (PR_SET_PDEATHSIG); it blocks it
+// and only acts when its parent is really gone, so a stray SIGUSR2 changes nothing.
+constexpr int kLauncherGone = SIGUSR2;
+constexpr auto kOrphanKillLimit = std::chrono::seconds(2);  // supervisor: rank after SIGKILL
 
 constexpr const char* kUsage =
     "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind MODE]\n"
@@ -220,8 +231,109 @@ std::string describe_end(int status) {
                 : fmt::format("was killed by signal {}", sig);
 }
 
+// libfabric 1.17's shm provider names each endpoint's region /dev/shm/<pid>:<n>:<m> after the
+// process that opened it (16 MiB each; a qring rank opens one per peer, see
+// net/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM. A
+// process killed by SIGKILL leaves its regions until a later process with the same pid starts
+// shm. Whoever reaps a process of this job (a rank's supervisor its rank, the launcher the
+// orphans it adopts) removes them while the zombie still holds the pid: no live process can
+// own a region named after it, so only what this dead process left goes (and only our own
+// files). Returns how many were removed.
+int remove_shm_regions_of(pid_t dead) {
+  const std::string prefix = fmt::format("{}:", dead);
+  int removed = 0;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) {
+    const char* name = e->d_name;
+    if (std::strncmp(name, prefix.c_str(), prefix.size()) != 0) continue;
+    // The rest must be "<n>:<m>", both decimal.
+    const char* p = name + prefix.size();
+    const char* end = name + std::strlen(name);
+    unsigned long n = 0;
+    auto r1 = std::from_chars(p, end, n);
+    if (r1.ec != std::errc() || r1.ptr == end || *r1.ptr != ':') continue;
+    auto r2 = std::from_chars(r1.ptr + 1, end, n);
+    if (r2.ec != std::errc() || r2.ptr != end) continue;
+    struct stat st {};
+    if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_uid != geteuid())
+      continue;
+    if (unlinkat(dirfd(d), name, 0) == 0) ++removed;
+  }
+  closedir(d);
+  return removed;
+}
+
+// Removes what the exited but unreaped process `pid` left in /dev/shm, then reaps it; returns
+// its wait status. `who` names it in the message ("rank 2 (pid 123)").
+int reap_and_clean(pid_t pid, const std::string& who) {
+  if (int n = remove_shm_regions_of(pid); n > 0)
+    write_all(2, fmt::format("qring-launch: removed {} shared-memory region{} that {} left in "
+                             "/dev/shm ({}:*)\n",
+                             n, n == 1 ? "" : "s", who, pid));
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
+}
+
+// Ends this process the way a rank ended: the same exit status, or the same signal (without
+// a core dump: the rank's own core, if any, is the one that matters).
+[[noreturn]] void exit_like(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    rlimit no_core{0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    signal(sig, SIG_DFL);
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, sig);
+    sigprocmask(SIG_UNBLOCK, &s, nullptr);
+    kill(getpid(), sig);
+    _exit(128 + sig);  // a signal whose default action is not to terminate
+  }
+  _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+}
+
+// A rank's supervisor: the parent of the rank and the leader of its process group (the
+// launcher's handle on the rank: its pid is the group's id, and it outlives the rank, so that
+// id cannot be reused while the group's processes may still be signalled). It ignores the
+// signals the launcher forwards to the group, waits for the rank, removes the rank's shm
+// regions and exits as the rank did. If the launcher dies (even by SIGKILL, which the rank's
+// wrapper scripts and their children would survive: a parent-death signal reaches only the
+// direct child), it kills the rank and then the whole group, itself included.
+[[noreturn]] void supervise(pid_t rank_pid, pid_t launcher, int r) {
+  if (rank_pid < 0) {
+    write_all(2, fmt::format("qring-launch: rank {}: fork(): {}\n", r, std::strerror(errno)));
+    _exit(1);
+  }
+  const std::string who = fmt::format("rank {} (pid {})", r, rank_pid);
+  sigset_t wait_set;
+  sigemptyset(&wait_set);
+  sigaddset(&wait_set, SIGCHLD);
+  sigaddset(&wait_set, kLauncherGone);
+  std::optional<Clock::time_point> orphaned_at;
+  while (true) {
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(rank_pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == rank_pid) {
+      int status = reap_and_clean(rank_pid, who);
+      if (orphaned_at) kill(0, SIGKILL);  // the rest of the group, and this process
+      exit_like(status);
+    }
+    if (!orphaned_at && getppid() != launcher) {
+      orphaned_at = Clock::now();
+      kill(rank_pid, SIGKILL);
+    }
+    if (orphaned_at && Clock::now() >= *orphaned_at + kOrphanKillLimit) kill(0, SIGKILL);
+    timespec tick{0, 200'000'000};
+    sigtimedwait(&wait_set, nullptr, &tick);
+  }
+}
+
 struct Rank {
-  pid_t pid = -1;
+  pid_t pid = -1;  // the rank's supervisor, leader of its process group
   bool running = false;
 };
 
@@ -265,6 +377,11 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     return;
   }
   pid_t parent = getpid();
+  // One identity per launch, the same for every rank: a unique job id, and the secret each
+  // rank proves to the rendezvous store (docs/bootstrap.md).
+  static const std::string job_id =
+      fmt::format("launch-{}-{}", parent, qring::net::random_hex(4));
+  static const std::string job_secret = qring::net::random_hex(32);
   pid_t pid = fork();
   if (pid < 0) {
     fmt::print(stderr, "qring-launch: fork(): {}\n", std::strerror(errno));
@@ -273,15 +390,27 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     return;
   }
   if (pid == 0) {
-    // Child: own process group (so a group kill reaches its whole tree), die with the
-    // launcher, default signal state, stdin from /dev/null.
+    // The rank's supervisor (see supervise()): leads a new process group (so a group kill
+    // reaches the rank's whole tree), notices the launcher's death, ignores the signals
+    // forwarded to the group. kLauncherGone is blocked before it can arrive.
     setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    sigset_t gone;
+    sigemptyset(&gone);
+    sigaddset(&gone, kLauncherGone);
+    sigprocmask(SIG_BLOCK, &gone, nullptr);
+    prctl(PR_SET_PDEATHSIG, kLauncherGone);
     if (getppid() != parent) _exit(1);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, SIG_IGN);
     dup2(out[1], 1);
     dup2(err[1], 2);
     int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, 0);
+    const pid_t supervisor = getpid();
+    if (pid_t rank_pid = fork(); rank_pid != 0) supervise(rank_pid, parent, r);
+    // The rank: in the supervisor's group, dies with the supervisor, default signal state,
+    // stdin from /dev/null.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != supervisor) _exit(1);
     for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, SIG_DFL);
     sigprocmask(SIG_SETMASK, &child_mask, nullptr);
     setenv("QRING_RANK", std::to_string(r).c_str(), 1);
@@ -289,7 +418,8 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     setenv("QRING_LOCAL_RANK", std::to_string(r).c_str(), 1);
     setenv("QRING_LOCAL_SIZE", std::to_string(opts_.n).c_str(), 1);
     setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
-    setenv("QRING_JOB_ID", fmt::format("launch-{}", parent).c_str(), 1);
+    setenv("QRING_JOB_ID", job_id.c_str(), 1);
+    setenv("QRING_JOB_SECRET", job_secret.c_str(), 1);
     setenv("QRING_TOLERATE_FAILURES", std::to_string(opts_.tolerate).c_str(), 1);
     if (!opts_.provider.empty()) setenv("QRING_PROVIDER", opts_.provider.c_str(), 1);
     unsetenv("QRING_CPUS");  // set below only when this rank is bound
@@ -383,6 +513,24 @@ std::vector<pid_t> child_pids() {
   return out;
 }
 
+// The process group of `pid` (also of a zombie), or -1.
+pid_t process_group_of(pid_t pid) {
+  char buf[512];
+  size_t n = 0;
+  if (FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r")) {
+    n = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+  }
+  std::string stat(buf, n);
+  auto close_paren = stat.rfind(')');
+  int ppid = 0, pgrp = -1;
+  char state = 0;
+  if (close_paren == std::string::npos ||
+      std::sscanf(stat.c_str() + close_paren + 1, " %c %d %d", &state, &ppid, &pgrp) != 3)
+    return -1;
+  return pgrp;
+}
+
 void Launcher::signal_all(int sig) {
   for (const auto& r : ranks_)
     if (r.pid > 0) kill(-r.pid, sig);  // the rank's process group, grandchildren included
@@ -407,11 +555,23 @@ void Launcher::begin_stop(int sig, const std::string& why, int code) {
 
 void Launcher::reap() {
   while (true) {
-    int status = 0;
-    pid_t p = waitpid(-1, &status, WNOHANG);
-    if (p <= 0) return;
+    siginfo_t info{};
+    if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid <= 0) return;
+    const pid_t p = info.si_pid;
     auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == p; });
-    if (it == ranks_.end()) continue;  // an orphaned grandchild
+    if (it == ranks_.end()) {
+      // An orphan we adopted as subreaper: a rank's descendant, or a rank whose supervisor
+      // was killed first. Its shm regions go with it.
+      const pid_t group = process_group_of(p);
+      auto owner = std::find_if(ranks_.begin(), ranks_.end(),
+                                [&](const Rank& r) { return group > 0 && r.pid == group; });
+      reap_and_clean(p, owner == ranks_.end() ? fmt::format("process {}", p)
+                                              : fmt::format("a process of rank {} (pid {})",
+                                                            owner - ranks_.begin(), p));
+      continue;
+    }
+    int status = 0;
+    if (waitpid(p, &status, 0) != p) continue;
     it->running = false;
     int r = static_cast<int>(it - ranks_.begin());
     bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
