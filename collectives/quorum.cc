@@ -115,7 +115,12 @@ struct QuorumAllreduce::Shared {
   bool shutdown = false;
   std::function<void(uint64_t)> on_excluded;
   std::function<void(uint64_t, const char*)> on_phase;
-  std::map<uint64_t, std::vector<double>> arrivals;  // coordinator only
+  // Coordinator only: the newest kKeepArrivals steps, so that a long run's log stays bounded.
+  // A step's entry changes while late READYs for it are logged (the coordinator remembers its
+  // newest 4096 decided steps, quorum_coordinator.cc); the trainer streams each step into
+  // arrivals.jsonl once it is far enough behind to be final (train/trainer.cc).
+  static constexpr size_t kKeepArrivals = 16384;
+  std::map<uint64_t, std::vector<double>> arrivals;
   std::vector<int> members;                          // as of the last completed step
   int coordinator = 0;                               // the rank coordinating now
   std::vector<ViewChange> views;
@@ -442,6 +447,8 @@ class QuorumService final : public EngineOp {
       auto& log = sh_->arrivals[t];
       if (log.empty()) log.assign(size_t(world_), -1.0);
       log[size_t(r)] = ms;
+      while (sh_->arrivals.size() > QuorumAllreduce::Shared::kKeepArrivals)
+        sh_->arrivals.erase(sh_->arrivals.begin());
     });
     std::lock_guard<std::mutex> lock(sh_->mu);
     sh_->coordinator = rank_;
@@ -542,7 +549,7 @@ class QuorumService final : public EngineOp {
           throw Evicted(fmt::format(
               "rank {}: evicted from the job: while this rank (the coordinator) was unreachable, "
               "rank {} took over from it; it must leave (exit)",
-              rank_, from));
+              rank_, e.from));
         continue;
       }
       if (type == qwire::Up::kShard) {

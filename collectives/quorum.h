@@ -143,7 +143,8 @@ class QuorumAllreduce {
   // has moved: where fault tests kill or stop a rank mid-reduction (fault_inject.h).
   void on_phase(std::function<void(uint64_t, const char*)> cb);
   // Coordinator (rank 0): per step, each rank's contribution time at the coordinator in ms
-  // after the step's first (late ones included; -1 = never arrived). Empty elsewhere.
+  // after the step's first (late ones included; -1 = never arrived). Empty elsewhere. Only
+  // the newest 16384 steps are kept.
   std::map<uint64_t, std::vector<double>> arrival_log() const;
 
   // Small sums gathered at the coordinator without a collective (the sharded evaluation): a

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -169,6 +170,27 @@ TEST(Checkpoint, LatestPicksHighestStep) {
   ASSERT_TRUE(latest.has_value());
   EXPECT_EQ(*latest, checkpoint_path(dir.path(), 2000));
   EXPECT_EQ(load_checkpoint(*latest).step, 2000u);
+}
+
+// Issue 15, item 13: stray names whose step does not fit (the old code aborted with
+// "stoull") or that checkpoint_path() would not write are ignored, not fatal.
+TEST(Checkpoint, StrayNamesAreIgnored) {
+  TempDir dir;
+  CheckpointState s;
+  for (uint64_t step : {7u, 40u}) {
+    s.step = step;
+    save_checkpoint(checkpoint_path(dir.path(), step), s);
+  }
+  std::ofstream(dir.path() + "/ckpt-99999999999999999999.qck") << "stray";  // > UINT64_MAX
+  std::ofstream(dir.path() + "/ckpt-18446744073709551615.qck") << "stray";  // > INT64_MAX
+  std::ofstream(dir.path() + "/ckpt-0000000000050.qck") << "stray";         // not as written
+  EXPECT_EQ(checkpoint_steps(dir.path()), (std::vector<uint64_t>{40, 7}));
+  EXPECT_EQ(latest_checkpoint(dir.path()), checkpoint_path(dir.path(), 40));
+  // The largest step that fits is a checkpoint name like any other.
+  const uint64_t max = uint64_t(std::numeric_limits<int64_t>::max());
+  std::ofstream(checkpoint_path(dir.path(), max)) << "x";
+  EXPECT_EQ(checkpoint_steps(dir.path()), (std::vector<uint64_t>{max, 40, 7}));
+  EXPECT_EQ(checkpoint_steps(dir.path() + "/missing"), std::vector<uint64_t>{});
 }
 
 }  // namespace

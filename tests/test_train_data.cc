@@ -131,6 +131,45 @@ TEST(Idx, TruncatedAndCorruptGzip) {
   expect_data_error([&] { read_idx(p); }, p, "gzip data: incorrect data check");
 }
 
+// A gzip file whose stream starts with `head` and then inflates to `zeros` more zero bytes,
+// with its end cut off: only a reader that inflates the whole stream reaches the cut.
+void write_truncated_bomb(const std::string& p, const std::vector<uint8_t>& head, size_t zeros) {
+  gzFile f = gzopen(p.c_str(), "wb9");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, head.data(), static_cast<unsigned>(head.size())), int(head.size()));
+  const std::vector<uint8_t> chunk(1 << 20, 0);
+  for (size_t done = 0; done < zeros; done += chunk.size())
+    ASSERT_EQ(gzwrite(f, chunk.data(), static_cast<unsigned>(chunk.size())), int(chunk.size()));
+  ASSERT_EQ(gzclose(f), Z_OK);
+  auto raw = read_raw(p);
+  ASSERT_GT(raw.size(), 4096u);  // the cut below lies far after the IDX header and data
+  raw.resize(raw.size() - 64);
+  write_raw(p, raw);
+}
+
+// Issue 15, item 11: the header is checked before the stream is inflated, and reading stops
+// at the size it implies. Each file inflates to 64 MiB and is truncated at the end; the old
+// reader inflated all of it and reported the truncation instead.
+TEST(Idx, GzipBombIsRefusedAfterItsHeader) {
+  TempDir dir;
+  const std::string p = dir.file("bomb.gz");
+  write_truncated_bomb(p, {0x1f, 0x8b, 0x08, 0x03}, size_t{64} << 20);
+  expect_data_error([&] { read_idx(p); }, p, "bad IDX magic number 0x1f8b0803");
+
+  std::vector<uint8_t> head = {0x00, 0x00, 0x08, 0x03, 0, 0, 0, 2, 0, 0, 0, 28, 0, 0, 0, 28};
+  const auto data = bytes(2 * 784, 5);
+  head.insert(head.end(), data.begin(), data.end());
+  write_truncated_bomb(p, head, size_t{64} << 20);
+  expect_data_error([&] { read_idx_images(p); }, p,
+                    "more than 65536 trailing bytes after the IDX data (1568 expected)");
+
+  // A header that claims more than the file holds: an error once the data ends, after
+  // reading only what is there.
+  write_raw(p, {0x00, 0x00, 0x08, 0x01, 0xff, 0xff, 0xff, 0xff, 1, 2, 3});
+  expect_data_error([&] { read_idx(p); }, p,
+                    "truncated IDX data: dimensions need 4294967295 bytes, file has 3");
+}
+
 TEST(Idx, ImageAndLabelValidation) {
   TempDir dir;
   const std::string img = dir.file("img");

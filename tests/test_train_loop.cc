@@ -1,11 +1,16 @@
 // The training loop with ranks as threads over the in-process endpoint.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 
 #include "coll_harness.h"
+#include "collectives/quorum.h"
+#include "net/error.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -31,6 +36,31 @@ std::vector<RunSummary> run_training(int world, const TrainConfig& cfg,
   run_ranks(world, co,
             [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm, opts); });
   return out;
+}
+
+// Rank r trains with cfgs[r]; returns each rank's error message ("" when it finished). The
+// collectives' deadline is short: a rank left waiting fails the test in seconds, not 30 s.
+std::vector<std::string> run_each(const std::vector<TrainConfig>& cfgs,
+                                  train::TrainerOptions opts = {},
+                                  std::vector<RunSummary>* sums = nullptr) {
+  const int world = int(cfgs.size());
+  std::vector<std::string> err(cfgs.size());
+  if (sums) sums->assign(cfgs.size(), RunSummary{});
+  CommOptions co;
+  co.timeout = std::chrono::seconds(8);
+  run_ranks(world, co, [&](Communicator& comm) {
+    const size_t r = size_t(comm.rank());
+    try {
+      RunSummary s = train::train(cfgs[r], comm, opts);
+      if (sums) (*sums)[r] = s;
+    } catch (const std::exception& e) {
+      err[r] = std::string(dynamic_cast<const ConfigError*>(&e) ? "ConfigError: "
+                           : dynamic_cast<const DataError*>(&e) ? "DataError: "
+                                                                : "other: ") +
+               e.what();
+    }
+  });
+  return err;
 }
 
 TEST(TrainLoop, SmokeRunWithThreeRanksLearns) {
@@ -89,6 +119,132 @@ TEST(TrainLoop, SameSeedSameParametersAcrossRuns) {
   auto a = run_training(2, smoke("det-a", {"train.steps=15"}));
   auto b = run_training(2, smoke("det-b", {"train.steps=15"}));
   EXPECT_EQ(a[0].params_checksum, b[0].params_checksum);
+}
+
+// Issue 15, item 9: an override given to one rank only stops every rank at start, naming
+// the rank and the key (the old trainer ran on with two learning rates).
+TEST(TrainLoop, ARankWithAnotherConfigStopsEveryRank) {
+  const auto base = smoke("mismatch", {"train.steps=5"});
+  const auto odd = smoke("mismatch", {"train.steps=5", "train.lr=0.2"});
+  const auto err = run_each({base, odd, base});
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(err[size_t(r)], ::testing::StartsWith("ConfigError: ")) << "rank " << r;
+    EXPECT_THAT(err[size_t(r)], ::testing::HasSubstr("rank 1 ('train.lr') has other values"))
+        << "rank " << r;
+  }
+  // Where files are and how a rank logs may differ between nodes.
+  const auto local = smoke("mismatch", {"train.steps=5", "log.level=warn"});
+  EXPECT_EQ(run_each({base, local}), (std::vector<std::string>{"", ""}));
+}
+
+// Issue 15, item 12: a torn or corrupt newest checkpoint on some rank makes every rank fall
+// back to the newest step that all of them can load, and the result is that of a straight
+// run. (The old trainer took the minimum of the newest file names: the rank with the broken
+// file stopped with a DataError and the others waited for it.)
+TEST(TrainLoop, ResumeFallsBackToTheNewestCheckpointEveryRankCanLoad) {
+  auto straight = run_training(2, smoke("fallback-straight", {"train.steps=40"}));
+  const auto cfg = smoke("fallback", {"train.steps=40", "train.checkpoint_every=10"});
+  train::TrainerOptions first;
+  first.stop_after = 30;  // checkpoints at 10, 20 and 30 on both ranks
+  run_training(2, cfg, first);
+  const fs::path ckpts = fs::path(cfg.run.out_dir) / cfg.run.name / "checkpoints";
+  auto path = [&](int rank, uint64_t step) {
+    return train::checkpoint_path((ckpts / ("rank-" + std::to_string(rank))).string(), step);
+  };
+  // Rank 0's step 30 is torn; rank 1's step 20 has a flipped byte (its CRC fails).
+  fs::resize_file(path(0, 30), fs::file_size(path(0, 30)) / 2);
+  {
+    std::fstream f(path(1, 20), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x5a');
+  }
+  train::TrainerOptions again;
+  again.resume = true;
+  std::vector<RunSummary> resumed;
+  EXPECT_EQ(run_each({cfg, cfg}, again, &resumed), (std::vector<std::string>{"", ""}));
+  EXPECT_EQ(resumed[0].steps, 40);
+  EXPECT_EQ(resumed[0].params_checksum, straight[0].params_checksum);
+  EXPECT_EQ(resumed[1].params_checksum, straight[1].params_checksum);
+  // Resumed from step 10: metrics.jsonl holds every step once.
+  std::ifstream m(fs::path(cfg.run.out_dir) / cfg.run.name / "metrics.jsonl");
+  std::set<int64_t> steps;
+  int lines = 0;
+  for (std::string line; std::getline(m, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") {
+      steps.insert(j["step"].get<int64_t>());
+      ++lines;
+    }
+  }
+  EXPECT_EQ(lines, 40);
+  EXPECT_EQ(steps.size(), 40u);
+}
+
+// A checkpoint that loads but belongs to another rank stops every rank with a DataError
+// naming the rank that has it, instead of leaving the others waiting.
+TEST(TrainLoop, ResumeWithAnotherRanksCheckpointStopsEveryRank) {
+  const auto cfg = smoke("foreign", {"train.steps=20", "train.checkpoint_every=10"});
+  train::TrainerOptions first;
+  first.stop_after = 10;
+  run_training(2, cfg, first);
+  const fs::path ckpts = fs::path(cfg.run.out_dir) / cfg.run.name / "checkpoints";
+  fs::copy_file(train::checkpoint_path((ckpts / "rank-0").string(), 10),
+                train::checkpoint_path((ckpts / "rank-1").string(), 10),
+                fs::copy_options::overwrite_existing);
+  train::TrainerOptions again;
+  again.resume = true;
+  const auto err = run_each({cfg, cfg}, again);
+  EXPECT_THAT(err[0], ::testing::HasSubstr("DataError: --resume: rank 1 has a checkpoint of "
+                                           "another job or configuration"));
+  EXPECT_THAT(err[1], ::testing::HasSubstr("written by rank 0 of 2; this is rank 1 of 2"));
+  EXPECT_THAT(err[1], ::testing::StartsWith("DataError: --resume: rank 1: "));
+}
+
+// Issue 15, item 14: the coordinator's arrival log keeps its newest 16384 steps, not one
+// entry per step of the whole run (the old log held all of them).
+TEST(TrainLoop, ArrivalLogIsBounded) {
+  constexpr uint64_t kSteps = 16384 + 600;
+  collectives::QuorumOptions qo;
+  qo.quorum = 2;
+  qo.deadline = std::chrono::milliseconds(5000);
+  run_ranks(2, {}, [&](Communicator& comm) {
+    collectives::QuorumAllreduce q(comm, 1, qo);
+    float g = 1;
+    for (uint64_t t = 0; t < kSteps; ++t) {
+      q.contribute(t, &g, 1);
+      q.wait(t, &g);
+    }
+    if (comm.rank() != 0) return;
+    const auto log = q.arrival_log();
+    EXPECT_EQ(log.size(), 16384u);
+    ASSERT_FALSE(log.empty());
+    EXPECT_EQ(log.begin()->first, kSteps - 16384);
+    EXPECT_EQ(log.rbegin()->first, kSteps - 1);
+  });
+}
+
+// ...and the trainer streams it into arrivals.jsonl: every step once, in order, also when
+// the run is longer than the log and resumed part-way.
+TEST(TrainLoop, ArrivalsFileHasEveryStepOnce) {
+  const int64_t steps = 16384 + 8192 + 1500;
+  auto cfg = smoke("arrivals", {"train.steps=" + std::to_string(steps), "model.hidden=[2]",
+                                "train.batch_per_rank=1", "data.synthetic_train=64",
+                                "data.synthetic_test=8", "train.eval_every=100000",
+                                "train.checkpoint_every=9000", "train.checksum_every=0"});
+  train::TrainerOptions first;
+  first.stop_after = 9000;
+  run_training(2, cfg, first);
+  train::TrainerOptions again;
+  again.resume = true;
+  run_training(2, cfg, again);
+  std::ifstream in(fs::path(cfg.run.out_dir) / cfg.run.name / "arrivals.jsonl");
+  int64_t expect = 0;
+  for (std::string line; std::getline(in, line); ++expect) {
+    auto j = nlohmann::json::parse(line);
+    ASSERT_EQ(j["step"].get<int64_t>(), expect);
+    ASSERT_EQ(j["ready_ms"].size(), 2u);
+  }
+  EXPECT_EQ(expect, steps);
 }
 
 }  // namespace

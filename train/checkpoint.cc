@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -214,24 +215,38 @@ std::string checkpoint_path(const std::string& dir, uint64_t step) {
   return fmt::format("{}/ckpt-{:012d}.qck", dir, step);
 }
 
-std::optional<std::string> latest_checkpoint(const std::string& dir) {
+std::vector<uint64_t> checkpoint_steps(const std::string& dir) {
+  std::vector<uint64_t> steps;
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) return std::nullopt;
+  if (!std::filesystem::is_directory(dir, ec)) return steps;
   const std::regex pattern("ckpt-([0-9]{12,20})\\.qck");
-  std::optional<std::string> best;
-  uint64_t best_step = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     if (!e.is_regular_file(ec)) continue;
     const std::string name = e.path().filename().string();
     std::smatch m;
     if (!std::regex_match(name, m, pattern)) continue;
-    const uint64_t step = std::stoull(m[1].str());
-    if (!best || step > best_step) {
-      best = e.path().string();
-      best_step = step;
+    // Parsed by hand: a stray name past the largest step (ckpt-99999999999999999999.qck)
+    // is not a checkpoint this code wrote, and is skipped instead of aborting the resume.
+    uint64_t step = 0;
+    bool fits = true;
+    for (char ch : m[1].str()) {
+      const uint64_t digit = uint64_t(ch - '0');
+      if (step > (kMaxCheckpointStep - digit) / 10) {
+        fits = false;
+        break;
+      }
+      step = step * 10 + digit;
     }
+    if (fits && name == fmt::format("ckpt-{:012d}.qck", step)) steps.push_back(step);
   }
-  return best;
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& dir) {
+  const std::vector<uint64_t> steps = checkpoint_steps(dir);
+  if (steps.empty()) return std::nullopt;
+  return checkpoint_path(dir, steps.front());
 }
 
 }  // namespace qring::train

@@ -16,8 +16,9 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,15 @@ CheckpointState load_checkpoint(const std::string& path);
 // <dir>/ckpt-<step, 12 digits>.qck
 std::string checkpoint_path(const std::string& dir, uint64_t step);
 
-// The checkpoint_path() file with the highest step in dir, if any (temporary files ignored).
+// The largest step a checkpoint name may carry (the trainer counts steps in int64).
+inline constexpr uint64_t kMaxCheckpointStep = uint64_t(std::numeric_limits<int64_t>::max());
+
+// The steps of the checkpoint_path() files in dir, newest first. Other names are ignored:
+// temporary files, and names whose step is past kMaxCheckpointStep or not in the form
+// checkpoint_path() writes (ckpt-99999999999999999999.qck, ckpt-0000000000007.qck).
+std::vector<uint64_t> checkpoint_steps(const std::string& dir);
+
+// The checkpoint_path() file with the highest step in dir, if any (checkpoint_steps()).
 std::optional<std::string> latest_checkpoint(const std::string& dir);
 
 }  // namespace qring::train

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -223,6 +224,15 @@ void check_min(const std::string& key, int64_t v, int64_t lo) {
   if (v < lo) fail(key, fmt::format("must be >= {}, got {}", lo, v));
 }
 
+// Durations in ms: at most a day, far from where converting them to clock ticks overflows
+// (a deadline of 2^62 ms wrapped round to "timed out after 0 ms").
+constexpr int64_t kMaxMs = 24 * 3600 * 1000;
+
+void check_ms(const std::string& key, int64_t v, int64_t lo) {
+  if (v < lo || v > kMaxMs)
+    fail(key, fmt::format("must be in {}..{} (one day), got {}", lo, kMaxMs, v));
+}
+
 std::string toml_string(const std::string& s) {
   std::string out = "\"";
   for (char ch : s) {
@@ -368,13 +378,13 @@ void TrainConfig::validate(int world) const {
     fail("quorum.quorum", fmt::format("a count must be >= 1, got {}", quorum.quorum));
   }
   if (world > 0) quorum_count(world);
-  check_min("quorum.grace_ms", quorum.grace_ms, 0);
-  check_min("quorum.deadline_ms", quorum.deadline_ms, 1);
+  check_ms("quorum.grace_ms", quorum.grace_ms, 0);
+  check_ms("quorum.deadline_ms", quorum.deadline_ms, 1);
   if (quorum.deadline_ms <= quorum.grace_ms)
     fail("quorum.deadline_ms", fmt::format("must be > quorum.grace_ms ({}), got {}",
                                            quorum.grace_ms, quorum.deadline_ms));
   check_one_of("quorum.late_policy", quorum.late_policy, {"drop", "carry"});
-  check_min("quorum.evict_ms", quorum.evict_ms, 1);
+  check_ms("quorum.evict_ms", quorum.evict_ms, 1);
   check_min("quorum.evict_steps", quorum.evict_steps, 0);
   check_min("quorum.min_world", quorum.min_world, 0);
   if (world > 0 && quorum.min_world > world)
@@ -450,6 +460,65 @@ std::vector<std::string> TrainConfig::keys() {
   std::vector<std::string> out;
   for (const auto& f : fields()) out.push_back(f.key);
   return out;
+}
+
+std::vector<std::string> TrainConfig::agreed_keys() {
+  std::vector<std::string> out;
+  for (const auto& f : fields()) {
+    const bool local = f.key == "run.out_dir" || f.key == "data.path" || f.key == "net.provider" ||
+                       f.key.rfind("log.", 0) == 0;
+    if (!local) out.push_back(f.key);
+  }
+  return out;
+}
+
+std::vector<uint64_t> TrainConfig::agreed_digests() const {
+  const auto fs = fields();
+  std::vector<uint64_t> out;
+  for (const auto& key : agreed_keys()) {
+    const std::string text = find_field(fs, key)->get(*this).dump();
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (unsigned char ch : text) {
+      h ^= ch;
+      h *= 0x100000001b3ULL;
+    }
+    out.push_back(h);
+  }
+  return out;
+}
+
+void TrainConfig::check_ranks_agree(const std::vector<uint64_t>& all, int world) {
+  const std::vector<std::string> keys = agreed_keys();
+  const size_t n = keys.size();
+  if (world < 1 || all.size() != n * size_t(world))
+    throw UsageError(
+        fmt::format("check_ranks_agree: {} digests for {} ranks of {} keys", all.size(), world, n));
+  auto of = [&](int r) { return all.begin() + std::ptrdiff_t(size_t(r) * n); };
+  auto same = [&](int a, int b) { return std::equal(of(a), of(a) + std::ptrdiff_t(n), of(b)); };
+  int ref = 0, ref_count = 0;
+  for (int r = 0; r < world; ++r) {
+    int c = 0;
+    for (int o = 0; o < world; ++o) c += same(r, o) ? 1 : 0;
+    if (c > ref_count) {
+      ref = r;
+      ref_count = c;
+    }
+  }
+  if (ref_count == world) return;
+  std::string which;
+  for (int r = 0; r < world; ++r) {
+    if (same(r, ref)) continue;
+    std::string differ;
+    for (size_t k = 0; k < n; ++k)
+      if (of(r)[std::ptrdiff_t(k)] != of(ref)[std::ptrdiff_t(k)])
+        differ += (differ.empty() ? "'" : ", '") + keys[k] + "'";
+    which += fmt::format("{}rank {} ({})", which.empty() ? "" : "; ", r, differ);
+  }
+  throw ConfigError(fmt::format(
+      "the ranks' configurations differ: {} {} other values than rank {}{} (every rank needs "
+      "the same config file and overrides)",
+      which, world - ref_count == 1 ? "has" : "have", ref,
+      ref_count > 1 ? fmt::format(" and {} other rank(s)", ref_count - 1) : ""));
 }
 
 }  // namespace qring::train

@@ -52,7 +52,7 @@ struct TrainSection {
   int64_t eval_batch = 1000;
   double target_accuracy = 0.0;  // 0 = none; else time-to-accuracy is reported
   int64_t checkpoint_every = 0;  // steps; 0 = off
-  int64_t checksum_every = 0;    // steps; 0 = off
+  int64_t checksum_every = 100;  // steps; 0 = off (issue 15: about 0.1% of a step's time)
 };
 
 struct QuorumSection {
@@ -122,6 +122,17 @@ struct TrainConfig {
 
   // All dotted key names, in to_toml order.
   static std::vector<std::string> keys();
+
+  // The keys every rank of a job must agree on: all but where this rank's files are and how
+  // it logs (run.out_dir, data.path, net.provider, log.*), which may differ between nodes.
+  static std::vector<std::string> agreed_keys();
+  // Per agreed_keys() entry, in that order, a 64-bit hash (FNV-1a) of its value: what the
+  // trainer compares across ranks at start.
+  std::vector<uint64_t> agreed_digests() const;
+  // `all` holds every rank's agreed_digests(), rank r's at [r * n, (r + 1) * n) with
+  // n = agreed_keys().size(). Throws ConfigError naming each rank whose values differ from
+  // the most common ones (rank 0's on a tie) and the keys that differ.
+  static void check_ranks_agree(const std::vector<uint64_t>& all, int world);
 };
 
 }  // namespace qring::train

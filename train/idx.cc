@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -12,7 +13,8 @@
 namespace qring::train {
 namespace {
 
-constexpr size_t kMaxIdxBytes = size_t{1} << 32;  // 4 GiB: far above any dataset we read
+constexpr size_t kMaxIdxBytes = size_t{1} << 32;    // 4 GiB: far above any dataset we read
+constexpr size_t kTrailingLimit = size_t{1} << 16;  // trailing bytes counted before giving up
 
 struct GzCloser {
   void operator()(gzFile_s* f) const {
@@ -29,35 +31,55 @@ std::string zlib_message(const std::string& path, const char* msg) {
   return m;
 }
 
-std::vector<uint8_t> read_all(const std::string& path) {
-  errno = 0;
-  GzFile f(gzopen(path.c_str(), "rb"));
-  if (!f) {
-    throw DataError(fmt::format("{}: cannot open: {}", path,
-                                errno != 0 ? std::strerror(errno) : "out of memory"));
-  }
-  std::vector<uint8_t> out;
-  std::vector<uint8_t> chunk(1 << 20);
-  while (true) {
-    const int n = gzread(f.get(), chunk.data(), static_cast<unsigned>(chunk.size()));
-    if (n < 0) {
-      int err = 0;
-      const char* msg = gzerror(f.get(), &err);
-      throw DataError(fmt::format("{}: corrupt or unreadable gzip data: {}", path,
-                                  err == Z_ERRNO ? std::strerror(errno) : zlib_message(path, msg)));
+// A gzip (or plain) stream read in bounded pieces: nothing is inflated beyond what the
+// caller asks for, so a small file that inflates to gigabytes costs no more than the IDX
+// header says the data needs (a "gzip bomb" is refused after its header).
+class Stream {
+ public:
+  explicit Stream(const std::string& path) : path_(path) {
+    errno = 0;
+    f_.reset(gzopen(path.c_str(), "rb"));
+    if (!f_) {
+      throw DataError(fmt::format("{}: cannot open: {}", path,
+                                  errno != 0 ? std::strerror(errno) : "out of memory"));
     }
-    if (n == 0) break;
-    out.insert(out.end(), chunk.begin(), chunk.begin() + n);
-    if (out.size() > kMaxIdxBytes) throw DataError(fmt::format("{}: file is too large", path));
   }
-  int err = 0;
-  const char* msg = gzerror(f.get(), &err);
-  if (err != Z_OK && err != Z_STREAM_END) {
-    throw DataError(
-        fmt::format("{}: corrupt or truncated gzip data: {}", path, zlib_message(path, msg)));
+
+  // Reads up to n bytes into p; fewer only at the end of the stream. Throws DataError on
+  // corrupt or truncated gzip data.
+  size_t read(uint8_t* p, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+      const unsigned want = static_cast<unsigned>(std::min<size_t>(n - got, 1 << 20));
+      const int k = gzread(f_.get(), p + got, want);
+      if (k < 0) {
+        int err = 0;
+        const char* msg = gzerror(f_.get(), &err);
+        throw DataError(
+            fmt::format("{}: corrupt or unreadable gzip data: {}", path_,
+                        err == Z_ERRNO ? std::strerror(errno) : zlib_message(path_, msg)));
+      }
+      if (k == 0) break;
+      got += static_cast<size_t>(k);
+    }
+    if (got < n) check_end();
+    return got;
   }
-  return out;
-}
+
+ private:
+  // At the end of the stream: a truncated or corrupt trailer shows up here.
+  void check_end() {
+    int err = 0;
+    const char* msg = gzerror(f_.get(), &err);
+    if (err != Z_OK && err != Z_STREAM_END) {
+      throw DataError(
+          fmt::format("{}: corrupt or truncated gzip data: {}", path_, zlib_message(path_, msg)));
+    }
+  }
+
+  const std::string& path_;
+  GzFile f_;
+};
 
 void put_be32(std::vector<uint8_t>& out, uint32_t v) {
   for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<uint8_t>(v >> s));
@@ -66,29 +88,30 @@ void put_be32(std::vector<uint8_t>& out, uint32_t v) {
 }  // namespace
 
 IdxArray read_idx(const std::string& path) {
-  std::vector<uint8_t> raw = read_all(path);
-  if (raw.size() < 4)
-    throw DataError(fmt::format("{}: truncated IDX header ({} bytes)", path, raw.size()));
-  if (raw[0] != 0 || raw[1] != 0) {
-    throw DataError(fmt::format("{}: bad IDX magic number 0x{:02x}{:02x}{:02x}{:02x}", path, raw[0],
-                                raw[1], raw[2], raw[3]));
+  Stream in(path);
+  uint8_t head[4 + 4 * 4];
+  size_t got = in.read(head, 4);
+  if (got < 4) throw DataError(fmt::format("{}: truncated IDX header ({} bytes)", path, got));
+  if (head[0] != 0 || head[1] != 0) {
+    throw DataError(fmt::format("{}: bad IDX magic number 0x{:02x}{:02x}{:02x}{:02x}", path,
+                                head[0], head[1], head[2], head[3]));
   }
-  if (raw[2] != 0x08) {
+  if (head[2] != 0x08) {
     throw DataError(fmt::format("{}: unsupported IDX data type 0x{:02x} (only 0x08, unsigned byte)",
-                                path, raw[2]));
+                                path, head[2]));
   }
-  const size_t ndims = raw[3];
+  const size_t ndims = head[3];
   if (ndims < 1 || ndims > 4)
     throw DataError(fmt::format("{}: bad IDX dimension count {} (1..4)", path, ndims));
   const size_t header = 4 + 4 * ndims;
-  if (raw.size() < header) {
-    throw DataError(
-        fmt::format("{}: truncated IDX header ({} bytes, need {})", path, raw.size(), header));
+  got += in.read(head + 4, header - 4);
+  if (got < header) {
+    throw DataError(fmt::format("{}: truncated IDX header ({} bytes, need {})", path, got, header));
   }
   IdxArray a;
   size_t total = 1;
   for (size_t d = 0; d < ndims; ++d) {
-    const uint8_t* p = raw.data() + 4 + 4 * d;
+    const uint8_t* p = head + 4 + 4 * d;
     const uint32_t v =
         (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
     if (v == 0 && d > 0) throw DataError(fmt::format("{}: IDX dimension {} is zero", path, d));
@@ -97,16 +120,28 @@ IdxArray read_idx(const std::string& path) {
     if (total > kMaxIdxBytes)
       throw DataError(fmt::format("{}: IDX dimensions are too large", path));
   }
-  const size_t have = raw.size() - header;
-  if (have < total) {
-    throw DataError(fmt::format("{}: truncated IDX data: dimensions need {} bytes, file has {}",
-                                path, total, have));
+  // The data, read as it arrives (a header may claim more than the file holds), then at most
+  // kTrailingLimit bytes more to tell a clean end from trailing data.
+  while (a.data.size() < total) {
+    const size_t at = a.data.size();
+    const size_t step = std::min(total - at, std::max<size_t>(at, size_t{1} << 20));
+    a.data.resize(at + step);
+    const size_t n = in.read(a.data.data() + at, step);
+    if (n < step) {
+      throw DataError(fmt::format("{}: truncated IDX data: dimensions need {} bytes, file has {}",
+                                  path, total, at + n));
+    }
   }
-  if (have > total) {
+  std::vector<uint8_t> extra(kTrailingLimit + 1);
+  const size_t trailing = in.read(extra.data(), extra.size());
+  if (trailing > kTrailingLimit) {
+    throw DataError(fmt::format("{}: more than {} trailing bytes after the IDX data ({} expected)",
+                                path, kTrailingLimit, total));
+  }
+  if (trailing > 0) {
     throw DataError(fmt::format("{}: {} trailing bytes after the IDX data ({} expected)", path,
-                                have - total, total));
+                                trailing, total));
   }
-  a.data.assign(raw.begin() + static_cast<std::ptrdiff_t>(header), raw.end());
   return a;
 }
 

@@ -18,7 +18,10 @@ struct IdxArray {
   std::vector<uint8_t> data;  // product(dims) bytes, row-major
 };
 
-// Reads an IDX file of unsigned bytes; gzip is detected and decompressed through zlib.
+// Reads an IDX file of unsigned bytes; gzip is detected and decompressed through zlib. The
+// header is checked first and the stream is inflated no further than the size it implies
+// (plus a little, to detect trailing data): a small file that inflates to gigabytes is
+// refused at the cost of its header's claim, never read whole.
 IdxArray read_idx(const std::string& path);
 
 // Writes an IDX file of unsigned bytes (gzip-compressed if gzip is true). For tests and tools.

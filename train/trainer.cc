@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -133,12 +134,6 @@ std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64
   return o;
 }
 
-int64_t step_of_checkpoint(const std::string& path) {
-  auto name = fs::path(path).stem().string();  // ckpt-000000000123
-  auto dash = name.find('-');
-  return dash == std::string::npos ? -1 : std::stoll(name.substr(dash + 1));
-}
-
 }  // namespace
 
 uint64_t checksum(const float* p, size_t n) {
@@ -176,6 +171,16 @@ nlohmann::json RunSummary::to_json() const {
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts) {
   const int rank = comm.rank(), world = comm.size();
+  // Every rank must run the same configuration: an override given to one node only would go
+  // unnoticed (or hang the first collective on a model of another size). The per-key digests
+  // are gathered from the whole world, and every rank stops naming the ranks and keys that
+  // differ (the collective has the communicator's deadline).
+  if (world > 1) {
+    const std::vector<uint64_t> mine = cfg.agreed_digests();
+    std::vector<uint64_t> all(mine.size() * size_t(world));
+    comm.allgather(mine.data(), all.data(), mine.size(), DataType::kInt64);
+    TrainConfig::check_ranks_agree(all, world);
+  }
   cfg.validate(world);
   const int quorum = cfg.quorum_count(world);
   const uint64_t seed = uint64_t(cfg.run.seed);
@@ -240,28 +245,91 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
 
   int64_t start = 0;
   if (opts.resume) {
-    auto latest = latest_checkpoint(ckpt_dir.string());
-    int64_t mine = latest ? step_of_checkpoint(*latest) : -1;
-    int64_t common = mine;
-    comm.allreduce(&mine, &common, 1, DataType::kInt64, RedOp::kMin);
-    if (common < 0) {
+    // The ranks agree on the newest step at which every rank has a checkpoint it can load: a
+    // rank whose newest file is torn or corrupt falls back, and the others with it, to an
+    // older one. In each round every rank proposes its newest loadable step at or below the
+    // candidate (-1: none) and the candidate becomes the smallest proposal, until all
+    // proposals are equal; every round is a collective of the whole world with the
+    // communicator's deadline, and the candidate only decreases. A checkpoint that loads but
+    // belongs to another job (world, rank, configuration) stops every rank, naming this one.
+    const std::vector<uint64_t> steps = checkpoint_steps(ckpt_dir.string());
+    size_t next = 0;                    // steps[next..] not examined yet
+    std::optional<CheckpointState> st;  // the newest loadable checkpoint examined so far
+    std::string st_path, fatal;
+    auto mismatch = [&](const CheckpointState& s) -> std::string {
+      if (int(s.world) != world || int(s.rank) != rank)
+        return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world,
+                           rank, world);
+      if (s.params.size() != P || s.velocity.size() != P)
+        return fmt::format("{} parameters and {} momentum values, the model has {}",
+                           s.params.size(), s.velocity.size(), P);
+      if (s.config_fingerprint != cfg.fingerprint())
+        return fmt::format("config fingerprint {:016x} does not match this config's {:016x} "
+                           "(seed, data, model or batch changed)",
+                           s.config_fingerprint, cfg.fingerprint());
+      if (s.position.index >= spe)
+        return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
+                           s.position.epoch, s.position.index, spe);
+      return {};
+    };
+    auto propose = [&](int64_t candidate) -> int64_t {
+      if (st && int64_t(st->step) <= candidate) return int64_t(st->step);
+      st.reset();
+      for (; next < steps.size() && fatal.empty(); ++next) {
+        if (int64_t(steps[next]) > candidate) continue;
+        const std::string path = checkpoint_path(ckpt_dir.string(), steps[next]);
+        try {
+          CheckpointState s = load_checkpoint(path);
+          if (s.step != steps[next])
+            throw DataError(fmt::format("{}: holds step {}, not the step of its name", path,
+                                        s.step));
+          if (std::string why = mismatch(s); !why.empty()) {
+            fatal = fmt::format("--resume: rank {}: {}: {}", rank, path, why);
+            break;
+          }
+          st = std::move(s);
+          st_path = path;
+          ++next;
+          return int64_t(st->step);
+        } catch (const DataError& e) {
+          spdlog::warn("--resume: rank {} cannot load a checkpoint, trying an older one: {}",
+                       rank, e.what());
+        }
+      }
+      return -1;
+    };
+    int64_t candidate = std::numeric_limits<int64_t>::max(), agreed = -1;
+    while (true) {
+      const int64_t p = propose(candidate);
+      // MIN of (proposal, -proposal, first rank with a fatal problem or world).
+      int64_t mine[3] = {p, -p, fatal.empty() ? int64_t(world) : int64_t(rank)};
+      int64_t all[3];
+      comm.allreduce(mine, all, 3, DataType::kInt64, RedOp::kMin);
+      if (all[2] < world) {
+        if (!fatal.empty()) throw DataError(fatal);
+        throw DataError(fmt::format("--resume: rank {} has a checkpoint of another job or "
+                                    "configuration (see its log); rank {} stops too",
+                                    all[2], rank));
+      }
+      if (all[0] == -all[1]) {
+        agreed = all[0];
+        break;
+      }
+      candidate = all[0];
+    }
+    if (agreed < 0) {
       if (rank == 0) spdlog::warn("--resume: no checkpoint common to all ranks; starting fresh");
     } else {
-      std::string path = checkpoint_path(ckpt_dir.string(), uint64_t(common));
-      CheckpointState st = load_checkpoint(path);
-      if (int(st.world) != world || int(st.rank) != rank)
-        throw DataError(fmt::format("{}: written by rank {} of {}; this is rank {} of {}", path,
-                                    st.rank, st.world, rank, world));
       try {
-        core.restore(st);
+        core.restore(*st);
       } catch (const DataError& e) {
-        throw DataError(fmt::format("{}: {}", path, e.what()));
+        throw DataError(fmt::format("{}: {}", st_path, e.what()));
       }
-      std::vector<char> carry(reinterpret_cast<const char*>(st.carry.data()),
-                              reinterpret_cast<const char*>(st.carry.data() + st.carry.size()));
+      std::vector<char> carry(reinterpret_cast<const char*>(st->carry.data()),
+                              reinterpret_cast<const char*>(st->carry.data() + st->carry.size()));
       q.restore_carry(carry);
-      start = int64_t(st.step);
-      if (rank == 0) spdlog::info("resumed from step {} ({})", start, path);
+      start = int64_t(st->step);
+      if (rank == 0) spdlog::info("resumed from step {} ({})", start, st_path);
     }
   }
 
@@ -278,6 +346,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     std::ofstream(run_dir / "config.toml") << cfg.to_toml();
     if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
     if (!opts.resume) std::ofstream(run_dir / "metrics.jsonl", std::ios::trunc);
+    if (opts.resume) truncate_metrics(run_dir / "arrivals.jsonl", start);
+    if (!opts.resume) std::ofstream(run_dir / "arrivals.jsonl", std::ios::trunc);
     // Appending: a rank that takes over as coordinator appends to the same file, each line in
     // one write (flushed per line), so a deposed coordinator never overwrites its lines.
     metrics.open(run_dir / "metrics.jsonl", std::ios::app);
@@ -370,6 +440,23 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       if (e.path().extension() == ".qck") all.push_back(e.path().string());
     std::sort(all.begin(), all.end());
     for (size_t i = 0; i + 3 < all.size(); ++i) fs::remove(all[i]);
+  };
+
+  // The coordinator's arrival log keeps its newest steps only (collectives/quorum.cc); the
+  // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when no
+  // late READY can change it any more (the coordinator logs late READYs for its newest 4096
+  // decided steps, kKeepDecided in quorum_coordinator.cc: the lag must stay above it), and
+  // the rest at the end.
+  constexpr int64_t kArrivalsLag = 8192, kArrivalsEvery = 1024;
+  int64_t arrivals_next = start;  // the first step not yet written by this rank
+  auto write_arrivals = [&](int64_t before) {
+    if (q.coordinator() != rank) return;
+    std::ofstream arr(run_dir / "arrivals.jsonl", std::ios::app);
+    for (auto& [step, offs] : q.arrival_log()) {
+      if (int64_t(step) < arrivals_next || int64_t(step) >= before) continue;
+      arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
+      arrivals_next = int64_t(step) + 1;
+    }
   };
 
   // View changes (ranks lost), logged when the first step decided without them completes.
@@ -482,6 +569,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       metrics << j.dump() << '\n' << std::flush;
     }
     const int64_t done = t + 1;
+    if (done % kArrivalsEvery == 0 && done > kArrivalsLag) write_arrivals(done - kArrivalsLag);
     if (done % eval_every == 0 && done < total) do_eval(done);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
     if (cfg.log.progress && lead()) {
@@ -550,9 +638,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     j["straggler"] = straggler.spec();
     j["finished"] = finished;
     std::ofstream(run_dir / "summary.json") << j.dump(2) << '\n';
-    std::ofstream arr(run_dir / "arrivals.jsonl");
-    for (auto& [step, offs] : q.arrival_log())
-      arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
+    write_arrivals(std::numeric_limits<int64_t>::max());
   }
   return sum;
 }
