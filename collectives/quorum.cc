@@ -277,8 +277,8 @@ class QuorumService final : public EngineOp {
       if (sends_.empty() || only_lost || Clock::now() > drain_deadline()) {
         for (auto& s : sends_) {
           if (s.req->done()) continue;
-          // The provider may still read these buffers: leak them rather than free them.
-          if (s.buf) (void)new std::shared_ptr<std::vector<char>>(s.buf);
+          // The provider may still read these buffers until the endpoint is closed.
+          if (s.buf) ep.retain_until_closed(s.buf);
         }
         sends_.clear();
         finished_ = true;

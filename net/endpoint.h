@@ -98,6 +98,18 @@ class Endpoint {
   // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.
   void wait(const RequestPtr& req, Deadline deadline, std::string_view what = {});
   void wait_all(std::span<const RequestPtr> reqs, Deadline deadline, std::string_view what = {});
+
+  // Keeps `what` alive until this endpoint is destroyed. For the buffer of a send that may
+  // never complete (its peer died or stopped) when the operation that owns it goes away: the
+  // transport may read the buffer until the endpoint is closed, and it is freed after that
+  // (the implementations close their transport in their own destructors, which run first).
+  // Called by the thread driving the endpoint.
+  void retain_until_closed(std::shared_ptr<const void> what) {
+    retained_.push_back(std::move(what));
+  }
+
+ private:
+  std::vector<std::shared_ptr<const void>> retained_;
 };
 
 // Spin-then-sleep waiting policy shared by every wait loop: cheap on oversubscribed nodes.

@@ -668,6 +668,12 @@ TEST(TcpStore, ConnectionFloodIsCapped) {
 // spin on the readable listening socket nor flood its log, and serves again once descriptors
 // free up. Runs in a forked child (RLIMIT_NOFILE is per process) whose output goes to a file.
 TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
+#ifdef QRING_UBSAN
+  // UBSan's runtime checks a vtable by writing it into a pipe it opens for the purpose; at the
+  // descriptor limit that fails and it reports an "invalid vptr" in fmt's buffer (a fault of
+  // the checker, not of the server). The Release build runs this test.
+  GTEST_SKIP() << "UBSan's vptr check needs free descriptors";
+#endif
   auto log_path = std::filesystem::temp_directory_path() /
                   fmt::format("qring-store-emfile-{}.log", getpid());
   int to_child[2], from_child[2];
