@@ -121,6 +121,12 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
     m.b_ = number(spec, parts[2], "sigma");
     if (m.b_ < 0) throw ConfigError(fmt::format("straggler model '{}': sigma must be >= 0", spec));
     return m;
+  } else if (kind == "shiftexp") {
+    need(3, "shiftexp:SHIFT_MS:MEAN_MS");
+    m.kind_ = Kind::kShiftExp;
+    m.a_ = number(spec, parts[1], "shift");
+    m.b_ = number(spec, parts[2], "mean");
+    if (m.b_ < 0) throw ConfigError(fmt::format("straggler model '{}': mean must be >= 0", spec));
   } else if (kind == "tail") {
     need(3, "tail:P:MS");
     m.kind_ = Kind::kTail;
@@ -131,7 +137,7 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
   } else {
     throw ConfigError(
         fmt::format("unknown straggler model '{}' (expected none, fixed:RANK:MS, exp:MEAN_MS, "
-                    "lognormal:MU:SIGMA, tail:P:MS or trace:FILE)",
+                    "lognormal:MU:SIGMA, shiftexp:SHIFT_MS:MEAN_MS, tail:P:MS or trace:FILE)",
                     spec));
   }
   if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': delay must be >= 0", spec));
@@ -155,6 +161,9 @@ std::chrono::microseconds StragglerModel::delay(uint64_t seed, int rank, uint64_
       ms = std::exp(a_ + b_ * z);
       break;
     }
+    case Kind::kShiftExp:
+      ms = a_ - b_ * std::log(uniform(seed, rank, step, 5));
+      break;
     case Kind::kTail:
       ms = uniform(seed, rank, step, 4) < b_ ? a_ : 0;
       break;

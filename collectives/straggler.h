@@ -5,6 +5,10 @@
 //   fixed:RANK:MS        rank RANK is MS late every step
 //   exp:MEAN_MS          every rank, every step: exponential with mean MEAN_MS
 //   lognormal:MU:SIGMA   every rank, every step: exp(MU + SIGMA z) ms, z standard normal
+//   shiftexp:SHIFT_MS:MEAN_MS  every rank, every step: SHIFT_MS + an exponential with mean
+//                        MEAN_MS (the shifted exponential of Chen et al., "Revisiting
+//                        Distributed Synchronous SGD"; the k-th of n arrivals is expected at
+//                        SHIFT + MEAN (H(n) - H(n-k)), H the harmonic numbers)
 //   tail:P:MS            every rank, every step: MS with probability P, else 0
 //   trace:FILE           per (step, rank) delays from FILE: lines "step rank ms" ('#' comments);
 //                        pairs absent from the file are not delayed
@@ -22,7 +26,7 @@ namespace qring::collectives {
 
 class StragglerModel {
  public:
-  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace };
+  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace, kShiftExp };
 
   StragglerModel() = default;
   // Throws ConfigError naming the spec (and file:line for traces) on bad input.

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -20,7 +21,7 @@ TEST(Straggler, NoneAndFixed) {
 }
 
 TEST(Straggler, DeterministicPerSeedRankStepAndDistinctAcrossThem) {
-  for (const char* spec : {"exp:20", "lognormal:2:0.5", "tail:0.5:100"}) {
+  for (const char* spec : {"exp:20", "lognormal:2:0.5", "tail:0.5:100", "shiftexp:5:20"}) {
     auto m = StragglerModel::parse(spec);
     EXPECT_EQ(m.delay(7, 3, 11), m.delay(7, 3, 11)) << spec;
     int differ = 0;
@@ -41,6 +42,35 @@ TEST(Straggler, ExpMeanAndTailProbabilityAreRight) {
   EXPECT_NEAR(double(hits) / n, 0.1, 0.01);
   auto l = StragglerModel::parse("lognormal:0:0");
   EXPECT_EQ(l.delay(1, 0, 0), microseconds(1000));  // exp(0) ms
+}
+
+TEST(Straggler, ShiftedExponentialShiftMeanAndSpread) {
+  auto m = StragglerModel::parse("shiftexp:10:20");
+  EXPECT_EQ(m.kind(), StragglerModel::Kind::kShiftExp);
+  EXPECT_EQ(m.spec(), "shiftexp:10:20");
+  const int n = 40000;
+  double sum = 0, sq = 0, lo = 1e300;
+  for (int i = 0; i < n; ++i) {
+    double ms = double(m.delay(9, i % 7, uint64_t(i / 7)).count()) / 1000.0;
+    sum += ms;
+    sq += ms * ms;
+    lo = std::min(lo, ms);
+  }
+  const double mean = sum / n, sd = std::sqrt(sq / n - mean * mean);
+  // Mean SHIFT + MEAN, standard deviation MEAN (that of the exponential part), never below
+  // the shift.
+  EXPECT_NEAR(mean, 30.0, 0.5);
+  EXPECT_NEAR(sd, 20.0, 0.6);
+  EXPECT_GE(lo, 10.0);
+  EXPECT_LT(lo, 10.1);
+  // Not the same draws as exp: (other salt), so the two models are independent.
+  auto e = StragglerModel::parse("exp:20");
+  int same = 0;
+  for (uint64_t s = 0; s < 100; ++s)
+    same += m.delay(1, 0, s) - microseconds(10000) == e.delay(1, 0, s);
+  EXPECT_LT(same, 5);
+  // MEAN 0 is the constant SHIFT.
+  EXPECT_EQ(StragglerModel::parse("shiftexp:4:0").delay(3, 1, 2), microseconds(4000));
 }
 
 TEST(Straggler, TraceFile) {
@@ -68,8 +98,22 @@ TEST(Straggler, TraceFile) {
 
 TEST(Straggler, BadSpecsAreErrors) {
   for (const char* s : {"fixed:2", "fixed:a:3", "exp", "exp:-1", "tail:2:5", "lognormal:1:-1",
-                        "weird:1", "fixed:1:2:3"})
+                        "weird:1", "fixed:1:2:3", "shiftexp", "shiftexp:1", "shiftexp:1:2:3",
+                        "shiftexp:-1:5", "shiftexp:1:-5", "shiftexp:x:5", "shiftexp:1:inf"})
     EXPECT_THROW(StragglerModel::parse(s), ConfigError) << s;
+  try {
+    StragglerModel::parse("shiftexp:1:-5");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("shiftexp:1:-5"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("mean"), std::string::npos) << e.what();
+  }
+  try {
+    StragglerModel::parse("weird:1");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("shiftexp:SHIFT_MS:MEAN_MS"), std::string::npos);
+  }
 }
 
 TEST(Straggler, SleepUnlessStopsEarly) {
