@@ -1,0 +1,271 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "collectives/straggler.h"
+#include "net/error.h"
+#include "train/config.h"
+#include "train/dataset.h"
+#include "train/sim.h"
+#include "train/trainer.h"
+#include "train/trainer_core.h"
+
+namespace qring::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kToml = R"(
+[run]
+name = "sim-test"
+seed = 3
+[data]
+dataset = "synthetic"
+synthetic_train = 2048
+synthetic_test = 256
+[model]
+type = "mlp"
+hidden = [16]
+[train]
+batch_per_rank = 16
+steps = 12
+lr = 0.1
+reference_batch = 64
+warmup_steps = 2
+eval_every = 6
+eval_batch = 256
+[straggler]
+model = "shiftexp:2:10"
+)";
+
+TrainConfig config(const std::vector<std::string>& overrides = {}) {
+  return TrainConfig::from_string(kToml, overrides);
+}
+
+const DatasetPair& data() {
+  static DatasetPair d = load_datasets(config().data, 3);
+  return d;
+}
+
+double harmonic(int n) {
+  double h = 0;
+  for (int i = 1; i <= n; ++i) h += 1.0 / i;
+  return h;
+}
+
+// Issue 16 item 6a: for shiftexp the k-th of n arrivals is expected at
+// SHIFT + MEAN (H(n) - H(n-k)); the simulator's arrivals, averaged over many steps, agree.
+TEST(Sim, KthArrivalMatchesShiftedExponentialOrderStatistics) {
+  const auto m = collectives::StragglerModel::parse("shiftexp:10:20");
+  const int n = 100, steps = 3000;
+  const std::vector<int> ks = {1, 10, 50, 90, 98, 100};
+  std::vector<double> mean(ks.size(), 0.0);
+  for (int s = 0; s < steps; ++s) {
+    auto a = sim_arrivals(m, 5, n, uint64_t(s), 0.0);
+    ASSERT_EQ(a.size(), size_t(n));
+    for (size_t i = 1; i < a.size(); ++i) ASSERT_LE(a[i - 1].ms, a[i].ms);
+    for (size_t j = 0; j < ks.size(); ++j) mean[j] += a[size_t(ks[j] - 1)].ms / steps;
+  }
+  for (size_t j = 0; j < ks.size(); ++j) {
+    const double expect = 10.0 + 20.0 * (harmonic(n) - harmonic(n - ks[j]));
+    EXPECT_NEAR(mean[j], expect, 0.02 * expect) << "k = " << ks[j];
+  }
+  // The base compute time shifts every arrival.
+  auto a0 = sim_arrivals(m, 5, n, 7, 0.0), a1 = sim_arrivals(m, 5, n, 7, 4.5);
+  for (size_t i = 0; i < a0.size(); ++i) {
+    EXPECT_EQ(a0[i].rank, a1[i].rank);
+    EXPECT_DOUBLE_EQ(a0[i].ms + 4.5, a1[i].ms);
+  }
+}
+
+TEST(Sim, ArrivalTiesGoByRankAndAllReduceCost) {
+  auto a = sim_arrivals(collectives::StragglerModel::parse("none"), 1, 5, 0, 3.0);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(a[size_t(i)].rank, i);
+  EXPECT_EQ(sim_allreduce_ms(1, 1e6, 50, 1), 0.0);
+  // alpha + bytes beta 2 (k-1)/k: 50 us + 1e6 B * 1 ns * 2 * 3/4 = 1.55 ms.
+  EXPECT_NEAR(sim_allreduce_ms(4, 1e6, 50, 1), 1.55, 1e-12);
+}
+
+SimOptions sync_opts(int workers, int backups) {
+  SimOptions o;
+  o.workers = workers;
+  o.backups = backups;
+  o.compute_ms = 4;
+  o.alpha_us = 20;
+  o.beta_ns_per_byte = 0.5;
+  return o;
+}
+
+// Issue 16 item 6b: N = W - b gradients averaged every step, the first N to arrive, and the
+// step ends at the N-th arrival plus communication.
+TEST(Sim, SyncAveragesTheFirstNArrivalsEveryStep) {
+  const TrainConfig cfg = config();
+  const auto m = collectives::StragglerModel::parse(cfg.straggler.model);
+  for (int b : {0, 3}) {
+    const int W = 8, N = W - b;
+    SimOptions o = sync_opts(W, b);
+    SimResult r = simulate(cfg, data(), o);
+    ASSERT_EQ(r.steps.size(), 12u) << b;
+    EXPECT_EQ(r.updates, 12);
+    EXPECT_EQ(r.gradients_computed, 12 * N);
+    const double P = double(TrainerCore(cfg, data(), 0, W, N).num_params());
+    const double comm = 2 * 0.020 + sim_allreduce_ms(N, 4 * (P + 1), 20, 0.5);
+    double vt = 0;
+    for (const auto& s : r.steps) {
+      EXPECT_EQ(s.contributors, N);
+      auto a = sim_arrivals(m, 3, W, uint64_t(s.step), 4.0);
+      ASSERT_EQ(s.ranks.size(), size_t(N));
+      for (int i = 0; i < N; ++i) EXPECT_EQ(s.ranks[size_t(i)], a[size_t(i)].rank);
+      EXPECT_DOUBLE_EQ(s.kth_arrival_ms, a[size_t(N - 1)].ms);
+      EXPECT_NEAR(s.step_ms, a[size_t(N - 1)].ms + comm, 1e-9);
+      vt += s.step_ms / 1000;
+      EXPECT_NEAR(s.virtual_s, vt, 1e-9);
+      EXPECT_TRUE(std::isfinite(s.loss));
+    }
+    // Evaluations at step 6 and at the end.
+    ASSERT_EQ(r.evals.size(), 2u);
+    EXPECT_EQ(r.evals[0].step, 6);
+    EXPECT_EQ(r.evals[1].step, 12);
+    EXPECT_NEAR(r.virtual_s, vt, 1e-9);
+  }
+}
+
+// The update is exactly SGD with the mean of the first N gradients summed in arrival order:
+// recomputed here from the same pieces (TrainerCore, Sharder, sim_arrivals), bit for bit.
+TEST(Sim, SyncUpdateIsTheMeanOfTheFirstNGradientsInArrivalOrder) {
+  const TrainConfig cfg = config({"train.steps=3"});
+  const int W = 6, b = 2, N = W - b;
+  SimResult r = simulate(cfg, data(), sync_opts(W, b));
+
+  TrainerCore ref(cfg, data(), 0, W, N);
+  std::vector<Sharder> sh;
+  for (int w = 0; w < W; ++w) sh.emplace_back(data().train.size(), w, W, 16, 3);
+  const auto m = collectives::StragglerModel::parse(cfg.straggler.model);
+  const size_t P = ref.num_params();
+  AlignedVector<float> x(size_t(16 * data().train.dim));
+  std::vector<int32_t> y(16);
+  for (int t = 0; t < 3; ++t) {
+    auto a = sim_arrivals(m, 3, W, uint64_t(t), 4.0);
+    std::vector<float> sum(P, 0.0f);
+    for (int i = 0; i < W; ++i) {
+      const auto& idx = sh[size_t(a[size_t(i)].rank)].next_batch();
+      if (i >= N) continue;
+      gather_batch(data().train, idx, x.data(), y.data());
+      ref.model().forward_backward(x.data(), y.data(), 16);
+      for (size_t p = 0; p < P; ++p) sum[p] += ref.gradient()[p];
+    }
+    for (auto& v : sum) v *= 1.0f / float(N);
+    ref.apply_gradient(sum.data());
+  }
+  EXPECT_EQ(r.params_checksum, checksum(ref.params(), P));
+  // The backups matter: all W gradients give other parameters.
+  SimResult full = simulate(cfg, data(), sync_opts(W, 0));
+  EXPECT_NE(full.params_checksum, r.params_checksum);
+}
+
+TEST(Sim, IdenticalSeedsGiveIdenticalRuns) {
+  for (SimMode mode : {SimMode::kSync, SimMode::kAsync}) {
+    SimOptions o = sync_opts(6, mode == SimMode::kSync ? 2 : 0);
+    o.mode = mode;
+    SimResult a = simulate(config(), data(), o), b = simulate(config(), data(), o);
+    EXPECT_EQ(a.params_checksum, b.params_checksum);
+    ASSERT_EQ(a.steps.size(), b.steps.size());
+    for (size_t i = 0; i < a.steps.size(); ++i) {
+      EXPECT_EQ(a.steps[i].loss, b.steps[i].loss);
+      EXPECT_EQ(a.steps[i].virtual_s, b.steps[i].virtual_s);
+    }
+    EXPECT_EQ(a.test_accuracy, b.test_accuracy);
+    SimResult c = simulate(config({"run.seed=4"}), data(), o);
+    EXPECT_NE(a.params_checksum, c.params_checksum);
+  }
+}
+
+// Issue 16 item 6c: with a parameter server and workers of the same speed, a gradient is
+// stale by about W - 1 updates (exactly W - 1 after the first round).
+TEST(Sim, AsyncStalenessIsAboutTheNumberOfWorkers) {
+  const int W = 8;
+  SimOptions o = sync_opts(W, 0);
+  o.mode = SimMode::kAsync;
+  SimResult r = simulate(config({"straggler.model=none", "train.steps=20"}), data(), o);
+  EXPECT_EQ(r.updates, 20 * W);
+  EXPECT_EQ(r.gradients_computed, 20 * W);
+  int64_t n = 0;
+  for (auto c : r.staleness_hist) n += c;
+  EXPECT_EQ(n, 20 * W);
+  EXPECT_EQ(r.staleness_max, W - 1);
+  EXPECT_GT(r.staleness_mean, 0.9 * (W - 1));
+  EXPECT_LE(r.staleness_mean, W - 1);
+  ASSERT_EQ(r.steps.size(), 20u);
+  EXPECT_NEAR(r.steps[0].staleness_mean, (W - 1) / 2.0, 1e-12);  // first round: 0..W-1
+  EXPECT_EQ(r.steps.back().staleness_mean, W - 1);
+  // Random delays reorder the updates but one gradient in flight per worker keeps the mean
+  // near W - 1 (Little's law).
+  SimResult s = simulate(config({"train.steps=20"}), data(), o);
+  EXPECT_GT(s.staleness_mean, 0.8 * (W - 1));
+  EXPECT_LT(s.staleness_mean, 1.1 * (W - 1));
+  EXPECT_GT(s.staleness_max, W - 1);
+}
+
+TEST(Sim, WritesMetricsAndSummary) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "qring-sim-out";
+  fs::remove_all(dir);
+  SimOptions o = sync_opts(4, 1);
+  o.out_dir = dir.string();
+  SimResult r = simulate(config({"train.target_accuracy=0.05"}), data(), o);
+  std::ifstream in(dir / "metrics.jsonl");
+  std::string line;
+  int steps = 0, evals = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "step") {
+      EXPECT_EQ(j["step"], steps);
+      EXPECT_EQ(j["contributors"], 3);
+      EXPECT_GT(j["virtual_s"].get<double>(), 0);
+      ++steps;
+    } else {
+      EXPECT_EQ(j["type"], "eval");
+      EXPECT_TRUE(j.contains("test_accuracy"));
+      ++evals;
+    }
+  }
+  EXPECT_EQ(steps, 12);
+  EXPECT_EQ(evals, 2);
+  std::ifstream sf(dir / "summary.json");
+  auto s = nlohmann::json::parse(sf);
+  EXPECT_EQ(s["mode"], "sync");
+  EXPECT_EQ(s["quorum"], 3);
+  EXPECT_EQ(s["straggler"], "shiftexp:2:10");
+  ASSERT_TRUE(r.time_to_target_s.has_value());  // any model beats 5 % on 10 classes
+  EXPECT_DOUBLE_EQ(s["time_to_target_s"].get<double>(), *r.time_to_target_s);
+  EXPECT_DOUBLE_EQ(*r.time_to_target_s, r.evals[0].virtual_s);
+  EXPECT_GT(s["step_p90_ms"].get<double>(), 0);
+  EXPECT_GE(s["step_p90_ms"].get<double>(), s["step_p50_ms"].get<double>());
+  EXPECT_TRUE(fs::exists(dir / "config.toml"));
+}
+
+TEST(Sim, BadOptionsAreErrors) {
+  const TrainConfig cfg = config();
+  auto bad = [&](SimOptions o) { EXPECT_THROW(simulate(cfg, data(), o), ConfigError); };
+  bad(sync_opts(0, 0));
+  bad(sync_opts(4, 4));
+  bad(sync_opts(4, -1));
+  SimOptions a = sync_opts(4, 1);
+  a.mode = SimMode::kAsync;
+  bad(a);
+  SimOptions n = sync_opts(4, 1);
+  n.alpha_us = -1;
+  bad(n);
+  n = sync_opts(4, 1);
+  n.beta_ns_per_byte = NAN;
+  bad(n);
+  EXPECT_THROW(simulate(config({"straggler.model=shiftexp:1"}), data(), sync_opts(4, 0)),
+               ConfigError);
+}
+
+}  // namespace
+}  // namespace qring::train

@@ -1,0 +1,397 @@
+#include "train/sim.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <queue>
+#include <tuple>
+
+#include "net/error.h"
+#include "train/model.h"
+#include "train/trainer.h"
+#include "train/trainer_core.h"
+
+namespace qring::train {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = size_t(std::llround(q * double(v.size() - 1)));
+  return v[std::min(i, v.size() - 1)];
+}
+
+// Median of a few timed gradient computations on the first batch of the training set (the
+// model's gradient buffer is overwritten, its parameters are not touched).
+double measure_compute_ms(Model& model, const Dataset& train, int64_t batch) {
+  std::vector<int32_t> idx(size_t(std::min<int64_t>(batch, train.size())));
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int32_t(i);
+  AlignedVector<float> x(idx.size() * size_t(train.dim));
+  std::vector<int32_t> y(idx.size());
+  gather_batch(train, idx, x.data(), y.data());
+  std::vector<double> ms;
+  for (int i = 0; i < 7; ++i) {
+    auto t0 = Clock::now();
+    model.forward_backward(x.data(), y.data(), int(y.size()));
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  return quantile(ms, 0.5);
+}
+
+void check_options(const SimOptions& o) {
+  if (o.workers < 1) throw ConfigError(fmt::format("--workers must be >= 1, got {}", o.workers));
+  if (o.mode == SimMode::kAsync && o.backups != 0)
+    throw ConfigError("--backups applies to --mode sync only (async has no quorum)");
+  if (o.backups < 0 || o.backups >= o.workers)
+    throw ConfigError(fmt::format("--backups must be in 0..{} (workers - 1), got {}",
+                                  o.workers - 1, o.backups));
+  auto finite_nonneg = [](double v, const char* what) {
+    if (!std::isfinite(v) || v < 0)
+      throw ConfigError(fmt::format("{} must be a finite number >= 0, got {}", what, v));
+  };
+  if (o.compute_ms >= 0 || !std::isfinite(o.compute_ms)) finite_nonneg(o.compute_ms, "--compute-ms");
+  finite_nonneg(o.alpha_us, "--alpha-us");
+  finite_nonneg(o.beta_ns_per_byte, "--beta-ns");
+}
+
+// Shared by both modes: the workers' data streams, the output files and the evaluations.
+class SimRun {
+ public:
+  SimRun(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
+         TrainerCore& core, SimResult& res)
+      : cfg_(cfg), data_(data), opts_(opts), core_(core), res_(res) {
+    const int64_t b = cfg.train.batch_per_rank;
+    for (int w = 0; w < opts.workers; ++w)
+      sharders_.emplace_back(data.train.size(), w, opts.workers, b, uint64_t(cfg.run.seed));
+    x_.resize(size_t(b * data.train.dim));
+    y_.resize(size_t(b));
+    if (!opts.out_dir.empty()) {
+      fs::create_directories(opts.out_dir);
+      std::ofstream(fs::path(opts.out_dir) / "config.toml") << cfg.to_toml();
+      metrics_.open(fs::path(opts.out_dir) / "metrics.jsonl", std::ios::trunc);
+      if (!metrics_)
+        throw DataError(fmt::format("cannot write {}/metrics.jsonl", opts.out_dir));
+    }
+    t0_ = last_progress_ = Clock::now();
+  }
+
+  int64_t batches_per_epoch() const { return sharders_[0].batches_per_epoch(); }
+
+  // Worker w's next batch, its gradient (on the model's current parameters) in the model's
+  // gradient buffer; returns the batch-mean loss.
+  double gradient(int w) {
+    gather_batch(data_.train, sharders_[size_t(w)].next_batch(), x_.data(), y_.data());
+    ++res_.gradients_computed;
+    return core_.model().forward_backward(x_.data(), y_.data(), int(y_.size()));
+  }
+  void skip(int w) { sharders_[size_t(w)].next_batch(); }
+
+  void record(const SimStepRecord& r, bool with_ranks) {
+    if (metrics_.is_open()) {
+      nlohmann::json j{{"type", "step"},           {"step", r.step},
+                       {"virtual_s", r.virtual_s}, {"step_ms", r.step_ms},
+                       {"loss", r.loss},           {"lr", r.lr},
+                       {"contributors", r.contributors}};
+      if (with_ranks) {
+        j["kth_arrival_ms"] = r.kth_arrival_ms;
+        j["ranks"] = r.ranks;
+      } else {
+        j["staleness_mean"] = r.staleness_mean;
+        j["staleness_max"] = r.staleness_max;
+      }
+      metrics_ << j.dump() << '\n';
+    }
+    res_.steps.push_back(r);
+  }
+
+  void evaluate(int64_t step, double virtual_s) {
+    EvalResult e = core_.evaluate_test();
+    SimEval ev;
+    ev.step = step;
+    ev.virtual_s = virtual_s;
+    ev.accuracy = e.count ? double(e.correct) / double(e.count) : 0;
+    ev.loss = e.count ? e.loss_sum / double(e.count) : 0;
+    res_.evals.push_back(ev);
+    res_.test_accuracy = ev.accuracy;
+    res_.test_loss = ev.loss;
+    res_.best_test_accuracy = std::max(res_.best_test_accuracy, ev.accuracy);
+    if (cfg_.train.target_accuracy > 0 && !res_.time_to_target_s &&
+        ev.accuracy >= cfg_.train.target_accuracy)
+      res_.time_to_target_s = virtual_s;
+    if (metrics_.is_open()) {
+      nlohmann::json j{{"type", "eval"},
+                       {"step", step},
+                       {"virtual_s", virtual_s},
+                       {"wall_s", std::chrono::duration<double>(Clock::now() - t0_).count()},
+                       {"test_accuracy", ev.accuracy},
+                       {"test_loss", ev.loss}};
+      metrics_ << j.dump() << '\n' << std::flush;
+    }
+  }
+
+  void progress(int64_t done, int64_t total, double virtual_s) {
+    if (!opts_.progress) return;
+    auto now = Clock::now();
+    if (now - last_progress_ < std::chrono::seconds(5) && done != total) return;
+    last_progress_ = now;
+    fmt::print(stderr, "qring-sim: {}/{} virtual {:.1f} s wall {:.1f} s acc {}\n", done, total,
+               virtual_s, std::chrono::duration<double>(now - t0_).count(),
+               res_.evals.empty() ? std::string("-")
+                                  : fmt::format("{:.4f}", res_.evals.back().accuracy));
+  }
+
+  void finish(double virtual_s) {
+    res_.virtual_s = virtual_s;
+    res_.wall_s = std::chrono::duration<double>(Clock::now() - t0_).count();
+    res_.updates = core_.step();
+    res_.params_checksum = checksum(core_.params(), core_.num_params());
+    if (metrics_.is_open()) metrics_.close();
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  const DatasetPair& data_;
+  const SimOptions& opts_;
+  TrainerCore& core_;
+  SimResult& res_;
+  std::vector<Sharder> sharders_;
+  AlignedVector<float> x_;
+  std::vector<int32_t> y_;
+  std::ofstream metrics_;
+  Clock::time_point t0_, last_progress_;
+};
+
+void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
+              SimResult& res) {
+  const int W = opts.workers, N = W - opts.backups;
+  const uint64_t seed = uint64_t(cfg.run.seed);
+  const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
+  TrainerCore core(cfg, data, 0, W, N);
+  SimRun run(cfg, data, opts, core, res);
+  const size_t P = core.num_params();
+  const double bytes = 4.0 * double(P + 1);
+  res.compute_ms = opts.compute_ms >= 0
+                       ? opts.compute_ms
+                       : measure_compute_ms(core.model(), data.train, cfg.train.batch_per_rank);
+  const double comm_ms = 2 * opts.alpha_us / 1000.0 +
+                         sim_allreduce_ms(N, bytes, opts.alpha_us, opts.beta_ns_per_byte);
+  const int64_t total = core.total_steps();
+  const int64_t eval_every =
+      cfg.train.eval_every > 0 ? cfg.train.eval_every : run.batches_per_epoch();
+  std::vector<float> sum(P);
+  std::vector<double> step_ms;
+  double vt = 0;
+  for (int64_t t = 0; t < total; ++t) {
+    const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    double loss = 0;
+    SimStepRecord r;
+    r.step = t;
+    for (int i = 0; i < N; ++i) {
+      const int w = arr[size_t(i)].rank;
+      loss += run.gradient(w);
+      const float* g = core.gradient();
+      for (size_t p = 0; p < P; ++p) sum[p] += g[p];
+      r.ranks.push_back(w);
+    }
+    for (int i = N; i < W; ++i) run.skip(arr[size_t(i)].rank);
+    const float inv = 1.0f / float(N);
+    for (size_t p = 0; p < P; ++p) sum[p] *= inv;
+    r.lr = core.lr();
+    core.apply_gradient(sum.data());
+    r.kth_arrival_ms = arr[size_t(N - 1)].ms;
+    r.step_ms = r.kth_arrival_ms + comm_ms;
+    vt += r.step_ms / 1000.0;
+    r.virtual_s = vt;
+    r.loss = loss / N;
+    r.contributors = N;
+    step_ms.push_back(r.step_ms);
+    run.record(r, true);
+    const int64_t done = t + 1;
+    if (done % eval_every == 0 && done < total) run.evaluate(done, vt);
+    run.progress(done, total, vt);
+  }
+  run.evaluate(total, vt);
+  res.step_p50_ms = quantile(step_ms, 0.5);
+  res.step_p90_ms = quantile(step_ms, 0.9);
+  run.finish(vt);
+}
+
+void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOptions& opts,
+               SimResult& res) {
+  const int W = opts.workers;
+  const uint64_t seed = uint64_t(cfg_in.run.seed);
+  const auto straggler = collectives::StragglerModel::parse(cfg_in.straggler.model);
+  // Per-worker step count of the equivalent sync run, then W updates per such step.
+  int64_t per_worker;
+  {
+    Sharder s(data.train.size(), 0, W, cfg_in.train.batch_per_rank, seed);
+    per_worker = cfg_in.train.steps > 0 ? cfg_in.train.steps
+                                        : cfg_in.train.epochs * s.batches_per_epoch();
+  }
+  TrainConfig cfg = cfg_in;
+  cfg.train.steps = per_worker * W;
+  cfg.train.warmup_steps = cfg_in.train.warmup_steps * W;
+  TrainerCore core(cfg, data, 0, W, 1);
+  SimRun run(cfg, data, opts, core, res);
+  const size_t P = core.num_params();
+  const double bytes = 4.0 * double(P + 1);
+  res.compute_ms = opts.compute_ms >= 0
+                       ? opts.compute_ms
+                       : measure_compute_ms(core.model(), data.train, cfg.train.batch_per_rank);
+  const double xfer_ms = bytes * opts.beta_ns_per_byte / 1e6;  // the server's time per transfer
+  const double hop_ms = opts.alpha_us / 1000.0 + xfer_ms;
+  const int64_t total = per_worker * W;
+  const int64_t eval_every =
+      (cfg_in.train.eval_every > 0 ? cfg_in.train.eval_every : run.batches_per_epoch()) * W;
+
+  const size_t nw = static_cast<size_t>(W);
+  std::vector<std::vector<float>> grad(nw, std::vector<float>(P));
+  std::vector<double> loss(nw, 0.0), start_ms(nw, 0.0);
+  std::vector<int64_t> pulled(nw, 0), iters(nw, 0);
+  using Event = std::tuple<double, int>;  // (arrival at the server, rank): time, then rank
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> q;
+  // Worker w computes its next gradient on the current parameters, starting at `now`.
+  auto launch = [&](int w, double now) {
+    loss[size_t(w)] = run.gradient(w);
+    std::copy(core.gradient(), core.gradient() + P, grad[size_t(w)].begin());
+    const double ready = now + res.compute_ms +
+                         double(straggler.delay(seed, w, uint64_t(iters[size_t(w)])).count()) /
+                             1000.0;
+    ++iters[size_t(w)];
+    start_ms[size_t(w)] = now;
+    q.emplace(ready + hop_ms, w);
+  };
+  for (int w = 0; w < W; ++w) launch(w, 0.0);
+
+  double server_free = 0, vt_ms = 0;
+  std::vector<double> iter_ms;
+  SimStepRecord r;
+  double round_loss = 0, round_stale = 0, round_iter = 0;
+  int64_t version = 0;
+  while (!q.empty()) {
+    auto [arrive, w] = q.top();
+    q.pop();
+    const double applied = std::max(arrive, server_free) + xfer_ms;
+    server_free = applied;
+    const int64_t stale = version - pulled[size_t(w)];
+    if (r.contributors == 0) r.lr = core.lr();
+    core.apply_gradient(grad[size_t(w)].data());
+    ++version;
+    if (size_t(stale) >= res.staleness_hist.size()) res.staleness_hist.resize(size_t(stale) + 1);
+    ++res.staleness_hist[size_t(stale)];
+    res.staleness_max = std::max(res.staleness_max, stale);
+    const double pull_done = applied + hop_ms;
+    const double it = pull_done - start_ms[size_t(w)];
+    iter_ms.push_back(it);
+    vt_ms = applied;
+    round_loss += loss[size_t(w)];
+    round_stale += double(stale);
+    round_iter += it;
+    r.staleness_max = std::max(r.staleness_max, stale);
+    ++r.contributors;
+    pulled[size_t(w)] = version;
+    if (iters[size_t(w)] < per_worker) launch(w, pull_done);
+
+    if (version % W == 0 || version == total) {
+      r.step = (version - 1) / W;
+      r.virtual_s = vt_ms / 1000.0;
+      r.loss = round_loss / r.contributors;
+      r.staleness_mean = round_stale / r.contributors;
+      r.step_ms = round_iter / r.contributors;
+      run.record(r, false);
+      r = SimStepRecord();
+      round_loss = round_stale = round_iter = 0;
+    }
+    if (version % eval_every == 0 && version < total) run.evaluate(version, vt_ms / 1000.0);
+    run.progress(version, total, vt_ms / 1000.0);
+  }
+  run.evaluate(total, vt_ms / 1000.0);
+  double s = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < res.staleness_hist.size(); ++i) {
+    s += double(i) * double(res.staleness_hist[i]);
+    n += res.staleness_hist[i];
+  }
+  res.staleness_mean = n ? s / double(n) : 0;
+  res.step_p50_ms = quantile(iter_ms, 0.5);
+  res.step_p90_ms = quantile(iter_ms, 0.9);
+  run.finish(vt_ms / 1000.0);
+}
+
+}  // namespace
+
+std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggler, uint64_t seed,
+                                     int workers, uint64_t step, double compute_ms) {
+  std::vector<SimArrival> a(size_t(std::max(0, workers)));
+  for (int w = 0; w < workers; ++w)
+    a[size_t(w)] = {compute_ms + double(straggler.delay(seed, w, step).count()) / 1000.0, w};
+  std::sort(a.begin(), a.end(), [](const SimArrival& x, const SimArrival& y) {
+    return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
+  });
+  return a;
+}
+
+double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte) {
+  if (k <= 1) return 0;
+  return (alpha_us * 1000.0 + bytes * beta_ns_per_byte * 2.0 * double(k - 1) / double(k)) / 1e6;
+}
+
+nlohmann::json SimResult::to_json() const {
+  nlohmann::json j;
+  j["test_accuracy"] = test_accuracy;
+  j["best_test_accuracy"] = best_test_accuracy;
+  j["test_loss"] = test_loss;
+  j["time_to_target_s"] = time_to_target_s ? nlohmann::json(*time_to_target_s) : nlohmann::json();
+  j["virtual_s"] = virtual_s;
+  j["wall_s"] = wall_s;
+  j["compute_ms"] = compute_ms;
+  j["gradients_computed"] = gradients_computed;
+  j["gradients_per_wall_s"] = wall_s > 0 ? double(gradients_computed) / wall_s : 0;
+  j["updates"] = updates;
+  j["step_p50_ms"] = step_p50_ms;
+  j["step_p90_ms"] = step_p90_ms;
+  j["staleness_mean"] = staleness_mean;
+  j["staleness_max"] = staleness_max;
+  j["staleness_hist"] = staleness_hist;
+  j["params_checksum"] = fmt::format("{:016x}", params_checksum);
+  return j;
+}
+
+SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts) {
+  check_options(opts);
+  cfg.validate();
+  SimResult res;
+  if (opts.mode == SimMode::kSync)
+    run_sync(cfg, data, opts, res);
+  else
+    run_async(cfg, data, opts, res);
+  if (!opts.out_dir.empty()) {
+    nlohmann::json j = res.to_json();
+    j["mode"] = opts.mode == SimMode::kSync ? "sync" : "async";
+    j["workers"] = opts.workers;
+    j["backups"] = opts.backups;
+    j["quorum"] = opts.workers - opts.backups;
+    j["straggler"] = collectives::StragglerModel::parse(cfg.straggler.model).spec();
+    j["seed"] = cfg.run.seed;
+    j["alpha_us"] = opts.alpha_us;
+    j["beta_ns_per_byte"] = opts.beta_ns_per_byte;
+    j["target_accuracy"] = cfg.train.target_accuracy;
+    j["evals"] = nlohmann::json::array();
+    for (const auto& e : res.evals)
+      j["evals"].push_back({{"step", e.step}, {"virtual_s", e.virtual_s},
+                            {"test_accuracy", e.accuracy}, {"test_loss", e.loss}});
+    std::ofstream(fs::path(opts.out_dir) / "summary.json") << j.dump(2) << '\n';
+  }
+  return res;
+}
+
+}  // namespace qring::train

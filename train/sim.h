@@ -1,0 +1,117 @@
+// qring-sim: the training algorithm of qring-train for W = N + b virtual workers in one
+// process, on a virtual clock (issue 16; Chen et al., "Revisiting Distributed Synchronous
+// SGD"). Every worker's gradient is a real gradient of the real model on that worker's shard
+// (rank w of W, the Sharder of qring-train); only time is simulated:
+//
+//   compute time of worker w at its k-th gradient = compute_ms + straggler.delay(seed, w, k)
+//       (the StragglerModel and run.seed of qring-train: the same delays as a real run)
+//   all-reduce among k contributors  = alpha + bytes * beta * 2 (k - 1) / k    (ring; 0 if k = 1)
+//   READY/DECIDE round trip          = 2 alpha
+//   bytes = 4 (P + 1): the gradient and the loss, as qring-train reduces them
+//
+// Modes:
+//   sync (b = 0 full sync, b > 0 backups): every step all W workers start together; the step
+//     ends at the N-th arrival (arrival order: time, ties by rank) + round trip + all-reduce
+//     among N. The first N gradients are summed in arrival order, divided by N and applied
+//     with TrainerCore's optimizer and schedule (quorum N for the LR scaling). The b late
+//     workers' batches are skipped, not computed: their gradients are dropped and change
+//     nothing (qring-train abandons them too), so only N gradients a step cost real time.
+//   async (a parameter server): each worker computes on the parameters it last pulled; its
+//     gradient reaches the server alpha + bytes beta after it is ready and is applied (in
+//     arrival order, ties by rank; the server takes bytes beta per update, one at a time);
+//     the worker then pulls the new parameters (alpha + bytes beta) and computes again.
+//     staleness = updates applied between its pull and its own update (about W - 1).
+//     Each worker computes train.steps gradients: train.steps * W updates in all, each of one
+//     worker's batch, so the schedule has quorum 1, train.steps * W steps and
+//     train.warmup_steps * W warmup updates; evaluations every train.eval_every * W updates.
+//
+// Evaluations take no virtual time. Output (when out_dir is set): <out_dir>/metrics.jsonl
+// (one "step" line per sync step, or per W updates in async, and "eval" lines),
+// <out_dir>/summary.json and <out_dir>/config.toml.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collectives/straggler.h"
+#include "train/config.h"
+#include "train/dataset.h"
+
+namespace qring::train {
+
+enum class SimMode { kSync, kAsync };
+
+// Defaults calibrated from qring-bench --op allreduce over tcp, 2 ranks, this machine: a 4 KiB
+// all-reduce takes 12 us, 16 MiB runs at 4.0 GB/s bus bandwidth (docs/reproduction.md).
+constexpr double kSimDefaultAlphaUs = 12.0;
+constexpr double kSimDefaultBetaNsPerByte = 0.25;
+
+struct SimOptions {
+  int workers = 0;  // W = N + b
+  int backups = 0;  // b (sync only; 0 in async)
+  SimMode mode = SimMode::kSync;
+  double compute_ms = -1;  // base compute time per gradient; < 0: measured once at the start
+  double alpha_us = kSimDefaultAlphaUs;
+  double beta_ns_per_byte = kSimDefaultBetaNsPerByte;
+  std::string out_dir;  // empty: no files
+  bool progress = false;  // a progress line on stderr every few seconds
+};
+
+struct SimStepRecord {
+  int64_t step = 0;
+  double virtual_s = 0;  // at the end of the step (sync) or of the W updates (async)
+  double step_ms = 0;    // sync: the step's virtual time; async: mean worker iteration time
+  double loss = 0;       // mean batch loss of the gradients applied
+  double lr = 0;
+  int contributors = 0;            // sync: gradients averaged (N); async: updates (W)
+  std::vector<int> ranks;          // sync: the contributors in arrival order
+  double kth_arrival_ms = 0;       // sync: the N-th arrival (compute + delay)
+  double staleness_mean = 0;       // async
+  int64_t staleness_max = 0;       // async
+};
+
+struct SimEval {
+  int64_t step = 0;
+  double virtual_s = 0;
+  double accuracy = 0, loss = 0;
+};
+
+struct SimResult {
+  std::vector<SimStepRecord> steps;
+  std::vector<SimEval> evals;
+  double virtual_s = 0;
+  double wall_s = 0;
+  double compute_ms = 0;  // the base compute time used
+  int64_t gradients_computed = 0;
+  int64_t updates = 0;  // optimizer steps applied
+  double test_accuracy = 0, best_test_accuracy = 0, test_loss = 0;
+  std::optional<double> time_to_target_s;  // virtual seconds
+  double step_p50_ms = 0, step_p90_ms = 0;  // sync: step time; async: worker iteration time
+  double staleness_mean = 0;                // async
+  int64_t staleness_max = 0;                // async
+  std::vector<int64_t> staleness_hist;      // async: [s] = updates with staleness s
+  uint64_t params_checksum = 0;
+  nlohmann::json to_json() const;
+};
+
+// One worker's readiness in a sync step: compute_ms + delay, in ms.
+struct SimArrival {
+  double ms = 0;
+  int rank = 0;
+};
+
+// The W arrivals of sync step `step`, sorted by time, ties by rank: what the simulator uses.
+std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggler, uint64_t seed,
+                                     int workers, uint64_t step, double compute_ms);
+
+// All-reduce time among k contributors of `bytes` (ring cost model above), in ms.
+double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte);
+
+// Runs the simulation. Throws ConfigError on bad options (workers < 1, backups outside
+// 0..W-1, backups with async, non-finite or negative costs).
+SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts);
+
+}  // namespace qring::train

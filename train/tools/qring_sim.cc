@@ -1,0 +1,154 @@
+// qring-sim: the training algorithm of qring-train for W = N + b virtual workers in one
+// process, on a virtual clock (train/sim.h; docs/reproduction.md).
+//
+//   qring-sim --config configs/fmnist-mlp.toml --workers 100 --backups 4 train.steps=300
+//       straggler.model=shiftexp:5:20   (one line)
+//   qring-sim --config configs/fmnist-mlp.toml --workers 50 --mode async
+//
+// Exit status: 0 done, 1 runtime failure, 2 bad command line, configuration or data.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "net/error.h"
+#include "train/config.h"
+#include "train/dataset.h"
+#include "train/sim.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: qring-sim --config FILE --workers W [--backups B] [--mode sync|async]\n"
+    "                 [--compute-ms MS] [--alpha-us US] [--beta-ns NS] [--progress]\n"
+    "                 [section.key=value ...]\n"
+    "\n"
+    "  --config FILE    TOML run configuration, as for qring-train\n"
+    "  --workers W      virtual workers W = N + B\n"
+    "  --backups B      sync: backup workers; each step averages the first N = W - B\n"
+    "                   gradients to arrive (default 0: full sync)\n"
+    "  --mode M         sync (default) or async (a parameter server)\n"
+    "  --compute-ms MS  base compute time of one gradient (default: measured at the start)\n"
+    "  --alpha-us US    latency of one message / all-reduce (default {})\n"
+    "  --beta-ns NS     transfer time per byte (default {})\n"
+    "  --progress       a progress line on stderr every 5 s\n"
+    "  key=value        override any configuration key, e.g. straggler.model=shiftexp:5:20\n"
+    "                   train.steps=200 train.target_accuracy=0.8\n"
+    "\n"
+    "Writes run.out_dir/run.name/{{metrics.jsonl, summary.json, config.toml}}. Compute time of\n"
+    "worker w at its k-th gradient = compute + straggler.model's delay(run.seed, w, k).\n";
+
+std::string usage() {
+  return fmt::format(fmt::runtime(kUsage), qring::train::kSimDefaultAlphaUs,
+                     qring::train::kSimDefaultBetaNsPerByte);
+}
+
+double parse_number(const std::string& flag, const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v))
+    throw qring::ConfigError(fmt::format("{}: '{}' is not a number", flag, s));
+  return v;
+}
+
+int parse_int(const std::string& flag, const std::string& s) {
+  double v = parse_number(flag, s);
+  if (v != std::floor(v) || v < -1e9 || v > 1e9)
+    throw qring::ConfigError(fmt::format("{}: '{}' is not an integer", flag, s));
+  return int(v);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  qring::train::SimOptions opts;
+  bool have_workers = false;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw qring::ConfigError(fmt::format("{} needs a value", a));
+        return argv[++i];
+      };
+      if (a == "--help" || a == "-h") {
+        fputs(usage().c_str(), stdout);
+        return 0;
+      } else if (a == "--config") {
+        config_path = value();
+      } else if (a == "--workers") {
+        opts.workers = parse_int(a, value());
+        have_workers = true;
+      } else if (a == "--backups") {
+        opts.backups = parse_int(a, value());
+      } else if (a == "--mode") {
+        std::string m = value();
+        if (m == "sync")
+          opts.mode = qring::train::SimMode::kSync;
+        else if (m == "async")
+          opts.mode = qring::train::SimMode::kAsync;
+        else
+          throw qring::ConfigError(
+              fmt::format("--mode: '{}' is not sync or async", m));
+      } else if (a == "--compute-ms") {
+        opts.compute_ms = parse_number(a, value());
+        if (opts.compute_ms < 0)
+          throw qring::ConfigError(fmt::format("--compute-ms must be >= 0, got {}", opts.compute_ms));
+      } else if (a == "--alpha-us") {
+        opts.alpha_us = parse_number(a, value());
+      } else if (a == "--beta-ns") {
+        opts.beta_ns_per_byte = parse_number(a, value());
+      } else if (a == "--progress") {
+        opts.progress = true;
+      } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
+        overrides.push_back(a);
+      } else {
+        throw qring::ConfigError(fmt::format("unknown argument '{}'", a));
+      }
+    }
+    if (config_path.empty()) throw qring::ConfigError("--config FILE is required");
+    if (!have_workers) throw qring::ConfigError("--workers W is required");
+  } catch (const qring::ConfigError& e) {
+    fmt::print(stderr, "qring-sim: {}\n{}", e.what(), usage());
+    return 2;
+  }
+
+  qring::train::TrainConfig cfg;
+  qring::train::DatasetPair data;
+  try {
+    cfg = qring::train::TrainConfig::from_file(config_path, overrides);
+    cfg.validate();
+    opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
+    data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
+  } catch (const qring::Error& e) {
+    fmt::print(stderr, "qring-sim: {}\n", e.what());
+    return 2;
+  }
+
+  try {
+    auto r = qring::train::simulate(cfg, data, opts);
+    fmt::print(
+        "mode {} workers {} backups {} test_accuracy {:.4f} best {:.4f} time_to_target_s {} "
+        "virtual_s {:.2f} step_p50_ms {:.2f} step_p90_ms {:.2f} staleness_mean {:.2f} "
+        "compute_ms {:.3f} gradients {} wall_s {:.1f}\n",
+        opts.mode == qring::train::SimMode::kSync ? "sync" : "async", opts.workers,
+        opts.backups, r.test_accuracy, r.best_test_accuracy,
+        r.time_to_target_s ? fmt::format("{:.2f}", *r.time_to_target_s) : std::string("-"),
+        r.virtual_s, r.step_p50_ms, r.step_p90_ms, r.staleness_mean, r.compute_ms,
+        r.gradients_computed, r.wall_s);
+  } catch (const qring::ConfigError& e) {
+    fmt::print(stderr, "qring-sim: {}\n", e.what());
+    return 2;
+  } catch (const qring::DataError& e) {
+    fmt::print(stderr, "qring-sim: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "qring-sim: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
