@@ -185,6 +185,8 @@ BootstrapInfo from_slurm(const Env& env) {
     step_num = static_cast<uint64_t>(parse_int("SLURM_STEP_ID", *step, 0, INT64_MAX));
     b.job_id += "." + *step;
   }
+  // A store served outside the step (qring-store in the batch script) names the job itself.
+  if (auto id = env.str("QRING_JOB_ID")) b.job_id = *id;
 
   if (auto s = env.str("QRING_STORE")) {
     std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
