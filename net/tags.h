@@ -32,6 +32,7 @@ enum class Op : uint8_t {
   kQuorumData = 9,
   kQuorumResult = 10,
   kControl = 11,
+  kParamServer = 12,  // asynchronous SGD's pushes and pulls (collectives/param_server.h)
 };
 
 constexpr uint64_t kSeqMask = 0xFFFFFFull;
