@@ -37,9 +37,10 @@ enum class Op : uint8_t {
   kQuorumResult = 10,
   kControl = 11,
   kQuorumState = 12,  // a live member's state for a rank that rejoins
+  kParamServer = 13,  // asynchronous SGD's pushes and pulls (collectives/param_server.h)
 };
 constexpr int kOpBits = 4;
-static_assert(static_cast<int>(Op::kQuorumState) < (1 << kOpBits), "op must fit in 4 bits");
+static_assert(static_cast<int>(Op::kParamServer) < (1 << kOpBits), "op must fit in 4 bits");
 
 constexpr uint64_t kSeqMask = 0xFFFFFFull;
 constexpr uint64_t kChunkMask = 0xFFFFFFull;

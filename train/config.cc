@@ -122,6 +122,7 @@ std::vector<Field> fields() {
   f.push_back(int_list_field("model.hidden", QRING_ACC(model.hidden)));
   f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
   f.push_back(int_field("model.conv_kernel", QRING_ACC(model.conv_kernel)));
+  f.push_back(string_field("train.mode", QRING_ACC(train.mode)));
   f.push_back(int_field("train.batch_per_rank", QRING_ACC(train.batch_per_rank)));
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
@@ -346,6 +347,7 @@ void TrainConfig::validate(int world) const {
       fail("model.conv_channels", fmt::format("channels must be in 1..1024, got {}", ch));
   if (model.conv_kernel < 1 || model.conv_kernel > 9 || model.conv_kernel % 2 == 0)
     fail("model.conv_kernel", fmt::format("must be odd and in 1..9, got {}", model.conv_kernel));
+  check_one_of("train.mode", train.mode, {"sync", "async"});
   check_min("train.batch_per_rank", train.batch_per_rank, 1);
   check_min("train.epochs", train.epochs, 0);
   check_min("train.steps", train.steps, 0);

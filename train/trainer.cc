@@ -21,6 +21,7 @@
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
 #include "net/error.h"
+#include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
 #include "train/model.h"
@@ -192,6 +193,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     TrainConfig::check_ranks_agree(all, world);
   }
   cfg.validate(world);
+  if (cfg.train.mode == "async") {
+    if (joining)
+      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
+                                    "(incarnation {}); restart the job with --resume instead",
+                                    rank, opts.incarnation));
+    return train_async(cfg, comm, opts);
+  }
   const int quorum = cfg.quorum_count(world);
   const uint64_t seed = uint64_t(cfg.run.seed);
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
