@@ -432,6 +432,7 @@ class QuorumService final : public EngineOp {
     uint32_t incarnation = 0;
     std::string key;  // where this rank publishes its address for the joiner
     bool connected = false;
+    Clock::time_point started = Clock::now();
   };
   struct Ring {
     std::unique_ptr<EngineOp> op;
@@ -702,6 +703,14 @@ class QuorumService final : public EngineOp {
       sh_->agent.publish.emplace_back(it->second.key, own_join_value(ep));
       sh_->agent_cv.notify_all();
       moved = true;
+    }
+    // A join the coordinator gave up on (the joiner never published, or left) is forgotten
+    // here too, after twice the time the coordinator waits for it.
+    for (auto it = member_joins_.begin(); it != member_joins_.end();) {
+      if (Clock::now() - it->second.started > 2 * o_.deadline)
+        it = member_joins_.erase(it);
+      else
+        ++it;
     }
     for (auto& key : published) {
       for (auto it = member_joins_.begin(); it != member_joins_.end(); ++it) {
