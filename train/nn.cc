@@ -6,16 +6,10 @@
 #include <algorithm>
 
 #include "net/error.h"
+#include "train/kernels.h"
 
 namespace qring::train {
 namespace {
-
-template <class T>
-using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
-template <class T>
-using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 
 void he_init(float* w, size_t n, int64_t fan_in, Rng& rng) {
   const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
@@ -42,25 +36,23 @@ void Dense<T>::init(Rng& rng) {
   std::fill(p_ + in_ * out_, p_ + in_ * out_ + out_, T(0));
 }
 
+// W is [out][in] row-major, i.e. the column-major in x out matrix W^T.
 template <class T>
 void Dense<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
-  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
-  Eigen::Map<const Vec<T>> b(p_ + out_ * in_, out_);
+  const T* b = p_ + out_ * in_;
   y.resize(out_, batch);
-  y.noalias() = w * x;
-  y.colwise() += b;
+  for (int j = 0; j < batch; ++j) std::copy_n(b, out_, y.data() + j * out_);
+  gemm(true, false, out_, batch, in_, p_, in_, x.data(), in_, y.data(), out_, true);
 }
 
 template <class T>
 void Dense<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) {
-  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
-  Eigen::Map<RowMat<T>> dw(g_, out_, in_);
-  Eigen::Map<Vec<T>> db(g_ + out_ * in_, out_);
-  dw.noalias() = dy * x.transpose();
-  db = dy.rowwise().sum();
+  // dW^T (in x out) = x dy^T; db = the row sums of dy; dx = W^T dy.
+  gemm(false, true, in_, out_, batch, x.data(), in_, dy.data(), out_, g_, in_, false);
+  row_sums(dy.data(), out_, batch, out_, g_ + out_ * in_);
   if (dx != nullptr) {
     dx->resize(in_, batch);
-    dx->noalias() = w.transpose() * dy;
+    gemm(false, false, in_, batch, out_, p_, in_, dy.data(), out_, dx->data(), in_, false);
   }
 }
 
@@ -82,8 +74,24 @@ void Relu<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T
 // --------------------------------------------------------------------------------- Conv2d --
 
 template <class T>
+Conv2d<T>::Conv2d(Shape in, int out_channels, int kernel, int pad)
+    : in_(in),
+      cout_(out_channels),
+      k_(kernel),
+      pad_(pad),
+      ho_(in.h + 2 * pad - kernel + 1),
+      wo_(in.w + 2 * pad - kernel + 1),
+      kk_(int64_t{in.c} * kernel * kernel) {
+  if (kernel < 1 || pad < 0 || ho_ < 1 || wo_ < 1 || out_channels < 1)
+    throw UsageError(fmt::format("Conv2d: a {}x{} kernel with padding {} on a {}x{} input leaves "
+                                 "no output",
+                                 kernel, kernel, pad, in.h, in.w));
+}
+
+template <class T>
 std::string Conv2d<T>::describe() const {
-  return fmt::format("conv {}x{} {}->{} on {}x{}", k_, k_, in_.c, cout_, in_.h, in_.w);
+  return fmt::format("conv {}x{} {}->{} on {}x{}{}", k_, k_, in_.c, cout_, in_.h, in_.w,
+                     pad_ == 0 ? " valid" : pad_ * 2 + 1 == k_ ? "" : fmt::format(" pad {}", pad_));
 }
 
 template <class T>
@@ -92,53 +100,59 @@ void Conv2d<T>::init(Rng& rng) {
   std::fill(p_ + kk_ * cout_, p_ + kk_ * cout_ + cout_, T(0));
 }
 
+// Row r = (ci, ky, kx) of the unfolded input holds, for every output pixel (b, oy, ox), the
+// input value at (b, ci, oy + ky - pad, ox + kx - pad), or 0 outside the image.
 template <class T>
 void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
-  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
-  const int64_t hw = int64_t{h} * w, n = batch * hw;
+  const int h = in_.h, w = in_.w, k = k_, ho = ho_, wo = wo_;
+  const int64_t hw = int64_t{h} * w, n_in = batch * hw;
+  const int64_t hwo = int64_t{ho} * wo, n = batch * hwo;
   cols_.resize(n, kk_);
   for (int64_t r = 0; r < kk_; ++r) {
     const int ci = static_cast<int>(r / (k * k));
-    const int ky = static_cast<int>(r / k % k) - pad;
-    const int kx = static_cast<int>(r % k) - pad;
+    const int ky = static_cast<int>(r / k % k) - pad_;
+    const int kx = static_cast<int>(r % k) - pad_;
     // Output columns [x0, x1) read input columns [x0 + kx, x1 + kx); the rest is padding.
-    const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
+    const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
     T* dst = cols_.data() + r * n;
-    const T* src = x.data() + ci * n;
+    const T* src = x.data() + ci * n_in;
     for (int b = 0; b < batch; ++b) {
-      for (int yy = 0; yy < h; ++yy) {
-        T* d = dst + b * hw + int64_t{yy} * w;
+      for (int yy = 0; yy < ho; ++yy) {
+        T* d = dst + b * hwo + int64_t{yy} * wo;
         const int sy = yy + ky;
         if (sy < 0 || sy >= h) {
-          std::fill(d, d + w, T(0));
+          std::fill(d, d + wo, T(0));
           continue;
         }
         const T* s = src + b * hw + int64_t{sy} * w;
         for (int xx = 0; xx < x0; ++xx) d[xx] = T(0);
         for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx + kx];
-        for (int xx = x1; xx < w; ++xx) d[xx] = T(0);
+        for (int xx = x1; xx < wo; ++xx) d[xx] = T(0);
       }
     }
   }
 }
 
+// The adjoint of im2col: every unfolded gradient value is added to the input pixel it was
+// read from, in row order r = 0, 1, ... (a fixed summation order).
 template <class T>
 void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
-  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
-  const int64_t hw = int64_t{h} * w, n = batch * hw;
-  dx.setZero(n, in_.c);
+  const int h = in_.h, w = in_.w, k = k_, ho = ho_, wo = wo_;
+  const int64_t hw = int64_t{h} * w, n_in = batch * hw;
+  const int64_t hwo = int64_t{ho} * wo, n = batch * hwo;
+  dx.setZero(n_in, in_.c);
   for (int ci = 0; ci < in_.c; ++ci) {
-    T* dst = dx.data() + ci * n;
+    T* dst = dx.data() + ci * n_in;
     for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
-      const int ky = r / k % k - pad;
-      const int kx = r % k - pad;
-      const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
+      const int ky = r / k % k - pad_;
+      const int kx = r % k - pad_;
+      const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
       const T* src = dcols_.data() + int64_t{r} * n;
       for (int b = 0; b < batch; ++b) {
-        for (int yy = 0; yy < h; ++yy) {
+        for (int yy = 0; yy < ho; ++yy) {
           const int sy = yy + ky;
           if (sy < 0 || sy >= h) continue;
-          const T* s = src + b * hw + int64_t{yy} * w;
+          const T* s = src + b * hwo + int64_t{yy} * wo;
           T* d = dst + b * hw + int64_t{sy} * w;
           for (int xx = x0; xx < x1; ++xx) d[xx + kx] += s[xx];
         }
@@ -147,27 +161,28 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
   }
 }
 
+// The weights [cout][cin][ky][kx] are the column-major kk x cout matrix wt, one column per
+// output channel.
 template <class T>
 void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
-  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
-  Eigen::Map<const RowVec<T>> b(p_ + kk_ * cout_, cout_);
+  const T* b = p_ + kk_ * cout_;
   im2col(x, batch);
-  y.resize(cols_.rows(), cout_);
-  y.noalias() = cols_ * wt;
-  y.rowwise() += b;
+  const int64_t n = cols_.rows();
+  y.resize(n, cout_);
+  for (int c = 0; c < cout_; ++c) std::fill_n(y.data() + c * n, n, b[c]);
+  gemm(false, false, n, cout_, kk_, cols_.data(), n, p_, kk_, y.data(), n, true);
 }
 
 template <class T>
 void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
                          int batch) {
-  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
-  Eigen::Map<Mat<T>> dwt(g_, kk_, cout_);
-  Eigen::Map<RowVec<T>> db(g_ + kk_ * cout_, cout_);
-  dwt.noalias() = cols_.transpose() * dy;
-  db = dy.colwise().sum();
+  const int64_t n = dy.rows();
+  // dwt = cols^T dy; db[c] = the sum of dy's column c; dcols = dy wt^T.
+  gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
+  for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
   if (dx != nullptr) {
-    dcols_.resize(dy.rows(), kk_);
-    dcols_.noalias() = dy * wt.transpose();
+    dcols_.resize(n, kk_);
+    gemm(false, true, n, kk_, cout_, dy.data(), n, p_, kk_, dcols_.data(), n, false);
     col2im(*dx, batch);
   }
 }
@@ -328,7 +343,7 @@ template <class T>
 void Network<T>::ensure_lanes(int n) {
   while (static_cast<int>(lanes_.size()) < n) {
     auto lane = std::make_unique<Lane>();
-    lane->grads.assign(params_.size(), T(0));
+    lane->grads.assign(params_.size(), T(0));  // aligned like grads_: see AlignedVector
     size_t off = 0;
     for (const auto& l : layers_) {
       lane->owned.push_back(l->clone());
