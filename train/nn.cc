@@ -21,6 +21,38 @@ void he_init(double* w, size_t n, int64_t fan_in, Rng& rng) {
   for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * rng.normal());
 }
 
+// d[r * dstep + i] (+)= s[r * sstep + i] for i < n, r < rows: the row copies of im2col and
+// the row sums of col2im. Rows are short (the output width: 8 or 24 in PyTorch's CNN), so
+// the common widths get a fixed-length body the compiler turns into a few vector moves.
+template <bool kAdd, int N, class T>
+void rows_fixed(T* d, int64_t dstep, const T* s, int64_t sstep, int rows) {
+  for (int r = 0; r < rows; ++r, d += dstep, s += sstep)
+    for (int i = 0; i < N; ++i) {
+      if constexpr (kAdd) d[i] += s[i];
+      else d[i] = s[i];
+    }
+}
+
+template <bool kAdd, class T>
+void rows_op(T* d, int64_t dstep, const T* s, int64_t sstep, int rows, int n) {
+  switch (n) {
+    case 4: return rows_fixed<kAdd, 4>(d, dstep, s, sstep, rows);
+    case 7: return rows_fixed<kAdd, 7>(d, dstep, s, sstep, rows);
+    case 8: return rows_fixed<kAdd, 8>(d, dstep, s, sstep, rows);
+    case 12: return rows_fixed<kAdd, 12>(d, dstep, s, sstep, rows);
+    case 14: return rows_fixed<kAdd, 14>(d, dstep, s, sstep, rows);
+    case 16: return rows_fixed<kAdd, 16>(d, dstep, s, sstep, rows);
+    case 24: return rows_fixed<kAdd, 24>(d, dstep, s, sstep, rows);
+    case 28: return rows_fixed<kAdd, 28>(d, dstep, s, sstep, rows);
+    default:
+      for (int r = 0; r < rows; ++r, d += dstep, s += sstep)
+        for (int i = 0; i < n; ++i) {
+          if constexpr (kAdd) d[i] += s[i];
+          else d[i] = s[i];
+        }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------- Dense --
@@ -116,18 +148,24 @@ void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
     const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
     T* dst = cols_.data() + r * n;
     const T* src = x.data() + ci * n_in;
+    // Output rows [y0, y1) read input rows [y0 + ky, y1 + ky); the others are padding.
+    const int y0 = std::clamp(-ky, 0, ho), y1 = std::clamp(h - ky, y0, ho);
     for (int b = 0; b < batch; ++b) {
-      for (int yy = 0; yy < ho; ++yy) {
-        T* d = dst + b * hwo + int64_t{yy} * wo;
-        const int sy = yy + ky;
-        if (sy < 0 || sy >= h) {
-          std::fill(d, d + wo, T(0));
-          continue;
-        }
-        const T* s = src + b * hw + int64_t{sy} * w;
-        for (int xx = 0; xx < x0; ++xx) d[xx] = T(0);
-        for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx + kx];
-        for (int xx = x1; xx < wo; ++xx) d[xx] = T(0);
+      T* d = dst + b * hwo;
+      std::fill(d, d + int64_t{y0} * wo, T(0));
+      std::fill(d + int64_t{y1} * wo, d + hwo, T(0));
+      if (y1 == y0) continue;
+      const T* s = src + b * hw + int64_t{y0 + ky} * w;  // input row y0 + ky
+      if (x0 == 0 && x1 == wo) {  // no padding columns in these rows (so kx >= 0)
+        rows_op<false>(d + int64_t{y0} * wo, wo, s + kx, w, y1 - y0, wo);
+        continue;
+      }
+      for (int yy = y0; yy < y1; ++yy) {
+        T* dr = d + int64_t{yy} * wo;
+        const T* sr = s + int64_t{yy - y0} * w;
+        for (int xx = 0; xx < x0; ++xx) dr[xx] = T(0);
+        for (int xx = x0; xx < x1; ++xx) dr[xx] = sr[xx + kx];
+        for (int xx = x1; xx < wo; ++xx) dr[xx] = T(0);
       }
     }
   }
@@ -148,21 +186,25 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
       const int kx = r % k - pad_;
       const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
       const T* src = dcols_.data() + int64_t{r} * n;
+      const int y0 = std::clamp(-ky, 0, ho), y1 = std::clamp(h - ky, y0, ho);
+      if (y1 == y0) continue;
       for (int b = 0; b < batch; ++b) {
-        for (int yy = 0; yy < ho; ++yy) {
-          const int sy = yy + ky;
-          if (sy < 0 || sy >= h) continue;
-          const T* s = src + b * hwo + int64_t{yy} * wo;
-          T* d = dst + b * hw + int64_t{sy} * w;
-          for (int xx = x0; xx < x1; ++xx) d[xx + kx] += s[xx];
+        const T* s = src + b * hwo + int64_t{y0} * wo;
+        T* d = dst + b * hw + int64_t{y0 + ky} * w;  // input row y0 + ky
+        if (x0 == 0 && x1 == wo) {
+          rows_op<true>(d + kx, w, s, wo, y1 - y0, wo);
+          continue;
+        }
+        for (int yy = y0; yy < y1; ++yy) {
+          const T* sr = s + int64_t{yy - y0} * wo;
+          T* dr = d + int64_t{yy - y0} * w;
+          for (int xx = x0; xx < x1; ++xx) dr[xx + kx] += sr[xx];
         }
       }
     }
   }
 }
 
-// The weights [cout][cin][ky][kx] are the column-major kk x cout matrix wt, one column per
-// output channel.
 template <class T>
 void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
   const T* b = p_ + kk_ * cout_;
