@@ -174,13 +174,12 @@ void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
 // The adjoint of im2col: every unfolded gradient value is added to the input pixel it was
 // read from, in row order r = 0, 1, ... (a fixed summation order).
 template <class T>
-void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
+void Conv2d<T>::col2im(Mat<T>& dx, int batch, int b0, int b1) const {
   const int h = in_.h, w = in_.w, k = k_, ho = ho_, wo = wo_;
   const int64_t hw = int64_t{h} * w, n_in = batch * hw;
-  const int64_t hwo = int64_t{ho} * wo, n = batch * hwo;
-  dx.setZero(n_in, in_.c);
+  const int64_t hwo = int64_t{ho} * wo, n = int64_t{b1 - b0} * hwo;
   for (int ci = 0; ci < in_.c; ++ci) {
-    T* dst = dx.data() + ci * n_in;
+    T* dst = dx.data() + ci * n_in + b0 * hw;
     for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
       const int ky = r / k % k - pad_;
       const int kx = r % k - pad_;
@@ -188,7 +187,7 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
       const T* src = dcols_.data() + int64_t{r} * n;
       const int y0 = std::clamp(-ky, 0, ho), y1 = std::clamp(h - ky, y0, ho);
       if (y1 == y0) continue;
-      for (int b = 0; b < batch; ++b) {
+      for (int b = 0; b < b1 - b0; ++b) {
         const T* s = src + b * hwo + int64_t{y0} * wo;
         T* d = dst + b * hw + int64_t{y0 + ky} * w;  // input row y0 + ky
         if (x0 == 0 && x1 == wo) {
@@ -223,9 +222,20 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
   gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
   for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
   if (dx != nullptr) {
-    dcols_.resize(n, kk_);
-    gemm(false, true, n, kk_, cout_, dy.data(), n, p_, kk_, dcols_.data(), n, false);
-    col2im(*dx, batch);
+    // dcols = dy wt^T and its col2im, a chunk of samples at a time: the chunk's dcols (about
+    // 512 KiB) is still in the cache when col2im reads it. The chunk size depends on the
+    // layer's shape only, so the results are as deterministic as with one chunk.
+    const int64_t hwo = int64_t{ho_} * wo_;
+    const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{1} << 17) / (hwo * kk_), 1, batch));
+    dx->setZero(int64_t{batch} * in_.h * in_.w, in_.c);
+    for (int b0 = 0; b0 < batch; b0 += chunk) {
+      const int b1 = std::min(batch, b0 + chunk);
+      const int64_t rows = (b1 - b0) * hwo;
+      dcols_.resize(rows, kk_);
+      gemm(false, true, rows, kk_, cout_, dy.data() + b0 * hwo, n, p_, kk_, dcols_.data(), rows,
+           false);
+      col2im(*dx, batch, b0, b1);
+    }
   }
 }
 

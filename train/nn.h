@@ -121,7 +121,8 @@ class Conv2d : public Layer<T> {
 
  private:
   void im2col(const Mat<T>& x, int batch);
-  void col2im(Mat<T>& dx, int batch) const;
+  // Adds the unfolded gradient dcols_ of samples [b0, b1) into dx (zeroed by the caller).
+  void col2im(Mat<T>& dx, int batch, int b0, int b1) const;
   Shape in_;
   int cout_, k_, pad_;
   int ho_, wo_;  // output rows and columns
@@ -129,7 +130,7 @@ class Conv2d : public Layer<T> {
   T* p_ = nullptr;
   T* g_ = nullptr;
   Mat<T> cols_;   // (B*Ho*Wo) x (Cin*k*k)
-  Mat<T> dcols_;  // same
+  Mat<T> dcols_;  // (chunk*Ho*Wo) x (Cin*k*k): the unfolded dx of a chunk of samples
 };
 
 // 2x2 max pooling, stride 2 (odd sizes are floored), on spatial activations.
