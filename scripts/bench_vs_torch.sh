@@ -7,9 +7,10 @@
 # Models: mlp = 784-256-128-10 (configs/fmnist-mlp.toml with model.hidden=[256,128]),
 #         cnn = PyTorch's reference CNN (configs/fmnist-cnn-torch.toml).
 #
-#   scripts/bench_vs_torch.sh [--models "mlp cnn"] [--pairs 3] [--ranks 4]
+#   scripts/bench_vs_torch.sh [--models "mlp cnn"] [--pairs 3] [--ranks 4] [--worlds "1 4"]
 #                             [--mlp-steps 600] [--cnn-steps 150] [--epochs 0]
 #
+# --worlds picks the settings (default: 1 and --ranks).
 # --epochs E (> 0) trains E epochs instead of a step count, so the final test accuracies are
 # comparable. Prints samples/s (the step loop only: start-up and the final evaluation
 # excluded) and test accuracy of every run, and per model and setting the median of the
@@ -22,6 +23,7 @@ RANKS=4
 MLP_STEPS=600
 CNN_STEPS=150
 EPOCHS=0
+WORLDS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --models) MODELS=$2; shift 2 ;;
@@ -30,11 +32,16 @@ while [ $# -gt 0 ]; do
     --mlp-steps) MLP_STEPS=$2; shift 2 ;;
     --cnn-steps) CNN_STEPS=$2; shift 2 ;;
     --epochs) EPOCHS=$2; shift 2 ;;
+    --worlds) WORLDS=$2; shift 2 ;;
     *) echo "bench_vs_torch.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-for v in "$PAIRS" "$RANKS" "$MLP_STEPS" "$CNN_STEPS" "$EPOCHS"; do
+WORLDS=${WORLDS:-1 $RANKS}
+for v in "$PAIRS" "$RANKS" "$MLP_STEPS" "$CNN_STEPS" "$EPOCHS" $WORLDS; do
   [[ "$v" =~ ^[0-9]+$ ]] || { echo "bench_vs_torch.sh: '$v' is not a count" >&2; exit 2; }
+done
+for w in $WORLDS; do
+  [ "$w" -ge 1 ] || { echo "bench_vs_torch.sh: a world of $w ranks" >&2; exit 2; }
 done
 for m in $MODELS; do
   [ "$m" = mlp ] || [ "$m" = cnn ] || { echo "bench_vs_torch.sh: unknown model $m" >&2; exit 2; }
@@ -45,6 +52,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 BUILD=${QRING_BUILD:-build}
 [ -x "$BUILD/train/qring-train" ] || QRING_TARGETS="qring-train qring-launch" scripts/build.sh "$BUILD"
+CORES=$(nproc)
 OUT=${QRING_BENCH_OUT:-runs/bench-torch}
 mkdir -p "$OUT"
 # PyTorch's OpenBLAS: the pthread build (the reference BLAS would be ~17x slower).
@@ -54,7 +62,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 json() { $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(d[sys.argv[2]])" "$@"; }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
-echo "qring $(git rev-parse --short HEAD 2>/dev/null || echo '?') ($BUILD), torch $($PY -c 'import torch; print(torch.__version__)'), $(nproc) cores"
+echo "qring $(git rev-parse --short HEAD 2>/dev/null || echo '?') ($BUILD), torch $($PY -c 'import torch; print(torch.__version__)'), $CORES cores"
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 summary=()
 for model in $MODELS; do
@@ -65,7 +73,7 @@ for model in $MODELS; do
     cfg=(--config configs/fmnist-cnn-torch.toml)
     steps=$CNN_STEPS
   fi
-  for world in 1 "$RANKS"; do
+  for world in $WORLDS; do
     if [ "$EPOCHS" -gt 0 ]; then
       qlen="train.epochs=$EPOCHS train.steps=0"
       tlen="--epochs $EPOCHS"
