@@ -123,6 +123,7 @@ std::vector<Field> fields() {
   f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
   f.push_back(int_field("model.conv_kernel", QRING_ACC(model.conv_kernel)));
   f.push_back(string_field("model.conv_padding", QRING_ACC(model.conv_padding)));
+  f.push_back(string_field("train.mode", QRING_ACC(train.mode)));
   f.push_back(int_field("train.batch_per_rank", QRING_ACC(train.batch_per_rank)));
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
@@ -351,6 +352,7 @@ void TrainConfig::validate(int world) const {
   if (model.conv_padding == "same" && model.conv_kernel % 2 == 0)
     fail("model.conv_kernel",
          fmt::format("must be odd with model.conv_padding = \"same\", got {}", model.conv_kernel));
+  check_one_of("train.mode", train.mode, {"sync", "async"});
   check_min("train.batch_per_rank", train.batch_per_rank, 1);
   check_min("train.epochs", train.epochs, 0);
   check_min("train.steps", train.steps, 0);

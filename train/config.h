@@ -36,6 +36,9 @@ struct ModelSection {
 };
 
 struct TrainSection {
+  // sync: synchronous SGD over the quorum all-reduce (with backup workers when Q < W);
+  // async: asynchronous SGD with a parameter server on rank 0 (train/async_sgd.h).
+  std::string mode = "sync";
   int64_t batch_per_rank = 64;
   int64_t epochs = 10;  // used when steps == 0
   int64_t steps = 0;    // total optimizer steps; 0 = epochs * steps_per_epoch
