@@ -24,6 +24,7 @@
 #include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
+#include "train/kernels.h"
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
@@ -186,11 +187,18 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   // unnoticed (or hang the first collective on a model of another size). The per-key digests
   // are gathered from the whole world, and every rank stops naming the ranks and keys that
   // differ (the collective has the communicator's deadline).
+  // The kernels' ISA is compared too (train/kernels.h): ranks that round differently would
+  // not stay bit-identical.
   if (world > 1 && !joining) {
-    const std::vector<uint64_t> mine = cfg.agreed_digests();
+    std::vector<uint64_t> mine = cfg.agreed_digests();
+    mine.push_back(TrainConfig::digest(kernel_isa()));
     std::vector<uint64_t> all(mine.size() * size_t(world));
     comm.allgather(mine.data(), all.data(), mine.size(), DataType::kInt64);
-    TrainConfig::check_ranks_agree(all, world);
+    try {
+      TrainConfig::check_ranks_agree(all, world, {"kernels"});
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}; rank {} computes with {}", e.what(), rank, kernel_isa()));
+    }
   }
   cfg.validate(world);
   if (cfg.train.mode == "async") {
