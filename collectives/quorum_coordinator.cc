@@ -79,8 +79,9 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
   low_water_ = next;  // every step below was decided by the old coordinator
   for (auto it = unsettled_.begin(); it != unsettled_.end();) {
     auto& [t, u] = *it;
+    const int64_t step = int64_t(t);  // (clang 14 cannot capture a structured binding)
     bool all = std::all_of(view_.members.begin(), view_.members.end(),
-                           [&](int r) { return completed_[size_t(r)] >= int64_t(t); });
+                           [&](int r) { return completed_[size_t(r)] >= step; });
     if (all || u.skipped) {
       it = unsettled_.erase(it);
       continue;
@@ -130,7 +131,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
           check_digest(r, e.step, *e.digest, out);
           if (stopped_) return out;
         }
-        on_ready(r, e.step, e.count, now);
+        on_ready(r, e.step, e.count, e.layout, now);
         break;
       case Event::Kind::kReport: {
         auto it = unsettled_.find(e.step);
@@ -170,7 +171,7 @@ void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
   stopped_ = true;
 }
 
-void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
+void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now) {
   const bool late = step < low_water_ || first_of_decided_.count(step);
   if (late) {
     auto u = unsettled_.find(step);
@@ -192,10 +193,11 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
   if (o.arrived[size_t(from)]) return;  // duplicate READY
   o.arrived[size_t(from)] = now;
   if (on_arrival_) on_arrival_(step, from, ms_between(o.first, now));
-  if (count != cfg_.count && !o.mismatch) {
+  if ((count != cfg_.count || layout != cfg_.layout) && !o.mismatch) {
     o.mismatch = true;
     o.bad_rank = from;
     o.bad_count = count;
+    o.bad_layout = layout;
   }
   recount(o, now);
 }
@@ -301,8 +303,9 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
 void Coordinator::resolve_recoveries(std::vector<Action>& out) {
   for (auto& [t, u] : unsettled_) {
     if (!u.recovering) continue;
+    const auto& reports = u.reports;  // (clang 14 cannot capture a structured binding)
     bool all = std::all_of(view_.members.begin(), view_.members.end(),
-                           [&](int r) { return u.reports.count(r) != 0; });
+                           [&](int r) { return reports.count(r) != 0; });
     if (!all) continue;
     Decision d;
     d.step = t;
@@ -378,6 +381,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
     d.decide_us = us_between(o.first, now);
     d.bad_rank = o.bad_rank;
     d.bad_count = o.bad_count;
+    d.bad_layout = o.bad_layout;
     d.settled = settled_;
     d.offsets_us.assign(size_t(cfg_.world), -1);
     for (int r = 0; r < cfg_.world; ++r)

@@ -1,9 +1,10 @@
-// Wire format of the quorum all-reduce's control messages (version 3).
+// Wire format of the quorum all-reduce's control messages (version 4).
 //
-// Up (any rank -> coordinator), 48 bytes: READY (+ 8 bytes: the sender's parameter digest,
-// when it sends one), HEARTBEAT, REPORT (recovery), SUSPECT (a transport error with a rank),
-// BYE (finished), SHARD (+ 1..8 float64: a part of a sum gathered at the coordinator).
-// Down (coordinator -> one rank), a 72-byte header and a body: DECIDE (contributor and needer
+// Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
+// + 8 bytes: the sender's parameter digest, when it sends one), HEARTBEAT, REPORT
+// (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
+// float64: a part of a sum gathered at the coordinator).
+// Down (coordinator -> one rank), an 80-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures), RECOVER, EVICTED,
 // FATAL (the error text), HEARTBEAT. Each direction of each (rank, coordinator) pair is one
 // stream of exactly tagged messages numbered in send order, so a rank applies the
@@ -21,7 +22,7 @@
 
 namespace qring::collectives::qwire {
 
-constexpr uint16_t kVersion = 3;
+constexpr uint16_t kVersion = 4;
 
 enum class Up : uint8_t {
   kReady = 1,

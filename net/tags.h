@@ -32,6 +32,7 @@ enum class Op : uint8_t {
   kQuorumData = 9,
   kQuorumResult = 10,
   kControl = 11,
+  kHello = 12,  // the settings every rank sends every other when a communicator is created
 };
 
 constexpr uint64_t kSeqMask = 0xFFFFFFull;
