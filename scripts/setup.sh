@@ -12,6 +12,7 @@ PKGS=(
   openmpi-bin libopenmpi-dev
   python3 python3-matplotlib
   procps time
+  clang libclang-rt-14-dev
 )
 
 missing=()
