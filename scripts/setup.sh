@@ -12,6 +12,7 @@ PKGS=(
   openmpi-bin libopenmpi-dev
   python3 python3-matplotlib
   procps time
+  iproute2 util-linux
   clang libclang-rt-14-dev
 )
 
