@@ -7,6 +7,10 @@
 //   comm.allreduce(send, recv, count, DataType::kFloat32, RedOp::kSum);   // blocking
 //   auto w = comm.allreduce_async(...); ...; w->wait();                     // non-blocking
 //
+// Creation is collective: every rank sends the settings that must match (settings_text) to
+// every other and waits up to CommOptions::timeout for theirs; a difference is a ConfigError
+// naming both ranks and the setting.
+//
 // Deadlines: every operation has one (CommOptions::timeout unless given). On expiry the op
 // fails with CollectiveTimeout naming the operation, its sequence number, the peer it waited
 // on and for how long; the communicator is then broken and refuses further operations.
@@ -149,7 +153,14 @@ class Communicator {
   uint32_t next_seq() { return seq_++; }
   Engine& engine() { return *engine_; }
 
+  // The settings that must be equal on every rank, "key=value" lines: protocol versions,
+  // provider, message size limit, algorithm thresholds, segment size, build id, kernel ISA.
+  // The constructor exchanges them with every rank and fails with a ConfigError naming both
+  // ranks and the setting when they differ.
+  static std::string settings_text(const net::Endpoint& ep, const CommOptions& opts);
+
  private:
+  static void check_settings(net::Endpoint& ep, const CommOptions& opts);
   int rank_;
   int size_;
   CommOptions opts_;

@@ -263,6 +263,7 @@ class QuorumService final : public EngineOp {
     cfg_.evict_steps = o.evict_steps;
     cfg_.min_world = o.min_world;
     cfg_.count = count;
+    cfg_.layout = qproto::layout_of(uint8_t(o.type), o.mean);
     // A job that can lose a rank keeps every contribution intact until its step completes
     // (rings out of place) and every result until every live rank has it (recovery).
     tolerant_ = qproto::floor_for(cfg_, world_ - 1) <= world_ - 1;
@@ -330,11 +331,26 @@ class QuorumService final : public EngineOp {
     }
   }
 
+  // Withdraws everything; the callers of wait() are told in failed(), once the engine has
+  // made sure that no buffer of theirs is still with the transport.
   void abort(net::Endpoint& ep) override {
     cancel_all(ep);
-    sh_->fail(std::make_exception_ptr(
-        IoError(fmt::format("rank {}: the communicator under the quorum all-reduce failed: {}",
-                            rank_, engine_.broken_reason()))));
+    retain_sends(ep);
+  }
+  bool holds_buffers() const override { return user_sends_pending(); }
+  void failed(const std::exception_ptr& err) override {
+    if (error_) {
+      sh_->fail(error_);
+      return;
+    }
+    std::string why = engine_.broken_reason();
+    try {
+      if (err) std::rethrow_exception(err);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    sh_->fail(std::make_exception_ptr(IoError(fmt::format(
+        "rank {}: the communicator under the quorum all-reduce failed: {}", rank_, why))));
   }
 
   bool advance(net::Endpoint& ep) override {
@@ -357,7 +373,7 @@ class QuorumService final : public EngineOp {
       if (!resync_after_pause(ep)) check_deadlines(ep);
     } catch (const Evicted&) {
       fatal = true;
-      sh_->fail(std::current_exception());
+      error_ = std::current_exception();
       dead_ = true;
     } catch (const JobOver&) {
       fatal = true;
@@ -365,10 +381,10 @@ class QuorumService final : public EngineOp {
       dead_ = true;
     } catch (const QuorumLost&) {
       fatal = true;
-      sh_->fail(std::current_exception());
+      error_ = std::current_exception();
       dead_ = true;
     } catch (...) {
-      sh_->fail(std::current_exception());
+      error_ = std::current_exception();
       dead_ = true;
     }
     bool stop;
@@ -392,31 +408,33 @@ class QuorumService final : public EngineOp {
       }
     }
     if ((stop || dead_) && !finished_) {
+      // Receives into the callers' buffers are withdrawn before the callers hear of an error
+      // (a cancellation that is not confirmed throws: the engine then closes the endpoint).
       cancel_all(ep);
+      // A ring aborted with sends still reading a caller's buffer: the engine fails the
+      // communicator and closes the endpoint before the callers are told (failed()).
+      if (dead_ && user_sends_pending()) std::rethrow_exception(error_);
+      if (error_ && !told_) {
+        told_ = true;
+        sh_->fail(error_);
+      }
+      reap_aborted();
       // Sends to ranks that left may never complete: they are not waited for.
       const bool only_lost = std::all_of(sends_.begin(), sends_.end(), [&](const Send& x) {
         return x.req->done() || !view_.has(x.peer);
       });
       if (sends_.empty() || only_lost || Clock::now() > drain_deadline()) {
-        for (auto& s : sends_) {
-          if (s.req->done()) continue;
-          // The provider may still read these buffers until the endpoint is closed.
-          if (s.buf) ep.retain_until_closed(s.buf);
-        }
-        sends_.clear();
+        if (user_sends_pending())
+          throw IoError(fmt::format("rank {}: quorum: ring sends from the callers' buffers did "
+                                    "not complete by the end",
+                                    rank_));
+        retain_sends(ep);
         finished_ = true;
       }
     }
     // Eviction and a job below its quorum end every operation of this communicator, so that
     // no collective among the old members waits for its deadline.
-    if (fatal) {
-      std::exception_ptr e;
-      {
-        std::lock_guard<std::mutex> lock(sh_->mu);
-        e = sh_->poison;
-      }
-      if (e) std::rethrow_exception(e);
-    }
+    if (fatal) std::rethrow_exception(error_);
     return moved;
   }
 
@@ -585,16 +603,38 @@ class QuorumService final : public EngineOp {
     sh_->coordinator = rank_;
   }
 
+  // Rings first: they post into the callers' buffers.
   void cancel_all(net::Endpoint& ep) {
+    for (auto it = rings_.begin(); it != rings_.end(); it = rings_.erase(it)) {
+      it->second.op->abort(ep);
+      if (it->second.op->holds_buffers()) aborted_.push_back(std::move(it->second.op));
+    }
+    for (auto it = result_recvs_.begin(); it != result_recvs_.end(); it = result_recvs_.erase(it))
+      if (!it->second.req->done()) ep.cancel(it->second.req);
     for (auto& in : up_in_)
       if (in.req && !in.req->done()) ep.cancel(in.req);
     for (auto& in : down_in_)
       if (in.req && !in.req->done()) ep.cancel(in.req);
-    for (auto& [t, rr] : result_recvs_)
-      if (!rr.req->done()) ep.cancel(rr.req);
-    result_recvs_.clear();
-    for (auto& [t, ring] : rings_) ring.op->abort(ep);
-    rings_.clear();
+  }
+
+  // Rings aborted while their sends were in flight, kept until those complete.
+  void reap_aborted() {
+    aborted_.erase(std::remove_if(aborted_.begin(), aborted_.end(),
+                                  [](const auto& op) { return !op->holds_buffers(); }),
+                   aborted_.end());
+  }
+  bool user_sends_pending() const {
+    for (const auto& op : aborted_)
+      if (op->holds_buffers()) return true;
+    return false;
+  }
+
+  // The service's own send buffers stay alive until the endpoint is closed: the provider may
+  // still read those of sends that never complete (to a rank that left).
+  void retain_sends(net::Endpoint& ep) {
+    for (auto& s : sends_)
+      if (!s.req->done() && s.buf) ep.retain_until_closed(s.buf);
+    sends_.clear();
   }
 
   // ---- rejoin (docs/design.md, "Rejoin"). A new incarnation of rank r is found in the store
@@ -1196,6 +1236,7 @@ class QuorumService final : public EngineOp {
     Event e;
     e.step = t;
     e.count = count_;
+    e.layout = cfg_.layout;
     auto d = digests_.find(t);
     if (d != digests_.end()) e.digest = d->second;
     return e;
@@ -1307,10 +1348,24 @@ class QuorumService final : public EngineOp {
           res.dropped);
     }
     if (d.status == qproto::Status::kMismatch) {
-      throw UsageError(
-          fmt::format("rank {}: quorum step {}: rank {} contributed {} elements, "
-                      "the others {}",
-                      rank_, t, d.bad_rank, d.bad_count, count_));
+      auto layout = [](uint64_t count, uint32_t l) {
+        const auto type = DataType(l >> 8);
+        return fmt::format("{} elements of {} ({})", count,
+                           uint8_t(type) <= uint8_t(DataType::kBFloat16)
+                               ? std::string(to_string(type))
+                               : fmt::format("type {}", l >> 8),
+                           (l & 1) ? "mean" : "sum");
+      };
+      if (d.bad_rank == rank_)
+        throw UsageError(fmt::format(
+            "rank {}: quorum step {}: ranks disagree on the all-reduce: rank {} contributes {} "
+            "(this rank), which is not what the coordinator (rank {}) contributes",
+            rank_, t, rank_, layout(count_, cfg_.layout), coord_));
+      throw UsageError(fmt::format(
+          "rank {}: quorum step {}: ranks disagree on the all-reduce: rank {} contributes {}, "
+          "rank {} {}",
+          rank_, t, d.bad_rank, layout(d.bad_count, d.bad_layout), rank_,
+          layout(count_, cfg_.layout)));
     }
     if (d.attempt == 0) {
       awaiting_decide_.erase(t);
@@ -1641,6 +1696,9 @@ class QuorumService final : public EngineOp {
   bool tolerant_ = false;
   std::chrono::milliseconds heartbeat_{1000};
   bool finished_ = false, dead_ = false, bye_sent_ = false, coordinator_done_ = false;
+  std::exception_ptr error_;  // why the service died (told to the callers once)
+  bool told_ = false;
+  std::vector<std::unique_ptr<EngineOp>> aborted_;  // see reap_aborted()
   bool heard_coordinator_ = false;
   Clock::time_point drain_deadline_{};
   Clock::time_point last_pass_{}, last_down_{}, last_beat_{}, last_tick_{};

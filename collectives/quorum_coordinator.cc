@@ -88,8 +88,9 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
   // A member that joined after a known step reports itself absent from its recovery.
   for (auto it = unsettled_.begin(); it != unsettled_.end();) {
     auto& [t, u] = *it;
+    const int64_t step = int64_t(t);  // (clang 14 cannot capture a structured binding)
     bool all = std::all_of(view_.members.begin(), view_.members.end(),
-                           [&](int r) { return completed_[size_t(r)] >= int64_t(t); });
+                           [&](int r) { return completed_[size_t(r)] >= step; });
     if (all || u.skipped) {
       it = unsettled_.erase(it);
       continue;
@@ -157,7 +158,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
           check_digest(r, e.step, *e.digest, out);
           if (stopped_) return out;
         }
-        on_ready(r, e.step, e.count, now);
+        on_ready(r, e.step, e.count, e.layout, now);
         break;
       case Event::Kind::kReport: {
         auto it = unsettled_.find(e.step);
@@ -205,7 +206,7 @@ void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
   stopped_ = true;
 }
 
-void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
+void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now) {
   catching_up_[size_t(from)] = false;  // a rank that rejoined computes again
   const bool late = step < low_water_ || first_of_decided_.count(step);
   if (late) {
@@ -228,10 +229,11 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, Time now) {
   if (o.arrived[size_t(from)]) return;  // duplicate READY
   o.arrived[size_t(from)] = now;
   if (on_arrival_) on_arrival_(step, from, ms_between(o.first, now));
-  if (count != cfg_.count && !o.mismatch) {
+  if ((count != cfg_.count || layout != cfg_.layout) && !o.mismatch) {
     o.mismatch = true;
     o.bad_rank = from;
     o.bad_count = count;
+    o.bad_layout = layout;
   }
   recount(o, now);
 }
@@ -401,8 +403,10 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
     if (!u.recovering) continue;
     // Members that joined after step t take no part in it (they report absent, or the
     // coordinator knows).
+    const auto& reports = u.reports;  // (clang 14 cannot capture a structured binding)
+    const uint64_t step = t;
     bool all = std::all_of(view_.members.begin(), view_.members.end(), [&](int r) {
-      return !in_step(r, t) || u.reports.count(r) != 0;
+      return !in_step(r, step) || reports.count(r) != 0;
     });
     if (!all) continue;
     Decision d;
@@ -483,6 +487,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
     d.decide_us = us_between(o.first, now);
     d.bad_rank = o.bad_rank;
     d.bad_count = o.bad_count;
+    d.bad_layout = o.bad_layout;
     d.settled = settled_;
     d.offsets_us.assign(size_t(cfg_.world), -1);
     for (int r = 0; r < cfg_.world; ++r)

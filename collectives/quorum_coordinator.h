@@ -54,7 +54,13 @@ struct Config {
   int min_world = 0;      // fewest members the job runs with; 0 = the quorum
   uint64_t count = 0;     // elements per contribution (checked on every READY)
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
+  uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
+
+// The element type and reduction of a contribution as READY carries them.
+constexpr uint32_t layout_of(uint8_t type, bool mean) {
+  return (uint32_t(type) << 8) | (mean ? 1u : 0u);
+}
 
 // The quorum in force for a view of `view_size` members (a fraction is rounded up).
 int quorum_for(const Config& c, int view_size);
@@ -102,8 +108,9 @@ struct Decision {
   std::vector<int> needers;
   std::vector<int64_t> offsets_us;  // per rank: arrival after the step's first, -1 = none
   int64_t decide_us = 0;
-  int bad_rank = -1;  // kMismatch: who sent another element count, and that count
+  int bad_rank = -1;  // kMismatch: who sent another count or layout, and those
   uint64_t bad_count = 0;
+  uint32_t bad_layout = 0;
   int64_t settled = -1;  // every live member has completed every step <= settled
 };
 
@@ -154,6 +161,7 @@ struct Event {
   int from = -1;
   uint64_t step = 0;       // kReady, kReport
   uint64_t count = 0;      // kReady
+  uint32_t layout = 0;     // kReady: element type and reduction (layout_of)
   int64_t completed = -1;  // highest step `from` has completed (every step before it too)
   uint32_t attempt = 0;    // kReport
   bool have = false;       // kReport: `from` holds the final result of `step`
@@ -216,6 +224,7 @@ class Coordinator {
     bool mismatch = false;
     int bad_rank = -1;
     uint64_t bad_count = 0;
+    uint32_t bad_layout = 0;
   };
   struct Unsettled {
     std::vector<int> contributors;
@@ -228,7 +237,7 @@ class Coordinator {
   };
 
   static constexpr uint8_t kNeed = 0, kHave = 1, kAbsent = 2;
-  void on_ready(int from, uint64_t step, uint64_t count, Time now);
+  void on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now);
   void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Action>& out);
   void tick(Time now, std::vector<Action>& out);
   void change_view(std::vector<Departure> left, Time now, std::vector<Action>& out);

@@ -46,8 +46,10 @@ struct DownWire {
   uint64_t bad_count;
   uint32_t quorum;
   uint32_t body;  // bytes after the header
+  uint32_t bad_layout;
+  uint32_t pad;
 };
-static_assert(sizeof(DownWire) == 72);
+static_assert(sizeof(DownWire) == 80);
 
 struct DepartureWire {
   uint32_t rank;
@@ -116,6 +118,7 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   w.attempt = e.attempt;
   w.suspect = e.suspect;
   if (type == Up::kAck) w.count = e.epoch;
+  if (type == Up::kReady) w.attempt = e.layout;  // READY has no attempt: its layout
   std::vector<char> out(sizeof(w));
   std::memcpy(out.data(), &w, sizeof(w));
   if (type == Up::kReady && e.digest) {
@@ -211,6 +214,10 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.count = w.count;
   e.completed = w.completed;
   e.attempt = w.attempt;
+  if (*type == Up::kReady) {
+    e.layout = w.attempt;
+    e.attempt = 0;
+  }
   e.have = w.have == 1;
   e.absent = w.have == 2;
   e.suspect = w.suspect;
@@ -260,6 +267,7 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
       h.bad_rank = d.bad_rank;
       h.source = d.source;
       h.bad_count = d.bad_count;
+      h.bad_layout = d.bad_layout;
       h.quorum = uint32_t(d.quorum);
       put_bitmap(body, world, d.contributors);
       put_bitmap(body, world, d.needers);
@@ -355,6 +363,7 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
       d.bad_rank = h.bad_rank;
       d.source = h.source;
       d.bad_count = h.bad_count;
+      d.bad_layout = h.bad_layout;
       d.quorum = int(h.quorum);
       if (d.source < -1 || d.source >= world) throw bad(fmt::format("source rank {}", d.source));
       d.contributors = get_bitmap(body, world);

@@ -1,10 +1,11 @@
 // Wire format of the quorum all-reduce's control messages (version 4).
 //
-// Up (any rank -> coordinator), 48 bytes: READY (+ 8 bytes: the sender's parameter digest,
-// when it sends one), HEARTBEAT, REPORT (recovery), SUSPECT (a transport error with a rank),
-// BYE (finished), SHARD (+ 1..8 float64: a part of a sum gathered at the coordinator), HELLO
-// (a rank that rejoins has connected to every member), ACCEPT (a member reconnected to it).
-// Down (coordinator -> one rank), a 72-byte header and a body: DECIDE (contributor and needer
+// Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
+// + 8 bytes: the sender's parameter digest, when it sends one), HEARTBEAT, REPORT
+// (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
+// float64: a part of a sum gathered at the coordinator), HELLO (a rank that rejoins has
+// connected to every member), ACCEPT (a member reconnected to it).
+// Down (coordinator -> one rank), an 80-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures, ranks that joined),
 // RECOVER, EVICTED, FATAL (the error text), HEARTBEAT, JOINING (reconnect to a new
 // incarnation of a rank). Each direction of each (rank, coordinator) pair is one

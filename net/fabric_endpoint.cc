@@ -7,6 +7,8 @@
 #include "net/fabric_endpoint.h"
 
 #include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -222,6 +224,73 @@ std::string pair_address(const std::string& list, int world, int index, int from
       fmt::format("rank {}: malformed pairwise fabric addresses of rank {}", index, from));
 }
 
+const char* addr_format_name(uint32_t f) {
+  switch (f) {
+    case FI_SOCKADDR: return "FI_SOCKADDR";
+    case FI_SOCKADDR_IN: return "FI_SOCKADDR_IN";
+    case FI_SOCKADDR_IN6: return "FI_SOCKADDR_IN6";
+    case FI_ADDR_STR: return "FI_ADDR_STR";
+    default: return "the provider's format";
+  }
+}
+
+// An address read from the store, checked against this endpoint's address format before it
+// reaches fi_av_insert (which reads as many bytes as the format implies, and trusts the
+// content): socket addresses must have their exact size, family and a port; a string address
+// is printable up to its terminating NULs and names a format ("fi_<format>://..."); an
+// opaque format must have the length of this endpoint's own name. Returns "" or the problem.
+std::string address_problem(const std::string& a, uint32_t format, size_t own_len) {
+  auto family = [&]() {
+    sa_family_t f = 0;
+    std::memcpy(&f, a.data(), std::min(a.size(), sizeof(f)));
+    return f;
+  };
+  switch (format) {
+    case FI_SOCKADDR_IN: {
+      if (a.size() != sizeof(sockaddr_in))
+        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in));
+      sockaddr_in sin{};
+      std::memcpy(&sin, a.data(), sizeof(sin));
+      if (sin.sin_family != AF_INET) return fmt::format("address family {}", sin.sin_family);
+      if (sin.sin_port == 0) return "port 0";
+      return {};
+    }
+    case FI_SOCKADDR_IN6: {
+      if (a.size() != sizeof(sockaddr_in6))
+        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in6));
+      sockaddr_in6 sin6{};
+      std::memcpy(&sin6, a.data(), sizeof(sin6));
+      if (sin6.sin6_family != AF_INET6) return fmt::format("address family {}", sin6.sin6_family);
+      if (sin6.sin6_port == 0) return "port 0";
+      return {};
+    }
+    case FI_SOCKADDR: {
+      if (a.size() == sizeof(sockaddr_in))
+        return address_problem(a, FI_SOCKADDR_IN, own_len);
+      if (a.size() == sizeof(sockaddr_in6))
+        return address_problem(a, FI_SOCKADDR_IN6, own_len);
+      return fmt::format("{} bytes (family {}), not an IPv4 or IPv6 socket address", a.size(),
+                         family());
+    }
+    case FI_ADDR_STR: {
+      size_t end = a.size();
+      while (end > 0 && a[end - 1] == '\0') --end;
+      if (end == 0 || a.size() > FI_NAME_MAX)
+        return fmt::format("{} bytes, expected 1 to {}", a.size(), FI_NAME_MAX);
+      for (size_t i = 0; i < end; ++i)
+        if (a[i] < 0x21 || a[i] > 0x7e) return fmt::format("a non-printable byte at {}", i);
+      const size_t sep = a.find("://");
+      if (a.rfind("fi_", 0) != 0 || sep == std::string::npos || sep + 3 >= end)
+        return "not of the form fi_<format>://<address>";
+      return {};
+    }
+    default:
+      if (a.size() != own_len)
+        return fmt::format("{} bytes, this rank's address has {}", a.size(), own_len);
+      return {};
+  }
+}
+
 struct AnyRecv;
 
 // One posted libfabric operation (one fragment of a request). FI_CONTEXT(2) mode: the
@@ -237,6 +306,7 @@ struct OpCtx {
   size_t len = 0;
   uint64_t tag = 0;
   uint64_t ignore = 0;
+  uint64_t data = 0;  // sends: immediate data (0: none)
   fi_addr_t addr = FI_ADDR_UNSPEC;
   void* desc = nullptr;
   bool posted = false;
@@ -267,6 +337,7 @@ struct Leftover {
   int peer = 0;
   uint64_t tag = 0;
   std::vector<char> data;
+  uint64_t imm = 0;  // the message's immediate data
 };
 
 // An any-peer receive over pairwise endpoints, where no single libfabric receive sees every
@@ -344,6 +415,7 @@ class FabricEndpoint final : public Endpoint {
     mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
     mr_virt_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
     max_msg_ = info_->ep_attr->max_msg_size;
+    data_bytes_ = std::min<size_t>(info_->domain_attr->cq_data_size, 8);
     if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
 
@@ -439,31 +511,68 @@ class FabricEndpoint final : public Endpoint {
   }
 
   ~FabricEndpoint() override {
-    // Cancel what is still posted so the provider drops its references before close.
-    for (OpCtx* c : outstanding_) {
-      if (c->posted) fi_cancel(&c->ep->fid, c);
-    }
-    // Drain completions (cancellations, sends still finishing) for a short while.
-    fi_cq_tagged_entry entries[16];
-    auto until = Clock::now() + std::chrono::milliseconds(200);
-    while (!outstanding_.empty() && Clock::now() < until) {
-      ssize_t n = fi_cq_read(cq_.get(), entries, 16);
-      if (n == -FI_EAVAIL) {
-        fi_cq_err_entry err{};
-        if (fi_cq_readerr(cq_.get(), &err, 0) > 0 && err.op_context)
-          forget(static_cast<OpCtx*>(err.op_context));
-      } else if (n > 0) {
-        for (ssize_t i = 0; i < n; ++i) forget(static_cast<OpCtx*>(entries[i].op_context));
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
-    }
-    eps_.clear();
+    close();
     for (auto& [addr, mr] : mrs_) fi_close(&mr.mr->fid);
     mrs_.clear();
-    for (OpCtx* c : outstanding_) delete c;
     for (OpCtx* c : orphans_) delete c;
+    orphans_.clear();
   }
+
+  // Unposted fragments are cancelled at once and posted receives through the provider; for
+  // up to 200 ms completions (cancellations, sends finishing, messages) are handled as in
+  // progress(). Then the libfabric endpoints are closed, after which the provider holds no
+  // reference to any buffer of ours, and whatever is still pending ends as cancelled.
+  void close() override {
+    if (closed_) return;
+    for (size_t qi = 0; qi < queues_.size(); ++qi) {
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        q.head = c->next;
+        c->next = nullptr;
+        finish_part(c, RequestState::kCancelled, {});
+      }
+      q.tail = nullptr;
+      deactivate(qi);
+    }
+    for (OpCtx* c : outstanding_)
+      if (c->posted && !c->req->is_send) fi_cancel(&c->ep->fid, c);
+    fi_cq_tagged_entry entries[16];
+    const auto until = Clock::now() + std::chrono::milliseconds(200);
+    while (!outstanding_.empty() && Clock::now() < until) {
+      ssize_t n = fi_cq_read(cq_.get(), entries, 16);
+      try {
+        if (n == -FI_EAVAIL) {
+          handle_error();
+        } else if (n > 0) {
+          for (ssize_t i = 0; i < n; ++i) complete(entries[i]);
+        } else if (n == -FI_EAGAIN) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        } else {
+          break;
+        }
+      } catch (const std::exception& e) {
+        spdlog::warn("rank {}: closing the endpoint: {}", rank_, e.what());
+        break;
+      }
+    }
+    closed_ = true;
+    std::vector<RequestPtr> left;
+    for (OpCtx* c : outstanding_) left.push_back(c->req);
+    eps_.clear();
+    for (OpCtx* c : outstanding_) delete c;
+    outstanding_.clear();
+    for (const RequestPtr& r : left) end_cancelled(*r);
+    for (const auto& a : any_) {
+      end_cancelled(*a->req);
+      for (const AnyRecv::Part& part : a->parts) end_cancelled(*part.req);
+    }
+    any_.clear();
+    stash_.clear();
+    ready_any_ = 0;
+    if (!left.empty())
+      spdlog::debug("rank {}: endpoint closed with {} operations unfinished", rank_, left.size());
+  }
+  bool closed() const override { return closed_; }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -585,8 +694,11 @@ class FabricEndpoint final : public Endpoint {
   }
   std::string provider() const override { return provider_name_; }
   size_t max_message_size() const override { return max_msg_; }
+  size_t data_bytes() const override { return data_bytes_; }
 
-  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                   uint64_t data = 0) override {
+    check_open();
     check_peer(peer, "isend");
     auto req = std::make_shared<Request>();
     req->is_send = true;
@@ -594,12 +706,15 @@ class FabricEndpoint final : public Endpoint {
     req->tag = tag;
     req->len = len;
     req->bytes = len;
+    if (data_bytes_ < 8) data &= data_bytes_ == 0 ? 0 : (uint64_t(1) << (8 * data_bytes_)) - 1;
     post_fragments(req, const_cast<void*>(buf), len, wire_tag(peer, tag), 0,
-                   addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)]);
+                   addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)], nullptr, 0,
+                   data);
     return req;
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override {
+    check_open();
     if (peer != kAnyPeer) check_peer(peer, "irecv");
     if (ignore != 0 && len > max_msg_)
       throw UsageError(fmt::format("irecv with an ignore mask is limited to {} bytes (asked {})",
@@ -623,6 +738,7 @@ class FabricEndpoint final : public Endpoint {
   }
 
   size_t progress() override {
+    if (closed_) return 0;
     size_t handled = 0;
     fi_cq_tagged_entry entries[32];
     while (true) {
@@ -704,15 +820,21 @@ class FabricEndpoint final : public Endpoint {
 
   size_t registered_regions() const { return mrs_.size(); }
 
-  void forget(OpCtx* c) {
-    if (outstanding_.erase(c)) delete c;
-  }
-
  private:
   struct Mr {
     fid_mr* mr;
     size_t len;
   };
+
+  void check_open() const {
+    if (closed_) throw IoError(fmt::format("rank {}: the endpoint is closed", rank_));
+  }
+
+  static void end_cancelled(Request& r) {
+    if (r.state != RequestState::kPending) return;
+    r.pending_parts = 0;
+    r.state = RequestState::kCancelled;
+  }
 
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_)
@@ -740,7 +862,16 @@ class FabricEndpoint final : public Endpoint {
           "the same {} on every rank",
           rank_, setting_, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
     }
-    return pairwise_ ? pair_address(v.substr(nl + 1), world_, rank_, r) : v.substr(nl + 1);
+    std::string addr =
+        pairwise_ ? pair_address(v.substr(nl + 1), world_, rank_, r) : v.substr(nl + 1);
+    const std::string problem =
+        address_problem(addr, info_->addr_format, names_[index_[static_cast<size_t>(r)]].size());
+    if (!problem.empty())
+      throw ProtocolError(fmt::format(
+          "rank {}: the fabric address that rank {} published is not a valid {} address ({}); a "
+          "rank of another build, provider or job wrote it",
+          rank_, r, addr_format_name(info_->addr_format), problem));
+    return addr;
   }
 
   void insert_peer(int r, const std::string& addr) {
@@ -773,7 +904,7 @@ class FabricEndpoint final : public Endpoint {
   // `any`: the request is part `any_index` of that pairwise any-peer receive (one fragment).
   void post_fragments(const RequestPtr& req, void* buf, size_t len, uint64_t tag, uint64_t ignore,
                       fi_addr_t addr, fid_ep* ep, const std::shared_ptr<AnyRecv>& any = nullptr,
-                      uint32_t any_index = 0) {
+                      uint32_t any_index = 0, uint64_t data = 0) {
     size_t parts = len == 0 ? 1 : (len + max_msg_ - 1) / max_msg_;
     req->pending_parts = static_cast<int>(parts);
     char* p = static_cast<char*>(buf);
@@ -786,6 +917,7 @@ class FabricEndpoint final : public Endpoint {
       c->len = n;
       c->tag = tag | (i & kFragMask);
       c->ignore = ignore;
+      c->data = data;
       c->addr = addr;
       c->ep = ep;
       if (any) {
@@ -852,7 +984,9 @@ class FabricEndpoint final : public Endpoint {
   // Hands one fragment to the provider: 0, -FI_EAGAIN (refused for now) or a hard error.
   ssize_t post(OpCtx* c) {
     ssize_t ret;
-    if (c->req->is_send)
+    if (c->req->is_send && c->data != 0)
+      ret = fi_tsenddata(c->ep, c->buf, c->len, c->desc, c->data, c->addr, c->tag, &c->ctx);
+    else if (c->req->is_send)
       ret = fi_tsend(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
     else
       ret = fi_trecv(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
@@ -1030,16 +1164,18 @@ class FabricEndpoint final : public Endpoint {
     Leftover m = std::move(*a.ready);
     a.ready.reset();
     --ready_any_;
-    resolve(a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+    resolve(a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {}, m.imm);
   }
 
   // Gives the caller's request its final state; the parts still pending are cancelled.
   void resolve(AnyRecv& a, RequestState st, const char* data, size_t bytes, uint64_t tag,
-               std::string err) {
+               std::string err, uint64_t imm = 0) {
     Request& r = *a.req;
     a.resolved = true;
+    r.data = imm;
     if (st == RequestState::kDone && bytes > a.len) {
       st = RequestState::kError;
+      r.truncated = true;
       err = fmt::format("{}: message truncated: {} bytes arrived for a {}-byte buffer",
                         r.peer == kAnyPeer ? "from any peer" : fmt::format("from rank {}", r.peer),
                         bytes, a.len);
@@ -1084,15 +1220,17 @@ class FabricEndpoint final : public Endpoint {
     const Request& sub = *part.req;
     if (sub.state == RequestState::kDone) {
       if (!a.resolved) {
-        resolve(a, RequestState::kDone, part.stage.data(), sub.bytes, sub.matched_tag, {});
+        resolve(a, RequestState::kDone, part.stage.data(), sub.bytes, sub.matched_tag, {},
+                sub.data);
       } else {
         part.stage.resize(sub.bytes);
-        hand_on(Leftover{sub.peer, sub.matched_tag, std::move(part.stage)});
+        hand_on(Leftover{sub.peer, sub.matched_tag, std::move(part.stage), sub.data});
       }
     } else if (sub.state == RequestState::kError) {
-      if (!a.resolved)
-        resolve(a, RequestState::kError, nullptr, 0, 0, sub.error);
-      else
+      if (!a.resolved) {
+        resolve(a, RequestState::kError, nullptr, 0, 0, sub.error, sub.data);
+        a.req->truncated = sub.truncated;
+      } else
         spdlog::warn("rank {}: a message for a finished any-peer receive failed: {}", rank_,
                      sub.error);
     } else if (a.live == 0 && !a.resolved) {  // every part cancelled
@@ -1107,7 +1245,7 @@ class FabricEndpoint final : public Endpoint {
   void hand_on(Leftover m) {
     for (const auto& a : any_) {
       if (a->resolved || a->ready || !tag_matches(m.tag, a->tag, a->ignore)) continue;
-      resolve(*a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+      resolve(*a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {}, m.imm);
       return;
     }
     stash_.push_back(std::move(m));
@@ -1138,6 +1276,7 @@ class FabricEndpoint final : public Endpoint {
     if (!c->req->is_send) {
       c->req->bytes += e.len;
       c->req->matched_tag = e.tag & ~(kFragMask | kGenMask);
+      if (e.flags & FI_REMOTE_CQ_DATA) c->req->data = e.data;
     }
     finish_part(c, RequestState::kDone, {});
   }
@@ -1157,7 +1296,11 @@ class FabricEndpoint final : public Endpoint {
       finish_part(c, RequestState::kCancelled, {});
       return;
     }
-    const Request& req = *c->req;
+    Request& req = *c->req;
+    // A truncated message still names its sender's immediate data: the collectives tell a
+    // shape mismatch from it.
+    if (!req.is_send && (err.flags & FI_REMOTE_CQ_DATA)) req.data = err.data;
+    if (!req.is_send && code == FI_ETRUNC) req.truncated = true;
     std::string detail =
         code == FI_ETRUNC
             ? (err.olen > 0 ? fmt::format("message truncated: {} bytes arrived for a {}-byte "
@@ -1183,6 +1326,8 @@ class FabricEndpoint final : public Endpoint {
   bool mr_local_ = false;
   bool mr_virt_ = false;
   size_t max_msg_ = 0;
+  size_t data_bytes_ = 0;  // immediate data per message (the provider's cq_data_size, <= 8)
+  bool closed_ = false;
   InfoPtr info_;
   TcpRegistrations tcp_regs_;  // outlives the endpoints' connections (destroyed after eps_)
   // Creation order; destroyed in reverse.

@@ -28,6 +28,7 @@ struct InprocFabric::Mailbox {
     int src;
     uint64_t tag;
     std::vector<char> data;
+    uint64_t imm;  // immediate data
   };
   struct Done {
     RequestPtr req;
@@ -35,6 +36,7 @@ struct InprocFabric::Mailbox {
     size_t bytes;
     uint64_t tag;
     std::string error;
+    uint64_t imm;
   };
   std::mutex mu;
   std::list<Posted> posted;       // in post order
@@ -56,15 +58,25 @@ class InprocEndpoint final : public Endpoint {
     connected_[size_t(rank)] = 1;
   }
 
-  // The mailbox outlives the endpoint: withdraw the receives still posted, or later senders
-  // would write into buffers that are gone.
-  ~InprocEndpoint() override {
+  ~InprocEndpoint() override { close(); }
+
+  // The mailbox outlives the endpoint: the receives still posted are withdrawn, or later
+  // senders would write into buffers that are gone (senders copy into posted buffers
+  // themselves, under the mailbox lock). Receives that matched already are reported.
+  void close() override {
+    if (closed_) return;
     auto& box = *boxes_[static_cast<size_t>(rank_)];
-    std::lock_guard<std::mutex> lock(box.mu);
-    for (auto& p : box.posted) p.req->state = RequestState::kCancelled;
-    box.posted.clear();
-    box.completed.clear();
+    std::vector<InprocFabric::Mailbox::Done> done;
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      for (auto& p : box.posted) p.req->state = RequestState::kCancelled;
+      box.posted.clear();
+      done.swap(box.completed);
+      closed_ = true;
+    }
+    apply(done);
   }
+  bool closed() const override { return closed_; }
 
   uint32_t incarnation() const override { return incarnation_; }
   std::string published_address() const override { return "inproc\n"; }
@@ -101,7 +113,9 @@ class InprocEndpoint final : public Endpoint {
   std::string provider() const override { return "inproc"; }
   size_t max_message_size() const override { return SIZE_MAX; }
 
-  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                   uint64_t data = 0) override {
+    check_open();
     check_peer(peer, "isend");
     auto req = std::make_shared<Request>();
     req->is_send = true;
@@ -125,10 +139,11 @@ class InprocEndpoint final : public Endpoint {
         Request& r = *it->req;
         if ((r.peer == kAnyPeer || r.peer == rank_) && matches(it->tag, it->ignore, tag)) {
           if (len > r.len) {
-            box.completed.push_back({it->req, rank_, len, tag, truncated(rank_, len, r.len)});
+            box.completed.push_back(
+                {it->req, rank_, len, tag, truncated(rank_, len, r.len), data});
           } else {
             if (len) std::memcpy(it->buf, buf, len);
-            box.completed.push_back({it->req, rank_, len, tag, {}});
+            box.completed.push_back({it->req, rank_, len, tag, {}, data});
           }
           box.posted.erase(it);
           req->state = RequestState::kDone;
@@ -136,12 +151,13 @@ class InprocEndpoint final : public Endpoint {
         }
       }
       const char* p = static_cast<const char*>(buf);
-      box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len)});
+      box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len), data});
     }
     req->state = RequestState::kDone;  // eager: the data is buffered
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override {
+    check_open();
     if (peer != kAnyPeer) check_peer(peer, "irecv");
     auto req = std::make_shared<Request>();
     req->peer = peer;
@@ -166,8 +182,10 @@ class InprocEndpoint final : public Endpoint {
       if ((peer == kAnyPeer || it->src == peer) && matches(tag, ignore, it->tag)) {
         req->matched_tag = it->tag & ~kGenMask;
         req->bytes = it->data.size();
+        req->data = it->imm;
         if (it->data.size() > len) {
           req->state = RequestState::kError;
+          req->truncated = true;
           req->error = truncated(it->src, it->data.size(), len);
           mark_suspect(it->src);
         } else {
@@ -182,6 +200,7 @@ class InprocEndpoint final : public Endpoint {
   }
 
   size_t progress() override {
+    if (closed_) return 0;
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::vector<InprocFabric::Mailbox::Done> done;
     {
@@ -189,18 +208,24 @@ class InprocEndpoint final : public Endpoint {
       if (box.completed.empty()) return 0;
       done.swap(box.completed);
     }
+    apply(done);
+    return done.size();
+  }
+
+  void apply(std::vector<InprocFabric::Mailbox::Done>& done) {
     for (auto& d : done) {
       d.req->bytes = d.bytes;
       d.req->matched_tag = d.tag & ~kGenMask;
+      d.req->data = d.imm;
       if (d.error.empty()) {
         d.req->state = RequestState::kDone;
       } else {
         d.req->state = RequestState::kError;
+        d.req->truncated = true;  // the only error of this transport
         d.req->error = d.error;
         mark_suspect(d.src);
       }
     }
-    return done.size();
   }
 
   bool cancel(const RequestPtr& req) override {
@@ -240,6 +265,10 @@ class InprocEndpoint final : public Endpoint {
     if (it == suspects_.end() || *it != peer) suspects_.insert(it, peer);
   }
 
+  void check_open() const {
+    if (closed_) throw IoError(fmt::format("rank {}: the endpoint is closed", rank_));
+  }
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_size())
       throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_size()));
@@ -257,6 +286,7 @@ class InprocEndpoint final : public Endpoint {
   };
   std::vector<Waiting> waiting_;
   std::vector<int> suspects_;  // sorted
+  bool closed_ = false;
 };
 
 }  // namespace

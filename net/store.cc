@@ -188,7 +188,9 @@ int64_t MemoryStore::add(const std::string& key, int64_t delta) {
     std::lock_guard lk(impl_->mu);
     auto it = impl_->data.find(key);
     if (it != impl_->data.end()) v = parse_counter(key, it->second);
-    v += delta;
+    if (__builtin_add_overflow(v, delta, &v))
+      throw UsageError(fmt::format("add to key '{}': {} + {} overflows a 64-bit counter", key,
+                                   it == impl_->data.end() ? "0" : it->second, delta));
     impl_->data[key] = std::to_string(v);
   }
   impl_->cv.notify_all();

@@ -158,6 +158,7 @@ class TcpStoreServer {
   int port() const;
 
  private:
+  friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -186,5 +187,11 @@ class TcpStore : public Store {
 std::string describe_keys(const std::vector<std::string>& keys);
 // The integer stored at `key` (the value format of add()); UsageError if it is not one.
 int64_t parse_counter(const std::string& key, const std::string& value);
+
+// For the fuzz harness (tests/fuzz): runs the store server's frame parser and request handlers
+// over `bytes` as one connection's input, without sockets (a connection of rank 0 that has
+// joined when `joined`, beside a joined rank 1 parked in a WAIT), and returns the replies the
+// server would send. Never throws for any input: a malformed frame ends the connection.
+std::string store_server_feed(std::string_view bytes, bool joined, int world_size);
 
 }  // namespace qring::net

@@ -38,9 +38,10 @@ enum class Op : uint8_t {
   kControl = 11,
   kQuorumState = 12,  // a live member's state for a rank that rejoins
   kParamServer = 13,  // asynchronous SGD's pushes and pulls (collectives/param_server.h)
+  kHello = 14,  // the settings every rank sends every other when a communicator is created
 };
 constexpr int kOpBits = 4;
-static_assert(static_cast<int>(Op::kParamServer) < (1 << kOpBits), "op must fit in 4 bits");
+static_assert(static_cast<int>(Op::kHello) < (1 << kOpBits), "op must fit in 4 bits");
 
 constexpr uint64_t kSeqMask = 0xFFFFFFull;
 constexpr uint64_t kChunkMask = 0xFFFFFFull;

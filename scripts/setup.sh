@@ -13,6 +13,8 @@ PKGS=(
   openmpi-bin libopenmpi-dev
   python3 python3-matplotlib
   procps time
+  iproute2 util-linux
+  clang libclang-rt-14-dev
 )
 # PyTorch 1.13 (oneDNN convolutions; OpenBLAS through libopenblas0-pthread above).
 [ "${QRING_SETUP_TORCH:-0}" = 1 ] && PKGS+=(python3-torch python3-numpy)
