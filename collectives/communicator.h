@@ -91,9 +91,6 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
-class Engine;
-class EngineOp;
-
 class Communicator {
  public:
   Communicator(std::unique_ptr<net::Endpoint> endpoint, CommOptions opts = {});

@@ -104,8 +104,7 @@ void reduce(void* dst, const void* a, const void* b, size_t count, DataType type
   throw UsageError("reduce: unknown data type");
 }
 
-void scale_avg(void* dst, size_t count, DataType type, int divisor, int threads) {
-  (void)threads;
+void scale_avg(void* dst, size_t count, DataType type, int divisor) {
   if (divisor <= 1 || count == 0) return;
   switch (type) {
     case DataType::kFloat32:

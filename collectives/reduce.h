@@ -12,7 +12,7 @@ namespace qring::collectives {
 
 void reduce(void* dst, const void* a, const void* b, size_t count, DataType type, RedOp op,
             int threads = 1);
-// dst[i] /= divisor (integer types: truncating division).
-void scale_avg(void* dst, size_t count, DataType type, int divisor, int threads = 1);
+// dst[i] /= divisor (integer types: truncating division), on the calling thread.
+void scale_avg(void* dst, size_t count, DataType type, int divisor);
 
 }  // namespace qring::collectives

@@ -362,7 +362,7 @@ class RingOp final : public EngineOp {
       reduce(dst, dst, lane.recv_ptrs[lane.stage], rn, args_.type, args_.op, threads_);
     else
       reduce(dst, dst, mine, rn, args_.type, args_.op, threads_);
-    if (st.final_reduce && args_.op == RedOp::kAvg) scale_avg(dst, rn, args_.type, n_, threads_);
+    if (st.final_reduce && args_.op == RedOp::kAvg) scale_avg(dst, rn, args_.type, n_);
   }
 
   Engine& engine_;
@@ -502,7 +502,7 @@ class RecursiveDoublingOp final : public EngineOp {
   }
   void finish_avg() {
     if (args_.op == RedOp::kAvg && n_ > 1)
-      scale_avg(args_.recv, args_.count, args_.type, n_, threads_);
+      scale_avg(args_.recv, args_.count, args_.type, n_);
   }
 
   Engine& engine_;
@@ -624,7 +624,7 @@ class HalvingDoublingOp final : public EngineOp {
       // Step complete: the last reduce-scatter step finishes block me_ (avg scaling).
       if (step_ + 1 == size_t(log_) && args_.op == RedOp::kAvg) {
         size_t b = block_off(me_), e = block_off(me_ + 1);
-        scale_avg(out_ + b * elem_, e - b, args_.type, n_, threads_);
+        scale_avg(out_ + b * elem_, e - b, args_.type, n_);
       }
       for (auto& sd : s.sends) sends_.push_back(std::move(sd));
       s.sends.clear();

@@ -41,10 +41,6 @@ constexpr std::string_view to_string(RedOp op) {
   }
   return "?";
 }
-// Parse "float32"/"float"/"f32", "float64"/"double", "int32", "int64", "bfloat16"/"bf16";
-// "sum", "avg", "min", "max". Throw ConfigError on anything else.
-DataType parse_dtype(std::string_view s);
-RedOp parse_redop(std::string_view s);
 
 // bfloat16 <-> float32 (round to nearest even; NaN stays NaN).
 inline float bf16_to_float(uint16_t v) {

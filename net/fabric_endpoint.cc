@@ -95,28 +95,24 @@ InfoPtr query(const std::string& prov) {
 // libfabric 1.17's shm provider names its region /dev/shm/<pid>:<n>:<m>. A process killed
 // with SIGKILL leaves its region behind, and a later process that gets the same pid then
 // fails fi_enable with -FI_EBUSY. Regions named after this pid that this process has not
-// mapped can only be such leftovers: remove them. Returns how many were removed.
-int remove_stale_shm_regions() {
+// mapped can only be such leftovers: remove them.
+void remove_stale_shm_regions() {
   std::string maps;
   {
     std::ifstream f("/proc/self/maps");
     maps.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
   }
   const std::string prefix = std::to_string(getpid()) + ":";
-  int removed = 0;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind(prefix, 0) != 0) continue;
     if (maps.find("/dev/shm/" + name) != std::string::npos) continue;
-    if (std::filesystem::remove(e.path(), ec)) {
+    if (std::filesystem::remove(e.path(), ec))
       spdlog::warn("removed stale shared-memory region /dev/shm/{} of an earlier process with "
                    "this pid",
                    name);
-      ++removed;
-    }
   }
-  return removed;
 }
 
 // ofi_rxm (over tcp) sends messages above its eager limit (16 KiB by default) by rendezvous:
@@ -413,7 +409,6 @@ class FabricEndpoint final : public Endpoint {
     info_.reset(fi_dupinfo(pick));
     provider_name_ = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "?";
     mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
-    mr_virt_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
     max_msg_ = info_->ep_attr->max_msg_size;
     data_bytes_ = std::min<size_t>(info_->domain_attr->cq_data_size, 8);
     if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
@@ -818,8 +813,6 @@ class FabricEndpoint final : public Endpoint {
     mrs_.erase(it);
   }
 
-  size_t registered_regions() const { return mrs_.size(); }
-
  private:
   struct Mr {
     fid_mr* mr;
@@ -1069,9 +1062,6 @@ class FabricEndpoint final : public Endpoint {
       r.state = RequestState::kCancelled;
     }
     if (--r.pending_parts == 0 && r.state == RequestState::kPending) r.state = RequestState::kDone;
-    if (r.pending_parts == 0 && r.state == RequestState::kCancelled) {
-      // fine: fully cancelled
-    }
     if (c->posted) --queues_[queue_index(r.is_send, r.peer)].inflight;
     outstanding_.erase(c);
     if (c->any) {
@@ -1324,7 +1314,6 @@ class FabricEndpoint final : public Endpoint {
   std::string provider_setting_;
   std::string provider_name_;
   bool mr_local_ = false;
-  bool mr_virt_ = false;
   size_t max_msg_ = 0;
   size_t data_bytes_ = 0;  // immediate data per message (the provider's cq_data_size, <= 8)
   bool closed_ = false;

@@ -60,14 +60,8 @@ constexpr uint64_t make_tag(Op op, uint64_t seq, uint64_t chunk = 0) {
 constexpr Op tag_op(uint64_t tag) {
   return static_cast<Op>((tag >> 56) & 0xF);
 }
-constexpr uint64_t tag_seq(uint64_t tag) {
-  return (tag >> 32) & kSeqMask;
-}
 constexpr uint64_t tag_chunk(uint64_t tag) {
   return (tag >> 8) & kChunkMask;
-}
-constexpr uint64_t tag_frag(uint64_t tag) {
-  return tag & kFragMask;
 }
 // Ignore mask for "any chunk" (e.g. a coordinator receiving control messages from any rank).
 constexpr uint64_t kIgnoreChunk = kChunkMask << 8;
