@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -40,6 +41,24 @@ constexpr std::string_view to_string(RedOp op) {
     case RedOp::kMax: return "max";
   }
   return "?";
+}
+// The names users write for them (qring-bench --dtype / --redop, qring-mpi-bench):
+// "float32"/"float"/"f32", "float64"/"double"/"f64", "int32", "int64", "bfloat16"/"bf16";
+// "sum", "avg", "min", "max". nullopt for anything else (the caller names the flag).
+constexpr std::optional<DataType> parse_dtype(std::string_view s) {
+  if (s == "float32" || s == "float" || s == "f32") return DataType::kFloat32;
+  if (s == "float64" || s == "double" || s == "f64") return DataType::kFloat64;
+  if (s == "int32") return DataType::kInt32;
+  if (s == "int64") return DataType::kInt64;
+  if (s == "bfloat16" || s == "bf16") return DataType::kBFloat16;
+  return std::nullopt;
+}
+constexpr std::optional<RedOp> parse_redop(std::string_view s) {
+  if (s == "sum") return RedOp::kSum;
+  if (s == "avg") return RedOp::kAvg;
+  if (s == "min") return RedOp::kMin;
+  if (s == "max") return RedOp::kMax;
+  return std::nullopt;
 }
 
 // bfloat16 <-> float32 (round to nearest even; NaN stays NaN).

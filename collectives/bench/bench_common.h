@@ -91,21 +91,6 @@ inline std::optional<BenchOp> parse_op(std::string_view s) {
 inline std::string_view dtype_name(DataType t) { return collectives::to_string(t); }
 inline size_t dtype_bytes(DataType t) { return collectives::dtype_size(t); }
 inline std::string_view redop_name(RedOp op) { return collectives::to_string(op); }
-inline std::optional<DataType> parse_dtype_name(std::string_view s) {
-  if (s == "float32" || s == "float" || s == "f32") return DataType::kFloat32;
-  if (s == "float64" || s == "double" || s == "f64") return DataType::kFloat64;
-  if (s == "int32") return DataType::kInt32;
-  if (s == "int64") return DataType::kInt64;
-  if (s == "bfloat16" || s == "bf16") return DataType::kBFloat16;
-  return std::nullopt;
-}
-inline std::optional<RedOp> parse_redop_name(std::string_view s) {
-  if (s == "sum") return RedOp::kSum;
-  if (s == "avg") return RedOp::kAvg;
-  if (s == "min") return RedOp::kMin;
-  if (s == "max") return RedOp::kMax;
-  return std::nullopt;
-}
 
 // "4096", "4K", "1M", "2G" (powers of 2, case-insensitive, optional trailing "B"/"iB").
 inline size_t parse_size(std::string_view s) {
@@ -316,14 +301,14 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
       o.check = parse_int(flag, value(), 0, 1) != 0;
     } else if (flag == "--dtype") {
       std::string v = value();
-      auto t = parse_dtype_name(v);
+      auto t = collectives::parse_dtype(v);
       if (!t) throw ConfigError(fmt::format("--dtype: unknown type '{}'", v));
       if (mpi && *t == DataType::kBFloat16)
         throw ConfigError("--dtype bfloat16: MPI has no bfloat16 type");
       o.dtype = *t;
     } else if (flag == "--redop") {
       std::string v = value();
-      auto r = parse_redop_name(v);
+      auto r = collectives::parse_redop(v);
       if (!r) throw ConfigError(fmt::format("--redop: unknown reduction '{}'", v));
       o.redop = *r;
     } else if (flag == "--auto-iters") {
