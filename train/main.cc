@@ -15,11 +15,13 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "collectives/communicator.h"
 #include "collectives/quorum.h"
 #include "net/bootstrap.h"
+#include "net/cli.h"
 #include "net/error.h"
 #include "net/fabric_endpoint.h"
 #include "train/config.h"
@@ -29,47 +31,57 @@ namespace {
 
 constexpr int kExitEvicted = 75;  // qring-launch --tolerate-failures counts it as a lost rank
 
-const char* kUsage =
-    "usage: qring-train --config FILE [--resume] [section.key=value ...]\n"
-    "\n"
-    "  --config FILE   TOML run configuration (see configs/ and docs/training.md)\n"
-    "  --resume        continue from the newest checkpoint every rank has\n"
-    "  key=value       override any configuration key, e.g. quorum.quorum=3\n"
-    "                  straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp\n"
-    "\n"
-    "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
-    "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"
-    "QRING_FAULT=kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
-    "(fault tests; collectives/fault_inject.h).\n";
+struct Args {
+  std::string config_path;
+  bool resume = false;
+  std::vector<std::string> overrides;
+};
+
+// The command line, or the exit status of --help (0) or of a usage error (2).
+std::variant<Args, int> parse_args(int argc, char** argv) {
+  Args a;
+  CLI::App app{
+      "Synchronous data-parallel SGD with backup workers (usage: qring-train --config FILE "
+      "[--resume] [section.key=value ...]).",
+      "qring-train"};
+  qring::cli::init(app);
+  app.add_option("--config", a.config_path,
+                 "TOML run configuration (see configs/ and docs/training.md); required");
+  app.add_flag("--resume", a.resume, "continue from the newest checkpoint every rank has");
+  app.add_option("overrides", a.overrides,
+                 "key=value: override any configuration key, e.g. quorum.quorum=3 "
+                 "straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.footer(
+      "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
+      "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"
+      "QRING_FAULT=kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
+      "(fault tests; collectives/fault_inject.h).");
+  if (int rc = qring::cli::parse(app, qring::cli::args_of(argc, argv)); rc >= 0) return rc;
+  for (const std::string& o : a.overrides) {
+    if (o.find('=') == std::string::npos) {
+      fmt::print(stderr,
+                 "qring-train: unknown argument '{}' (overrides are key=value; see "
+                 "--help)\n",
+                 o);
+      return 2;
+    }
+  }
+  if (a.config_path.empty()) {
+    fmt::print(stderr, "qring-train: --config FILE is required (see --help)\n");
+    return 2;
+  }
+  return a;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string config_path;
-  bool resume = false;
-  std::vector<std::string> overrides;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      fputs(kUsage, stdout);
-      return 0;
-    } else if (a == "--config" && i + 1 < argc) {
-      config_path = argv[++i];
-    } else if (a.rfind("--config=", 0) == 0) {
-      config_path = a.substr(9);
-    } else if (a == "--resume") {
-      resume = true;
-    } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
-      overrides.push_back(a);
-    } else {
-      fmt::print(stderr, "qring-train: unknown argument '{}'\n{}", a, kUsage);
-      return 2;
-    }
-  }
-  if (config_path.empty()) {
-    fmt::print(stderr, "qring-train: --config FILE is required\n{}", kUsage);
-    return 2;
-  }
+  auto parsed = parse_args(argc, argv);
+  if (const int* rc = std::get_if<int>(&parsed)) return *rc;
+  const std::string config_path = std::get<Args>(parsed).config_path;
+  bool resume = std::get<Args>(parsed).resume;
+  const std::vector<std::string> overrides = std::get<Args>(parsed).overrides;
 
   qring::net::BootstrapInfo info;
   qring::train::TrainConfig cfg;

@@ -35,9 +35,11 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "collectives/types.h"
+#include "net/cli.h"
 #include "net/error.h"
 
 namespace qring::bench {
@@ -126,17 +128,6 @@ inline size_t parse_size(std::string_view s) {
   return v * mult;
 }
 
-inline long parse_int(std::string_view flag, std::string_view s, long lo, long hi) {
-  std::string str(s);
-  char* end = nullptr;
-  errno = 0;
-  long v = std::strtol(str.c_str(), &end, 10);
-  if (str.empty() || *end != '\0' || errno != 0 || v < lo || v > hi)
-    throw ConfigError(
-        fmt::format("{}: expected an integer in [{}, {}], got '{}'", flag, lo, hi, s));
-  return v;
-}
-
 struct Options {
   BenchOp op = BenchOp::kAllreduce;
   size_t min_bytes = size_t(4) << 10;
@@ -172,225 +163,172 @@ struct Options {
   // (collectives/fault_inject.h; parsed by qring-bench, which links it).
   std::string fault;
   long evict_ms = 0;  // quorum: silence that evicts a rank; 0 = 1000 with --fault, else 5000
-  bool help = false;
 };
 
-inline std::string usage(std::string_view prog, bool mpi) {
-  std::string s = fmt::format(
-      "Usage: {} --op OP [flags]\n"
-      "  --op {}\n"
-      "  -b, --minbytes N     smallest size (K/M/G suffixes, powers of 2; default 4K)\n"
-      "  -e, --maxbytes N     largest size (default 16M)\n"
-      "  -f, --stepfactor N   size multiplier between rows (default 4)\n"
-      "  -n, --iters N        timed iterations per size (default 20)\n"
-      "  -w, --warmup_iters N untimed iterations before (default 5)\n"
-      "  -c, --check 0|1      check results bit-exactly after the timed loop (default 1)\n"
-      "  --dtype T            float32|float64|int32|int64{} (default float32)\n"
-      "  --redop R            sum|avg|min|max (default sum)\n"
-      "  --root R             broadcast root (default 0)\n"
-      "  --auto-iters S       per size, run as many timed iterations (at most -n, at least 1)\n"
-      "                       as fit in about S seconds, judged from one probe iteration;\n"
-      "                       warmup becomes min(-w, iterations / 4)\n"
-      "  --json FILE          write every row as a JSON array (rank 0)\n",
-      prog,
-      mpi ? "allreduce|broadcast|allgather|reducescatter|barrier"
-          : "sendrecv|allreduce|broadcast|allgather|reducescatter|barrier|quorum|idle",
-      mpi ? "" : "|bfloat16");
-  if (!mpi) {
-    s +=
-        "  --provider P         libfabric provider: auto|shm|tcp|... (default $QRING_PROVIDER or "
-        "auto)\n"
-        "  --segment-bytes N    ring segment size (default: the library's)\n"
-        "  --inflight N         segments in flight per link (default: the library's)\n"
-        "  --sends-inflight N   ring sends outstanding per link (default: the library's)\n"
-        "  --small-bytes N      all-reduces up to N bytes use recursive doubling (0: never;\n"
-        "                       default: the library's)\n"
-        "  --hd-bytes N         larger all-reduces up to N bytes use halving-doubling when\n"
-        "                       the rank count is a power of two (0: never; default: the\n"
-        "                       library's)\n"
-        "  --timeout-ms N       deadline of every operation (default 60000)\n"
-        "  --seconds S          --op idle: how long every rank blocks in a receive (default 10)\n"
-        "  --spin               sendrecv: busy-poll the completion queue (as fi_pingpong) instead\n"
-        "                       of the endpoint's spin-yield-sleep wait\n"
-        "sendrecv measures ping-pong between ranks 2i and 2i+1: time = round trip / 2 (as\n"
-        "fi_pingpong's usec/xfer), bandwidth = size / time.\n"
-        "  --quorum Q           quorum: contributions per step, a count or a fraction of the\n"
-        "                       world (default: all ranks)\n"
-        "  --grace-ms G         quorum: keep waiting G ms for more after the quorum (default 0)\n"
-        "  --deadline-ms H      quorum: hard deadline of a step (default 30000)\n"
-        "  --straggler SPEC     quorum: none|fixed:RANK:MS|exp:MEAN_MS|lognormal:MU:SIGMA|\n"
-        "                       tail:P:MS|trace:FILE (default none)\n"
-        "  --compare-full       quorum: also run the same steps with Q = world size and print\n"
-        "                       the latency ratio\n"
-        "  --compare-allreduce  quorum: also run the same step loop with the plain in-place\n"
-        "                       all-reduce instead of the quorum op and print the ratio\n"
-        "  --seed N             quorum: seed of the straggler model (default 1)\n"
-        "  --fault SPEC         quorum: a real fault in the timed loop: kill:RANK:STEP[:PHASE]\n"
-        "                       (SIGKILL) or stop:RANK:STEP:MS[:PHASE] (SIGSTOP, SIGCONT MS\n"
-        "                       later); comma list allowed; PHASE step (default), ready or\n"
-        "                       ring; STEP counts the timed steps of the first size only (use\n"
-        "                       -b = -e). Needs a quorum below the world size; not with\n"
-        "                       --compare-*\n"
-        "  --evict-ms N         quorum: a rank silent N ms leaves the view (default 1000 with\n"
-        "                       --fault, else the library's 5000)\n"
-        "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its straggler\n"
-        "delay (stopping early once excluded), contributes, and waits. Step latency is the\n"
-        "slowest rank's time from the start of its step to the end of its wait. Timed steps\n"
-        "run back to back; with -c, up to 10 separate untimed steps are checked first.\n"
-        "With --fault the timed loop goes on past -n until each fault has played out (a killed\n"
-        "rank left the view; a stopped one has run again for max(500 ms, --evict-ms), so that\n"
-        "an evicted one learns it and exits 75) and at least max(10, -n - STEP) steps ran after\n"
-        "the recovery. The row adds recovery_s (from the lost rank's last sign of life to the\n"
-        "first step completed in the new view), p50/p99 before the fault and after the\n"
-        "recovery, p50 and max of the steps in between, lost_ranks and skipped_steps. The\n"
-        "coordinator at the end prints (rank 0 may be the victim). Ranks lost in the first\n"
-        "size end the sweep there. Run it under qring-launch --tolerate-failures K (exit\n"
-        "100 + lost ranks).\n"
-        "  --idle-via W         idle: wait in the communicator's progress 'engine' (default) or\n"
-        "                       in the raw 'endpoint' (Endpoint::wait)\n"
-        "idle posts a receive that never matches on every rank, waits --seconds, cancels it and\n"
-        "prints the CPU time each rank used meanwhile.\n";
-  }
-  return s;
+// The prose of --help below the flags.
+inline std::string help_footer(bool mpi) {
+  std::string s =
+      "Sizes take K/M/G suffixes (powers of 2). Columns as nccl-tests: time is the slowest "
+      "rank's\naverage, algbw = size / time, busbw = algbw x the operation's bus factor.\n";
+  if (mpi) return s;
+  return s +
+         "sendrecv measures ping-pong between ranks 2i and 2i+1: time = round trip / 2 (as\n"
+         "fi_pingpong's usec/xfer), bandwidth = size / time.\n"
+         "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its "
+         "straggler\ndelay (stopping early once excluded), contributes, and waits. Step latency "
+         "is the\nslowest rank's time from the start of its step to the end of its wait. Timed "
+         "steps\nrun back to back; with -c, up to 10 separate untimed steps are checked first.\n"
+         "With --fault the timed loop goes on past -n until each fault has played out (a killed\n"
+         "rank left the view; a stopped one has run again for max(500 ms, --evict-ms), so that\n"
+         "an evicted one learns it and exits 75) and at least max(10, -n - STEP) steps ran "
+         "after\nthe recovery. The row adds recovery_s (from the lost rank's last sign of life "
+         "to the\nfirst step completed in the new view), p50/p99 before the fault and after the\n"
+         "recovery, p50 and max of the steps in between, lost_ranks and skipped_steps. The\n"
+         "coordinator at the end prints (rank 0 may be the victim). Ranks lost in the first\n"
+         "size end the sweep there. Run it under qring-launch --tolerate-failures K (exit\n"
+         "100 + lost ranks).\n"
+         "idle posts a receive that never matches on every rank, waits --seconds, cancels it "
+         "and\nprints the CPU time each rank used meanwhile.\n";
 }
 
-// Throws ConfigError with a message naming the flag.
-inline Options parse_args(int argc, char** argv, bool mpi) {
-  Options o;
-  std::vector<std::string> args(argv + 1, argv + argc);
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string flag = args[i];
-    std::optional<std::string> inline_value;
-    if (flag.rfind("--", 0) == 0) {
-      size_t eq = flag.find('=');
-      if (eq != std::string::npos) {
-        inline_value = flag.substr(eq + 1);
-        flag = flag.substr(0, eq);
-      }
-    }
-    if (flag == "-h" || flag == "--help") {
-      o.help = true;
-      continue;
-    }
-    auto value = [&]() -> std::string {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= args.size()) throw ConfigError(fmt::format("{} needs a value", flag));
-      return args[++i];
+// The flags of both benchmarks (`mpi`: qring-mpi-bench, which refuses the qring-only ones).
+inline void add_flags(CLI::App& app, Options& o, bool mpi) {
+  using cli::to_int;
+  auto size_of = [](size_t& out) { return [&out](const std::string& v) { out = parse_size(v); }; };
+  auto int_in = [](auto& out, const char* flag, long lo, long hi) {
+    return [&out, flag, lo, hi](const std::string& v) {
+      out = static_cast<std::remove_reference_t<decltype(out)>>(to_int(flag, v, lo, hi));
     };
-    auto qring_only = [&]() {
-      if (mpi) throw ConfigError(fmt::format("{} is not supported by the MPI benchmark", flag));
-    };
-    if (flag == "--op") {
-      std::string v = value();
-      auto op = parse_op(v);
-      if (!op) throw ConfigError(fmt::format("--op: unknown operation '{}'", v));
-      if (mpi && (*op == BenchOp::kSendRecv || *op == BenchOp::kQuorum || *op == BenchOp::kIdle))
-        throw ConfigError(fmt::format("--op {} is not supported by the MPI benchmark", v));
-      o.op = *op;
-    } else if (flag == "-b" || flag == "--minbytes") {
-      o.min_bytes = parse_size(value());
-    } else if (flag == "-e" || flag == "--maxbytes") {
-      o.max_bytes = parse_size(value());
-    } else if (flag == "-f" || flag == "--stepfactor") {
-      o.factor = size_t(parse_int(flag, value(), 2, 1 << 20));
-    } else if (flag == "-n" || flag == "--iters") {
-      o.iters = int(parse_int(flag, value(), 1, 100'000'000));
-    } else if (flag == "-w" || flag == "--warmup_iters") {
-      o.warmup = int(parse_int(flag, value(), 0, 100'000'000));
-    } else if (flag == "-c" || flag == "--check") {
-      o.check = parse_int(flag, value(), 0, 1) != 0;
-    } else if (flag == "--dtype") {
-      std::string v = value();
-      auto t = collectives::parse_dtype(v);
-      if (!t) throw ConfigError(fmt::format("--dtype: unknown type '{}'", v));
-      if (mpi && *t == DataType::kBFloat16)
-        throw ConfigError("--dtype bfloat16: MPI has no bfloat16 type");
-      o.dtype = *t;
-    } else if (flag == "--redop") {
-      std::string v = value();
-      auto r = collectives::parse_redop(v);
-      if (!r) throw ConfigError(fmt::format("--redop: unknown reduction '{}'", v));
-      o.redop = *r;
-    } else if (flag == "--auto-iters") {
-      std::string v = value();
-      char* end = nullptr;
-      o.auto_seconds = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end != '\0' || !(o.auto_seconds > 0) || o.auto_seconds > 3600)
-        throw ConfigError(fmt::format("--auto-iters: expected seconds > 0, got '{}'", v));
-    } else if (flag == "--root") {
-      o.root = int(parse_int(flag, value(), 0, 1 << 24));
-    } else if (flag == "--json") {
-      o.json_path = value();
-    } else if (flag == "--provider") {
-      qring_only();
-      o.provider = value();
-    } else if (flag == "--segment-bytes") {
-      qring_only();
-      o.segment_bytes = parse_size(value());
-      if (o.segment_bytes == 0) throw ConfigError("--segment-bytes must be > 0");
-    } else if (flag == "--inflight") {
-      qring_only();
-      o.inflight = int(parse_int(flag, value(), 1, 1024));
-    } else if (flag == "--sends-inflight") {
-      qring_only();
-      o.sends_inflight = int(parse_int(flag, value(), 1, 1024));
-    } else if (flag == "--small-bytes") {
-      qring_only();
-      o.small_bytes = parse_size(value());
-    } else if (flag == "--hd-bytes") {
-      qring_only();
-      o.hd_bytes = parse_size(value());
-    } else if (flag == "--timeout-ms") {
-      qring_only();
-      o.timeout_ms = parse_int(flag, value(), 1, 86'400'000);
-    } else if (flag == "--idle-via") {
-      qring_only();
-      std::string v = value();
-      if (v != "engine" && v != "endpoint")
-        throw ConfigError(fmt::format("--idle-via: expected engine or endpoint, got '{}'", v));
-      o.idle_via_endpoint = v == "endpoint";
-    } else if (flag == "--spin") {
-      qring_only();
-      o.spin = true;
-    } else if (flag == "--quorum") {
-      qring_only();
-      o.quorum = value();
-    } else if (flag == "--grace-ms") {
-      qring_only();
-      o.grace_ms = parse_int(flag, value(), 0, 86'400'000);
-    } else if (flag == "--deadline-ms") {
-      qring_only();
-      o.deadline_ms = parse_int(flag, value(), 1, 86'400'000);
-    } else if (flag == "--straggler") {
-      qring_only();
-      o.straggler = value();
-    } else if (flag == "--compare-full") {
-      qring_only();
-      o.compare_full = true;
-    } else if (flag == "--compare-allreduce") {
-      qring_only();
-      o.compare_allreduce = true;
-    } else if (flag == "--fault") {
-      qring_only();
-      o.fault = value();
-      if (o.fault.empty()) throw ConfigError("--fault needs a spec (kill:RANK:STEP, ...)");
-    } else if (flag == "--evict-ms") {
-      qring_only();
-      o.evict_ms = parse_int(flag, value(), 1, 86'400'000);
-    } else if (flag == "--seed") {
-      qring_only();
-      o.seed = uint64_t(parse_int(flag, value(), 0, INT64_MAX));
-    } else if (flag == "--seconds") {
-      qring_only();
-      std::string v = value();
-      char* end = nullptr;
-      o.seconds = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end != '\0' || !(o.seconds >= 0) || o.seconds > 86400)
-        throw ConfigError(fmt::format("--seconds: bad value '{}'", v));
-    } else {
-      throw ConfigError(fmt::format("unknown flag '{}' (see --help)", args[i]));
-    }
-  }
+  };
+  cli::add_value(app, "--op",
+                 mpi ? "allreduce|broadcast|allgather|reducescatter|barrier"
+                     : "sendrecv|allreduce|broadcast|allgather|reducescatter|barrier|quorum|idle")
+      ->each([&o, mpi](const std::string& v) {
+        auto op = parse_op(v);
+        if (!op) throw ConfigError(fmt::format("--op: unknown operation '{}'", v));
+        if (mpi && (*op == BenchOp::kSendRecv || *op == BenchOp::kQuorum || *op == BenchOp::kIdle))
+          throw ConfigError(fmt::format("--op {} is not supported by the MPI benchmark", v));
+        o.op = *op;
+      });
+  cli::add_value(app, "-b,--minbytes", "smallest size (default 4K)")->each(size_of(o.min_bytes));
+  cli::add_value(app, "-e,--maxbytes", "largest size (default 16M)")->each(size_of(o.max_bytes));
+  cli::add_value(app, "-f,--stepfactor", "size multiplier between rows (default 4)")
+      ->each(
+          [&o](const std::string& v) { o.factor = size_t(to_int("--stepfactor", v, 2, 1 << 20)); });
+  cli::add_value(app, "-n,--iters", "timed iterations per size (default 20)")
+      ->each(int_in(o.iters, "--iters", 1, 100'000'000));
+  cli::add_value(app, "-w,--warmup_iters", "untimed iterations before (default 5)")
+      ->each(int_in(o.warmup, "--warmup_iters", 0, 100'000'000));
+  cli::add_value(app, "-c,--check",
+                 "0|1: check results bit-exactly after the timed loop (default 1)")
+      ->each([&o](const std::string& v) { o.check = to_int("--check", v, 0, 1) != 0; });
+  cli::add_value(app, "--dtype",
+                 mpi ? "float32|float64|int32|int64 (default float32)"
+                     : "float32|float64|int32|int64|bfloat16 (default float32)")
+      ->each([&o, mpi](const std::string& v) {
+        auto t = collectives::parse_dtype(v);
+        if (!t) throw ConfigError(fmt::format("--dtype: unknown type '{}'", v));
+        if (mpi && *t == DataType::kBFloat16)
+          throw ConfigError("--dtype bfloat16: MPI has no bfloat16 type");
+        o.dtype = *t;
+      });
+  cli::add_value(app, "--redop", "sum|avg|min|max (default sum)")->each([&o](const std::string& v) {
+    auto r = collectives::parse_redop(v);
+    if (!r) throw ConfigError(fmt::format("--redop: unknown reduction '{}'", v));
+    o.redop = *r;
+  });
+  cli::add_value(app, "--root", "broadcast root (default 0)")
+      ->each(int_in(o.root, "--root", 0, 1 << 24));
+  cli::add_value(app, "--auto-iters",
+                 "S: per size, run as many timed iterations (at most -n, at least 1) as fit in "
+                 "about S seconds, judged from one probe iteration; warmup becomes min(-w, "
+                 "iterations / 4)")
+      ->each([&o](const std::string& v) {
+        o.auto_seconds = cli::to_seconds("--auto-iters", v, 3600);
+      });
+  app.add_option("--json", o.json_path, "write every row as a JSON array (rank 0)");
+
+  // qring-bench only.
+  const std::string group = mpi ? "" : "qring";  // "": hidden (refused by qring-mpi-bench)
+  auto q = [&](CLI::Option* opt) { return opt->group(group); };
+  q(app.add_option("--provider", o.provider,
+                   "libfabric provider: auto|shm|tcp|... (default $QRING_PROVIDER or auto)"));
+  q(cli::add_value(app, "--segment-bytes", "ring segment size (default: the library's)"))
+      ->each([&o](const std::string& v) {
+        o.segment_bytes = parse_size(v);
+        if (o.segment_bytes == 0) throw ConfigError("--segment-bytes must be > 0");
+      });
+  q(cli::add_value(app, "--inflight", "segments in flight per link (default: the library's)"))
+      ->each(int_in(o.inflight, "--inflight", 1, 1024));
+  q(cli::add_value(app, "--sends-inflight",
+                   "ring sends outstanding per link (default: the library's)"))
+      ->each(int_in(o.sends_inflight, "--sends-inflight", 1, 1024));
+  q(cli::add_value(app, "--small-bytes",
+                   "all-reduces up to N bytes use recursive doubling (0: never; default: the "
+                   "library's)"))
+      ->each([&o](const std::string& v) { o.small_bytes = parse_size(v); });
+  q(cli::add_value(app, "--hd-bytes",
+                   "larger all-reduces up to N bytes use halving-doubling when the rank count is "
+                   "a power of two (0: never; default: the library's)"))
+      ->each([&o](const std::string& v) { o.hd_bytes = parse_size(v); });
+  q(cli::add_value(app, "--timeout-ms", "deadline of every operation (default 60000)"))
+      ->each(int_in(o.timeout_ms, "--timeout-ms", 1, 86'400'000));
+  q(cli::add_value(app, "--seconds", "idle: how long every rank blocks in a receive (default 10)"))
+      ->each([&o](const std::string& v) {
+        o.seconds = cli::to_seconds("--seconds", v, 86400, /*zero_ok=*/true);
+      });
+  q(app.add_flag("--spin", o.spin,
+                 "sendrecv: busy-poll the completion queue (as fi_pingpong) instead of the "
+                 "endpoint's spin-yield-sleep wait"));
+  q(app.add_option("--quorum", o.quorum,
+                   "quorum: contributions per step, a count or a fraction of the world (default: "
+                   "all ranks)"));
+  q(cli::add_value(app, "--grace-ms",
+                   "quorum: keep waiting G ms for more after the quorum (default 0)"))
+      ->each(int_in(o.grace_ms, "--grace-ms", 0, 86'400'000));
+  q(cli::add_value(app, "--deadline-ms", "quorum: hard deadline of a step (default 30000)"))
+      ->each(int_in(o.deadline_ms, "--deadline-ms", 1, 86'400'000));
+  q(app.add_option("--straggler", o.straggler,
+                   "quorum: none|fixed:RANK:MS|exp:MEAN_MS|lognormal:MU:SIGMA|tail:P:MS|trace:FILE "
+                   "(default none)"));
+  q(app.add_flag("--compare-full", o.compare_full,
+                 "quorum: also run the same steps with Q = world size and print the latency "
+                 "ratio"));
+  q(app.add_flag("--compare-allreduce", o.compare_allreduce,
+                 "quorum: also run the same step loop with the plain in-place all-reduce instead "
+                 "of the quorum op and print the ratio"));
+  q(cli::add_value(app, "--seed", "quorum: seed of the straggler model (default 1)"))
+      ->each([&o](const std::string& v) { o.seed = uint64_t(to_int("--seed", v, 0, INT64_MAX)); });
+  q(cli::add_value(app, "--fault",
+                   "quorum: a real fault in the timed loop: kill:RANK:STEP[:PHASE] (SIGKILL) or "
+                   "stop:RANK:STEP:MS[:PHASE] (SIGSTOP, SIGCONT MS later); comma list allowed; "
+                   "PHASE step (default), ready or ring; STEP counts the timed steps of the first "
+                   "size only (use -b = -e). Needs a quorum below the world size; not with "
+                   "--compare-*"))
+      ->each([&o](const std::string& v) {
+        if (v.empty()) throw ConfigError("--fault needs a spec (kill:RANK:STEP, ...)");
+        o.fault = v;
+      });
+  q(cli::add_value(app, "--evict-ms",
+                   "quorum: a rank silent N ms leaves the view (default 1000 with --fault, else "
+                   "the library's 5000)"))
+      ->each(int_in(o.evict_ms, "--evict-ms", 1, 86'400'000));
+  q(cli::add_value(app, "--idle-via",
+                   "idle: wait in the communicator's progress 'engine' (default) or in the raw "
+                   "'endpoint' (Endpoint::wait)"))
+      ->each([&o](const std::string& v) {
+        if (v != "engine" && v != "endpoint")
+          throw ConfigError(fmt::format("--idle-via: expected engine or endpoint, got '{}'", v));
+        o.idle_via_endpoint = v == "endpoint";
+      });
+}
+
+// Checks across flags, after parsing.
+inline void check_options(const CLI::App& app, const Options& o, bool mpi) {
+  if (mpi)
+    for (const CLI::Option* opt : app.get_options())
+      if (opt->get_group().empty() && opt->count() > 0)
+        throw ConfigError(fmt::format("{} is not supported by the MPI benchmark", opt->get_name()));
   if (o.min_bytes > o.max_bytes)
     throw ConfigError(fmt::format("-b {} is larger than -e {}", o.min_bytes, o.max_bytes));
   if (!o.fault.empty()) {
@@ -402,7 +340,22 @@ inline Options parse_args(int argc, char** argv, bool mpi) {
           "--fault cannot be combined with --compare-full or --compare-allreduce (their steps "
           "need every rank)");
   }
-  return o;
+}
+
+// Parses the command line into `o`. Returns the exit status when the program ends here
+// (--help: 0; a bad command line: 2, printed when `report`), else nullopt.
+inline std::optional<int> parse_args(int argc, char** argv, bool mpi, Options& o,
+                                     bool report = true) {
+  const std::string prog = mpi ? "qring-mpi-bench" : "qring-bench";
+  CLI::App app{"nccl-tests style benchmark (usage: " + prog + " --op OP [flags]).", prog};
+  cli::init(app);
+  app.footer(help_footer(mpi));
+  add_flags(app, o, mpi);
+  cli::ParseOptions po;
+  po.check = [&] { check_options(app, o, mpi); };
+  po.report = report;
+  const int rc = cli::parse(app, cli::args_of(argc, argv), po);
+  return rc >= 0 ? std::optional<int>(rc) : std::nullopt;
 }
 
 inline double bus_factor(BenchOp op, int n) {

@@ -152,16 +152,7 @@ class MpiBackend {
 
 int bench_main(int argc, char** argv, int rank) {
   Options o;
-  try {
-    o = parse_args(argc, argv, /*mpi=*/true);
-  } catch (const ConfigError& e) {
-    if (rank == 0) std::fprintf(stderr, "qring-mpi-bench: %s\n", e.what());
-    return 2;
-  }
-  if (o.help) {
-    if (rank == 0) std::fputs(usage("qring-mpi-bench", true).c_str(), stdout);
-    return 0;
-  }
+  if (auto rc = parse_args(argc, argv, /*mpi=*/true, o, /*report=*/rank == 0)) return *rc;
   MpiBackend be(o);
   Sweep<MpiBackend> sweep(be, o);
   int64_t wrong = 0;

@@ -1105,17 +1105,13 @@ int bench_main(const Options& o) {
 int main(int argc, char** argv) {
   using namespace qring::bench;
   Options o;
+  if (auto rc = parse_args(argc, argv, /*mpi=*/false, o)) return *rc;
   try {
-    o = parse_args(argc, argv, /*mpi=*/false);
     // The fault spec's syntax, before the rendezvous.
-    if (!o.help && !o.fault.empty()) bench_faults(o, 0);
+    if (!o.fault.empty()) bench_faults(o, 0);
   } catch (const qring::ConfigError& e) {
     std::fprintf(stderr, "qring-bench: %s\n", e.what());
     return 2;
-  }
-  if (o.help) {
-    std::fputs(usage("qring-bench", false).c_str(), stdout);
-    return 0;
   }
   try {
     return bench_main(o);

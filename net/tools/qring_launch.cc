@@ -19,12 +19,13 @@
 // the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
 #include <dirent.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -43,10 +44,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
-#include <spdlog/spdlog.h>
-
+#include "net/cli.h"
 #include "net/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
 
 namespace {
@@ -66,24 +67,6 @@ constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from 
 constexpr int kLauncherGone = SIGUSR2;
 constexpr auto kOrphanKillLimit = std::chrono::seconds(2);  // supervisor: rank after SIGKILL
 
-constexpr const char* kUsage =
-    "usage: qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind MODE]\n"
-    "                    [--tolerate-failures K] -- CMD [ARGS...]\n"
-    "  -n N            number of ranks to start on this host\n"
-    "  --provider P    sets QRING_PROVIDER=P for every rank\n"
-    "  --port PORT     rendezvous store port (default: a free port)\n"
-    "  --timeout-s S   kill all ranks and exit 124 after S seconds\n"
-    "  --bind MODE     cores (default): each rank gets its share of the CPUs this launcher may\n"
-    "                  use, contiguous blocks when N <= CPUs, else CPU (rank mod CPUs), so ring\n"
-    "                  neighbours run on different CPUs; none: ranks are not bound\n"
-    "  --tolerate-failures K\n"
-    "                  keep the other ranks running while at most K ranks (K < N, K <= 23)\n"
-    "                  have failed (exited non-zero, 75 = evicted, or killed by a signal);\n"
-    "                  exit 100 + lost ranks if all others exit 0. Default 0: fail-fast\n"
-    "  --max-restarts N\n"
-    "                  start a rank that failed again, up to N times per rank (N <= 1000); it\n"
-    "                  rejoins the running job. A rank lost beyond N restarts counts as above\n";
-
 struct Options {
   int n = 0;
   std::string provider;
@@ -95,74 +78,71 @@ struct Options {
   std::vector<std::string> cmd;
 };
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  fmt::print(stderr, "qring-launch: {}\n{}", msg, kUsage);
-  std::exit(2);
-}
-
-int parse_int(const std::string& opt, const std::string& v, int lo, int hi) {
-  int x = 0;
-  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  if (v.empty() || ec != std::errc() || p != v.data() + v.size() || x < lo || x > hi)
-    usage_error(fmt::format("{} expects an integer in [{}, {}], got '{}'", opt, lo, hi, v));
-  return x;
-}
-
-Options parse_args(int argc, char** argv) {
+// The launcher's own flags come before "--", the command after it. Returns the options, or
+// the exit status of a usage error or of --help.
+std::variant<Options, int> parse_args(int argc, char** argv) {
+  using qring::cli::to_int;
   Options o;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--") {
-      ++i;
-      break;
-    }
-    if (a == "-h" || a == "--help") {
-      fmt::print("{}", kUsage);
-      std::exit(0);
-    }
-    std::string name = a, value;
-    bool inline_value = false;
-    if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
-      name = a.substr(0, eq);
-      value = a.substr(eq + 1);
-      inline_value = true;
-    }
-    if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s" &&
-        name != "--bind" && name != "--tolerate-failures" && name != "--max-restarts")
-      usage_error(fmt::format("unknown option '{}' (the command follows '--')", a));
-    if (!inline_value) {
-      if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", name));
-      value = argv[++i];
-    }
-    if (name == "-n") {
-      o.n = parse_int(name, value, 1, kMaxRanks);
-    } else if (name == "--provider") {
-      if (value.empty()) usage_error("--provider needs a value");
-      o.provider = value;
-    } else if (name == "--port") {
-      o.port = parse_int(name, value, 1, 65535);
-    } else if (name == "--bind") {
-      if (value != "cores" && value != "none")
-        usage_error(fmt::format("--bind expects 'cores' or 'none', got '{}'", value));
-      o.bind = value == "cores";
-    } else if (name == "--tolerate-failures") {
-      o.tolerate = parse_int(name, value, 0, kMaxTolerated);
-    } else if (name == "--max-restarts") {
-      o.max_restarts = parse_int(name, value, 0, 1000);
-    } else {
-      char* end = nullptr;
-      o.timeout_s = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(o.timeout_s > 0) || o.timeout_s > 1e7)
-        usage_error(fmt::format("--timeout-s expects a positive number, got '{}'", value));
-    }
-  }
-  for (; i < argc; ++i) o.cmd.emplace_back(argv[i]);
-  if (o.n == 0) usage_error("-n N is required");
-  if (o.cmd.empty()) usage_error("no command given after '--'");
+  std::vector<std::string> args = qring::cli::args_of(argc, argv);
+  const auto dashes = std::find(args.begin(), args.end(), "--");
+  if (dashes != args.end()) o.cmd.assign(dashes + 1, args.end());
+  const bool have_cmd = dashes != args.end();
+  args.erase(dashes, args.end());
+
+  CLI::App app{
+      "Starts N local ranks of CMD (usage: qring-launch -n N [flags] -- CMD [ARGS...]) with "
+      "the QRING_* bootstrap environment and serves their rendezvous store.",
+      "qring-launch"};
+  qring::cli::init(app);
+  qring::cli::add_value(app, "-n", "number of ranks to start on this host")
+      ->each([&](const std::string& v) { o.n = int(to_int("-n", v, 1, kMaxRanks)); });
+  qring::cli::add_value(app, "--provider", "sets QRING_PROVIDER=P for every rank")
+      ->each([&](const std::string& v) {
+        if (v.empty()) throw qring::ConfigError("--provider needs a value");
+        o.provider = v;
+      });
+  qring::cli::add_value(app, "--port", "rendezvous store port (default: a free port)")
+      ->each([&](const std::string& v) { o.port = int(to_int("--port", v, 1, 65535)); });
+  qring::cli::add_value(app, "--timeout-s", "kill all ranks and exit 124 after S seconds")
+      ->each([&](const std::string& v) {
+        o.timeout_s = qring::cli::to_seconds("--timeout-s", v, 1e7);
+      });
+  qring::cli::add_value(
+      app, "--bind",
+      "cores (default): each rank gets its share of the CPUs this launcher may use, "
+      "contiguous blocks when N <= CPUs, else CPU (rank mod CPUs), so ring neighbours "
+      "run on different CPUs; none: ranks are not bound")
+      ->each([&](const std::string& v) {
+        if (v != "cores" && v != "none")
+          throw qring::ConfigError(fmt::format("--bind expects 'cores' or 'none', got '{}'", v));
+        o.bind = v == "cores";
+      });
+  qring::cli::add_value(
+      app, "--tolerate-failures",
+      "keep the other ranks running while at most K ranks (K < N, K <= 23) have "
+      "failed (exited non-zero, 75 = evicted, or killed by a signal); exit 100 + lost "
+      "ranks if all others exit 0. Default 0: fail-fast")
+      ->each([&](const std::string& v) {
+        o.tolerate = int(to_int("--tolerate-failures", v, 0, kMaxTolerated));
+      });
+  qring::cli::add_value(app, "--max-restarts",
+                        "start a rank that failed again, up to N times per rank (N <= 1000); it "
+                        "rejoins the running job. A rank lost beyond N restarts counts as above")
+      ->each([&](const std::string& v) {
+        o.max_restarts = int(to_int("--max-restarts", v, 0, 1000));
+      });
+  qring::cli::ParseOptions po;
+  po.unknown_hint = "(the command follows '--')";
+  if (int rc = qring::cli::parse(app, args, po); rc >= 0) return rc;
+  auto usage_error = [](const std::string& msg) {
+    fmt::print(stderr, "qring-launch: {} (see --help)\n", msg);
+    return 2;
+  };
+  if (o.n == 0) return usage_error("-n N is required");
+  if (!have_cmd || o.cmd.empty()) return usage_error("no command given after '--'");
   if (o.tolerate >= o.n)
-    usage_error(fmt::format("--tolerate-failures {} must be below -n {} (one rank must survive)",
-                            o.tolerate, o.n));
+    return usage_error(fmt::format(
+        "--tolerate-failures {} must be below -n {} (one rank must survive)", o.tolerate, o.n));
   return o;
 }
 
@@ -756,7 +736,9 @@ int Launcher::run() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opts = parse_args(argc, argv);
+  auto parsed = parse_args(argc, argv);
+  if (const int* rc = std::get_if<int>(&parsed)) return *rc;
+  Options opts = std::get<Options>(std::move(parsed));
   Launcher launcher(std::move(opts));
   return launcher.run();
 }

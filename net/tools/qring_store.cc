@@ -16,69 +16,39 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 
 #include "net/bootstrap.h"
+#include "net/cli.h"
 #include "net/error.h"
 #include "net/store.h"
 
-namespace {
-
-constexpr const char* kUsage =
-    "usage: qring-store --world N --job-id ID [--host HOST] [--port PORT] [--port-file FILE]\n"
-    "  --world N        ranks of the job\n"
-    "  --job-id ID      the job id every rank has (QRING_JOB_ID)\n"
-    "  --host HOST      name or address the ranks connect to (default: this host's name)\n"
-    "  --port PORT      port to listen on (default 0: a free one)\n"
-    "  --port-file FILE write the port to FILE once the store listens\n"
-    "The job secret is QRING_JOB_SECRET (required unless HOST is a loopback address).\n";
-
-[[noreturn]] void usage_error(const std::string& msg) {
-  fmt::print(stderr, "qring-store: {}\n{}", msg, kUsage);
-  std::exit(2);
-}
-
-int parse_int(const std::string& opt, const std::string& v, int lo, int hi) {
-  int x = 0;
-  auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  if (v.empty() || ec != std::errc() || p != v.data() + v.size() || x < lo || x > hi)
-    usage_error(fmt::format("{} expects an integer in [{}, {}], got '{}'", opt, lo, hi, v));
-  return x;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
+  using qring::cli::to_int;
   int world = 0, port = 0;
   std::string job_id, host, port_file;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      fmt::print("{}", kUsage);
-      return 0;
-    }
-    if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", a));
-    const std::string v = argv[++i];
-    if (a == "--world") {
-      world = parse_int(a, v, 1, 1 << 20);
-    } else if (a == "--job-id") {
-      job_id = v;
-    } else if (a == "--host") {
-      host = v;
-    } else if (a == "--port") {
-      port = parse_int(a, v, 0, 65535);
-    } else if (a == "--port-file") {
-      port_file = v;
-    } else {
-      usage_error(fmt::format("unknown option '{}'", a));
-    }
+  CLI::App app{
+      "Serves a job's rendezvous store outside its ranks, until SIGTERM or SIGINT. The job "
+      "secret is QRING_JOB_SECRET (required unless HOST is a loopback address).",
+      "qring-store"};
+  qring::cli::init(app);
+  qring::cli::add_value(app, "--world", "ranks of the job (required)")
+      ->each([&](const std::string& v) { world = int(to_int("--world", v, 1, 1 << 20)); });
+  app.add_option("--job-id", job_id, "the job id every rank has (QRING_JOB_ID; required)");
+  app.add_option("--host", host,
+                 "name or address the ranks connect to (default: this host's name)");
+  qring::cli::add_value(app, "--port", "port to listen on (default 0: a free one)")
+      ->each([&](const std::string& v) { port = int(to_int("--port", v, 0, 65535)); });
+  app.add_option("--port-file", port_file, "write the port to FILE once the store listens");
+  if (int rc = qring::cli::parse(app, qring::cli::args_of(argc, argv)); rc >= 0) return rc;
+  const char* missing = world == 0 ? "--world N" : job_id.empty() ? "--job-id ID" : nullptr;
+  if (missing) {
+    fmt::print(stderr, "qring-store: {} is required (see --help)\n", missing);
+    return 2;
   }
-  if (world == 0) usage_error("--world N is required");
-  if (job_id.empty()) usage_error("--job-id ID is required");
   if (host.empty()) {
     char name[256] = {};
     gethostname(name, sizeof(name) - 1);
