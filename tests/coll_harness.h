@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "collectives/bench/bench_common.h"
 #include "collectives/communicator.h"
 #include "collectives/types.h"
+#include "collectives/verifiable.h"
 #include "net/fault_endpoint.h"
 #include "net/inproc_endpoint.h"
 
@@ -45,21 +45,21 @@ inline void run_ranks(int n, const CommOptions& opts, const std::function<void(C
     if (e) std::rethrow_exception(e);
 }
 
-// Test data and its checks are the benchmark's (collectives/bench/bench_common.h):
-// pattern(j, r) is a small integer, so every sum over up to 8 ranks is exact in all types,
-// bfloat16 included.
-using bench::pattern;
+// Test data and its checks are the benchmark's too (collectives/verifiable.h): pattern(j, r)
+// is a small integer, so every sum over up to 32 ranks is exact in all types, bfloat16
+// included.
+using verifiable::pattern;
 
 // Writes value v as element j of a buffer of `type`.
 inline void put(void* buf, size_t j, DataType type, double v) {
-  bench::store_value(buf, type, j, v);
+  verifiable::store_value(buf, type, j, v);
 }
 
 // Number of elements of `buf` (count elements) that differ bit-wise from the reduction of
 // pattern(j + index_offset, r) over `n` ranks.
 inline size_t count_wrong(const void* buf, size_t count, DataType type, RedOp op, int n,
                           size_t index_offset = 0) {
-  return size_t(bench::count_wrong_reduced(buf, type, count, index_offset, n, op));
+  return size_t(verifiable::count_wrong_reduced(buf, type, count, index_offset, n, op));
 }
 
 }  // namespace qring::testing

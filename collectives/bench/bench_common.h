@@ -1,7 +1,7 @@
 // Shared by qring-bench and qring-mpi-bench (header-only; links nothing of qring): the
-// command line, the data pattern and its bit-exact check, the nccl-tests style table, the JSON
-// rows and the timed sweep over sizes, written once against a small backend interface so that
-// both binaries measure exactly the same way.
+// command line, the nccl-tests style table, the JSON rows and the timed sweep over sizes,
+// written once against a small backend interface so that both binaries measure exactly the
+// same way. What differs per operation is its descriptor (ops.h).
 //
 // Conventions (nccl-tests, doc/PERFORMANCE.md):
 //   size  = bytes of the largest buffer of the operation (all-gather: the gathered buffer,
@@ -13,9 +13,7 @@
 //   #wrong = elements that differ from the locally computed expectation, summed over ranks,
 //           checked once after the timed loop on freshly initialized data.
 //
-// Data: element j of rank r's input is pattern(j, r) = ((7j + 13r) mod 17) - 8, a small integer,
-// so sums over up to 32 ranks are exact in every type (bfloat16 included) and results can be
-// compared bit for bit.
+// Data: collectives/verifiable.h (the pattern and checks the collective tests use too).
 #pragma once
 
 #include <fmt/format.h>
@@ -38,7 +36,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "collectives/bench/ops.h"
 #include "collectives/types.h"
+#include "collectives/verifiable.h"
 #include "net/cli.h"
 #include "net/error.h"
 
@@ -46,48 +46,6 @@ namespace qring::bench {
 
 using collectives::DataType;
 using collectives::RedOp;
-
-enum class BenchOp {
-  kSendRecv,
-  kAllreduce,
-  kBroadcast,
-  kAllgather,
-  kReduceScatter,
-  kBarrier,
-  kQuorum,
-  kIdle
-};
-
-inline std::string_view op_name(BenchOp op) {
-  switch (op) {
-    case BenchOp::kSendRecv:
-      return "sendrecv";
-    case BenchOp::kAllreduce:
-      return "allreduce";
-    case BenchOp::kBroadcast:
-      return "broadcast";
-    case BenchOp::kAllgather:
-      return "allgather";
-    case BenchOp::kReduceScatter:
-      return "reducescatter";
-    case BenchOp::kBarrier:
-      return "barrier";
-    case BenchOp::kQuorum:
-      return "quorum";
-    case BenchOp::kIdle:
-      return "idle";
-  }
-  return "?";
-}
-
-inline std::optional<BenchOp> parse_op(std::string_view s) {
-  for (BenchOp op :
-       {BenchOp::kSendRecv, BenchOp::kAllreduce, BenchOp::kBroadcast, BenchOp::kAllgather,
-        BenchOp::kReduceScatter, BenchOp::kBarrier, BenchOp::kQuorum, BenchOp::kIdle}) {
-    if (s == op_name(op)) return op;
-  }
-  return std::nullopt;
-}
 
 // The header-only names and sizes of collectives/types.h.
 inline std::string_view dtype_name(DataType t) { return collectives::to_string(t); }
@@ -206,7 +164,7 @@ inline void add_flags(CLI::App& app, Options& o, bool mpi) {
       ->each([&o, mpi](const std::string& v) {
         auto op = parse_op(v);
         if (!op) throw ConfigError(fmt::format("--op: unknown operation '{}'", v));
-        if (mpi && (*op == BenchOp::kSendRecv || *op == BenchOp::kQuorum || *op == BenchOp::kIdle))
+        if (mpi && op_desc(*op).qring_only)
           throw ConfigError(fmt::format("--op {} is not supported by the MPI benchmark", v));
         o.op = *op;
       });
@@ -358,147 +316,18 @@ inline std::optional<int> parse_args(int argc, char** argv, bool mpi, Options& o
   return rc >= 0 ? std::optional<int>(rc) : std::nullopt;
 }
 
-inline double bus_factor(BenchOp op, int n) {
-  switch (op) {
-    case BenchOp::kAllreduce:
-    case BenchOp::kQuorum:
-      return n > 0 ? 2.0 * (n - 1) / n : 0.0;
-    case BenchOp::kAllgather:
-    case BenchOp::kReduceScatter:
-      return n > 0 ? double(n - 1) / n : 0.0;
-    default:
-      return 1.0;
-  }
-}
-
 // ---------------------------------------------------------------- data
 
-inline int pattern(size_t j, int r) {
-  return int((j * 7 + size_t(r) * 13) % 17) - 8;
-}
-
-// Writes value v (a small integer) as type t at element i of buf.
-inline void store_value(void* buf, DataType t, size_t i, double v) {
-  switch (t) {
-    case DataType::kFloat32:
-      static_cast<float*>(buf)[i] = float(v);
-      break;
-    case DataType::kFloat64:
-      static_cast<double*>(buf)[i] = v;
-      break;
-    case DataType::kInt32:
-      static_cast<int32_t*>(buf)[i] = int32_t(v);
-      break;
-    case DataType::kInt64:
-      static_cast<int64_t*>(buf)[i] = int64_t(v);
-      break;
-    case DataType::kBFloat16:
-      static_cast<uint16_t*>(buf)[i] = collectives::float_to_bf16(float(v));
-      break;
-  }
-}
-
-// Element i of buf (type t) as a double.
-inline double load_value(const void* buf, DataType t, size_t i) {
-  switch (t) {
-    case DataType::kFloat32:
-      return static_cast<const float*>(buf)[i];
-    case DataType::kFloat64:
-      return static_cast<const double*>(buf)[i];
-    case DataType::kInt32:
-      return static_cast<const int32_t*>(buf)[i];
-    case DataType::kInt64:
-      return double(static_cast<const int64_t*>(buf)[i]);
-    case DataType::kBFloat16:
-      return collectives::bf16_to_float(static_cast<const uint16_t*>(buf)[i]);
-  }
-  return 0;
-}
-
-constexpr size_t kPatternPeriod = 17;  // pattern(j, r) depends on j only through j mod 17
-
-// buf[i] = pattern(first + i, rank) for i in [0, count).
-inline void fill_pattern(void* buf, DataType t, size_t count, size_t first, int rank) {
-  const size_t ts = dtype_bytes(t);
-  alignas(8) unsigned char enc[kPatternPeriod][8];
-  for (size_t k = 0; k < kPatternPeriod; ++k) store_value(enc[k], t, 0, pattern(k, rank));
-  auto* p = static_cast<unsigned char*>(buf);
-  size_t k = first % kPatternPeriod;
-  for (size_t i = 0; i < count; ++i) {
-    std::memcpy(p + i * ts, enc[k], ts);
-    if (++k == kPatternPeriod) k = 0;
-  }
-}
-
-// Bytes that decode as wrong values in every type.
-inline void fill_garbage(void* buf, size_t bytes) {
-  std::memset(buf, 0xA5, bytes);
-}
-
-// The expected reduction of pattern(j, r) over ranks 0..n-1, encoded as type t into `out`
-// exactly the way the implementations compute it: exact integer sum, min or max; avg = the
-// sum divided by n in t's own arithmetic (integers truncate; bfloat16 divides in float32 and
-// rounds to nearest even).
-inline void expected_reduced(size_t j, int n, RedOp op, DataType t, void* out) {
-  int64_t sum = 0, mn = INT64_MAX, mx = INT64_MIN;
-  for (int r = 0; r < n; ++r) {
-    int64_t v = pattern(j, r);
-    sum += v;
-    mn = std::min(mn, v);
-    mx = std::max(mx, v);
-  }
-  int64_t v = op == RedOp::kMin ? mn : op == RedOp::kMax ? mx : sum;
-  if (op != RedOp::kAvg) {
-    store_value(out, t, 0, double(v));
-    return;
-  }
-  switch (t) {
-    case DataType::kFloat32:
-      *static_cast<float*>(out) = float(sum) / float(n);
-      break;
-    case DataType::kFloat64:
-      *static_cast<double*>(out) = double(sum) / double(n);
-      break;
-    case DataType::kInt32:
-      *static_cast<int32_t*>(out) = int32_t(sum / n);
-      break;
-    case DataType::kInt64:
-      *static_cast<int64_t*>(out) = sum / n;
-      break;
-    case DataType::kBFloat16:
-      *static_cast<uint16_t*>(out) = collectives::float_to_bf16(float(sum) / float(n));
-      break;
-  }
-}
-
-// Elements i in [0, count) of buf that differ from the encoded values want[(first + i) % 17].
-inline int64_t count_mismatches(const void* buf, size_t ts, size_t count, size_t first,
-                                const unsigned char (&want)[kPatternPeriod][8]) {
-  int64_t wrong = 0;
-  const auto* p = static_cast<const unsigned char*>(buf);
-  size_t k = first % kPatternPeriod;
-  for (size_t i = 0; i < count; ++i) {
-    if (std::memcmp(p + i * ts, want[k], ts) != 0) ++wrong;
-    if (++k == kPatternPeriod) k = 0;
-  }
-  return wrong;
-}
-
-// Elements i in [0, count) where buf[i] != reduction over n ranks of pattern(first + i, .).
-inline int64_t count_wrong_reduced(const void* buf, DataType t, size_t count, size_t first, int n,
-                                   RedOp op) {
-  alignas(8) unsigned char want[kPatternPeriod][8];
-  for (size_t k = 0; k < kPatternPeriod; ++k) expected_reduced(k, n, op, t, want[k]);
-  return count_mismatches(buf, dtype_bytes(t), count, first, want);
-}
-
-// Elements i in [0, count) where buf[i] != pattern(first + i, src).
-inline int64_t count_wrong_pattern(const void* buf, DataType t, size_t count, size_t first,
-                                   int src) {
-  alignas(8) unsigned char want[kPatternPeriod][8];
-  for (size_t k = 0; k < kPatternPeriod; ++k) store_value(want[k], t, 0, pattern(k, src));
-  return count_mismatches(buf, dtype_bytes(t), count, first, want);
-}
+// The data pattern and its bit-exact checks, shared with the collective tests.
+using verifiable::count_mismatches;
+using verifiable::count_wrong_pattern;
+using verifiable::count_wrong_reduced;
+using verifiable::fill_garbage;
+using verifiable::fill_pattern;
+using verifiable::kPatternPeriod;
+using verifiable::load_value;
+using verifiable::pattern;
+using verifiable::store_value;
 
 // Page-aligned buffer.
 struct AlignedBuffer {
@@ -540,10 +369,8 @@ inline std::string table_header(BenchOp op, const Options& o, int ranks,
   s += fmt::format(
       "# {}: {} ranks, provider {}, dtype {}, redop {}, iters {}, warmup {}, check {}\n",
       op_name(op), ranks, provider, dtype_name(o.dtype),
-      (op == BenchOp::kAllreduce || op == BenchOp::kReduceScatter || op == BenchOp::kQuorum)
-          ? redop_name(o.redop)
-          : std::string_view("none"),
-      o.iters, o.warmup, o.check ? 1 : 0);
+      op_desc(op).reduces ? redop_name(o.redop) : std::string_view("none"), o.iters, o.warmup,
+      o.check ? 1 : 0);
   if (op == BenchOp::kSendRecv)
     s += "# ping-pong between ranks 2i and 2i+1: time = round trip / 2 (fi_pingpong's "
          "usec/xfer), algbw = size / time\n";
@@ -652,13 +479,13 @@ inline std::vector<size_t> sweep_sizes(const Options& o) {
 template <class Backend>
 class Sweep {
  public:
-  Sweep(Backend& be, const Options& o) : be_(be), o_(o) {}
+  Sweep(Backend& be, const Options& o) : be_(be), o_(o), desc_(op_desc(o.op)) {}
 
   // Runs every size; rank 0 prints the table to stdout. Returns the total #wrong.
   int64_t run() {
     const int n = be_.size();
     const bool print = be_.rank() == 0;
-    if (o_.op == BenchOp::kBroadcast && (o_.root < 0 || o_.root >= n))
+    if (desc_.rooted && (o_.root < 0 || o_.root >= n))
       throw ConfigError(fmt::format("--root {} out of range for {} ranks", o_.root, n));
     ctx_ = JsonContext{std::string(op_name(o_.op)),
                        std::string(dtype_name(o_.dtype)),
@@ -670,7 +497,7 @@ class Sweep {
     if (print) std::fputs(table_header(o_.op, o_, n, be_.provider()).c_str(), stdout);
 
     const size_t ts = dtype_bytes(o_.dtype);
-    if (o_.op == BenchOp::kBarrier) {
+    if (!desc_.sized) {
       RowKey k;
       Measurement m = time_op(0, 0, false, nullptr, nullptr);
       emit(k, "none", "none", m, std::nullopt);
@@ -680,30 +507,25 @@ class Sweep {
     AlignedBuffer sbuf(max_bytes), rbuf(max_bytes);
     be_.register_buffer(sbuf.data(), sbuf.size);
     be_.register_buffer(rbuf.data(), rbuf.size);
-    const bool per_rank_split = o_.op == BenchOp::kAllgather || o_.op == BenchOp::kReduceScatter;
     int64_t total_wrong = 0;
     for (size_t bytes : sweep_sizes(o_)) {
       RowKey k;
-      k.count_per_rank = per_rank_split ? bytes / (ts * size_t(n)) : bytes / ts;
-      k.count = per_rank_split ? k.count_per_rank * size_t(n) : k.count_per_rank;
+      k.count_per_rank = desc_.split ? bytes / (ts * size_t(n)) : bytes / ts;
+      k.count = desc_.split ? k.count_per_rank * size_t(n) : k.count_per_rank;
       k.bytes = k.count * ts;
-      k.root = o_.op == BenchOp::kBroadcast ? o_.root : -1;
+      k.root = desc_.rooted ? o_.root : -1;
       if (k.count_per_rank == 0) {
         if (print) std::printf("# %zu bytes: fewer than one element per rank, skipped\n", bytes);
         continue;
       }
       std::optional<Measurement> oop, ip;
-      if (o_.op != BenchOp::kBroadcast) {
+      if (desc_.out_of_place) {
         oop = measure(k, false, sbuf.data(), rbuf.data());
         total_wrong += std::max<int64_t>(0, oop->wrong);
       }
       ip = measure(k, true, sbuf.data(), rbuf.data());
       total_wrong += std::max<int64_t>(0, ip->wrong);
-      emit(k, dtype_name(o_.dtype),
-           (o_.op == BenchOp::kAllreduce || o_.op == BenchOp::kReduceScatter)
-               ? redop_name(o_.redop)
-               : std::string_view("none"),
-           oop, ip);
+      emit(k, dtype_name(o_.dtype), desc_.reduces ? redop_name(o_.redop) : "none", oop, ip);
     }
     return total_wrong;
   }
@@ -720,54 +542,28 @@ class Sweep {
     if (ip) rows_.push_back(json_row(ctx_, k, *ip));
   }
 
+  // The call the sweep makes for row k, as the operation's init and check see it.
+  Call call(const RowKey& k, bool in_place) {
+    Call c;
+    c.rank = be_.rank();
+    c.n = be_.size();
+    c.type = o_.dtype;
+    c.op = o_.redop;
+    c.root = o_.root;
+    c.count = k.count_per_rank;
+    c.in_place = in_place;
+    c.rs_in_place_offset = be_.reduce_scatter_in_place_offset(k.count_per_rank);
+    return c;
+  }
+
   // Puts fresh input in place for one call.
   void prepare(const RowKey& k, bool in_place, unsigned char* s, unsigned char* r) {
-    const int n = be_.size();
-    const int rank = be_.rank();
-    const size_t ts = dtype_bytes(o_.dtype);
-    const size_t c = k.count_per_rank;
     fill_garbage(r, k.bytes);
-    switch (o_.op) {
-      case BenchOp::kAllreduce:
-        fill_pattern(in_place ? r : s, o_.dtype, c, 0, rank);
-        break;
-      case BenchOp::kBroadcast:
-        if (rank == o_.root) fill_pattern(r, o_.dtype, c, 0, rank);
-        break;
-      case BenchOp::kAllgather:
-        fill_pattern(in_place ? r + size_t(rank) * c * ts : s, o_.dtype, c, size_t(rank) * c, rank);
-        break;
-      case BenchOp::kReduceScatter:
-        fill_pattern(in_place ? r : s, o_.dtype, c * size_t(n), 0, rank);
-        break;
-      default:
-        break;
-    }
+    if (desc_.init) desc_.init(call(k, in_place), s, r);
   }
 
   int64_t check(const RowKey& k, bool in_place, const unsigned char* r) {
-    const int n = be_.size();
-    const int rank = be_.rank();
-    const size_t ts = dtype_bytes(o_.dtype);
-    const size_t c = k.count_per_rank;
-    switch (o_.op) {
-      case BenchOp::kAllreduce:
-        return count_wrong_reduced(r, o_.dtype, c, 0, n, o_.redop);
-      case BenchOp::kBroadcast:
-        return count_wrong_pattern(r, o_.dtype, c, 0, o_.root);
-      case BenchOp::kAllgather: {
-        int64_t w = 0;
-        for (int src = 0; src < n; ++src)
-          w += count_wrong_pattern(r + size_t(src) * c * ts, o_.dtype, c, size_t(src) * c, src);
-        return w;
-      }
-      case BenchOp::kReduceScatter: {
-        size_t off = in_place ? be_.reduce_scatter_in_place_offset(c) : 0;
-        return count_wrong_reduced(r + off * ts, o_.dtype, c, size_t(rank) * c, n, o_.redop);
-      }
-      default:
-        return 0;
-    }
+    return desc_.check ? desc_.check(call(k, in_place), r) : 0;
   }
 
   Measurement time_op(size_t count, size_t bytes, bool in_place, const void* s, void* r) {
@@ -814,6 +610,7 @@ class Sweep {
 
   Backend& be_;
   const Options& o_;
+  const OpDesc& desc_;
   JsonContext ctx_;
   std::vector<nlohmann::json> rows_;
 };

@@ -548,22 +548,11 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       fill_pattern(buf.data(), o.dtype, count, step, rank);
       collectives::QuorumResult r = run_step(step);
       // Expected: the sum (or mean) over exactly S(step) of pattern(j + step, r).
-      alignas(8) unsigned char want[kPatternPeriod][8];
-      for (size_t k = 0; k < kPatternPeriod; ++k) {
-        int64_t sum = 0;
-        for (int p = 0; p < n; ++p)
-          if (r.contains(p)) sum += pattern(k, p);
-        if (!qo.mean) {
-          store_value(want[k], o.dtype, 0, double(sum));
-        } else if (o.dtype == DataType::kInt32 || o.dtype == DataType::kInt64) {
-          store_value(want[k], o.dtype, 0, double(sum / r.count));
-        } else if (o.dtype == DataType::kFloat64) {
-          store_value(want[k], o.dtype, 0, double(sum) / double(r.count));
-        } else {
-          store_value(want[k], o.dtype, 0, double(float(sum) / float(r.count)));
-        }
-      }
-      st.wrong += count_mismatches(buf.data(), ts, count, step, want);
+      std::vector<int> contributors;
+      for (int p = 0; p < n; ++p)
+        if (r.contains(p)) contributors.push_back(p);
+      st.wrong += count_wrong_reduced(buf.data(), o.dtype, count, step, contributors,
+                                      qo.mean ? RedOp::kAvg : RedOp::kSum);
     }
   }
   first_timed->store(step + uint64_t(o.warmup));
