@@ -385,119 +385,39 @@ class TcpRegistrations {
 
 class FabricEndpoint final : public Endpoint {
  public:
+  // Setup in fabtests' order, one step each: the provider's info, fabric and domain, CQ and
+  // AV, the libfabric endpoints (created, bound, enabled), the address exchange through the
+  // store, and the per-peer send queues.
   FabricEndpoint(const FabricOptions& opts, int rank, int world, Store& store, bool single_host,
                  Deadline deadline)
       : rank_(rank), world_(world) {
     provider_setting_ = resolve_provider(opts.provider, single_host);
     const bool rxm = provider_setting_.find("ofi_rxm") != std::string::npos;
     if (rxm) set_rxm_defaults();
-    InfoPtr all = query(provider_setting_);
-    if (!all)
-      throw ConfigError(fmt::format(
-          "rank {}: libfabric provider '{}' (from setting '{}') offers no RDM endpoint with "
-          "tagged messages here; `fi_info -l` lists the providers present",
-          rank, provider_setting_, opts.provider));
-    // Prefer the loopback interface when every rank is on this host, else the first
-    // non-loopback one (FI_TCP_IFACE etc. still filter inside libfabric).
-    const fi_info* pick = all.get();
-    for (const fi_info* i = all.get(); i; i = i->next) {
-      if (single_host == is_loopback_domain(i)) {
-        pick = i;
-        break;
-      }
-    }
-    info_.reset(fi_dupinfo(pick));
-    provider_name_ = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "?";
-    mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
-    max_msg_ = info_->ep_attr->max_msg_size;
-    data_bytes_ = std::min<size_t>(info_->domain_attr->cq_data_size, 8);
-    if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
-    if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
-
-    shm_ = provider_name_ == "shm";
-    pairwise_ = use_pairwise(opts.pairwise, provider_name_, rank, world);
+    get_info(opts, single_host);
     if (shm_) remove_stale_shm_regions();
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
     const std::string tcp_cc = provider_name_.find("tcp") != std::string::npos
                                    ? tcp_congestion_for(single_host)
                                    : std::string();
-    std::optional<TcpListenScope> listen_scope;
-    if (!tcp_cc.empty()) listen_scope.emplace(tcp_cc);
-    QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));
-    QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
-    fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_TAGGED;
-    cq_attr.wait_obj = FI_WAIT_NONE;
-    cq_attr.size = 4096;
-    QRING_FI_CHECK(fi_cq_open(domain_.get(), &cq_attr, cq_.out(), nullptr));
-    fi_av_attr av_attr{};
-    av_attr.type = FI_AV_TABLE;
-    av_attr.count = static_cast<size_t>(world);
-    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
-    // Pairwise: endpoint i serves peer i below this rank's number and peer i + 1 from it on;
-    // messages to itself share the next rank's endpoint. All of them share the CQ (one read
-    // progresses every endpoint bound to it) and the AV (entry p: peer p's endpoint for this
-    // rank). Otherwise one endpoint serves everyone.
-    const int n_eps = pairwise_ ? world - 1 : 1;
-    std::vector<std::string> names;
-    for (int i = 0; i < n_eps; ++i) {
-      Fid<fid_ep>& ep = eps_.emplace_back();
-      QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
-      QRING_FI_CHECK(fi_enable(ep.get()));
-      names.push_back(endpoint_name(ep.get()));
+    {
+      std::optional<TcpListenScope> listen_scope;
+      if (!tcp_cc.empty()) listen_scope.emplace(tcp_cc);
+      open_fabric_and_domain();
+      open_cq_and_av();
+      open_endpoints();
     }
-    std::vector<size_t> index(static_cast<size_t>(world), 0);
-    if (pairwise_) {
-      for (int p = 0; p < world; ++p) {
-        const int q = p == rank ? (rank + 1) % world : p;
-        index[static_cast<size_t>(p)] = static_cast<size_t>(q < rank ? q : q - 1);
-      }
-    }
-    for (size_t i : index) ep_of_.push_back(eps_[i].get());
-    listen_scope.reset();
-    // The n-th endpoint a process opens publishes under its own key, so several endpoints
-    // (communicators) per process each find their peers' matching endpoint. Every rank
-    // opens its endpoints in the same order, as communicators are created collectively.
-    const std::string prefix =
-        opts.instance == 0 ? "fabric/addr/" : fmt::format("fabric/{}/addr/", opts.instance);
     // "<provider>[ eager=<rxm eager limit>][ pairwise]\n<address>": rxm refuses connections
     // between endpoints with different eager limits, which would surface only as a timeout,
     // and pairwise ranks look for one address per peer. Pairwise, the address part is one
     // "<length>:<address>" per rank in rank order (empty for the rank itself).
     setting_ = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
     if (pairwise_) setting_ += " pairwise";
-    names_ = std::move(names);
-    index_ = std::move(index);
     tcp_cc_ = tcp_cc;
     incarnation_ = opts.incarnation;
-    store.set(prefix + std::to_string(rank), published_address());
-    addrs_.assign(static_cast<size_t>(world), FI_ADDR_NOTAVAIL);
-    gens_.assign(static_cast<size_t>(world), 0);
-    connected_.assign(static_cast<size_t>(world), opts.join ? 0 : 1);
-    connected_[static_cast<size_t>(rank)] = 1;
-    for (int r = 0; r < world; ++r) {
-      if (opts.join && r != rank) continue;  // connected by reset_peer
-      const std::string addr =
-          r == rank ? names_[index_[static_cast<size_t>(r)]]  // pairwise: the endpoint's own name
-                    : peer_address(store.get(prefix + std::to_string(r), deadline), r);
-      insert_peer(r, addr);
-    }
-    // Some providers refuse sends for the whole endpoint once one peer holds enough of its
-    // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
-    // nothing never give theirs back). A quarter of the depth in flight per peer keeps a
-    // stopped peer from starving the others. Pairwise, a peer's endpoint is its own: up to
-    // the full depth. Receives have no cap: one posted beyond it could be needed to complete
-    // a send that earlier ones wait for (rendezvous).
-    const size_t depth = info_->tx_attr->size;
-    const auto send_cap =
-        static_cast<uint32_t>(std::clamp<size_t>(pairwise_ ? depth : depth / 4, 1, 1u << 16));
-    queues_.resize(2 * static_cast<size_t>(world) + 1);
-    for (size_t i = 0; i < static_cast<size_t>(world); ++i) queues_[i].cap = send_cap;
-    active_.reserve(queues_.size());
-    suspect_.assign(static_cast<size_t>(world), 0);
+    exchange_addresses(opts, store, deadline);
+    size_send_queues();
     spdlog::debug(
         "rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {} endpoints {} "
         "(queue depths tx {} rx {})",
@@ -645,11 +565,7 @@ class FabricEndpoint final : public Endpoint {
       const size_t i = index_[pi];
       Fid<fid_ep>& ep = eps_[i];
       ep.reset();
-      QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
-      QRING_FI_CHECK(fi_enable(ep.get()));
-      names_[i] = endpoint_name(ep.get());
+      names_[i] = open_endpoint(ep);
       for (size_t p = 0; p < ep_of_.size(); ++p)
         if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
       if (self_shares) insert_peer(rank_, names_[i]);
@@ -1307,6 +1223,117 @@ class FabricEndpoint final : public Endpoint {
             : fmt::format("{} rank {}: {}", req.is_send ? "to" : "from", req.peer, detail);
     if (req.peer != kAnyPeer) mark_suspect(req.peer, msg);
     finish_part(c, RequestState::kError, msg);
+  }
+
+  // ---- Setup steps (the constructor's order).
+
+  // fi_getinfo for the provider setting; of the interfaces it offers, the loopback one when
+  // every rank is on this host, else the first other one (FI_TCP_IFACE etc. still filter
+  // inside libfabric). Then what this endpoint takes from the provider's attributes.
+  void get_info(const FabricOptions& opts, bool single_host) {
+    InfoPtr all = query(provider_setting_);
+    if (!all)
+      throw ConfigError(fmt::format(
+          "rank {}: libfabric provider '{}' (from setting '{}') offers no RDM endpoint with "
+          "tagged messages here; `fi_info -l` lists the providers present",
+          rank_, provider_setting_, opts.provider));
+    const fi_info* pick = all.get();
+    for (const fi_info* i = all.get(); i; i = i->next) {
+      if (single_host == is_loopback_domain(i)) {
+        pick = i;
+        break;
+      }
+    }
+    info_.reset(fi_dupinfo(pick));
+    provider_name_ = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "?";
+    mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
+    max_msg_ = info_->ep_attr->max_msg_size;
+    data_bytes_ = std::min<size_t>(info_->domain_attr->cq_data_size, 8);
+    if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
+    if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
+    shm_ = provider_name_ == "shm";
+    pairwise_ = use_pairwise(opts.pairwise, provider_name_, rank_, world_);
+  }
+
+  void open_fabric_and_domain() {
+    QRING_FI_CHECK(fi_fabric(info_->fabric_attr, fabric_.out(), nullptr));
+    QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
+  }
+
+  void open_cq_and_av() {
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_TAGGED;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = 4096;
+    QRING_FI_CHECK(fi_cq_open(domain_.get(), &cq_attr, cq_.out(), nullptr));
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    av_attr.count = static_cast<size_t>(world_);
+    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
+  }
+
+  // Opens `ep` on the domain, bound to the CQ and the AV, enabled; returns its address.
+  std::string open_endpoint(Fid<fid_ep>& ep) {
+    QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
+    QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
+    QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+    QRING_FI_CHECK(fi_enable(ep.get()));
+    return endpoint_name(ep.get());
+  }
+
+  // Pairwise: endpoint i serves peer i below this rank's number and peer i + 1 from it on;
+  // messages to itself share the next rank's endpoint. All of them share the CQ (one read
+  // progresses every endpoint bound to it) and the AV (entry p: peer p's endpoint for this
+  // rank). Otherwise one endpoint serves everyone.
+  void open_endpoints() {
+    const int n_eps = pairwise_ ? world_ - 1 : 1;
+    for (int i = 0; i < n_eps; ++i) names_.push_back(open_endpoint(eps_.emplace_back()));
+    index_.assign(static_cast<size_t>(world_), 0);
+    if (pairwise_) {
+      for (int p = 0; p < world_; ++p) {
+        const int q = p == rank_ ? (rank_ + 1) % world_ : p;
+        index_[static_cast<size_t>(p)] = static_cast<size_t>(q < rank_ ? q : q - 1);
+      }
+    }
+    for (size_t i : index_) ep_of_.push_back(eps_[i].get());
+  }
+
+  // Publishes this endpoint's address and inserts every peer's (a joining endpoint: only its
+  // own; reset_peer connects the others). The n-th endpoint a process opens publishes under
+  // its own key, so several endpoints (communicators) per process each find their peers'
+  // matching endpoint. Every rank opens its endpoints in the same order, as communicators are
+  // created collectively.
+  void exchange_addresses(const FabricOptions& opts, Store& store, Deadline deadline) {
+    const std::string prefix =
+        opts.instance == 0 ? "fabric/addr/" : fmt::format("fabric/{}/addr/", opts.instance);
+    store.set(prefix + std::to_string(rank_), published_address());
+    addrs_.assign(static_cast<size_t>(world_), FI_ADDR_NOTAVAIL);
+    gens_.assign(static_cast<size_t>(world_), 0);
+    connected_.assign(static_cast<size_t>(world_), opts.join ? 0 : 1);
+    connected_[static_cast<size_t>(rank_)] = 1;
+    for (int r = 0; r < world_; ++r) {
+      if (opts.join && r != rank_) continue;  // connected by reset_peer
+      const std::string addr =
+          r == rank_ ? names_[index_[static_cast<size_t>(r)]]  // pairwise: the endpoint's own name
+                     : peer_address(store.get(prefix + std::to_string(r), deadline), r);
+      insert_peer(r, addr);
+    }
+  }
+
+  // Some providers refuse sends for the whole endpoint once one peer holds enough of its
+  // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
+  // nothing never give theirs back). A quarter of the depth in flight per peer keeps a
+  // stopped peer from starving the others. Pairwise, a peer's endpoint is its own: up to
+  // the full depth. Receives have no cap: one posted beyond it could be needed to complete
+  // a send that earlier ones wait for (rendezvous).
+  void size_send_queues() {
+    const size_t depth = info_->tx_attr->size;
+    const auto send_cap =
+        static_cast<uint32_t>(std::clamp<size_t>(pairwise_ ? depth : depth / 4, 1, 1u << 16));
+    queues_.resize(2 * static_cast<size_t>(world_) + 1);
+    for (size_t i = 0; i < static_cast<size_t>(world_); ++i) queues_[i].cap = send_cap;
+    active_.reserve(queues_.size());
+    suspect_.assign(static_cast<size_t>(world_), 0);
   }
 
   int rank_;
