@@ -108,7 +108,7 @@ std::string Communicator::settings_text(const net::Endpoint& ep, const CommOptio
   add("immediate_data_bytes", std::to_string(ep.data_bytes()));
   add("small_allreduce_bytes", std::to_string(small_allreduce_bytes(opts)));
   add("halving_doubling_bytes", std::to_string(halving_doubling_bytes(opts)));
-  add("segment_bytes", std::to_string(segment_bytes(opts, ep.provider())));
+  add("segment_bytes", std::to_string(segment_bytes(opts, ep.traits())));
   const std::string id = executable_build_id();
   add("build_id", id.empty() ? "unknown" : id);
   add("kernel_isa", kernel_isa());

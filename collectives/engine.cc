@@ -47,7 +47,11 @@ void Work::wait() {
 }
 
 Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
-    : ep_(std::move(ep)), rank_(ep_->rank()), size_(ep_->world_size()), provider_(ep_->provider()) {
+    : ep_(std::move(ep)),
+      rank_(ep_->rank()),
+      size_(ep_->world_size()),
+      provider_(ep_->provider()),
+      traits_(ep_->traits()) {
   probe_window_ =
       std::clamp(opts.timeout / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(500));
   reduce_threads_ = opts.reduce_threads;

@@ -75,6 +75,7 @@ class Engine {
   int reduce_threads() const { return reduce_threads_; }
   bool oversubscribed() const { return oversubscribed_; }
   std::string provider() const { return provider_; }
+  const net::TransportTraits& traits() const { return traits_; }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();
   // A caller that drives progress itself (try_progress in a loop) brackets that with these:
@@ -178,6 +179,7 @@ class Engine {
   int rank_;
   int size_;
   std::string provider_;
+  net::TransportTraits traits_;
   int reduce_threads_;
   std::mutex mu_;  // incoming_, calls_, stop_, kicked_, broken_reason_
   std::condition_variable cv_;

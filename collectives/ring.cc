@@ -22,12 +22,9 @@ int mod(int a, int n) {
   return ((a % n) + n) % n;
 }
 
-// shm and tcp: a CPU of this host copies every byte (CMA, or the kernel's socket copies).
-bool provider_copies(const std::string& p) {
-  return p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0;
-}
+// A CPU of this host copies every byte (shm, tcp: net::TransportTraits).
 bool host_copies(const Engine& engine) {
-  return provider_copies(engine.provider());
+  return engine.traits().host_copies;
 }
 
 // The ring's ranks in order (all of them unless args.members names a subset) and this rank's
@@ -62,7 +59,7 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
 // (docs/benchmarks.md). Segmenting never changes which values are added in which order, so
 // the bits do not depend on it. RDMA providers pipeline several lanes: 1 MiB.
 size_t segment_bytes_for(const CommOptions& opts, const Engine& engine) {
-  return segment_bytes(opts, engine.provider());
+  return segment_bytes(opts, engine.traits());
 }
 
 // Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
@@ -893,9 +890,9 @@ class BarrierOp final : public EngineOp {
 
 }  // namespace
 
-size_t segment_bytes(const CommOptions& opts, const std::string& provider) {
+size_t segment_bytes(const CommOptions& opts, const net::TransportTraits& traits) {
   if (opts.segment_bytes > 0) return opts.segment_bytes;
-  return provider_copies(provider) ? size_t(2) << 20 : size_t(1) << 20;
+  return traits.host_copies ? size_t(2) << 20 : size_t(1) << 20;
 }
 
 size_t small_allreduce_bytes(const CommOptions& opts) {

@@ -51,6 +51,8 @@ constexpr int kAnyPeer = -1;
 
 enum class RequestState : uint8_t { kPending, kDone, kCancelled, kError };
 
+// What a caller sees of a message in flight. A transport that needs bookkeeping per request
+// hands out a type derived from it, made with std::make_shared (net/fabric_endpoint.cc).
 struct Request {
   bool is_send = false;
   int peer = kAnyPeer;       // peer as posted (kAnyPeer for wildcard receives)
@@ -62,13 +64,25 @@ struct Request {
   bool truncated = false;    // receives: kError because the message was longer than len
   RequestState state = RequestState::kPending;
   std::string error;  // set when state == kError
-  // Implementation bookkeeping (fragments outstanding, provider context ...).
-  int pending_parts = 0;
 
   bool done() const { return state != RequestState::kPending; }
   bool ok() const { return state == RequestState::kDone; }
 };
 using RequestPtr = std::shared_ptr<Request>;
+
+// What a transport is, for the policy of the layers above it (segment sizes, lanes and sends
+// in flight of the ring: collectives/ring.cc), instead of its provider's name (gloo's
+// transport/device.h exposes capabilities the same way).
+struct TransportTraits {
+  // A CPU of this host copies every byte (shm: cross-memory attach; tcp: the kernel's socket
+  // copies), so the rank that reduces a segment is also the one that copies the next, and
+  // data does not move while that CPU reduces. false for RDMA providers, whose NIC moves the
+  // data, and for the in-process endpoint, which stands in for them in tests.
+  bool host_copies = false;
+  // Buffers are registered before the transport uses them (libfabric FI_MR_LOCAL, or
+  // FabricOptions::always_register): register_memory() once saves registering per call.
+  bool needs_registration = false;
+};
 
 class Endpoint {
  public:
@@ -76,8 +90,10 @@ class Endpoint {
 
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  // Provider actually in use ("shm", "tcp;ofi_rxm", "inproc", ...).
+  // Provider actually in use ("shm", "tcp;ofi_rxm", "inproc", ...): for logs and for the
+  // settings peers must share; policy comes from traits().
   virtual std::string provider() const = 0;
+  virtual TransportTraits traits() const { return {}; }
   // Largest message the transport moves in one piece; larger ones are split by the endpoint.
   virtual size_t max_message_size() const = 0;
   // Bytes of immediate data a message carries: 8 (shm, tcp;ofi_rxm, inproc); a provider with

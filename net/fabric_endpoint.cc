@@ -122,11 +122,12 @@ void remove_stale_shm_regions() {
 // receives ahead); measured 4 ranks on 2 cores, 256 KiB-1 MiB all-reduces ran up to 1.6x
 // faster (docs/benchmarks.md). Up to kRxmEagerLimit, so a message larger than a ring
 // segment that arrives before its receive is posted is not buffered whole. A value the user
-// exported wins; rxm reads it when an endpoint is created.
+// exported wins; rxm reads it when an endpoint is created. A process-wide effect (setenv),
+// listed with the others in fabric_endpoint.h.
 constexpr const char* kRxmEagerEnv = "FI_OFI_RXM_EAGER_LIMIT";
 constexpr size_t kRxmEagerLimit = size_t(8) << 20;
 
-void set_rxm_defaults() {
+void export_rxm_eager_limit() {
   static std::once_flag once;
   std::call_once(
       once, [] { setenv(kRxmEagerEnv, std::to_string(kRxmEagerLimit).c_str(), /*overwrite=*/0); });
@@ -289,6 +290,15 @@ std::string address_problem(const std::string& a, uint32_t format, size_t own_le
 
 struct AnyRecv;
 
+// Every Request this endpoint hands out is a FabricRequest: the public fields and the
+// bookkeeping that stays inside the transport.
+struct FabricRequest final : Request {
+  int pending_parts = 0;  // fragments (posts) of the request not ended yet
+};
+int& pending_parts_of(Request& r) {
+  return static_cast<FabricRequest&>(r).pending_parts;
+}
+
 // One posted libfabric operation (one fragment of a request). FI_CONTEXT(2) mode: the
 // provider may use the first bytes of the context, so fi_context2 comes first.
 struct OpCtx {
@@ -393,7 +403,7 @@ class FabricEndpoint final : public Endpoint {
       : rank_(rank), world_(world) {
     provider_setting_ = resolve_provider(opts.provider, single_host);
     const bool rxm = provider_setting_.find("ofi_rxm") != std::string::npos;
-    if (rxm) set_rxm_defaults();
+    if (rxm) export_rxm_eager_limit();
     get_info(opts, single_host);
     if (shm_) remove_stale_shm_regions();
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
@@ -558,7 +568,7 @@ class FabricEndpoint final : public Endpoint {
         outstanding_.erase(c);
         --queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
         if (c->req->state == RequestState::kPending) c->req->state = RequestState::kCancelled;
-        c->req->pending_parts = 0;
+        pending_parts_of(*c->req) = 0;
         c->req.reset();
         orphans_.push_back(c);  // its endpoint is closed below; never completed
       }
@@ -604,6 +614,12 @@ class FabricEndpoint final : public Endpoint {
                   incarnation, gens_[pi]);
   }
   std::string provider() const override { return provider_name_; }
+  TransportTraits traits() const override {
+    TransportTraits t;
+    t.host_copies = provider_name_.rfind("shm", 0) == 0 || provider_name_.rfind("tcp", 0) == 0;
+    t.needs_registration = mr_local_;
+    return t;
+  }
   size_t max_message_size() const override { return max_msg_; }
   size_t data_bytes() const override { return data_bytes_; }
 
@@ -611,7 +627,7 @@ class FabricEndpoint final : public Endpoint {
                    uint64_t data = 0) override {
     check_open();
     check_peer(peer, "isend");
-    auto req = std::make_shared<Request>();
+    auto req = std::make_shared<FabricRequest>();
     req->is_send = true;
     req->peer = peer;
     req->tag = tag;
@@ -635,7 +651,7 @@ class FabricEndpoint final : public Endpoint {
         if (RequestPtr kept = take_kept(peer, tag, ignore, buf, len)) return kept;
       if (peer == kAnyPeer) return irecv_any(tag, buf, len, ignore);
     }
-    auto req = std::make_shared<Request>();
+    auto req = std::make_shared<FabricRequest>();
     req->peer = peer;
     req->tag = tag;
     req->len = len;
@@ -741,7 +757,7 @@ class FabricEndpoint final : public Endpoint {
 
   static void end_cancelled(Request& r) {
     if (r.state != RequestState::kPending) return;
-    r.pending_parts = 0;
+    pending_parts_of(r) = 0;
     r.state = RequestState::kCancelled;
   }
 
@@ -815,7 +831,7 @@ class FabricEndpoint final : public Endpoint {
                       fi_addr_t addr, fid_ep* ep, const std::shared_ptr<AnyRecv>& any = nullptr,
                       uint32_t any_index = 0, uint64_t data = 0) {
     size_t parts = len == 0 ? 1 : (len + max_msg_ - 1) / max_msg_;
-    req->pending_parts = static_cast<int>(parts);
+    pending_parts_of(*req) = static_cast<int>(parts);
     char* p = static_cast<char*>(buf);
     for (size_t i = 0; i < parts; ++i) {
       size_t off = i * max_msg_;
@@ -977,14 +993,15 @@ class FabricEndpoint final : public Endpoint {
     } else if (st == RequestState::kCancelled && r.state == RequestState::kPending) {
       r.state = RequestState::kCancelled;
     }
-    if (--r.pending_parts == 0 && r.state == RequestState::kPending) r.state = RequestState::kDone;
+    if (--pending_parts_of(r) == 0 && r.state == RequestState::kPending)
+      r.state = RequestState::kDone;
     if (c->posted) --queues_[queue_index(r.is_send, r.peer)].inflight;
     outstanding_.erase(c);
     if (c->any) {
       const std::shared_ptr<AnyRecv> any = std::move(c->any);
       const uint32_t index = c->any_index;
       delete c;
-      if (any->parts[index].req->pending_parts == 0) on_part_done(any, index);
+      if (pending_parts_of(*any->parts[index].req) == 0) on_part_done(any, index);
       return;
     }
     delete c;
@@ -998,7 +1015,7 @@ class FabricEndpoint final : public Endpoint {
 
   std::shared_ptr<AnyRecv> new_any(int peer, uint64_t tag, void* buf, size_t len,
                                    uint64_t ignore) {
-    auto req = std::make_shared<Request>();
+    auto req = std::make_shared<FabricRequest>();
     req->peer = peer;
     req->tag = tag;
     req->len = len;
@@ -1039,7 +1056,7 @@ class FabricEndpoint final : public Endpoint {
     for (int p = 0; p < world_ && !a->resolved; ++p) {
       const auto i = static_cast<uint32_t>(a->parts.size());
       AnyRecv::Part& part = a->parts.emplace_back();
-      part.req = std::make_shared<Request>();
+      part.req = std::make_shared<FabricRequest>();
       part.req->peer = p;
       part.req->tag = tag;
       part.req->len = len;
@@ -1094,7 +1111,7 @@ class FabricEndpoint final : public Endpoint {
     } else if (st == RequestState::kError) {
       r.error = std::move(err);
     }
-    r.pending_parts = 0;
+    pending_parts_of(r) = 0;
     r.state = st;
     cancel_parts(a);
   }
@@ -1141,7 +1158,7 @@ class FabricEndpoint final : public Endpoint {
                      sub.error);
     } else if (a.live == 0 && !a.resolved) {  // every part cancelled
       a.resolved = true;
-      a.req->pending_parts = 0;
+      pending_parts_of(*a.req) = 0;
       a.req->state = RequestState::kCancelled;
     }
   }

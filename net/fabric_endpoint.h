@@ -42,6 +42,17 @@ struct FabricOptions {
 // Opens an endpoint, publishes its address in `store` (key: FabricOptions::instance), reads
 // every peer's address (until `deadline`) and inserts them into the address vector.
 // `single_host` decides what "auto" means.
+//
+// Effects outside qring, for the whole process (also docs/design.md, net/):
+//  - Over ofi_rxm (tcp, verbs) the first endpoint exports FI_OFI_RXM_EAGER_LIMIT=8 MiB into
+//    the environment unless it is set (setenv, before rxm reads it); another libfabric user
+//    of the process, and child processes, see it too.
+//  - Linking qring_net interposes the process's connect() and listen() (net/tcp_tuning.cc).
+//    They change only sockets of qring's tcp endpoints (a listener opened while a
+//    FabricEndpoint sets up on that thread, a connection to a registered peer address: their
+//    congestion control, QRING_TCP_CONGESTION) and pass every other call through unchanged.
+//  - Over shm, /dev/shm regions named after this pid that the process has not mapped (left
+//    by an earlier process with the same pid that was killed) are removed.
 std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,
                                                Store& store, bool single_host, Deadline deadline);
 

@@ -42,6 +42,7 @@ class FaultEndpoint final : public Endpoint {
   int world_size() const override { return inner_->world_size(); }
   // The inner transport's: the wrapper changes no setting a peer must share.
   std::string provider() const override { return inner_->provider(); }
+  TransportTraits traits() const override { return inner_->traits(); }
   size_t max_message_size() const override { return inner_->max_message_size(); }
   size_t data_bytes() const override { return inner_->data_bytes(); }
   RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,

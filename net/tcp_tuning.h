@@ -17,7 +17,9 @@
 // listen() and connect(): a socket that starts listening while a FabricEndpoint sets itself
 // up on this thread (TcpListenScope), or connects to a registered peer endpoint address,
 // gets the setting first; accepted connections inherit it from their listener. Every other
-// socket of the process is left alone.
+// socket of the process is left alone. The interposed symbols are process-wide (linking
+// qring_net is enough): fabric_endpoint.h lists them with qring's other effects on the
+// process.
 #pragma once
 
 #include <cstddef>
