@@ -555,10 +555,9 @@ void Engine::loop() {
     if (helpers_.load(std::memory_order_acquire) > 0) {
       // A caller drives progress itself (Work::wait); stay out of its way until it leaves.
       // The last caller to leave wakes this wait when something is left to do (end_help,
-      // from Work::wait and the quorum's help_progress); the timeout is only a backstop. A
-      // short timeout (it was 1 ms) woke this thread ~1000 times a second per rank, each
-      // wake-up preempting a rank that was copying or reducing on an oversubscribed node
-      // (context switches per 1010 all-reduces: 0.8M -> 0.15M).
+      // from Work::wait and the quorum's help_progress); the timeout is only a backstop, long
+      // enough that its wake-ups do not preempt a rank that copies or reduces on an
+      // oversubscribed node (measurements: docs/benchmarks.md, "The numbers behind the defaults").
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, std::chrono::milliseconds(20),
                    [&] { return stop_ || helpers_.load(std::memory_order_acquire) == 0; });
@@ -596,8 +595,8 @@ void Engine::loop() {
       // Only standing receives: look after 250 us, then every 0.5, 1, 2 ms (what the first
       // READY of a step, or a DECIDE, may wait to be noticed while this rank's own thread
       // computes; once a step is open the service is no longer passive). Waking more often
-      // cost the computing threads measurably (context switches). A kick (new work from this
-      // rank's caller) ends the sleep at once.
+      // costs the computing threads context switches. A kick (new work from this rank's
+      // caller) ends the sleep at once.
       backoff.reset();
       auto sleep = std::chrono::microseconds(250 << std::min(passive_passes++, 3));
       std::unique_lock<std::mutex> lock(mu_);

@@ -40,37 +40,34 @@ std::pair<std::vector<int>, int> ring_and_index(const Engine& engine, const Ring
   return {std::move(ring), me};
 }
 
-// Segments in flight per link (lanes); 0 = by provider. Over shm and tcp a CPU of this host
-// copies every byte, and the rank that reduces a segment is the one that copies the next, so
-// lanes buy no overlap there, only more messages in flight: one lane measured 5-35 % faster
-// than 2 (shm) or 4 (tcp) for 2 and 4 ranks at 4-64 MiB (docs/benchmarks.md). RDMA providers
-// move data while the CPU reduces: 4 lanes.
+// Segments in flight per link (lanes); 0 = by the transport. Where a CPU of this host copies
+// every byte (TransportTraits::host_copies), the rank that reduces a segment is the one that
+// copies the next, so lanes buy no overlap, only more messages in flight: one lane. RDMA
+// providers move data while the CPU reduces: 4 lanes. Measurements: docs/benchmarks.md, "The
+// numbers behind the defaults".
 int lanes_for(const CommOptions& opts, const Engine& engine) {
   if (opts.segments_in_flight > 0) return opts.segments_in_flight;
   return host_copies(engine) ? 1 : 4;
 }
 
-// Segment size; 0 = by provider. Over shm and tcp a lane walks its segment through every stage
-// before it takes the next one (one lane, above), so each segment costs 2(n-1) steps that
-// each wait for a neighbour, and on an oversubscribed node for it to be scheduled: fewer,
-// larger segments measured faster there. 2 MiB against 1 MiB, rotated rounds (median
-// time ratio, out of place): 4 ranks shm 0.905 at 16 MiB (8 rounds) and 0.91 at 64 MiB,
-// 2 ranks shm 0.86-0.98, 4 ranks tcp 0.92-0.95, 2 ranks tcp 0.81-0.97 at 4-64 MiB
-// (docs/benchmarks.md). Segmenting never changes which values are added in which order, so
-// the bits do not depend on it. RDMA providers pipeline several lanes: 1 MiB.
+// Segment size; 0 = by the transport. Where the host copies, a lane walks its segment
+// through every stage before it takes the next one (one lane, above), so each segment costs
+// 2(n-1) steps that each wait for a neighbour, and on an oversubscribed node for it to be
+// scheduled: fewer, larger segments (2 MiB). RDMA providers pipeline several lanes: 1 MiB.
+// Segmenting never changes which values are added in which order, so the bits do not depend
+// on it. Measurements: docs/benchmarks.md, "The numbers behind the defaults".
 size_t segment_bytes_for(const CommOptions& opts, const Engine& engine) {
   return segment_bytes(opts, engine.traits());
 }
 
-// Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
-// (more ranks than cores) over shm or tcp, where every byte is copied by a CPU of this host,
-// a send posted while the neighbour still copies the previous one only costs cycles: over shm
-// the sender spins on the lock of the receiver's region, which the receiver holds while it
-// copies (CMA), and when the receiver is preempted that spin lasts until it runs again (12 %
-// of all cycles at 16 MiB on 4 ranks, 2 cores). One send at a time measured faster there.
-// With a core per rank the receiver is running and the spin is short, while more sends in
-// flight keep it copying: 2 ranks shm at 16 MiB were 15 % faster with 4 than with 1. RDMA
-// providers pipeline sends in the NIC: no limit there.
+// Ring sends outstanding per link; 0 = by the transport and placement. On an oversubscribed
+// node (more ranks than cores) where the host copies, a send posted while the neighbour
+// still copies the previous one only costs cycles: over shm the sender spins on the lock of
+// the receiver's region, which the receiver holds while it copies (CMA), and when the
+// receiver is preempted that spin lasts until it runs again: one send at a time. With a
+// core per rank the receiver is running and the spin is short, while more sends in flight
+// keep it copying: no limit, as for RDMA providers, which pipeline sends in the NIC.
+// Measurements: docs/benchmarks.md, "The numbers behind the defaults".
 size_t sends_for(const CommOptions& opts, const Engine& engine) {
   if (opts.sends_in_flight > 0) return size_t(opts.sends_in_flight);
   if (engine.oversubscribed() && host_copies(engine)) return 1;

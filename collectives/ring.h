@@ -40,7 +40,7 @@ struct RingArgs {
   std::vector<int> members;
 };
 
-// All-reduce algorithm by size (CommOptions; defaults measured in docs/benchmarks.md):
+// All-reduce algorithm by size (CommOptions; the defaults' measurements: docs/benchmarks.md):
 // recursive doubling up to small_allreduce_bytes, then halving-doubling up to
 // halving_doubling_bytes when the ring has a power-of-two size, then the ring. The choice
 // does not depend on the provider, so the same job gives the same bits over shm and tcp.

@@ -119,11 +119,10 @@ void remove_stale_shm_regions() {
 // the receiver reads the data after a request-to-send, so every ring segment costs a round
 // trip in which the sending process must be scheduled again. With tcp's dynamic receive
 // buffers an eager message goes straight into the posted receive buffer (the ring posts its
-// receives ahead); measured 4 ranks on 2 cores, 256 KiB-1 MiB all-reduces ran up to 1.6x
-// faster (docs/benchmarks.md). Up to kRxmEagerLimit, so a message larger than a ring
-// segment that arrives before its receive is posted is not buffered whole. A value the user
-// exported wins; rxm reads it when an endpoint is created. A process-wide effect (setenv),
-// listed with the others in fabric_endpoint.h.
+// receives ahead; measurements: docs/benchmarks.md, "The numbers behind the defaults"). Up to
+// kRxmEagerLimit, so a message larger than a ring segment that arrives before its receive is posted
+// is not buffered whole. A value the user exported wins; rxm reads it when an endpoint is created.
+// A process-wide effect (setenv), listed with the others in fabric_endpoint.h.
 constexpr const char* kRxmEagerEnv = "FI_OFI_RXM_EAGER_LIMIT";
 constexpr size_t kRxmEagerLimit = size_t(8) << 20;
 
@@ -154,11 +153,10 @@ constexpr const char* kPairwiseEnv = "QRING_SHM_PAIRWISE";
 // plus queues sized by the depths, rounded up to a power of two) of which ~3.8 MiB are touched
 // when it is created (shm zero-fills from its name to the end of the file) and the rest only
 // as used. Smaller queue depths do not help: they leave more of the 16 MiB to that zero fill
-// (measured with 8 ranks, per rank in /dev/shm: depth 1024 (shm's default) 26 MiB, 256 48 MiB,
-// one endpoint 4 MiB). So the endpoints keep shm's depths. All ranks of a host together
-// need W (W - 1) regions: "auto" uses pairwise endpoints only while those fit in half of
-// /dev/shm (a container's default 64 MiB holds 3 ranks' worth), so that no rank dies of
-// SIGBUS when tmpfs runs out.
+// (measurements: docs/benchmarks.md, "The numbers behind the defaults"). So the endpoints keep
+// shm's depths. All ranks of a host together need W (W - 1) regions: "auto" uses pairwise endpoints
+// only while those fit in half of /dev/shm (a container's default 64 MiB holds 3 ranks' worth), so
+// that no rank dies of SIGBUS when tmpfs runs out.
 constexpr size_t kShmRegionBytes = size_t(4) << 20;  // touched per region, about
 
 bool use_pairwise(FabricOptions::Pairwise setting, const std::string& provider, int rank,

@@ -4,8 +4,8 @@
 // without an fq qdisc the kernel arms a high-resolution timer per burst and sends the rest of
 // a burst from that timer. Between the ranks of one host there is no bottleneck queue for
 // pacing to protect, and qring's all-reduce, which hands the kernel whole segments (1-2 MiB)
-// at once, ran 1.3-1.7x slower paced (over loopback, 4 ranks at 256 KiB-64 MiB, 2 ranks at
-// 4-64 MiB; docs/benchmarks.md). QRING_TCP_CONGESTION chooses for qring's connections:
+// at once, runs slower paced (measurements: docs/benchmarks.md, "The numbers behind the defaults").
+// QRING_TCP_CONGESTION chooses for qring's connections:
 //   auto (default)  cubic when every rank is on this host (the connections are loopback),
 //                   else the system's default
 //   system          the system's default (net.ipv4.tcp_congestion_control)

@@ -56,7 +56,7 @@ struct TrainSection {
   int64_t eval_batch = 1000;
   double target_accuracy = 0.0;  // 0 = none; else time-to-accuracy is reported
   int64_t checkpoint_every = 0;  // steps; 0 = off
-  int64_t checksum_every = 100;  // steps; 0 = off (issue 15: about 0.1% of a step's time)
+  int64_t checksum_every = 100;  // steps; 0 = off (cost: docs/benchmarks.md)
 };
 
 struct QuorumSection {

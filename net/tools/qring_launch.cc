@@ -149,8 +149,8 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
 // The CPUs of each rank under --bind cores, from the CPUs this process may run on. N <= CPUs:
 // contiguous blocks whose sizes differ by at most one (a rank's OpenMP threads share a
 // block). N > CPUs: rank r gets CPU r mod CPUs, so consecutive ranks (ring neighbours) sit on
-// different CPUs and can run at the same time; measured on 2 CPUs, 4 ranks: all-reduces over
-// tcp 1.0-1.2x faster than unbound ranks, which the scheduler moves between CPUs.
+// different CPUs and can run at the same time instead of being moved between CPUs by the
+// scheduler (measurements: docs/benchmarks.md, "The numbers behind the defaults").
 std::vector<std::vector<int>> plan_cpus(int n) {
   cpu_set_t set;
   CPU_ZERO(&set);
