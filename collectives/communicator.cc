@@ -9,9 +9,9 @@
 #include <cstring>
 #include <map>
 
+#include "collectives/algorithms.h"
 #include "collectives/engine.h"
 #include "collectives/quorum_wire.h"
-#include "collectives/ring.h"
 
 namespace qring::collectives {
 
@@ -240,8 +240,8 @@ WorkPtr Communicator::allreduce_async(const void* send, void* recv, size_t count
                                       RedOp op, const std::vector<int>& members) {
   check_buffers("allreduce", send, recv, count);
   check_members("allreduce", members, rank_, size_);
-  RingArgs a{RingKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce, members};
-  auto e = make_ring_op(*engine_, opts_, a);
+  CollArgs a{CollKind::kAllreduce, send, recv, count, type, op, net::Op::kAllreduce, members};
+  auto e = make_collective_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
 }
@@ -250,9 +250,9 @@ WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count
                                       const std::vector<int>& members) {
   check_buffers("allgather", send, recv, count);
   check_members("allgather", members, rank_, size_);
-  RingArgs a{RingKind::kAllgather, send, recv, count, type, RedOp::kSum, net::Op::kAllgather,
-             members};
-  auto e = make_ring_op(*engine_, opts_, a);
+  CollArgs a{CollKind::kAllgather, send,   recv, count, type, RedOp::kSum,
+             net::Op::kAllgather,  members};
+  auto e = make_collective_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
 }
@@ -260,8 +260,8 @@ WorkPtr Communicator::allgather_async(const void* send, void* recv, size_t count
 WorkPtr Communicator::reduce_scatter_async(const void* send, void* recv, size_t count,
                                            DataType type, RedOp op) {
   check_buffers("reduce_scatter", send, recv, count);
-  RingArgs a{RingKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter, {}};
-  auto e = make_ring_op(*engine_, opts_, a);
+  CollArgs a{CollKind::kReduceScatter, send, recv, count, type, op, net::Op::kReduceScatter, {}};
+  auto e = make_collective_op(*engine_, opts_, a);
   e->seq = next_seq();
   return submit(std::move(e));
 }

@@ -24,12 +24,11 @@
 #include <sstream>
 #include <tuple>
 
-
+#include "collectives/algorithms.h"
 #include "collectives/engine.h"
 #include "collectives/quorum_coordinator.h"
 #include "collectives/quorum_wire.h"
 #include "collectives/reduce.h"
-#include "collectives/ring.h"
 
 namespace qring::collectives {
 
@@ -1289,8 +1288,8 @@ class QuorumService final : public EngineOp {
   // In place (out == nullptr) or from the kept contribution into `out`.
   void start_ring(net::Endpoint& ep, uint64_t t, uint32_t attempt, void* buf, void* out,
                   std::vector<int> members, bool speculative) {
-    RingArgs a;
-    a.kind = RingKind::kAllreduce;
+    CollArgs a;
+    a.kind = CollKind::kAllreduce;
     a.send = buf;
     a.recv = out ? out : buf;
     a.count = count_;
@@ -1298,7 +1297,7 @@ class QuorumService final : public EngineOp {
     a.op = o_.mean ? RedOp::kAvg : RedOp::kSum;
     a.tag_op = net::Op::kQuorumData;
     a.members = members;
-    auto op = make_ring_op(engine_, copts_, a);
+    auto op = make_collective_op(engine_, copts_, a);
     op->seq = uint32_t(attempt_seq(t, attempt));
     op->start(ep);
     rings_[t] = Ring{std::move(op), Clock::now(), std::move(members), attempt, speculative, false};

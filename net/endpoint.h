@@ -71,7 +71,7 @@ struct Request {
 using RequestPtr = std::shared_ptr<Request>;
 
 // What a transport is, for the policy of the layers above it (segment sizes, lanes and sends
-// in flight of the ring: collectives/ring.cc), instead of its provider's name (gloo's
+// in flight of the ring: collectives/algorithms.cc), instead of its provider's name (gloo's
 // transport/device.h exposes capabilities the same way).
 struct TransportTraits {
   // A CPU of this host copies every byte (shm: cross-memory attach; tcp: the kernel's socket

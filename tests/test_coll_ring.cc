@@ -150,7 +150,7 @@ std::string case_name(const ::testing::TestParamInfo<GridCase>& i) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, RingGrid, ::testing::ValuesIn(grid()), case_name);
 
-// Halving-doubling runs on power-of-two rank counts only (make_ring_op picks the ring for
+// Halving-doubling runs on power-of-two rank counts only (make_collective_op picks the ring for
 // the others), so it has its own grid, up to 8 ranks (3 halving and 3 doubling steps).
 class HalvingDoublingGrid : public ::testing::TestWithParam<GridCase> {};
 

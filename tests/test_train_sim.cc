@@ -94,7 +94,7 @@ TEST(Sim, ArrivalTiesGoByRankAndAllReduceCost) {
   auto a = sim_arrivals(collectives::StragglerModel::parse("none"), 1, 5, 0, 3.0);
   for (int i = 0; i < 5; ++i) EXPECT_EQ(a[size_t(i)].rank, i);
   EXPECT_EQ(sim_allreduce_ms(1, 1e6, 50, 1), 0.0);
-  // rounds alpha + bytes beta 2 (k-1)/k, rounds as make_ring_op chooses the algorithm:
+  // rounds alpha + bytes beta 2 (k-1)/k, rounds as make_collective_op chooses the algorithm:
   EXPECT_EQ(sim_allreduce_rounds(4, 1000), 2);   // recursive doubling
   EXPECT_EQ(sim_allreduce_rounds(6, 1000), 4);   // ... off a power of two: 2 more
   EXPECT_EQ(sim_allreduce_rounds(8, 1e6), 6);    // halving-doubling, 2 log2 k

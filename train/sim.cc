@@ -10,7 +10,7 @@
 #include <queue>
 #include <tuple>
 
-#include "collectives/ring.h"
+#include "collectives/algorithms.h"
 #include "net/error.h"
 #include "train/model.h"
 #include "train/trainer.h"

@@ -7,7 +7,7 @@
 //       (the StragglerModel and run.seed of qring-train: the same delays as a real run; a
 //       trace:FILE model replays recorded ones, e.g. a qring-train run's arrivals)
 //   all-reduce among k contributors  = rounds(k, bytes) alpha + bytes beta 2 (k - 1) / k
-//       rounds: the dependent message rounds of the algorithm qring picks (make_ring_op):
+//       rounds: the dependent message rounds of the algorithm qring picks (make_collective_op):
 //       recursive doubling up to 32 KiB (log2 k, + 2 off a power of two), halving-doubling
 //       up to 1 MiB on a power of two (2 log2 k), else the ring (2 (k - 1))
 //   READY/DECIDE round trip          = rtt, only when b > 0: with Q = W qring-train starts

@@ -1,4 +1,6 @@
-// Ring collectives as engine operations.
+// The collective algorithms as engine operations: the ring (reduce-scatter, all-gather and
+// large all-reduces), recursive doubling and halving-doubling (smaller all-reduces) and the
+// broadcast. make_collective_op picks among them (below).
 //
 // The buffer of `count` elements is cut into n = ranks chunks, balanced: the first count % n
 // chunks get one element more. Worked example, n = 3, rank r sends right to r+1 and receives
@@ -10,12 +12,12 @@
 //   all-gather, stage s: send chunk (r + 1 - s), receive chunk (r - s) and copy it
 //     after n-1 stages every rank holds every complete chunk.
 //
-// Each chunk is cut into segments of CommOptions::segment_bytes (by provider: 2 MiB on shm and
-// tcp, 1 MiB elsewhere); segment j of every chunk forms a lane that walks through the 2(n-1)
-// stages on its own, and up to segments_in_flight lanes run at once (1 on shm and tcp, 4
-// elsewhere), so transfers and reductions of different segments overlap. Out of place, a
-// received segment lands directly in the output and is reduced with the local input there;
-// in place it lands in engine scratch memory first.
+// Each chunk is cut into segments of CommOptions::segment_bytes (by transport: 2 MiB where the
+// host copies the bytes, shm and tcp, 1 MiB elsewhere); segment j of every chunk forms a lane
+// that walks through the 2(n-1) stages on its own, and up to CommOptions::segments_in_flight
+// lanes run at once (1 where the host copies, 4 elsewhere), so transfers and reductions of
+// different segments overlap. Out of place, a received segment lands directly in the output and is
+// reduced with the local input there; in place it lands in engine scratch memory first.
 #pragma once
 
 #include <memory>
@@ -25,10 +27,10 @@
 
 namespace qring::collectives {
 
-enum class RingKind { kAllreduce, kReduceScatter, kAllgather };
+enum class CollKind { kAllreduce, kReduceScatter, kAllgather };
 
-struct RingArgs {
-  RingKind kind = RingKind::kAllreduce;
+struct CollArgs {
+  CollKind kind = CollKind::kAllreduce;
   const void* send = nullptr;
   void* recv = nullptr;
   size_t count = 0;  // allreduce: elements; allgather/reduce-scatter: elements per rank
@@ -51,8 +53,8 @@ size_t small_allreduce_bytes(const CommOptions& opts);
 size_t halving_doubling_bytes(const CommOptions& opts);
 // The segment size in force (CommOptions::segment_bytes, or by the transport's traits).
 size_t segment_bytes(const CommOptions& opts, const net::TransportTraits& traits);
-std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
-                                       const RingArgs& args);
+std::unique_ptr<EngineOp> make_collective_op(Engine& engine, const CommOptions& opts,
+                                             const CollArgs& args);
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,
                                             size_t count, DataType type, int root);
 std::unique_ptr<EngineOp> make_barrier_op(Engine& engine);

@@ -1,4 +1,4 @@
-#include "collectives/ring.h"
+#include "collectives/algorithms.h"
 
 #include <fmt/format.h>
 
@@ -29,7 +29,7 @@ bool host_copies(const Engine& engine) {
 
 // The ring's ranks in order (all of them unless args.members names a subset) and this rank's
 // index among them.
-std::pair<std::vector<int>, int> ring_and_index(const Engine& engine, const RingArgs& a) {
+std::pair<std::vector<int>, int> ring_and_index(const Engine& engine, const CollArgs& a) {
   std::vector<int> ring = a.members;
   if (ring.empty())
     for (int r = 0; r < engine.size(); ++r) ring.push_back(r);
@@ -45,7 +45,7 @@ std::pair<std::vector<int>, int> ring_and_index(const Engine& engine, const Ring
 // copies the next, so lanes buy no overlap, only more messages in flight: one lane. RDMA
 // providers move data while the CPU reduces: 4 lanes. Measurements: docs/benchmarks.md, "The
 // numbers behind the defaults".
-int lanes_for(const CommOptions& opts, const Engine& engine) {
+int segments_in_flight_for(const CommOptions& opts, const Engine& engine) {
   if (opts.segments_in_flight > 0) return opts.segments_in_flight;
   return host_copies(engine) ? 1 : 4;
 }
@@ -76,12 +76,12 @@ size_t sends_for(const CommOptions& opts, const Engine& engine) {
 
 // The descriptor of a ring-family op (shape.h): every rank of the ring computes the same one
 // from the same call.
-uint64_t ring_shape(const RingArgs& a, Algo algo) {
+uint64_t coll_shape(const CollArgs& a, Algo algo) {
   Shape s;
   s.kind = a.tag_op;
   s.algo = algo;
   s.type = a.type;
-  s.op = a.kind == RingKind::kAllgather ? RedOp::kSum : a.op;
+  s.op = a.kind == CollKind::kAllgather ? RedOp::kSum : a.op;
   s.count = a.count;
   s.extra = members_hash(a.members);
   return encode_shape(s);
@@ -120,8 +120,7 @@ struct Stage {
 
 class RingOp final : public EngineOp {
  public:
-  RingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
-      : engine_(engine), args_(a) {
+  RingOp(Engine& engine, const CommOptions& opts, const CollArgs& a) : engine_(engine), args_(a) {
     elem_ = dtype_size(a.type);
     auto [ring, me] = ring_and_index(engine, a);
     n_ = static_cast<int>(ring.size());
@@ -129,11 +128,11 @@ class RingOp final : public EngineOp {
     left_ = ring[size_t(mod(r_ - 1, n_))];
     right_ = ring[size_t(mod(r_ + 1, n_))];
     seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
-    window_ = lanes_for(opts, engine);
+    segments_in_flight_ = segments_in_flight_for(opts, engine);
     max_sends_ = sends_for(opts, engine);
     threads_ = engine.reduce_threads();
-    total_ = a.kind == RingKind::kAllreduce ? a.count : a.count * size_t(n_);
-    shape_ = ring_shape(a, Algo::kRing);
+    total_ = a.kind == CollKind::kAllreduce ? a.count : a.count * size_t(n_);
+    shape_ = coll_shape(a, Algo::kRing);
     build_stages();
   }
 
@@ -141,11 +140,11 @@ class RingOp final : public EngineOp {
 
   std::string name() const override {
     switch (args_.kind) {
-      case RingKind::kAllreduce:
+      case CollKind::kAllreduce:
         return "allreduce";
-      case RingKind::kReduceScatter:
+      case CollKind::kReduceScatter:
         return "reduce_scatter";
-      case RingKind::kAllgather:
+      case CollKind::kAllgather:
         return "allgather";
     }
     return "ring";
@@ -154,26 +153,26 @@ class RingOp final : public EngineOp {
   void start(net::Endpoint& ep) override {
     const char* in = static_cast<const char*>(args_.send);
     switch (args_.kind) {
-      case RingKind::kAllreduce:
+      case CollKind::kAllreduce:
         out_ = static_cast<char*>(args_.recv);
         break;
-      case RingKind::kReduceScatter:
+      case CollKind::kReduceScatter:
         // Work in a full-size scratch buffer; the own block is copied out at the end.
         work_ = engine_.scratch(total_ * elem_);
         out_ = work_.data();
         break;
-      case RingKind::kAllgather:
+      case CollKind::kAllgather:
         out_ = static_cast<char*>(args_.recv);
         if (args_.count && out_ + off(r_) * elem_ != in)
           std::memmove(out_ + off(r_) * elem_, in, args_.count * elem_);
         break;
     }
-    in_ = args_.kind == RingKind::kAllgather ? out_ : in;
-    in_place_ = args_.kind == RingKind::kAllreduce && args_.send == args_.recv;
+    in_ = args_.kind == CollKind::kAllgather ? out_ : in;
+    in_place_ = args_.kind == CollKind::kAllreduce && args_.send == args_.recv;
     if (n_ == 1 || total_ == 0) {
-      if (args_.kind == RingKind::kAllreduce && !in_place_ && total_)
+      if (args_.kind == CollKind::kAllreduce && !in_place_ && total_)
         std::memcpy(out_, in_, total_ * elem_);
-      if (args_.kind == RingKind::kReduceScatter && total_)
+      if (args_.kind == CollKind::kReduceScatter && total_)
         std::memcpy(args_.recv, args_.send, total_ * elem_);
       done_ = true;
       return;
@@ -183,7 +182,7 @@ class RingOp final : public EngineOp {
     if (nseg_ > net::kChunkMask / (stages_.size() + 1))
       throw UsageError(
           fmt::format("{}: {} segments per chunk is too many; raise segment_bytes", name(), nseg_));
-    lanes_.resize(std::min<size_t>(size_t(window_), nseg_));
+    lanes_.resize(std::min<size_t>(size_t(segments_in_flight_), nseg_));
     depth_ = std::min(kPrepost, stages_.size());
     if (in_place_) {
       tmp_lease_ = engine_.scratch(lanes_.size() * depth_ * seg_elems_ * elem_);
@@ -225,7 +224,7 @@ class RingOp final : public EngineOp {
     }
     if (flush_sends(ep)) moved = true;
     if (lanes_done_ == lanes_.size() && sends_.empty() && unsent_.empty()) {
-      if (args_.kind == RingKind::kReduceScatter)
+      if (args_.kind == CollKind::kReduceScatter)
         std::memcpy(args_.recv, out_ + off(r_) * elem_, args_.count * elem_);
       done_ = true;
     }
@@ -268,11 +267,11 @@ class RingOp final : public EngineOp {
   };
 
   size_t off(int c) const {
-    return args_.kind == RingKind::kAllreduce ? chunk_offset(total_, n_, c)
+    return args_.kind == CollKind::kAllreduce ? chunk_offset(total_, n_, c)
                                               : size_t(c) * args_.count;
   }
   size_t len(int c) const {
-    return args_.kind == RingKind::kAllreduce ? chunk_length(total_, n_, c) : args_.count;
+    return args_.kind == CollKind::kAllreduce ? chunk_length(total_, n_, c) : args_.count;
   }
   // Segment j of chunk c: [begin, begin + n) elements of the whole buffer.
   std::pair<size_t, size_t> seg(int c, size_t j) const {
@@ -283,17 +282,17 @@ class RingOp final : public EngineOp {
 
   void build_stages() {
     const int n = n_, r = r_;
-    if (args_.kind == RingKind::kAllreduce || args_.kind == RingKind::kReduceScatter) {
-      int shift = args_.kind == RingKind::kReduceScatter ? 1 : 0;
+    if (args_.kind == CollKind::kAllreduce || args_.kind == CollKind::kReduceScatter) {
+      int shift = args_.kind == CollKind::kReduceScatter ? 1 : 0;
       for (int s = 0; s < n - 1; ++s)
         stages_.push_back(
             {mod(r - s - shift, n), mod(r - s - 1 - shift, n), true, s == 0, s == n - 2});
     }
-    if (args_.kind == RingKind::kAllreduce) {
+    if (args_.kind == CollKind::kAllreduce) {
       for (int s = 0; s < n - 1; ++s)
         stages_.push_back({mod(r + 1 - s, n), mod(r - s, n), false, false, false});
     }
-    if (args_.kind == RingKind::kAllgather) {
+    if (args_.kind == CollKind::kAllgather) {
       for (int s = 0; s < n - 1; ++s)
         stages_.push_back({mod(r - s, n), mod(r - s - 1, n), false, false, false});
     }
@@ -360,10 +359,10 @@ class RingOp final : public EngineOp {
   }
 
   Engine& engine_;
-  RingArgs args_;
+  CollArgs args_;
   int n_, r_, left_, right_;
   size_t elem_, seg_elems_, total_;
-  int window_, threads_;
+  int segments_in_flight_, threads_;
   std::vector<Stage> stages_;
   const char* in_ = nullptr;
   char* out_ = nullptr;
@@ -391,7 +390,7 @@ class RingOp final : public EngineOp {
 // so every rank ends bit-identical.
 class RecursiveDoublingOp final : public EngineOp {
  public:
-  RecursiveDoublingOp(Engine& engine, const RingArgs& a) : engine_(engine), args_(a) {
+  RecursiveDoublingOp(Engine& engine, const CollArgs& a) : engine_(engine), args_(a) {
     std::tie(ring_, me_) = ring_and_index(engine, a);
     n_ = static_cast<int>(ring_.size());
     p_ = 1;
@@ -399,7 +398,7 @@ class RecursiveDoublingOp final : public EngineOp {
     elem_ = dtype_size(a.type);
     bytes_ = a.count * elem_;
     threads_ = engine.reduce_threads();
-    shape_ = ring_shape(a, Algo::kRecursiveDoubling);
+    shape_ = coll_shape(a, Algo::kRecursiveDoubling);
   }
   std::string name() const override { return "allreduce"; }
   uint64_t shape() const override { return shape_; }
@@ -416,15 +415,15 @@ class RecursiveDoublingOp final : public EngineOp {
     }
     if (me_ >= p_) {  // extra rank: hand over, then wait for the result
       phase_ = Phase::kExtraWait;
-      send_ = ep.isend(ring_[size_t(me_ - p_)], tag(0), out, bytes_, shape_);
-      recv_ = ep.irecv(ring_[size_t(me_ - p_)], tag(99), out, bytes_);
+      send_ = ep.isend(ring_[size_t(me_ - p_)], tag(kHandOver), out, bytes_, shape_);
+      recv_ = ep.irecv(ring_[size_t(me_ - p_)], tag(kGiveBack), out, bytes_);
       peer_ = me_ - p_;
       return;
     }
     if (me_ + p_ < n_) {  // absorb the extra rank's input first
       phase_ = Phase::kAbsorb;
       peer_ = me_ + p_;
-      recv_ = ep.irecv(ring_[size_t(peer_)], tag(0), tmp_, bytes_);
+      recv_ = ep.irecv(ring_[size_t(peer_)], tag(kHandOver), tmp_, bytes_);
       return;
     }
     begin_round(ep);
@@ -458,7 +457,7 @@ class RecursiveDoublingOp final : public EngineOp {
             phase_ = Phase::kGiveBack;
             peer_ = me_ + p_;
             recv_.reset();
-            send_ = ep.isend(ring_[size_t(peer_)], tag(99), out, bytes_, shape_);
+            send_ = ep.isend(ring_[size_t(peer_)], tag(kGiveBack), out, bytes_, shape_);
           } else {
             done_ = true;
           }
@@ -485,7 +484,11 @@ class RecursiveDoublingOp final : public EngineOp {
 
  private:
   enum class Phase { kAbsorb, kRounds, kGiveBack, kExtraWait };
-  uint64_t tag(uint64_t round) const { return net::make_tag(args_.tag_op, seq, round); }
+  // Chunk numbers of the tags: rounds are 1 .. log2(p); an extra rank's input goes to its
+  // partner as kHandOver and the result comes back as kGiveBack (above every round).
+  static constexpr uint64_t kHandOver = 0;
+  static constexpr uint64_t kGiveBack = 99;
+  uint64_t tag(uint64_t chunk) const { return net::make_tag(args_.tag_op, seq, chunk); }
   void begin_round(net::Endpoint& ep) {
     phase_ = Phase::kRounds;
     peer_ = me_ ^ mask_;
@@ -500,7 +503,7 @@ class RecursiveDoublingOp final : public EngineOp {
   }
 
   Engine& engine_;
-  RingArgs args_;
+  CollArgs args_;
   std::vector<int> ring_;
   int n_, me_, p_;
   size_t elem_, bytes_;
@@ -524,7 +527,7 @@ class RecursiveDoublingOp final : public EngineOp {
 // rank b alone and is copied from there, so every rank holds the same bits.
 class HalvingDoublingOp final : public EngineOp {
  public:
-  HalvingDoublingOp(Engine& engine, const CommOptions& opts, const RingArgs& a)
+  HalvingDoublingOp(Engine& engine, const CommOptions& opts, const CollArgs& a)
       : engine_(engine), args_(a) {
     std::tie(ring_, me_) = ring_and_index(engine, a);
     n_ = static_cast<int>(ring_.size());
@@ -536,7 +539,7 @@ class HalvingDoublingOp final : public EngineOp {
     elem_ = dtype_size(a.type);
     seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
     threads_ = engine.reduce_threads();
-    shape_ = ring_shape(a, Algo::kHalvingDoubling);
+    shape_ = coll_shape(a, Algo::kHalvingDoubling);
   }
   std::string name() const override { return "allreduce"; }
   uint64_t shape() const override { return shape_; }
@@ -704,7 +707,7 @@ class HalvingDoublingOp final : public EngineOp {
   }
 
   Engine& engine_;
-  RingArgs args_;
+  CollArgs args_;
   std::vector<int> ring_;
   int n_ = 1, me_ = 0, log_ = 0;
   size_t elem_ = 1, seg_elems_ = 1, max_segs_ = 1, tmp_elems_ = 0;
@@ -730,7 +733,7 @@ class BroadcastOp final : public EngineOp {
     elem_ = dtype_size(type);
     bytes_ = count * elem_;
     seg_bytes_ = std::max<size_t>(elem_, segment_bytes_for(opts, engine) / elem_ * elem_);
-    window_ = lanes_for(opts, engine);
+    segments_in_flight_ = segments_in_flight_for(opts, engine);
     pos_ = mod(r_ - root_, n_);
     left_ = mod(r_ - 1, n_);
     right_ = mod(r_ + 1, n_);
@@ -750,7 +753,7 @@ class BroadcastOp final : public EngineOp {
       done_ = true;
       return;
     }
-    for (size_t i = 0; i < std::min<size_t>(size_t(window_), nseg_); ++i) start_seg(ep);
+    for (size_t i = 0; i < std::min<size_t>(size_t(segments_in_flight_), nseg_); ++i) start_seg(ep);
   }
   bool advance(net::Endpoint& ep) override {
     if (done_) return false;
@@ -777,7 +780,7 @@ class BroadcastOp final : public EngineOp {
       lanes_.erase(
           std::remove_if(lanes_.begin(), lanes_.end(), [](const L& l) { return !l.active; }),
           lanes_.end());
-      while (lanes_.size() < size_t(window_) && next_seg_ < nseg_) start_seg(ep);
+      while (lanes_.size() < size_t(segments_in_flight_) && next_seg_ < nseg_) start_seg(ep);
     }
     if (segs_done_ == nseg_) done_ = true;
     return moved;
@@ -826,7 +829,7 @@ class BroadcastOp final : public EngineOp {
   char* buf_;
   int n_, r_, root_, pos_, left_, right_;
   size_t elem_, bytes_, seg_bytes_;
-  int window_;
+  int segments_in_flight_;
   size_t nseg_ = 0, next_seg_ = 0, segs_done_ = 0;
   std::vector<L> lanes_;
   uint64_t shape_ = 0;
@@ -900,9 +903,9 @@ size_t halving_doubling_bytes(const CommOptions& opts) {
   return opts.halving_doubling_bytes.value_or(kHalvingDoublingBytes);
 }
 
-std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
-                                       const RingArgs& args) {
-  if (args.kind == RingKind::kAllreduce) {
+std::unique_ptr<EngineOp> make_collective_op(Engine& engine, const CommOptions& opts,
+                                             const CollArgs& args) {
+  if (args.kind == CollKind::kAllreduce) {
     const size_t bytes = args.count * dtype_size(args.type);
     const size_t n = args.members.empty() ? size_t(engine.size()) : args.members.size();
     if (bytes <= small_allreduce_bytes(opts))
