@@ -4,6 +4,8 @@
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
 #      tests (label "sanitize"), run through ctest
 #   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
+#   4. the paper reproduction at smoke scale (scripts/reproduce.sh --smoke: every experiment
+#      on synthetic data; checks that every artefact is produced and well formed)
 # Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 skip 2 / 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +30,8 @@ fi
 
 echo "== Slurm integration tests"
 tests/slurm/run.sh build
+
+echo "== paper reproduction, smoke scale"
+scripts/reproduce.sh --smoke --out build/reproduce-smoke
 
 echo "== all tests passed in $(( $(date +%s) - start )) s"

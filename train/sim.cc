@@ -78,6 +78,10 @@ void check_options(const SimOptions& o) {
   finite_nonneg(o.alpha_us, "--alpha-us");
   finite_nonneg(o.beta_ns_per_byte, "--beta-ns");
   finite_nonneg(o.rtt_us, "--rtt-us");
+  for (const auto* t : {&o.step_cost_full_ms, &o.step_cost_backup_ms})
+    for (const auto& [n, ms] : *t)
+      if (n < 1 || !std::isfinite(ms) || ms < 0)
+        throw ConfigError(fmt::format("calibration: step cost {} ms for {} contributors", ms, n));
 }
 
 // Shared by both modes: the workers' data streams, the output files and the evaluations.
@@ -433,6 +437,8 @@ double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per
 }
 
 double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
+  const auto& measured = o.backups > 0 ? o.step_cost_backup_ms : o.step_cost_full_ms;
+  if (auto it = measured.find(n); it != measured.end()) return it->second + apply_ms;
   return (o.backups > 0 ? o.rtt_us / 1000.0 : 0.0) +
          sim_allreduce_ms(n, bytes, o.alpha_us, o.beta_ns_per_byte) + apply_ms;
 }
@@ -482,6 +488,13 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
     j["alpha_us"] = opts.alpha_us;
     j["beta_ns_per_byte"] = opts.beta_ns_per_byte;
     j["rtt_us"] = opts.rtt_us;
+    auto table = [](const std::map<int, double>& t) {
+      nlohmann::json o = nlohmann::json::object();
+      for (const auto& [n, ms] : t) o[std::to_string(n)] = ms;
+      return o;
+    };
+    j["step_cost_full_ms"] = table(opts.step_cost_full_ms);
+    j["step_cost_backup_ms"] = table(opts.step_cost_backup_ms);
     j["target_accuracy"] = cfg.train.target_accuracy;
     j["evals"] = nlohmann::json::array();
     for (const auto& e : res.evals)

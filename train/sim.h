@@ -12,9 +12,13 @@
 //       up to 1 MiB on a power of two (2 log2 k), else the ring (2 (k - 1))
 //   READY/DECIDE round trip          = rtt, only when b > 0: with Q = W qring-train starts
 //                                      the ring with the READY (speculation), hiding it
+//   or, for the contributor counts N that qring-bench measured in a training-like duty cycle
+//   (step_cost_full_ms / step_cost_backup_ms, scripts/reproduce.py calibrate), the measured
+//   time of a step after its N-th arrival instead of rtt + all-reduce
 //   optimizer step                   = apply_ms
 //   bytes = 4 (P + 1): the gradient and the loss, as qring-train reduces them
-// alpha, beta and rtt come from qring-bench (scripts/calibrate_sim.py; docs/reproduction.md).
+// alpha, beta and rtt come from qring-bench (scripts/reproduce.py calibrate;
+// docs/reproduction.md, "Calibration").
 //
 // Modes:
 //   sync (b = 0 full sync, b > 0 backups): every step all W workers start together; the step
@@ -41,6 +45,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -54,7 +59,7 @@ namespace qring::train {
 
 enum class SimMode { kSync, kAsync };
 
-// Defaults: the fit of scripts/calibrate_sim.py to qring-bench on this repository's 2-core
+// Defaults: the fit of scripts/reproduce.py calibrate to qring-bench on this repository's 2-core
 // machine (docs/reproduction.md, "Calibration"); --calibration FILE replaces them.
 constexpr double kSimDefaultAlphaUs = 12.0;
 constexpr double kSimDefaultBetaNsPerByte = 0.25;
@@ -69,6 +74,9 @@ struct SimOptions {
   double alpha_us = kSimDefaultAlphaUs;
   double beta_ns_per_byte = kSimDefaultBetaNsPerByte;
   double rtt_us = kSimDefaultRttUs;
+  // Measured time of a sync step beyond its N-th arrival, by N: full sync (b = 0) and with
+  // backups (b > 0). For the N they hold they replace rtt + all-reduce (not the update).
+  std::map<int, double> step_cost_full_ms, step_cost_backup_ms;
   std::string out_dir;  // empty: no files
   bool progress = false;  // a progress line on stderr every few seconds
   // Sync only: draw the arrivals of train.steps steps and time the steps, without training
