@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "collectives/auto_quorum.h"
+
 namespace qring::collectives::qproto {
 
 using Clock = std::chrono::steady_clock;
@@ -47,6 +49,11 @@ struct Config {
   int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
   int min_world = 0;      // fewest members the job runs with; 0 = the quorum
   uint64_t count = 0;     // elements per contribution (checked on every READY)
+  // quorum "auto" (auto_quorum.h): each step's quorum Q(t) is chosen when it opens from the
+  // window of recent arrivals, within [quorum, auto_max] (auto_max 0 = the view's size);
+  // `quorum` is then the lower bound, the one that membership rules use.
+  bool adaptive = false;
+  int auto_max = 0;
 };
 
 // The quorum in force for a view of `view_size` members (a fraction is rounded up).
@@ -166,6 +173,7 @@ class Coordinator {
   struct Open {
     Time first{};
     std::vector<std::optional<Time>> arrived;
+    int quorum = 0;  // adaptive: Q(t), chosen when the step opened
     int n = 0;
     std::optional<Time> quorum_time;
     bool mismatch = false;
@@ -190,6 +198,7 @@ class Coordinator {
   void decide_open(Time now, std::vector<Action>& out);
   void settle();
   void recount(Open& o, Time now) const;
+  int quorum_of(const Open& o) const;
 
   Config cfg_;
   View view_;
@@ -208,6 +217,7 @@ class Coordinator {
   int64_t settled_ = -1;
   std::map<uint64_t, std::pair<int, uint64_t>> digests_;  // step -> (first rank, its digest)
   std::function<void(uint64_t, int, double)> on_arrival_;
+  AutoQuorumWindow window_;  // adaptive: the recent steps' arrivals
 };
 
 }  // namespace qring::collectives::qproto

@@ -4,6 +4,7 @@
     scripts/plot.py runs/fmnist-mlp-backup runs/fmnist-mlp-full -o runs/compare.png
     scripts/plot.py --kth runs/fmnist-mlp-full -o runs/kth.png
     scripts/plot.py --steptime runs/a runs/b -o runs/steps.png
+    scripts/plot.py --quorum runs/auto -o runs/quorum.png
 
 (Debian's /usr/bin/python3 with python3-matplotlib, which scripts/setup.sh installs.)
 
@@ -22,6 +23,8 @@ quantiles stay honest; a quantile that falls on one is not drawn.
 
 --steptime: the distribution (CDF) of the step times: consecutive step lines' time
 difference, leaving out steps that contained an evaluation.
+
+--quorum: Q(t), the quorum each step was decided with (quorum "auto" chooses it per step).
 """
 import argparse
 import json
@@ -218,6 +221,19 @@ def draw_steptime(ax, runs, labels=None):
     ax.grid(alpha=0.3)
 
 
+def draw_quorum(ax, runs, labels=None):
+    """Q(t), the quorum each step was decided with (the `quorum` key of step lines)."""
+    for i, path in enumerate(runs):
+        label, steps, _, s, world = load(path)
+        pts = [(j["step"], j["quorum"]) for j in steps if "quorum" in j]
+        if pts:
+            ax.step([p[0] for p in pts], [p[1] for p in pts], where="post",
+                    label=labels[i] if labels else label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("quorum Q(t)")
+    ax.grid(alpha=0.3)
+
+
 def plot_training(runs, smooth_steps=20, title=None, ylim=None):
     fig, ax = plt.subplots(2, 2, figsize=(12, 8))
     for path in runs:
@@ -259,6 +275,14 @@ def plot_kth(runs, fraction=False, title=None):
     return fig
 
 
+def plot_quorum(runs, title=None):
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    draw_quorum(ax, runs)
+    ax.legend(fontsize=7)
+    ax.set_title(title or "quorum per step")
+    return fig
+
+
 def plot_steptime(runs, title=None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw_steptime(ax, runs)
@@ -283,6 +307,7 @@ def main():
     ap.add_argument("--kth", action="store_true", help="the k-th arrival curve")
     ap.add_argument("--fraction", action="store_true", help="--kth: k / n on the x axis")
     ap.add_argument("--steptime", action="store_true", help="the step-time distribution")
+    ap.add_argument("--quorum", action="store_true", help="Q(t), the quorum of every step")
     ap.add_argument("--title", help="figure title")
     ap.add_argument("--ylim", type=float, nargs=2, help="accuracy axis range (%%)")
     ap.add_argument("--dpi", type=int, default=90, help="resolution of the PNG")
@@ -294,6 +319,8 @@ def main():
         fig = plot_kth(args.runs, args.fraction, args.title)
     elif args.steptime:
         fig = plot_steptime(args.runs, args.title)
+    elif args.quorum:
+        fig = plot_quorum(args.runs, args.title)
     else:
         fig = plot_training(args.runs, args.smooth, args.title, args.ylim)
     save(fig, args.output, args.dpi)

@@ -82,6 +82,13 @@ struct SimOptions {
   // Sync only: draw the arrivals of train.steps steps and time the steps, without training
   // (the arrival process alone, e.g. against the order statistics' closed form).
   bool arrivals_only = false;
+  // Sync only: the adaptive quorum (quorum.quorum = "auto"): each step's N chosen by the
+  // coordinator's rule (collectives/auto_quorum.h) from the window of the arrivals it would
+  // have seen (the first N of each step; the others cut off at the decision), within
+  // [auto_min, auto_max] (0 = W); the rate scaled by N over the largest quorum, the round
+  // trip charged every step (no speculation), as qring-train.
+  bool adaptive = false;
+  int auto_min = 1, auto_max = 0;
 };
 
 struct SimStepRecord {
@@ -119,6 +126,7 @@ struct SimResult {
   int64_t staleness_max = 0;                // async
   std::vector<int64_t> staleness_hist;      // async: [s] = updates with staleness s
   std::vector<double> kth_arrival_mean_ms;  // sync: [k-1] = mean over steps of the k-th arrival
+  std::map<int, int64_t> quorum_hist;       // sync: steps decided with each quorum
   uint64_t params_checksum = 0;
   nlohmann::json to_json() const;
 };
@@ -137,7 +145,11 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
 int sim_allreduce_rounds(int k, double bytes);
 // All-reduce time among k contributors of `bytes` (cost model above), in ms.
 double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte);
-// A sync step's time after its N-th arrival: round trip (when b > 0), all-reduce, update (ms).
+// A sync step's time after its N-th arrival (ms): the round trip unless `speculative` (full
+// sync), the all-reduce and the update; or the measured step cost for N.
+double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,
+                        double apply_ms);
+// The same for a fixed quorum: speculative when b = 0.
 double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms);
 
 // Runs the simulation. Throws ConfigError on bad options (workers < 1, backups outside

@@ -200,7 +200,11 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   }
 
   DatasetPair data = load_datasets(cfg.data, seed);
-  TrainerCore core(cfg, data, rank, world, quorum);
+  // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
+  // its contributors over that (the linear rule, step by step).
+  const int sched_quorum =
+      cfg.quorum.quorum_auto ? (cfg.quorum.max > 0 ? int(cfg.quorum.max) : world) : quorum;
+  TrainerCore core(cfg, data, rank, world, sched_quorum);
   const size_t P = core.num_params();
   const int64_t B = cfg.train.batch_per_rank;
   const int64_t spe = core.steps_per_epoch();
@@ -224,6 +228,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.evict = std::chrono::milliseconds(cfg.quorum.evict_ms);
   qo.evict_steps = int(cfg.quorum.evict_steps);
   qo.min_world = int(cfg.quorum.min_world);
+  qo.adaptive = cfg.quorum.quorum_auto;
+  qo.auto_max = int(cfg.quorum.max);
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, P + 1, qo);
@@ -367,6 +373,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   int64_t compute_n = 0;
   std::vector<float> ready_after;  // per step: compute time, for the full-sync estimate
   std::vector<float> step_ms_v, reduce_ms_v;
+  std::map<int, int64_t> quorum_hist;  // steps decided with each quorum
   auto last_progress = Clock::now() - std::chrono::hours(1);
   const bool tty = isatty(2);
   double last_acc = -1, last_loss = 0;
@@ -529,14 +536,16 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     const auto w0 = Clock::now();
     collectives::QuorumResult r = q.wait(uint64_t(t), grad);
     const double wait_ms = ms_since(w0);
-    const double lr = core.lr();
+    const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
+    const double lr = core.lr() * lr_scale;
+    ++quorum_hist[r.quorum];
     if (r.skipped) {
       // A member was lost mid-step and too few contributors survived: no rank updates.
       ++sum.skipped_steps;
       spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
     } else {
       last_loss = grad[P];
-      core.apply_gradient(grad);
+      core.apply_gradient(grad, lr_scale);
     }
     if (r.epoch != view_epoch) log_views(t, r);
 
@@ -558,6 +567,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                        {"loss", last_loss},
                        {"lr", lr},
                        {"contributors", r.count},
+                       {"quorum", r.quorum},
                        {"dropped", r.dropped},
                        {"compute_ms", compute_ms},
                        {"delay_ms", delay_ms},
@@ -635,7 +645,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     metrics.close();
     nlohmann::json j = sum.to_json();
     j["world"] = world;
-    j["quorum"] = quorum;
+    j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
+    j["quorum_histogram"] = nlohmann::json::object();
+    for (const auto& [q, n] : quorum_hist) j["quorum_histogram"][std::to_string(q)] = n;
     j["provider"] = comm.provider();
     j["straggler"] = straggler.spec();
     j["finished"] = finished;

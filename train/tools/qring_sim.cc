@@ -36,7 +36,9 @@ const char* kUsage =
     "  --config FILE    TOML run configuration, as for qring-train\n"
     "  --workers W      virtual workers W = N + B\n"
     "  --backups B      sync: backup workers; each step averages the first N = W - B\n"
-    "                   gradients to arrive (default 0: full sync)\n"
+    "                   gradients to arrive (default 0: full sync). quorum.quorum=auto\n"
+    "                   instead: N chosen every step by the adaptive quorum's rule, within\n"
+    "                   quorum.min .. quorum.max\n"
     "  --mode M         sync or async (a parameter server); default: train.mode\n"
     "  --compute-ms MS  base compute time of one gradient (default: measured at the start)\n"
     "  --apply-ms MS    one optimizer step (default: measured at the start)\n"
@@ -205,6 +207,9 @@ int main(int argc, char** argv) {
     opts.mode = mode ? *mode
                      : (cfg.train.mode == "async" ? qring::train::SimMode::kAsync
                                                   : qring::train::SimMode::kSync);
+    opts.adaptive = cfg.quorum.quorum_auto;
+    opts.auto_min = int(cfg.quorum.min);
+    opts.auto_max = int(cfg.quorum.max);
     opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
     data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
   } catch (const qring::Error& e) {
