@@ -5,6 +5,8 @@ SGD", on qring's own runs; docs/reproduction.md).
     scripts/reproduce.py calibrate OUT.json BENCH.json...   the simulator's cost model
     scripts/reproduce.py trace ARRIVALS.jsonl OUT.txt        a full-sync run's arrivals as a
                                                              straggler trace for qring-sim
+    scripts/reproduce.py regime-trace OUT W STEPS MU SIGMA SLOW FACTOR
+                                                             the changing regime's trace
     scripts/reproduce.py analyze DIR                         tables, plots, the claim table
     scripts/reproduce.py check DIR                           every artefact there, well formed
 
@@ -64,7 +66,9 @@ def run_info(run_dir):
         "mode": mode,
         "world": world,
         "quorum": None if mode == "async" else s.get("quorum"),
-        "backups": None if mode == "async" else world - s.get("quorum", world),
+        "backups": None if mode == "async" or s.get("quorum") == "auto"
+        else world - s.get("quorum", world),
+        "quorum_histogram": s.get("quorum_histogram"),
         "straggler": s.get("straggler"),
         "final_accuracy": s.get("test_accuracy"),
         "best_accuracy": s.get("best_test_accuracy"),
@@ -238,6 +242,24 @@ def trace(arrivals, out):
         f.write(f"# from {arrivals}: step rank ms (arrival after the step's first)\n")
         f.write("\n".join(lines) + "\n")
     print(f"trace: {len(lines)} entries -> {out}")
+
+
+def regime_trace(out, workers, steps, mu, sigma, slow_rank, factor, seed=42):
+    """A straggler trace (lines "step rank ms") for the regime that changes mid-run: every
+    worker's delay lognormal(mu, sigma) ms (Python's generator, seeded), worker slow_rank's
+    multiplied by `factor` from step steps / 2 on."""
+    import random
+    rng = random.Random(seed)
+    with open(out, "w") as f:
+        f.write(f"# lognormal({mu}, {sigma}) ms every worker; worker {slow_rank} x{factor} from "
+                f"step {steps // 2}\n")
+        for t in range(steps):
+            for w in range(workers):
+                d = rng.lognormvariate(mu, sigma)
+                if w == slow_rank and t >= steps // 2:
+                    d *= factor
+                f.write(f"{t} {w} {d:.3f}\n")
+    print(f"trace: {workers} workers x {steps} steps -> {out}")
 
 
 # ---------------------------------------------------------------- the analysis
@@ -479,6 +501,75 @@ def analyze(d):
               worst <= TOLERANCE_CLOSED_FORM, "plots/kth-arrival.png")
     save("closed_form.json", cf)
 
+    # Issue 18: the adaptive quorum against the fixed ones.
+    auto_rows = []
+    for r in sim:  # the simulator: sweeps bsweep100[-REGIME]-bN and -auto
+        mm = re.match(r"(bsweep(\d+)(?:-[a-z]+)?)-auto$", r["name"])
+        if not mm:
+            continue
+        prefix, nb = mm.group(1), mm.group(2)
+        fixed = [x for x in sim if re.match(rf"{prefix}-b\d+$", x["name"])]
+        reached = [x for x in fixed if x["time_to_target_s"] is not None]
+        best = min(reached, key=lambda x: x["time_to_target_s"]) if reached else None
+        by_b = {x["backups"]: x for x in fixed}
+        regime = prefix.split("-")[1] if "-" in prefix else "lognormal"
+        row = {"kind": "sim", "regime": regime, "workers": r["world"], "sweep": prefix,
+               "auto_time_to_target_s": r["time_to_target_s"],
+               "auto_final_accuracy": r["final_accuracy"],
+               "auto_quorum_histogram": r["quorum_histogram"],
+               "best_fixed_b": best["backups"] if best else None,
+               "best_fixed_time_to_target_s": best["time_to_target_s"] if best else None}
+        for b in (0, 20):
+            row[f"b{b}_time_to_target_s"] = by_b[b]["time_to_target_s"] if b in by_b else None
+        auto_rows.append(row)
+        a = r["time_to_target_s"]
+        if best and a:
+            ratio = a / best["time_to_target_s"]
+            claim(f"18. sim N+b={nb} {regime}: auto within 5 % of the best fixed b in time to "
+                  f"target", f"auto {a:.1f} s, best fixed b={best['backups']} "
+                  f"{best['time_to_target_s']:.1f} s ({100 * (ratio - 1):+.1f} %)",
+                  ratio <= 1.05, "plots/quorum.png")
+        else:
+            claim(f"18. sim N+b={nb} {regime}: auto within 5 % of the best fixed b in time to "
+                  f"target", f"auto {fmt_s(a)}, best fixed {fmt_s(best and best['time_to_target_s'])}",
+                  False, "plots/quorum.png")
+        for b in (0, 20):
+            t = row[f"b{b}_time_to_target_s"]
+            if b not in by_b:
+                continue
+            ok = bool(a and (t is None or t / a >= 1.2))
+            claim(f"18. sim N+b={nb} {regime}: auto >= 1.2x sooner than b={b}",
+                  (f"{t / a:.2f}x" if a and t else f"auto {fmt_s(a)}, b={b} {fmt_s(t)}"),
+                  ok, "plots/quorum.png")
+    for w in worlds:  # real runs: W<w>-<regime>-auto against q<Q> of the same regime
+        for regime in sorted({r["name"].split("-")[1] for r in real}):
+            a = real_run(w, regime, "auto")
+            fixed = [x for x in (real_run(w, regime, f"q{q}") for q in (w, w - 1, w - 2)) if x]
+            if not a or not fixed:
+                continue
+            reached = [x for x in fixed if x["time_to_target_s"] is not None]
+            best = min(reached, key=lambda x: x["time_to_target_s"]) if reached else None
+            full = real_run(w, regime, f"q{w}")
+            row = {"kind": "real", "regime": regime, "workers": w,
+                   "auto_time_to_target_s": a["time_to_target_s"],
+                   "auto_final_accuracy": a["final_accuracy"],
+                   "auto_quorum_histogram": a["quorum_histogram"],
+                   "best_fixed_quorum": best["quorum"] if best else None,
+                   "best_fixed_time_to_target_s": best["time_to_target_s"] if best else None,
+                   "full_final_accuracy": full["final_accuracy"] if full else None}
+            auto_rows.append(row)
+            ta = a["time_to_target_s"]
+            if best and ta:
+                claim(f"18. real W={w} {regime}: auto at least matches the best fixed quorum in "
+                      "time to target", f"auto {ta:.1f} s, best Q={best['quorum']} "
+                      f"{best['time_to_target_s']:.1f} s ({best['time_to_target_s'] / ta:.2f}x)",
+                      ta <= best["time_to_target_s"], "plots/quorum.png")
+            if full:
+                dacc = 100 * (a["final_accuracy"] - full["final_accuracy"])
+                claim(f"18. real W={w} {regime}: auto's final accuracy within 0.3 pts of full "
+                      "sync (or above)", f"{dacc:+.2f} pts", dacc >= -0.3, "plots/quorum.png")
+    save("auto_quorum.json", auto_rows)
+
     make_plots(d, real, sim, regimes, worlds, val)
     with open(os.path.join(d, "claims.json"), "w") as f:
         json.dump(claims, f, indent=2)
@@ -497,10 +588,10 @@ def make_plots(d, real, sim, regimes, worlds, val):
 
     def names(w, regime):
         out = []
-        for q in [f"q{w}", f"q{w - 1}", f"q{w - 2}", "async"]:
+        for q in [f"q{w}", f"q{w - 1}", f"q{w - 2}", "auto", "async"]:
             p = os.path.join(rdir, f"W{w}-{regime}-{q}")
             if os.path.exists(os.path.join(p, "summary.json")):
-                out.append((p, "async" if q == "async" else f"Q={q[1:]}"))
+                out.append((p, q if q in ("async", "auto") else f"Q={q[1:]}"))
         return out
 
     # Real runs: accuracy against training time and step-time distributions.
@@ -597,6 +688,21 @@ def make_plots(d, real, sim, regimes, worlds, val):
         fig.suptitle("qring-sim: sync vs async SGD")
         plot.save(fig, os.path.join(pdir, "async-vs-sync.png"), dpi=70)
 
+    # The adaptive quorum: Q(t) over the runs, real and simulated.
+    autos_real = [os.path.join(rdir, x["name"]) for x in real if x["name"].endswith("-auto")]
+    autos_sim = [os.path.join(d, "sim", x["name"]) for x in sim if x["name"].endswith("-auto")]
+    if autos_real or autos_sim:
+        fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
+        if autos_real:
+            plot.draw_quorum(ax[0], autos_real, labels=[os.path.basename(p) for p in autos_real])
+            ax[0].set_title("qring-train, quorum auto: Q(t)", fontsize=9)
+            ax[0].legend(fontsize=6)
+        if autos_sim:
+            plot.draw_quorum(ax[1], autos_sim, labels=[os.path.basename(p) for p in autos_sim])
+            ax[1].set_title("qring-sim, quorum auto: N(t) of N+b=W", fontsize=9)
+            ax[1].legend(fontsize=6)
+        plot.save(fig, os.path.join(pdir, "quorum.png"), dpi=70)
+
     # Validation: simulated against measured step-time quantiles.
     if val:
         fig, a = plt.subplots(figsize=(5, 4.5))
@@ -646,8 +752,11 @@ def check(d):
                      f"{p}: async staleness missing")
     real_names = {os.path.basename(p) for p in runs_in(os.path.join(d, "real"))}
     for w in (4, 8):
-        for regime in ("lognormal", "shiftexp", "noisy"):
-            for q in (f"q{w}", f"q{w - 1}", f"q{w - 2}", "async"):
+        for regime in ("lognormal", "shiftexp", "noisy", "change"):
+            runs = [f"q{w}", f"q{w - 1}", f"q{w - 2}"]
+            runs += ["async"] if regime != "change" else []
+            runs += ["auto"] if regime != "noisy" else []
+            for q in runs:
                 need(f"W{w}-{regime}-{q}" in real_names, f"real/W{w}-{regime}-{q} missing")
     sim_names = {os.path.basename(p) for p in runs_in(os.path.join(d, "sim"))}
     need(any(re.match(r"bsweep100-b\d+$", n) for n in sim_names), "sim/bsweep100-* missing")
@@ -656,6 +765,9 @@ def check(d):
         need(f"scale-W{w}-async" in sim_names, f"sim/scale-W{w}-async missing")
         need(any(re.match(rf"scale-W{w}-b\d+$", n) for n in sim_names), f"sim/scale-W{w}-b* missing")
     need(any(n.startswith("val-") for n in sim_names), "sim/val-* missing")
+    for prefix in ("bsweep100", "bsweep100-shiftexp", "bsweep100-change"):
+        need(f"{prefix}-auto" in sim_names, f"sim/{prefix}-auto missing")
+        need(any(re.match(rf"{prefix}-b\d+$", n) for n in sim_names), f"sim/{prefix}-b* missing")
     need(any(n.startswith("closedform-") for n in sim_names), "sim/closedform-* missing")
     cal = os.path.join(d, "calibration", "calibration.json")
     need(os.path.exists(cal), "calibration/calibration.json missing")
@@ -664,13 +776,13 @@ def check(d):
         for k in ("alpha_us", "beta_ns_per_byte", "rtt_us"):
             need(isinstance(c.get(k), (int, float)) and c[k] >= 0, f"calibration.json: {k}")
     for t in ("real_runs", "kth_arrival", "backup_vs_full", "async_vs_sync", "bsweep100",
-              "bsweep1000", "validation", "closed_form"):
+              "bsweep1000", "validation", "closed_form", "auto_quorum"):
         p = os.path.join(d, "tables", f"{t}.json")
         need(os.path.exists(p), f"tables/{t}.json missing")
         if os.path.exists(p):
             need(read_json(p), f"tables/{t}.json empty")
     for png in ("real-accuracy", "real-steptime", "kth-arrival", "bsweep", "sim-accuracy",
-                "async-vs-sync", "validation"):
+                "async-vs-sync", "validation", "quorum"):
         p = os.path.join(d, "plots", f"{png}.png")
         ok = os.path.exists(p) and os.path.getsize(p) > 1000
         if ok:
@@ -681,7 +793,8 @@ def check(d):
     need(os.path.exists(cj), "claims.json missing")
     if os.path.exists(cj):
         claims = read_json(cj)
-        for prefix in ("1.", "2.", "3.", "4.", "validation: simulated step", "validation: simulated E"):
+        for prefix in ("1.", "2.", "3.", "4.", "validation: simulated step", "validation: simulated E",
+                       "18. sim", "18. real"):
             need(any(c["claim"].startswith(prefix) for c in claims), f"claims.json: no '{prefix}' row")
         need(all(isinstance(c["holds"], bool) and c["measured"] for c in claims),
              "claims.json: a row without a measurement or verdict")
@@ -692,13 +805,18 @@ def check(d):
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "analyze", "check"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace", "analyze",
+                                                 "check"):
         sys.exit(__doc__)
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "calibrate":
         calibrate(args[0], args[1:])
     elif cmd == "trace":
         trace(args[0], args[1])
+    elif cmd == "regime-trace":
+        out, workers, steps, mu, sigma, slow, factor = args
+        regime_trace(out, int(workers), int(steps), float(mu), float(sigma), int(slow),
+                     float(factor))
     elif cmd == "analyze":
         analyze(args[0])
     else:
