@@ -61,9 +61,9 @@ enum class SimMode { kSync, kAsync };
 
 // Defaults: the fit of scripts/reproduce.py calibrate to qring-bench on this repository's 2-core
 // machine (docs/reproduction.md, "Calibration"); --calibration FILE replaces them.
-constexpr double kSimDefaultAlphaUs = 12.0;
-constexpr double kSimDefaultBetaNsPerByte = 0.25;
-constexpr double kSimDefaultRttUs = 100.0;
+constexpr double kSimDefaultAlphaUs = 20.4;
+constexpr double kSimDefaultBetaNsPerByte = 0.34;
+constexpr double kSimDefaultRttUs = 21.5;
 
 struct SimOptions {
   int workers = 0;  // W = N + b
