@@ -569,37 +569,26 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                                          : 0.0,
                      j.donor, v.members.size(), fmt::join(v.members, ", "));
       }
-      if (v.left.empty()) {
-        if (lead()) {
-          nlohmann::json j{{"type", "view"},
-                           {"step", step},
-                           {"epoch", v.epoch},
-                           {"wall_s", std::chrono::duration<double>(now - t_start).count()},
-                           {"members", v.members},
-                           {"left", left},
-                           {"joined", back}};
-          metrics << j.dump() << '\n';
-          metrics.flush();
-        }
-        continue;
-      }
+      nlohmann::json line{{"type", "view"},
+                          {"step", step},
+                          {"epoch", v.epoch},
+                          {"wall_s", std::chrono::duration<double>(now - t_start).count()},
+                          {"members", v.members},
+                          {"left", left},
+                          {"joined", back}};
       // From the lost rank's last sign of life to this step, the first completed without it.
       const double recovery =
           detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
-      sum.recovery_s = std::max(sum.recovery_s, recovery);
+      if (!v.left.empty()) {
+        sum.recovery_s = std::max(sum.recovery_s, recovery);
+        line["detection_ms"] = detect_ms;
+        line["recovery_s"] = recovery;
+      }
       if (lead()) {
-        nlohmann::json j{{"type", "view"},
-                         {"step", step},
-                         {"epoch", v.epoch},
-                         {"wall_s", std::chrono::duration<double>(now - t_start).count()},
-                         {"members", v.members},
-                         {"left", left},
-                         {"joined", back},
-                         {"detection_ms", detect_ms},
-                         {"recovery_s", recovery}};
-        metrics << j.dump() << '\n';
+        metrics << line.dump() << '\n';
         metrics.flush();
       }
+      if (v.left.empty()) continue;
       spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
                    v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
