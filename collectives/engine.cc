@@ -1,5 +1,7 @@
 #include "collectives/engine.h"
 
+#include "collectives/shape.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sched.h>
@@ -162,23 +164,65 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
     for (auto& op : incoming_) active_.push_back(std::move(op));
     incoming_.clear();
   }
+  // First every op withdraws what it posted. A receive the transport does not confirm as
+  // cancelled stays posted into its buffer, and a send that never completes keeps reading
+  // its buffer; once the op's Work fails its owner may free that memory, so then the
+  // endpoint is closed first (the communicator is broken anyway, and refuses new work).
   for (auto& op : active_) {
+    if (ep_closed_) break;  // closing ended every request
     try {
       op->abort(*ep_);
+      if (op->holds_buffers())
+        close_endpoint(fmt::format("{} #{} has sends in flight from its caller's buffers",
+                                   op->name(), op->seq));
     } catch (const std::exception& e) {
       spdlog::warn("rank {}: abort of {} #{}: {}", rank_, op->name(), op->seq, e.what());
+      close_endpoint(fmt::format("abort of {} #{} failed: {}", op->name(), op->seq, e.what()));
     }
-    std::exception_ptr e = err;
-    if (!e) e = std::make_exception_ptr(IoError(reason));
+  }
+  std::exception_ptr e = err;
+  if (!e) e = std::make_exception_ptr(IoError(reason));
+  for (auto& op : active_) {
+    op->failed(e);
     op->work->finish(e);
   }
   active_.clear();
 }
 
+void Engine::close_endpoint(const std::string& why) {
+  if (ep_closed_) return;
+  spdlog::warn("rank {}: closing the endpoint after a failure ({}): no buffer stays with the "
+               "transport",
+               rank_, why);
+  ep_->close();
+  ep_closed_ = true;
+}
+
 namespace {
+// A mismatch another rank saw (kMismatch notice): the same error here, passed on once.
+class MismatchNotice : public UsageError {
+ public:
+  MismatchNotice(const std::string& msg, int origin, uint64_t seq, int peer, uint64_t mine,
+                 uint64_t theirs)
+      : UsageError(msg), origin(origin), seq(seq), peer(peer), mine(mine), theirs(theirs) {}
+  int origin;
+  uint64_t seq;
+  int peer;
+  uint64_t mine, theirs;
+};
 constexpr uint32_t kCtlMagic = 0x4C544351;  // "QCTL"
-constexpr uint8_t kProbe = 1, kAnswer = 2;
+constexpr uint16_t kCtlVersion = 2;
+constexpr uint8_t kProbe = 1, kAnswer = 2, kMismatch = 3;
 }  // namespace
+
+void Engine::reset_peer(int peer, const std::string& published, uint32_t incarnation) {
+  ep_->reset_peer(peer, published, incarnation);
+  if (!ctl_posted_) return;  // posted with the right generation when the engine starts
+  CtlIn& in = ctl_in_[size_t(peer)];
+  in.next = 0;
+  post_ctl_recv(peer);
+  ctl_out_next_[size_t(peer)] = 0;
+}
 
 void Engine::post_ctl_recv(int peer) {
   CtlIn& in = ctl_in_[size_t(peer)];
@@ -186,9 +230,11 @@ void Engine::post_ctl_recv(int peer) {
                       sizeof(in.msg));
 }
 
-void Engine::send_ctl(int peer, uint8_t type, int64_t probe_id) {
-  auto m = std::make_unique<Ctl>(
-      Ctl{kCtlMagic, 1, type, 0, uint32_t(rank_), 0, last_started_, probe_id});
+void Engine::send_ctl(int peer, const Ctl& msg) {
+  auto m = std::make_unique<Ctl>(msg);
+  m->magic = kCtlMagic;
+  m->version = kCtlVersion;
+  m->from = uint32_t(rank_);
   auto req = ep_->isend(
       peer, net::make_tag(net::Op::kControl, ctl_out_next_[size_t(peer)]++, size_t(rank_)), m.get(),
       sizeof(Ctl));
@@ -201,12 +247,31 @@ bool Engine::poll_ctl() {
     CtlIn& in = ctl_in_[size_t(p)];
     if (!in.req || !in.req->done()) continue;
     if (in.req->ok() && in.req->bytes == sizeof(Ctl) && in.msg.magic == kCtlMagic &&
-        int(in.msg.from) == p) {
+        in.msg.version == kCtlVersion && int(in.msg.from) == p) {
       Ctl m = in.msg;
       if (m.type == kProbe) {
-        send_ctl(int(m.from), kAnswer, m.probe_id);
+        Ctl a{};
+        a.type = kAnswer;
+        a.last_started = last_started_;
+        a.probe_id = m.probe_id;
+        a.shape = last_shape_;
+        send_ctl(int(m.from), a);
       } else if (m.type == kAnswer && diag_ && m.probe_id == probe_id_) {
         diag_->answers[m.from] = m.last_started;
+        diag_->shapes[m.from] = m.shape;
+      } else if (m.type == kMismatch && int(m.peer) >= 0 && int(m.peer) < size_ &&
+                 m.probe_id >= 0 && m.probe_id < size_ && !broken_.load()) {
+        // Another rank's collective saw a rank call it differently: this communicator fails
+        // too, and passes the notice on (step()), since the connection between the two ranks
+        // that disagreed may be gone (tcp drops it after a truncated message).
+        ++in.next;
+        post_ctl_recv(p);
+        const int origin = int(m.probe_id);
+        throw MismatchNotice(
+            fmt::format("rank {}: {} #{} failed on rank {}: ranks disagree on the operation: {}",
+                        rank_, shape_kind(m.shape), m.last_started, origin,
+                        mismatch_text(origin, int(m.peer), m.shape, m.other)),
+            origin, uint64_t(m.last_started), int(m.peer), m.shape, m.other);
       }
     } else if (in.req->state != net::RequestState::kCancelled) {
       spdlog::warn("rank {}: ignored a malformed control message from rank {}", rank_, p);
@@ -227,11 +292,70 @@ void Engine::start_diagnosis(EngineOp& op, const std::string& reason) {
   diag_->op_name = op.name();
   diag_->reason = reason;
   diag_->until = Clock::now() + probe_window_;
+  diag_->shape = op.shape();
   diag_->answers.assign(size_t(size_), -2);
   diag_->answers[size_t(rank_)] = last_started_;
+  diag_->shapes.assign(size_t(size_), 0);
   ++probe_id_;
+  Ctl m{};
+  m.type = kProbe;
+  m.last_started = last_started_;
+  m.probe_id = probe_id_;
   for (int p = 0; p < size_; ++p)
-    if (p != rank_) send_ctl(p, kProbe, probe_id_);
+    if (p != rank_) send_ctl(p, m);
+}
+
+void Engine::tell_mismatch(int origin, uint64_t seq, int peer, uint64_t mine, uint64_t theirs) {
+  if (size_ < 2 || !ctl_posted_ || ep_closed_) return;
+  Ctl m{};
+  m.type = kMismatch;
+  m.peer = uint32_t(peer);
+  m.probe_id = origin;
+  m.last_started = int64_t(seq);
+  m.shape = mine;
+  m.other = theirs;
+  std::vector<net::RequestPtr> sent(static_cast<size_t>(size_));
+  auto send = [&](int p) {
+    try {
+      send_ctl(p, m);
+      sent[size_t(p)] = ctl_out_.back().first;
+    } catch (const std::exception& e) {
+      spdlog::debug("rank {}: could not tell rank {} of the mismatch: {}", rank_, p, e.what());
+    }
+  };
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_ && p != origin) send(p);
+  // The caller may close this communicator as soon as it hears of the failure: the notices go
+  // out first (bounded: a peer that does not take them fails by its own deadline). A notice
+  // that failed is sent again: over tcp a message longer than its receive makes the provider
+  // drop the connection it came on (the peer it concerns), and the next send connects anew.
+  const auto until = Clock::now() + std::chrono::seconds(1);
+  net::Backoff backoff;
+  while (Clock::now() < until) {
+    bool all = true;
+    for (int p = 0; p < size_; ++p) {
+      const auto& r = sent[size_t(p)];
+      if (!r) continue;
+      if (r->state == net::RequestState::kError) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        send(p);
+        all = false;
+      } else if (!r->done()) {
+        all = false;
+      }
+    }
+    if (all) break;
+    try {
+      if (ep_->progress() > 0) {
+        backoff.reset();
+        continue;
+      }
+    } catch (const std::exception& e) {
+      spdlog::debug("rank {}: while telling the others of the mismatch: {}", rank_, e.what());
+      break;
+    }
+    backoff.idle();
+  }
 }
 
 void Engine::finish_diagnosis_if_due() {
@@ -239,13 +363,16 @@ void Engine::finish_diagnosis_if_due() {
   bool all =
       std::none_of(diag_->answers.begin(), diag_->answers.end(), [](int64_t a) { return a == -2; });
   if (!all && Clock::now() < diag_->until) return;
-  std::vector<int> silent, behind;
+  std::vector<int> silent, behind, other;
   for (int p = 0; p < size_; ++p) {
     int64_t a = diag_->answers[size_t(p)];
+    const uint64_t sh = diag_->shapes[size_t(p)];
     if (a == -2)
       silent.push_back(p);
     else if (a < int64_t(diag_->seq))
       behind.push_back(p);
+    else if (a == int64_t(diag_->seq) && p != rank_ && sh && diag_->shape && sh != diag_->shape)
+      other.push_back(p);
   }
   std::string reason = diag_->reason;
   if (!silent.empty())
@@ -256,7 +383,10 @@ void Engine::finish_diagnosis_if_due() {
   if (!behind.empty())
     reason += fmt::format("; rank(s) {} alive but never started {} #{}", fmt::join(behind, ", "),
                           diag_->op_name, diag_->seq);
-  if (silent.empty() && behind.empty())
+  for (int p : other)
+    reason += fmt::format("; rank {} called #{} as {}, this rank as {}", p, diag_->seq,
+                          describe_shape(diag_->shapes[size_t(p)]), describe_shape(diag_->shape));
+  if (silent.empty() && behind.empty() && other.empty())
     reason += "; every rank is alive and in this operation (a lost message or a slow link)";
   diag_.reset();
   spdlog::error("{}", reason);
@@ -309,6 +439,18 @@ bool Engine::step() {
   for (auto& c : calls) c(*ep_);
 
   bool moved = !starting.empty() || !calls.empty();
+  if (ep_closed_) {
+    // Broken for good: nothing is sent or received any more.
+    if (!starting.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& op : starting) incoming_.push_front(std::move(op));
+      }
+      fail_all(broken_reason(), nullptr);
+    }
+    active_count_.store(active_.size(), std::memory_order_release);
+    return moved;
+  }
   try {
     if (!ctl_posted_ && size_ > 1) {
       ctl_in_.resize(size_t(size_));
@@ -319,15 +461,35 @@ bool Engine::step() {
     }
     for (auto& op : starting) {
       active_.push_back(std::move(op));
-      if (active_.back()->sequenced()) last_started_ = active_.back()->seq;
+      if (active_.back()->sequenced()) {
+        last_started_ = active_.back()->seq;
+        last_shape_ = active_.back()->shape();
+      }
       active_.back()->start(*ep_);
     }
     starting.clear();
     moved |= ep_->progress() > 0;
     moved |= poll_ctl();
     for (auto& op : active_) moved |= op->advance(*ep_);
+  } catch (const ShapeMismatch& e) {
+    // Tell every rank, so that those this rank's ring never talked to fail as well.
+    tell_mismatch(rank_, e.seq(), e.peer(), e.mine(), e.theirs());
+    spdlog::error("{}", e.what());
+    for (auto& op : starting) active_.push_back(std::move(op));
+    fail_all(e.what(), std::current_exception());
+    return true;
+  } catch (const MismatchNotice& e) {
+    tell_mismatch(e.origin, e.seq, e.peer, e.mine, e.theirs);
+    spdlog::error("{}", e.what());
+    for (auto& op : starting) active_.push_back(std::move(op));
+    fail_all(e.what(), std::current_exception());
+    return true;
   } catch (const std::exception& e) {
-    std::string reason = fmt::format("rank {}: {}", rank_, e.what());
+    // Most errors name this rank already.
+    const std::string self = fmt::format("rank {}:", rank_);
+    std::string reason = std::string(e.what()).rfind(self, 0) == 0
+                             ? std::string(e.what())
+                             : fmt::format("{} {}", self, e.what());
     spdlog::error("{}", reason);
     for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(reason, std::current_exception());

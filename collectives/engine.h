@@ -27,10 +27,23 @@ class EngineOp {
   virtual bool advance(net::Endpoint& ep) = 0;
   virtual bool finished() const = 0;
   // Cancels posted receives so that user buffers are free (engine thread, after failure).
+  // A cancellation the transport does not confirm throws; then, or when holds_buffers() is
+  // true afterwards, the engine closes the endpoint before anyone learns of the failure, so
+  // that no buffer stays posted into memory whose owner may free it.
   virtual void abort(net::Endpoint& ep) = 0;
+  // After abort(): whether a request of this op that uses its caller's memory is still
+  // pending (a send that has not completed: sends cannot be cancelled).
+  virtual bool holds_buffers() const { return false; }
+  // Called once when the op fails, after abort() and after the endpoint was closed if it had
+  // to be (its buffers are free), before its Work is failed: where an op that has waiters of
+  // its own (the quorum service) tells them.
+  virtual void failed(const std::exception_ptr& /*err*/) {}
   // "receive from rank 3 (stage 2, segment 0)": what the op is blocked on right now.
   virtual std::string waiting_on() const = 0;
   virtual std::string name() const = 0;
+  // The op's descriptor (shape.h; 0: none): answers to liveness probes carry the one of the
+  // op last started, so a timeout can name a rank that called another operation.
+  virtual uint64_t shape() const { return 0; }
   // Called once when the op starts (engine thread), before the first advance().
   virtual void start(net::Endpoint& /*ep*/) {}
   // False for long-lived services outside the collective sequence (the quorum service).
@@ -76,6 +89,9 @@ class Engine {
   bool try_progress();
   // Runs `fn` on the engine thread (with the endpoint) and waits for it.
   void run(const std::function<void(net::Endpoint&)>& fn);
+  // Engine thread only (an op's advance): connects `peer`'s new incarnation on the endpoint
+  // (net::Endpoint::reset_peer) and restarts the engine's own control stream with it.
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation);
   // Scratch memory owned by the engine and reused (and registered once) across operations.
   // Engine thread only; the lease returns the buffer to the pool when destroyed.
   class Lease {
@@ -103,19 +119,27 @@ class Engine {
   void idle_wait(net::Backoff& backoff);
   // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
   // can name the rank that is missing rather than only the neighbour it waited on.
+  // type 1 probe; 2 answer (last_started, its shape); 3 mismatch: op #last_started failed
+  // on rank `probe_id` because rank `peer` sent a message with descriptor `other` (the
+  // detector's: shape).
   struct Ctl {
     uint32_t magic;
     uint16_t version;
-    uint8_t type;  // 1 probe, 2 answer
+    uint8_t type;
     uint8_t pad;
     uint32_t from;
-    uint32_t pad2;
+    uint32_t peer;
     int64_t last_started;
     int64_t probe_id;
+    uint64_t shape;
+    uint64_t other;
   };
+  // Tells every other rank that `origin` saw rank `peer` call op #seq differently (probe_id
+  // carries the origin: a rank passes on a notice it got, once).
+  void tell_mismatch(int origin, uint64_t seq, int peer, uint64_t mine, uint64_t theirs);
   void post_ctl_recv(int peer);
   bool poll_ctl();
-  void send_ctl(int peer, uint8_t type, int64_t probe_id);
+  void send_ctl(int peer, const Ctl& m);
   void start_diagnosis(EngineOp& op, const std::string& reason);
   void finish_diagnosis_if_due();
   std::chrono::milliseconds probe_window_;
@@ -132,6 +156,7 @@ class Engine {
   bool ctl_posted_ = false;
   std::deque<std::pair<net::RequestPtr, std::unique_ptr<Ctl>>> ctl_out_;
   int64_t last_started_ = -1;
+  uint64_t last_shape_ = 0;
   int64_t probe_id_ = 0;
   struct Diagnosis {
     const EngineOp* op;
@@ -139,10 +164,15 @@ class Engine {
     std::string op_name;
     std::string reason;
     Clock::time_point until;
+    uint64_t shape;                // of the op that timed out
     std::vector<int64_t> answers;  // per rank: last started op, or -2 = no answer yet
+    std::vector<uint64_t> shapes;  // per rank: the shape of that op
   };
   std::unique_ptr<Diagnosis> diag_;
   void fail_all(const std::string& reason, std::exception_ptr err);
+  // Closes the endpoint for good (a failed op left a buffer with the transport).
+  void close_endpoint(const std::string& why);
+  bool ep_closed_ = false;  // engine thread (under progress_mu_)
 
   std::unique_ptr<net::Endpoint> ep_;
   int rank_;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "collectives/reduce.h"
+#include "collectives/shape.h"
 #include "net/error.h"
 
 namespace qring::collectives {
@@ -22,9 +23,11 @@ int mod(int a, int n) {
 }
 
 // shm and tcp: a CPU of this host copies every byte (CMA, or the kernel's socket copies).
-bool host_copies(const Engine& engine) {
-  const std::string& p = engine.provider();
+bool provider_copies(const std::string& p) {
   return p.rfind("shm", 0) == 0 || p.rfind("tcp", 0) == 0;
+}
+bool host_copies(const Engine& engine) {
+  return provider_copies(engine.provider());
 }
 
 // The ring's ranks in order (all of them unless args.members names a subset) and this rank's
@@ -59,8 +62,7 @@ int lanes_for(const CommOptions& opts, const Engine& engine) {
 // (docs/benchmarks.md). Segmenting never changes which values are added in which order, so
 // the bits do not depend on it. RDMA providers pipeline several lanes: 1 MiB.
 size_t segment_bytes_for(const CommOptions& opts, const Engine& engine) {
-  if (opts.segment_bytes > 0) return opts.segment_bytes;
-  return host_copies(engine) ? size_t(2) << 20 : size_t(1) << 20;
+  return segment_bytes(opts, engine.provider());
 }
 
 // Ring sends outstanding per link; 0 = by provider and placement. On an oversubscribed node
@@ -78,13 +80,17 @@ size_t sends_for(const CommOptions& opts, const Engine& engine) {
   return std::numeric_limits<size_t>::max();
 }
 
-// A completed receive of one segment: rethrows its error; fewer bytes than posted is a
-// protocol error naming the sender.
-void check_received(const net::Request& rv, const std::string& what, uint64_t seq, int peer) {
-  net::throw_if_failed(rv, what);
-  if (rv.bytes != rv.len)
-    throw ProtocolError(fmt::format("{} #{}: rank {} sent {} bytes, expected {}", what, seq, peer,
-                                    rv.bytes, rv.len));
+// The descriptor of a ring-family op (shape.h): every rank of the ring computes the same one
+// from the same call.
+uint64_t ring_shape(const RingArgs& a, Algo algo) {
+  Shape s;
+  s.kind = a.tag_op;
+  s.algo = algo;
+  s.type = a.type;
+  s.op = a.kind == RingKind::kAllgather ? RedOp::kSum : a.op;
+  s.count = a.count;
+  s.extra = members_hash(a.members);
+  return encode_shape(s);
 }
 
 // Drops the completed sends at the front (rethrowing a failure); true if any was dropped.
@@ -101,6 +107,13 @@ bool drain_sends(std::deque<net::RequestPtr>& sends, const std::string& what) {
 void cancel_pending(net::Endpoint& ep, const std::vector<net::RequestPtr>& recvs) {
   for (const auto& rv : recvs)
     if (rv && !rv->done()) ep.cancel(rv);
+}
+
+template <typename Container>
+bool pending(const Container& reqs) {
+  for (const auto& r : reqs)
+    if (r && !r->done()) return true;
+  return false;
 }
 
 struct Stage {
@@ -126,8 +139,11 @@ class RingOp final : public EngineOp {
     max_sends_ = sends_for(opts, engine);
     threads_ = engine.reduce_threads();
     total_ = a.kind == RingKind::kAllreduce ? a.count : a.count * size_t(n_);
+    shape_ = ring_shape(a, Algo::kRing);
     build_stages();
   }
+
+  uint64_t shape() const override { return shape_; }
 
   std::string name() const override {
     switch (args_.kind) {
@@ -196,7 +212,8 @@ class RingOp final : public EngineOp {
       // sends_ until done). Nothing overwrites a sent segment before the neighbour got it:
       // the data that does causally depends on that neighbour having received it.
       while (lane.active && (!lane.recv() || lane.recv()->done())) {
-        if (lane.recv()) check_received(*lane.recv(), name(), seq, left_);
+        if (lane.recv())
+          check_message(*lane.recv(), shape_, ep.data_bytes(), engine_.rank(), name(), seq, left_);
         finish_stage(lane);
         lane.recvs[lane.stage].reset();
         moved = true;
@@ -225,7 +242,9 @@ class RingOp final : public EngineOp {
 
   void abort(net::Endpoint& ep) override {
     for (const auto& lane : lanes_) cancel_pending(ep, lane.recvs);
+    unsent_.clear();
   }
+  bool holds_buffers() const override { return pending(sends_); }
 
   std::string waiting_on() const override {
     for (const auto& lane : lanes_) {
@@ -327,7 +346,7 @@ class RingOp final : public EngineOp {
       any |= drain_sends(sends_, name());  // a send may complete as it is posted
       if (unsent_.empty() || sends_.size() >= max_sends_) return any;
       const Unsent& u = unsent_.front();
-      sends_.push_back(ep.isend(right_, u.tag, u.src, u.bytes));
+      sends_.push_back(ep.isend(right_, u.tag, u.src, u.bytes, shape_));
       unsent_.pop_front();
       any = true;
     }
@@ -367,6 +386,7 @@ class RingOp final : public EngineOp {
   };
   std::deque<Unsent> unsent_;
   size_t max_sends_;
+  uint64_t shape_ = 0;
   bool done_ = false;
 };
 
@@ -385,8 +405,10 @@ class RecursiveDoublingOp final : public EngineOp {
     elem_ = dtype_size(a.type);
     bytes_ = a.count * elem_;
     threads_ = engine.reduce_threads();
+    shape_ = ring_shape(a, Algo::kRecursiveDoubling);
   }
   std::string name() const override { return "allreduce"; }
+  uint64_t shape() const override { return shape_; }
 
   void start(net::Endpoint& ep) override {
     char* out = static_cast<char*>(args_.recv);
@@ -400,7 +422,7 @@ class RecursiveDoublingOp final : public EngineOp {
     }
     if (me_ >= p_) {  // extra rank: hand over, then wait for the result
       phase_ = Phase::kExtraWait;
-      send_ = ep.isend(ring_[size_t(me_ - p_)], tag(0), out, bytes_);
+      send_ = ep.isend(ring_[size_t(me_ - p_)], tag(0), out, bytes_, shape_);
       recv_ = ep.irecv(ring_[size_t(me_ - p_)], tag(99), out, bytes_);
       peer_ = me_ - p_;
       return;
@@ -417,7 +439,9 @@ class RecursiveDoublingOp final : public EngineOp {
   bool advance(net::Endpoint& ep) override {
     if (done_) return false;
     if ((recv_ && !recv_->done()) || (send_ && !send_->done())) return false;
-    if (recv_) net::throw_if_failed(*recv_, "allreduce");
+    if (recv_)
+      check_message(*recv_, shape_, ep.data_bytes(), engine_.rank(), name(), seq,
+                    ring_[size_t(peer_)]);
     if (send_) net::throw_if_failed(*send_, "allreduce");
     char* out = static_cast<char*>(args_.recv);
     switch (phase_) {
@@ -440,7 +464,7 @@ class RecursiveDoublingOp final : public EngineOp {
             phase_ = Phase::kGiveBack;
             peer_ = me_ + p_;
             recv_.reset();
-            send_ = ep.isend(ring_[size_t(peer_)], tag(99), out, bytes_);
+            send_ = ep.isend(ring_[size_t(peer_)], tag(99), out, bytes_, shape_);
           } else {
             done_ = true;
           }
@@ -457,6 +481,7 @@ class RecursiveDoublingOp final : public EngineOp {
   void abort(net::Endpoint& ep) override {
     if (recv_ && !recv_->done()) ep.cancel(recv_);
   }
+  bool holds_buffers() const override { return send_ && !send_->done(); }
   std::string waiting_on() const override {
     if (recv_ && !recv_->done())
       return fmt::format("receive from rank {} (recursive doubling, mask {})", ring_[size_t(peer_)],
@@ -473,7 +498,7 @@ class RecursiveDoublingOp final : public EngineOp {
     int round = 1;
     for (int m = mask_; m > 1; m >>= 1) ++round;
     recv_ = ep.irecv(ring_[size_t(peer_)], tag(uint64_t(round)), tmp_, bytes_);
-    send_ = ep.isend(ring_[size_t(peer_)], tag(uint64_t(round)), args_.recv, bytes_);
+    send_ = ep.isend(ring_[size_t(peer_)], tag(uint64_t(round)), args_.recv, bytes_, shape_);
   }
   void finish_avg() {
     if (args_.op == RedOp::kAvg && n_ > 1)
@@ -491,6 +516,7 @@ class RecursiveDoublingOp final : public EngineOp {
   char* tmp_ = nullptr;
   Engine::Lease tmp_lease_;
   net::RequestPtr send_, recv_;
+  uint64_t shape_ = 0;
   bool done_ = false;
 };
 
@@ -516,8 +542,10 @@ class HalvingDoublingOp final : public EngineOp {
     elem_ = dtype_size(a.type);
     seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
     threads_ = engine.reduce_threads();
+    shape_ = ring_shape(a, Algo::kHalvingDoubling);
   }
   std::string name() const override { return "allreduce"; }
+  uint64_t shape() const override { return shape_; }
 
   void start(net::Endpoint& ep) override {
     out_ = static_cast<char*>(args_.recv);
@@ -585,7 +613,8 @@ class HalvingDoublingOp final : public EngineOp {
       for (size_t j = s.first_pending; j < s.recvs.size(); ++j) {
         auto& rv = s.recvs[j];
         if (!rv || !rv->done()) continue;
-        check_received(*rv, name(), seq, ring_[size_t(s.peer)]);
+        check_message(*rv, shape_, ep.data_bytes(), engine_.rank(), name(), seq,
+                      ring_[size_t(s.peer)]);
         if (s.reduce) reduce_segment(step_, j);
         rv.reset();
         moved = true;
@@ -613,6 +642,11 @@ class HalvingDoublingOp final : public EngineOp {
 
   void abort(net::Endpoint& ep) override {
     for (const auto& s : steps_) cancel_pending(ep, s.recvs);
+  }
+  bool holds_buffers() const override {
+    for (const auto& s : steps_)
+      if (pending(s.sends)) return true;
+    return pending(sends_);
   }
 
   std::string waiting_on() const override {
@@ -660,7 +694,7 @@ class HalvingDoublingOp final : public EngineOp {
     for (size_t off = 0, j = 0; off < e - b; off += seg_elems_, ++j) {
       size_t len = std::min(seg_elems_, e - b - off);
       s.sends.push_back(
-          ep.isend(ring_[size_t(s.peer)], tag(k, j), src + off * elem_, len * elem_));
+          ep.isend(ring_[size_t(s.peer)], tag(k, j), src + off * elem_, len * elem_, shape_));
     }
   }
 
@@ -689,6 +723,7 @@ class HalvingDoublingOp final : public EngineOp {
   std::vector<StepPlan> steps_;
   size_t step_ = 0;
   std::deque<net::RequestPtr> sends_;
+  uint64_t shape_ = 0;
   bool done_ = false;
 };
 
@@ -705,8 +740,16 @@ class BroadcastOp final : public EngineOp {
     pos_ = mod(r_ - root_, n_);
     left_ = mod(r_ - 1, n_);
     right_ = mod(r_ + 1, n_);
+    Shape sh;
+    sh.kind = net::Op::kBroadcast;
+    sh.algo = Algo::kChain;
+    sh.type = type;
+    sh.count = count;
+    sh.extra = uint32_t(root);
+    shape_ = encode_shape(sh);
   }
   std::string name() const override { return "broadcast"; }
+  uint64_t shape() const override { return shape_; }
   void start(net::Endpoint& ep) override {
     nseg_ = (bytes_ + seg_bytes_ - 1) / seg_bytes_;
     if (n_ == 1 || nseg_ == 0) {
@@ -721,15 +764,15 @@ class BroadcastOp final : public EngineOp {
     for (auto& l : lanes_) {
       if (!l.active) continue;
       if (l.recv && l.recv->done() && !l.send && pos_ < n_ - 1) {
-        net::throw_if_failed(*l.recv, "broadcast");
+        check_message(*l.recv, shape_, ep.data_bytes(), r_, name(), seq, left_);
         auto [b, n] = range(l.seg);
-        l.send = ep.isend(right_, tag(l.seg), buf_ + b, n);
+        l.send = ep.isend(right_, tag(l.seg), buf_ + b, n, shape_);
         moved = true;
       }
       bool recv_ok = !l.recv || l.recv->done();
       bool send_ok = pos_ == n_ - 1 ? true : (l.send && l.send->done());
       if (recv_ok && send_ok) {
-        if (l.recv) net::throw_if_failed(*l.recv, "broadcast");
+        if (l.recv) check_message(*l.recv, shape_, ep.data_bytes(), r_, name(), seq, left_);
         if (l.send) net::throw_if_failed(*l.send, "broadcast");
         l.active = false;
         ++segs_done_;
@@ -749,6 +792,11 @@ class BroadcastOp final : public EngineOp {
   void abort(net::Endpoint& ep) override {
     for (auto& l : lanes_)
       if (l.recv && !l.recv->done()) ep.cancel(l.recv);
+  }
+  bool holds_buffers() const override {
+    for (const auto& l : lanes_)
+      if (l.send && !l.send->done()) return true;
+    return false;
   }
   std::string waiting_on() const override {
     for (const auto& l : lanes_) {
@@ -776,7 +824,7 @@ class BroadcastOp final : public EngineOp {
     l.seg = next_seg_++;
     auto [b, n] = range(l.seg);
     if (pos_ == 0)
-      l.send = ep.isend(right_, tag(l.seg), buf_ + b, n);
+      l.send = ep.isend(right_, tag(l.seg), buf_ + b, n, shape_);
     else
       l.recv = ep.irecv(left_, tag(l.seg), buf_ + b, n);
     lanes_.push_back(std::move(l));
@@ -787,14 +835,21 @@ class BroadcastOp final : public EngineOp {
   int window_;
   size_t nseg_ = 0, next_seg_ = 0, segs_done_ = 0;
   std::vector<L> lanes_;
+  uint64_t shape_ = 0;
   bool done_ = false;
 };
 
 // Dissemination barrier: in round k every rank signals r + 2^k and waits for r - 2^k.
 class BarrierOp final : public EngineOp {
  public:
-  explicit BarrierOp(Engine& engine) : n_(engine.size()), r_(engine.rank()) {}
+  explicit BarrierOp(Engine& engine) : n_(engine.size()), r_(engine.rank()) {
+    Shape sh;
+    sh.kind = net::Op::kBarrier;
+    sh.algo = Algo::kDissemination;
+    shape_ = encode_shape(sh);
+  }
   std::string name() const override { return "barrier"; }
+  uint64_t shape() const override { return shape_; }
   void start(net::Endpoint& ep) override {
     if (n_ == 1) {
       done_ = true;
@@ -805,7 +860,7 @@ class BarrierOp final : public EngineOp {
   bool advance(net::Endpoint& ep) override {
     if (done_) return false;
     if (!recv_->done() || !send_->done()) return false;
-    net::throw_if_failed(*recv_, "barrier");
+    check_message(*recv_, shape_, ep.data_bytes(), r_, name(), seq, mod(r_ - dist_, n_));
     net::throw_if_failed(*send_, "barrier");
     dist_ *= 2;
     ++round_;
@@ -827,15 +882,21 @@ class BarrierOp final : public EngineOp {
   void post(net::Endpoint& ep) {
     uint64_t tag = net::make_tag(net::Op::kBarrier, seq, round_);
     recv_ = ep.irecv(mod(r_ - dist_, n_), tag, nullptr, 0);
-    send_ = ep.isend(mod(r_ + dist_, n_), tag, nullptr, 0);
+    send_ = ep.isend(mod(r_ + dist_, n_), tag, nullptr, 0, shape_);
   }
   int n_, r_;
   int dist_ = 1, round_ = 0;
   net::RequestPtr recv_, send_;
+  uint64_t shape_ = 0;
   bool done_ = false;
 };
 
 }  // namespace
+
+size_t segment_bytes(const CommOptions& opts, const std::string& provider) {
+  if (opts.segment_bytes > 0) return opts.segment_bytes;
+  return provider_copies(provider) ? size_t(2) << 20 : size_t(1) << 20;
+}
 
 size_t small_allreduce_bytes(const CommOptions& opts) {
   return opts.small_allreduce_bytes.value_or(kSmallAllreduceBytes);

@@ -49,6 +49,8 @@ constexpr size_t kSmallAllreduceBytes = 32 * 1024;
 constexpr size_t kHalvingDoublingBytes = size_t(1) << 20;
 size_t small_allreduce_bytes(const CommOptions& opts);
 size_t halving_doubling_bytes(const CommOptions& opts);
+// The segment size in force (CommOptions::segment_bytes, or by provider).
+size_t segment_bytes(const CommOptions& opts, const std::string& provider);
 std::unique_ptr<EngineOp> make_ring_op(Engine& engine, const CommOptions& opts,
                                        const RingArgs& args);
 std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& opts, void* buf,

@@ -13,6 +13,14 @@
 // tag are matched in the order they were sent. A message longer than the posted receive is an
 // error (ProtocolError on the request); a shorter one completes with Request::bytes.
 //
+// Immediate data: a send may carry 64 bits beside its payload (`data`; libfabric's remote CQ
+// data, no extra message); the receive that matches it reports them in Request::data (0 when
+// the sender gave none). The collectives put a descriptor of the operation there (shape.h) so
+// that ranks which disagree on its size, type or reduction fail instead of mixing data.
+//
+// Lifetime: a buffer handed to isend/irecv belongs to the transport until its request is done
+// (a receive's also when cancel() returned). close() ends that for every request at once.
+//
 // Peers are independent: a peer that stops reading (stopped, dead, overloaded) may hold back
 // the sends to itself, never traffic with other peers, and an error that concerns one peer
 // fails only its requests (see suspect_peers()).
@@ -50,6 +58,8 @@ struct Request {
   uint64_t matched_tag = 0;  // for receives: the tag of the message that matched
   size_t len = 0;            // posted length
   size_t bytes = 0;          // bytes transferred (receives: message length)
+  uint64_t data = 0;         // receives: the sender's immediate data (0: none)
+  bool truncated = false;    // receives: kError because the message was longer than len
   RequestState state = RequestState::kPending;
   std::string error;  // set when state == kError
   // Implementation bookkeeping (fragments outstanding, provider context ...).
@@ -70,17 +80,35 @@ class Endpoint {
   virtual std::string provider() const = 0;
   // Largest message the transport moves in one piece; larger ones are split by the endpoint.
   virtual size_t max_message_size() const = 0;
+  // Bytes of immediate data a message carries: 8 (shm, tcp;ofi_rxm, inproc); a provider with
+  // fewer delivers the low bytes only (0: none, Request::data stays 0).
+  virtual size_t data_bytes() const { return 8; }
 
   // Non-blocking. The buffer must stay valid and untouched until the request is done.
-  virtual RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) = 0;
+  // `data`: immediate data delivered with the message (see above).
+  virtual RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                           uint64_t data = 0) = 0;
   virtual RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) = 0;
 
   // One non-blocking pass over the completion queue. Returns completions handled.
   virtual size_t progress() = 0;
 
   // Cancels a pending receive. Returns true if it was cancelled (buffer free again), false if
-  // it had already completed. Sends cannot be cancelled once handed to the transport.
+  // it had already completed. Sends cannot be cancelled once handed to the transport. Throws
+  // TimeoutError when the transport does not confirm the cancellation in time (a provider
+  // busy with a message that already matched it): the receive is then still posted, and
+  // only its completion or close() frees its buffer.
   virtual bool cancel(const RequestPtr& req) = 0;
+
+  // Closes the transport ahead of destruction. Every request still pending ends (kCancelled:
+  // a receive got nothing, a send may or may not have been delivered) and no buffer given to
+  // isend or irecv is read or written after close() returns, including the buffer of a
+  // receive whose cancel() timed out and of a send that never completed. Completions that
+  // arrive within a short drain (200 ms) are still reported. Afterwards isend/irecv throw
+  // IoError and progress() does nothing. Idempotent. For an owner that must return
+  // buffers it cannot otherwise get back (a failed collective, collectives/engine.cc).
+  virtual void close() = 0;
+  virtual bool closed() const = 0;
 
   // Memory that is reused across operations can be registered once (no-op where the provider
   // needs no registration). Unregistered buffers are registered on the fly and cached.
@@ -93,6 +121,27 @@ class Endpoint {
   // endpoint and its traffic with other ranks go on. Cancellations mark no one, nor do
   // errors of any-peer receives (no source known). Called by the thread driving the endpoint.
   virtual std::vector<int> suspect_peers() const { return {}; }
+
+  // ---- Ranks that come back (a restarted process, or one evicted while alive: docs/design.md,
+  // "Rejoin"). Every rank has an incarnation, 0 at the job's start and one more each time the
+  // rank starts again. Tags carry the generation of the pair (net/tags.h), so a message of an
+  // earlier incarnation never matches a receive of the new one.
+  //
+  // What this endpoint publishes for its peers (the value it stored in the rendezvous store at
+  // creation; after reset_peer(p) this rank's entry for p may be new), and its incarnation.
+  virtual std::string published_address() const { return {}; }
+  virtual uint32_t incarnation() const { return 0; }
+  // Forgets `peer`'s old incarnation and connects to the new one: every request to or from it
+  // that is not done ends cancelled (sends the transport already has may still complete, and
+  // their buffers must stay valid until they are done), its queued posts are dropped, it is no
+  // longer suspect, and from now on its messages carry the generation (incarnation() +
+  // `incarnation`) mod 16. `published` is what the peer published (its published_address()).
+  // Throws ProtocolError for a malformed address, ConfigError for one of another provider or
+  // setting, UsageError where the transport cannot replace a peer.
+  virtual void reset_peer(int peer, const std::string& published, uint32_t incarnation);
+  // Whether `peer` can be reached. An endpoint created to join a running job starts with no
+  // peer connected; posts to a peer that is not connected wait until reset_peer connects it.
+  virtual bool connected(int /*peer*/) const { return true; }
 
   // Blocks cheaply (spin briefly, then yield, then sleep with backoff) until `req` is done or
   // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.

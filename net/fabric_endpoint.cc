@@ -7,6 +7,8 @@
 #include "net/fabric_endpoint.h"
 
 #include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -222,6 +224,73 @@ std::string pair_address(const std::string& list, int world, int index, int from
       fmt::format("rank {}: malformed pairwise fabric addresses of rank {}", index, from));
 }
 
+const char* addr_format_name(uint32_t f) {
+  switch (f) {
+    case FI_SOCKADDR: return "FI_SOCKADDR";
+    case FI_SOCKADDR_IN: return "FI_SOCKADDR_IN";
+    case FI_SOCKADDR_IN6: return "FI_SOCKADDR_IN6";
+    case FI_ADDR_STR: return "FI_ADDR_STR";
+    default: return "the provider's format";
+  }
+}
+
+// An address read from the store, checked against this endpoint's address format before it
+// reaches fi_av_insert (which reads as many bytes as the format implies, and trusts the
+// content): socket addresses must have their exact size, family and a port; a string address
+// is printable up to its terminating NULs and names a format ("fi_<format>://..."); an
+// opaque format must have the length of this endpoint's own name. Returns "" or the problem.
+std::string address_problem(const std::string& a, uint32_t format, size_t own_len) {
+  auto family = [&]() {
+    sa_family_t f = 0;
+    std::memcpy(&f, a.data(), std::min(a.size(), sizeof(f)));
+    return f;
+  };
+  switch (format) {
+    case FI_SOCKADDR_IN: {
+      if (a.size() != sizeof(sockaddr_in))
+        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in));
+      sockaddr_in sin{};
+      std::memcpy(&sin, a.data(), sizeof(sin));
+      if (sin.sin_family != AF_INET) return fmt::format("address family {}", sin.sin_family);
+      if (sin.sin_port == 0) return "port 0";
+      return {};
+    }
+    case FI_SOCKADDR_IN6: {
+      if (a.size() != sizeof(sockaddr_in6))
+        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in6));
+      sockaddr_in6 sin6{};
+      std::memcpy(&sin6, a.data(), sizeof(sin6));
+      if (sin6.sin6_family != AF_INET6) return fmt::format("address family {}", sin6.sin6_family);
+      if (sin6.sin6_port == 0) return "port 0";
+      return {};
+    }
+    case FI_SOCKADDR: {
+      if (a.size() == sizeof(sockaddr_in))
+        return address_problem(a, FI_SOCKADDR_IN, own_len);
+      if (a.size() == sizeof(sockaddr_in6))
+        return address_problem(a, FI_SOCKADDR_IN6, own_len);
+      return fmt::format("{} bytes (family {}), not an IPv4 or IPv6 socket address", a.size(),
+                         family());
+    }
+    case FI_ADDR_STR: {
+      size_t end = a.size();
+      while (end > 0 && a[end - 1] == '\0') --end;
+      if (end == 0 || a.size() > FI_NAME_MAX)
+        return fmt::format("{} bytes, expected 1 to {}", a.size(), FI_NAME_MAX);
+      for (size_t i = 0; i < end; ++i)
+        if (a[i] < 0x21 || a[i] > 0x7e) return fmt::format("a non-printable byte at {}", i);
+      const size_t sep = a.find("://");
+      if (a.rfind("fi_", 0) != 0 || sep == std::string::npos || sep + 3 >= end)
+        return "not of the form fi_<format>://<address>";
+      return {};
+    }
+    default:
+      if (a.size() != own_len)
+        return fmt::format("{} bytes, this rank's address has {}", a.size(), own_len);
+      return {};
+  }
+}
+
 struct AnyRecv;
 
 // One posted libfabric operation (one fragment of a request). FI_CONTEXT(2) mode: the
@@ -237,11 +306,17 @@ struct OpCtx {
   size_t len = 0;
   uint64_t tag = 0;
   uint64_t ignore = 0;
+  uint64_t data = 0;  // sends: immediate data (0: none)
   fi_addr_t addr = FI_ADDR_UNSPEC;
   void* desc = nullptr;
   bool posted = false;
   OpCtx* next = nullptr;  // next in its post queue while refused
 };
+
+// The generation bits of a pair (net/tags.h).
+uint32_t generation(uint32_t a, uint32_t b) {
+  return (a + b) & 0xFu;
+}
 
 // The posts of one direction with one peer: a FIFO of those not handed to the provider yet
 // (refused, or over the in-flight cap of sends), linked through OpCtx::next (no allocation on the
@@ -262,6 +337,7 @@ struct Leftover {
   int peer = 0;
   uint64_t tag = 0;
   std::vector<char> data;
+  uint64_t imm = 0;  // the message's immediate data
 };
 
 // An any-peer receive over pairwise endpoints, where no single libfabric receive sees every
@@ -339,6 +415,7 @@ class FabricEndpoint final : public Endpoint {
     mr_local_ = (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0 || opts.always_register;
     mr_virt_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
     max_msg_ = info_->ep_attr->max_msg_size;
+    data_bytes_ = std::min<size_t>(info_->domain_attr->cq_data_size, 8);
     if (max_msg_ == 0 || max_msg_ > (size_t(1) << 30)) max_msg_ = size_t(1) << 30;
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
 
@@ -395,51 +472,23 @@ class FabricEndpoint final : public Endpoint {
     // between endpoints with different eager limits, which would surface only as a timeout,
     // and pairwise ranks look for one address per peer. Pairwise, the address part is one
     // "<length>:<address>" per rank in rank order (empty for the rank itself).
-    std::string setting = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
-    if (pairwise_) setting += " pairwise";
-    std::string published = setting + '\n';
-    if (pairwise_) {
-      for (int p = 0; p < world; ++p) {
-        const std::string a = p == rank ? std::string() : names[index[static_cast<size_t>(p)]];
-        published += std::to_string(a.size()) + ':' + a;
-      }
-    } else {
-      published += names[0];
-    }
-    store.set(prefix + std::to_string(rank), published);
-    addrs_.resize(static_cast<size_t>(world));
+    setting_ = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
+    if (pairwise_) setting_ += " pairwise";
+    names_ = std::move(names);
+    index_ = std::move(index);
+    tcp_cc_ = tcp_cc;
+    incarnation_ = opts.incarnation;
+    store.set(prefix + std::to_string(rank), published_address());
+    addrs_.assign(static_cast<size_t>(world), FI_ADDR_NOTAVAIL);
+    gens_.assign(static_cast<size_t>(world), 0);
+    connected_.assign(static_cast<size_t>(world), opts.join ? 0 : 1);
+    connected_[static_cast<size_t>(rank)] = 1;
     for (int r = 0; r < world; ++r) {
-      std::string v = store.get(prefix + std::to_string(r), deadline);
-      size_t nl = v.find('\n');
-      if (nl == std::string::npos)
-        throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank, r));
-      std::string peer_setting = v.substr(0, nl);
-      std::string peer_prov = peer_setting.substr(0, peer_setting.find(' '));
-      if (peer_prov != provider_name_)
-        throw ConfigError(fmt::format(
-            "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
-            "provider on every rank",
-            rank, provider_name_, r, peer_prov));
-      if (peer_setting != setting) {
-        const bool pairwise_differs =
-            (peer_setting.find(" pairwise") != std::string::npos) != pairwise_;
-        throw ConfigError(fmt::format(
-            "rank {}: libfabric settings differ: this rank has '{}', rank {} has '{}'; export "
-            "the same {} on every rank",
-            rank, setting, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
-      }
-      std::string addr;
-      if (r == rank)
-        addr = names[index[static_cast<size_t>(r)]];  // pairwise: the endpoint's own name
-      else if (pairwise_)
-        addr = pair_address(v.substr(nl + 1), world, rank, r);
-      else
-        addr = v.substr(nl + 1);
-      if (!tcp_cc.empty() && r != rank) tcp_regs_.add(addr, tcp_cc);
-      int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
-      if (n != 1)
-        throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
-                          __LINE__);
+      if (opts.join && r != rank) continue;  // connected by reset_peer
+      const std::string addr =
+          r == rank ? names_[index_[static_cast<size_t>(r)]]  // pairwise: the endpoint's own name
+                    : peer_address(store.get(prefix + std::to_string(r), deadline), r);
+      insert_peer(r, addr);
     }
     // Some providers refuse sends for the whole endpoint once one peer holds enough of its
     // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
@@ -462,37 +511,194 @@ class FabricEndpoint final : public Endpoint {
   }
 
   ~FabricEndpoint() override {
-    // Cancel what is still posted so the provider drops its references before close.
-    for (OpCtx* c : outstanding_) {
-      if (c->posted) fi_cancel(&c->ep->fid, c);
-    }
-    // Drain completions (cancellations, sends still finishing) for a short while.
-    fi_cq_tagged_entry entries[16];
-    auto until = Clock::now() + std::chrono::milliseconds(200);
-    while (!outstanding_.empty() && Clock::now() < until) {
-      ssize_t n = fi_cq_read(cq_.get(), entries, 16);
-      if (n == -FI_EAVAIL) {
-        fi_cq_err_entry err{};
-        if (fi_cq_readerr(cq_.get(), &err, 0) > 0 && err.op_context)
-          forget(static_cast<OpCtx*>(err.op_context));
-      } else if (n > 0) {
-        for (ssize_t i = 0; i < n; ++i) forget(static_cast<OpCtx*>(entries[i].op_context));
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
-    }
-    eps_.clear();
+    close();
     for (auto& [addr, mr] : mrs_) fi_close(&mr.mr->fid);
     mrs_.clear();
-    for (OpCtx* c : outstanding_) delete c;
+    for (OpCtx* c : orphans_) delete c;
+    orphans_.clear();
   }
+
+  // Unposted fragments are cancelled at once and posted receives through the provider; for
+  // up to 200 ms completions (cancellations, sends finishing, messages) are handled as in
+  // progress(). Then the libfabric endpoints are closed, after which the provider holds no
+  // reference to any buffer of ours, and whatever is still pending ends as cancelled.
+  void close() override {
+    if (closed_) return;
+    for (size_t qi = 0; qi < queues_.size(); ++qi) {
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        q.head = c->next;
+        c->next = nullptr;
+        finish_part(c, RequestState::kCancelled, {});
+      }
+      q.tail = nullptr;
+      deactivate(qi);
+    }
+    for (OpCtx* c : outstanding_)
+      if (c->posted && !c->req->is_send) fi_cancel(&c->ep->fid, c);
+    fi_cq_tagged_entry entries[16];
+    const auto until = Clock::now() + std::chrono::milliseconds(200);
+    while (!outstanding_.empty() && Clock::now() < until) {
+      ssize_t n = fi_cq_read(cq_.get(), entries, 16);
+      try {
+        if (n == -FI_EAVAIL) {
+          handle_error();
+        } else if (n > 0) {
+          for (ssize_t i = 0; i < n; ++i) complete(entries[i]);
+        } else if (n == -FI_EAGAIN) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        } else {
+          break;
+        }
+      } catch (const std::exception& e) {
+        spdlog::warn("rank {}: closing the endpoint: {}", rank_, e.what());
+        break;
+      }
+    }
+    closed_ = true;
+    std::vector<RequestPtr> left;
+    for (OpCtx* c : outstanding_) left.push_back(c->req);
+    eps_.clear();
+    for (OpCtx* c : outstanding_) delete c;
+    outstanding_.clear();
+    for (const RequestPtr& r : left) end_cancelled(*r);
+    for (const auto& a : any_) {
+      end_cancelled(*a->req);
+      for (const AnyRecv::Part& part : a->parts) end_cancelled(*part.req);
+    }
+    any_.clear();
+    stash_.clear();
+    ready_any_ = 0;
+    if (!left.empty())
+      spdlog::debug("rank {}: endpoint closed with {} operations unfinished", rank_, left.size());
+  }
+  bool closed() const override { return closed_; }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
+  uint32_t incarnation() const override { return incarnation_; }
+  bool connected(int peer) const override {
+    return peer >= 0 && peer < world_ && connected_[static_cast<size_t>(peer)];
+  }
+
+  // "<setting>\n<address>", pairwise "<setting>\n" then "<length>:<address>" per rank.
+  std::string published_address() const override {
+    std::string out = setting_ + '\n';
+    if (!pairwise_) return out + names_[0];
+    for (int p = 0; p < world_; ++p) {
+      const std::string a = p == rank_ ? std::string() : names_[index_[static_cast<size_t>(p)]];
+      out += std::to_string(a.size()) + ':' + a;
+    }
+    return out;
+  }
+
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override {
+    check_peer(peer, "reset_peer");
+    if (peer == rank_) throw UsageError("reset_peer: a rank cannot reconnect itself");
+    if (pairwise_ && !any_.empty())
+      throw UsageError(fmt::format("rank {}: reset_peer({}) with any-peer receives pending",
+                                   rank_, peer));
+    const std::string addr = peer_address(published, peer);  // validate before changing state
+    const size_t pi = static_cast<size_t>(peer);
+    fid_ep* old_ep = ep_of_[pi];
+    // Pairwise, the peer's endpoint may hold sends the dead incarnation never answered (shm
+    // completes them in order, so they would hold back every later one): it is replaced by a
+    // new one, which closes the old one and drops what it held. Messages to itself share it
+    // when the peer is the next rank.
+    const bool replace = pairwise_ && connected_[pi];
+    const bool self_shares = pairwise_ && ep_of_[static_cast<size_t>(rank_)] == old_ep;
+    auto affected = [&](const OpCtx* c) {
+      return c->req->peer == peer || (replace && self_shares && c->req->peer == rank_);
+    };
+    // Queued posts end here; posted receives are cancelled (pairwise: dropped with the old
+    // endpoint); posted sends complete on their own, or go with the old endpoint.
+    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) {
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        q.head = c->next;
+        c->next = nullptr;
+        finish_part(c, RequestState::kCancelled, {});
+      }
+      q.tail = nullptr;
+      deactivate(qi);
+    }
+    std::vector<OpCtx*> posted;
+    for (OpCtx* c : outstanding_)
+      if (c->posted && affected(c)) posted.push_back(c);
+    // The old incarnation's address goes first: shm keeps one map of peers per domain, which
+    // a new endpoint reads when it is enabled (a peer process that replaced its endpoints has
+    // new regions, possibly under the old names).
+    // So does this rank's own entry when it names the endpoint about to be closed: shm reads
+    // every entry's region when it enables an endpoint, and libfabric 1.17 keeps a region
+    // pointer of a closed endpoint in its map.
+    auto forget = [&](size_t i, int who) {
+      int ret = fi_av_remove(av_.get(), &addrs_[i], 1, 0);
+      if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
+      addrs_[i] = FI_ADDR_NOTAVAIL;
+    };
+    if (connected_[pi]) forget(pi, peer);
+    if (replace && self_shares) forget(static_cast<size_t>(rank_), rank_);
+    if (replace) {
+      for (OpCtx* c : posted) {
+        outstanding_.erase(c);
+        --queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
+        if (c->req->state == RequestState::kPending) c->req->state = RequestState::kCancelled;
+        c->req->pending_parts = 0;
+        c->req.reset();
+        orphans_.push_back(c);  // its endpoint is closed below; never completed
+      }
+      const size_t i = index_[pi];
+      Fid<fid_ep>& ep = eps_[i];
+      ep.reset();
+      QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+      QRING_FI_CHECK(fi_enable(ep.get()));
+      names_[i] = endpoint_name(ep.get());
+      for (size_t p = 0; p < ep_of_.size(); ++p)
+        if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
+      if (self_shares) insert_peer(rank_, names_[i]);
+    } else {
+      bool pending = false;
+      for (OpCtx* c : posted) {
+        if (c->req->is_send) continue;
+        fi_cancel(&c->ep->fid, c);
+        pending = true;
+      }
+      // The provider reports each cancelled receive (FI_ECANCELED): wait, so that their
+      // buffers are free and no message of the old incarnation lands in them afterwards.
+      Deadline dl = deadline_in(std::chrono::seconds(5));
+      auto still = [&] {
+        for (OpCtx* c : posted)
+          if (!c->req->is_send && outstanding_.count(c)) return true;
+        return false;
+      };
+      while (pending && still()) {
+        if (progress()) continue;
+        if (Clock::now() > dl)
+          throw TimeoutError(fmt::format("rank {}: reset_peer({}): receives from the old "
+                                         "incarnation were not cancelled within 5 s",
+                                         rank_, peer));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    insert_peer(peer, addr);
+    gens_[pi] = generation(incarnation_, incarnation);
+    connected_[pi] = 1;
+    if (suspect_[pi]) {
+      suspect_[pi] = 0;
+      suspects_.erase(std::remove(suspects_.begin(), suspects_.end(), peer), suspects_.end());
+    }
+    spdlog::debug("rank {}: rank {} reconnected (incarnation {}, generation {})", rank_, peer,
+                  incarnation, gens_[pi]);
+  }
   std::string provider() const override { return provider_name_; }
   size_t max_message_size() const override { return max_msg_; }
+  size_t data_bytes() const override { return data_bytes_; }
 
-  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                   uint64_t data = 0) override {
+    check_open();
     check_peer(peer, "isend");
     auto req = std::make_shared<Request>();
     req->is_send = true;
@@ -500,12 +706,15 @@ class FabricEndpoint final : public Endpoint {
     req->tag = tag;
     req->len = len;
     req->bytes = len;
-    post_fragments(req, const_cast<void*>(buf), len, tag, 0, addrs_[static_cast<size_t>(peer)],
-                   ep_of_[static_cast<size_t>(peer)]);
+    if (data_bytes_ < 8) data &= data_bytes_ == 0 ? 0 : (uint64_t(1) << (8 * data_bytes_)) - 1;
+    post_fragments(req, const_cast<void*>(buf), len, wire_tag(peer, tag), 0,
+                   addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)], nullptr, 0,
+                   data);
     return req;
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override {
+    check_open();
     if (peer != kAnyPeer) check_peer(peer, "irecv");
     if (ignore != 0 && len > max_msg_)
       throw UsageError(fmt::format("irecv with an ignore mask is limited to {} bytes (asked {})",
@@ -519,15 +728,17 @@ class FabricEndpoint final : public Endpoint {
     req->peer = peer;
     req->tag = tag;
     req->len = len;
+    // An any-peer receive cannot know its sender's generation: it matches every one.
     if (peer == kAnyPeer)
-      post_fragments(req, buf, len, tag, ignore, FI_ADDR_UNSPEC, eps_.front().get());
+      post_fragments(req, buf, len, tag, ignore | kGenMask, FI_ADDR_UNSPEC, eps_.front().get());
     else
-      post_fragments(req, buf, len, tag, ignore, addrs_[static_cast<size_t>(peer)],
-                     ep_of_[static_cast<size_t>(peer)]);
+      post_fragments(req, buf, len, wire_tag(peer, tag), ignore,
+                     addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)]);
     return req;
   }
 
   size_t progress() override {
+    if (closed_) return 0;
     size_t handled = 0;
     fi_cq_tagged_entry entries[32];
     while (true) {
@@ -609,19 +820,71 @@ class FabricEndpoint final : public Endpoint {
 
   size_t registered_regions() const { return mrs_.size(); }
 
-  void forget(OpCtx* c) {
-    if (outstanding_.erase(c)) delete c;
-  }
-
  private:
   struct Mr {
     fid_mr* mr;
     size_t len;
   };
 
+  void check_open() const {
+    if (closed_) throw IoError(fmt::format("rank {}: the endpoint is closed", rank_));
+  }
+
+  static void end_cancelled(Request& r) {
+    if (r.state != RequestState::kPending) return;
+    r.pending_parts = 0;
+    r.state = RequestState::kCancelled;
+  }
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_)
       throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_));
+  }
+
+  // The address in rank r's published value (published_address() there) that this rank
+  // sends to, after checking that r runs the same provider and settings.
+  std::string peer_address(const std::string& v, int r) const {
+    size_t nl = v.find('\n');
+    if (nl == std::string::npos)
+      throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank_, r));
+    std::string peer_setting = v.substr(0, nl);
+    std::string peer_prov = peer_setting.substr(0, peer_setting.find(' '));
+    if (peer_prov != provider_name_)
+      throw ConfigError(fmt::format(
+          "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
+          "provider on every rank",
+          rank_, provider_name_, r, peer_prov));
+    if (peer_setting != setting_) {
+      const bool pairwise_differs =
+          (peer_setting.find(" pairwise") != std::string::npos) != pairwise_;
+      throw ConfigError(fmt::format(
+          "rank {}: libfabric settings differ: this rank has '{}', rank {} has '{}'; export "
+          "the same {} on every rank",
+          rank_, setting_, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
+    }
+    std::string addr =
+        pairwise_ ? pair_address(v.substr(nl + 1), world_, rank_, r) : v.substr(nl + 1);
+    const std::string problem =
+        address_problem(addr, info_->addr_format, names_[index_[static_cast<size_t>(r)]].size());
+    if (!problem.empty())
+      throw ProtocolError(fmt::format(
+          "rank {}: the fabric address that rank {} published is not a valid {} address ({}); a "
+          "rank of another build, provider or job wrote it",
+          rank_, r, addr_format_name(info_->addr_format), problem));
+    return addr;
+  }
+
+  void insert_peer(int r, const std::string& addr) {
+    if (!tcp_cc_.empty() && r != rank_) tcp_regs_.add(addr, tcp_cc_);
+    int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
+    if (n != 1)
+      throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
+                        __LINE__);
+  }
+
+  // A directed tag as it goes on the wire: with the pair's generation (net/tags.h).
+  uint64_t wire_tag(int peer, uint64_t tag) const {
+    return with_generation(tag, peer == kAnyPeer ? 0 : gens_[static_cast<size_t>(peer)]);
   }
 
   // Memory descriptor for [ptr, ptr+len), registering (and caching) when the provider
@@ -641,7 +904,7 @@ class FabricEndpoint final : public Endpoint {
   // `any`: the request is part `any_index` of that pairwise any-peer receive (one fragment).
   void post_fragments(const RequestPtr& req, void* buf, size_t len, uint64_t tag, uint64_t ignore,
                       fi_addr_t addr, fid_ep* ep, const std::shared_ptr<AnyRecv>& any = nullptr,
-                      uint32_t any_index = 0) {
+                      uint32_t any_index = 0, uint64_t data = 0) {
     size_t parts = len == 0 ? 1 : (len + max_msg_ - 1) / max_msg_;
     req->pending_parts = static_cast<int>(parts);
     char* p = static_cast<char*>(buf);
@@ -654,6 +917,7 @@ class FabricEndpoint final : public Endpoint {
       c->len = n;
       c->tag = tag | (i & kFragMask);
       c->ignore = ignore;
+      c->data = data;
       c->addr = addr;
       c->ep = ep;
       if (any) {
@@ -666,7 +930,7 @@ class FabricEndpoint final : public Endpoint {
       // Behind earlier refused posts of the same queue (order), else straight to the provider.
       const size_t qi = queue_index(req->is_send, req->peer);
       const PostQueue& q = queues_[qi];
-      if (!q.head && q.inflight < q.cap) {
+      if (!q.head && q.inflight < q.cap && queue_open(qi)) {
         ssize_t ret = post(c);
         if (ret == 0) continue;
         if (ret != -FI_EAGAIN) {
@@ -685,6 +949,12 @@ class FabricEndpoint final : public Endpoint {
   size_t queue_index(bool is_send, int peer) const {
     if (peer == kAnyPeer) return 2 * static_cast<size_t>(world_);
     return static_cast<size_t>(peer) + (is_send ? 0 : static_cast<size_t>(world_));
+  }
+  bool queue_open(size_t qi) const {
+    return qi == 2 * static_cast<size_t>(world_) || connected_[qi % static_cast<size_t>(world_)];
+  }
+  bool orphaned(const OpCtx* c) const {
+    return !orphans_.empty() && std::find(orphans_.begin(), orphans_.end(), c) != orphans_.end();
   }
 
   void enqueue(size_t qi, OpCtx* c) {
@@ -714,7 +984,9 @@ class FabricEndpoint final : public Endpoint {
   // Hands one fragment to the provider: 0, -FI_EAGAIN (refused for now) or a hard error.
   ssize_t post(OpCtx* c) {
     ssize_t ret;
-    if (c->req->is_send)
+    if (c->req->is_send && c->data != 0)
+      ret = fi_tsenddata(c->ep, c->buf, c->len, c->desc, c->data, c->addr, c->tag, &c->ctx);
+    else if (c->req->is_send)
       ret = fi_tsend(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
     else
       ret = fi_trecv(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
@@ -760,6 +1032,10 @@ class FabricEndpoint final : public Endpoint {
     for (size_t i = 0; i < active_.size();) {
       const uint32_t qi = active_[i];
       PostQueue& q = queues_[qi];
+      if (!queue_open(qi)) {  // a peer not connected yet: its posts wait for reset_peer
+        ++i;
+        continue;
+      }
       while (OpCtx* c = q.head) {
         // A request that already failed (an earlier fragment) posts no more fragments.
         const bool failed = c->req->state == RequestState::kError;
@@ -863,7 +1139,7 @@ class FabricEndpoint final : public Endpoint {
       part.req->len = len;
       part.stage.resize(len);
       ++a->live;
-      post_fragments(part.req, part.stage.data(), len, tag, ignore,
+      post_fragments(part.req, part.stage.data(), len, wire_tag(p, tag), ignore,
                      addrs_[static_cast<size_t>(p)], ep_of_[static_cast<size_t>(p)], a, i);
     }
     return req;
@@ -888,16 +1164,18 @@ class FabricEndpoint final : public Endpoint {
     Leftover m = std::move(*a.ready);
     a.ready.reset();
     --ready_any_;
-    resolve(a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+    resolve(a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {}, m.imm);
   }
 
   // Gives the caller's request its final state; the parts still pending are cancelled.
   void resolve(AnyRecv& a, RequestState st, const char* data, size_t bytes, uint64_t tag,
-               std::string err) {
+               std::string err, uint64_t imm = 0) {
     Request& r = *a.req;
     a.resolved = true;
+    r.data = imm;
     if (st == RequestState::kDone && bytes > a.len) {
       st = RequestState::kError;
+      r.truncated = true;
       err = fmt::format("{}: message truncated: {} bytes arrived for a {}-byte buffer",
                         r.peer == kAnyPeer ? "from any peer" : fmt::format("from rank {}", r.peer),
                         bytes, a.len);
@@ -942,15 +1220,17 @@ class FabricEndpoint final : public Endpoint {
     const Request& sub = *part.req;
     if (sub.state == RequestState::kDone) {
       if (!a.resolved) {
-        resolve(a, RequestState::kDone, part.stage.data(), sub.bytes, sub.matched_tag, {});
+        resolve(a, RequestState::kDone, part.stage.data(), sub.bytes, sub.matched_tag, {},
+                sub.data);
       } else {
         part.stage.resize(sub.bytes);
-        hand_on(Leftover{sub.peer, sub.matched_tag, std::move(part.stage)});
+        hand_on(Leftover{sub.peer, sub.matched_tag, std::move(part.stage), sub.data});
       }
     } else if (sub.state == RequestState::kError) {
-      if (!a.resolved)
-        resolve(a, RequestState::kError, nullptr, 0, 0, sub.error);
-      else
+      if (!a.resolved) {
+        resolve(a, RequestState::kError, nullptr, 0, 0, sub.error, sub.data);
+        a.req->truncated = sub.truncated;
+      } else
         spdlog::warn("rank {}: a message for a finished any-peer receive failed: {}", rank_,
                      sub.error);
     } else if (a.live == 0 && !a.resolved) {  // every part cancelled
@@ -965,7 +1245,7 @@ class FabricEndpoint final : public Endpoint {
   void hand_on(Leftover m) {
     for (const auto& a : any_) {
       if (a->resolved || a->ready || !tag_matches(m.tag, a->tag, a->ignore)) continue;
-      resolve(*a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {});
+      resolve(*a, RequestState::kDone, m.data.data(), m.data.size(), m.tag, {}, m.imm);
       return;
     }
     stash_.push_back(std::move(m));
@@ -992,9 +1272,11 @@ class FabricEndpoint final : public Endpoint {
 
   void complete(const fi_cq_tagged_entry& e) {
     auto* c = static_cast<OpCtx*>(e.op_context);
+    if (orphaned(c)) return;  // of an endpoint reset_peer closed: its request ended there
     if (!c->req->is_send) {
       c->req->bytes += e.len;
-      c->req->matched_tag = e.tag & ~kFragMask;
+      c->req->matched_tag = e.tag & ~(kFragMask | kGenMask);
+      if (e.flags & FI_REMOTE_CQ_DATA) c->req->data = e.data;
     }
     finish_part(c, RequestState::kDone, {});
   }
@@ -1007,13 +1289,18 @@ class FabricEndpoint final : public Endpoint {
     if (!c)
       throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
                                 fi_strerror(err.err)));
+    if (orphaned(c)) return;
     // Some providers (shm) report the error code negated.
     const int code = err.err < 0 ? -err.err : err.err;
     if (code == FI_ECANCELED) {
       finish_part(c, RequestState::kCancelled, {});
       return;
     }
-    const Request& req = *c->req;
+    Request& req = *c->req;
+    // A truncated message still names its sender's immediate data: the collectives tell a
+    // shape mismatch from it.
+    if (!req.is_send && (err.flags & FI_REMOTE_CQ_DATA)) req.data = err.data;
+    if (!req.is_send && code == FI_ETRUNC) req.truncated = true;
     std::string detail =
         code == FI_ETRUNC
             ? (err.olen > 0 ? fmt::format("message truncated: {} bytes arrived for a {}-byte "
@@ -1039,6 +1326,8 @@ class FabricEndpoint final : public Endpoint {
   bool mr_local_ = false;
   bool mr_virt_ = false;
   size_t max_msg_ = 0;
+  size_t data_bytes_ = 0;  // immediate data per message (the provider's cq_data_size, <= 8)
+  bool closed_ = false;
   InfoPtr info_;
   TcpRegistrations tcp_regs_;  // outlives the endpoints' connections (destroyed after eps_)
   // Creation order; destroyed in reverse.
@@ -1051,6 +1340,14 @@ class FabricEndpoint final : public Endpoint {
   bool pairwise_ = false;
   bool shm_ = false;
   std::vector<fi_addr_t> addrs_;
+  std::vector<uint32_t> gens_;     // per rank: the pair's generation (in every tag)
+  std::vector<char> connected_;    // per rank: reachable (a joining endpoint starts with none)
+  std::string setting_;            // the first line of what this endpoint publishes
+  std::vector<std::string> names_;  // per libfabric endpoint: its address
+  std::vector<size_t> index_;       // per rank: its endpoint in eps_ / names_
+  std::string tcp_cc_;              // the congestion control of tcp connections ("": not tcp)
+  uint32_t incarnation_ = 0;
+  std::vector<OpCtx*> orphans_;     // operations of endpoints reset_peer closed
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;
   std::unordered_set<OpCtx*> outstanding_;

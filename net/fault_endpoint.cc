@@ -12,6 +12,8 @@ namespace {
 void copy_outcome(const Request& from, Request& to) {
   to.bytes = from.bytes;
   to.matched_tag = from.matched_tag;
+  to.data = from.data;
+  to.truncated = from.truncated;
   to.error = from.error;
   to.state = from.state;
 }
@@ -48,12 +50,14 @@ const FaultRule* FaultEndpoint::match(int peer, uint64_t tag) {
   return nullptr;
 }
 
-RequestPtr FaultEndpoint::isend(int peer, uint64_t tag, const void* buf, size_t len) {
+RequestPtr FaultEndpoint::isend(int peer, uint64_t tag, const void* buf, size_t len,
+                                uint64_t data) {
+  if (closed()) return inner_->isend(peer, tag, buf, len, data);  // throws
   const bool cut = is_cut(peer);
   const FaultRule* rule = cut ? nullptr : match(peer, tag);
   bool queued_behind =
       std::any_of(held_.begin(), held_.end(), [&](const Held& h) { return h.peer == peer; });
-  if (!cut && !rule && !queued_behind) return inner_->isend(peer, tag, buf, len);
+  if (!cut && !rule && !queued_behind) return inner_->isend(peer, tag, buf, len, data);
   auto proxy = std::make_shared<Request>();
   proxy->is_send = true;
   proxy->peer = peer;
@@ -73,12 +77,12 @@ RequestPtr FaultEndpoint::isend(int peer, uint64_t tag, const void* buf, size_t 
   }
   for (const Held& h : held_)
     if (h.peer == peer) release = std::max(release, h.release);
-  held_.push_back({release, proxy, peer, tag, buf, len});
+  held_.push_back({release, proxy, peer, tag, buf, len, data});
   return proxy;
 }
 
 RequestPtr FaultEndpoint::irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) {
-  if (peer == kAnyPeer) return inner_->irecv(peer, tag, buf, len, ignore);
+  if (peer == kAnyPeer || closed()) return inner_->irecv(peer, tag, buf, len, ignore);
   auto proxy = std::make_shared<Request>();
   proxy->peer = peer;
   proxy->tag = tag;
@@ -113,6 +117,7 @@ void FaultEndpoint::drop_cut_receives() {
 }
 
 size_t FaultEndpoint::progress() {
+  if (closed()) return 0;
   size_t n = 0;
   auto now = Clock::now();
   // Each held message waits for its own release time only: held messages to one peer never
@@ -124,7 +129,8 @@ size_t FaultEndpoint::progress() {
         it->proxy->state = RequestState::kDone;
         ++n;
       } else {
-        forwarded_.push_back({it->proxy, inner_->isend(it->peer, it->tag, it->buf, it->len)});
+        forwarded_.push_back(
+            {it->proxy, inner_->isend(it->peer, it->tag, it->buf, it->len, it->data)});
       }
       it = held_.erase(it);
     } else {
@@ -174,6 +180,10 @@ bool FaultEndpoint::cancel(const RequestPtr& req) {
   }
   for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
     if (it->proxy == req) {
+      if (fail_cancels_)
+        throw TimeoutError(fmt::format("rank {}: cancel of a receive from rank {} (tag {:#x}) "
+                                       "was not confirmed (fault injection)",
+                                       rank(), req->peer, req->tag));
       // The inner cancel may run the inner progress (it does not touch recvs_).
       recvs_dirty_ = true;
       if (!inner_->cancel(it->inner)) return false;  // matched already: progress() completes it
@@ -183,6 +193,47 @@ bool FaultEndpoint::cancel(const RequestPtr& req) {
     }
   }
   return inner_->cancel(req);  // an any-peer receive (not wrapped)
+}
+
+void FaultEndpoint::reset_peer(int peer, const std::string& published, uint32_t incarnation) {
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->peer != peer) {
+      ++it;
+      continue;
+    }
+    it->proxy->state = RequestState::kCancelled;
+    it = held_.erase(it);
+  }
+  for (auto it = cut_recvs_.begin(); it != cut_recvs_.end();) {
+    if (it->proxy->peer != peer) {
+      ++it;
+      continue;
+    }
+    it->proxy->state = RequestState::kCancelled;
+    it = cut_recvs_.erase(it);
+  }
+  inner_->reset_peer(peer, published, incarnation);
+  // The inner requests of `peer` ended there: their proxies follow in the next progress().
+  recvs_dirty_ = true;
+}
+
+void FaultEndpoint::close() {
+  if (closed()) return;
+  for (Held& h : held_) h.proxy->state = RequestState::kCancelled;  // never sent
+  held_.clear();
+  for (Forwarded& f : cut_recvs_) f.proxy->state = RequestState::kCancelled;
+  cut_recvs_.clear();
+  inner_->close();
+  // The inner requests have their final state now.
+  for (auto* list : {&forwarded_, &recvs_}) {
+    for (Forwarded& f : *list) {
+      if (f.inner->done())
+        copy_outcome(*f.inner, *f.proxy);
+      else
+        f.proxy->state = RequestState::kCancelled;
+    }
+    list->clear();
+  }
 }
 
 }  // namespace qring::net

@@ -40,20 +40,36 @@ class FaultEndpoint final : public Endpoint {
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
-  std::string provider() const override { return inner_->provider() + "+faults"; }
+  // The inner transport's: the wrapper changes no setting a peer must share.
+  std::string provider() const override { return inner_->provider(); }
   size_t max_message_size() const override { return inner_->max_message_size(); }
-  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override;
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override;
+  size_t data_bytes() const override { return inner_->data_bytes(); }
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                   uint64_t data = 0) override;
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override;
   size_t progress() override;
   bool cancel(const RequestPtr& req) override;
+  // Held messages are dropped (their proxies cancelled), then the inner endpoint is closed.
+  void close() override;
+  bool closed() const override { return inner_->closed(); }
   void register_memory(const void* p, size_t n) override { inner_->register_memory(p, n); }
   void deregister_memory(const void* p) override { inner_->deregister_memory(p); }
   std::vector<int> suspect_peers() const override { return inner_->suspect_peers(); }
+  std::string published_address() const override { return inner_->published_address(); }
+  uint32_t incarnation() const override { return inner_->incarnation(); }
+  bool connected(int peer) const override { return inner_->connected(peer); }
+  // Held messages to `peer` and receives from it end cancelled; the rules stay.
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override;
 
   // Cuts `peer` off (see above); permanent. Thread-safe: any thread may call it while the
   // owner drives the endpoint, which applies it from its next isend/irecv/progress.
   void cut(int peer);
   bool is_cut(int peer) const;
+
+  // From now on cancel() of a directed receive does nothing and throws TimeoutError, as a
+  // provider that never confirms a cancellation: the receive stays posted (its buffer in use)
+  // until it completes or the endpoint is closed. Owner thread.
+  void fail_cancels() { fail_cancels_ = true; }
 
   // Messages dropped by rules or by a cut; messages delayed by rules.
   size_t dropped() const { return dropped_; }
@@ -67,6 +83,7 @@ class FaultEndpoint final : public Endpoint {
     uint64_t tag;
     const void* buf;
     size_t len;
+    uint64_t data;
   };
   struct Forwarded {
     RequestPtr proxy;
@@ -89,6 +106,7 @@ class FaultEndpoint final : public Endpoint {
   bool recvs_dirty_ = false;            // an inner cancel may have completed receives
   size_t dropped_ = 0;
   size_t delayed_ = 0;
+  bool fail_cancels_ = false;
 };
 
 }  // namespace qring::net

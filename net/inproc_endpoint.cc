@@ -22,11 +22,13 @@ struct InprocFabric::Mailbox {
     RequestPtr req;
     void* buf;
     uint64_t ignore;
+    uint64_t tag;  // as on the wire (with the generation)
   };
   struct Message {
     int src;
     uint64_t tag;
     std::vector<char> data;
+    uint64_t imm;  // immediate data
   };
   struct Done {
     RequestPtr req;
@@ -34,6 +36,7 @@ struct InprocFabric::Mailbox {
     size_t bytes;
     uint64_t tag;
     std::string error;
+    uint64_t imm;
   };
   std::mutex mu;
   std::list<Posted> posted;       // in post order
@@ -45,17 +48,64 @@ namespace {
 
 class InprocEndpoint final : public Endpoint {
  public:
-  InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes)
-      : rank_(rank), boxes_(std::move(boxes)) {}
+  InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes, uint32_t incarnation,
+                 bool join)
+      : rank_(rank),
+        boxes_(std::move(boxes)),
+        incarnation_(incarnation),
+        gens_(boxes_.size(), 0),
+        connected_(boxes_.size(), join ? 0 : 1) {
+    connected_[size_t(rank)] = 1;
+  }
 
-  // The mailbox outlives the endpoint: withdraw the receives still posted, or later senders
-  // would write into buffers that are gone.
-  ~InprocEndpoint() override {
+  ~InprocEndpoint() override { close(); }
+
+  // The mailbox outlives the endpoint: the receives still posted are withdrawn, or later
+  // senders would write into buffers that are gone (senders copy into posted buffers
+  // themselves, under the mailbox lock). Receives that matched already are reported.
+  void close() override {
+    if (closed_) return;
     auto& box = *boxes_[static_cast<size_t>(rank_)];
-    std::lock_guard<std::mutex> lock(box.mu);
-    for (auto& p : box.posted) p.req->state = RequestState::kCancelled;
-    box.posted.clear();
-    box.completed.clear();
+    std::vector<InprocFabric::Mailbox::Done> done;
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      for (auto& p : box.posted) p.req->state = RequestState::kCancelled;
+      box.posted.clear();
+      done.swap(box.completed);
+      closed_ = true;
+    }
+    apply(done);
+  }
+  bool closed() const override { return closed_; }
+
+  uint32_t incarnation() const override { return incarnation_; }
+  std::string published_address() const override { return "inproc\n"; }
+  bool connected(int peer) const override {
+    return peer >= 0 && peer < world_size() && connected_[size_t(peer)];
+  }
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override {
+    check_peer(peer, "reset_peer");
+    if (peer == rank_) throw UsageError("reset_peer: a rank cannot reconnect itself");
+    if (published != "inproc\n")
+      throw ProtocolError(fmt::format("rank {}: malformed address of rank {}", rank_, peer));
+    {
+      auto& box = *boxes_[static_cast<size_t>(rank_)];
+      std::lock_guard<std::mutex> lock(box.mu);
+      for (auto it = box.posted.begin(); it != box.posted.end();) {
+        if (it->req->peer == peer) {
+          it->req->state = RequestState::kCancelled;
+          it = box.posted.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& w : waiting_)
+      if (w.req->peer == peer && !w.req->done()) w.req->state = RequestState::kCancelled;
+    std::erase_if(waiting_, [&](const Waiting& w) { return w.req->peer == peer; });
+    gens_[size_t(peer)] = (incarnation_ + incarnation) & 0xFu;
+    connected_[size_t(peer)] = 1;
+    std::erase(suspects_, peer);
   }
 
   int rank() const override { return rank_; }
@@ -63,7 +113,9 @@ class InprocEndpoint final : public Endpoint {
   std::string provider() const override { return "inproc"; }
   size_t max_message_size() const override { return SIZE_MAX; }
 
-  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len) override {
+  RequestPtr isend(int peer, uint64_t tag, const void* buf, size_t len,
+                   uint64_t data = 0) override {
+    check_open();
     check_peer(peer, "isend");
     auto req = std::make_shared<Request>();
     req->is_send = true;
@@ -71,44 +123,70 @@ class InprocEndpoint final : public Endpoint {
     req->tag = tag;
     req->len = len;
     req->bytes = len;
+    if (!connected_[size_t(peer)]) {
+      waiting_.push_back({req});  // until reset_peer connects the peer (and ends it)
+      return req;
+    }
+    send_now(req, peer, with_generation(tag, gens_[size_t(peer)]), buf, len, data);
+    return req;
+  }
+
+  void send_now(const RequestPtr& req, int peer, uint64_t tag, const void* buf, size_t len,
+                uint64_t data) {
     auto& box = *boxes_[static_cast<size_t>(peer)];
     {
       std::lock_guard<std::mutex> lock(box.mu);
       for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
         Request& r = *it->req;
-        if ((r.peer == kAnyPeer || r.peer == rank_) && matches(r.tag, it->ignore, tag)) {
+        if ((r.peer == kAnyPeer || r.peer == rank_) && matches(it->tag, it->ignore, tag)) {
           if (len > r.len) {
-            box.completed.push_back({it->req, rank_, len, tag, truncated(rank_, len, r.len)});
+            box.completed.push_back(
+                {it->req, rank_, len, tag, truncated(rank_, len, r.len), data});
           } else {
             if (len) std::memcpy(it->buf, buf, len);
-            box.completed.push_back({it->req, rank_, len, tag, {}});
+            box.completed.push_back({it->req, rank_, len, tag, {}, data});
           }
           box.posted.erase(it);
           req->state = RequestState::kDone;
-          return req;
+          return;
         }
       }
       const char* p = static_cast<const char*>(buf);
-      box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len)});
+      box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len), data});
     }
     req->state = RequestState::kDone;  // eager: the data is buffered
-    return req;
   }
 
-  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore) override {
+  RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override {
+    check_open();
     if (peer != kAnyPeer) check_peer(peer, "irecv");
     auto req = std::make_shared<Request>();
     req->peer = peer;
     req->tag = tag;
     req->len = len;
+    if (peer == kAnyPeer) {
+      ignore |= kGenMask;  // an any-peer receive cannot know its sender's generation
+    } else if (!connected_[size_t(peer)]) {
+      waiting_.push_back({req});
+      return req;
+    }
+    recv_now(req, peer, peer == kAnyPeer ? tag : with_generation(tag, gens_[size_t(peer)]), buf,
+             len, ignore);
+    return req;
+  }
+
+  void recv_now(const RequestPtr& req, int peer, uint64_t tag, void* buf, size_t len,
+                uint64_t ignore) {
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::lock_guard<std::mutex> lock(box.mu);
     for (auto it = box.unexpected.begin(); it != box.unexpected.end(); ++it) {
       if ((peer == kAnyPeer || it->src == peer) && matches(tag, ignore, it->tag)) {
-        req->matched_tag = it->tag;
+        req->matched_tag = it->tag & ~kGenMask;
         req->bytes = it->data.size();
+        req->data = it->imm;
         if (it->data.size() > len) {
           req->state = RequestState::kError;
+          req->truncated = true;
           req->error = truncated(it->src, it->data.size(), len);
           mark_suspect(it->src);
         } else {
@@ -116,14 +194,14 @@ class InprocEndpoint final : public Endpoint {
           req->state = RequestState::kDone;
         }
         box.unexpected.erase(it);
-        return req;
+        return;
       }
     }
-    box.posted.push_back({req, buf, ignore});
-    return req;
+    box.posted.push_back({req, buf, ignore, tag});
   }
 
   size_t progress() override {
+    if (closed_) return 0;
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::vector<InprocFabric::Mailbox::Done> done;
     {
@@ -131,22 +209,35 @@ class InprocEndpoint final : public Endpoint {
       if (box.completed.empty()) return 0;
       done.swap(box.completed);
     }
+    apply(done);
+    return done.size();
+  }
+
+  void apply(std::vector<InprocFabric::Mailbox::Done>& done) {
     for (auto& d : done) {
       d.req->bytes = d.bytes;
-      d.req->matched_tag = d.tag;
+      d.req->matched_tag = d.tag & ~kGenMask;
+      d.req->data = d.imm;
       if (d.error.empty()) {
         d.req->state = RequestState::kDone;
       } else {
         d.req->state = RequestState::kError;
+        d.req->truncated = true;  // the only error of this transport
         d.req->error = d.error;
         mark_suspect(d.src);
       }
     }
-    return done.size();
   }
 
   bool cancel(const RequestPtr& req) override {
     if (req->done() || req->is_send) return false;
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      if (it->req == req) {
+        waiting_.erase(it);
+        req->state = RequestState::kCancelled;
+        return true;
+      }
+    }
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::lock_guard<std::mutex> lock(box.mu);
     for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
@@ -175,6 +266,10 @@ class InprocEndpoint final : public Endpoint {
     if (it == suspects_.end() || *it != peer) suspects_.insert(it, peer);
   }
 
+  void check_open() const {
+    if (closed_) throw IoError(fmt::format("rank {}: the endpoint is closed", rank_));
+  }
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_size())
       throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_size()));
@@ -182,7 +277,17 @@ class InprocEndpoint final : public Endpoint {
 
   int rank_;
   std::vector<InprocFabric::Mailbox*> boxes_;
+  uint32_t incarnation_;
+  std::vector<uint32_t> gens_;   // per peer: the pair's generation (net/tags.h)
+  std::vector<char> connected_;  // per peer
+  // Posts to or from peers not connected yet (a joining endpoint): they end cancelled when
+  // reset_peer connects the peer, as the fabric endpoint's queued posts do.
+  struct Waiting {
+    RequestPtr req;
+  };
+  std::vector<Waiting> waiting_;
   std::vector<int> suspects_;  // sorted
+  bool closed_ = false;
 };
 
 }  // namespace
@@ -196,12 +301,12 @@ int InprocFabric::world_size() const {
   return static_cast<int>(boxes_.size());
 }
 
-std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank) {
+std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank, uint32_t incarnation, bool join) {
   if (rank < 0 || rank >= world_size())
     throw UsageError(fmt::format("InprocFabric: rank {} out of range", rank));
   std::vector<Mailbox*> boxes;
   for (auto& b : boxes_) boxes.push_back(b.get());
-  return std::make_unique<InprocEndpoint>(rank, std::move(boxes));
+  return std::make_unique<InprocEndpoint>(rank, std::move(boxes), incarnation, join);
 }
 
 }  // namespace qring::net

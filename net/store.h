@@ -121,8 +121,13 @@ std::string server_proof(std::string_view secret, std::string_view server_nonce,
 bool is_loopback_host(const std::string& host);
 
 // The rank that owns `key`, or -1 for a shared key. The keys a rank publishes about itself
-// -- "host/<r>", "exit/<r>", "fabric/.../<r>" -- belong to rank r: only r may SET or ADD them.
+// -- "host/<r>", "exit/<r>", "fabric/.../<r>", "incarnation/<r>", "join/.../<r>" -- belong
+// to rank r: only r may SET or ADD them.
 int key_owner(std::string_view key, int world_size);
+
+// The counter of rank r's incarnations: each process of rank r adds 1 at its rendezvous, so
+// its incarnation is the value it gets minus 1 (0 at the job's start; docs/design.md, "Rejoin").
+std::string incarnation_key(int rank);
 
 struct StoreServerOptions {
   // The job secret every JOIN must prove. Empty: no proof is needed (anyone who can reach
@@ -153,6 +158,7 @@ class TcpStoreServer {
   int port() const;
 
  private:
+  friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -181,5 +187,11 @@ class TcpStore : public Store {
 std::string describe_keys(const std::vector<std::string>& keys);
 // The integer stored at `key` (the value format of add()); UsageError if it is not one.
 int64_t parse_counter(const std::string& key, const std::string& value);
+
+// For the fuzz harness (tests/fuzz): runs the store server's frame parser and request handlers
+// over `bytes` as one connection's input, without sockets (a connection of rank 0 that has
+// joined when `joined`, beside a joined rank 1 parked in a WAIT), and returns the replies the
+// server would send. Never throws for any input: a malformed frame ends the connection.
+std::string store_server_feed(std::string_view bytes, bool joined, int world_size);
 
 }  // namespace qring::net

@@ -746,7 +746,13 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
         reply(c, h.id, StoreMsg::kError, out);
         return true;
       }
-      v += delta;
+      if (__builtin_add_overflow(v, delta, &v)) {  // found by fuzz_store (signed overflow)
+        std::string out;
+        put_str(out, fmt::format("add to key '{}': {} + {} overflows a 64-bit counter",
+                                 printable(key), data.count(key) ? data[key] : "0", delta));
+        reply(c, h.id, StoreMsg::kError, out);
+        return true;
+      }
       data[key] = std::to_string(v);
       std::string out;
       put_i64(out, v);
@@ -820,6 +826,32 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (!c.out.empty())  // best effort: replies to the requests before a bad frame
     (void)send(c.fd.get(), c.out.data(), c.out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   conns.erase(it);
+}
+
+std::string store_server_feed(std::string_view bytes, bool joined, int world_size) {
+  TcpStoreServer::Impl s;
+  s.world_size = std::max(1, world_size);
+  s.job_id = "fuzz";
+  s.options.secret = "fuzz-secret";
+  // Two connections, as in a job: rank 1 parked in a WAIT that the input's SETs may wake.
+  for (uint64_t cid : {uint64_t(1), uint64_t(2)}) {
+    TcpStoreServer::Impl::Conn& c = s.conns[cid];
+    c.peer = fmt::format("fuzz-{}", cid);
+    c.nonce = "nonce";
+    if (joined && cid <= uint64_t(s.world_size)) {
+      c.joined = true;
+      c.rank = int(cid) - 1;
+      s.rank_conn[c.rank] = cid;
+    }
+  }
+  s.parked.push_back({2, 7, StoreMsg::kWait, {"fabric/addr/0", "host/0"}});
+  TcpStoreServer::Impl::Conn& c = s.conns[1];
+  c.in.assign(bytes.data(), bytes.size());
+  // As the poll loop does: whole frames are processed; a bad one ends the connection.
+  const bool ok = s.process(1, c);
+  std::string out = c.out;
+  if (!ok) s.close_conn(1);
+  return out;
 }
 
 // =============================================================================================

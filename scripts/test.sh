@@ -4,9 +4,13 @@
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
 #      tests (label "sanitize"), run through ctest
 #   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
-#   4. the paper reproduction at smoke scale (scripts/reproduce.sh --smoke: every experiment
+#   4. multi-host tests on hosts emulated with network namespaces (tests/netns/run.sh)
+#   5. the fuzz targets, a fixed time each (scripts/fuzz.sh; QRING_FUZZ_SECONDS, default 10)
+#   6. the paper reproduction at smoke scale (scripts/reproduce.sh --smoke: every experiment
 #      on synthetic data; checks that every artefact is produced and well formed)
-# Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 skip 2 / 3.
+# Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 /
+# QRING_SKIP_NETNS=1 / QRING_SKIP_FUZZ=1 / QRING_SKIP_REPRODUCE=1 skip 2 / 3 / 4 / 5 / 6.
+# (ThreadSanitizer: scripts/tsan.sh.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -31,7 +35,19 @@ fi
 echo "== Slurm integration tests"
 tests/slurm/run.sh build
 
-echo "== paper reproduction, smoke scale"
-scripts/reproduce.sh --smoke --out build/reproduce-smoke
+if [ "${QRING_SKIP_NETNS:-0}" != 1 ]; then
+  echo "== multi-host tests on emulated hosts (network namespaces)"
+  tests/netns/run.sh build
+fi
+
+if [ "${QRING_SKIP_FUZZ:-0}" != 1 ]; then
+  echo "== fuzz targets (libFuzzer + ASan/UBSan, ${QRING_FUZZ_SECONDS:-10} s each)"
+  QRING_FUZZ_SECONDS=${QRING_FUZZ_SECONDS:-10} scripts/fuzz.sh build-fuzz
+fi
+
+if [ "${QRING_SKIP_REPRODUCE:-0}" != 1 ]; then
+  echo "== paper reproduction, smoke scale"
+  scripts/reproduce.sh --smoke --out build/reproduce-smoke
+fi
 
 echo "== all tests passed in $(( $(date +%s) - start )) s"

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <zlib.h>
 
+#include <functional>
 #include <random>
 
 #include "coll_harness.h"
@@ -126,6 +127,65 @@ TEST_P(FabricFailure, KilledRankMakesSurvivorsFailCleanly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FabricFailure, ::testing::Values("shm", "tcp"));
+
+// Ranks that disagree, over real transports: a count, type or root that differs on rank 2
+// fails every rank with a UsageError naming the disagreement (the descriptor rides as
+// libfabric remote CQ data), each case on a fresh communicator (a failure breaks one); a
+// setting that differs fails the communicator's creation with a ConfigError on every rank.
+TEST_P(FabricFailure, DisagreeingRanksFailEveryRank) {
+  const std::string prov = GetParam();
+  auto res = run_procs(
+      3,
+      [&](int r, int n, net::Rendezvous& rdv) {
+        CommOptions co;
+        co.timeout = std::chrono::seconds(10);
+        const bool odd = r == 2;
+        const std::vector<std::function<void(Communicator&)>> cases = {
+            [&](Communicator& c) {  // recursive doubling, count
+              std::vector<float> b(odd ? 65 : 64, 1.f);
+              c.allreduce(b.data(), b.data(), b.size(), DataType::kFloat32, RedOp::kSum);
+            },
+            [&](Communicator& c) {  // ring (3 ranks, 400 KiB), type of the same size
+              std::vector<float> b(100000, 1.f);
+              c.allreduce(b.data(), b.data(), b.size(), odd ? DataType::kInt32 : DataType::kFloat32,
+                          RedOp::kSum);
+            },
+            [&](Communicator& c) {  // broadcast, root
+              std::vector<float> b(1000, 1.f);
+              c.broadcast(b.data(), b.size(), DataType::kFloat32, odd ? 1 : 0);
+            },
+        };
+        for (size_t k = 0; k < cases.size(); ++k) {
+          auto comm = open_comm(rdv, prov, co);
+          try {
+            cases[k](*comm);
+            comm->barrier();
+            fprintf(stderr, "rank %d: case %zu completed\n", r, k);
+            return 1;
+          } catch (const UsageError& e) {
+            const std::string m = e.what();
+            if (m.find("ranks disagree on the operation") == std::string::npos ||
+                m.find("rank 2 ") == std::string::npos) {
+              fprintf(stderr, "rank %d: case %zu: %s\n", r, k, m.c_str());
+              return 2;
+            }
+          }
+        }
+        CommOptions other = co;
+        if (odd) other.segment_bytes = 8192;
+        try {
+          open_comm(rdv, prov, other);
+          return 3;
+        } catch (const ConfigError& e) {
+          if (std::string(e.what()).find("segment_bytes is") == std::string::npos) return 4;
+        }
+        fflush(stderr);
+        _exit(0);  // the comms' endpoints are gone; skip the exit barrier
+      },
+      std::chrono::seconds(60));
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r << ": " << res.status[size_t(r)];
+}
 
 // The quorum all-reduce across processes: every rank reports (bitmap, crc of output) per step
 // through the store; rank 0 checks they agree, and each rank checks exactness locally.

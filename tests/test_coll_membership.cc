@@ -520,6 +520,27 @@ TEST(Coordinator, CountMismatchIsReported) {
   EXPECT_EQ(d[0].decide.bad_count, 9u);
 }
 
+// Same count, another element type or reduction (READY's layout): a mismatch too.
+TEST(Coordinator, LayoutMismatchIsReported) {
+  Config cfg = base(2, 2);
+  cfg.layout = layout_of(0, true);
+  Sim s(cfg);
+  Event e;
+  e.kind = Event::Kind::kReady;
+  e.from = 0;
+  e.count = 8;
+  e.layout = cfg.layout;
+  s.c.handle(e, s.now);
+  e.from = 1;
+  e.layout = layout_of(2, true);
+  auto d = of(s.c.handle(e, s.now), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kMismatch);
+  EXPECT_EQ(d[0].decide.bad_rank, 1);
+  EXPECT_EQ(d[0].decide.bad_count, 8u);
+  EXPECT_EQ(d[0].decide.bad_layout, layout_of(2, true));
+}
+
 std::vector<Action> ready_with(Sim& s, int r, uint64_t t, uint64_t digest) {
   Event e;
   e.kind = Event::Kind::kReady;
@@ -637,10 +658,14 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
   e.from = 4;
   e.step = 31;
   e.count = 100;
+  e.layout = layout_of(4, true);
   auto plain = wire::encode_up(world, wire::Up::kReady, e);
   EXPECT_EQ(plain.size(), wire::kUpBytes);
   wire::Up type;
-  EXPECT_FALSE(wire::decode_up(plain.data(), plain.size(), world, 4, &type).digest);
+  Event plain_back = wire::decode_up(plain.data(), plain.size(), world, 4, &type);
+  EXPECT_FALSE(plain_back.digest);
+  EXPECT_EQ(plain_back.layout, layout_of(4, true));
+  EXPECT_EQ(plain_back.attempt, 0u);
   e.digest = 0xfedcba9876543210ull;
   auto with = wire::encode_up(world, wire::Up::kReady, e);
   ASSERT_EQ(with.size(), wire::kUpBytes + 8);

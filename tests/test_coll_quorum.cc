@@ -323,11 +323,47 @@ TEST(Quorum, MismatchedSizesAcrossRanksFailEveryRank) {
       q.contribute(0, buf.data(), n);
       q.wait(0, buf.data());
     } catch (const UsageError& e) {
-      if (std::string(e.what()).find("rank 1 contributed 5 elements") != std::string::npos)
+      if (std::string(e.what()).find("rank 1 contributes 5 elements of float32 (mean)") !=
+          std::string::npos)
         ++errors;
+      else
+        ADD_FAILURE() << e.what();
     }
   });
   EXPECT_EQ(errors.load(), 3);
+}
+
+// Same element count, another element type or reduction on one rank (same bytes for float32
+// and int32): READY carries both, so every rank fails naming that rank.
+TEST(Quorum, MismatchedTypeOrReductionAcrossRanksFailsEveryRank) {
+  for (const bool type : {true, false}) {
+    std::atomic<int> errors{0};
+    run_ranks(3, {}, [&](Communicator& comm) {
+      QuorumOptions qo;
+      qo.deadline = milliseconds(2000);
+      if (comm.rank() == 2) {
+        if (type)
+          qo.type = DataType::kInt32;
+        else
+          qo.mean = false;
+      }
+      QuorumAllreduce q(comm, 4, qo);
+      std::vector<float> buf(4, 1.f);
+      try {
+        q.contribute(0, buf.data(), 4);
+        q.wait(0, buf.data());
+        ADD_FAILURE() << "rank " << comm.rank() << ": a mismatched step completed";
+      } catch (const UsageError& e) {
+        const std::string want = type ? "rank 2 contributes 4 elements of int32 (mean)"
+                                      : "rank 2 contributes 4 elements of float32 (sum)";
+        if (std::string(e.what()).find(want) != std::string::npos)
+          ++errors;
+        else
+          ADD_FAILURE() << e.what();
+      }
+    });
+    EXPECT_EQ(errors.load(), 3) << (type ? "type" : "reduction");
+  }
 }
 
 TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {

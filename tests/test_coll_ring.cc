@@ -269,6 +269,7 @@ TEST(Ring, DroppedMessageIsATimeoutNotAHang) {
   opts.timeout = std::chrono::milliseconds(300);
   std::vector<net::FaultRule> faults(1);
   faults[0].src = 0;
+  faults[0].op = net::Op::kAllreduce;  // the data, not the settings exchanged at creation
   faults[0].drop = true;
   std::atomic<int> failed{0};
   run_ranks(

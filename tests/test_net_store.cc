@@ -153,6 +153,13 @@ TYPED_TEST(StoreTest, AddCounts) {
   s.set("text", "abc");
   EXPECT_THROW(s.add("text", 1), UsageError);
   EXPECT_EQ(s.add("n", 2), 0);  // still usable after the error
+  // A counter that would overflow is an error and keeps its value (found by fuzz_store: the
+  // server's addition was signed overflow, undefined behaviour).
+  EXPECT_EQ(s.add("big", INT64_MAX - 1), INT64_MAX - 1);
+  EXPECT_THROW(s.add("big", 2), UsageError);
+  EXPECT_EQ(s.add("big", 0), INT64_MAX - 1);
+  EXPECT_EQ(s.add("small", INT64_MIN), INT64_MIN);
+  EXPECT_THROW(s.add("small", -1), UsageError);
 }
 
 TYPED_TEST(StoreTest, AddWakesWaiters) {

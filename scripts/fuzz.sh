@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (tests/fuzz, clang with AddressSanitizer and UBSan) and runs
+# each for a fixed time from the committed corpus; any crash, sanitizer report, leak, timeout
+# or out-of-memory fails the run and leaves the input under BUILD_DIR/artifacts/.
+#
+#   scripts/fuzz.sh [BUILD_DIR] [TARGET...]      (default build-fuzz, every target)
+#
+# QRING_FUZZ_SECONDS: time per target (default 10). New inputs the fuzzer finds go to
+# BUILD_DIR/corpus/<target> (not the committed corpus; copy good ones to tests/fuzz/corpus by
+# hand, or rerun tests/fuzz/make_corpus.py). Targets: fuzz_store (store frames and requests),
+# fuzz_quorum_wire (READY/DECIDE/VIEW/... messages), fuzz_idx, fuzz_checkpoint, fuzz_config
+# (TOML and overrides).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-fuzz}
+shift || true
+SECONDS_PER=${QRING_FUZZ_SECONDS:-10}
+TARGETS=("$@")
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_store fuzz_quorum_wire fuzz_idx fuzz_checkpoint fuzz_config)
+command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (scripts/setup.sh)" >&2; exit 1; }
+CXX=clang++ cmake -S tests/fuzz -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+mkdir -p "$BUILD/artifacts"
+failed=0
+for t in "${TARGETS[@]}"; do
+  mkdir -p "$BUILD/corpus/$t"
+  echo "== fuzz $t (${SECONDS_PER} s)"
+  if ! ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    "$BUILD/$t" -max_total_time="$SECONDS_PER" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+    -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$t-" \
+    "$BUILD/corpus/$t" "tests/fuzz/corpus/$t" >"$BUILD/$t.log" 2>&1; then
+    echo "fuzz: $t FAILED:"
+    grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$BUILD/$t.log" | head -20
+    failed=1
+  else
+    grep -E "stat::number_of_executed_units|stat::new_units_added" "$BUILD/$t.log" | tr '\n' ' '
+    echo
+  fi
+done
+[ $failed -eq 0 ] && echo "fuzz: every target ran ${SECONDS_PER} s without a finding"
+exit $failed

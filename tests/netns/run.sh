@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Multi-host tests on emulated hosts: two network + UTS namespaces inside one outer namespace
+# (scripts/netns-cluster.sh; nothing reaches the machine's real interfaces), links shaped with
+# tbf. Every rank is started on its host with the QRING_* bootstrap variables (the path
+# qring-launch and Slurm set up for real jobs), rank 0's store on host 1's address.
+#
+#   tests/netns/run.sh [BUILD_DIR]       (default: build; needs root; called by scripts/test.sh)
+#
+# Scenarios:
+#   collectives  2 hosts x 2 ranks of test_coll_netns: the ranks see two host names, rank 0's
+#                store listens on 10.213.0.1 (the address the ranks use), "auto" picks
+#                tcp;ofi_rxm, each rank publishes its host's eth0 address, and all-reduce
+#                (recursive doubling, halving-doubling, ring), broadcast and allgather are
+#                bit-exact across the hosts
+#   bench        qring-bench --op allreduce on 2 hosts x 2 ranks: exit 0, provider tcp, 0 wrong
+#   train        configs/smoke.toml on 4 ranks of one host (qring-launch: shm) and on 2 hosts x
+#                2 ranks (tcp): every rank ends with the same params_checksum, in both runs
+# Every run is bounded (QRING_NETNS_TEST_TIMEOUT seconds, default 120). The last line is
+# "N passed, M failed"; the exit code is non-zero when anything failed. QRING_SKIP_NETNS=1
+# skips, QRING_NETNS_ONLY="bench" runs only the named scenarios.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-${QRING_BUILD:-build}}
+case $BUILD in /*) ;; *) BUILD="$ROOT/$BUILD" ;; esac
+TIMEOUT=${QRING_NETNS_TEST_TIMEOUT:-120}
+export QRING_NETNS_NAME=${QRING_NETNS_TEST_NAME:-qring-test}
+CLUSTER="$ROOT/scripts/netns-cluster.sh"
+WORK=$(mktemp -d /tmp/qring-netns-test.XXXXXX)
+passed=0
+failed=0
+SCENARIOS=(collectives bench train)
+
+pass() {
+  echo "PASS: $1"
+  passed=$((passed + 1))
+}
+fail() {
+  echo "FAIL: $1: $2"
+  failed=$((failed + 1))
+}
+finish() {
+  echo "$passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+}
+
+if [ "${QRING_SKIP_NETNS:-0}" = 1 ]; then
+  echo "netns tests skipped (QRING_SKIP_NETNS=1)"
+  echo "0 passed, 0 failed"
+  exit 0
+fi
+if [ -n "${QRING_NETNS_ONLY:-}" ]; then
+  read -r -a SCENARIOS <<<"$QRING_NETNS_ONLY"
+fi
+wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
+
+cleanup() {
+  "$CLUSTER" stop >/dev/null 2>&1 || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+"$CLUSTER" start 2
+
+# Starts world = 2 x per_host ranks of CMD on hosts 1 and 2 (rank r on host r / per_host + 1),
+# waits at most TIMEOUT s, and returns non-zero if any rank failed; output in $WORK/$1.<rank>.
+run_job() {
+  local name=$1 per_host=$2
+  shift 2
+  local world=$((2 * per_host)) port secret r host pids=()
+  port=$((20000 + RANDOM % 20000))
+  secret=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  for r in $(seq 0 $((world - 1))); do
+    host=$((r / per_host + 1))
+    "$CLUSTER" exec "$host" env QRING_RANK="$r" QRING_WORLD_SIZE="$world" \
+      QRING_LOCAL_RANK=$((r % per_host)) QRING_LOCAL_SIZE="$per_host" \
+      QRING_STORE="$("$CLUSTER" addr 1):$port" QRING_JOB_SECRET="$secret" \
+      QRING_JOB_ID="netns-$name-$$" QRING_NETNS_ADDR="$("$CLUSTER" addr "$host")" \
+      OMP_NUM_THREADS=1 timeout "$TIMEOUT" "$@" >"$WORK/$name.$r" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return $rc
+}
+
+if wants collectives; then
+  if run_job collectives 2 "$BUILD/tests/test_coll_netns" --gtest_brief=1 \
+    --gtest_filter='NetnsHosts.*' && ! grep -q "SKIPPED" "$WORK"/collectives.*; then
+    pass "collectives: 2 hosts x 2 ranks, tcp, store and endpoints on the hosts' addresses"
+  else
+    fail collectives "$(grep -h -E 'Failure|Expected|Which|error' "$WORK"/collectives.* | head -20)"
+  fi
+fi
+
+if wants bench; then
+  if run_job bench 2 "$BUILD/collectives/qring-bench" --op allreduce -b 1K -e 4M -f 16 -n 5 -w 1 &&
+    grep -q "tcp;ofi_rxm" "$WORK/bench.0" && ! grep -q "wrong elements" "$WORK/bench.0"; then
+    pass "bench: qring-bench all-reduce across 2 hosts over tcp"
+  else
+    fail bench "$(tail -5 "$WORK/bench.0")"
+  fi
+fi
+
+if wants train; then
+  cfg="$ROOT/configs/smoke.toml"
+  # One host, four ranks (shm), under qring-launch on host 1.
+  "$CLUSTER" exec 1 env OMP_NUM_THREADS=1 timeout "$TIMEOUT" "$BUILD/net/qring-launch" -n 4 -- \
+    "$BUILD/train/qring-train" --config "$cfg" run.name=one-host "run.out_dir=$WORK/runs" \
+    >"$WORK/train-one" 2>&1 || true
+  run_job train 2 "$BUILD/train/qring-train" --config "$cfg" run.name=two-hosts "run.out_dir=$WORK/runs" || true
+  one=$(grep -h -o -E 'params_checksum [0-9a-f]+' "$WORK/train-one" | sort -u || true)
+  two=$(cat "$WORK"/train.* | grep -o -E 'params_checksum [0-9a-f]+' | sort -u || true)
+  n_one=$(grep -c -E 'params_checksum [0-9a-f]+' "$WORK/train-one" || true)
+  n_two=$(cat "$WORK"/train.* | grep -c -E 'params_checksum [0-9a-f]+' || true)
+  if [ -n "$one" ] && [ "$one" = "$two" ] && [ "$(echo "$one" | wc -l)" -eq 1 ] &&
+    [ "$n_one" -ge 4 ] && [ "$n_two" -ge 4 ] && grep -q "provider shm" "$WORK/train-one" &&
+    grep -q "provider tcp;ofi_rxm" "$WORK/train.0"; then
+    pass "train: 2 hosts x 2 ranks (tcp) end with the parameters of 1 host x 4 ranks (shm): $one"
+  else
+    fail train "one host: '${one:-none}' ($n_one ranks), two hosts: '${two:-none}' ($n_two ranks); $(tail -3 "$WORK/train-one" "$WORK/train.0")"
+  fi
+fi
+
+finish
