@@ -42,12 +42,15 @@ TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
   EXPECT_FALSE(smoke("cfg", {"quorum.quorum=auto", "quorum.quorum=3"}).quorum.quorum_auto);
 }
 
-// Rank 2 sleeps 40 ms before every gradient: "auto" leaves it out after the first steps.
+// Rank 2 sleeps 200 ms before every gradient: "auto" (bounds 3..4) leaves it out after the
+// first steps. (The delay dwarfs what a loaded machine adds to the others' arrivals, and the
+// lower bound 3 keeps a descheduled fast rank from making 2 the better choice.)
 // Every step line carries the quorum, the summary its histogram, and the learning rate of a
 // step is the schedule's (built for 4) times contributors / 4.
 TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
   const int W = 4;
-  auto cfg = smoke("auto4", {"quorum.quorum=auto", "train.steps=40", "straggler.model=fixed:2:40",
+  auto cfg = smoke("auto4", {"quorum.quorum=auto", "quorum.min=3", "train.steps=40",
+                             "straggler.model=fixed:2:200",
                              "train.schedule=constant", "train.warmup_steps=0"});
   CommOptions co;
   co.timeout = std::chrono::seconds(30);
