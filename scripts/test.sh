@@ -5,9 +5,10 @@
 #      tests (label "sanitize"), run through ctest
 #   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
 #   4. multi-host tests on hosts emulated with network namespaces (tests/netns/run.sh)
-#   5. the fuzz targets, a fixed time each (scripts/fuzz.sh; QRING_FUZZ_SECONDS, default 10)
+#   5. ThreadSanitizer build of the collectives and quorum tests, run (scripts/tsan.sh)
+#   6. the fuzz targets, a fixed time each (scripts/fuzz.sh; QRING_FUZZ_SECONDS, default 10)
 # Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 /
-# QRING_SKIP_NETNS=1 / QRING_SKIP_FUZZ=1 skip 2 / 3 / 4 / 5. (ThreadSanitizer: scripts/tsan.sh.)
+# QRING_SKIP_NETNS=1 / QRING_SKIP_TSAN=1 / QRING_SKIP_FUZZ=1 skip 2 / 3 / 4 / 5 / 6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -35,6 +36,11 @@ tests/slurm/run.sh build
 if [ "${QRING_SKIP_NETNS:-0}" != 1 ]; then
   echo "== multi-host tests on emulated hosts (network namespaces)"
   tests/netns/run.sh build
+fi
+
+if [ "${QRING_SKIP_TSAN:-0}" != 1 ]; then
+  echo "== ThreadSanitizer build and run of the collectives and quorum tests"
+  scripts/tsan.sh build-tsan
 fi
 
 if [ "${QRING_SKIP_FUZZ:-0}" != 1 ]; then
