@@ -215,6 +215,15 @@ constexpr uint16_t kCtlVersion = 2;
 constexpr uint8_t kProbe = 1, kAnswer = 2, kMismatch = 3;
 }  // namespace
 
+void Engine::reset_peer(int peer, const std::string& published, uint32_t incarnation) {
+  ep_->reset_peer(peer, published, incarnation);
+  if (!ctl_posted_) return;  // posted with the right generation when the engine starts
+  CtlIn& in = ctl_in_[size_t(peer)];
+  in.next = 0;
+  post_ctl_recv(peer);
+  ctl_out_next_[size_t(peer)] = 0;
+}
+
 void Engine::post_ctl_recv(int peer) {
   CtlIn& in = ctl_in_[size_t(peer)];
   in.req = ep_->irecv(peer, net::make_tag(net::Op::kControl, in.next, size_t(peer)), &in.msg,

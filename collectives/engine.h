@@ -89,6 +89,9 @@ class Engine {
   bool try_progress();
   // Runs `fn` on the engine thread (with the endpoint) and waits for it.
   void run(const std::function<void(net::Endpoint&)>& fn);
+  // Engine thread only (an op's advance): connects `peer`'s new incarnation on the endpoint
+  // (net::Endpoint::reset_peer) and restarts the engine's own control stream with it.
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation);
   // Scratch memory owned by the engine and reused (and registered once) across operations.
   // Engine thread only; the lease returns the buffer to the pool when destroyed.
   class Lease {

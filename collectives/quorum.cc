@@ -21,6 +21,8 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <sstream>
+#include <tuple>
 
 
 #include "collectives/engine.h"
@@ -74,10 +76,67 @@ uint64_t attempt_seq(uint64_t step, uint32_t attempt) {
 
 using qproto::Event;
 
+// Store keys of a rejoin (docs/design.md, "Rejoin"): what rank `owner` publishes about the
+// join of incarnation `inc` of rank `r` -- the joiner its address, each member its address for
+// the joiner -- under "join/<instance>/<r>.<inc>/<owner>" (a key of `owner`: net/store.h).
+std::string join_key(uint32_t instance, int r, uint32_t inc, int owner) {
+  return fmt::format("join/{}/{}.{}/{}", instance, r, inc, owner);
+}
+// Set by the rank that coordinated the end of the job: a rank that comes back later learns
+// that there is nothing to rejoin.
+std::string join_done_key(uint32_t instance, int coordinator) {
+  return fmt::format("join/{}/done/{}", instance, coordinator);
+}
+
+// The value of a join key: "<incarnation> <coordinator> <epoch> <members, comma-separated>"
+// (the publisher's, as it knows them; the joiner: "-1 0 -") and the publisher's address
+// (net::Endpoint::published_address) after a newline.
+struct JoinValue {
+  uint32_t incarnation = 0;
+  int coordinator = -1;
+  uint64_t epoch = 0;
+  std::vector<int> members;
+  std::string address;
+};
+
+std::string encode_join_value(const JoinValue& v) {
+  std::string m = v.members.empty() ? "-" : fmt::format("{}", fmt::join(v.members, ","));
+  return fmt::format("{} {} {} {}\n{}", v.incarnation, v.coordinator, v.epoch, m, v.address);
+}
+
+JoinValue decode_join_value(const std::string& s, int world, const std::string& key) {
+  auto bad = [&] {
+    return ProtocolError(fmt::format("quorum: malformed rejoin record under '{}'", key));
+  };
+  const size_t nl = s.find('\n');
+  if (nl == std::string::npos) throw bad();
+  std::istringstream head(s.substr(0, nl));
+  JoinValue v;
+  int64_t inc = -1;
+  std::string members;
+  if (!(head >> inc >> v.coordinator >> v.epoch >> members) || inc < 0 || inc > UINT32_MAX ||
+      v.coordinator < -1 || v.coordinator >= world)
+    throw bad();
+  v.incarnation = uint32_t(inc);
+  if (members != "-") {
+    std::istringstream ms(members);
+    std::string item;
+    while (std::getline(ms, item, ',')) {
+      char* end = nullptr;
+      long r = std::strtol(item.c_str(), &end, 10);
+      if (item.empty() || *end || r < 0 || r >= world) throw bad();
+      v.members.push_back(int(r));
+    }
+  }
+  v.address = s.substr(nl + 1);
+  return v;
+}
+
 }  // namespace
 
 struct StepLocal {
   void* buf = nullptr;
+  std::vector<Rejoined> joined;  // ranks that entered the view at this step
   std::optional<uint64_t> digest;  // sent with the READY
   bool contributed = false;
   Clock::time_point contrib_time{};
@@ -90,6 +149,31 @@ struct StepLocal {
   // Where the result lands when it is not reduced in place: the excluded rank's copy, and in
   // a job that survives lost ranks every rank's (kept until every live rank has the step).
   std::shared_ptr<std::vector<char>> out;
+};
+
+// The join agent's work (a thread of QuorumAllreduce: the store look-ups of a rejoin, which
+// may block, stay off the engine thread; what touches the endpoint runs in the service).
+struct JoinAgentIo {
+  bool stop = false;
+  // service -> agent
+  std::deque<std::pair<std::string, std::string>> publish;       // key, value
+  struct Fetch {
+    int rank;
+    uint32_t incarnation;
+    std::string key;
+    Clock::time_point until;
+  };
+  std::deque<Fetch> fetch;               // a joiner's address (members)
+  bool coordinating = false;             // watch the incarnations of the ranks outside the view
+  std::vector<uint32_t> incarnations;    // per rank, as the coordinator knows them
+  std::vector<char> outside;             // per rank: not in the coordinator's view
+  bool searching = false;                // the joiner: look for the members' addresses
+  bool finished = false;                 // the joiner: the job has ended (join_done_key)
+  // agent -> service
+  std::deque<std::string> published;
+  std::deque<std::tuple<int, uint32_t, std::string>> fetched;  // joiner, incarnation, value
+  std::deque<std::pair<int, uint32_t>> found;                  // new incarnations
+  std::deque<std::pair<int, std::string>> values;              // the joiner: member, value
 };
 
 struct QuorumAllreduce::Shared {
@@ -124,6 +208,24 @@ struct QuorumAllreduce::Shared {
   std::vector<int> members;                          // as of the last completed step
   int coordinator = 0;                               // the rank coordinating now
   std::vector<ViewChange> views;
+
+  JoinAgentIo agent;
+  std::condition_variable agent_cv;
+  // The joiner: set once it is admitted; what it waits for until then (for the error).
+  std::optional<JoinInfo> joined_info;
+  std::string join_stage = "waiting for the coordinator to notice this incarnation";
+  // State transfer: donor side (send_state), joiner side (receive_state).
+  struct StateOut {
+    int to;
+    uint64_t step;
+    std::shared_ptr<std::vector<char>> buf;
+  };
+  std::deque<StateOut> state_out;
+  size_t state_len = 0;  // > 0: receive_state waits for this many bytes at most
+  bool state_done = false;
+  std::shared_ptr<std::vector<char>> state_in;
+  size_t state_bytes = 0;
+  std::string state_error;
 
   void fail(std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -171,6 +273,14 @@ class QuorumService final : public EngineOp {
     out_next_.assign(size_t(world_), 0);
     results_to_.resize(size_t(world_));
     reported_suspect_.assign(size_t(world_), false);
+    inc_.assign(size_t(world_), 0);
+    join_step_of_.assign(size_t(world_), 0);
+    joining_ = o.join;
+    admitted_ = !joining_;
+    if (joining_) {
+      view_.members.clear();  // learned when it is admitted
+      coord_ = -1;
+    }
   }
 
   std::string name() const override { return "quorum service"; }
@@ -183,7 +293,8 @@ class QuorumService final : public EngineOp {
   // Between steps: nothing of this rank in flight, only the standing receives.
   bool passive() const override {
     return rings_.empty() && result_recvs_.empty() && sends_.empty() && awaiting_decide_.empty() &&
-           (!coord_state_ || !coord_state_->waiting()) && !finished_;
+           (!coord_state_ || !coord_state_->waiting()) && !finished_ && member_joins_.empty() &&
+           (!joining_ || admitted_);
   }
 
   void start(net::Endpoint& ep) override {
@@ -195,18 +306,24 @@ class QuorumService final : public EngineOp {
     down_in_.resize(size_t(world_));
     up_out_next_.assign(size_t(world_), 0);
     told_deposed_.assign(size_t(world_), false);
+    my_inc_ = ep.incarnation();
+    inc_[size_t(rank_)] = my_inc_;
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
       post_up_recv(ep, p);
       post_down_recv(ep, p);
     }
-    if (rank_ == coord_) {
+    if (rank_ == coord_ && !joining_) {
       coord_state_ = std::make_unique<qproto::Coordinator>(cfg_, now);
       log_arrivals();
     }
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       sh_->members = view_.members;
+      if (joining_) {
+        sh_->coordinator = -1;
+        sh_->agent.searching = true;
+      }
       ViewChange v;
       v.members = view_.members;
       v.seen = now;
@@ -243,6 +360,8 @@ class QuorumService final : public EngineOp {
     try {
       resync_after_pause(ep);
       moved |= take_events(ep);
+      moved |= poll_agent(ep);
+      moved |= poll_state(ep);
       moved |= poll_down(ep);
       moved |= poll_up(ep);
       moved |= gather_takeover(ep);
@@ -255,6 +374,10 @@ class QuorumService final : public EngineOp {
     } catch (const Evicted&) {
       fatal = true;
       error_ = std::current_exception();
+      dead_ = true;
+    } catch (const JobOver&) {
+      fatal = true;
+      sh_->fail(std::current_exception());
       dead_ = true;
     } catch (const QuorumLost&) {
       fatal = true;
@@ -321,6 +444,13 @@ class QuorumService final : public EngineOp {
     std::shared_ptr<std::vector<char>> buf;
     int peer = -1;
     bool result = false;  // a step's result to a rank outside S(t)
+    uint32_t incarnation = 0;  // of the peer when it was sent
+  };
+  struct MemberJoin {
+    uint32_t incarnation = 0;
+    std::string key;  // where this rank publishes its address for the joiner
+    bool connected = false;
+    Clock::time_point started = Clock::now();
   };
   struct Ring {
     std::unique_ptr<EngineOp> op;
@@ -441,7 +571,8 @@ class QuorumService final : public EngineOp {
     qproto::Config cfg = cfg_;
     cfg.self = rank_;
     std::vector<qproto::Action> out;
-    coord_state_ = std::make_unique<qproto::Coordinator>(cfg, now, v, completed, known, out);
+    coord_state_ =
+        std::make_unique<qproto::Coordinator>(cfg, now, v, completed, known, out, inc_);
     coord_ = rank_;
     log_arrivals();
     auto early = std::move(takeover_->early);
@@ -506,6 +637,228 @@ class QuorumService final : public EngineOp {
     sends_.clear();
   }
 
+  // ---- rejoin (docs/design.md, "Rejoin"). A new incarnation of rank r is found in the store
+  // by the coordinator's join agent (kJoin); the coordinator tells every member (JOINING);
+  // each member fetches r's address, reconnects to it (Engine::reset_peer: new generation in
+  // the tags, streams from message 0), publishes its own address for r and ACCEPTs; r finds
+  // those addresses, connects to every member and says HELLO to the coordinator, which admits
+  // it in the next view. What blocks (the store) runs on the agent thread.
+
+  // Streams with `p` start over (its new incarnation, or this rank's first contact with it).
+  void reset_streams(net::Endpoint& ep, int p) {
+    for (In* in : {&up_in_[size_t(p)], &down_in_[size_t(p)]}) {
+      if (in->req && !in->req->done()) ep.cancel(in->req);
+      in->req.reset();
+      in->next = 0;
+    }
+    post_up_recv(ep, p);
+    post_down_recv(ep, p);
+    up_out_next_[size_t(p)] = 0;
+    out_next_[size_t(p)] = 0;
+    results_to_[size_t(p)] = ResultsTo{};
+    told_deposed_[size_t(p)] = false;
+    reported_suspect_[size_t(p)] = false;
+  }
+
+  void connect_peer(net::Endpoint& ep, int p, const std::string& address, uint32_t inc) {
+    engine_.reset_peer(p, address, inc);
+    inc_[size_t(p)] = inc;
+    reset_streams(ep, p);
+  }
+
+  std::string own_join_value(net::Endpoint& ep) const {
+    JoinValue v;
+    v.incarnation = my_inc_;
+    v.coordinator = coord_;
+    v.epoch = view_.epoch;
+    v.members = view_.members;
+    v.address = ep.published_address();
+    return encode_join_value(v);
+  }
+
+  // JOINING(r, inc): fetch r's address (agent), then reconnect and accept (poll_agent).
+  void apply_joining(int r, uint32_t inc) {
+    if (r == rank_ || inc <= inc_[size_t(r)]) return;
+    member_joins_[r] = MemberJoin{inc, join_key(instance_, r, inc, rank_)};
+    spdlog::info("rank {}: quorum: rank {} comes back (incarnation {}); reconnecting", rank_, r,
+                 inc);
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    sh_->agent.fetch.push_back(
+        {r, inc, join_key(instance_, r, inc, r), Clock::now() + o_.deadline});
+    sh_->agent_cv.notify_all();
+  }
+
+  bool poll_agent(net::Endpoint& ep) {
+    std::deque<std::string> published;
+    std::deque<std::tuple<int, uint32_t, std::string>> fetched;
+    std::deque<std::pair<int, uint32_t>> found;
+    std::deque<std::pair<int, std::string>> values;
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      JoinAgentIo& a = sh_->agent;
+      a.coordinating = coord_state_ != nullptr && !coord_state_->stopped();
+      if (a.coordinating) {
+        a.incarnations.resize(size_t(world_));
+        a.outside.assign(size_t(world_), 1);
+        for (int r = 0; r < world_; ++r) a.incarnations[size_t(r)] = coord_state_->incarnation(r);
+        for (int r : coord_state_->view().members) a.outside[size_t(r)] = 0;
+      }
+      published.swap(a.published);
+      fetched.swap(a.fetched);
+      found.swap(a.found);
+      values.swap(a.values);
+      if (a.finished && joining_ && !admitted_)
+        throw JobOver(fmt::format("rank {}: the job finished before this incarnation could "
+                                  "rejoin it",
+                                  rank_));
+    }
+    bool moved = false;
+    for (auto& [r, inc] : found) {
+      if (!coord_state_) continue;
+      Event e;
+      e.kind = Event::Kind::kJoin;
+      e.from = r;
+      e.count = inc;
+      feed(ep, e);
+      moved = true;
+    }
+    for (auto& [r, inc, value] : fetched) {
+      auto it = member_joins_.find(r);
+      if (it == member_joins_.end() || it->second.incarnation != inc || it->second.connected)
+        continue;
+      try {
+        const JoinValue v = decode_join_value(value, world_, join_key(instance_, r, inc, r));
+        if (v.incarnation != inc)
+          throw ProtocolError(fmt::format("rank {}'s record names incarnation {}, not {}", r,
+                                          v.incarnation, inc));
+        connect_peer(ep, r, v.address, inc);
+      } catch (const std::exception& e) {
+        spdlog::warn("rank {}: quorum: cannot reconnect to rank {} (incarnation {}): {}", rank_,
+                     r, inc, e.what());
+        member_joins_.erase(it);
+        continue;
+      }
+      it->second.connected = true;
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      sh_->agent.publish.emplace_back(it->second.key, own_join_value(ep));
+      sh_->agent_cv.notify_all();
+      moved = true;
+    }
+    // A join the coordinator gave up on (the joiner never published, or left) is forgotten
+    // here too, after twice the time the coordinator waits for it.
+    for (auto it = member_joins_.begin(); it != member_joins_.end();) {
+      if (Clock::now() - it->second.started > 2 * o_.deadline)
+        it = member_joins_.erase(it);
+      else
+        ++it;
+    }
+    for (auto& key : published) {
+      for (auto it = member_joins_.begin(); it != member_joins_.end(); ++it) {
+        if (it->second.key != key) continue;
+        Event e;
+        e.suspect = it->first;
+        e.count = it->second.incarnation;
+        send_up(ep, qwire::Up::kAccept, e);
+        member_joins_.erase(it);
+        moved = true;
+        break;
+      }
+    }
+    for (auto& [p, value] : values) {
+      // The joiner: member p's address for this incarnation.
+      JoinValue v;
+      try {
+        v = decode_join_value(value, world_, join_key(instance_, rank_, my_inc_, p));
+        connect_peer(ep, p, v.address, v.incarnation);
+      } catch (const std::exception& e) {
+        throw ConfigError(fmt::format("rank {}: rejoin: cannot connect to rank {}: {}", rank_,
+                                      p, e.what()));
+      }
+      joiner_connected_.insert(p);
+      if (v.epoch >= joiner_epoch_ && v.coordinator >= 0) {
+        joiner_epoch_ = v.epoch;
+        joiner_coord_ = v.coordinator;
+        joiner_members_ = v.members;
+      }
+      moved = true;
+    }
+    if (joining_ && !admitted_ && !hello_sent_ && joiner_coord_ >= 0) {
+      std::vector<int> missing;
+      for (int m : joiner_members_)
+        if (m != rank_ && !joiner_connected_.count(m)) missing.push_back(m);
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      if (missing.empty() && joiner_connected_.count(joiner_coord_)) {
+        sh_->join_stage = fmt::format(
+            "connected to the members {}; waiting for the coordinator (rank {}) to admit it",
+            joiner_members_, joiner_coord_);
+        sh_->agent.searching = false;
+      } else {
+        sh_->join_stage = fmt::format(
+            "waiting for members {} of {} to reconnect to this incarnation", missing,
+            joiner_members_);
+      }
+    }
+    if (joining_ && !admitted_ && !hello_sent_ && joiner_coord_ >= 0 &&
+        joiner_connected_.count(joiner_coord_) &&
+        std::all_of(joiner_members_.begin(), joiner_members_.end(), [&](int m) {
+          return m == rank_ || joiner_connected_.count(m) != 0;
+        })) {
+      hello_sent_ = true;
+      coord_ = joiner_coord_;
+      last_down_ = Clock::now();
+      Event e;
+      e.from = rank_;
+      e.completed = completed_;
+      e.count = my_inc_;
+      send_up_to(ep, coord_, qwire::Up::kHello, e);
+      moved = true;
+    }
+    return moved;
+  }
+
+  // State transfer: the donor's sends (send_state), the joiner's receive (receive_state).
+  bool poll_state(net::Endpoint& ep) {
+    std::deque<QuorumAllreduce::Shared::StateOut> out;
+    size_t want = 0;
+    {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      out.swap(sh_->state_out);
+      if (!state_req_ && !sh_->state_done) want = sh_->state_len;
+    }
+    bool moved = false;
+    for (auto& st : out) {
+      auto req = ep.isend(st.to, net::make_tag(net::Op::kQuorumState, st.step, chunk(rank_)),
+                          st.buf->data(), st.buf->size());
+      sends_.push_back({req, st.buf, st.to, false, inc_[size_t(st.to)]});
+      moved = true;
+    }
+    if (want > 0 && admitted_ && joining_) {
+      state_buf_ = std::make_shared<std::vector<char>>(want);
+      state_req_ = ep.irecv(donor_, net::make_tag(net::Op::kQuorumState, join_step_, chunk(donor_)),
+                            state_buf_->data(), want);
+      moved = true;
+    }
+    if (state_req_ && (state_req_->done() || !view_.has(donor_))) {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      if (!state_req_->done()) {
+        ep.cancel(state_req_);
+        sh_->state_error = fmt::format("the donor, rank {}, left the view before its state came",
+                                       donor_);
+      } else if (!state_req_->ok()) {
+        sh_->state_error = fmt::format("the state from rank {} failed: {}", donor_,
+                                       state_req_->error);
+      } else {
+        sh_->state_in = state_buf_;
+        sh_->state_bytes = state_req_->bytes;
+      }
+      sh_->state_done = true;
+      state_req_.reset();
+      sh_->cv.notify_all();
+      moved = true;
+    }
+    return moved;
+  }
+
   // ---- streams. Up: rank -> coordinator, (kQuorumReady, n, sender). Down: coordinator ->
   // rank, (kQuorumDecide, n, coordinator). Exact tags numbered per stream, never ignore
   // masks: libfabric 1.17's shm provider loses unexpected messages matched through one.
@@ -530,11 +883,13 @@ class QuorumService final : public EngineOp {
                : type == qwire::Up::kReport  ? Event::Kind::kReport
                : type == qwire::Up::kSuspect ? Event::Kind::kSuspect
                : type == qwire::Up::kBye     ? Event::Kind::kBye
+               : type == qwire::Up::kAccept  ? Event::Kind::kAccept
                                              : Event::Kind::kHeartbeat;
       self_events_.push_back(e);
       return;
     }
     if (takeover_) return;  // collecting acks: this rank is about to coordinate
+    if (coord_ < 0) return;  // a joiner that has not reached the coordinator yet
     send_up_to(ep, coord_, type, e);
   }
   // On the up stream to `to` (the coordinator, or a deposed one told so).
@@ -543,7 +898,7 @@ class QuorumService final : public EngineOp {
     auto req = ep.isend(to, net::make_tag(net::Op::kQuorumReady, up_out_next_[size_t(to)]++,
                                           chunk(rank_)),
                         buf->data(), buf->size());
-    sends_.push_back({req, buf, to, false});
+    sends_.push_back({req, buf, to, false, inc_[size_t(to)]});
   }
   // The coordinator's message to every other member of the view in force (one encoding).
   void broadcast_down(net::Endpoint& ep, const qwire::DownMsg& m) {
@@ -554,7 +909,7 @@ class QuorumService final : public EngineOp {
   void send_down(net::Endpoint& ep, int to, const std::shared_ptr<std::vector<char>>& buf) {
     auto req = ep.isend(to, net::make_tag(net::Op::kQuorumDecide, out_next_[size_t(to)]++, chunk(rank_)),
                         buf->data(), buf->size());
-    sends_.push_back({req, buf, to, false});
+    sends_.push_back({req, buf, to, false, inc_[size_t(to)]});
   }
 
   // ---- the coordinator: messages in, actions out.
@@ -649,6 +1004,7 @@ class QuorumService final : public EngineOp {
         m.type = qwire::Down::kView;
         m.view = a.view;
         m.left = a.left;
+        m.joined = a.joined;
         break;
       case K::kDecide:
         m.type = qwire::Down::kDecide;
@@ -665,6 +1021,11 @@ class QuorumService final : public EngineOp {
       case K::kFatal:
         m.type = qwire::Down::kFatal;
         m.text = a.reason;
+        break;
+      case K::kJoining:
+        m.type = qwire::Down::kJoining;
+        m.joiner = a.joiner;
+        m.incarnation = a.incarnation;
         break;
     }
     if (a.kind == K::kEvicted) {
@@ -736,6 +1097,9 @@ class QuorumService final : public EngineOp {
       case qwire::Down::kDecide:
         apply_decide(ep, m.decide);
         return;
+      case qwire::Down::kJoining:
+        apply_joining(m.joiner, m.incarnation);
+        return;
     }
   }
 
@@ -748,6 +1112,33 @@ class QuorumService final : public EngineOp {
     v.epoch = view_.epoch;
     v.members = view_.members;
     for (auto& d : m.left) v.left.push_back({d.rank, qproto::to_string(d.why), d.silent_ms});
+    for (auto& j : m.joined) {
+      v.joined.push_back({j.rank, j.incarnation, j.step, j.donor});
+      join_step_of_[size_t(j.rank)] = j.step;
+      if (j.rank == rank_ && joining_ && !admitted_ && j.incarnation == my_inc_) {
+        admitted_ = true;
+        join_step_ = j.step;
+        donor_ = j.donor;
+        completed_ = int64_t(j.step) - 1;
+        heard_coordinator_ = true;
+        last_down_ = Clock::now();
+        JoinInfo info;
+        info.step = j.step;
+        info.donor = j.donor;
+        info.epoch = view_.epoch;
+        info.members = view_.members;
+        info.join_ms = ms_between(created_, Clock::now());
+        std::lock_guard<std::mutex> lock(sh_->mu);
+        sh_->joined_info = info;
+        sh_->members = view_.members;
+        sh_->coordinator = coord_;
+        sh_->cv.notify_all();
+      } else if (j.rank != rank_) {
+        // Every member learns it with step j.step's result (QuorumResult::joined).
+        std::lock_guard<std::mutex> lock(sh_->mu);
+        sh_->steps[j.step].joined.push_back({j.rank, j.incarnation, j.step, j.donor});
+      }
+    }
     v.seen = Clock::now();
     std::string who;
     for (auto& d : v.left)
@@ -771,6 +1162,15 @@ class QuorumService final : public EngineOp {
   // if not, stop working on it (its reduction can no longer complete as decided) and wait for
   // the step to be decided again.
   void apply_recover(net::Endpoint& ep, uint64_t t, uint32_t attempt) {
+    if (joining_ && t < join_step_) {
+      // Before this rank (re)joined: it takes no part in that step.
+      Event e;
+      e.step = t;
+      e.attempt = attempt;
+      e.absent = true;
+      send_up(ep, qwire::Up::kReport, e);
+      return;
+    }
     bool have = done_.count(t) != 0;
     if (!have) {
       auto r = rings_.find(t);
@@ -892,7 +1292,7 @@ class QuorumService final : public EngineOp {
                                             chunk(0)),
                           r.buf->data(), r.buf->size());
       ++q.in_flight;
-      sends_.push_back({req, r.buf, to, true});
+      sends_.push_back({req, r.buf, to, true, inc_[size_t(to)]});
     }
   }
 
@@ -909,6 +1309,7 @@ class QuorumService final : public EngineOp {
 
   void apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
     const uint64_t t = d.step;
+    if (joining_ && t < join_step_) return;  // decided again, before this rank (re)joined
     if (d.epoch != view_.epoch)
       throw ProtocolError(fmt::format("rank {}: quorum step {} decided in view {}, this rank is "
                                       "in view {}",
@@ -1107,6 +1508,7 @@ class QuorumService final : public EngineOp {
       size_t k = ring.members.size();
       for (int x : view_.members) {
         if (std::find(ring.members.begin(), ring.members.end(), x) != ring.members.end()) continue;
+        if (join_step_of_[size_t(x)] > t) continue;  // joined after this step: not its result
         if (ring.members[size_t(x) % k] == rank_) targets.push_back(x);
       }
       std::shared_ptr<std::vector<char>> out;
@@ -1181,7 +1583,7 @@ class QuorumService final : public EngineOp {
       // A failed send concerns that peer only: it is reported, nothing else is affected.
       if (!it->req->ok() && it->req->state != net::RequestState::kCancelled && !dead_)
         failed.emplace_back(it->peer, it->req->error);
-      if (it->result) {
+      if (it->result && it->incarnation == inc_[size_t(it->peer)]) {
         --results_to_[size_t(it->peer)].in_flight;
         flush.push_back(it->peer);
       }
@@ -1198,7 +1600,7 @@ class QuorumService final : public EngineOp {
   // coordinator tells every member, so silence means a stopped or dead process, never a long
   // computation: this runs on the engine thread.
   void heartbeat(net::Endpoint& ep) {
-    if (bye_sent_) return;
+    if (bye_sent_ || (joining_ && !admitted_)) return;
     auto now = Clock::now();
     if (now - last_beat_ < heartbeat_ && completed_ == beat_completed_) return;
     if (now - last_beat_ < heartbeat_ / 4) return;
@@ -1217,6 +1619,7 @@ class QuorumService final : public EngineOp {
 
   void check_deadlines(net::Endpoint& ep) {
     auto now = Clock::now();
+    if (joining_ && !admitted_) return;  // join() has its own deadline
     // Until the coordinator has spoken once (start-up) the deadline applies.
     const auto silence_limit =
         (heard_coordinator_ ? o_.evict : std::max(o_.evict, o_.deadline)) + heartbeat_;
@@ -1334,7 +1737,147 @@ class QuorumService final : public EngineOp {
   std::set<uint64_t> done_;  // completed here, not yet settled everywhere (tolerant jobs)
   std::map<uint64_t, std::shared_ptr<std::vector<char>>> kept_;  // their results
   std::vector<std::shared_ptr<std::vector<char>>> pool_;
+  // Rejoin.
+  Clock::time_point created_ = Clock::now();
+  uint32_t my_inc_ = 0;               // this process's incarnation
+  std::vector<uint32_t> inc_;         // per rank: the incarnation this rank talks to
+  std::vector<uint64_t> join_step_of_;  // per rank: the step it (re)joined at (0: at the start)
+  std::map<int, MemberJoin> member_joins_;  // ranks coming back that this member reconnects to
+  bool joining_ = false;              // this process joins a running job
+  bool admitted_ = true;              // ... and has been admitted to a view
+  uint64_t join_step_ = 0;
+  int donor_ = -1;
+  bool hello_sent_ = false;
+  std::set<int> joiner_connected_;
+  std::vector<int> joiner_members_;
+  int joiner_coord_ = -1;
+  uint64_t joiner_epoch_ = 0;
+  net::RequestPtr state_req_;
+  std::shared_ptr<std::vector<char>> state_buf_;
 };
+
+}  // namespace
+
+namespace {
+
+// The join agent (QuorumOptions::store): the store look-ups of rejoins, on a thread of their
+// own because they block. Every 20 ms it publishes what the service asked for, fetches the
+// addresses of joiners for it (members), looks for new incarnations of the ranks outside the
+// view every 100 ms (the coordinator), and looks for the members' addresses (a joiner).
+// Store errors are logged and retried; they never stop the job (a rank that cannot rejoin
+// stays out).
+void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* store,
+                    Engine* engine, int rank, int world, uint32_t instance, uint32_t my_inc) {
+  using namespace std::chrono_literals;
+  Clock::time_point last_watch{}, last_done_check{};
+  std::vector<char> found_peer(size_t(world), 0);
+  found_peer[size_t(rank)] = 1;
+  Clock::time_point last_warning{};
+  auto warn = [&](const std::string& what, const std::exception& e) {
+    if (Clock::now() - last_warning < 5s) return;
+    last_warning = Clock::now();
+    spdlog::warn("rank {}: quorum join agent: {}: {}", rank, what, e.what());
+  };
+  while (true) {
+    std::deque<std::pair<std::string, std::string>> publish;
+    std::deque<JoinAgentIo::Fetch> fetch;
+    bool coordinating, searching;
+    std::vector<uint32_t> incs;
+    std::vector<char> outside;
+    {
+      std::unique_lock<std::mutex> lock(sh->mu);
+      JoinAgentIo& a = sh->agent;
+      sh->agent_cv.wait_for(lock, 20ms, [&] { return a.stop || !a.publish.empty(); });
+      if (a.stop) return;
+      publish.swap(a.publish);
+      fetch.swap(a.fetch);
+      coordinating = a.coordinating;
+      searching = a.searching;
+      incs = a.incarnations;
+      outside = a.outside;
+    }
+    JoinAgentIo out;
+    std::deque<std::pair<std::string, std::string>> retry_publish;
+    std::deque<JoinAgentIo::Fetch> retry_fetch;
+    for (auto& [key, value] : publish) {
+      try {
+        store->set(key, value);
+        out.published.push_back(key);
+      } catch (const std::exception& e) {
+        warn(fmt::format("cannot publish '{}'", key), e);
+        retry_publish.emplace_back(key, value);
+      }
+    }
+    for (auto& f : fetch) {
+      try {
+        if (store->check({f.key})) {
+          out.fetched.emplace_back(f.rank, f.incarnation, store->get(f.key, net::deadline_in(2s)));
+          continue;
+        }
+      } catch (const std::exception& e) {
+        warn(fmt::format("cannot read '{}'", f.key), e);
+      }
+      if (Clock::now() < f.until) retry_fetch.push_back(f);
+    }
+    const auto now = Clock::now();
+    if (coordinating && now - last_watch >= 100ms) {
+      last_watch = now;
+      for (int r = 0; r < world && size_t(r) < outside.size(); ++r) {
+        if (!outside[size_t(r)] || r == rank) continue;
+        try {
+          const std::string key = net::incarnation_key(r);
+          if (!store->check({key})) continue;
+          const int64_t n = net::parse_counter(key, store->get(key, net::deadline_in(2s)));
+          if (n < 1 || n - 1 <= int64_t(incs[size_t(r)]) || n - 1 > int64_t(UINT32_MAX)) continue;
+          const uint32_t inc = uint32_t(n - 1);
+          // Found once its address is there to fetch.
+          if (store->check({join_key(instance, r, inc, r)})) out.found.emplace_back(r, inc);
+        } catch (const std::exception& e) {
+          warn(fmt::format("cannot look for a new incarnation of rank {}", r), e);
+        }
+      }
+    }
+    if (searching && now - last_done_check >= 200ms) {
+      last_done_check = now;
+      // The job may have finished while this rank was away.
+      for (int p = 0; p < world && !out.finished; ++p) {
+        try {
+          out.finished = store->check({join_done_key(instance, p)});
+        } catch (const std::exception& e) {
+          warn("cannot look for the end of the job", e);
+        }
+      }
+    }
+    if (searching) {
+      for (int p = 0; p < world; ++p) {
+        if (found_peer[size_t(p)]) continue;
+        const std::string key = join_key(instance, rank, my_inc, p);
+        try {
+          if (!store->check({key})) continue;
+          out.values.emplace_back(p, store->get(key, net::deadline_in(2s)));
+          found_peer[size_t(p)] = 1;
+        } catch (const std::exception& e) {
+          warn(fmt::format("cannot read '{}'", key), e);
+        }
+      }
+    }
+    const bool any = !out.published.empty() || !out.fetched.empty() || !out.found.empty() ||
+                     !out.values.empty() || out.finished;
+    {
+      std::lock_guard<std::mutex> lock(sh->mu);
+      JoinAgentIo& a = sh->agent;
+      for (auto& k : out.published) a.published.push_back(std::move(k));
+      for (auto& f : out.fetched) a.fetched.push_back(std::move(f));
+      for (auto& f : out.found) a.found.push_back(f);
+      for (auto& v : out.values) a.values.push_back(std::move(v));
+      a.finished = a.finished || out.finished;
+      for (auto& p : retry_publish) a.publish.push_back(std::move(p));
+      for (auto& f : retry_fetch) a.fetch.push_back(std::move(f));
+    }
+    if (any) engine->kick();
+    if (!retry_publish.empty()) std::this_thread::sleep_for(20ms);
+  }
+}
 
 }  // namespace
 
@@ -1364,13 +1907,59 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
   if (opts_.late == LatePolicy::kCarry) carry_.assign(count * dtype_size(opts_.type), 0);
   if (w > (1 << 16))
     throw ConfigError(fmt::format("the quorum all-reduce supports up to 65536 ranks, not {}", w));
+  if (opts_.join && (!opts_.store || w < 2))
+    throw UsageError("quorum: joining a running job needs the rendezvous store and peers");
+  const uint32_t instance = opts_.instance >= 0 ? uint32_t(opts_.instance) : comm.next_seq();
+  instance_ = int(instance);
   auto op = std::make_unique<QuorumService>(comm.engine(), comm.options(), count, opts_, shared_,
-                                            comm.next_seq());
+                                            instance);
   op->deadline = Clock::time_point::max();
+  if (opts_.store && w > 1 && survives_loss()) {
+    uint32_t inc = 0;
+    std::string address;
+    comm.engine().run([&](net::Endpoint& ep) {
+      inc = ep.incarnation();
+      address = ep.published_address();
+    });
+    if (opts_.join) {
+      if (inc == 0) throw UsageError("quorum: joining a running job as incarnation 0");
+      // The joiner's address for the members (they fetch it when the coordinator tells them).
+      JoinValue v;
+      v.incarnation = inc;
+      v.address = address;
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->agent.publish.emplace_back(
+          join_key(instance & 0xFF, comm.rank(), inc, comm.rank()), encode_join_value(v));
+    }
+    agent_ = std::thread(run_join_agent, shared_, opts_.store, &comm.engine(), comm.rank(), w,
+                         instance & 0xFF, inc);
+  }
   service_ = comm.submit(std::move(op));
 }
 
 QuorumAllreduce::~QuorumAllreduce() {
+  if (agent_.joinable()) {
+    // The job ended well here: a rank that comes back now has nothing to rejoin.
+    bool done = std::uncaught_exceptions() == 0 && coordinator() == comm_.rank();
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      done = done && !shared_->poison;
+    }
+    if (done) {
+      try {
+        opts_.store->set(join_done_key(uint32_t(instance_) & 0xFF, comm_.rank()), "1");
+      } catch (const std::exception& e) {
+        spdlog::warn("rank {}: quorum: cannot record the end of the job: {}", comm_.rank(),
+                     e.what());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->agent.stop = true;
+    }
+    shared_->agent_cv.notify_all();
+    agent_.join();
+  }
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     shared_->shutdown = true;
@@ -1567,10 +2156,19 @@ void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
 }
 
 QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
+  if (!out && count_) throw UsageError("quorum wait: null output buffer");
+  return wait_impl(step, out, nullptr);
+}
+
+QuorumResult QuorumAllreduce::wait(uint64_t step, View* view) {
+  if (!view) throw UsageError("quorum wait: null view");
+  return wait_impl(step, nullptr, view);
+}
+
+QuorumResult QuorumAllreduce::wait_impl(uint64_t step, void* out, View* view) {
   if (have_next_ && step != next_step_)
     throw UsageError(fmt::format("rank {}: wait for step {}, but step {} is next", comm_.rank(),
                                  step, next_step_));
-  if (!out && count_) throw UsageError("quorum wait: null output buffer");
   auto t0 = Clock::now();
   help_progress(step);
   std::unique_lock<std::mutex> lock(shared_->mu);
@@ -1591,13 +2189,24 @@ QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
   if (s.error) std::rethrow_exception(s.error);
   if (!s.done && shared_->poison) std::rethrow_exception(shared_->poison);
   QuorumResult res = std::move(s.result);
+  res.joined = std::move(s.joined);
   const size_t bytes = count_ * dtype_size(opts_.type);
   if (s.excluded && s.contributed && opts_.late == LatePolicy::kCarry) {
     // The late gradient (with anything carried into it) counts in the next contribution.
     std::memcpy(carry_.data(), s.buf, bytes);
     carry_pending_ = true;
   }
-  if (res.skipped) {
+  if (view) {
+    *view = View{};
+    if (res.skipped) {
+      // No result on any rank: the caller makes no update.
+    } else if (s.out) {
+      view->data = s.out->data();
+      view->hold = std::shared_ptr<const void>(s.out, s.out->data());
+    } else {
+      view->data = s.buf;
+    }
+  } else if (res.skipped) {
     // No result on any rank: the caller makes no update.
   } else if (s.out) {
     if (bytes) std::memcpy(out, s.out->data(), bytes);
@@ -1610,6 +2219,62 @@ QuorumResult QuorumAllreduce::wait(uint64_t step, void* out) {
   have_next_ = true;
   next_step_ = step + 1;
   return res;
+}
+
+JoinInfo QuorumAllreduce::join(Clock::time_point until) {
+  if (!opts_.join) throw UsageError("quorum join(): this all-reduce was not made to join");
+  std::unique_lock<std::mutex> lock(shared_->mu);
+  const auto t0 = Clock::now();
+  while (!shared_->joined_info && !shared_->poison && Clock::now() < until)
+    shared_->cv.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(50)));
+  if (shared_->poison) std::rethrow_exception(shared_->poison);
+  if (!shared_->joined_info)
+    throw QuorumTimeout(
+        fmt::format("rank {}: rejoining the running job: not admitted within {:.0f} ms ({})",
+                    comm_.rank(), ms_between(t0, Clock::now()), shared_->join_stage),
+        {});
+  return *shared_->joined_info;
+}
+
+size_t QuorumAllreduce::receive_state(void* buf, size_t len, Clock::time_point until) {
+  if (!opts_.join) throw UsageError("quorum receive_state(): not a joining rank");
+  if (len == 0 || !buf) throw UsageError("quorum receive_state(): empty buffer");
+  int donor;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    if (!shared_->joined_info) throw UsageError("quorum receive_state() before join()");
+    donor = shared_->joined_info->donor;
+    shared_->state_len = len;
+  }
+  comm_.engine().kick();
+  std::unique_lock<std::mutex> lock(shared_->mu);
+  const auto t0 = Clock::now();
+  while (!shared_->state_done && !shared_->poison && Clock::now() < until)
+    shared_->cv.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(50)));
+  if (shared_->poison) std::rethrow_exception(shared_->poison);
+  if (!shared_->state_done)
+    throw QuorumTimeout(fmt::format("rank {}: rejoining: no state from rank {} (the donor) "
+                                    "within {:.0f} ms",
+                                    comm_.rank(), donor, ms_between(t0, Clock::now())),
+                        {donor});
+  if (!shared_->state_error.empty())
+    throw IoError(fmt::format("rank {}: rejoining: {}", comm_.rank(), shared_->state_error));
+  std::memcpy(buf, shared_->state_in->data(), shared_->state_bytes);
+  const size_t n = shared_->state_bytes;
+  shared_->state_in.reset();
+  return n;
+}
+
+void QuorumAllreduce::send_state(int to, uint64_t step, std::vector<char> state) {
+  if (to < 0 || to >= comm_.size() || to == comm_.rank())
+    throw UsageError(fmt::format("quorum send_state(): rank {} out of range", to));
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    if (shared_->poison) std::rethrow_exception(shared_->poison);
+    shared_->state_out.push_back(
+        {to, step, std::make_shared<std::vector<char>>(std::move(state))});
+  }
+  comm_.engine().kick();
 }
 
 }  // namespace qring::collectives

@@ -23,9 +23,11 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "net/store.h"
 
 namespace qring::collectives {
 
@@ -52,11 +54,46 @@ struct QuorumOptions {
   int evict_steps = 0;
   // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
   int min_world = 0;
+  // Rejoin (docs/design.md, "Rejoin"): the rendezvous store through which a rank that comes
+  // back (a new incarnation: restarted, or evicted while alive) is found and connected. It
+  // must outlive the all-reduce. nullptr: a rank that left stays out.
+  net::Store* store = nullptr;
+  // This process is a new incarnation of its rank (its endpoint's incarnation() > 0) joining
+  // the running job: it takes part in no step until join() returns.
+  bool join = false;
+  // The instance number in the control tags and store keys, the same on every rank (a
+  // joiner creates its all-reduce at another point of the communicator's sequence).
+  // -1: the communicator's next sequence number.
+  int instance = -1;
+};
+
+// A rank that entered the view by rejoining: a member from step `step` on; `donor` sends it
+// the state after step - 1 (QuorumAllreduce::send_state).
+struct Rejoined {
+  int rank = -1;
+  uint32_t incarnation = 0;
+  uint64_t step = 0;
+  int donor = -1;
+};
+
+// What join() returns: the first step this rank takes part in and who sends the state.
+struct JoinInfo {
+  uint64_t step = 0;
+  int donor = -1;
+  uint64_t epoch = 0;
+  std::vector<int> members;
+  double join_ms = 0;  // from this all-reduce's creation to the admission
 };
 
 // A rank that the others evicted while it was alive (paused, or too slow to take its
 // results): it learns at its next contact with the coordinator and must leave the job.
 class Evicted : public IoError {
+ public:
+  using IoError::IoError;
+};
+
+// A rank that came back to a job that had finished meanwhile: there is nothing to rejoin.
+class JobOver : public IoError {
  public:
   using IoError::IoError;
 };
@@ -71,6 +108,7 @@ struct ViewChange {
     double silent_ms;  // time since the coordinator had last heard from it
   };
   std::vector<Left> left;
+  std::vector<Rejoined> joined;
   Clock::time_point seen{};  // when this rank applied it
 };
 
@@ -112,6 +150,9 @@ struct QuorumResult {
   bool skipped = false;
   uint64_t epoch = 0;     // the view that decided the step
   uint32_t attempt = 0;   // > 0: decided again after a member was lost during the step
+  // Ranks that entered the view at this step (rejoined). The donor of each sends it the
+  // state before this step's update (send_state), after wait() and before applying it.
+  std::vector<Rejoined> joined;
   bool contains(int rank) const { return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1; }
 };
 
@@ -135,6 +176,16 @@ class QuorumAllreduce {
   // Blocks until step's result is known and writes it to `out` (count elements; may be the
   // contributed buffer). Allowed without contribute() for a step this rank abandons.
   QuorumResult wait(uint64_t step, void* out);
+  // The same without a copy: `view` gets where the result lies (count elements) and a handle
+  // that keeps it there, unchanged by later steps, until the caller drops or reassigns it.
+  // In a job that can lose ranks the result lies in the all-reduce's own buffer (kept for
+  // ranks that may need it again), so this saves a copy of the whole buffer per step; in
+  // place it is the contributed buffer. data is null for a skipped step.
+  struct View {
+    const void* data = nullptr;
+    std::shared_ptr<const void> hold;
+  };
+  QuorumResult wait(uint64_t step, View* view);
   // True as soon as this rank's contribution to `step` can no longer be counted.
   bool excluded(uint64_t step) const;
   // Called (on the engine thread; keep it short) when this rank is excluded from a step.
@@ -174,6 +225,18 @@ class QuorumAllreduce {
   // Whether the job goes on when a rank is lost (max(quorum, min_world) < world).
   bool survives_loss() const;
 
+  // ---- Rejoin (QuorumOptions::store; docs/design.md, "Rejoin").
+  // The joiner (QuorumOptions::join): blocks until this rank is admitted to a view, and
+  // returns the first step it takes part in. QuorumTimeout at `until`, naming what it waited
+  // for (members that had not published their address for it, or the coordinator's VIEW).
+  JoinInfo join(Clock::time_point until);
+  // The joiner, after join(): receives the donor's state (at most `len` bytes) into `buf`;
+  // returns its length. QuorumTimeout at `until` naming the donor.
+  size_t receive_state(void* buf, size_t len, Clock::time_point until);
+  // The donor of a rank that joined at `step` (QuorumResult::joined): sends it `state` and
+  // returns at once (the transfer runs on the engine thread while the steps go on).
+  void send_state(int to, uint64_t step, std::vector<char> state);
+
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }
 
@@ -181,11 +244,14 @@ class QuorumAllreduce {
 
  private:
   void help_progress(uint64_t step);
+  QuorumResult wait_impl(uint64_t step, void* out, View* view);
   Communicator& comm_;
   size_t count_;
   QuorumOptions opts_;
   std::shared_ptr<Shared> shared_;
   WorkPtr service_;
+  std::thread agent_;  // store look-ups for rejoins (QuorumOptions::store)
+  int instance_ = 0;
   // Caller-thread state.
   bool have_next_ = false;
   uint64_t next_step_ = 0;

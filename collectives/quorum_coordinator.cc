@@ -38,6 +38,7 @@ const char* to_string(Why w) {
     case Why::kSilent: return "silent";
     case Why::kMissedSteps: return "missed steps";
     case Why::kUnreachable: return "unreachable";
+    case Why::kRestarted: return "restarted";
   }
   return "?";
 }
@@ -51,12 +52,18 @@ Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
   suspect_.assign(size_t(cfg_.world), false);
   finished_.assign(size_t(cfg_.world), false);
   heard_.assign(size_t(cfg_.world), false);
+  incarnation_.assign(size_t(cfg_.world), 0);
+  joined_at_.assign(size_t(cfg_.world), 0);
+  catching_up_.assign(size_t(cfg_.world), false);
 }
 
 Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
-                         const std::vector<Known>& known, std::vector<Action>& out)
+                         const std::vector<Known>& known, std::vector<Action>& out,
+                         const std::vector<uint32_t>& incarnations)
     : Coordinator(std::move(cfg), now) {
   view_ = std::move(view);
+  for (size_t r = 0; r < incarnations.size() && r < incarnation_.size(); ++r)
+    incarnation_[r] = incarnations[r];
   for (int r : view_.members) {
     heard_[size_t(r)] = true;
     if (size_t(r) < completed.size()) completed_[size_t(r)] = completed[size_t(r)];
@@ -77,6 +84,8 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
     }
   }
   low_water_ = next;  // every step below was decided by the old coordinator
+  next_step_ = next;
+  // A member that joined after a known step reports itself absent from its recovery.
   for (auto it = unsettled_.begin(); it != unsettled_.end();) {
     auto& [t, u] = *it;
     const int64_t step = int64_t(t);  // (clang 14 cannot capture a structured binding)
@@ -98,6 +107,12 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
   }
 }
 
+int Coordinator::contributing() const {
+  int n = 0;
+  for (int r : view_.members) n += catching_up_[size_t(r)] ? 0 : 1;
+  return n;
+}
+
 bool Coordinator::waiting() const {
   if (!open_.empty()) return true;
   return std::any_of(unsettled_.begin(), unsettled_.end(),
@@ -111,6 +126,18 @@ void Coordinator::resync(Time now) {
 std::vector<Action> Coordinator::handle(const Event& e, Time now) {
   std::vector<Action> out;
   if (stopped_) return out;
+  if (e.kind == Event::Kind::kJoin || e.kind == Event::Kind::kHello) {
+    // About a rank that is not a member (yet): found in the store, or connected.
+    const int r = e.from;
+    if (r < 0 || r >= cfg_.world || r == cfg_.self) return out;
+    if (e.kind == Event::Kind::kJoin) {
+      on_join(r, uint32_t(e.count), now, out);
+    } else if (auto j = joins_.find(r); j != joins_.end() && j->second.incarnation == e.count) {
+      j->second.hello = true;
+    }
+    if (!stopped_) tick(now, out);
+    return out;
+  }
   if (e.kind != Event::Kind::kTick) {
     const int r = e.from;
     if (r < 0 || r >= cfg_.world) return out;
@@ -136,7 +163,15 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
       case Event::Kind::kReport: {
         auto it = unsettled_.find(e.step);
         if (it != unsettled_.end() && it->second.recovering && it->second.attempt == e.attempt)
-          it->second.reports[r] = e.have;
+          it->second.reports[r] = e.absent ? kAbsent : e.have ? kHave : kNeed;
+        break;
+      }
+      case Event::Kind::kAccept: {
+        auto j = joins_.find(e.suspect);
+        if (j != joins_.end() && j->second.incarnation == e.count &&
+            std::find(j->second.accepted.begin(), j->second.accepted.end(), r) ==
+                j->second.accepted.end())
+          j->second.accepted.push_back(r);
         break;
       }
       case Event::Kind::kSuspect:
@@ -172,6 +207,7 @@ void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
 }
 
 void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now) {
+  catching_up_[size_t(from)] = false;  // a rank that rejoined computes again
   const bool late = step < low_water_ || first_of_decided_.count(step);
   if (late) {
     auto u = unsettled_.find(step);
@@ -206,7 +242,7 @@ void Coordinator::recount(Open& o, Time now) const {
   o.n = 0;
   for (int r : view_.members)
     if (o.arrived[size_t(r)]) ++o.n;
-  if (o.n >= quorum_for(cfg_, view_.size())) {
+  if (o.n >= quorum()) {
     if (!o.quorum_time) o.quorum_time = now;
   } else {
     o.quorum_time.reset();
@@ -240,9 +276,71 @@ void Coordinator::tick(Time now, std::vector<Action>& out) {
     change_view(std::move(left), now, out);
     if (stopped_) return;
   }
+  admit_joiners(now, out);
   resolve_recoveries(out);
   decide_open(now, out);
   settle();
+}
+
+void Coordinator::on_join(int r, uint32_t inc, Time now, std::vector<Action>& out) {
+  if (inc <= incarnation_[size_t(r)]) return;  // known already
+  incarnation_[size_t(r)] = inc;
+  if (view_.has(r)) {
+    // The old incarnation is gone (a restarted process), or will learn it was replaced.
+    change_view({{r, Why::kRestarted, ms_between(last_heard_[size_t(r)], now)}}, now, out);
+    if (stopped_) return;
+  }
+  Join& j = joins_[r];
+  j = Join{};
+  j.incarnation = inc;
+  j.started = now;
+  Action a(Action::Kind::kJoining);
+  a.joiner = r;
+  a.incarnation = inc;
+  out.push_back(std::move(a));
+}
+
+void Coordinator::admit_joiners(Time now, std::vector<Action>& out) {
+  std::vector<Joined> ready;
+  for (auto it = joins_.begin(); it != joins_.end();) {
+    const Join& j = it->second;
+    if (now - j.started > cfg_.join_timeout) {
+      it = joins_.erase(it);  // the joiner gives up by its own deadline
+      continue;
+    }
+    const bool all = std::all_of(view_.members.begin(), view_.members.end(), [&](int m) {
+      return std::find(j.accepted.begin(), j.accepted.end(), m) != j.accepted.end();
+    });
+    if (j.hello && all && !view_.has(it->first)) {
+      ready.push_back({it->first, j.incarnation, next_step_, cfg_.self});
+      it = joins_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (ready.empty()) return;
+  View next;
+  next.epoch = view_.epoch + 1;
+  next.members = view_.members;
+  for (const Joined& j : ready) {
+    const size_t r = size_t(j.rank);
+    next.members.push_back(j.rank);
+    joined_at_[r] = j.step;
+    completed_[r] = int64_t(j.step) - 1;
+    last_heard_[r] = now;
+    heard_[r] = true;
+    missed_[r] = 0;
+    suspect_[r] = false;
+    finished_[r] = false;
+    catching_up_[r] = true;
+  }
+  std::sort(next.members.begin(), next.members.end());
+  view_ = next;
+  Action v(Action::Kind::kView);
+  v.view = view_;
+  v.joined = std::move(ready);
+  out.push_back(std::move(v));
+  for (auto& [t, o] : open_) recount(o, now);
 }
 
 void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector<Action>& out) {
@@ -303,19 +401,26 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
 void Coordinator::resolve_recoveries(std::vector<Action>& out) {
   for (auto& [t, u] : unsettled_) {
     if (!u.recovering) continue;
+    // Members that joined after step t take no part in it (they report absent, or the
+    // coordinator knows).
     const auto& reports = u.reports;  // (clang 14 cannot capture a structured binding)
-    bool all = std::all_of(view_.members.begin(), view_.members.end(),
-                           [&](int r) { return reports.count(r) != 0; });
+    const uint64_t step = t;
+    bool all = std::all_of(view_.members.begin(), view_.members.end(), [&](int r) {
+      return !in_step(r, step) || reports.count(r) != 0;
+    });
     if (!all) continue;
     Decision d;
     d.step = t;
     d.attempt = u.attempt;
     d.epoch = view_.epoch;
-    d.quorum = quorum_for(cfg_, view_.size());
+    d.quorum = quorum();
     d.offsets_us.assign(size_t(cfg_.world), -1);
     d.settled = settled_;
     std::vector<int> haves, needers;
-    for (int r : view_.members) (u.reports[r] ? haves : needers).push_back(r);
+    for (int r : view_.members) {
+      if (!in_step(r, t) || u.reports[r] == kAbsent) continue;
+      (u.reports[r] == kHave ? haves : needers).push_back(r);
+    }
     if (!haves.empty()) {
       // Someone completed the step: its result (with the departed member's contribution)
       // is the step's result everywhere.
@@ -350,7 +455,8 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
 }
 
 void Coordinator::decide_open(Time now, std::vector<Action>& out) {
-  const int q = quorum_for(cfg_, view_.size());
+  const int q = quorum();
+  const int eligible = contributing();
   // A lease: decide only while a majority of the view has been heard from within half the
   // evict time. A coordinator cut off from the others stops deciding before any member,
   // which waits the whole evict time, can start to take over from it.
@@ -364,7 +470,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
     Status st;
     if (o.mismatch)
       st = Status::kMismatch;
-    else if (o.n == view_.size() || (o.quorum_time && now >= *o.quorum_time + cfg_.grace))
+    else if (o.n >= eligible || (o.quorum_time && now >= *o.quorum_time + cfg_.grace))
       st = Status::kOk;
     else if (now >= o.first + cfg_.deadline)
       st = Status::kTimeout;
@@ -392,6 +498,8 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
       for (int r : view_.members) {
         if (o.arrived[size_t(r)]) {
           missed_[size_t(r)] = 0;
+        } else if (catching_up_[size_t(r)]) {
+          // A rank that rejoined applies the results it missed before it contributes.
         } else if (++missed_[size_t(r)] >= cfg_.evict_steps && cfg_.evict_steps > 0) {
           pending_.push_back({r, Why::kMissedSteps, ms_between(last_heard_[size_t(r)], now)});
         }
@@ -401,6 +509,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
       stopped_ = true;  // every rank fails the step: the job ends
     }
     first_of_decided_[t] = o.first;
+    next_step_ = std::max(next_step_, t + 1);
     while (first_of_decided_.size() > kKeepDecided) {
       low_water_ = std::max(low_water_, first_of_decided_.begin()->first + 1);
       first_of_decided_.erase(first_of_decided_.begin());
@@ -418,8 +527,9 @@ void Coordinator::settle() {
     auto it = unsettled_.begin();
     if (it->second.recovering) return;
     const int64_t t = int64_t(it->first);
-    bool all = std::all_of(view_.members.begin(), view_.members.end(),
-                           [&](int r) { return completed_[size_t(r)] >= t; });
+    bool all = std::all_of(view_.members.begin(), view_.members.end(), [&](int r) {
+      return completed_[size_t(r)] >= t || !in_step(r, uint64_t(t));
+    });
     if (!all) return;
     settled_ = std::max(settled_, t);
     unsettled_.erase(it);

@@ -17,6 +17,12 @@
 //    again among the surviving contributors (late ones included: their contributions are
 //    intact), or skipped on every rank when fewer than the quorum remain.
 //    Either way every member ends the step with the same S(t) and the same bits.
+//  - Rejoin: a new incarnation of a rank (restarted, or evicted while alive) is found by the
+//    service in the rendezvous store (kJoin). If its old incarnation is still a member it
+//    leaves the view at once ("restarted"). Every member is told (JOINING) and reconnects to
+//    it (kAccept); once every member did and the joiner has connected to all of them (kHello),
+//    it enters the next view at the next step to be decided, with this rank as the donor of
+//    its state. It takes part in no step before that one (recovery, settling).
 //  - Replicas that drifted: READYs may carry a digest of the sender's replicated state before
 //    the step (qring-train: a parameter checksum every train.checksum_every steps); two
 //    different digests for one step stop the job on every rank (FATAL naming both ranks).
@@ -47,6 +53,7 @@ struct Config {
   int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
   int min_world = 0;      // fewest members the job runs with; 0 = the quorum
   uint64_t count = 0;     // elements per contribution (checked on every READY)
+  Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
 
@@ -69,13 +76,23 @@ struct View {
 
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
 
-enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3 };
+enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3, kRestarted = 4 };
 const char* to_string(Why w);
 
 struct Departure {
   int rank = -1;
   Why why = Why::kSilent;
   double silent_ms = 0;  // time since the coordinator last heard from it
+};
+
+// A rank that enters a view by rejoining: from `step` on it is a member; `donor` sends it
+// the state after step - 1.
+struct Joined {
+  int rank = -1;
+  uint32_t incarnation = 0;
+  uint64_t step = 0;
+  int donor = -1;
+  bool operator==(const Joined&) const = default;
 };
 
 struct Decision {
@@ -98,15 +115,18 @@ struct Decision {
 };
 
 struct Action {
-  enum class Kind : uint8_t { kView, kDecide, kRecover, kEvicted, kFatal } kind;
+  enum class Kind : uint8_t { kView, kDecide, kRecover, kEvicted, kFatal, kJoining } kind;
   explicit Action(Kind k) : kind(k) {}
   View view;                    // kView: the new view (sent to its members)
   std::vector<Departure> left;  // kView: who left and why
+  std::vector<Joined> joined;   // kView: who joined
   Decision decide;              // kDecide (sent to every member)
   uint64_t step = 0;            // kRecover
   uint32_t attempt = 0;         // kRecover
   int to = -1;                  // kEvicted: the rank that contacted us while not a member
   std::string reason;           // kFatal: the error every member reports
+  int joiner = -1;              // kJoining: every member reconnects to this rank's new
+  uint32_t incarnation = 0;     //   incarnation
 };
 
 // A decision a rank knows of (takeover): the highest attempt it saw for a step that is not
@@ -123,8 +143,21 @@ struct Event {
   // (its silence from now on is no failure).
   // kAck: `from` accepts `epoch` with this rank as its coordinator (failover; the service
   // collects them before a Coordinator exists).
-  enum class Kind : uint8_t { kReady, kHeartbeat, kReport, kSuspect, kBye, kAck, kTick } kind =
-      Kind::kTick;
+  // kJoin: the service found incarnation `count` of rank `from` in the store. kHello: that
+  // incarnation has connected to every member (its first message). kAccept: member `from` has
+  // reconnected to incarnation `count` of rank `suspect`.
+  enum class Kind : uint8_t {
+    kReady,
+    kHeartbeat,
+    kReport,
+    kSuspect,
+    kBye,
+    kAck,
+    kTick,
+    kJoin,
+    kHello,
+    kAccept
+  } kind = Kind::kTick;
   int from = -1;
   uint64_t step = 0;       // kReady, kReport
   uint64_t count = 0;      // kReady
@@ -132,6 +165,7 @@ struct Event {
   int64_t completed = -1;  // highest step `from` has completed (every step before it too)
   uint32_t attempt = 0;    // kReport
   bool have = false;       // kReport: `from` holds the final result of `step`
+  bool absent = false;     // kReport: `from` joined after `step` (takes no part in it)
   int suspect = -1;        // kSuspect: the rank a transport error concerned
   uint64_t epoch = 0;      // kAck
   std::vector<Known> known;  // kAck: decisions `from` saw that may not be settled
@@ -150,19 +184,30 @@ class Coordinator {
   // not completed by every member is recovered (RECOVER with a higher attempt), and steps
   // nobody saw decided are decided afresh from the READYs the members send again. `out`
   // gets the new VIEW and the RECOVERs.
+  // `incarnations`: every rank's, as the new coordinator knows them (a rank that rejoined
+  // before is not a new join).
   Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
-              const std::vector<Known>& known, std::vector<Action>& out);
+              const std::vector<Known>& known, std::vector<Action>& out,
+              const std::vector<uint32_t>& incarnations = {});
 
   std::vector<Action> handle(const Event& e, Time now);
 
   const View& view() const { return view_; }
-  int quorum() const { return quorum_for(cfg_, view_.size()); }
+  // The quorum in force: a fraction counts the members that can contribute, not those that
+  // rejoined and apply the results they missed before they contribute again.
+  int quorum() const { return quorum_for(cfg_, contributing()); }
+  int contributing() const;
   bool stopped() const { return stopped_; }
   const Config& config() const { return cfg_; }
   // Every arrival (late ones included), as (step, rank, ms after the step's first arrival).
   void on_arrival(std::function<void(uint64_t, int, double)> cb) { on_arrival_ = std::move(cb); }
   // Steps decided but not yet completed by every live member.
   size_t unsettled() const { return unsettled_.size(); }
+  // The next step to be decided (a rank admitted now is a member from it on).
+  uint64_t next_step() const { return next_step_; }
+  // Joins under way (found, not yet admitted or abandoned).
+  size_t joining() const { return joins_.size(); }
+  uint32_t incarnation(int r) const { return incarnation_[size_t(r)]; }
   // True while a step is open (READYs counted, no decision yet) or being recovered: the
   // caller should tick promptly (the grace and the deadline run).
   bool waiting() const;
@@ -188,9 +233,10 @@ class Coordinator {
     int source = -1;
     bool skipped = false;
     bool recovering = false;
-    std::map<int, bool> reports;  // rank -> holds the result
+    std::map<int, uint8_t> reports;  // rank -> kHave, kNeed or kAbsent
   };
 
+  static constexpr uint8_t kNeed = 0, kHave = 1, kAbsent = 2;
   void on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now);
   void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Action>& out);
   void tick(Time now, std::vector<Action>& out);
@@ -199,6 +245,10 @@ class Coordinator {
   void decide_open(Time now, std::vector<Action>& out);
   void settle();
   void recount(Open& o, Time now) const;
+  void on_join(int r, uint32_t inc, Time now, std::vector<Action>& out);
+  void admit_joiners(Time now, std::vector<Action>& out);
+  // Whether member r takes part in step t (it joined at or before it).
+  bool in_step(int r, uint64_t t) const { return joined_at_[size_t(r)] <= t; }
 
   Config cfg_;
   View view_;
@@ -216,6 +266,17 @@ class Coordinator {
   std::map<uint64_t, Unsettled> unsettled_;
   int64_t settled_ = -1;
   std::map<uint64_t, std::pair<int, uint64_t>> digests_;  // step -> (first rank, its digest)
+  uint64_t next_step_ = 0;               // the lowest step not decided yet
+  std::vector<uint32_t> incarnation_;    // per rank: the newest incarnation known
+  std::vector<uint64_t> joined_at_;      // per rank: first step it takes part in
+  std::vector<bool> catching_up_;        // per rank: joined, has not contributed since
+  struct Join {
+    uint32_t incarnation = 0;
+    Time started{};
+    std::vector<int> accepted;  // members that reconnected to it
+    bool hello = false;         // it connected to every member
+  };
+  std::map<int, Join> joins_;
   std::function<void(uint64_t, int, double)> on_arrival_;
 };
 

@@ -58,6 +58,15 @@ struct DepartureWire {
 };
 static_assert(sizeof(DepartureWire) == 16);
 
+struct JoinedWire {
+  uint32_t rank;
+  uint32_t incarnation;
+  uint64_t step;
+  int32_t donor;
+  uint32_t pad;
+};
+static_assert(sizeof(JoinedWire) == 24);
+
 size_t bitmap_bytes(int world) {
   return (size_t(world) + 7) / 8;
 }
@@ -91,7 +100,7 @@ size_t up_capacity(int world) {
 
 size_t down_capacity(int world) {
   size_t decide = 2 * bitmap_bytes(world) + 8 * size_t(world);
-  size_t view = bitmap_bytes(world) + sizeof(DepartureWire) * size_t(world);
+  size_t view = bitmap_bytes(world) + (sizeof(DepartureWire) + sizeof(JoinedWire)) * size_t(world);
   return sizeof(DownWire) + std::max({decide, view, kMaxFatalText});
 }
 
@@ -100,7 +109,7 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   w.magic = kUpMagic;
   w.version = kVersion;
   w.type = uint8_t(type);
-  w.have = e.have ? 1 : 0;
+  w.have = e.absent ? 2 : e.have ? 1 : 0;
   w.rank = uint32_t(e.from);
   w.world = uint32_t(world);
   w.step = e.step;
@@ -166,11 +175,20 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kShard))
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kAccept))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
   if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
         fmt::format("quorum: rank {} reports rank {} of {} as suspect", from, w.suspect, world));
+  if (w.type == uint8_t(Up::kAccept) && (w.suspect < 0 || w.suspect >= world || w.suspect == from))
+    throw ProtocolError(
+        fmt::format("quorum: rank {} accepts rank {} of {} as a joiner", from, w.suspect, world));
+  if ((w.type == uint8_t(Up::kHello) || w.type == uint8_t(Up::kAccept)) &&
+      (w.count == 0 || w.count > UINT32_MAX))
+    throw ProtocolError(
+        fmt::format("quorum: rank {} names incarnation {} of a joiner", from, w.count));
+  if (w.have > 2)
+    throw ProtocolError(fmt::format("quorum: rank {} sends a report of kind {}", from, w.have));
   if (w.type == uint8_t(Up::kShard) && (w.count == 0 || w.count > uint64_t(world) ||
                                         uint64_t(w.attempt) >= w.count))
     throw ProtocolError(fmt::format("quorum: rank {} sends part {} of {} of a report", from,
@@ -188,6 +206,8 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     case Up::kAck: e.kind = qproto::Event::Kind::kAck; break;
     case Up::kDeposed: e.kind = qproto::Event::Kind::kTick; break;  // handled by the service
     case Up::kShard: e.kind = qproto::Event::Kind::kHeartbeat; break;  // kept by the service
+    case Up::kHello: e.kind = qproto::Event::Kind::kHello; break;
+    case Up::kAccept: e.kind = qproto::Event::Kind::kAccept; break;
   }
   e.from = from;
   e.step = w.step;
@@ -198,7 +218,8 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     e.layout = w.attempt;
     e.attempt = 0;
   }
-  e.have = w.have != 0;
+  e.have = w.have == 1;
+  e.absent = w.have == 2;
   e.suspect = w.suspect;
   const char* extra_at = static_cast<const char*>(buf) + sizeof(UpWire);
   if (*type == Up::kReady && extra == 8) {
@@ -260,6 +281,8 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
     }
     case Down::kView: {
       h.epoch = m.view.epoch;
+      h.quorum = uint32_t(m.left.size());  // departures, then joined ranks
+      h.attempt = uint32_t(m.joined.size());
       put_bitmap(body, world, m.view.members);
       for (const auto& d : m.left) {
         DepartureWire dw{uint32_t(d.rank), uint32_t(d.why), d.silent_ms};
@@ -267,8 +290,18 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
         body.resize(at + sizeof(dw));
         std::memcpy(body.data() + at, &dw, sizeof(dw));
       }
+      for (const auto& j : m.joined) {
+        JoinedWire jw{uint32_t(j.rank), j.incarnation, j.step, j.donor, 0};
+        size_t at = body.size();
+        body.resize(at + sizeof(jw));
+        std::memcpy(body.data() + at, &jw, sizeof(jw));
+      }
       break;
     }
+    case Down::kJoining:
+      h.source = m.joiner;
+      h.attempt = m.incarnation;
+      break;
     case Down::kRecover:
       h.step = m.step;
       h.attempt = m.attempt;
@@ -311,7 +344,7 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
     throw bad(fmt::format("body of {} bytes in a message of {}", h.body, len));
   const char* body = static_cast<const char*>(buf) + sizeof(h);
   DownMsg m;
-  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kTakeover))
+  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kJoining))
     throw bad(fmt::format("unknown type {}", h.type));
   m.type = Down(h.type);
   switch (m.type) {
@@ -342,21 +375,43 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
       break;
     }
     case Down::kView: {
-      size_t bm = bitmap_bytes(world);
-      if (h.body < bm || (h.body - bm) % sizeof(DepartureWire) != 0)
-        throw bad(fmt::format("VIEW body of {} bytes", h.body));
+      const size_t bm = bitmap_bytes(world);
+      const size_t n_left = h.quorum, n_joined = h.attempt;
+      if (n_left > size_t(world) || n_joined > size_t(world) ||
+          h.body != bm + n_left * sizeof(DepartureWire) + n_joined * sizeof(JoinedWire))
+        throw bad(fmt::format("VIEW body of {} bytes ({} departures, {} joined)", h.body, n_left,
+                              n_joined));
       m.view.epoch = h.epoch;
       m.view.members = get_bitmap(body, world);
-      for (size_t at = bm; at < h.body; at += sizeof(DepartureWire)) {
+      size_t at = bm;
+      for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
         DepartureWire dw;
         std::memcpy(&dw, body + at, sizeof(dw));
-        if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 3)
+        if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 4 || !std::isfinite(dw.silent_ms))
           throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
         m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
+      }
+      for (size_t i = 0; i < n_joined; ++i, at += sizeof(JoinedWire)) {
+        JoinedWire jw;
+        std::memcpy(&jw, body + at, sizeof(jw));
+        if (int64_t(jw.rank) >= world || jw.donor < 0 || jw.donor >= world ||
+            int64_t(jw.donor) == int64_t(jw.rank) || jw.incarnation == 0 ||
+            !std::binary_search(m.view.members.begin(), m.view.members.end(), int(jw.rank)) ||
+            !std::binary_search(m.view.members.begin(), m.view.members.end(), jw.donor))
+          throw bad(fmt::format("VIEW joiner rank {} (incarnation {}, donor {})", jw.rank,
+                                jw.incarnation, jw.donor));
+        m.joined.push_back({int(jw.rank), jw.incarnation, jw.step, jw.donor});
       }
       if (m.view.members.empty()) throw bad("VIEW without members");
       break;
     }
+    case Down::kJoining:
+      if (h.body != 0) throw bad(fmt::format("JOINING body of {} bytes", h.body));
+      if (h.source < 0 || h.source >= world || h.attempt == 0)
+        throw bad(fmt::format("JOINING of rank {} (incarnation {})", h.source, h.attempt));
+      m.joiner = h.source;
+      m.incarnation = h.attempt;
+      break;
     case Down::kRecover:
       m.step = h.step;
       m.attempt = h.attempt;

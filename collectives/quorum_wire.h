@@ -3,10 +3,12 @@
 // Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
 // + 8 bytes: the sender's parameter digest, when it sends one), HEARTBEAT, REPORT
 // (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
-// float64: a part of a sum gathered at the coordinator).
+// float64: a part of a sum gathered at the coordinator), HELLO (a rank that rejoins has
+// connected to every member), ACCEPT (a member reconnected to it).
 // Down (coordinator -> one rank), an 80-byte header and a body: DECIDE (contributor and needer
-// bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures), RECOVER, EVICTED,
-// FATAL (the error text), HEARTBEAT. Each direction of each (rank, coordinator) pair is one
+// bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures, ranks that joined),
+// RECOVER, EVICTED, FATAL (the error text), HEARTBEAT, JOINING (reconnect to a new
+// incarnation of a rank). Each direction of each (rank, coordinator) pair is one
 // stream of exactly tagged messages numbered in send order, so a rank applies the
 // coordinator's messages in the order they were sent.
 //
@@ -32,7 +34,9 @@ enum class Up : uint8_t {
   kBye = 5,
   kAck = 6,     // accepts a takeover: 48 bytes + the decisions it knows (failover)
   kDeposed = 7,  // to a rank that still acts as coordinator: another one took over
-  kShard = 8     // part `attempt` of `count` parts of the report keyed `step` (+ float64s)
+  kShard = 8,    // part `attempt` of `count` parts of the report keyed `step` (+ float64s)
+  kHello = 9,    // incarnation `count` of the sender rejoins (it reaches every member)
+  kAccept = 10   // the sender reconnected to incarnation `count` of rank `suspect`
 };
 enum class Down : uint8_t {
   kDecide = 1,
@@ -42,7 +46,8 @@ enum class Down : uint8_t {
   kFatal = 5,
   kHeartbeat = 6,
   kBye = 7,      // the coordinator finished the job
-  kTakeover = 8  // a member takes over from a silent coordinator (epoch, proposed members)
+  kTakeover = 8,  // a member takes over from a silent coordinator (epoch, proposed members)
+  kJoining = 9    // reconnect to incarnation `incarnation` of rank `joiner`
 };
 
 constexpr size_t kUpBytes = 48;
@@ -65,6 +70,9 @@ struct DownMsg {
   qproto::Decision decide;             // kDecide
   qproto::View view;                   // kView
   std::vector<qproto::Departure> left; // kView
+  std::vector<qproto::Joined> joined;  // kView
+  int joiner = -1;                     // kJoining
+  uint32_t incarnation = 0;            // kJoining
   uint64_t step = 0;                   // kRecover
   uint32_t attempt = 0;                // kRecover
   std::string text;                    // kFatal

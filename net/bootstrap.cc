@@ -185,6 +185,8 @@ BootstrapInfo from_slurm(const Env& env) {
     step_num = static_cast<uint64_t>(parse_int("SLURM_STEP_ID", *step, 0, INT64_MAX));
     b.job_id += "." + *step;
   }
+  // A store served outside the step (qring-store in the batch script) names the job itself.
+  if (auto id = env.str("QRING_JOB_ID")) b.job_id = *id;
 
   if (auto s = env.str("QRING_STORE")) {
     std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
@@ -267,6 +269,11 @@ BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
     return b;  // single process
   }
   if (b.world_size == 1 && !env.has("QRING_STORE")) b.store_port = 0;
+  if (auto h = env.str("QRING_STORE_HOSTED")) {
+    if (*h != "0" && *h != "1")
+      throw ConfigError(fmt::format("QRING_STORE_HOSTED='{}': expected 0 or 1", *h));
+    b.store_hosted = *h == "1";
+  }
   if (auto secret = env.str("QRING_JOB_SECRET")) {
     if (secret->size() < kMinSecretChars)
       throw ConfigError(fmt::format(
@@ -324,7 +331,7 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(inf
           "(qring-launch and scripts/slurm do this)",
           info_.rank, info_.store_host, info_.store_port));
     std::string connect_host = info_.store_host;
-    if (info_.rank == 0) {
+    if (info_.rank == 0 && !info_.store_hosted) {
       std::string bind_host = store_bind_address(info_.store_host);
       if (info_.job_secret.empty() && info_.world_size > 1)
         spdlog::warn(
@@ -343,10 +350,7 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(inf
   }
   store_ = owned_.get();
   try {
-    store_->set(fmt::format("host/{}", info_.rank), host);
-    hostnames_.resize(info_.world_size);
-    for (int r = 0; r < info_.world_size; ++r)
-      hostnames_[r] = store_->get(fmt::format("host/{}", r), deadline);
+    meet(deadline);
   } catch (...) {
     owned_.reset();
     server_.reset();
@@ -356,8 +360,16 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Deadline deadline) : info_(inf
 
 Rendezvous::Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadline)
     : info_(info), store_(&store) {
-  std::string host = this_hostname();
+  meet(deadline);
+}
+
+void Rendezvous::meet(Deadline deadline) {
+  const std::string host = this_hostname();
   store_->set(fmt::format("host/{}", info_.rank), host);
+  const int64_t n = store_->add(incarnation_key(info_.rank), 1);
+  if (n < 1 || n - 1 > int64_t(UINT32_MAX))
+    throw ProtocolError(fmt::format("rank {}: incarnation counter at {}", info_.rank, n));
+  incarnation_ = uint32_t(n - 1);
   hostnames_.resize(info_.world_size);
   for (int r = 0; r < info_.world_size; ++r)
     hostnames_[r] = store_->get(fmt::format("host/{}", r), deadline);
@@ -365,8 +377,11 @@ Rendezvous::Rendezvous(const BootstrapInfo& info, Store& store, Deadline deadlin
 
 Rendezvous::~Rendezvous() {
   try {
-    // Rank 0 serves the store: when it was lost there is nobody to meet at the exit.
-    if (!server_ && std::find(lost_.begin(), lost_.end(), 0) != lost_.end()) {
+    // Rank 0 serves the store: when it was lost there is nobody to meet at the exit. A store
+    // hosted outside the ranks needs no meeting at all (the barrier only keeps rank 0 from
+    // closing its server while others still use it).
+    if (info_.store_hosted ||
+        (!server_ && std::find(lost_.begin(), lost_.end(), 0) != lost_.end())) {
       owned_.reset();
       return;
     }

@@ -27,6 +27,10 @@ struct BootstrapInfo {
   std::string job_secret;
   std::string source = "single";   // "env", "slurm", "mpi", "single"
   std::vector<std::string> nodes;  // expanded node list when the launcher gives one
+  // QRING_STORE_HOSTED=1: the store runs outside the ranks (qring-launch, qring-store under
+  // Slurm), so rank 0 does not serve it and any rank, rank 0 included, can come back
+  // (rejoin) while the store lives on.
+  bool store_hosted = false;
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
@@ -65,6 +69,10 @@ class Rendezvous {
   void lost(const std::vector<int>& ranks) { lost_ = ranks; }
   Store& store();
   const BootstrapInfo& info() const { return info_; }
+  // This process's incarnation of its rank: 0 at the job's start, one more each time a process
+  // of this rank meets the store again (a restart, or a rank evicted while alive that comes
+  // back: docs/design.md, "Rejoin"). From the store's counter incarnation_key(rank).
+  uint32_t incarnation() const { return incarnation_; }
   const std::vector<std::string>& hostnames() const { return hostnames_; }
   bool single_host() const;
 
@@ -75,6 +83,8 @@ class Rendezvous {
   Store* store_ = nullptr;
   std::vector<std::string> hostnames_;
   std::vector<int> lost_;
+  uint32_t incarnation_ = 0;
+  void meet(Deadline deadline);
 };
 
 }  // namespace qring::net

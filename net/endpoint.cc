@@ -31,6 +31,11 @@ std::string describe(const Request& r) {
 }
 }  // namespace
 
+void Endpoint::reset_peer(int peer, const std::string& /*published*/, uint32_t /*incarnation*/) {
+  throw UsageError(fmt::format("rank {}: the {} endpoint cannot reconnect rank {} (no rejoin)",
+                               rank(), provider(), peer));
+}
+
 std::chrono::nanoseconds Backoff::next_sleep() {
   if (idle_polls_ == 0) idle_since_ = Clock::now();
   ++idle_polls_;

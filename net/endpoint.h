@@ -122,6 +122,27 @@ class Endpoint {
   // errors of any-peer receives (no source known). Called by the thread driving the endpoint.
   virtual std::vector<int> suspect_peers() const { return {}; }
 
+  // ---- Ranks that come back (a restarted process, or one evicted while alive: docs/design.md,
+  // "Rejoin"). Every rank has an incarnation, 0 at the job's start and one more each time the
+  // rank starts again. Tags carry the generation of the pair (net/tags.h), so a message of an
+  // earlier incarnation never matches a receive of the new one.
+  //
+  // What this endpoint publishes for its peers (the value it stored in the rendezvous store at
+  // creation; after reset_peer(p) this rank's entry for p may be new), and its incarnation.
+  virtual std::string published_address() const { return {}; }
+  virtual uint32_t incarnation() const { return 0; }
+  // Forgets `peer`'s old incarnation and connects to the new one: every request to or from it
+  // that is not done ends cancelled (sends the transport already has may still complete, and
+  // their buffers must stay valid until they are done), its queued posts are dropped, it is no
+  // longer suspect, and from now on its messages carry the generation (incarnation() +
+  // `incarnation`) mod 16. `published` is what the peer published (its published_address()).
+  // Throws ProtocolError for a malformed address, ConfigError for one of another provider or
+  // setting, UsageError where the transport cannot replace a peer.
+  virtual void reset_peer(int peer, const std::string& published, uint32_t incarnation);
+  // Whether `peer` can be reached. An endpoint created to join a running job starts with no
+  // peer connected; posts to a peer that is not connected wait until reset_peer connects it.
+  virtual bool connected(int /*peer*/) const { return true; }
+
   // Blocks cheaply (spin briefly, then yield, then sleep with backoff) until `req` is done or
   // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.
   void wait(const RequestPtr& req, Deadline deadline, std::string_view what = {});

@@ -313,6 +313,11 @@ struct OpCtx {
   OpCtx* next = nullptr;  // next in its post queue while refused
 };
 
+// The generation bits of a pair (net/tags.h).
+uint32_t generation(uint32_t a, uint32_t b) {
+  return (a + b) & 0xFu;
+}
+
 // The posts of one direction with one peer: a FIFO of those not handed to the provider yet
 // (refused, or over the in-flight cap of sends), linked through OpCtx::next (no allocation on the
 // hot path), and how many are with the provider.
@@ -467,60 +472,23 @@ class FabricEndpoint final : public Endpoint {
     // between endpoints with different eager limits, which would surface only as a timeout,
     // and pairwise ranks look for one address per peer. Pairwise, the address part is one
     // "<length>:<address>" per rank in rank order (empty for the rank itself).
-    std::string setting = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
-    if (pairwise_) setting += " pairwise";
-    std::string published = setting + '\n';
-    if (pairwise_) {
-      for (int p = 0; p < world; ++p) {
-        const std::string a = p == rank ? std::string() : names[index[static_cast<size_t>(p)]];
-        published += std::to_string(a.size()) + ':' + a;
-      }
-    } else {
-      published += names[0];
-    }
-    store.set(prefix + std::to_string(rank), published);
-    addrs_.resize(static_cast<size_t>(world));
+    setting_ = rxm ? provider_name_ + " eager=" + rxm_eager_setting() : provider_name_;
+    if (pairwise_) setting_ += " pairwise";
+    names_ = std::move(names);
+    index_ = std::move(index);
+    tcp_cc_ = tcp_cc;
+    incarnation_ = opts.incarnation;
+    store.set(prefix + std::to_string(rank), published_address());
+    addrs_.assign(static_cast<size_t>(world), FI_ADDR_NOTAVAIL);
+    gens_.assign(static_cast<size_t>(world), 0);
+    connected_.assign(static_cast<size_t>(world), opts.join ? 0 : 1);
+    connected_[static_cast<size_t>(rank)] = 1;
     for (int r = 0; r < world; ++r) {
-      std::string v = store.get(prefix + std::to_string(r), deadline);
-      size_t nl = v.find('\n');
-      if (nl == std::string::npos)
-        throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank, r));
-      std::string peer_setting = v.substr(0, nl);
-      std::string peer_prov = peer_setting.substr(0, peer_setting.find(' '));
-      if (peer_prov != provider_name_)
-        throw ConfigError(fmt::format(
-            "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
-            "provider on every rank",
-            rank, provider_name_, r, peer_prov));
-      if (peer_setting != setting) {
-        const bool pairwise_differs =
-            (peer_setting.find(" pairwise") != std::string::npos) != pairwise_;
-        throw ConfigError(fmt::format(
-            "rank {}: libfabric settings differ: this rank has '{}', rank {} has '{}'; export "
-            "the same {} on every rank",
-            rank, setting, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
-      }
-      std::string addr;
-      if (r == rank)
-        addr = names[index[static_cast<size_t>(r)]];  // pairwise: the endpoint's own name
-      else if (pairwise_)
-        addr = pair_address(v.substr(nl + 1), world, rank, r);
-      else
-        addr = v.substr(nl + 1);
-      if (r != rank) {
-        const std::string problem =
-            address_problem(addr, info_->addr_format, names[index[static_cast<size_t>(r)]].size());
-        if (!problem.empty())
-          throw ProtocolError(fmt::format(
-              "rank {}: the fabric address that rank {} published is not a valid {} address "
-              "({}); a rank of another build, provider or job wrote it",
-              rank, r, addr_format_name(info_->addr_format), problem));
-      }
-      if (!tcp_cc.empty() && r != rank) tcp_regs_.add(addr, tcp_cc);
-      int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
-      if (n != 1)
-        throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
-                          __LINE__);
+      if (opts.join && r != rank) continue;  // connected by reset_peer
+      const std::string addr =
+          r == rank ? names_[index_[static_cast<size_t>(r)]]  // pairwise: the endpoint's own name
+                    : peer_address(store.get(prefix + std::to_string(r), deadline), r);
+      insert_peer(r, addr);
     }
     // Some providers refuse sends for the whole endpoint once one peer holds enough of its
     // resources (ofi_rxm: one pool of tx_attr->size credits, and sends to a peer that reads
@@ -546,6 +514,8 @@ class FabricEndpoint final : public Endpoint {
     close();
     for (auto& [addr, mr] : mrs_) fi_close(&mr.mr->fid);
     mrs_.clear();
+    for (OpCtx* c : orphans_) delete c;
+    orphans_.clear();
   }
 
   // Unposted fragments are cancelled at once and posted receives through the provider; for
@@ -606,6 +576,122 @@ class FabricEndpoint final : public Endpoint {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
+  uint32_t incarnation() const override { return incarnation_; }
+  bool connected(int peer) const override {
+    return peer >= 0 && peer < world_ && connected_[static_cast<size_t>(peer)];
+  }
+
+  // "<setting>\n<address>", pairwise "<setting>\n" then "<length>:<address>" per rank.
+  std::string published_address() const override {
+    std::string out = setting_ + '\n';
+    if (!pairwise_) return out + names_[0];
+    for (int p = 0; p < world_; ++p) {
+      const std::string a = p == rank_ ? std::string() : names_[index_[static_cast<size_t>(p)]];
+      out += std::to_string(a.size()) + ':' + a;
+    }
+    return out;
+  }
+
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override {
+    check_peer(peer, "reset_peer");
+    if (peer == rank_) throw UsageError("reset_peer: a rank cannot reconnect itself");
+    if (pairwise_ && !any_.empty())
+      throw UsageError(fmt::format("rank {}: reset_peer({}) with any-peer receives pending",
+                                   rank_, peer));
+    const std::string addr = peer_address(published, peer);  // validate before changing state
+    const size_t pi = static_cast<size_t>(peer);
+    fid_ep* old_ep = ep_of_[pi];
+    // Pairwise, the peer's endpoint may hold sends the dead incarnation never answered (shm
+    // completes them in order, so they would hold back every later one): it is replaced by a
+    // new one, which closes the old one and drops what it held. Messages to itself share it
+    // when the peer is the next rank.
+    const bool replace = pairwise_ && connected_[pi];
+    const bool self_shares = pairwise_ && ep_of_[static_cast<size_t>(rank_)] == old_ep;
+    auto affected = [&](const OpCtx* c) {
+      return c->req->peer == peer || (replace && self_shares && c->req->peer == rank_);
+    };
+    // Queued posts end here; posted receives are cancelled (pairwise: dropped with the old
+    // endpoint); posted sends complete on their own, or go with the old endpoint.
+    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) {
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        q.head = c->next;
+        c->next = nullptr;
+        finish_part(c, RequestState::kCancelled, {});
+      }
+      q.tail = nullptr;
+      deactivate(qi);
+    }
+    std::vector<OpCtx*> posted;
+    for (OpCtx* c : outstanding_)
+      if (c->posted && affected(c)) posted.push_back(c);
+    // The old incarnation's address goes first: shm keeps one map of peers per domain, which
+    // a new endpoint reads when it is enabled (a peer process that replaced its endpoints has
+    // new regions, possibly under the old names).
+    // So does this rank's own entry when it names the endpoint about to be closed: shm reads
+    // every entry's region when it enables an endpoint, and libfabric 1.17 keeps a region
+    // pointer of a closed endpoint in its map.
+    auto forget = [&](size_t i, int who) {
+      int ret = fi_av_remove(av_.get(), &addrs_[i], 1, 0);
+      if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
+      addrs_[i] = FI_ADDR_NOTAVAIL;
+    };
+    if (connected_[pi]) forget(pi, peer);
+    if (replace && self_shares) forget(static_cast<size_t>(rank_), rank_);
+    if (replace) {
+      for (OpCtx* c : posted) {
+        outstanding_.erase(c);
+        --queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
+        if (c->req->state == RequestState::kPending) c->req->state = RequestState::kCancelled;
+        c->req->pending_parts = 0;
+        c->req.reset();
+        orphans_.push_back(c);  // its endpoint is closed below; never completed
+      }
+      const size_t i = index_[pi];
+      Fid<fid_ep>& ep = eps_[i];
+      ep.reset();
+      QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+      QRING_FI_CHECK(fi_enable(ep.get()));
+      names_[i] = endpoint_name(ep.get());
+      for (size_t p = 0; p < ep_of_.size(); ++p)
+        if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
+      if (self_shares) insert_peer(rank_, names_[i]);
+    } else {
+      bool pending = false;
+      for (OpCtx* c : posted) {
+        if (c->req->is_send) continue;
+        fi_cancel(&c->ep->fid, c);
+        pending = true;
+      }
+      // The provider reports each cancelled receive (FI_ECANCELED): wait, so that their
+      // buffers are free and no message of the old incarnation lands in them afterwards.
+      Deadline dl = deadline_in(std::chrono::seconds(5));
+      auto still = [&] {
+        for (OpCtx* c : posted)
+          if (!c->req->is_send && outstanding_.count(c)) return true;
+        return false;
+      };
+      while (pending && still()) {
+        if (progress()) continue;
+        if (Clock::now() > dl)
+          throw TimeoutError(fmt::format("rank {}: reset_peer({}): receives from the old "
+                                         "incarnation were not cancelled within 5 s",
+                                         rank_, peer));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    insert_peer(peer, addr);
+    gens_[pi] = generation(incarnation_, incarnation);
+    connected_[pi] = 1;
+    if (suspect_[pi]) {
+      suspect_[pi] = 0;
+      suspects_.erase(std::remove(suspects_.begin(), suspects_.end(), peer), suspects_.end());
+    }
+    spdlog::debug("rank {}: rank {} reconnected (incarnation {}, generation {})", rank_, peer,
+                  incarnation, gens_[pi]);
+  }
   std::string provider() const override { return provider_name_; }
   size_t max_message_size() const override { return max_msg_; }
   size_t data_bytes() const override { return data_bytes_; }
@@ -621,8 +707,9 @@ class FabricEndpoint final : public Endpoint {
     req->len = len;
     req->bytes = len;
     if (data_bytes_ < 8) data &= data_bytes_ == 0 ? 0 : (uint64_t(1) << (8 * data_bytes_)) - 1;
-    post_fragments(req, const_cast<void*>(buf), len, tag, 0, addrs_[static_cast<size_t>(peer)],
-                   ep_of_[static_cast<size_t>(peer)], nullptr, 0, data);
+    post_fragments(req, const_cast<void*>(buf), len, wire_tag(peer, tag), 0,
+                   addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)], nullptr, 0,
+                   data);
     return req;
   }
 
@@ -641,11 +728,12 @@ class FabricEndpoint final : public Endpoint {
     req->peer = peer;
     req->tag = tag;
     req->len = len;
+    // An any-peer receive cannot know its sender's generation: it matches every one.
     if (peer == kAnyPeer)
-      post_fragments(req, buf, len, tag, ignore, FI_ADDR_UNSPEC, eps_.front().get());
+      post_fragments(req, buf, len, tag, ignore | kGenMask, FI_ADDR_UNSPEC, eps_.front().get());
     else
-      post_fragments(req, buf, len, tag, ignore, addrs_[static_cast<size_t>(peer)],
-                     ep_of_[static_cast<size_t>(peer)]);
+      post_fragments(req, buf, len, wire_tag(peer, tag), ignore,
+                     addrs_[static_cast<size_t>(peer)], ep_of_[static_cast<size_t>(peer)]);
     return req;
   }
 
@@ -753,6 +841,52 @@ class FabricEndpoint final : public Endpoint {
       throw UsageError(fmt::format("{}: peer {} out of range [0, {})", what, peer, world_));
   }
 
+  // The address in rank r's published value (published_address() there) that this rank
+  // sends to, after checking that r runs the same provider and settings.
+  std::string peer_address(const std::string& v, int r) const {
+    size_t nl = v.find('\n');
+    if (nl == std::string::npos)
+      throw ProtocolError(fmt::format("rank {}: malformed fabric address of rank {}", rank_, r));
+    std::string peer_setting = v.substr(0, nl);
+    std::string peer_prov = peer_setting.substr(0, peer_setting.find(' '));
+    if (peer_prov != provider_name_)
+      throw ConfigError(fmt::format(
+          "rank {}: provider mismatch: this rank uses '{}', rank {} uses '{}'; set the same "
+          "provider on every rank",
+          rank_, provider_name_, r, peer_prov));
+    if (peer_setting != setting_) {
+      const bool pairwise_differs =
+          (peer_setting.find(" pairwise") != std::string::npos) != pairwise_;
+      throw ConfigError(fmt::format(
+          "rank {}: libfabric settings differ: this rank has '{}', rank {} has '{}'; export "
+          "the same {} on every rank",
+          rank_, setting_, r, peer_setting, pairwise_differs ? kPairwiseEnv : kRxmEagerEnv));
+    }
+    std::string addr =
+        pairwise_ ? pair_address(v.substr(nl + 1), world_, rank_, r) : v.substr(nl + 1);
+    const std::string problem =
+        address_problem(addr, info_->addr_format, names_[index_[static_cast<size_t>(r)]].size());
+    if (!problem.empty())
+      throw ProtocolError(fmt::format(
+          "rank {}: the fabric address that rank {} published is not a valid {} address ({}); a "
+          "rank of another build, provider or job wrote it",
+          rank_, r, addr_format_name(info_->addr_format), problem));
+    return addr;
+  }
+
+  void insert_peer(int r, const std::string& addr) {
+    if (!tcp_cc_.empty() && r != rank_) tcp_regs_.add(addr, tcp_cc_);
+    int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
+    if (n != 1)
+      throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
+                        __LINE__);
+  }
+
+  // A directed tag as it goes on the wire: with the pair's generation (net/tags.h).
+  uint64_t wire_tag(int peer, uint64_t tag) const {
+    return with_generation(tag, peer == kAnyPeer ? 0 : gens_[static_cast<size_t>(peer)]);
+  }
+
   // Memory descriptor for [ptr, ptr+len), registering (and caching) when the provider
   // requires local registration.
   void* descriptor(void* ptr, size_t len) {
@@ -796,7 +930,7 @@ class FabricEndpoint final : public Endpoint {
       // Behind earlier refused posts of the same queue (order), else straight to the provider.
       const size_t qi = queue_index(req->is_send, req->peer);
       const PostQueue& q = queues_[qi];
-      if (!q.head && q.inflight < q.cap) {
+      if (!q.head && q.inflight < q.cap && queue_open(qi)) {
         ssize_t ret = post(c);
         if (ret == 0) continue;
         if (ret != -FI_EAGAIN) {
@@ -815,6 +949,12 @@ class FabricEndpoint final : public Endpoint {
   size_t queue_index(bool is_send, int peer) const {
     if (peer == kAnyPeer) return 2 * static_cast<size_t>(world_);
     return static_cast<size_t>(peer) + (is_send ? 0 : static_cast<size_t>(world_));
+  }
+  bool queue_open(size_t qi) const {
+    return qi == 2 * static_cast<size_t>(world_) || connected_[qi % static_cast<size_t>(world_)];
+  }
+  bool orphaned(const OpCtx* c) const {
+    return !orphans_.empty() && std::find(orphans_.begin(), orphans_.end(), c) != orphans_.end();
   }
 
   void enqueue(size_t qi, OpCtx* c) {
@@ -892,6 +1032,10 @@ class FabricEndpoint final : public Endpoint {
     for (size_t i = 0; i < active_.size();) {
       const uint32_t qi = active_[i];
       PostQueue& q = queues_[qi];
+      if (!queue_open(qi)) {  // a peer not connected yet: its posts wait for reset_peer
+        ++i;
+        continue;
+      }
       while (OpCtx* c = q.head) {
         // A request that already failed (an earlier fragment) posts no more fragments.
         const bool failed = c->req->state == RequestState::kError;
@@ -995,7 +1139,7 @@ class FabricEndpoint final : public Endpoint {
       part.req->len = len;
       part.stage.resize(len);
       ++a->live;
-      post_fragments(part.req, part.stage.data(), len, tag, ignore,
+      post_fragments(part.req, part.stage.data(), len, wire_tag(p, tag), ignore,
                      addrs_[static_cast<size_t>(p)], ep_of_[static_cast<size_t>(p)], a, i);
     }
     return req;
@@ -1128,9 +1272,10 @@ class FabricEndpoint final : public Endpoint {
 
   void complete(const fi_cq_tagged_entry& e) {
     auto* c = static_cast<OpCtx*>(e.op_context);
+    if (orphaned(c)) return;  // of an endpoint reset_peer closed: its request ended there
     if (!c->req->is_send) {
       c->req->bytes += e.len;
-      c->req->matched_tag = e.tag & ~kFragMask;
+      c->req->matched_tag = e.tag & ~(kFragMask | kGenMask);
       if (e.flags & FI_REMOTE_CQ_DATA) c->req->data = e.data;
     }
     finish_part(c, RequestState::kDone, {});
@@ -1144,6 +1289,7 @@ class FabricEndpoint final : public Endpoint {
     if (!c)
       throw IoError(fmt::format("rank {}: completion error without context: {}", rank_,
                                 fi_strerror(err.err)));
+    if (orphaned(c)) return;
     // Some providers (shm) report the error code negated.
     const int code = err.err < 0 ? -err.err : err.err;
     if (code == FI_ECANCELED) {
@@ -1194,6 +1340,14 @@ class FabricEndpoint final : public Endpoint {
   bool pairwise_ = false;
   bool shm_ = false;
   std::vector<fi_addr_t> addrs_;
+  std::vector<uint32_t> gens_;     // per rank: the pair's generation (in every tag)
+  std::vector<char> connected_;    // per rank: reachable (a joining endpoint starts with none)
+  std::string setting_;            // the first line of what this endpoint publishes
+  std::vector<std::string> names_;  // per libfabric endpoint: its address
+  std::vector<size_t> index_;       // per rank: its endpoint in eps_ / names_
+  std::string tcp_cc_;              // the congestion control of tcp connections ("": not tcp)
+  uint32_t incarnation_ = 0;
+  std::vector<OpCtx*> orphans_;     // operations of endpoints reset_peer closed
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;
   std::unordered_set<OpCtx*> outstanding_;

@@ -31,6 +31,12 @@ struct FabricOptions {
   // keeps a connection per peer already); QRING_SHM_PAIRWISE=0 or 1 decides for shm instead.
   enum class Pairwise { kAuto, kOn, kOff };
   Pairwise pairwise = Pairwise::kAuto;
+  // This process's incarnation of its rank (0 at the job's start; net/endpoint.h, "Ranks that
+  // come back").
+  uint32_t incarnation = 0;
+  // Joining a running job: publish this endpoint's address but read none, and start with no
+  // peer connected (Endpoint::reset_peer connects each one the join protocol names).
+  bool join = false;
 };
 
 // Opens an endpoint, publishes its address in `store` (key: FabricOptions::instance), reads

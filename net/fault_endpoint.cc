@@ -195,6 +195,28 @@ bool FaultEndpoint::cancel(const RequestPtr& req) {
   return inner_->cancel(req);  // an any-peer receive (not wrapped)
 }
 
+void FaultEndpoint::reset_peer(int peer, const std::string& published, uint32_t incarnation) {
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->peer != peer) {
+      ++it;
+      continue;
+    }
+    it->proxy->state = RequestState::kCancelled;
+    it = held_.erase(it);
+  }
+  for (auto it = cut_recvs_.begin(); it != cut_recvs_.end();) {
+    if (it->proxy->peer != peer) {
+      ++it;
+      continue;
+    }
+    it->proxy->state = RequestState::kCancelled;
+    it = cut_recvs_.erase(it);
+  }
+  inner_->reset_peer(peer, published, incarnation);
+  // The inner requests of `peer` ended there: their proxies follow in the next progress().
+  recvs_dirty_ = true;
+}
+
 void FaultEndpoint::close() {
   if (closed()) return;
   for (Held& h : held_) h.proxy->state = RequestState::kCancelled;  // never sent

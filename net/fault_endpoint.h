@@ -55,6 +55,11 @@ class FaultEndpoint final : public Endpoint {
   void register_memory(const void* p, size_t n) override { inner_->register_memory(p, n); }
   void deregister_memory(const void* p) override { inner_->deregister_memory(p); }
   std::vector<int> suspect_peers() const override { return inner_->suspect_peers(); }
+  std::string published_address() const override { return inner_->published_address(); }
+  uint32_t incarnation() const override { return inner_->incarnation(); }
+  bool connected(int peer) const override { return inner_->connected(peer); }
+  // Held messages to `peer` and receives from it end cancelled; the rules stay.
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override;
 
   // Cuts `peer` off (see above); permanent. Thread-safe: any thread may call it while the
   // owner drives the endpoint, which applies it from its next isend/irecv/progress.

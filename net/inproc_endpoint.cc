@@ -22,6 +22,7 @@ struct InprocFabric::Mailbox {
     RequestPtr req;
     void* buf;
     uint64_t ignore;
+    uint64_t tag;  // as on the wire (with the generation)
   };
   struct Message {
     int src;
@@ -47,8 +48,15 @@ namespace {
 
 class InprocEndpoint final : public Endpoint {
  public:
-  InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes)
-      : rank_(rank), boxes_(std::move(boxes)) {}
+  InprocEndpoint(int rank, std::vector<InprocFabric::Mailbox*> boxes, uint32_t incarnation,
+                 bool join)
+      : rank_(rank),
+        boxes_(std::move(boxes)),
+        incarnation_(incarnation),
+        gens_(boxes_.size(), 0),
+        connected_(boxes_.size(), join ? 0 : 1) {
+    connected_[size_t(rank)] = 1;
+  }
 
   ~InprocEndpoint() override { close(); }
 
@@ -70,6 +78,36 @@ class InprocEndpoint final : public Endpoint {
   }
   bool closed() const override { return closed_; }
 
+  uint32_t incarnation() const override { return incarnation_; }
+  std::string published_address() const override { return "inproc\n"; }
+  bool connected(int peer) const override {
+    return peer >= 0 && peer < world_size() && connected_[size_t(peer)];
+  }
+  void reset_peer(int peer, const std::string& published, uint32_t incarnation) override {
+    check_peer(peer, "reset_peer");
+    if (peer == rank_) throw UsageError("reset_peer: a rank cannot reconnect itself");
+    if (published != "inproc\n")
+      throw ProtocolError(fmt::format("rank {}: malformed address of rank {}", rank_, peer));
+    {
+      auto& box = *boxes_[static_cast<size_t>(rank_)];
+      std::lock_guard<std::mutex> lock(box.mu);
+      for (auto it = box.posted.begin(); it != box.posted.end();) {
+        if (it->req->peer == peer) {
+          it->req->state = RequestState::kCancelled;
+          it = box.posted.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& w : waiting_)
+      if (w.req->peer == peer && !w.req->done()) w.req->state = RequestState::kCancelled;
+    std::erase_if(waiting_, [&](const Waiting& w) { return w.req->peer == peer; });
+    gens_[size_t(peer)] = (incarnation_ + incarnation) & 0xFu;
+    connected_[size_t(peer)] = 1;
+    std::erase(suspects_, peer);
+  }
+
   int rank() const override { return rank_; }
   int world_size() const override { return static_cast<int>(boxes_.size()); }
   std::string provider() const override { return "inproc"; }
@@ -85,12 +123,21 @@ class InprocEndpoint final : public Endpoint {
     req->tag = tag;
     req->len = len;
     req->bytes = len;
+    if (!connected_[size_t(peer)]) {
+      waiting_.push_back({req});  // until reset_peer connects the peer (and ends it)
+      return req;
+    }
+    send_now(req, peer, with_generation(tag, gens_[size_t(peer)]), buf, len);
+    return req;
+  }
+
+  void send_now(const RequestPtr& req, int peer, uint64_t tag, const void* buf, size_t len) {
     auto& box = *boxes_[static_cast<size_t>(peer)];
     {
       std::lock_guard<std::mutex> lock(box.mu);
       for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
         Request& r = *it->req;
-        if ((r.peer == kAnyPeer || r.peer == rank_) && matches(r.tag, it->ignore, tag)) {
+        if ((r.peer == kAnyPeer || r.peer == rank_) && matches(it->tag, it->ignore, tag)) {
           if (len > r.len) {
             box.completed.push_back(
                 {it->req, rank_, len, tag, truncated(rank_, len, r.len), data});
@@ -100,14 +147,13 @@ class InprocEndpoint final : public Endpoint {
           }
           box.posted.erase(it);
           req->state = RequestState::kDone;
-          return req;
+          return;
         }
       }
       const char* p = static_cast<const char*>(buf);
       box.unexpected.push_back({rank_, tag, std::vector<char>(p, p + len), data});
     }
     req->state = RequestState::kDone;  // eager: the data is buffered
-    return req;
   }
 
   RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override {
@@ -117,11 +163,24 @@ class InprocEndpoint final : public Endpoint {
     req->peer = peer;
     req->tag = tag;
     req->len = len;
+    if (peer == kAnyPeer) {
+      ignore |= kGenMask;  // an any-peer receive cannot know its sender's generation
+    } else if (!connected_[size_t(peer)]) {
+      waiting_.push_back({req});
+      return req;
+    }
+    recv_now(req, peer, peer == kAnyPeer ? tag : with_generation(tag, gens_[size_t(peer)]), buf,
+             len, ignore);
+    return req;
+  }
+
+  void recv_now(const RequestPtr& req, int peer, uint64_t tag, void* buf, size_t len,
+                uint64_t ignore) {
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::lock_guard<std::mutex> lock(box.mu);
     for (auto it = box.unexpected.begin(); it != box.unexpected.end(); ++it) {
       if ((peer == kAnyPeer || it->src == peer) && matches(tag, ignore, it->tag)) {
-        req->matched_tag = it->tag;
+        req->matched_tag = it->tag & ~kGenMask;
         req->bytes = it->data.size();
         req->data = it->imm;
         if (it->data.size() > len) {
@@ -134,11 +193,10 @@ class InprocEndpoint final : public Endpoint {
           req->state = RequestState::kDone;
         }
         box.unexpected.erase(it);
-        return req;
+        return;
       }
     }
-    box.posted.push_back({req, buf, ignore});
-    return req;
+    box.posted.push_back({req, buf, ignore, tag});
   }
 
   size_t progress() override {
@@ -157,7 +215,7 @@ class InprocEndpoint final : public Endpoint {
   void apply(std::vector<InprocFabric::Mailbox::Done>& done) {
     for (auto& d : done) {
       d.req->bytes = d.bytes;
-      d.req->matched_tag = d.tag;
+      d.req->matched_tag = d.tag & ~kGenMask;
       d.req->data = d.imm;
       if (d.error.empty()) {
         d.req->state = RequestState::kDone;
@@ -172,6 +230,13 @@ class InprocEndpoint final : public Endpoint {
 
   bool cancel(const RequestPtr& req) override {
     if (req->done() || req->is_send) return false;
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      if (it->req == req) {
+        waiting_.erase(it);
+        req->state = RequestState::kCancelled;
+        return true;
+      }
+    }
     auto& box = *boxes_[static_cast<size_t>(rank_)];
     std::lock_guard<std::mutex> lock(box.mu);
     for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
@@ -211,6 +276,15 @@ class InprocEndpoint final : public Endpoint {
 
   int rank_;
   std::vector<InprocFabric::Mailbox*> boxes_;
+  uint32_t incarnation_;
+  std::vector<uint32_t> gens_;   // per peer: the pair's generation (net/tags.h)
+  std::vector<char> connected_;  // per peer
+  // Posts to or from peers not connected yet (a joining endpoint): they end cancelled when
+  // reset_peer connects the peer, as the fabric endpoint's queued posts do.
+  struct Waiting {
+    RequestPtr req;
+  };
+  std::vector<Waiting> waiting_;
   std::vector<int> suspects_;  // sorted
   bool closed_ = false;
 };
@@ -226,12 +300,12 @@ int InprocFabric::world_size() const {
   return static_cast<int>(boxes_.size());
 }
 
-std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank) {
+std::unique_ptr<Endpoint> InprocFabric::endpoint(int rank, uint32_t incarnation, bool join) {
   if (rank < 0 || rank >= world_size())
     throw UsageError(fmt::format("InprocFabric: rank {} out of range", rank));
   std::vector<Mailbox*> boxes;
   for (auto& b : boxes_) boxes.push_back(b.get());
-  return std::make_unique<InprocEndpoint>(rank, std::move(boxes));
+  return std::make_unique<InprocEndpoint>(rank, std::move(boxes), incarnation, join);
 }
 
 }  // namespace qring::net

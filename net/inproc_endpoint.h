@@ -15,8 +15,10 @@ class InprocFabric {
   explicit InprocFabric(int world_size);
   ~InprocFabric();
   int world_size() const;
-  // One endpoint per rank; each may be used by a different thread.
-  std::unique_ptr<Endpoint> endpoint(int rank);
+  // One endpoint per rank; each may be used by a different thread. A later endpoint of the
+  // same rank is a new incarnation of it (rejoin tests): it shares the rank's mailbox, and its
+  // peers reach it after reset_peer (it starts with none connected when `join` is set).
+  std::unique_ptr<Endpoint> endpoint(int rank, uint32_t incarnation = 0, bool join = false);
 
   struct Mailbox;
 

@@ -76,7 +76,9 @@ int key_owner(std::string_view key, int world_size) {
   auto slash = key.find('/');
   if (slash == std::string_view::npos) return -1;
   std::string_view family = key.substr(0, slash);
-  if (family != "host" && family != "exit" && family != "fabric") return -1;
+  if (family != "host" && family != "exit" && family != "fabric" && family != "incarnation" &&
+      family != "join")
+    return -1;
   std::string_view last = key.substr(key.rfind('/') + 1);
   int rank = -1;
   auto [p, ec] = std::from_chars(last.data(), last.data() + last.size(), rank);
@@ -84,6 +86,10 @@ int key_owner(std::string_view key, int world_size) {
       rank >= world_size)
     return -1;
   return rank;
+}
+
+std::string incarnation_key(int rank) {
+  return fmt::format("incarnation/{}", rank);
 }
 
 // ---------------------------------------------------------------------------------------------

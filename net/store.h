@@ -121,8 +121,13 @@ std::string server_proof(std::string_view secret, std::string_view server_nonce,
 bool is_loopback_host(const std::string& host);
 
 // The rank that owns `key`, or -1 for a shared key. The keys a rank publishes about itself
-// -- "host/<r>", "exit/<r>", "fabric/.../<r>" -- belong to rank r: only r may SET or ADD them.
+// -- "host/<r>", "exit/<r>", "fabric/.../<r>", "incarnation/<r>", "join/.../<r>" -- belong
+// to rank r: only r may SET or ADD them.
 int key_owner(std::string_view key, int world_size);
+
+// The counter of rank r's incarnations: each process of rank r adds 1 at its rendezvous, so
+// its incarnation is the value it gets minus 1 (0 at the job's start; docs/design.md, "Rejoin").
+std::string incarnation_key(int rank);
 
 struct StoreServerOptions {
   // The job secret every JOIN must prove. Empty: no proof is needed (anyone who can reach

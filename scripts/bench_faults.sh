@@ -3,14 +3,19 @@
 # SIGKILL of rank 2 at 30 % of training, same seed, and a 3-rank run of the same config for
 # the step time the survivors should reach. Prints final accuracy of each run, recovery_s
 # (from the lost rank's last sign of life to the first step completed without it), and the
-# step-time p50/p99 before and after the failure against the 3-rank run.
+# step-time p50/p99 before and after the failure against the 3-rank run. Then the same kill
+# with qring-launch --max-restarts 1: the rank is started again and rejoins; prints the final
+# accuracy, the time from its restart to its first counted contribution (from its own log:
+# process start to the first step that counted it again; the process start itself, exec and
+# loading, comes on top), its admission and state-transfer times, and heal_s.
 #
 #   scripts/bench_faults.sh [--config configs/fmnist-mlp.toml] [--epochs 3] [--evict-ms 1000]
 #                           [--provider auto] [--rank 2]
 #
 # Acceptance (issue "ranks that stop or die"): accuracy within 0.5 points of the run without
 # a failure; recovery_s <= evict_ms + 1 s; p50 after the failure within 10 % of the 3-rank
-# p50.
+# p50. Rejoin (issue "rejoin"): accuracy within 0.5 points; restart to first counted
+# contribution <= 2 s plus process start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/fmnist-mlp.toml
@@ -45,15 +50,17 @@ STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
 KILL_AT=$(( STEPS * 3 / 10 ))
 echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
 
-run() {  # name ranks fault
+run() {  # name ranks fault [launcher options...]
   local name=$1 ranks=$2 fault=$3 status=0
-  QRING_FAULT=$fault "$BUILD/net/qring-launch" -n "$ranks" --tolerate-failures 1 -- \
+  shift 3
+  QRING_FAULT=$fault "$BUILD/net/qring-launch" -n "$ranks" --tolerate-failures 1 "$@" -- \
     "$BUILD/train/qring-train" "${common[@]}" "run.name=$name" > "$OUT/$name.log" 2>&1 || status=$?
   echo "  $name: exit $status"
 }
 run clean 4 none
 run killed 4 "kill:$VICTIM:$KILL_AT:step"
 run three 3 none
+run rejoined 4 "kill:$VICTIM:$KILL_AT:step" --max-restarts 1
 
 python3 - "$OUT" "$KILL_AT" "$EVICT" <<'PY'
 import json, statistics, sys
@@ -102,4 +109,28 @@ ok_p50 = p50_ratio <= 1.10
 print(f"accuracy gap {acc_gap:+.2f} points (<= 0.5: {'yes' if ok_acc else 'NO'}); "
       f"recovery_s {killed['recovery_s']:.2f} (<= {evict / 1000 + 1:.1f}: {'yes' if ok_rec else 'NO'}); "
       f"p50 after / 3-rank p50 {p50_ratio:.3f} (<= 1.10: {'yes' if ok_p50 else 'NO'})")
+
+import re
+rejoined, dt_rejoined, _ = load("rejoined")
+log = open(f"{out}/rejoined.log", errors="replace").read()
+m = re.search(r"rank (\d+) rejoined at step (\d+) .*admitted (\d+) ms after it asked, state "
+              r"([0-9.]+) MB from rank (\d+) in (\d+) ms", log)
+c = re.search(r"first contribution counted again at step (\d+), ([0-9.]+) s after this process "
+              r"started", log)
+print()
+if not m or not c:
+    print("rejoin: the restarted rank did not rejoin and contribute (see " + out + "/rejoined.log)")
+    sys.exit(1)
+acc_gap_r = 100 * (clean["test_accuracy"] - rejoined["test_accuracy"])
+to_counted = float(c.group(2))
+print("| rejoin | test accuracy | rejoins | admitted (ms) | state (MB, ms) | restart to first counted (s) | heal_s |")
+print("|---|---|---|---|---|---|---|")
+print(f"| rank {m.group(1)} killed at step {kill_at}, back at step {m.group(2)} | "
+      f"{rejoined['test_accuracy']:.4f} | {rejoined['rejoins']} | {m.group(3)} | "
+      f"{m.group(4)}, {m.group(6)} | {to_counted:.2f} (step {c.group(1)}) | "
+      f"{rejoined['heal_s']:.2f} |")
+print()
+print(f"rejoin: accuracy gap {acc_gap_r:+.2f} points (<= 0.5: "
+      f"{'yes' if abs(acc_gap_r) <= 0.5 else 'NO'}); restart to first counted contribution "
+      f"{to_counted:.2f} s (<= 2 s plus process start: {'yes' if to_counted <= 2 else 'NO'})")
 PY

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages qring needs to build, test and run. Idempotent: packages
 # already present are not reinstalled and `apt-get update` runs at most once per machine boot.
+#   QRING_SETUP_TORCH=1 scripts/setup.sh   also installs PyTorch for scripts/bench_vs_torch.sh
 set -euo pipefail
 
 PKGS=(
   build-essential cmake pkg-config git ca-certificates
   libfabric-dev libfabric-bin libssl-dev
-  libeigen3-dev libspdlog-dev libfmt-dev
+  libeigen3-dev libopenblas-dev libopenblas0-pthread libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libcli11-dev libtoml11-dev nlohmann-json3-dev zlib1g-dev
   dataset-fashion-mnist
   openmpi-bin libopenmpi-dev
@@ -15,6 +16,8 @@ PKGS=(
   iproute2 util-linux
   clang libclang-rt-14-dev
 )
+# PyTorch 1.13 (oneDNN convolutions; OpenBLAS through libopenblas0-pthread above).
+[ "${QRING_SETUP_TORCH:-0}" = 1 ] && PKGS+=(python3-torch python3-numpy)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -338,6 +338,49 @@ TEST(Launch, ToleratesALostRank) {
   EXPECT_THAT(run.out, Not(HasSubstr("finished-2")));
 }
 
+// --max-restarts N: a rank that fails is started again (QRING_RESTART counts), up to N times,
+// with the failure and the restart in the output; the job then succeeds. Every rank is told
+// that the store lives in the launcher.
+TEST(Launch, RestartsAFailedRank) {
+  LaunchRun run({"-n", "3", "--max-restarts", "2", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 1 ] && [ $QRING_RESTART -lt 2 ]; then kill -9 $$; fi; "
+                 "echo done-$QRING_RANK restart=$QRING_RESTART hosted=$QRING_STORE_HOSTED"});
+  EXPECT_EQ(run.finish(), 0) << run.out << run.err;
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "qring-launch: rank 1 \\(pid [0-9]+\\) was killed by signal 9 "
+                           "\\(SIGKILL\\); restarting it \\(restart 1 of 2\\)\n"));
+  EXPECT_THAT(run.err, testing::ContainsRegex("restarting it \\(restart 2 of 2\\)\n"));
+  EXPECT_THAT(run.err, testing::ContainsRegex("qring-launch: rank 1 restarted \\(pid [0-9]+\\)"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 1] done-1 restart=2 hosted=1\n"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 0] done-0 restart=0 hosted=1\n"));
+  EXPECT_THAT(run.out, Not(HasSubstr("done-1 restart=0")));
+}
+
+// Beyond its restarts a rank fails the job as without the flag (fail-fast), or is lost under
+// --tolerate-failures.
+TEST(Launch, RestartsRunOut) {
+  LaunchRun run({"-n", "2", "--max-restarts", "1", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 1 ]; then exit 3; fi; sleep 30"});
+  EXPECT_EQ(run.finish(), 3) << run.err;
+  EXPECT_LT(run.elapsed, 8s);
+  EXPECT_THAT(run.err, HasSubstr("exited with status 3; restarting it (restart 1 of 1)"));
+  EXPECT_THAT(run.err, HasSubstr("rank 1 exited with status 3; stopping the other ranks"));
+
+  LaunchRun tolerant({"-n", "3", "--max-restarts", "1", "--tolerate-failures", "1", "--", "sh",
+                      "-c", "if [ $QRING_RANK = 2 ]; then exit 4; fi; sleep 0.5"});
+  EXPECT_EQ(tolerant.finish(), 101) << tolerant.err;
+  EXPECT_THAT(tolerant.err, HasSubstr("restarting it (restart 1 of 1)"));
+  EXPECT_THAT(tolerant.err, HasSubstr("1 of 3 ranks lost, tolerating up to 1"));
+}
+
+TEST(Launch, BadMaxRestartsIsAUsageError) {
+  for (const char* v : {"-1", "x", "1001"}) {
+    LaunchRun run({"-n", "2", "--max-restarts", v, "--", "true"});
+    EXPECT_EQ(run.finish(), 2) << v;
+    EXPECT_THAT(run.err, HasSubstr("--max-restarts expects an integer")) << v;
+  }
+}
+
 // Exit status 75 is a rank evicted from the job: lost, named "evicted"; a second loss of
 // another kind adds up (102).
 TEST(Launch, EvictedRankCountsAsLost) {

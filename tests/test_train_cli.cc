@@ -95,6 +95,25 @@ TEST_F(TrainCli, KilledRunResumesToTheSameParameters) {
   EXPECT_EQ(checksums(resumed.output), checksums(straight.output)) << resumed.output;
 }
 
+// Issue 17: ranks whose kernels would round differently (here rank 1's OpenBLAS forced to its
+// SSE3 kernels) stop at start, naming rank 1 and the key 'kernels'.
+TEST_F(TrainCli, RanksWithOtherKernelsStopAtStart) {
+  // sh() runs the command in single quotes: the per-rank script is in double quotes, its
+  // $QRING_RANK escaped for the outer shell.
+  auto r = sh(kBuild + "/net/qring-launch -n 2 -- sh -c \"[ \\$QRING_RANK = 1 ] && export "
+              "OPENBLAS_CORETYPE=Prescott; exec " + kBuild + "/train/qring-train --config " +
+              kSource + "/configs/smoke.toml run.out_dir=" + dir_.string() +
+              " run.name=kernels log.progress=false train.steps=5\"");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 ('kernels') has other values than rank 0"), std::string::npos)
+      << r.output;
+  // The first rank to stop says what it computes with (the launcher stops the other).
+  EXPECT_NE(r.output.find("computes with vector "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(", blas OpenBLAS "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("params_checksum"), std::string::npos) << r.output;  // no training
+}
+
 TEST_F(TrainCli, BadConfigurationExitsTwoNamingTheKey) {
   auto r = sh(kBuild + "/train/qring-train --config " + kSource +
               "/configs/smoke.toml train.lr=-1 run.out_dir=" + dir_.string());

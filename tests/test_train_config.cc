@@ -148,7 +148,11 @@ TEST(TrainConfig, BadValuesNameTheKey) {
   expect_config_error([] { parse("", {"model.hidden=[]"}); }, "model.hidden");
   expect_config_error([] { parse("", {"model.hidden=[0]"}); }, "model.hidden");
   expect_config_error([] { parse("", {"model.conv_channels=[8,8,8,8]"}); }, "model.conv_channels");
-  expect_config_error([] { parse("", {"model.conv_kernel=4"}); }, "model.conv_kernel");
+  expect_config_error([] { parse("", {"model.conv_kernel=4"}); }, "model.conv_kernel", "odd");
+  expect_config_error([] { parse("", {"model.conv_kernel=10", "model.conv_padding=valid"}); },
+                      "model.conv_kernel");
+  expect_config_error([] { parse("", {"model.conv_padding=full"}); }, "model.conv_padding",
+                      "full");
   expect_config_error([] { parse("", {"data.dataset=cifar"}); }, "data.dataset");
   expect_config_error([] { parse("", {"quorum.late_policy=keep"}); }, "quorum.late_policy", "keep");
   expect_config_error([] { parse("", {"quorum.quorum=0"}); }, "quorum.quorum");
@@ -213,6 +217,7 @@ TEST(TrainConfig, FingerprintCoversStateShapingKeys) {
   EXPECT_NE(parse("", {"model.hidden=[100]"}).fingerprint(), base);
   EXPECT_NE(parse("", {"run.seed=1"}).fingerprint(), base);
   EXPECT_NE(parse("", {"train.batch_per_rank=32"}).fingerprint(), base);
+  EXPECT_NE(parse("", {"model.conv_padding=valid"}).fingerprint(), base);
 }
 
 TEST(TrainConfig, ShippedConfigsParse) {
@@ -298,6 +303,31 @@ TEST(TrainConfig, RanksMustAgreeOnTheirConfig) {
       },
       "train.lr", "rank 1 ('train.lr') has other values than rank 0 (");
   EXPECT_THROW(TrainConfig::check_ranks_agree({1, 2, 3}, 2), UsageError);
+}
+
+// Issue 17: the trainer appends the digest of the kernel ISA (train/kernels.h) to the config
+// digests; a rank computing with other kernels is named with that key.
+TEST(TrainConfig, RanksMustAgreeOnExtraValuesSuchAsTheKernels) {
+  auto with = [](const std::string& isa) {
+    auto d = parse("").agreed_digests();
+    d.push_back(TrainConfig::digest(isa));
+    return d;
+  };
+  auto gather = [](const std::vector<std::vector<uint64_t>>& ranks) {
+    std::vector<uint64_t> all;
+    for (const auto& d : ranks) all.insert(all.end(), d.begin(), d.end());
+    return all;
+  };
+  const auto a = with("vector avx512f+fma, blas X"), b = with("vector sse4.2, blas X");
+  EXPECT_NO_THROW(TrainConfig::check_ranks_agree(gather({a, a, a}), 3, {"kernels"}));
+  expect_config_error(
+      [&] {
+        TrainConfig::check_ranks_agree(gather({a, a, b}), 3, {"kernels"});
+      },
+      "kernels", "rank 2 ('kernels') has other values than rank 0 and 1 other");
+  EXPECT_NE(TrainConfig::digest("a"), TrainConfig::digest("b"));
+  // Without the extra key name the sizes do not match.
+  EXPECT_THROW(TrainConfig::check_ranks_agree(gather({a, b}), 2), UsageError);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "cli_harness.h"
 
@@ -78,7 +79,8 @@ class FaultMatrix : public TrainFaults, public ::testing::WithParamInterface<Fau
 // W = 4, quorum 3: one rank killed (or stopped longer than the evict time) at step 40, at
 // one of four phases; rank 0 is the coordinator, whose loss makes rank 1 take over. The job
 // finishes on the other three with identical parameters and its outputs complete; the
-// stopped rank, continued, learns it was evicted and exits 75.
+// stopped rank, continued, learns it was evicted and rejoins as a new incarnation (the store
+// lives in qring-launch), so that the job ends with all four again.
 TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   const FaultCase c = GetParam();
   // A stopped rank is continued while the others still train (1000 steps take seconds), so
@@ -90,18 +92,22 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   auto r = sh(run_cmd(fault, 4, 1, dir_, "m",
                       "quorum.quorum=3 train.steps=" + std::to_string(steps) +
                           " net.provider=" + c.provider));
-  ASSERT_EQ(r.status, 101) << r.output;  // one rank lost, the others finished
+  const bool killed = c.action == "kill";
+  // Killed: one rank lost, the others finished. Stopped: it came back.
+  ASSERT_EQ(r.status, killed ? 101 : 0) << r.output;
   const std::string victim = "rank " + std::to_string(c.rank);
-  EXPECT_NE(r.output.find("qring-launch: " + victim), std::string::npos) << r.output;
-  if (c.action == "kill") {
+  if (killed) {
+    EXPECT_NE(r.output.find("qring-launch: " + victim), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("killed by signal 9"), std::string::npos) << r.output;
   } else {
-    EXPECT_NE(r.output.find("was evicted (exit status 75)"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(victim + ": evicted from the job"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(victim + ": rejoining the job as a new incarnation"),
+              std::string::npos)
+        << r.output;
   }
   auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 3u) << r.output;  // the three survivors
-  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "survivors disagree: " << r.output;
+  ASSERT_EQ(sums.size(), killed ? 3u : 4u) << r.output;  // the survivors (and the rejoined)
+  EXPECT_EQ(sums.count(*sums.begin()), sums.size()) << "replicas disagree: " << r.output;
   auto s = summary("m");
   EXPECT_EQ(s["steps"], steps) << s.dump();
   EXPECT_EQ(s["finished"], true);
@@ -109,7 +115,8 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   EXPECT_EQ(s["evicted_ranks"], nlohmann::json::array({c.rank})) << s.dump();
   EXPECT_LE(s["skipped_steps"].get<int>(), 1) << s.dump();
   EXPECT_GT(s["recovery_s"].get<double>(), 0.0) << s.dump();
-  // The view change is in the metrics, with who left.
+  EXPECT_EQ(s["rejoins"], killed ? 0 : 1) << s.dump();
+  // The view changes are in the metrics: who left, and who came back.
   std::ifstream m(dir_ / "m" / "metrics.jsonl");
   std::string line;
   int views = 0;
@@ -117,10 +124,15 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
     auto j = nlohmann::json::parse(line);
     if (j["type"] != "view") continue;
     ++views;
-    EXPECT_EQ(j["left"][0]["rank"], c.rank) << line;
-    EXPECT_EQ(j["members"].size(), 3u) << line;
+    if (views == 1) {
+      EXPECT_EQ(j["left"][0]["rank"], c.rank) << line;
+      EXPECT_EQ(j["members"].size(), 3u) << line;
+    } else {
+      EXPECT_EQ(j["joined"][0]["rank"], c.rank) << line;
+      EXPECT_EQ(j["members"].size(), 4u) << line;
+    }
   }
-  EXPECT_EQ(views, 1);
+  EXPECT_EQ(views, killed ? 1 : 2);
 }
 
 std::vector<FaultCase> matrix() {
@@ -192,6 +204,69 @@ TEST_F(TrainFaults, ShortPauseIsNotAFailure) {
   EXPECT_EQ(sums.count(*sums.begin()), 4u) << r.output;
   EXPECT_EQ(summary("short")["failures_survived"], 0);
 }
+
+// Rejoin (qring-launch --max-restarts): a rank killed mid-training, rank 0 (the coordinator)
+// too, is started again, rejoins with a live member's state, and the job ends with all four
+// ranks bit-identical; the metrics show the departure, the return and the healing.
+struct RejoinCase {
+  int rank;
+  std::string provider;
+};
+void PrintTo(const RejoinCase& c, std::ostream* os) {
+  *os << "kill rank " << c.rank << " over " << c.provider;
+}
+class RejoinMatrix : public TrainFaults, public ::testing::WithParamInterface<RejoinCase> {};
+
+TEST_P(RejoinMatrix, KilledRankComesBackAndTheReplicasAgree) {
+  const RejoinCase c = GetParam();
+  const std::string cmd = "QRING_FAULT=kill:" + std::to_string(c.rank) + ":40:step " + kBuild +
+                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
+                          "/train/qring-train --config " + kSource +
+                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
+                          " run.name=rj log.progress=false quorum.evict_ms=300 "
+                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2500 "
+                          "net.provider=" +
+                          c.provider;
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string victim = "rank " + std::to_string(c.rank);
+  EXPECT_NE(r.output.find("qring-launch: " + victim + " (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting it (restart 1 of 1)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(victim + " rejoined at step"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(victim + ": first contribution counted again at step"),
+            std::string::npos)
+      << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  auto s = summary("rj");
+  EXPECT_EQ(s["finished"], true);
+  EXPECT_EQ(s["steps"], 2500);
+  EXPECT_EQ(s["rejoins"], 1) << s.dump();
+  EXPECT_GT(s["heal_s"].get<double>(), 0.0) << s.dump();
+  std::ifstream m(dir_ / "rj" / "metrics.jsonl");
+  std::string line;
+  std::vector<nlohmann::json> timeline;
+  while (std::getline(m, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "view" || j["type"] == "rejoin") timeline.push_back(j);
+  }
+  ASSERT_EQ(timeline.size(), 3u) << s.dump();
+  EXPECT_EQ(timeline[0]["left"][0]["rank"], c.rank);
+  EXPECT_EQ(timeline[1]["joined"][0]["rank"], c.rank);
+  EXPECT_EQ(timeline[1]["joined"][0]["incarnation"], 1);
+  EXPECT_EQ(timeline[1]["members"].size(), 4u);
+  EXPECT_EQ(timeline[2]["type"], "rejoin");
+  EXPECT_GE(timeline[2]["counted_step"], timeline[1]["step"]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
+                         ::testing::Values(RejoinCase{2, "tcp"}, RejoinCase{2, "shm"},
+                                           RejoinCase{0, "tcp"}, RejoinCase{0, "shm"}),
+                         [](const ::testing::TestParamInfo<RejoinCase>& i) {
+                           return "kill_rank" + std::to_string(i.param.rank) + "_" +
+                                  i.param.provider;
+                         });
 
 TEST_F(TrainFaults, MalformedFaultSpecIsAConfigError) {
   auto r = sh("QRING_FAULT=explode:1:2 " + kBuild + "/train/qring-train --config " + kSource +

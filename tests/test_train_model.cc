@@ -87,6 +87,19 @@ TEST(GradCheck, ConvOddSizes5x5AndMultiChannelInput) {
   gradient_check(*net, 2, 30);
 }
 
+TEST(GradCheck, ValidPadding5x5) {
+  ModelSection m;
+  m.type = "cnn";
+  m.conv_channels = {2, 3};
+  m.conv_kernel = 5;
+  m.conv_padding = "valid";
+  m.hidden = {4};
+  auto net = build_network<double>(m, {2, 16, 18}, 3);  // 12x14 -> 6x7 -> 2x3 -> 1x1
+  ASSERT_EQ(net->layers()[0]->out_shape().h, 12);
+  ASSERT_EQ(net->layers()[0]->out_shape().w, 14);
+  gradient_check(*net, 2, 50);
+}
+
 TEST(GradCheck, KernelWiderThanImage) {
   ModelSection m;
   m.type = "cnn";
@@ -115,10 +128,12 @@ TEST(Softmax, StableForHugeLogits) {
   EXPECT_NEAR(lf, 200.0, 1e-3);  // log-sum-exp without overflow
 }
 
-// Direct convolution (PyTorch semantics, same padding) as an independent reference.
-void check_direct_convolution(Shape in, int cout, int k) {
-  const int batch = 2, pad = k / 2;
-  Conv2d<double> conv(in, cout, k);
+// Direct convolution (PyTorch semantics, zero padding `pad`) as an independent reference.
+void check_direct_convolution(Shape in, int cout, int k, int pad) {
+  const int batch = 2, ho = in.h + 2 * pad - k + 1, wo = in.w + 2 * pad - k + 1;
+  Conv2d<double> conv(in, cout, k, pad);
+  ASSERT_EQ(conv.out_shape().h, ho);
+  ASSERT_EQ(conv.out_shape().w, wo);
   std::vector<double> params = random_vec(conv.num_params(), 3), grads(conv.num_params());
   conv.bind(params.data(), grads.data());
   const auto xs = random_vec(static_cast<size_t>(in.size() * batch), 4);  // (b, c, y, x)
@@ -128,14 +143,14 @@ void check_direct_convolution(Shape in, int cout, int k) {
       for (int s = 0; s < in.h * in.w; ++s)
         x(b * in.h * in.w + s, c) = xs[(b * in.c + c) * in.h * in.w + s];
   conv.forward(x, y, batch);
-  ASSERT_EQ(y.rows(), batch * in.h * in.w);
+  ASSERT_EQ(y.rows(), batch * ho * wo);
   ASSERT_EQ(y.cols(), cout);
   const double* w = params.data();  // [cout][cin][ky][kx]
   const double* bias = w + cout * in.c * k * k;
   for (int b = 0; b < batch; ++b)
     for (int o = 0; o < cout; ++o)
-      for (int yy = 0; yy < in.h; ++yy)
-        for (int xx = 0; xx < in.w; ++xx) {
+      for (int yy = 0; yy < ho; ++yy)
+        for (int xx = 0; xx < wo; ++xx) {
           double acc = bias[o];
           for (int c = 0; c < in.c; ++c)
             for (int ky = 0; ky < k; ++ky)
@@ -145,14 +160,18 @@ void check_direct_convolution(Shape in, int cout, int k) {
                 acc += w[((o * in.c + c) * k + ky) * k + kx] *
                        xs[((b * in.c + c) * in.h + sy) * in.w + sx];
               }
-          EXPECT_NEAR(y(b * in.h * in.w + yy * in.w + xx, o), acc, 1e-12);
+          EXPECT_NEAR(y(b * ho * wo + yy * wo + xx, o), acc, 1e-12);
         }
 }
 
 TEST(Conv2d, MatchesDirectConvolution) {
-  check_direct_convolution({2, 5, 6}, 3, 3);
-  check_direct_convolution({3, 4, 7}, 2, 5);
-  check_direct_convolution({1, 3, 2}, 2, 7);  // kernel wider than the image
+  check_direct_convolution({2, 5, 6}, 3, 3, 1);
+  check_direct_convolution({3, 4, 7}, 2, 5, 2);
+  check_direct_convolution({1, 3, 2}, 2, 7, 3);  // kernel wider than the image
+  check_direct_convolution({2, 9, 7}, 3, 5, 0);  // valid: 5x3 outputs
+  check_direct_convolution({1, 6, 6}, 2, 4, 0);  // even kernel, valid
+  check_direct_convolution({2, 5, 5}, 2, 3, 2);  // more padding than "same"
+  EXPECT_THROW(Conv2d<float>({1, 4, 4}, 2, 5, 0), UsageError);  // no output
 }
 
 TEST(MaxPool2, PicksWindowMaxAndRoutesGradient) {
@@ -195,6 +214,18 @@ TEST(Model, ShapesAndContiguousBuffers) {
   ModelSection bad = cnn;
   bad.conv_channels = {4, 4, 4, 4, 4};
   EXPECT_THROW(build_network<float>(bad), ConfigError);
+  // PyTorch's reference CNN: conv5x5 32 -> pool -> conv5x5 64 -> pool -> dense 128 -> 10,
+  // valid: 28 -> 24 -> 12 -> 8 -> 4.
+  ModelSection torch = cnn;
+  torch.conv_channels = {32, 64};
+  torch.conv_kernel = 5;
+  torch.conv_padding = "valid";
+  auto t = make_model(torch, 1);
+  EXPECT_EQ(t->num_params(), (25u * 32 + 32) + (800 * 64 + 64) + (1024 * 128 + 128) + 1290);
+  EXPECT_EQ(t->layers()[3]->out_shape().h, 8);  // conv, pool, relu, conv
+  ModelSection shrink = torch;
+  shrink.conv_channels = {4, 4, 4};  // 24 -> 12 -> 8 -> 4 -> 0
+  EXPECT_THROW(build_network<float>(shrink), ConfigError);
 }
 
 TEST(Model, InitIsDeterministicAndHeScaled) {

@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <filesystem>
@@ -42,6 +43,12 @@ eval_batch = 256
 [straggler]
 model = "shiftexp:2:10"
 )";
+
+// One compute thread, as qring-sim runs by default (OpenMP's lanes spin on a shared machine).
+const bool kOneThread = [] {
+  omp_set_num_threads(1);
+  return true;
+}();
 
 TrainConfig config(const std::vector<std::string>& overrides = {}) {
   return TrainConfig::from_string(kToml, overrides);
@@ -87,8 +94,25 @@ TEST(Sim, ArrivalTiesGoByRankAndAllReduceCost) {
   auto a = sim_arrivals(collectives::StragglerModel::parse("none"), 1, 5, 0, 3.0);
   for (int i = 0; i < 5; ++i) EXPECT_EQ(a[size_t(i)].rank, i);
   EXPECT_EQ(sim_allreduce_ms(1, 1e6, 50, 1), 0.0);
-  // alpha + bytes beta 2 (k-1)/k: 50 us + 1e6 B * 1 ns * 2 * 3/4 = 1.55 ms.
-  EXPECT_NEAR(sim_allreduce_ms(4, 1e6, 50, 1), 1.55, 1e-12);
+  // rounds alpha + bytes beta 2 (k-1)/k, rounds as make_ring_op chooses the algorithm:
+  EXPECT_EQ(sim_allreduce_rounds(4, 1000), 2);   // recursive doubling
+  EXPECT_EQ(sim_allreduce_rounds(6, 1000), 4);   // ... off a power of two: 2 more
+  EXPECT_EQ(sim_allreduce_rounds(8, 1e6), 6);    // halving-doubling, 2 log2 k
+  EXPECT_EQ(sim_allreduce_rounds(7, 1e6), 12);   // the ring, 2 (k - 1)
+  EXPECT_EQ(sim_allreduce_rounds(8, 2e6), 14);   // above 1 MiB: the ring
+  // halving-doubling on 4: 4 * 50 us + 1e6 B * 1 ns * 2 * 3/4 = 1.7 ms; the ring on 3: 4 * 50 us
+  // + 1e6 B * 1 ns * 2 * 2/3.
+  EXPECT_NEAR(sim_allreduce_ms(4, 1e6, 50, 1), 1.7, 1e-12);
+  EXPECT_NEAR(sim_allreduce_ms(3, 1e6, 50, 1), 0.2 + 4.0 / 3.0, 1e-12);
+  // The READY/DECIDE round trip counts only with backups (full sync speculates).
+  SimOptions o;
+  o.alpha_us = 50;
+  o.beta_ns_per_byte = 1;
+  o.rtt_us = 200;
+  o.backups = 0;
+  EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 1.7 + 0.5, 1e-12);
+  o.backups = 1;
+  EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 0.2 + 1.7 + 0.5, 1e-12);
 }
 
 SimOptions sync_opts(int workers, int backups) {
@@ -96,8 +120,10 @@ SimOptions sync_opts(int workers, int backups) {
   o.workers = workers;
   o.backups = backups;
   o.compute_ms = 4;
+  o.apply_ms = 0.3;
   o.alpha_us = 20;
   o.beta_ns_per_byte = 0.5;
+  o.rtt_us = 60;
   return o;
 }
 
@@ -114,7 +140,9 @@ TEST(Sim, SyncAveragesTheFirstNArrivalsEveryStep) {
     EXPECT_EQ(r.updates, 12);
     EXPECT_EQ(r.gradients_computed, 12 * N);
     const double P = double(TrainerCore(cfg, data(), 0, W, N).num_params());
-    const double comm = 2 * 0.020 + sim_allreduce_ms(N, 4 * (P + 1), 20, 0.5);
+    const double bytes = 4 * (P + 1);
+    const double comm = (b > 0 ? 0.060 : 0.0) + sim_allreduce_rounds(N, bytes) * 0.020 +
+                        bytes * 0.5e-6 * 2 * (N - 1) / N + 0.3;
     double vt = 0;
     for (const auto& s : r.steps) {
       EXPECT_EQ(s.contributors, N);
@@ -246,6 +274,20 @@ TEST(Sim, WritesMetricsAndSummary) {
   EXPECT_GT(s["step_p90_ms"].get<double>(), 0);
   EXPECT_GE(s["step_p90_ms"].get<double>(), s["step_p50_ms"].get<double>());
   EXPECT_TRUE(fs::exists(dir / "config.toml"));
+  // arrivals.jsonl: every worker's arrival after the step's first, as qring-train writes it.
+  std::ifstream af(dir / "arrivals.jsonl");
+  const auto m = collectives::StragglerModel::parse("shiftexp:2:10");
+  int lines = 0;
+  while (std::getline(af, line)) {
+    auto j = nlohmann::json::parse(line);
+    ASSERT_EQ(j["step"], lines);
+    auto off = j["ready_ms"].get<std::vector<double>>();
+    ASSERT_EQ(off.size(), 4u);
+    auto a = sim_arrivals(m, 3, 4, uint64_t(lines), 4.0);
+    for (const auto& x : a) EXPECT_NEAR(off[size_t(x.rank)], x.ms - a[0].ms, 1e-9);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 12);
 }
 
 TEST(Sim, BadOptionsAreErrors) {

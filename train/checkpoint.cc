@@ -109,8 +109,7 @@ class Fd {
 
 }  // namespace
 
-void save_checkpoint(const std::string& path, const CheckpointState& s,
-                     const std::function<void()>& before_rename) {
+std::vector<uint8_t> encode_checkpoint(const CheckpointState& s) {
   Writer w;
   w.buf.insert(w.buf.end(), kMagic, kMagic + sizeof(kMagic));
   w.put<uint32_t>(kVersion);
@@ -130,13 +129,18 @@ void save_checkpoint(const std::string& path, const CheckpointState& s,
   const uint64_t payload = w.buf.size() - kHeader;
   std::memcpy(w.buf.data() + 16, &payload, sizeof(payload));
   w.put<uint32_t>(crc(w.buf.data(), w.buf.size()));
+  return std::move(w.buf);
+}
 
+void save_checkpoint(const std::string& path, const CheckpointState& s,
+                     const std::function<void()>& before_rename) {
+  const std::vector<uint8_t> bytes = encode_checkpoint(s);
   const std::string tmp = path + ".tmp";
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) sys_fail("open " + tmp, path);
   size_t done = 0;
-  while (done < w.buf.size()) {
-    const ssize_t n = ::write(fd.get(), w.buf.data() + done, w.buf.size() - done);
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
       const int saved = errno;
@@ -163,6 +167,10 @@ CheckpointState load_checkpoint(const std::string& path) {
     throw DataError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
   std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw DataError(fmt::format("{}: read error", path));
+  return decode_checkpoint(buf, path);
+}
+
+CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::string& path) {
   if (buf.size() < kHeader + 4) {
     throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
                                 buf.size(), kHeader + 4));

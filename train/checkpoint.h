@@ -50,6 +50,11 @@ void save_checkpoint(const std::string& path, const CheckpointState& state,
 // unsupported version, CRC mismatch, inconsistent lengths).
 CheckpointState load_checkpoint(const std::string& path);
 
+// The file's bytes without the file: the state a live member sends to a rank that rejoins.
+// decode_checkpoint checks them as load_checkpoint does, naming `what` in its errors.
+std::vector<uint8_t> encode_checkpoint(const CheckpointState& state);
+CheckpointState decode_checkpoint(const std::vector<uint8_t>& bytes, const std::string& what);
+
 // <dir>/ckpt-<step, 12 digits>.qck
 std::string checkpoint_path(const std::string& dir, uint64_t step);
 

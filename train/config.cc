@@ -122,6 +122,8 @@ std::vector<Field> fields() {
   f.push_back(int_list_field("model.hidden", QRING_ACC(model.hidden)));
   f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
   f.push_back(int_field("model.conv_kernel", QRING_ACC(model.conv_kernel)));
+  f.push_back(string_field("model.conv_padding", QRING_ACC(model.conv_padding)));
+  f.push_back(string_field("train.mode", QRING_ACC(train.mode)));
   f.push_back(int_field("train.batch_per_rank", QRING_ACC(train.batch_per_rank)));
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
@@ -344,8 +346,13 @@ void TrainConfig::validate(int world) const {
   for (int64_t ch : model.conv_channels)
     if (ch < 1 || ch > 1024)
       fail("model.conv_channels", fmt::format("channels must be in 1..1024, got {}", ch));
-  if (model.conv_kernel < 1 || model.conv_kernel > 9 || model.conv_kernel % 2 == 0)
-    fail("model.conv_kernel", fmt::format("must be odd and in 1..9, got {}", model.conv_kernel));
+  check_one_of("model.conv_padding", model.conv_padding, {"same", "valid"});
+  if (model.conv_kernel < 1 || model.conv_kernel > 9)
+    fail("model.conv_kernel", fmt::format("must be in 1..9, got {}", model.conv_kernel));
+  if (model.conv_padding == "same" && model.conv_kernel % 2 == 0)
+    fail("model.conv_kernel",
+         fmt::format("must be odd with model.conv_padding = \"same\", got {}", model.conv_kernel));
+  check_one_of("train.mode", train.mode, {"sync", "async"});
   check_min("train.batch_per_rank", train.batch_per_rank, 1);
   check_min("train.epochs", train.epochs, 0);
   check_min("train.steps", train.steps, 0);
@@ -472,23 +479,26 @@ std::vector<std::string> TrainConfig::agreed_keys() {
   return out;
 }
 
+uint64_t TrainConfig::digest(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : text) {
+    h ^= ch;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
 std::vector<uint64_t> TrainConfig::agreed_digests() const {
   const auto fs = fields();
   std::vector<uint64_t> out;
-  for (const auto& key : agreed_keys()) {
-    const std::string text = find_field(fs, key)->get(*this).dump();
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (unsigned char ch : text) {
-      h ^= ch;
-      h *= 0x100000001b3ULL;
-    }
-    out.push_back(h);
-  }
+  for (const auto& key : agreed_keys()) out.push_back(digest(find_field(fs, key)->get(*this).dump()));
   return out;
 }
 
-void TrainConfig::check_ranks_agree(const std::vector<uint64_t>& all, int world) {
-  const std::vector<std::string> keys = agreed_keys();
+void TrainConfig::check_ranks_agree(const std::vector<uint64_t>& all, int world,
+                                    const std::vector<std::string>& extra) {
+  std::vector<std::string> keys = agreed_keys();
+  keys.insert(keys.end(), extra.begin(), extra.end());
   const size_t n = keys.size();
   if (world < 1 || all.size() != n * size_t(world))
     throw UsageError(

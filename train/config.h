@@ -31,10 +31,14 @@ struct ModelSection {
   std::string type = "mlp";                       // mlp | cnn
   std::vector<int64_t> hidden = {512, 256};       // MLP hidden layers; CNN dense-head hidden layers
   std::vector<int64_t> conv_channels = {16, 32};  // CNN: one conv-ReLU-maxpool block per entry
-  int64_t conv_kernel = 3;                        // CNN: odd square kernel, stride 1, same padding
+  int64_t conv_kernel = 3;                        // CNN: square kernel, stride 1
+  std::string conv_padding = "same";              // CNN: same (odd kernel; keeps H x W) | valid
 };
 
 struct TrainSection {
+  // sync: synchronous SGD over the quorum all-reduce (with backup workers when Q < W);
+  // async: asynchronous SGD with a parameter server on rank 0 (train/async_sgd.h).
+  std::string mode = "sync";
   int64_t batch_per_rank = 64;
   int64_t epochs = 10;  // used when steps == 0
   int64_t steps = 0;    // total optimizer steps; 0 = epochs * steps_per_epoch
@@ -129,10 +133,15 @@ struct TrainConfig {
   // Per agreed_keys() entry, in that order, a 64-bit hash (FNV-1a) of its value: what the
   // trainer compares across ranks at start.
   std::vector<uint64_t> agreed_digests() const;
-  // `all` holds every rank's agreed_digests(), rank r's at [r * n, (r + 1) * n) with
-  // n = agreed_keys().size(). Throws ConfigError naming each rank whose values differ from
-  // the most common ones (rank 0's on a tie) and the keys that differ.
-  static void check_ranks_agree(const std::vector<uint64_t>& all, int world);
+  // `all` holds every rank's agreed_digests() followed by the digests of `extra` values that
+  // are not config keys (the trainer adds "kernels", train/kernels.h), rank r's at
+  // [r * n, (r + 1) * n) with n = agreed_keys().size() + extra.size(). Throws ConfigError
+  // naming each rank whose values differ from the most common ones (rank 0's on a tie) and
+  // the keys that differ.
+  static void check_ranks_agree(const std::vector<uint64_t>& all, int world,
+                                const std::vector<std::string>& extra = {});
+  // The 64-bit hash (FNV-1a) agreed_digests() uses, of any text.
+  static uint64_t digest(const std::string& text);
 };
 
 }  // namespace qring::train

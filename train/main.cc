@@ -10,6 +10,7 @@
 #include <omp.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -93,50 +94,72 @@ int main(int argc, char** argv) {
     omp_set_num_threads(std::max(1, hw / std::max(1, info.local_size)));
   }
 
-  try {
-    auto deadline = qring::net::deadline_in(
-        std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
-    qring::net::Rendezvous rdv(info, deadline);
-    qring::net::FabricOptions fo;
-    fo.provider = cfg.net.provider;
-    auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                               rdv.single_host(), deadline);
-    qring::collectives::CommOptions co;
-    co.local_size = info.local_size;
-    co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
-    qring::collectives::Communicator comm(std::move(ep), co);
-    qring::train::TrainerOptions topts;
-    topts.resume = resume;
-    if (const char* f = std::getenv("QRING_FAULT"))
-      topts.faults = qring::collectives::FaultSpec::parse_list(f);
-    auto s = qring::train::train(cfg, comm, topts);
-    rdv.lost(s.evicted_ranks);
-    if (info.rank == 0) {
-      fmt::print(
-          "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
-          "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
-          "params_checksum {:016x}\n",
-          s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
-          s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
-    } else {
-      // Every rank states its final parameters so logs show the replicas agree.
-      fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
+  const auto process_start = std::chrono::steady_clock::now();
+  // A rank evicted while alive (paused longer than quorum.evict_ms) comes back as a new
+  // incarnation when the store outlives the ranks (QRING_STORE_HOSTED: qring-launch, or
+  // qring-store under Slurm), at most kMaxRejoins times; otherwise it leaves with status 75.
+  constexpr int kMaxRejoins = 8;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      auto deadline = qring::net::deadline_in(
+          std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
+      qring::net::Rendezvous rdv(info, deadline);
+      qring::net::FabricOptions fo;
+      fo.provider = cfg.net.provider;
+      fo.incarnation = rdv.incarnation();
+      fo.join = rdv.incarnation() > 0;
+      auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
+                                                 rdv.single_host(), deadline);
+      qring::collectives::CommOptions co;
+      co.local_size = info.local_size;
+      co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+      qring::collectives::Communicator comm(std::move(ep), co);
+      qring::train::TrainerOptions topts;
+      topts.resume = resume;
+      topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
+      topts.incarnation = rdv.incarnation();
+      topts.process_start = process_start;
+      if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
+        topts.faults = qring::collectives::FaultSpec::parse_list(f);
+      auto s = qring::train::train(cfg, comm, topts);
+      rdv.lost(s.evicted_ranks);
+      if (info.rank == 0 && rdv.incarnation() == 0) {
+        fmt::print(
+            "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
+            "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
+            "params_checksum {:016x}\n",
+            s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
+            s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
+      } else {
+        // Every rank states its final parameters so logs show the replicas agree.
+        fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
+      }
+      std::fflush(stdout);
+    } catch (const qring::collectives::Evicted& e) {
+      // Alive, but the others went on without this rank: come back, or leave with the status
+      // qring-launch counts as a lost rank (--tolerate-failures).
+      spdlog::error("{}", e.what());
+      if (info.store_hosted && info.world_size > 1 && attempt < kMaxRejoins) {
+        spdlog::warn("rank {}: rejoining the job as a new incarnation", info.rank);
+        resume = false;
+        continue;
+      }
+      return kExitEvicted;
+    } catch (const qring::collectives::JobOver& e) {
+      // Came back after the others had finished: the job is done, without this rank.
+      spdlog::warn("{}", e.what());
+      return 0;
+    } catch (const qring::ConfigError& e) {
+      spdlog::error("{}", e.what());
+      return 2;
+    } catch (const qring::DataError& e) {
+      spdlog::error("{}", e.what());
+      return 2;
+    } catch (const std::exception& e) {
+      spdlog::error("{}", e.what());
+      return 1;
     }
-    std::fflush(stdout);
-  } catch (const qring::collectives::Evicted& e) {
-    // Alive, but the others went on without this rank: leave with the status qring-launch
-    // counts as a lost rank (--tolerate-failures).
-    spdlog::error("{}", e.what());
-    return kExitEvicted;
-  } catch (const qring::ConfigError& e) {
-    spdlog::error("{}", e.what());
-    return 2;
-  } catch (const qring::DataError& e) {
-    spdlog::error("{}", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    spdlog::error("{}", e.what());
-    return 1;
+    break;
   }
   return 0;
 }

@@ -15,14 +15,18 @@ std::unique_ptr<Network<T>> build_network(const ModelSection& cfg, Shape input, 
   auto net = std::make_unique<Network<T>>(input, num_classes);
   if (cfg.type == "cnn") {
     Shape s = input;
+    const int k = static_cast<int>(cfg.conv_kernel);
+    const int pad = cfg.conv_padding == "valid" ? 0 : k / 2;
     for (int64_t ch : cfg.conv_channels) {
-      if (s.h < 2 || s.w < 2) {
+      // Each block: the convolution (its output is s + 2 pad - k + 1 on a side), then the
+      // 2x2 pooling, which needs at least 2 x 2.
+      if (s.h + 2 * pad - k + 1 < 2 || s.w + 2 * pad - k + 1 < 2) {
         throw ConfigError(fmt::format(
-            "config key 'model.conv_channels': {} blocks shrink a {}x{} input below 1x1",
-            cfg.conv_channels.size(), input.h, input.w));
+            "config key 'model.conv_channels': {} blocks of {}x{} convolutions ({} padding) and "
+            "2x2 pooling shrink a {}x{} input below 1x1",
+            cfg.conv_channels.size(), k, k, cfg.conv_padding, input.h, input.w));
       }
-      net->add(
-          std::make_unique<Conv2d<T>>(s, static_cast<int>(ch), static_cast<int>(cfg.conv_kernel)));
+      net->add(std::make_unique<Conv2d<T>>(s, static_cast<int>(ch), k, pad));
       // Pooling before the ReLU computes the same function and gradient (max and ReLU
       // commute), with the ReLU on a quarter of the values.
       net->add(std::make_unique<MaxPool2<T>>(net->current_shape()));

@@ -1,7 +1,8 @@
 // The trainer's models: an MLP and a small CNN, built from the [model] config section.
 //
 //   mlp: 784 -> hidden[0] -> ReLU -> ... -> hidden[n-1] -> ReLU -> 10
-//   cnn: for each c in conv_channels: conv kxk (same padding) -> ReLU -> maxpool 2x2
+//   cnn: for each c in conv_channels: conv kxk (conv_padding: same or valid) -> ReLU ->
+//        maxpool 2x2
 //        (run as maxpool then ReLU: the same function and gradient, less work),
 //        then flatten -> (dense hidden[i] -> ReLU)* -> dense 10
 // followed by softmax cross-entropy. Parameters and gradients are each one contiguous float

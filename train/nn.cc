@@ -6,16 +6,10 @@
 #include <algorithm>
 
 #include "net/error.h"
+#include "train/kernels.h"
 
 namespace qring::train {
 namespace {
-
-template <class T>
-using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <class T>
-using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
-template <class T>
-using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 
 void he_init(float* w, size_t n, int64_t fan_in, Rng& rng) {
   const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
@@ -25,6 +19,38 @@ void he_init(double* w, size_t n, int64_t fan_in, Rng& rng) {
   const double std = std::sqrt(2.0 / static_cast<double>(fan_in));
   // Rounded through float so float and double networks start from the same values.
   for (size_t i = 0; i < n; ++i) w[i] = static_cast<float>(std * rng.normal());
+}
+
+// d[r * dstep + i] (+)= s[r * sstep + i] for i < n, r < rows: the row copies of im2col and
+// the row sums of col2im. Rows are short (the output width: 8 or 24 in PyTorch's CNN), so
+// the common widths get a fixed-length body the compiler turns into a few vector moves.
+template <bool kAdd, int N, class T>
+void rows_fixed(T* d, int64_t dstep, const T* s, int64_t sstep, int rows) {
+  for (int r = 0; r < rows; ++r, d += dstep, s += sstep)
+    for (int i = 0; i < N; ++i) {
+      if constexpr (kAdd) d[i] += s[i];
+      else d[i] = s[i];
+    }
+}
+
+template <bool kAdd, class T>
+void rows_op(T* d, int64_t dstep, const T* s, int64_t sstep, int rows, int n) {
+  switch (n) {
+    case 4: return rows_fixed<kAdd, 4>(d, dstep, s, sstep, rows);
+    case 7: return rows_fixed<kAdd, 7>(d, dstep, s, sstep, rows);
+    case 8: return rows_fixed<kAdd, 8>(d, dstep, s, sstep, rows);
+    case 12: return rows_fixed<kAdd, 12>(d, dstep, s, sstep, rows);
+    case 14: return rows_fixed<kAdd, 14>(d, dstep, s, sstep, rows);
+    case 16: return rows_fixed<kAdd, 16>(d, dstep, s, sstep, rows);
+    case 24: return rows_fixed<kAdd, 24>(d, dstep, s, sstep, rows);
+    case 28: return rows_fixed<kAdd, 28>(d, dstep, s, sstep, rows);
+    default:
+      for (int r = 0; r < rows; ++r, d += dstep, s += sstep)
+        for (int i = 0; i < n; ++i) {
+          if constexpr (kAdd) d[i] += s[i];
+          else d[i] = s[i];
+        }
+  }
 }
 
 }  // namespace
@@ -42,25 +68,23 @@ void Dense<T>::init(Rng& rng) {
   std::fill(p_ + in_ * out_, p_ + in_ * out_ + out_, T(0));
 }
 
+// W is [out][in] row-major, i.e. the column-major in x out matrix W^T.
 template <class T>
 void Dense<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
-  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
-  Eigen::Map<const Vec<T>> b(p_ + out_ * in_, out_);
+  const T* b = p_ + out_ * in_;
   y.resize(out_, batch);
-  y.noalias() = w * x;
-  y.colwise() += b;
+  for (int j = 0; j < batch; ++j) std::copy_n(b, out_, y.data() + j * out_);
+  gemm(true, false, out_, batch, in_, p_, in_, x.data(), in_, y.data(), out_, true);
 }
 
 template <class T>
 void Dense<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx, int batch) {
-  Eigen::Map<const RowMat<T>> w(p_, out_, in_);
-  Eigen::Map<RowMat<T>> dw(g_, out_, in_);
-  Eigen::Map<Vec<T>> db(g_ + out_ * in_, out_);
-  dw.noalias() = dy * x.transpose();
-  db = dy.rowwise().sum();
+  // dW^T (in x out) = x dy^T; db = the row sums of dy; dx = W^T dy.
+  gemm(false, true, in_, out_, batch, x.data(), in_, dy.data(), out_, g_, in_, false);
+  row_sums(dy.data(), out_, batch, out_, g_ + out_ * in_);
   if (dx != nullptr) {
     dx->resize(in_, batch);
-    dx->noalias() = w.transpose() * dy;
+    gemm(false, false, in_, batch, out_, p_, in_, dy.data(), out_, dx->data(), in_, false);
   }
 }
 
@@ -82,8 +106,24 @@ void Relu<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T
 // --------------------------------------------------------------------------------- Conv2d --
 
 template <class T>
+Conv2d<T>::Conv2d(Shape in, int out_channels, int kernel, int pad)
+    : in_(in),
+      cout_(out_channels),
+      k_(kernel),
+      pad_(pad),
+      ho_(in.h + 2 * pad - kernel + 1),
+      wo_(in.w + 2 * pad - kernel + 1),
+      kk_(int64_t{in.c} * kernel * kernel) {
+  if (kernel < 1 || pad < 0 || ho_ < 1 || wo_ < 1 || out_channels < 1)
+    throw UsageError(fmt::format("Conv2d: a {}x{} kernel with padding {} on a {}x{} input leaves "
+                                 "no output",
+                                 kernel, kernel, pad, in.h, in.w));
+}
+
+template <class T>
 std::string Conv2d<T>::describe() const {
-  return fmt::format("conv {}x{} {}->{} on {}x{}", k_, k_, in_.c, cout_, in_.h, in_.w);
+  return fmt::format("conv {}x{} {}->{} on {}x{}{}", k_, k_, in_.c, cout_, in_.h, in_.w,
+                     pad_ == 0 ? " valid" : pad_ * 2 + 1 == k_ ? "" : fmt::format(" pad {}", pad_));
 }
 
 template <class T>
@@ -92,55 +132,72 @@ void Conv2d<T>::init(Rng& rng) {
   std::fill(p_ + kk_ * cout_, p_ + kk_ * cout_ + cout_, T(0));
 }
 
+// Row r = (ci, ky, kx) of the unfolded input holds, for every output pixel (b, oy, ox), the
+// input value at (b, ci, oy + ky - pad, ox + kx - pad), or 0 outside the image.
 template <class T>
 void Conv2d<T>::im2col(const Mat<T>& x, int batch) {
-  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
-  const int64_t hw = int64_t{h} * w, n = batch * hw;
+  const int h = in_.h, w = in_.w, k = k_, ho = ho_, wo = wo_;
+  const int64_t hw = int64_t{h} * w, n_in = batch * hw;
+  const int64_t hwo = int64_t{ho} * wo, n = batch * hwo;
   cols_.resize(n, kk_);
   for (int64_t r = 0; r < kk_; ++r) {
     const int ci = static_cast<int>(r / (k * k));
-    const int ky = static_cast<int>(r / k % k) - pad;
-    const int kx = static_cast<int>(r % k) - pad;
+    const int ky = static_cast<int>(r / k % k) - pad_;
+    const int kx = static_cast<int>(r % k) - pad_;
     // Output columns [x0, x1) read input columns [x0 + kx, x1 + kx); the rest is padding.
-    const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
+    const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
     T* dst = cols_.data() + r * n;
-    const T* src = x.data() + ci * n;
+    const T* src = x.data() + ci * n_in;
+    // Output rows [y0, y1) read input rows [y0 + ky, y1 + ky); the others are padding.
+    const int y0 = std::clamp(-ky, 0, ho), y1 = std::clamp(h - ky, y0, ho);
     for (int b = 0; b < batch; ++b) {
-      for (int yy = 0; yy < h; ++yy) {
-        T* d = dst + b * hw + int64_t{yy} * w;
-        const int sy = yy + ky;
-        if (sy < 0 || sy >= h) {
-          std::fill(d, d + w, T(0));
-          continue;
-        }
-        const T* s = src + b * hw + int64_t{sy} * w;
-        for (int xx = 0; xx < x0; ++xx) d[xx] = T(0);
-        for (int xx = x0; xx < x1; ++xx) d[xx] = s[xx + kx];
-        for (int xx = x1; xx < w; ++xx) d[xx] = T(0);
+      T* d = dst + b * hwo;
+      std::fill(d, d + int64_t{y0} * wo, T(0));
+      std::fill(d + int64_t{y1} * wo, d + hwo, T(0));
+      if (y1 == y0) continue;
+      const T* s = src + b * hw + int64_t{y0 + ky} * w;  // input row y0 + ky
+      if (x0 == 0 && x1 == wo) {  // no padding columns in these rows (so kx >= 0)
+        rows_op<false>(d + int64_t{y0} * wo, wo, s + kx, w, y1 - y0, wo);
+        continue;
+      }
+      for (int yy = y0; yy < y1; ++yy) {
+        T* dr = d + int64_t{yy} * wo;
+        const T* sr = s + int64_t{yy - y0} * w;
+        for (int xx = 0; xx < x0; ++xx) dr[xx] = T(0);
+        for (int xx = x0; xx < x1; ++xx) dr[xx] = sr[xx + kx];
+        for (int xx = x1; xx < wo; ++xx) dr[xx] = T(0);
       }
     }
   }
 }
 
+// The adjoint of im2col: every unfolded gradient value is added to the input pixel it was
+// read from, in row order r = 0, 1, ... (a fixed summation order).
 template <class T>
-void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
-  const int h = in_.h, w = in_.w, k = k_, pad = k_ / 2;
-  const int64_t hw = int64_t{h} * w, n = batch * hw;
-  dx.setZero(n, in_.c);
+void Conv2d<T>::col2im(Mat<T>& dx, int batch, int b0, int b1) const {
+  const int h = in_.h, w = in_.w, k = k_, ho = ho_, wo = wo_;
+  const int64_t hw = int64_t{h} * w, n_in = batch * hw;
+  const int64_t hwo = int64_t{ho} * wo, n = int64_t{b1 - b0} * hwo;
   for (int ci = 0; ci < in_.c; ++ci) {
-    T* dst = dx.data() + ci * n;
+    T* dst = dx.data() + ci * n_in + b0 * hw;
     for (int r = ci * k * k; r < (ci + 1) * k * k; ++r) {
-      const int ky = r / k % k - pad;
-      const int kx = r % k - pad;
-      const int x0 = std::clamp(-kx, 0, w), x1 = std::clamp(w - kx, x0, w);
+      const int ky = r / k % k - pad_;
+      const int kx = r % k - pad_;
+      const int x0 = std::clamp(-kx, 0, wo), x1 = std::clamp(w - kx, x0, wo);
       const T* src = dcols_.data() + int64_t{r} * n;
-      for (int b = 0; b < batch; ++b) {
-        for (int yy = 0; yy < h; ++yy) {
-          const int sy = yy + ky;
-          if (sy < 0 || sy >= h) continue;
-          const T* s = src + b * hw + int64_t{yy} * w;
-          T* d = dst + b * hw + int64_t{sy} * w;
-          for (int xx = x0; xx < x1; ++xx) d[xx + kx] += s[xx];
+      const int y0 = std::clamp(-ky, 0, ho), y1 = std::clamp(h - ky, y0, ho);
+      if (y1 == y0) continue;
+      for (int b = 0; b < b1 - b0; ++b) {
+        const T* s = src + b * hwo + int64_t{y0} * wo;
+        T* d = dst + b * hw + int64_t{y0 + ky} * w;  // input row y0 + ky
+        if (x0 == 0 && x1 == wo) {
+          rows_op<true>(d + kx, w, s, wo, y1 - y0, wo);
+          continue;
+        }
+        for (int yy = y0; yy < y1; ++yy) {
+          const T* sr = s + int64_t{yy - y0} * wo;
+          T* dr = d + int64_t{yy - y0} * w;
+          for (int xx = x0; xx < x1; ++xx) dr[xx + kx] += sr[xx];
         }
       }
     }
@@ -149,26 +206,36 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch) const {
 
 template <class T>
 void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
-  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
-  Eigen::Map<const RowVec<T>> b(p_ + kk_ * cout_, cout_);
+  const T* b = p_ + kk_ * cout_;
   im2col(x, batch);
-  y.resize(cols_.rows(), cout_);
-  y.noalias() = cols_ * wt;
-  y.rowwise() += b;
+  const int64_t n = cols_.rows();
+  y.resize(n, cout_);
+  for (int c = 0; c < cout_; ++c) std::fill_n(y.data() + c * n, n, b[c]);
+  gemm(false, false, n, cout_, kk_, cols_.data(), n, p_, kk_, y.data(), n, true);
 }
 
 template <class T>
 void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat<T>* dx,
                          int batch) {
-  Eigen::Map<const Mat<T>> wt(p_, kk_, cout_);
-  Eigen::Map<Mat<T>> dwt(g_, kk_, cout_);
-  Eigen::Map<RowVec<T>> db(g_ + kk_ * cout_, cout_);
-  dwt.noalias() = cols_.transpose() * dy;
-  db = dy.colwise().sum();
+  const int64_t n = dy.rows();
+  // dwt = cols^T dy; db[c] = the sum of dy's column c; dcols = dy wt^T.
+  gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
+  for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
   if (dx != nullptr) {
-    dcols_.resize(dy.rows(), kk_);
-    dcols_.noalias() = dy * wt.transpose();
-    col2im(*dx, batch);
+    // dcols = dy wt^T and its col2im, a chunk of samples at a time: the chunk's dcols (about
+    // 512 KiB) is still in the cache when col2im reads it. The chunk size depends on the
+    // layer's shape only, so the results are as deterministic as with one chunk.
+    const int64_t hwo = int64_t{ho_} * wo_;
+    const int chunk = static_cast<int>(std::clamp<int64_t>((int64_t{1} << 17) / (hwo * kk_), 1, batch));
+    dx->setZero(int64_t{batch} * in_.h * in_.w, in_.c);
+    for (int b0 = 0; b0 < batch; b0 += chunk) {
+      const int b1 = std::min(batch, b0 + chunk);
+      const int64_t rows = (b1 - b0) * hwo;
+      dcols_.resize(rows, kk_);
+      gemm(false, true, rows, kk_, cout_, dy.data() + b0 * hwo, n, p_, kk_, dcols_.data(), rows,
+           false);
+      col2im(*dx, batch, b0, b1);
+    }
   }
 }
 
@@ -328,7 +395,7 @@ template <class T>
 void Network<T>::ensure_lanes(int n) {
   while (static_cast<int>(lanes_.size()) < n) {
     auto lane = std::make_unique<Lane>();
-    lane->grads.assign(params_.size(), T(0));
+    lane->grads.assign(params_.size(), T(0));  // aligned like grads_: see AlignedVector
     size_t off = 0;
     for (const auto& l : layers_) {
       lane->owned.push_back(l->clone());

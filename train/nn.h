@@ -98,17 +98,20 @@ class Relu : public Layer<T> {
   bool spatial_;
 };
 
-// 2-D convolution, stride 1, zero "same" padding (k odd), on spatial activations.
+// 2-D convolution, stride 1, `pad` zeros on every side, on spatial activations: the output is
+// (H + 2 pad - k + 1) x (W + 2 pad - k + 1). pad = k / 2 with k odd is "same" padding (the
+// output has the input's size), pad = 0 is "valid" (PyTorch's default, padding=0).
 template <class T>
 class Conv2d : public Layer<T> {
  public:
-  Conv2d(Shape in, int out_channels, int kernel)
-      : in_(in), cout_(out_channels), k_(kernel), kk_(int64_t{in.c} * kernel * kernel) {}
+  // Throws UsageError when the output would be empty.
+  Conv2d(Shape in, int out_channels, int kernel, int pad);
+  Conv2d(Shape in, int out_channels, int kernel) : Conv2d(in, out_channels, kernel, kernel / 2) {}
   std::unique_ptr<Layer<T>> clone() const override {
-    return std::make_unique<Conv2d<T>>(in_, cout_, k_);
+    return std::make_unique<Conv2d<T>>(in_, cout_, k_, pad_);
   }
   std::string describe() const override;
-  Shape out_shape() const override { return {cout_, in_.h, in_.w}; }
+  Shape out_shape() const override { return {cout_, ho_, wo_}; }
   bool spatial_input() const override { return true; }
   size_t num_params() const override { return static_cast<size_t>(kk_ * cout_ + cout_); }
   void bind(T* p, T* g) override { p_ = p, g_ = g; }
@@ -118,14 +121,16 @@ class Conv2d : public Layer<T> {
 
  private:
   void im2col(const Mat<T>& x, int batch);
-  void col2im(Mat<T>& dx, int batch) const;
+  // Adds the unfolded gradient dcols_ of samples [b0, b1) into dx (zeroed by the caller).
+  void col2im(Mat<T>& dx, int batch, int b0, int b1) const;
   Shape in_;
-  int cout_, k_;
-  int64_t kk_;  // Cin * k * k
+  int cout_, k_, pad_;
+  int ho_, wo_;  // output rows and columns
+  int64_t kk_;   // Cin * k * k
   T* p_ = nullptr;
   T* g_ = nullptr;
-  Mat<T> cols_;   // (B*H*W) x (Cin*k*k)
-  Mat<T> dcols_;  // same
+  Mat<T> cols_;   // (B*Ho*Wo) x (Cin*k*k)
+  Mat<T> dcols_;  // (chunk*Ho*Wo) x (Cin*k*k): the unfolded dx of a chunk of samples
 };
 
 // 2x2 max pooling, stride 2 (odd sizes are floored), on spatial activations.
@@ -225,7 +230,7 @@ class Network {
   struct Lane {
     std::vector<Layer<T>*> layers;  // lane 0: layers_; others: owned below
     std::vector<std::unique_ptr<Layer<T>>> owned;
-    std::vector<T> grads;       // lanes > 0 (lane 0 uses grads_)
+    AlignedVector<T> grads;     // lanes > 0 (lane 0 uses grads_)
     std::vector<Mat<T>> acts;   // acts[0] = input, acts[i+1] = output of layer i
     std::vector<Mat<T>> dacts;  // gradients of acts
     double loss = 0;

@@ -10,6 +10,7 @@
 #include <queue>
 #include <tuple>
 
+#include "collectives/ring.h"
 #include "net/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -46,10 +47,25 @@ double measure_compute_ms(Model& model, const Dataset& train, int64_t batch) {
   return quantile(ms, 0.5);
 }
 
+// Median of a few optimizer steps on scratch parameters (the run's are not touched).
+double measure_apply_ms(const TrainConfig& cfg, size_t P) {
+  Sgd opt(P, sgd_options(cfg));
+  std::vector<float> p(P, 0.5f), g(P, 0.25f);
+  std::vector<double> ms;
+  for (int i = 0; i < 7; ++i) {
+    auto t0 = Clock::now();
+    opt.step(p.data(), g.data(), 1e-3);
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  return quantile(ms, 0.5);
+}
+
 void check_options(const SimOptions& o) {
   if (o.workers < 1) throw ConfigError(fmt::format("--workers must be >= 1, got {}", o.workers));
   if (o.mode == SimMode::kAsync && o.backups != 0)
     throw ConfigError("--backups applies to --mode sync only (async has no quorum)");
+  if (o.mode == SimMode::kAsync && o.arrivals_only)
+    throw ConfigError("--arrivals-only applies to --mode sync only");
   if (o.backups < 0 || o.backups >= o.workers)
     throw ConfigError(fmt::format("--backups must be in 0..{} (workers - 1), got {}",
                                   o.workers - 1, o.backups));
@@ -58,8 +74,10 @@ void check_options(const SimOptions& o) {
       throw ConfigError(fmt::format("{} must be a finite number >= 0, got {}", what, v));
   };
   if (o.compute_ms >= 0 || !std::isfinite(o.compute_ms)) finite_nonneg(o.compute_ms, "--compute-ms");
+  if (o.apply_ms >= 0 || !std::isfinite(o.apply_ms)) finite_nonneg(o.apply_ms, "--apply-ms");
   finite_nonneg(o.alpha_us, "--alpha-us");
   finite_nonneg(o.beta_ns_per_byte, "--beta-ns");
+  finite_nonneg(o.rtt_us, "--rtt-us");
 }
 
 // Shared by both modes: the workers' data streams, the output files and the evaluations.
@@ -79,6 +97,10 @@ class SimRun {
       metrics_.open(fs::path(opts.out_dir) / "metrics.jsonl", std::ios::trunc);
       if (!metrics_)
         throw DataError(fmt::format("cannot write {}/metrics.jsonl", opts.out_dir));
+      if (opts.mode == SimMode::kSync)
+        arrivals_.open(fs::path(opts.out_dir) / "arrivals.jsonl", std::ios::trunc);
+      else
+        fs::remove(fs::path(opts.out_dir) / "arrivals.jsonl");
     }
     t0_ = last_progress_ = Clock::now();
   }
@@ -93,6 +115,14 @@ class SimRun {
     return core_.model().forward_backward(x_.data(), y_.data(), int(y_.size()));
   }
   void skip(int w) { sharders_[size_t(w)].next_batch(); }
+
+  // Every worker's arrival in ms after the step's first, by rank (qring-train's format).
+  void record_arrivals(int64_t step, const std::vector<SimArrival>& arr) {
+    if (!arrivals_.is_open() || arr.empty()) return;
+    std::vector<double> off(arr.size());
+    for (const auto& a : arr) off[size_t(a.rank)] = a.ms - arr.front().ms;
+    arrivals_ << nlohmann::json{{"step", step}, {"ready_ms", off}}.dump() << '\n';
+  }
 
   void record(const SimStepRecord& r, bool with_ranks) {
     if (metrics_.is_open()) {
@@ -154,6 +184,7 @@ class SimRun {
     res_.updates = core_.step();
     res_.params_checksum = checksum(core_.params(), core_.num_params());
     if (metrics_.is_open()) metrics_.close();
+    if (arrivals_.is_open()) arrivals_.close();
   }
 
  private:
@@ -165,9 +196,49 @@ class SimRun {
   std::vector<Sharder> sharders_;
   AlignedVector<float> x_;
   std::vector<int32_t> y_;
-  std::ofstream metrics_;
+  std::ofstream metrics_, arrivals_;
   Clock::time_point t0_, last_progress_;
 };
+
+// Adds one step's arrivals to the mean k-th arrival over `steps` steps.
+void add_kth(SimResult& res, const std::vector<SimArrival>& arr, int64_t steps) {
+  res.kth_arrival_mean_ms.resize(arr.size(), 0.0);
+  for (size_t i = 0; i < arr.size(); ++i) res.kth_arrival_mean_ms[i] += arr[i].ms / double(steps);
+}
+
+// The arrival process alone: train.steps steps of W arrivals and their step times.
+void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
+                  SimResult& res) {
+  const int W = opts.workers, N = W - opts.backups;
+  const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
+  TrainerCore core(cfg, data, 0, W, N);
+  SimRun run(cfg, data, opts, core, res);
+  const double bytes = 4.0 * double(core.num_params() + 1);
+  res.compute_ms = opts.compute_ms >= 0 ? opts.compute_ms : 0.0;
+  res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : 0.0;
+  const double comm_ms = sim_sync_comm_ms(opts, N, bytes, res.apply_ms);
+  const int64_t total = core.total_steps();
+  std::vector<double> step_ms;
+  double vt = 0;
+  for (int64_t t = 0; t < total; ++t) {
+    const auto arr = sim_arrivals(straggler, uint64_t(cfg.run.seed), W, uint64_t(t), res.compute_ms);
+    run.record_arrivals(t, arr);
+    add_kth(res, arr, total);
+    SimStepRecord r;
+    r.step = t;
+    r.kth_arrival_ms = arr[size_t(N - 1)].ms;
+    r.step_ms = r.kth_arrival_ms + comm_ms;
+    vt += r.step_ms / 1000.0;
+    r.virtual_s = vt;
+    r.contributors = N;
+    for (int i = 0; i < N; ++i) r.ranks.push_back(arr[size_t(i)].rank);
+    step_ms.push_back(r.step_ms);
+    run.record(r, true);
+  }
+  res.step_p50_ms = quantile(step_ms, 0.5);
+  res.step_p90_ms = quantile(step_ms, 0.9);
+  run.finish(vt);
+}
 
 void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
               SimResult& res) {
@@ -181,8 +252,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   res.compute_ms = opts.compute_ms >= 0
                        ? opts.compute_ms
                        : measure_compute_ms(core.model(), data.train, cfg.train.batch_per_rank);
-  const double comm_ms = 2 * opts.alpha_us / 1000.0 +
-                         sim_allreduce_ms(N, bytes, opts.alpha_us, opts.beta_ns_per_byte);
+  res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : measure_apply_ms(cfg, P);
+  const double comm_ms = sim_sync_comm_ms(opts, N, bytes, res.apply_ms);
   const int64_t total = core.total_steps();
   const int64_t eval_every =
       cfg.train.eval_every > 0 ? cfg.train.eval_every : run.batches_per_epoch();
@@ -191,6 +262,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   double vt = 0;
   for (int64_t t = 0; t < total; ++t) {
     const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
+    run.record_arrivals(t, arr);
+    add_kth(res, arr, total);
     std::fill(sum.begin(), sum.end(), 0.0f);
     double loss = 0;
     SimStepRecord r;
@@ -247,8 +320,10 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
   res.compute_ms = opts.compute_ms >= 0
                        ? opts.compute_ms
                        : measure_compute_ms(core.model(), data.train, cfg.train.batch_per_rank);
-  const double xfer_ms = bytes * opts.beta_ns_per_byte / 1e6;  // the server's time per transfer
+  res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : measure_apply_ms(cfg, P);
+  const double xfer_ms = bytes * opts.beta_ns_per_byte / 1e6;  // one transfer of the buffer
   const double hop_ms = opts.alpha_us / 1000.0 + xfer_ms;
+  const double serve_ms = res.apply_ms + xfer_ms;  // the server's time per update
   const int64_t total = per_worker * W;
   const int64_t eval_every =
       (cfg_in.train.eval_every > 0 ? cfg_in.train.eval_every : run.batches_per_epoch()) * W;
@@ -280,7 +355,7 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
   while (!q.empty()) {
     auto [arrive, w] = q.top();
     q.pop();
-    const double applied = std::max(arrive, server_free) + xfer_ms;
+    const double applied = std::max(arrive, server_free) + serve_ms;
     server_free = applied;
     const int64_t stale = version - pulled[size_t(w)];
     if (r.contributors == 0) r.lr = core.lr();
@@ -340,9 +415,26 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
   return a;
 }
 
+int sim_allreduce_rounds(int k, double bytes) {
+  if (k <= 1) return 0;
+  int lg = 0;
+  while ((2 << lg) <= k) ++lg;  // floor(log2 k)
+  const bool pow2 = (k & (k - 1)) == 0;
+  if (bytes <= double(collectives::kSmallAllreduceBytes)) return lg + (pow2 ? 0 : 2);
+  if (pow2 && bytes <= double(collectives::kHalvingDoublingBytes)) return 2 * lg;
+  return 2 * (k - 1);
+}
+
 double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte) {
   if (k <= 1) return 0;
-  return (alpha_us * 1000.0 + bytes * beta_ns_per_byte * 2.0 * double(k - 1) / double(k)) / 1e6;
+  return (double(sim_allreduce_rounds(k, bytes)) * alpha_us * 1000.0 +
+          bytes * beta_ns_per_byte * 2.0 * double(k - 1) / double(k)) /
+         1e6;
+}
+
+double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
+  return (o.backups > 0 ? o.rtt_us / 1000.0 : 0.0) +
+         sim_allreduce_ms(n, bytes, o.alpha_us, o.beta_ns_per_byte) + apply_ms;
 }
 
 nlohmann::json SimResult::to_json() const {
@@ -354,6 +446,7 @@ nlohmann::json SimResult::to_json() const {
   j["virtual_s"] = virtual_s;
   j["wall_s"] = wall_s;
   j["compute_ms"] = compute_ms;
+  j["apply_ms"] = apply_ms;
   j["gradients_computed"] = gradients_computed;
   j["gradients_per_wall_s"] = wall_s > 0 ? double(gradients_computed) / wall_s : 0;
   j["updates"] = updates;
@@ -362,6 +455,7 @@ nlohmann::json SimResult::to_json() const {
   j["staleness_mean"] = staleness_mean;
   j["staleness_max"] = staleness_max;
   j["staleness_hist"] = staleness_hist;
+  j["kth_arrival_mean_ms"] = kth_arrival_mean_ms;
   j["params_checksum"] = fmt::format("{:016x}", params_checksum);
   return j;
 }
@@ -370,13 +464,16 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
   check_options(opts);
   cfg.validate();
   SimResult res;
-  if (opts.mode == SimMode::kSync)
+  if (opts.arrivals_only)
+    run_arrivals(cfg, data, opts, res);
+  else if (opts.mode == SimMode::kSync)
     run_sync(cfg, data, opts, res);
   else
     run_async(cfg, data, opts, res);
   if (!opts.out_dir.empty()) {
     nlohmann::json j = res.to_json();
     j["mode"] = opts.mode == SimMode::kSync ? "sync" : "async";
+    j["arrivals_only"] = opts.arrivals_only;
     j["workers"] = opts.workers;
     j["backups"] = opts.backups;
     j["quorum"] = opts.workers - opts.backups;
@@ -384,6 +481,7 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
     j["seed"] = cfg.run.seed;
     j["alpha_us"] = opts.alpha_us;
     j["beta_ns_per_byte"] = opts.beta_ns_per_byte;
+    j["rtt_us"] = opts.rtt_us;
     j["target_accuracy"] = cfg.train.target_accuracy;
     j["evals"] = nlohmann::json::array();
     for (const auto& e : res.evals)

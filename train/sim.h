@@ -4,30 +4,40 @@
 // (rank w of W, the Sharder of qring-train); only time is simulated:
 //
 //   compute time of worker w at its k-th gradient = compute_ms + straggler.delay(seed, w, k)
-//       (the StragglerModel and run.seed of qring-train: the same delays as a real run)
-//   all-reduce among k contributors  = alpha + bytes * beta * 2 (k - 1) / k    (ring; 0 if k = 1)
-//   READY/DECIDE round trip          = 2 alpha
+//       (the StragglerModel and run.seed of qring-train: the same delays as a real run; a
+//       trace:FILE model replays recorded ones, e.g. a qring-train run's arrivals)
+//   all-reduce among k contributors  = rounds(k, bytes) alpha + bytes beta 2 (k - 1) / k
+//       rounds: the dependent message rounds of the algorithm qring picks (make_ring_op):
+//       recursive doubling up to 32 KiB (log2 k, + 2 off a power of two), halving-doubling
+//       up to 1 MiB on a power of two (2 log2 k), else the ring (2 (k - 1))
+//   READY/DECIDE round trip          = rtt, only when b > 0: with Q = W qring-train starts
+//                                      the ring with the READY (speculation), hiding it
+//   optimizer step                   = apply_ms
 //   bytes = 4 (P + 1): the gradient and the loss, as qring-train reduces them
+// alpha, beta and rtt come from qring-bench (scripts/calibrate_sim.py; docs/reproduction.md).
 //
 // Modes:
 //   sync (b = 0 full sync, b > 0 backups): every step all W workers start together; the step
-//     ends at the N-th arrival (arrival order: time, ties by rank) + round trip + all-reduce
-//     among N. The first N gradients are summed in arrival order, divided by N and applied
+//     ends at the N-th arrival (arrival order: time, ties by rank) + rtt + all-reduce among N
+//     + apply. The first N gradients are summed in arrival order, divided by N and applied
 //     with TrainerCore's optimizer and schedule (quorum N for the LR scaling). The b late
 //     workers' batches are skipped, not computed: their gradients are dropped and change
 //     nothing (qring-train abandons them too), so only N gradients a step cost real time.
-//   async (a parameter server): each worker computes on the parameters it last pulled; its
-//     gradient reaches the server alpha + bytes beta after it is ready and is applied (in
-//     arrival order, ties by rank; the server takes bytes beta per update, one at a time);
-//     the worker then pulls the new parameters (alpha + bytes beta) and computes again.
+//   async (a parameter server, as train.mode = "async"): each worker computes on the
+//     parameters it last pulled; its gradient reaches the server alpha + bytes beta after it
+//     is ready; the server applies the gradients one at a time in arrival order (ties by
+//     rank), taking apply_ms + bytes beta each (the update and sending the parameters back);
+//     the worker has them alpha + bytes beta later and computes again.
 //     staleness = updates applied between its pull and its own update (about W - 1).
 //     Each worker computes train.steps gradients: train.steps * W updates in all, each of one
 //     worker's batch, so the schedule has quorum 1, train.steps * W steps and
 //     train.warmup_steps * W warmup updates; evaluations every train.eval_every * W updates.
 //
+// --arrivals-only (sync): the arrivals and step times of train.steps steps, no training.
 // Evaluations take no virtual time. Output (when out_dir is set): <out_dir>/metrics.jsonl
 // (one "step" line per sync step, or per W updates in async, and "eval" lines),
-// <out_dir>/summary.json and <out_dir>/config.toml.
+// <out_dir>/summary.json, <out_dir>/config.toml, and in sync mode <out_dir>/arrivals.jsonl
+// (every worker's arrival in ms after the step's first, as qring-train writes it).
 #pragma once
 
 #include <cstdint>
@@ -44,20 +54,26 @@ namespace qring::train {
 
 enum class SimMode { kSync, kAsync };
 
-// Defaults calibrated from qring-bench --op allreduce over tcp, 2 ranks, this machine: a 4 KiB
-// all-reduce takes 12 us, 16 MiB runs at 4.0 GB/s bus bandwidth (docs/reproduction.md).
+// Defaults: the fit of scripts/calibrate_sim.py to qring-bench on this repository's 2-core
+// machine (docs/reproduction.md, "Calibration"); --calibration FILE replaces them.
 constexpr double kSimDefaultAlphaUs = 12.0;
 constexpr double kSimDefaultBetaNsPerByte = 0.25;
+constexpr double kSimDefaultRttUs = 100.0;
 
 struct SimOptions {
   int workers = 0;  // W = N + b
   int backups = 0;  // b (sync only; 0 in async)
   SimMode mode = SimMode::kSync;
   double compute_ms = -1;  // base compute time per gradient; < 0: measured once at the start
+  double apply_ms = -1;    // one optimizer step; < 0: measured once at the start
   double alpha_us = kSimDefaultAlphaUs;
   double beta_ns_per_byte = kSimDefaultBetaNsPerByte;
+  double rtt_us = kSimDefaultRttUs;
   std::string out_dir;  // empty: no files
   bool progress = false;  // a progress line on stderr every few seconds
+  // Sync only: draw the arrivals of train.steps steps and time the steps, without training
+  // (the arrival process alone, e.g. against the order statistics' closed form).
+  bool arrivals_only = false;
 };
 
 struct SimStepRecord {
@@ -85,6 +101,7 @@ struct SimResult {
   double virtual_s = 0;
   double wall_s = 0;
   double compute_ms = 0;  // the base compute time used
+  double apply_ms = 0;    // the optimizer step time used
   int64_t gradients_computed = 0;
   int64_t updates = 0;  // optimizer steps applied
   double test_accuracy = 0, best_test_accuracy = 0, test_loss = 0;
@@ -93,6 +110,7 @@ struct SimResult {
   double staleness_mean = 0;                // async
   int64_t staleness_max = 0;                // async
   std::vector<int64_t> staleness_hist;      // async: [s] = updates with staleness s
+  std::vector<double> kth_arrival_mean_ms;  // sync: [k-1] = mean over steps of the k-th arrival
   uint64_t params_checksum = 0;
   nlohmann::json to_json() const;
 };
@@ -107,8 +125,12 @@ struct SimArrival {
 std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggler, uint64_t seed,
                                      int workers, uint64_t step, double compute_ms);
 
-// All-reduce time among k contributors of `bytes` (ring cost model above), in ms.
+// Dependent message rounds of qring's all-reduce among k ranks of `bytes` (above).
+int sim_allreduce_rounds(int k, double bytes);
+// All-reduce time among k contributors of `bytes` (cost model above), in ms.
 double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte);
+// A sync step's time after its N-th arrival: round trip (when b > 0), all-reduce, update (ms).
+double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms);
 
 // Runs the simulation. Throws ConfigError on bad options (workers < 1, backups outside
 // 0..W-1, backups with async, non-finite or negative costs).

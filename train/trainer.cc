@@ -21,8 +21,10 @@
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
 #include "net/error.h"
+#include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
+#include "train/kernels.h"
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
@@ -165,29 +167,53 @@ nlohmann::json RunSummary::to_json() const {
   j["evicted_ranks"] = evicted_ranks;
   j["skipped_steps"] = skipped_steps;
   j["recovery_s"] = recovery_s;
+  j["rejoins"] = rejoins;
+  j["heal_s"] = heal_s;
   return j;
 }
 
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts) {
   const int rank = comm.rank(), world = comm.size();
+  // A new incarnation of this rank joins the running job (docs/design.md, "Rejoin"): it runs
+  // no collective with the others, takes the state of a live member, and its configuration is
+  // checked against that state's fingerprint instead.
+  const bool joining = opts.incarnation > 0 && world > 1;
+  if (joining && !opts.store)
+    throw UsageError(fmt::format("rank {}: incarnation {} joins a running job, which needs the "
+                                 "rendezvous store",
+                                 rank, opts.incarnation));
   // Every rank must run the same configuration: an override given to one node only would go
   // unnoticed (or hang the first collective on a model of another size). The per-key digests
   // are gathered from the whole world, and every rank stops naming the ranks and keys that
   // differ (the collective has the communicator's deadline).
-  if (world > 1) {
-    const std::vector<uint64_t> mine = cfg.agreed_digests();
+  // The kernels' ISA is compared too (train/kernels.h): ranks that round differently would
+  // not stay bit-identical.
+  if (world > 1 && !joining) {
+    std::vector<uint64_t> mine = cfg.agreed_digests();
+    mine.push_back(TrainConfig::digest(kernel_isa()));
     std::vector<uint64_t> all(mine.size() * size_t(world));
     comm.allgather(mine.data(), all.data(), mine.size(), DataType::kInt64);
-    TrainConfig::check_ranks_agree(all, world);
+    try {
+      TrainConfig::check_ranks_agree(all, world, {"kernels"});
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}; rank {} computes with {}", e.what(), rank, kernel_isa()));
+    }
   }
   cfg.validate(world);
+  if (cfg.train.mode == "async") {
+    if (joining)
+      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
+                                    "(incarnation {}); restart the job with --resume instead",
+                                    rank, opts.incarnation));
+    return train_async(cfg, comm, opts);
+  }
   const int quorum = cfg.quorum_count(world);
   const uint64_t seed = uint64_t(cfg.run.seed);
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
   fs::create_directories(ckpt_dir);
-  if (!opts.resume) {
+  if (!opts.resume && !joining) {
     // A fresh run owns its directory: checkpoints of an earlier run would mislead --resume.
     size_t removed = 0;
     for (auto& e : fs::directory_iterator(ckpt_dir))
@@ -222,6 +248,10 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.evict = std::chrono::milliseconds(cfg.quorum.evict_ms);
   qo.evict_steps = int(cfg.quorum.evict_steps);
   qo.min_world = int(cfg.quorum.min_world);
+  qo.store = opts.store;
+  qo.join = joining;
+  // The same on every rank, whatever collectives ran before (a joiner runs none).
+  qo.instance = 1;
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, P + 1, qo);
@@ -244,7 +274,34 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     q.on_phase([maybe_fault](uint64_t step, const char* phase) { maybe_fault(int64_t(step), phase); });
 
   int64_t start = 0;
-  if (opts.resume) {
+  std::optional<collectives::JoinInfo> joined;
+  if (joining) {
+    const auto until = Clock::now() + std::chrono::milliseconds(
+                                          std::max<int64_t>(30000, 2 * cfg.quorum.deadline_ms));
+    const auto t0 = Clock::now();
+    joined = q.join(until);
+    const double admit_ms = ms_since(t0);
+    // The donor's state before step joined->step: parameters, momentum, data position, step.
+    std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size());
+    const auto s0 = Clock::now();
+    bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
+    const double state_ms = ms_since(s0);
+    CheckpointState st = decode_checkpoint(bytes, fmt::format("the state from rank {}",
+                                                              joined->donor));
+    try {
+      core.restore(st);
+    } catch (const DataError& e) {
+      throw ConfigError(fmt::format("rank {}: cannot rejoin with the state of rank {}: {}", rank,
+                                    joined->donor, e.what()));
+    }
+    // The loop goes on at the step it was admitted to (a skipped step made no optimizer step,
+    // so the state's own step count may be lower; the donor's is the same).
+    start = int64_t(joined->step);
+    spdlog::warn("rank {} rejoined at step {} (incarnation {}, view {}, members {}): admitted "
+                 "{:.0f} ms after it asked, state {:.1f} MB from rank {} in {:.0f} ms",
+                 rank, start, opts.incarnation, joined->epoch, fmt::join(joined->members, ","),
+                 admit_ms, double(bytes.size()) / 1e6, joined->donor, state_ms);
+  } else if (opts.resume) {
     // The ranks agree on the newest step at which every rank has a checkpoint it can load: a
     // rank whose newest file is torn or corrupt falls back, and the others with it, to an
     // older one. In each round every rank proposes its newest loadable step at or below the
@@ -341,7 +398,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     if (!metrics.is_open()) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
     return true;
   };
-  if (rank == 0) {
+  if (rank == 0 && !joining) {
     fs::create_directories(run_dir);
     std::ofstream(run_dir / "config.toml") << cfg.to_toml();
     if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
@@ -356,7 +413,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         "provider {}, straggler {}",
         cfg.model.type, P, world, quorum, total, spe, comm.provider(), straggler.spec());
   }
-  comm.barrier();
+  if (!joining) comm.barrier();
 
   RunSummary sum;
   const auto t_start = Clock::now();
@@ -459,14 +516,22 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     }
   };
 
-  // View changes (ranks lost), logged when the first step decided without them completes.
-  uint64_t view_epoch = 0;
+  // View changes (ranks lost, ranks back), logged when the first step decided in the new
+  // view completes. A rank that comes back heals the job once a step counts it again.
+  uint64_t view_epoch = joined ? joined->epoch : 0;
+  std::map<int, Clock::time_point> lost_at;  // rank -> when the view without it formed
+  struct Healing {
+    int64_t join_step;
+    uint32_t incarnation;
+    Clock::time_point lost;
+  };
+  std::map<int, Healing> healing;  // rejoined, not yet counted
   auto log_views = [&](int64_t step, const collectives::QuorumResult& r) {
     const auto now = Clock::now();
     for (const auto& v : q.view_changes()) {
       if (v.epoch <= view_epoch || v.epoch > r.epoch) continue;
       double detect_ms = 0;
-      nlohmann::json left = nlohmann::json::array();
+      nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
       std::vector<int> who;
       for (const auto& l : v.left) {
         left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
@@ -474,6 +539,39 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         who.push_back(l.rank);
         detect_ms = std::max(detect_ms, l.silent_ms);
         ++sum.failures_survived;
+        // Its last sign of life (for a restarted rank: the old incarnation's).
+        lost_at[l.rank] = v.seen - std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double, std::milli>(l.silent_ms));
+      }
+      for (const auto& j : v.joined) {
+        back.push_back({{"rank", j.rank},
+                        {"incarnation", j.incarnation},
+                        {"step", j.step},
+                        {"donor", j.donor}});
+        ++sum.rejoins;
+        auto la = lost_at.find(j.rank);
+        healing[j.rank] = {int64_t(j.step), j.incarnation,
+                           la != lost_at.end() ? la->second : v.seen};
+        spdlog::warn("view {}: rank {} rejoined at step {} (incarnation {}, {:.1f} s after it "
+                     "left; state from rank {}); {} ranks: {}",
+                     v.epoch, j.rank, j.step, j.incarnation,
+                     la != lost_at.end() ? std::chrono::duration<double>(v.seen - la->second).count()
+                                         : 0.0,
+                     j.donor, v.members.size(), fmt::join(v.members, ", "));
+      }
+      if (v.left.empty()) {
+        if (lead()) {
+          nlohmann::json j{{"type", "view"},
+                           {"step", step},
+                           {"epoch", v.epoch},
+                           {"wall_s", std::chrono::duration<double>(now - t_start).count()},
+                           {"members", v.members},
+                           {"left", left},
+                           {"joined", back}};
+          metrics << j.dump() << '\n';
+          metrics.flush();
+        }
+        continue;
       }
       // From the lost rank's last sign of life to this step, the first completed without it.
       const double recovery =
@@ -486,6 +584,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                          {"wall_s", std::chrono::duration<double>(now - t_start).count()},
                          {"members", v.members},
                          {"left", left},
+                         {"joined", back},
                          {"detection_ms", detect_ms},
                          {"recovery_s", recovery}};
         metrics << j.dump() << '\n';
@@ -499,10 +598,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     view_epoch = r.epoch;
   };
 
+  collectives::QuorumAllreduce::View result;  // the current step's mean gradient
   int64_t t = start;
+  bool counted_once = false;  // the joiner: has a step counted its contribution yet
   for (; t < total; ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
     maybe_fault(t, "step");
+    const DataPosition position = core.position();  // before this step's batch
     const auto step_start = Clock::now();
     const auto delay = straggler.delay(seed, rank, uint64_t(t));
     bool abandoned = collectives::sleep_unless(delay, [&] { return q.excluded(uint64_t(t)); });
@@ -525,18 +627,58 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       core.skip_batch();  // stale work abandoned; the data stream stays aligned across ranks
     }
     const auto w0 = Clock::now();
-    collectives::QuorumResult r = q.wait(uint64_t(t), grad);
+    // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
+    // lose ranks, the all-reduce's kept buffer), held until the next step's wait.
+    collectives::QuorumResult r = q.wait(uint64_t(t), &result);
     const double wait_ms = ms_since(w0);
+    // A rank that rejoined at this step gets the state before its update from its donor.
+    for (const auto& j : r.joined) {
+      if (j.donor != rank) continue;
+      CheckpointState st = core.checkpoint_state();
+      st.position = position;
+      const std::vector<uint8_t> bytes = encode_checkpoint(st);
+      q.send_state(j.rank, uint64_t(t), std::vector<char>(bytes.begin(), bytes.end()));
+      spdlog::info("step {}: sending the state ({:.1f} MB) to rank {}, which rejoins", t,
+                   double(bytes.size()) / 1e6, j.rank);
+    }
+    if (joining && !counted_once && r.self_counted) {
+      counted_once = true;
+      spdlog::warn("rank {}: first contribution counted again at step {}, {:.2f} s after this "
+                   "process started",
+                   rank, t,
+                   std::chrono::duration<double>(Clock::now() - opts.process_start).count());
+    }
     const double lr = core.lr();
     if (r.skipped) {
       // A member was lost mid-step and too few contributors survived: no rank updates.
       ++sum.skipped_steps;
       spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
     } else {
-      last_loss = grad[P];
-      core.apply_gradient(grad);
+      const float* mean = static_cast<const float*>(result.data);
+      last_loss = mean[P];
+      core.apply_gradient(mean);
     }
     if (r.epoch != view_epoch) log_views(t, r);
+    for (auto it = healing.begin(); it != healing.end();) {
+      if (!r.contains(it->first)) {
+        ++it;
+        continue;
+      }
+      const double heal = std::chrono::duration<double>(Clock::now() - it->second.lost).count();
+      sum.heal_s = std::max(sum.heal_s, heal);
+      if (lead()) {
+        metrics << nlohmann::json{{"type", "rejoin"},
+                                  {"rank", it->first},
+                                  {"incarnation", it->second.incarnation},
+                                  {"join_step", it->second.join_step},
+                                  {"counted_step", t},
+                                  {"heal_s", heal}}
+                       .dump()
+                << '\n'
+                << std::flush;
+      }
+      it = healing.erase(it);
+    }
 
     const double delay_ms = double(delay.count()) / 1000.0;
     ready_after.push_back(
@@ -588,8 +730,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
             contributors / double(done - start), hms(eta),
             sum.evicted_ranks.empty()
                 ? std::string()
-                : fmt::format(" live {}/{} (lost {})", world - int(sum.evicted_ranks.size()),
-                              world, fmt::join(sum.evicted_ranks, ",")));
+                : fmt::format(" live {}/{} (lost {}{})", q.members().size(), world,
+                              fmt::join(sum.evicted_ranks, ","),
+                              sum.rejoins ? fmt::format(", {} rejoined", sum.rejoins) : ""));
         if (tty)
           fmt::print(stderr, "\r\033[K{}", line);
         else

@@ -2,6 +2,7 @@
 // quorum all-reduce (docs/training.md, "The training loop").
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -10,6 +11,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/fault_inject.h"
+#include "net/store.h"
 #include "train/config.h"
 
 namespace qring::train {
@@ -35,6 +37,10 @@ struct RunSummary {
   std::vector<int> evicted_ranks;
   int64_t skipped_steps = 0;
   double recovery_s = 0;
+  // Rejoins (docs/design.md, "Rejoin"): ranks that came back, and the longest healing (from
+  // the view without the lost rank to the first step that counted its new incarnation).
+  int64_t rejoins = 0;
+  double heal_s = 0;
   nlohmann::json to_json() const;
 };
 
@@ -45,6 +51,14 @@ struct TrainerOptions {
   int64_t stop_after = 0;
   // Real faults to inject into this process at named phases (QRING_FAULT; fault tests).
   std::vector<collectives::FaultSpec> faults;
+  // The rendezvous store (net::Rendezvous::store): ranks that come back are found and
+  // connected through it. nullptr: no rejoin.
+  net::Store* store = nullptr;
+  // This process's incarnation of its rank (net::Rendezvous::incarnation): > 0 joins the
+  // running job with the state of a live member instead of starting (or resuming) it.
+  uint32_t incarnation = 0;
+  // When this process started (the joiner reports its time to the first counted step).
+  std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();
 };
 
 // Runs training on this rank. All ranks call it with the same config and communicator world.

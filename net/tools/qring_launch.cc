@@ -1,5 +1,9 @@
 // qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none]
-//              [--tolerate-failures K] -- CMD ARGS...
+//              [--tolerate-failures K] [--max-restarts N] -- CMD ARGS...
+//
+// The launcher serves the job's rendezvous store itself (QRING_STORE_HOSTED=1), so that it
+// outlives every rank: a rank that died can be started again (--max-restarts) and rejoins the
+// running job, rank 0 included (docs/design.md, "Rejoin").
 //
 // Starts N local ranks of CMD with the QRING_* bootstrap environment, binds each to its share
 // of the launcher's CPUs (QRING_CPUS lists them; --bind none leaves them unbound), prefixes
@@ -36,11 +40,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "net/store.h"  // random_hex: the job id and secret
+#include <spdlog/spdlog.h>
+
+#include "net/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
 
 namespace {
 
@@ -72,7 +79,10 @@ constexpr const char* kUsage =
     "  --tolerate-failures K\n"
     "                  keep the other ranks running while at most K ranks (K < N, K <= 23)\n"
     "                  have failed (exited non-zero, 75 = evicted, or killed by a signal);\n"
-    "                  exit 100 + lost ranks if all others exit 0. Default 0: fail-fast\n";
+    "                  exit 100 + lost ranks if all others exit 0. Default 0: fail-fast\n"
+    "  --max-restarts N\n"
+    "                  start a rank that failed again, up to N times per rank (N <= 1000); it\n"
+    "                  rejoins the running job. A rank lost beyond N restarts counts as above\n";
 
 struct Options {
   int n = 0;
@@ -81,6 +91,7 @@ struct Options {
   double timeout_s = 0;
   bool bind = true;
   int tolerate = 0;
+  int max_restarts = 0;
   std::vector<std::string> cmd;
 };
 
@@ -118,7 +129,7 @@ Options parse_args(int argc, char** argv) {
       inline_value = true;
     }
     if (name != "-n" && name != "--provider" && name != "--port" && name != "--timeout-s" &&
-        name != "--bind" && name != "--tolerate-failures")
+        name != "--bind" && name != "--tolerate-failures" && name != "--max-restarts")
       usage_error(fmt::format("unknown option '{}' (the command follows '--')", a));
     if (!inline_value) {
       if (i + 1 >= argc) usage_error(fmt::format("{} needs a value", name));
@@ -137,6 +148,8 @@ Options parse_args(int argc, char** argv) {
       o.bind = value == "cores";
     } else if (name == "--tolerate-failures") {
       o.tolerate = parse_int(name, value, 0, kMaxTolerated);
+    } else if (name == "--max-restarts") {
+      o.max_restarts = parse_int(name, value, 0, 1000);
     } else {
       char* end = nullptr;
       o.timeout_s = std::strtod(value.c_str(), &end);
@@ -178,21 +191,6 @@ std::vector<std::vector<int>> plan_cpus(int n) {
     }
   }
   return plan;
-}
-
-int pick_free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    fmt::print(stderr, "qring-launch: cannot find a free port: {}\n", std::strerror(errno));
-    std::exit(1);
-  }
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 void write_all(int fd, const std::string& s) {
@@ -335,6 +333,7 @@ int reap_and_clean(pid_t pid, const std::string& who) {
 struct Rank {
   pid_t pid = -1;  // the rank's supervisor, leader of its process group
   bool running = false;
+  int restarts = 0;  // --max-restarts: times it was started again
 };
 
 struct LostRank {
@@ -358,6 +357,13 @@ class Launcher {
   bool any_child_left();
 
   Options opts_;
+  // One identity per launch, the same for every rank: a unique job id, and the secret each
+  // rank proves to the rendezvous store (docs/bootstrap.md).
+  std::string job_id_;
+  std::string job_secret_;
+  int port_ = 0;
+  sigset_t child_mask_{};
+  std::vector<std::vector<int>> cpus_;
   std::vector<Rank> ranks_;
   std::vector<Stream> streams_;
   std::vector<LostRank> lost_;  // --tolerate-failures: ranks lost so far, in order
@@ -377,11 +383,6 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     return;
   }
   pid_t parent = getpid();
-  // One identity per launch, the same for every rank: a unique job id, and the secret each
-  // rank proves to the rendezvous store (docs/bootstrap.md).
-  static const std::string job_id =
-      fmt::format("launch-{}-{}", parent, qring::net::random_hex(4));
-  static const std::string job_secret = qring::net::random_hex(32);
   pid_t pid = fork();
   if (pid < 0) {
     fmt::print(stderr, "qring-launch: fork(): {}\n", std::strerror(errno));
@@ -418,8 +419,10 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     setenv("QRING_LOCAL_RANK", std::to_string(r).c_str(), 1);
     setenv("QRING_LOCAL_SIZE", std::to_string(opts_.n).c_str(), 1);
     setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
-    setenv("QRING_JOB_ID", job_id.c_str(), 1);
-    setenv("QRING_JOB_SECRET", job_secret.c_str(), 1);
+    setenv("QRING_JOB_ID", job_id_.c_str(), 1);
+    setenv("QRING_JOB_SECRET", job_secret_.c_str(), 1);
+    setenv("QRING_STORE_HOSTED", "1", 1);
+    setenv("QRING_RESTART", std::to_string(ranks_[size_t(r)].restarts).c_str(), 1);
     setenv("QRING_TOLERATE_FAILURES", std::to_string(opts_.tolerate).c_str(), 1);
     if (!opts_.provider.empty()) setenv("QRING_PROVIDER", opts_.provider.c_str(), 1);
     unsetenv("QRING_CPUS");  // set below only when this rank is bound
@@ -448,7 +451,8 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
   close(out[1]);
   close(err[1]);
   for (int fd : {out[0], err[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-  ranks_[r] = {pid, true};
+  ranks_[r].pid = pid;
+  ranks_[r].running = true;
   streams_.push_back({out[0], r, 1, {}});
   streams_.push_back({err[0], r, 2, {}});
 }
@@ -577,6 +581,19 @@ void Launcher::reap() {
     bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
     if (!failed || stopping_) continue;
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (it->restarts < opts_.max_restarts) {
+      // What the failed rank left in its process group goes; a new process of the rank
+      // rejoins the running job (docs/design.md, "Rejoin").
+      kill(-p, SIGKILL);
+      ++it->restarts;
+      write_all(2, fmt::format("qring-launch: rank {} (pid {}) {}; restarting it (restart {} of "
+                               "{})\n",
+                               r, p, describe_end(status), it->restarts, opts_.max_restarts));
+      start_rank(r, port_, child_mask_, cpus_[size_t(r)]);
+      write_all(2, fmt::format("qring-launch: rank {} restarted (pid {})\n", r,
+                               ranks_[size_t(r)].pid));
+      continue;
+    }
     if (opts_.tolerate > 0) {
       lost_.push_back({r, p, describe_end(status)});
       const int lost = static_cast<int>(lost_.size());
@@ -612,21 +629,41 @@ void Launcher::reap() {
 }
 
 int Launcher::run() {
-  int port = opts_.port ? opts_.port : pick_free_port();
+  job_id_ = fmt::format("launch-{}-{}", getpid(), qring::net::random_hex(4));
+  job_secret_ = qring::net::random_hex(32);
   prctl(PR_SET_CHILD_SUBREAPER, 1);
   signal(SIGPIPE, SIG_IGN);
   sigset_t mask, old_mask;
   sigemptyset(&mask);
   for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, sig);
   sigprocmask(SIG_BLOCK, &mask, &old_mask);
+  child_mask_ = old_mask;
+  // The job's rendezvous store, on loopback (the ranks are on this host), for as long as the
+  // launcher runs: ranks that come back find it there. Its thread starts after the signals
+  // are blocked, so that they all reach the signalfd.
+  spdlog::set_pattern("qring-launch: store: %v");
+  spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<qring::net::TcpStoreServer> store;
+  try {
+    qring::net::StoreServerOptions so;
+    so.secret = job_secret_;
+    store = std::make_unique<qring::net::TcpStoreServer>("127.0.0.1", opts_.port, opts_.n,
+                                                         job_id_, so);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on 127.0.0.1:{}: {}\n",
+               opts_.port, e.what());
+    return 1;
+  }
+  int port = port_ = store->port();
+
   int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
   if (sfd < 0) {
     fmt::print(stderr, "qring-launch: signalfd(): {}\n", std::strerror(errno));
     return 1;
   }
   ranks_.resize(opts_.n);
-  auto plan = opts_.bind ? plan_cpus(opts_.n) : std::vector<std::vector<int>>(size_t(opts_.n));
-  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask, plan[size_t(r)]);
+  cpus_ = opts_.bind ? plan_cpus(opts_.n) : std::vector<std::vector<int>>(size_t(opts_.n));
+  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask, cpus_[size_t(r)]);
 
   std::optional<Clock::time_point> timeout_at;
   if (opts_.timeout_s > 0)

@@ -25,7 +25,8 @@ qring_setup() {
     "${SLURM_JOB_NUM_NODES:-?} node(s), ${SLURM_NTASKS:-?} task(s); repo ${QRING_ROOT} @ ${rev};" \
     "build ${QRING_BUILD}; started $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   local v
-  for v in QRING_PROVIDER QRING_STORE_PORT QRING_SRUN_ARGS QRING_TOLERATE_FAILURES FI_PROVIDER \
+  for v in QRING_PROVIDER QRING_STORE_PORT QRING_SRUN_ARGS QRING_TOLERATE_FAILURES QRING_MAX_RESTARTS \
+    FI_PROVIDER \
     FI_LOG_LEVEL FI_TCP_IFACE; do
     [ -n "${!v:-}" ] && echo "qring-slurm: $v=${!v}"
   done
@@ -78,6 +79,41 @@ qring_new_secret() {
   echo "$s"
 }
 
+# Prints QRING_MAX_RESTARTS (unset or empty: 0); dies when it is not a non-negative integer.
+qring_max_restarts() {
+  local n=${QRING_MAX_RESTARTS:-0}
+  [[ $n =~ ^[0-9]+$ ]] ||
+    qring_die "QRING_MAX_RESTARTS must be a non-negative integer, got '$n'"
+  echo $((10#$n))
+}
+
+# Restarts (QRING_MAX_RESTARTS > 0): serves the job's rendezvous store from the batch step
+# (qring-store, on this node, the allocation's first) so that it outlives every rank, rank 0
+# included, and exports QRING_STORE, QRING_STORE_HOSTED=1 and QRING_JOB_ID for the tasks.
+# Sets QRING_STORE_PID. Needs QRING_JOB_SECRET exported.
+qring_start_store() {
+  local bin="$QRING_BUILD/net/qring-store" dir port host _
+  qring_require_bin "$bin"
+  host=${QRING_STORE_HOST:-$(hostname)}
+  [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ] || host=127.0.0.1
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/qring-store.XXXXXX")
+  export QRING_JOB_ID=${QRING_JOB_ID:-slurm-${SLURM_JOB_ID}-$(od -An -N4 -tx1 /dev/urandom | tr -d ' \n')}
+  "$bin" --world "${SLURM_NTASKS:?}" --job-id "$QRING_JOB_ID" --host "$host" \
+    --port "${QRING_STORE_PORT:-0}" --port-file "$dir/port" &
+  QRING_STORE_PID=$!
+  for _ in $(seq 100); do
+    [ -s "$dir/port" ] && break
+    kill -0 "$QRING_STORE_PID" 2>/dev/null || qring_die "qring-store did not start (see above)"
+    sleep 0.1
+  done
+  [ -s "$dir/port" ] || qring_die "qring-store did not report its port within 10 s"
+  port=$(cat "$dir/port")
+  rm -rf "$dir"
+  export QRING_STORE="$host:$port" QRING_STORE_HOSTED=1
+  echo "qring-slurm: QRING_MAX_RESTARTS=$QRING_MAX_RESTARTS: the store runs in the batch step" \
+    "($QRING_STORE, pid $QRING_STORE_PID); a failed task is started again and rejoins"
+}
+
 # Starts one process per task. If any task fails, Slurm kills the others
 # (--kill-on-bad-exit=1) and srun reports which task failed -- unless the job tolerates lost
 # ranks (QRING_TOLERATE_FAILURES > 0, e.g. a quorum below the world size): then a failed task
@@ -86,11 +122,15 @@ qring_new_secret() {
 # srun options come from QRING_SRUN_ARGS (e.g. "--cpu-bind=cores"). Every step gets a fresh
 # random QRING_JOB_SECRET (or the one already set), which srun hands to its tasks in their
 # environment (not on the command line): the ranks prove it to the rendezvous store, so
-# nobody else who can reach the store's port can join the job. Returns srun's exit code.
+# nobody else who can reach the store's port can join the job. With QRING_MAX_RESTARTS=N > 0
+# the batch step serves the store (qring_start_store) and each task runs under
+# scripts/slurm/retry.sh, which starts a failed rank again up to N times; it rejoins the
+# running job. Returns srun's exit code.
 qring_srun() {
-  local rc=0 tolerate
-  local -a extra=() kill_opts=(--kill-on-bad-exit=1)
+  local rc=0 tolerate restarts
+  local -a extra=() kill_opts=(--kill-on-bad-exit=1) wrap=()
   tolerate=$(qring_tolerated_failures) || exit 2
+  restarts=$(qring_max_restarts) || exit 2
   if [ "$tolerate" -gt 0 ]; then
     kill_opts=(--kill-on-bad-exit=0 --no-kill)
     export QRING_TOLERATE_FAILURES=$tolerate # the ranks see it too
@@ -102,8 +142,19 @@ qring_srun() {
   if [ -z "$secret" ]; then
     secret=$(qring_new_secret) || qring_die "cannot read /dev/urandom for the job secret"
   fi
-  echo "qring-slurm: srun ${kill_opts[*]} --label ${extra[*]}${extra[*]:+ }$*"
-  QRING_JOB_SECRET=$secret srun "${kill_opts[@]}" --label "${extra[@]}" "$@" || rc=$?
+  export QRING_JOB_SECRET=$secret
+  QRING_STORE_PID=""
+  if [ "$restarts" -gt 0 ]; then
+    export QRING_MAX_RESTARTS=$restarts
+    qring_start_store
+    wrap=("$QRING_ROOT/scripts/slurm/retry.sh")
+  fi
+  echo "qring-slurm: srun ${kill_opts[*]} --label ${extra[*]}${extra[*]:+ }${wrap[*]}${wrap[*]:+ }$*"
+  srun "${kill_opts[@]}" --label "${extra[@]}" "${wrap[@]}" "$@" || rc=$?
+  if [ -n "$QRING_STORE_PID" ]; then
+    kill "$QRING_STORE_PID" 2>/dev/null || true
+    wait "$QRING_STORE_PID" 2>/dev/null || true
+  fi
   if [ $rc -eq 0 ]; then
     echo "qring-slurm: job ${SLURM_JOB_ID} step finished, exit code 0"
   elif [ "$tolerate" -gt 0 ]; then

@@ -13,6 +13,9 @@
 #   bench         bench.sbatch -N1 -n4: exit 0, rank 0 prints the table, --json is valid JSON
 #   kill-rank     train.sbatch -N2 --ntasks-per-node=2 with a long run; the test SIGKILLs rank 2:
 #                 the job exits non-zero, the log names task/rank 2, no task is left running
+#   rejoin        the same with QRING_MAX_RESTARTS=1 and quorum 3: the killed rank is started
+#                 again by scripts/slurm/retry.sh, rejoins through the batch step's qring-store,
+#                 and the job exits 0 with all four ranks agreeing
 # Every wait is bounded (QRING_SLURM_TEST_TIMEOUT seconds per job, default 300). The last line
 # is "N passed, M failed"; the exit code is non-zero when anything failed.
 #
@@ -40,7 +43,7 @@ CONFIG=${QRING_SLURM_TEST_CONFIG:-$ROOT/configs/smoke.toml}
 
 passed=0
 failed=0
-SCENARIOS=(train-1node train-2node bench kill-rank)
+SCENARIOS=(train-1node train-2node bench kill-rank rejoin)
 JOBS=()
 
 pass() {
@@ -76,7 +79,7 @@ wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
 missing=""
 [ "$(id -u)" -eq 0 ] || missing="must run as root (slurmd starts jobs as their submitter)"
 need_train=0
-for s in train-1node train-2node kill-rank; do wants "$s" && need_train=1; done
+for s in train-1node train-2node kill-rank rejoin; do wants "$s" && need_train=1; done
 if [ $need_train = 1 ]; then
   [ -x "$BUILD/train/qring-train" ] ||
     missing="${missing:+$missing; }$BUILD/train/qring-train not built (scripts/build.sh $BUILD)"
@@ -351,6 +354,59 @@ scenario_kill-rank() {
       echo "    kill-rank: job $JOBID exited $RC; $(grep -Eim1 '(task|rank) 2\b' "$LOG")"
       pass kill-rank
     fi
+  fi
+}
+
+scenario_rejoin() {
+  echo "== rejoin: SIGKILL rank 2 of a -N2 --ntasks-per-node=2 job with QRING_MAX_RESTARTS=1"
+  QRING_MAX_RESTARTS=1 timeout "$JOB_TIMEOUT" sbatch --wait --job-name=rejoin --time=10 \
+    --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
+    run.name=rejoin train.steps=6000 quorum.quorum=3 quorum.evict_ms=1000 \
+    >"$WORK/rejoin.sbatch" 2>&1 &
+  local waiter=$! victim="" running r deadline
+  JOBID=""
+  deadline=$((SECONDS + 60))
+  while ((SECONDS < deadline)); do
+    [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
+      "$WORK/rejoin.sbatch" 2>/dev/null)
+    if [ -n "$JOBID" ]; then
+      running=0
+      for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
+      if [ "$running" -eq 4 ]; then
+        sleep 1 # past start-up, into training
+        victim=$(rank_pid "$JOBID" 2)
+        break
+      fi
+    fi
+    kill -0 "$waiter" 2>/dev/null || break
+    sleep 0.2
+  done
+  [ -n "$JOBID" ] && JOBS+=("$JOBID")
+  LOG="$WORK/logs/rejoin-$JOBID.out"
+  if [ -z "$victim" ]; then
+    [ -n "$JOBID" ] && scancel "$JOBID" 2>/dev/null
+    wait "$waiter" || true
+    fail rejoin "the 4 ranks of job ${JOBID:-?} were not all running within 60 s (log $LOG)"
+    return
+  fi
+  kill -KILL "$victim" 2>/dev/null || true
+  RC=0
+  wait "$waiter" || RC=$?
+  local why
+  if [ "$RC" -ne 0 ]; then
+    fail rejoin "sbatch --wait exit code $RC after rank 2 was killed (log $LOG)"
+    tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
+  elif ! grep -q 'task 2 (rank 2) was killed by signal 9; restarting it' "$LOG"; then
+    fail rejoin "no restart of task 2 in $LOG"
+  elif ! grep -q 'rank 2 rejoined at step' "$LOG"; then
+    fail rejoin "rank 2 did not rejoin (log $LOG)"
+  elif ! why=$(check_agreement "$LOG" 4 2>&1); then
+    fail rejoin "rank agreement: $why"
+  elif ! job_gone "$JOBID" 30; then
+    fail rejoin "processes of job $JOBID left running: $(job_pids "$JOBID" | tr '\n' ' ')"
+  else
+    echo "    rejoin: $(grep -m1 'rank 2 rejoined at step' "$LOG" | sed 's/^ *//')"
+    pass rejoin
   fi
 }
 

@@ -7,10 +7,15 @@
 //
 // Exit status: 0 done, 1 runtime failure, 2 bad command line, configuration or data.
 #include <fmt/format.h>
+#include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,27 +28,35 @@ namespace {
 
 const char* kUsage =
     "usage: qring-sim --config FILE --workers W [--backups B] [--mode sync|async]\n"
-    "                 [--compute-ms MS] [--alpha-us US] [--beta-ns NS] [--progress]\n"
+    "                 [--compute-ms MS] [--apply-ms MS] [--calibration FILE]\n"
+    "                 [--alpha-us US] [--beta-ns NS] [--rtt-us US] [--progress]\n"
+    "                 [--arrivals-only]\n"
     "                 [section.key=value ...]\n"
     "\n"
     "  --config FILE    TOML run configuration, as for qring-train\n"
     "  --workers W      virtual workers W = N + B\n"
     "  --backups B      sync: backup workers; each step averages the first N = W - B\n"
     "                   gradients to arrive (default 0: full sync)\n"
-    "  --mode M         sync (default) or async (a parameter server)\n"
+    "  --mode M         sync or async (a parameter server); default: train.mode\n"
     "  --compute-ms MS  base compute time of one gradient (default: measured at the start)\n"
-    "  --alpha-us US    latency of one message / all-reduce (default {})\n"
+    "  --apply-ms MS    one optimizer step (default: measured at the start)\n"
+    "  --calibration F  JSON with alpha_us, beta_ns_per_byte, rtt_us (scripts/calibrate_sim.py)\n"
+    "  --alpha-us US    latency of one message, per ring hop (default {})\n"
     "  --beta-ns NS     transfer time per byte (default {})\n"
+    "  --rtt-us US      READY/DECIDE round trip, charged when B > 0 (default {})\n"
     "  --progress       a progress line on stderr every 5 s\n"
+    "  --arrivals-only  sync: only draw train.steps steps of arrivals and time them (no\n"
+    "                   training; arrivals.jsonl and the mean k-th arrival in summary.json)\n"
     "  key=value        override any configuration key, e.g. straggler.model=shiftexp:5:20\n"
     "                   train.steps=200 train.target_accuracy=0.8\n"
     "\n"
-    "Writes run.out_dir/run.name/{{metrics.jsonl, summary.json, config.toml}}. Compute time of\n"
-    "worker w at its k-th gradient = compute + straggler.model's delay(run.seed, w, k).\n";
+    "Writes run.out_dir/run.name/{{metrics.jsonl, summary.json, config.toml, arrivals.jsonl}}.\n"
+    "Compute time of worker w at its k-th gradient = compute + straggler.model's\n"
+    "delay(run.seed, w, k). One compute thread unless OMP_NUM_THREADS is set.\n";
 
 std::string usage() {
   return fmt::format(fmt::runtime(kUsage), qring::train::kSimDefaultAlphaUs,
-                     qring::train::kSimDefaultBetaNsPerByte);
+                     qring::train::kSimDefaultBetaNsPerByte, qring::train::kSimDefaultRttUs);
 }
 
 double parse_number(const std::string& flag, const std::string& s) {
@@ -52,6 +65,26 @@ double parse_number(const std::string& flag, const std::string& s) {
   if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v))
     throw qring::ConfigError(fmt::format("{}: '{}' is not a number", flag, s));
   return v;
+}
+
+// alpha_us, beta_ns_per_byte and rtt_us from a calibration file (all three required).
+void read_calibration(const std::string& path, qring::train::SimOptions& o) {
+  std::ifstream in(path);
+  if (!in) throw qring::ConfigError(fmt::format("--calibration: cannot open '{}'", path));
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw qring::ConfigError(fmt::format("--calibration {}: not JSON ({})", path, e.what()));
+  }
+  auto get = [&](const char* key) {
+    if (!j.is_object() || !j.contains(key) || !j[key].is_number())
+      throw qring::ConfigError(fmt::format("--calibration {}: needs a number '{}'", path, key));
+    return j[key].get<double>();
+  };
+  o.alpha_us = get("alpha_us");
+  o.beta_ns_per_byte = get("beta_ns_per_byte");
+  o.rtt_us = get("rtt_us");
 }
 
 int parse_int(const std::string& flag, const std::string& s) {
@@ -68,6 +101,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   qring::train::SimOptions opts;
   bool have_workers = false;
+  std::optional<qring::train::SimMode> mode;
+  std::string calibration;
+  std::optional<double> alpha, beta, rtt;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -88,9 +124,9 @@ int main(int argc, char** argv) {
       } else if (a == "--mode") {
         std::string m = value();
         if (m == "sync")
-          opts.mode = qring::train::SimMode::kSync;
+          mode = qring::train::SimMode::kSync;
         else if (m == "async")
-          opts.mode = qring::train::SimMode::kAsync;
+          mode = qring::train::SimMode::kAsync;
         else
           throw qring::ConfigError(
               fmt::format("--mode: '{}' is not sync or async", m));
@@ -98,12 +134,22 @@ int main(int argc, char** argv) {
         opts.compute_ms = parse_number(a, value());
         if (opts.compute_ms < 0)
           throw qring::ConfigError(fmt::format("--compute-ms must be >= 0, got {}", opts.compute_ms));
+      } else if (a == "--apply-ms") {
+        opts.apply_ms = parse_number(a, value());
+        if (opts.apply_ms < 0)
+          throw qring::ConfigError(fmt::format("--apply-ms must be >= 0, got {}", opts.apply_ms));
+      } else if (a == "--calibration") {
+        calibration = value();
       } else if (a == "--alpha-us") {
-        opts.alpha_us = parse_number(a, value());
+        alpha = parse_number(a, value());
       } else if (a == "--beta-ns") {
-        opts.beta_ns_per_byte = parse_number(a, value());
+        beta = parse_number(a, value());
+      } else if (a == "--rtt-us") {
+        rtt = parse_number(a, value());
       } else if (a == "--progress") {
         opts.progress = true;
+      } else if (a == "--arrivals-only") {
+        opts.arrivals_only = true;
       } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
         overrides.push_back(a);
       } else {
@@ -112,16 +158,29 @@ int main(int argc, char** argv) {
     }
     if (config_path.empty()) throw qring::ConfigError("--config FILE is required");
     if (!have_workers) throw qring::ConfigError("--workers W is required");
+    // The file first, explicit flags over it.
+    if (!calibration.empty()) read_calibration(calibration, opts);
+    if (alpha) opts.alpha_us = *alpha;
+    if (beta) opts.beta_ns_per_byte = *beta;
+    if (rtt) opts.rtt_us = *rtt;
   } catch (const qring::ConfigError& e) {
     fmt::print(stderr, "qring-sim: {}\n{}", e.what(), usage());
     return 2;
   }
+
+  // One compute thread unless OMP_NUM_THREADS says otherwise: the gradients are many and
+  // small, and OpenMP's spinning lanes collapse on a machine shared with other work (a run
+  // of 48 small gradients took 0.9 s with two threads under load, 0.05 s with one).
+  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(1);
 
   qring::train::TrainConfig cfg;
   qring::train::DatasetPair data;
   try {
     cfg = qring::train::TrainConfig::from_file(config_path, overrides);
     cfg.validate();
+    opts.mode = mode ? *mode
+                     : (cfg.train.mode == "async" ? qring::train::SimMode::kAsync
+                                                  : qring::train::SimMode::kSync);
     opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
     data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
   } catch (const qring::Error& e) {

@@ -1,0 +1,419 @@
+// Rejoin in the coordinator's pure state machine (collectives/quorum_coordinator.h) and the
+// wire codec of its messages: a new incarnation of a rank is admitted once every member has
+// reconnected to it and it has reached them all, at the next step to be decided, with the
+// coordinator as the donor of its state. Simulated clock, no threads, no sleeps.
+#include <gtest/gtest.h>
+
+#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum_wire.h"
+#include "net/error.h"
+
+namespace qring::testing {
+namespace {
+
+using namespace collectives::qproto;
+namespace wire = collectives::qwire;
+using K = Action::Kind;
+using std::chrono::milliseconds;
+
+std::vector<Action> of(const std::vector<Action>& v, K k) {
+  std::vector<Action> r;
+  for (auto& a : v)
+    if (a.kind == k) r.push_back(a);
+  return r;
+}
+
+struct Sim {
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c;
+  explicit Sim(Config cfg) : c(cfg, Time{} + std::chrono::hours(1)) {
+    for (int r = 0; r < cfg.world; ++r) beat(r);
+  }
+  std::vector<Action> send(Event e) { return c.handle(e, now); }
+  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1) {
+    Event e;
+    e.kind = Event::Kind::kReady;
+    e.from = r;
+    e.step = t;
+    e.count = 8;
+    e.completed = completed;
+    return send(e);
+  }
+  std::vector<Action> beat(int r, int64_t completed = -1) {
+    Event e;
+    e.kind = Event::Kind::kHeartbeat;
+    e.from = r;
+    e.completed = completed;
+    return send(e);
+  }
+  std::vector<Action> join(int r, uint32_t inc) {
+    Event e;
+    e.kind = Event::Kind::kJoin;
+    e.from = r;
+    e.count = inc;
+    return send(e);
+  }
+  std::vector<Action> hello(int r, uint32_t inc) {
+    Event e;
+    e.kind = Event::Kind::kHello;
+    e.from = r;
+    e.count = inc;
+    return send(e);
+  }
+  std::vector<Action> accept(int member, int joiner, uint32_t inc) {
+    Event e;
+    e.kind = Event::Kind::kAccept;
+    e.from = member;
+    e.suspect = joiner;
+    e.count = inc;
+    return send(e);
+  }
+  std::vector<Action> report(int r, uint64_t t, uint32_t attempt, bool have, bool absent) {
+    Event e;
+    e.kind = Event::Kind::kReport;
+    e.from = r;
+    e.step = t;
+    e.attempt = attempt;
+    e.have = have;
+    e.absent = absent;
+    return send(e);
+  }
+  // The clock runs with `alive` heartbeating every 10 ms (completed: their last step).
+  std::vector<Action> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
+    std::vector<Action> all;
+    for (auto end = now + d; now < end;) {
+      now += milliseconds(10);
+      for (int r : alive) {
+        auto a = beat(r, completed);
+        all.insert(all.end(), a.begin(), a.end());
+      }
+      auto a = send(Event{});
+      all.insert(all.end(), a.begin(), a.end());
+    }
+    return all;
+  }
+  // Steps [from, to) decided among `who`.
+  void steps(uint64_t from, uint64_t to, const std::vector<int>& who) {
+    for (uint64_t t = from; t < to; ++t)
+      for (int r : who) ready(r, t, int64_t(t) - 1);
+  }
+};
+
+Config base(int world, int quorum) {
+  Config c;
+  c.world = world;
+  c.quorum = quorum;
+  c.count = 8;
+  c.evict = milliseconds(500);
+  c.deadline = milliseconds(5000);
+  c.join_timeout = milliseconds(5000);
+  return c;
+}
+
+// W = 4, quorum 3, rank 3 gone (silent) and steps 0..4 decided without it.
+Sim lost_rank3(Config cfg = base(4, 3)) {
+  Sim s(cfg);
+  auto a = s.run(milliseconds(600), {1, 2});
+  EXPECT_EQ(of(a, K::kView).size(), 1u);
+  s.steps(0, 5, {0, 1, 2});
+  return s;
+}
+
+TEST(CoordinatorRejoin, AdmittedOnceEveryMemberReconnectedAndTheJoinerReachedThem) {
+  Sim s = lost_rank3();
+  auto a = s.join(3, 1);
+  auto j = of(a, K::kJoining);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0].joiner, 3);
+  EXPECT_EQ(j[0].incarnation, 1u);
+  EXPECT_EQ(s.c.joining(), 1u);
+  // Not before every member of the view accepted and the joiner said hello.
+  EXPECT_TRUE(of(s.accept(0, 3, 1), K::kView).empty());
+  EXPECT_TRUE(of(s.accept(1, 3, 1), K::kView).empty());
+  EXPECT_TRUE(of(s.hello(3, 1), K::kView).empty());
+  a = s.accept(2, 3, 1);
+  auto v = of(a, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].view.epoch, 2u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(v[0].left.empty());
+  ASSERT_EQ(v[0].joined.size(), 1u);
+  EXPECT_EQ(v[0].joined[0], (Joined{3, 1, 5, 0}));  // at the next step, state from rank 0
+  EXPECT_EQ(s.c.joining(), 0u);
+  EXPECT_EQ(s.c.incarnation(3), 1u);
+  // It takes part from step 5 on: a step among the other three is decided as before, and it
+  // is outside S(5) (the result goes to it).
+  s.ready(0, 5);
+  s.ready(1, 5);
+  auto d = of(s.ready(2, 5), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.epoch, 2u);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
+}
+
+TEST(CoordinatorRejoin, ARestartedRankStillInTheViewLeavesAtOnce) {
+  Sim s(base(4, 3));
+  s.steps(0, 3, {0, 1, 2, 3});
+  // Rank 2 died and came back within the evict time: its old incarnation goes first.
+  auto a = s.join(2, 1);
+  ASSERT_GE(a.size(), 2u);
+  EXPECT_EQ(a.front().kind, K::kView);
+  EXPECT_EQ(a.front().view.members, (std::vector<int>{0, 1, 3}));
+  ASSERT_EQ(a.front().left.size(), 1u);
+  EXPECT_EQ(a.front().left[0].why, Why::kRestarted);
+  // Its unsettled steps are recovered as after any loss; then every member reconnects.
+  EXPECT_EQ(of(a, K::kRecover).size(), a.size() - 2);
+  EXPECT_EQ(a.back().kind, K::kJoining);
+  EXPECT_EQ(a.back().joiner, 2);
+}
+
+TEST(CoordinatorRejoin, StaleJoinsAndMismatchedIncarnationsAreIgnored) {
+  Sim s = lost_rank3();
+  ASSERT_EQ(of(s.join(3, 2), K::kJoining).size(), 1u);
+  EXPECT_TRUE(s.join(3, 2).empty());  // found again: known
+  EXPECT_TRUE(s.join(3, 1).empty());  // an older incarnation
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);  // accepts for another incarnation
+  EXPECT_TRUE(of(s.hello(3, 1), K::kView).empty());
+  for (int m : {0, 1, 2}) s.accept(m, 3, 2);
+  EXPECT_TRUE(of(s.hello(3, 1), K::kView).empty());
+  auto v = of(s.hello(3, 2), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].joined[0].incarnation, 2u);
+  // A later lower or equal incarnation changes nothing.
+  EXPECT_TRUE(of(s.join(3, 2), K::kView).empty());
+  EXPECT_TRUE(of(s.join(3, 2), K::kJoining).empty());
+}
+
+TEST(CoordinatorRejoin, AJoinThatDoesNotCompleteIsAbandoned) {
+  Sim s = lost_rank3();
+  s.join(3, 1);
+  s.accept(0, 3, 1);
+  s.run(milliseconds(4990), {1, 2}, 4);
+  EXPECT_EQ(s.c.joining(), 1u);
+  s.run(milliseconds(30), {1, 2}, 4);
+  EXPECT_EQ(s.c.joining(), 0u);
+  // Late messages of the abandoned join admit nobody.
+  s.accept(1, 3, 1);
+  s.accept(2, 3, 1);
+  EXPECT_TRUE(of(s.hello(3, 1), K::kView).empty());
+  // Found again (a new incarnation), it can still come back.
+  EXPECT_EQ(of(s.join(3, 2), K::kJoining).size(), 1u);
+}
+
+TEST(CoordinatorRejoin, AMemberLostDuringTheJoinIsNotWaitedFor) {
+  Sim s = lost_rank3(base(4, 2));
+  s.join(3, 1);
+  s.accept(0, 3, 1);
+  s.accept(1, 3, 1);
+  s.hello(3, 1);
+  // Rank 2 never accepts: it falls silent and leaves; the join completes without it.
+  auto a = s.run(milliseconds(600), {1}, 4);
+  auto v = of(a, K::kView);
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(v[0].joined.empty());
+  // Two of three is still a majority of the view before it.
+  EXPECT_EQ(v[1].view.members, (std::vector<int>{0, 1, 3}));
+  ASSERT_EQ(v[1].joined.size(), 1u);
+  EXPECT_EQ(v[1].joined[0].rank, 3);
+}
+
+TEST(CoordinatorRejoin, ACatchingUpJoinerDoesNotCountForAFractionalQuorum) {
+  Config cfg = base(4, 0);
+  cfg.fraction = 1.0;  // every live member
+  Sim s = lost_rank3(cfg);
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  // Step 5: rank 3 applies the results it missed before it contributes; the three decide.
+  s.ready(0, 5);
+  s.ready(1, 5);
+  auto d = of(s.ready(2, 5), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.quorum, 3);
+  // Its first READY (late for step 5) ends the catching up: step 6 needs all four.
+  EXPECT_TRUE(of(s.ready(3, 5, 4), K::kDecide).empty());
+  s.ready(0, 6);
+  s.ready(1, 6);
+  EXPECT_TRUE(of(s.ready(2, 6), K::kDecide).empty());
+  d = of(s.ready(3, 6), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.quorum, 4);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2, 3}));
+}
+
+TEST(CoordinatorRejoin, MissedStepsDoNotEvictAJoinerBeforeItContributes) {
+  Config cfg = base(4, 3);
+  cfg.evict_steps = 2;
+  Sim s = lost_rank3(cfg);
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  std::vector<Action> all;
+  for (uint64_t t = 5; t < 9; ++t)
+    for (int r : {0, 1, 2}) {
+      auto a = s.ready(r, t);
+      all.insert(all.end(), a.begin(), a.end());
+    }
+  EXPECT_TRUE(of(all, K::kView).empty());
+  // Once it contributed (late here), missing two steps evicts it as any member.
+  s.ready(3, 8, 7);
+  all.clear();
+  for (uint64_t t = 9; t < 11; ++t)
+    for (int r : {0, 1, 2}) {
+      auto a = s.ready(r, t);
+      all.insert(all.end(), a.begin(), a.end());
+    }
+  auto a = s.send(Event{});  // evictions decided with a step take effect at the next tick
+  all.insert(all.end(), a.begin(), a.end());
+  auto v = of(all, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kMissedSteps);
+}
+
+TEST(CoordinatorRejoin, RecoveryOfAStepBeforeTheJoinDoesNotWaitForTheJoiner) {
+  Config cfg = base(5, 3);
+  Sim s(cfg);
+  s.run(milliseconds(600), {1, 2, 3});  // rank 4 leaves
+  s.steps(0, 5, {0, 1, 2, 3});
+  // Step 5 decided among 0, 1, 2 (rank 3 late) and not completed by everyone; then rank 4
+  // comes back and is admitted at step 6.
+  s.ready(0, 5, 4);
+  s.ready(1, 5, 4);
+  ASSERT_EQ(of(s.ready(2, 5, 4), K::kDecide).size(), 1u);
+  s.ready(3, 5, 4);
+  s.join(4, 1);
+  for (int m : {0, 1, 2, 3}) s.accept(m, 4, 1);
+  auto v = of(s.hello(4, 1), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].joined[0].step, 6u);
+  // Rank 1 dies before completing step 5: step 5 is recovered among those who were there.
+  auto a = s.run(milliseconds(600), {2, 3, 4}, 4);
+  auto rec = of(a, K::kRecover);
+  ASSERT_EQ(rec.size(), 1u);
+  EXPECT_EQ(rec[0].step, 5u);
+  s.report(0, 5, rec[0].attempt, false, false);
+  s.report(2, 5, rec[0].attempt, false, false);
+  // The joiner reports itself absent (or says nothing): the recovery does not wait for it.
+  auto d = of(s.report(3, 5, rec[0].attempt, false, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.step, 5u);
+  EXPECT_GT(d[0].decide.attempt, 0u);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 2, 3}));
+  EXPECT_TRUE(std::find(d[0].decide.needers.begin(), d[0].decide.needers.end(), 4) ==
+              d[0].decide.needers.end());
+}
+
+TEST(CoordinatorRejoin, ANewCoordinatorKnowsWhoRejoinedBefore) {
+  Config cfg = base(4, 3);
+  cfg.self = 1;
+  View v{3, {1, 2, 3}};
+  std::vector<Action> out;
+  Coordinator c(cfg, Time{}, v, {-1, 9, 9, 9}, {}, out, {0, 0, 1, 0});
+  EXPECT_EQ(c.incarnation(2), 1u);
+  Event e;
+  e.kind = Event::Kind::kJoin;
+  e.from = 0;  // the old coordinator's new incarnation: not known yet
+  e.count = 1;
+  EXPECT_EQ(of(c.handle(e, Time{}), K::kJoining).size(), 1u);
+}
+
+TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
+  const int world = 6;
+  Event e;
+  e.from = 5;
+  e.count = 3;
+  auto up = wire::encode_up(world, wire::Up::kHello, e);
+  wire::Up type;
+  Event back = wire::decode_up(up.data(), up.size(), world, 5, &type);
+  EXPECT_EQ(type, wire::Up::kHello);
+  EXPECT_EQ(back.kind, Event::Kind::kHello);
+  EXPECT_EQ(back.count, 3u);
+  e.from = 1;
+  e.suspect = 5;
+  up = wire::encode_up(world, wire::Up::kAccept, e);
+  back = wire::decode_up(up.data(), up.size(), world, 1, &type);
+  EXPECT_EQ(back.kind, Event::Kind::kAccept);
+  EXPECT_EQ(back.suspect, 5);
+  e.absent = true;
+  up = wire::encode_up(world, wire::Up::kReport, e);
+  back = wire::decode_up(up.data(), up.size(), world, 1, &type);
+  EXPECT_TRUE(back.absent);
+  EXPECT_FALSE(back.have);
+
+  wire::DownMsg j;
+  j.type = wire::Down::kJoining;
+  j.joiner = 4;
+  j.incarnation = 7;
+  auto buf = wire::encode_down(world, j);
+  auto jb = wire::decode_down(buf.data(), buf.size(), world, 0);
+  EXPECT_EQ(jb.type, wire::Down::kJoining);
+  EXPECT_EQ(jb.joiner, 4);
+  EXPECT_EQ(jb.incarnation, 7u);
+
+  wire::DownMsg v;
+  v.type = wire::Down::kView;
+  v.view = {4, {0, 1, 2, 4}};
+  v.left = {{3, Why::kRestarted, 20}};
+  v.joined = {{4, 2, 1234, 0}};
+  buf = wire::encode_down(world, v);
+  ASSERT_LE(buf.size(), wire::down_capacity(world));
+  auto vb = wire::decode_down(buf.data(), buf.size(), world, 0);
+  EXPECT_EQ(vb.view.members, v.view.members);
+  ASSERT_EQ(vb.left.size(), 1u);
+  EXPECT_EQ(vb.left[0].why, Why::kRestarted);
+  ASSERT_EQ(vb.joined.size(), 1u);
+  EXPECT_EQ(vb.joined[0], (Joined{4, 2, 1234, 0}));
+  // A full view of departures and joins fits the receive buffer.
+  wire::DownMsg big;
+  big.type = wire::Down::kView;
+  big.view = {1, {0, 1, 2, 3, 4, 5}};
+  for (int r = 0; r < world; ++r) big.left.push_back({r, Why::kSilent, 1});
+  for (int r = 1; r < world; ++r) big.joined.push_back({r, 1, 1, 0});
+  EXPECT_LE(wire::encode_down(world, big).size(), wire::down_capacity(world));
+}
+
+TEST(QuorumWireRejoin, MalformedJoinMessagesAreRejected) {
+  const int world = 4;
+  Event e;
+  e.from = 1;
+  e.suspect = 1;  // accepts itself
+  e.count = 1;
+  auto up = wire::encode_up(world, wire::Up::kAccept, e);
+  wire::Up type;
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  e.suspect = 2;
+  e.count = 0;  // incarnation 0 never rejoins
+  up = wire::encode_up(world, wire::Up::kAccept, e);
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  up = wire::encode_up(world, wire::Up::kHello, e);
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+
+  wire::DownMsg v;
+  v.type = wire::Down::kView;
+  v.view = {2, {0, 1, 3}};
+  v.joined = {{2, 1, 5, 0}};  // the joiner is not a member of the view
+  auto buf = wire::encode_down(world, v);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+  v.joined = {{3, 1, 5, 2}};  // nor is its donor
+  buf = wire::encode_down(world, v);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+  v.joined = {{3, 0, 5, 0}};  // incarnation 0
+  buf = wire::encode_down(world, v);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+  v.joined = {{3, 1, 5, 0}};
+  buf = wire::encode_down(world, v);
+  buf.resize(buf.size() - 1);  // truncated
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+
+  wire::DownMsg j;
+  j.type = wire::Down::kJoining;
+  j.joiner = 9;  // out of range
+  j.incarnation = 1;
+  buf = wire::encode_down(world, j);
+  EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+}
+
+}  // namespace
+}  // namespace qring::testing
