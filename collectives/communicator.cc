@@ -115,6 +115,24 @@ std::string Communicator::settings_text(const net::Endpoint& ep, const CommOptio
   return t;
 }
 
+std::string Communicator::settings_difference(const std::string& mine, int mine_rank,
+                                              const std::string& theirs, int their_rank) {
+  const auto own = parse_settings(mine, mine_rank, mine_rank);
+  const auto other = parse_settings(theirs, their_rank, mine_rank);
+  for (const auto& [key, value] : own) {
+    auto it = other.find(key);
+    const std::string v = it == other.end() ? "(not set)" : it->second;
+    if (v != value)
+      return fmt::format("{} is '{}' on rank {} and '{}' on rank {}", key, value, mine_rank, v,
+                         their_rank);
+  }
+  for (const auto& [key, value] : other)
+    if (!own.count(key))
+      return fmt::format("{} is '{}' on rank {} and not set on rank {}", key, value, their_rank,
+                         mine_rank);
+  return {};
+}
+
 // Every rank sends its settings to every other and compares what it gets with its own; two
 // ranks that differ both name the setting and both values, and every other rank differs from
 // one of them, so every rank fails. A rank whose settings do not arrive by the deadline is
@@ -156,27 +174,17 @@ void Communicator::check_settings(net::Endpoint& ep, const CommOptions& opts) {
       backoff.idle();
     }
     for (const auto& s : sends) net::throw_if_failed(*s, "communicator setup");
-    const auto own = parse_settings(mine, rank, rank);
     for (int p = 0; p < world; ++p) {
       if (p == rank) continue;
       const net::Request& rv = *recvs[size_t(p)];
       net::throw_if_failed(rv, "communicator setup");
-      const auto theirs = parse_settings(std::string(in[size_t(p)].data(), rv.bytes), p, rank);
-      for (const auto& [key, value] : own) {
-        auto it = theirs.find(key);
-        const std::string other = it == theirs.end() ? "(not set)" : it->second;
-        if (other != value)
-          throw ConfigError(fmt::format(
-              "rank {}: communicator settings differ: {} is '{}' on rank {} and '{}' on rank "
-              "{}; every rank must run the same build with the same settings",
-              rank, key, value, rank, other, p));
-      }
-      for (const auto& [key, value] : theirs)
-        if (!own.count(key))
-          throw ConfigError(fmt::format(
-              "rank {}: communicator settings differ: {} is '{}' on rank {} and not set on rank "
-              "{}",
-              rank, key, value, p, rank));
+      const std::string why =
+          settings_difference(mine, rank, std::string(in[size_t(p)].data(), rv.bytes), p);
+      if (!why.empty())
+        throw ConfigError(fmt::format(
+            "rank {}: communicator settings differ: {}; every rank must run the same build "
+            "with the same settings",
+            rank, why));
     }
   } catch (...) {
     ep.close();  // nothing stays posted into `in` or reads `mine`
@@ -187,7 +195,11 @@ void Communicator::check_settings(net::Endpoint& ep, const CommOptions& opts) {
 Communicator::Communicator(std::unique_ptr<net::Endpoint> endpoint, CommOptions opts)
     : rank_(endpoint->rank()), size_(endpoint->world_size()), opts_(opts) {
   if (opts_.timeout.count() <= 0) throw UsageError("CommOptions.timeout must be > 0");
-  check_settings(*endpoint, opts_);
+  // A rank that joins a running job reaches no peer yet: its quorum all-reduce compares the
+  // settings with every member it connects to instead.
+  bool joining = endpoint->incarnation() > 0 && size_ > 1;
+  for (int p = 0; p < size_ && joining; ++p) joining = p == rank_ || !endpoint->connected(p);
+  if (!joining) check_settings(*endpoint, opts_);
   engine_ = std::make_unique<Engine>(std::move(endpoint), opts_);
 }
 

@@ -9,7 +9,9 @@
 //
 // Creation is collective: every rank sends the settings that must match (settings_text) to
 // every other and waits up to CommOptions::timeout for theirs; a difference is a ConfigError
-// naming both ranks and the setting.
+// naming both ranks and the setting. A rank that joins a running job (its endpoint's
+// incarnation() > 0, no peer connected yet) skips the exchange; the quorum all-reduce's join
+// compares the same settings with every member it connects to (quorum.h).
 //
 // Deadlines: every operation has one (CommOptions::timeout unless given). On expiry the op
 // fails with CollectiveTimeout naming the operation, its sequence number, the peer it waited
@@ -158,6 +160,10 @@ class Communicator {
   // The constructor exchanges them with every rank and fails with a ConfigError naming both
   // ranks and the setting when they differ.
   static std::string settings_text(const net::Endpoint& ep, const CommOptions& opts);
+  // The first setting in which two settings_text()s differ, as "key is 'a' ... 'b'"; empty
+  // when they agree. `mine_rank` and `their_rank` name them in the text.
+  static std::string settings_difference(const std::string& mine, int mine_rank,
+                                         const std::string& theirs, int their_rank);
 
  private:
   static void check_settings(net::Endpoint& ep, const CommOptions& opts);

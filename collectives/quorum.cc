@@ -88,20 +88,23 @@ std::string join_done_key(uint32_t instance, int coordinator) {
   return fmt::format("join/{}/done/{}", instance, coordinator);
 }
 
-// The value of a join key: "<incarnation> <coordinator> <epoch> <members, comma-separated>"
-// (the publisher's, as it knows them; the joiner: "-1 0 -") and the publisher's address
-// (net::Endpoint::published_address) after a newline.
+// The value of a join key: "<incarnation> <coordinator> <epoch> <members, comma-separated>
+// <length of the settings>" (the publisher's, as it knows them; the joiner: "-1 0 -"), then
+// after a newline its communicator settings (Communicator::settings_text, compared as at a
+// communicator's creation) and its address (net::Endpoint::published_address).
 struct JoinValue {
   uint32_t incarnation = 0;
   int coordinator = -1;
   uint64_t epoch = 0;
   std::vector<int> members;
+  std::string settings;
   std::string address;
 };
 
 std::string encode_join_value(const JoinValue& v) {
   std::string m = v.members.empty() ? "-" : fmt::format("{}", fmt::join(v.members, ","));
-  return fmt::format("{} {} {} {}\n{}", v.incarnation, v.coordinator, v.epoch, m, v.address);
+  return fmt::format("{} {} {} {} {}\n{}{}", v.incarnation, v.coordinator, v.epoch, m,
+                     v.settings.size(), v.settings, v.address);
 }
 
 JoinValue decode_join_value(const std::string& s, int world, const std::string& key) {
@@ -112,10 +115,11 @@ JoinValue decode_join_value(const std::string& s, int world, const std::string& 
   if (nl == std::string::npos) throw bad();
   std::istringstream head(s.substr(0, nl));
   JoinValue v;
-  int64_t inc = -1;
+  int64_t inc = -1, settings_len = -1;
   std::string members;
-  if (!(head >> inc >> v.coordinator >> v.epoch >> members) || inc < 0 || inc > UINT32_MAX ||
-      v.coordinator < -1 || v.coordinator >= world)
+  if (!(head >> inc >> v.coordinator >> v.epoch >> members >> settings_len) || inc < 0 ||
+      inc > UINT32_MAX || v.coordinator < -1 || v.coordinator >= world || settings_len < 0 ||
+      size_t(settings_len) > s.size() - nl - 1)
     throw bad();
   v.incarnation = uint32_t(inc);
   if (members != "-") {
@@ -128,7 +132,8 @@ JoinValue decode_join_value(const std::string& s, int world, const std::string& 
       v.members.push_back(int(r));
     }
   }
-  v.address = s.substr(nl + 1);
+  v.settings = s.substr(nl + 1, size_t(settings_len));
+  v.address = s.substr(nl + 1 + size_t(settings_len));
   return v;
 }
 
@@ -450,6 +455,7 @@ class QuorumService final : public EngineOp {
     uint32_t incarnation = 0;
     std::string key;  // where this rank publishes its address for the joiner
     bool connected = false;
+    bool refused = false;  // other settings: reconnected, but not accepted
     Clock::time_point started = Clock::now();
   };
   struct Ring {
@@ -666,12 +672,18 @@ class QuorumService final : public EngineOp {
     reset_streams(ep, p);
   }
 
+  // What a joiner must share with every member: the communicator's settings and the caller's.
+  std::string join_settings(net::Endpoint& ep) const {
+    return Communicator::settings_text(ep, copts_) + o_.agreed;
+  }
+
   std::string own_join_value(net::Endpoint& ep) const {
     JoinValue v;
     v.incarnation = my_inc_;
     v.coordinator = coord_;
     v.epoch = view_.epoch;
     v.members = view_.members;
+    v.settings = join_settings(ep);
     v.address = ep.published_address();
     return encode_join_value(v);
   }
@@ -731,6 +743,15 @@ class QuorumService final : public EngineOp {
         if (v.incarnation != inc)
           throw ProtocolError(fmt::format("rank {}'s record names incarnation {}, not {}", r,
                                           v.incarnation, inc));
+        // A joiner of another build or settings is not accepted (it finds out itself from
+        // this rank's record, which it still gets).
+        const std::string why =
+            Communicator::settings_difference(join_settings(ep), rank_, v.settings, r);
+        if (!why.empty()) {
+          spdlog::error("rank {}: quorum: rank {} (incarnation {}) cannot rejoin: {}", rank_, r,
+                        inc, why);
+          it->second.refused = true;
+        }
         connect_peer(ep, r, v.address, inc);
       } catch (const std::exception& e) {
         spdlog::warn("rank {}: quorum: cannot reconnect to rank {} (incarnation {}): {}", rank_,
@@ -755,10 +776,12 @@ class QuorumService final : public EngineOp {
     for (auto& key : published) {
       for (auto it = member_joins_.begin(); it != member_joins_.end(); ++it) {
         if (it->second.key != key) continue;
-        Event e;
-        e.suspect = it->first;
-        e.count = it->second.incarnation;
-        send_up(ep, qwire::Up::kAccept, e);
+        if (!it->second.refused) {
+          Event e;
+          e.suspect = it->first;
+          e.count = it->second.incarnation;
+          send_up(ep, qwire::Up::kAccept, e);
+        }
         member_joins_.erase(it);
         moved = true;
         break;
@@ -767,13 +790,20 @@ class QuorumService final : public EngineOp {
     for (auto& [p, value] : values) {
       // The joiner: member p's address for this incarnation.
       JoinValue v;
+      std::string why;
       try {
         v = decode_join_value(value, world_, join_key(instance_, rank_, my_inc_, p));
-        connect_peer(ep, p, v.address, v.incarnation);
+        why = Communicator::settings_difference(join_settings(ep), rank_, v.settings, p);
+        if (why.empty()) connect_peer(ep, p, v.address, v.incarnation);
       } catch (const std::exception& e) {
         throw ConfigError(fmt::format("rank {}: rejoin: cannot connect to rank {}: {}", rank_,
                                       p, e.what()));
       }
+      if (!why.empty())
+        throw ConfigError(fmt::format("rank {}: cannot rejoin the job: settings differ: {}; "
+                                      "every rank must run the same build, configuration and "
+                                      "settings",
+                                      rank_, why));
       joiner_connected_.insert(p);
       if (v.epoch >= joiner_epoch_ && v.coordinator >= 0) {
         joiner_epoch_ = v.epoch;
@@ -1916,16 +1946,18 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
   op->deadline = Clock::time_point::max();
   if (opts_.store && w > 1 && survives_loss()) {
     uint32_t inc = 0;
-    std::string address;
+    std::string address, settings;
     comm.engine().run([&](net::Endpoint& ep) {
       inc = ep.incarnation();
       address = ep.published_address();
+      settings = Communicator::settings_text(ep, comm.options()) + opts_.agreed;
     });
     if (opts_.join) {
       if (inc == 0) throw UsageError("quorum: joining a running job as incarnation 0");
       // The joiner's address for the members (they fetch it when the coordinator tells them).
       JoinValue v;
       v.incarnation = inc;
+      v.settings = settings;
       v.address = address;
       std::lock_guard<std::mutex> lock(shared_->mu);
       shared_->agent.publish.emplace_back(

@@ -61,6 +61,10 @@ struct QuorumOptions {
   // This process is a new incarnation of its rank (its endpoint's incarnation() > 0) joining
   // the running job: it takes part in no step until join() returns.
   bool join = false;
+  // Settings a rank that comes back must share with every member to be admitted, besides the
+  // communicator's (Communicator::settings_text): "key=value" lines (qring-train: its config
+  // digests and kernels). A difference stops the joiner with a ConfigError naming the key.
+  std::string agreed;
   // The instance number in the control tags and store keys, the same on every rank (a
   // joiner creates its all-reduce at another point of the communicator's sequence).
   // -1: the communicator's next sequence number.

@@ -127,11 +127,12 @@ class InprocEndpoint final : public Endpoint {
       waiting_.push_back({req});  // until reset_peer connects the peer (and ends it)
       return req;
     }
-    send_now(req, peer, with_generation(tag, gens_[size_t(peer)]), buf, len);
+    send_now(req, peer, with_generation(tag, gens_[size_t(peer)]), buf, len, data);
     return req;
   }
 
-  void send_now(const RequestPtr& req, int peer, uint64_t tag, const void* buf, size_t len) {
+  void send_now(const RequestPtr& req, int peer, uint64_t tag, const void* buf, size_t len,
+                uint64_t data) {
     auto& box = *boxes_[static_cast<size_t>(peer)];
     {
       std::lock_guard<std::mutex> lock(box.mu);

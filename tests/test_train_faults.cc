@@ -268,6 +268,36 @@ INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
                                   i.param.provider;
                          });
 
+// A rank that comes back with other settings (here its kernels: OpenBLAS forced to another
+// core type) is not taken back: it stops with an error naming the setting, and the others,
+// which never admitted it, finish without it.
+TEST_F(TrainFaults, RankThatComesBackWithOtherKernelsIsRefused) {
+  const fs::path wrap = dir_ / "other-kernels-on-restart.sh";
+  std::ofstream(wrap) << "#!/bin/sh\n"
+                         "[ \"$QRING_RESTART\" = 1 ] && export OPENBLAS_CORETYPE=Prescott\n"
+                         "exec \"$@\"\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const std::string cmd =
+      "QRING_FAULT=kill:2:40:step " + kBuild + "/net/qring-launch -n 4 --max-restarts 1 "
+      "--tolerate-failures 1 -- " + wrap.string() + " " +
+      kBuild + "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" +
+      dir_.string() +
+      " run.name=refused log.progress=false quorum.evict_ms=300 quorum.deadline_ms=8000 "
+      "quorum.quorum=3 train.steps=2500 net.provider=tcp";
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 101) << r.output;  // rank 2 lost after its one restart
+  EXPECT_NE(r.output.find("restarting it (restart 1 of 1)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2: cannot rejoin the job: settings differ: kernels is '"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 2 (incarnation 1) cannot rejoin"), std::string::npos)
+      << r.output;  // what the members say
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 3u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 3u) << r.output;
+  EXPECT_EQ(summary("refused")["rejoins"], 0);
+}
+
 TEST_F(TrainFaults, MalformedFaultSpecIsAConfigError) {
   auto r = sh("QRING_FAULT=explode:1:2 " + kBuild + "/train/qring-train --config " + kSource +
               "/configs/smoke.toml run.out_dir=" + dir_.string());

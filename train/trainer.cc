@@ -250,6 +250,15 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.min_world = int(cfg.quorum.min_world);
   qo.store = opts.store;
   qo.join = joining;
+  // What ranks compare at start (the allgather above), for a rank that comes back to compare
+  // with every member before it is admitted.
+  {
+    const std::vector<std::string> keys = TrainConfig::agreed_keys();
+    const std::vector<uint64_t> digests = cfg.agreed_digests();
+    for (size_t k = 0; k < keys.size(); ++k)
+      qo.agreed += fmt::format("config {}={:016x}\n", keys[k], digests[k]);
+    qo.agreed += fmt::format("kernels={}\n", kernel_isa());
+  }
   // The same on every rank, whatever collectives ran before (a joiner runs none).
   qo.instance = 1;
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
@@ -282,7 +291,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     joined = q.join(until);
     const double admit_ms = ms_since(t0);
     // The donor's state before step joined->step: parameters, momentum, data position, step.
-    std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size());
+    // Room for the donor's state: the same model and optimizer (a bigger one is an error).
+    std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size() + 4096);
     const auto s0 = Clock::now();
     bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
     const double state_ms = ms_since(s0);
