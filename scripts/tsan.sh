@@ -4,7 +4,7 @@
 #
 #   scripts/tsan.sh [BUILD_DIR]        (default build-tsan)
 #
-# Builds the test_coll_* suites with -fsanitize=thread (RelWithDebInfo) and runs each
+# Builds the in-process test_coll_* suites with -fsanitize=thread (RelWithDebInfo) and runs each
 # binary; any data race or other TSan report fails the run (halt_on_error). OpenMP runs with
 # one thread (OMP_NUM_THREADS=1): libgomp is not instrumented, and its barriers would be
 # reported as races. tests/tsan.supp suppresses what TSan reports inside the uninstrumented
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-tsan}
-TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler"}
+TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler test_coll_rejoin test_coll_param_server"}
 start=$(date +%s)
 QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
   scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON
