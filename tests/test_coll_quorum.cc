@@ -129,7 +129,7 @@ TEST(Quorum, StragglerDoesNotHoldTheOthersBeyondTheGrace) {
     qo.grace = milliseconds(20);
     qo.deadline = milliseconds(10000);
     std::vector<double> step_ms(4);
-    std::vector<bool> counted(4);
+    std::vector<char> counted(4);  // one byte per rank thread: vector<bool> shares words
     run_ranks(4, {}, [&](Communicator& comm) {
       QuorumAllreduce q(comm, 64, qo);
       std::vector<float> buf(64, float(comm.rank()));
