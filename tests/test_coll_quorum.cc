@@ -371,7 +371,11 @@ TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {
   run_ranks(3, {}, [&](Communicator& comm) {
     QuorumOptions qo;
     qo.quorum = 2;
-    qo.deadline = milliseconds(3000);
+    // The grace holds each step open for rank 2's READY (all three arrive, so no step waits
+    // it out): a step decided without it would leave the drift unseen on a loaded machine,
+    // where rank 2 may come after the others have finished every step.
+    qo.grace = milliseconds(2000);
+    qo.deadline = milliseconds(5000);
     QuorumAllreduce q(comm, 4, qo);
     std::vector<float> buf(4, 1.f);
     try {

@@ -1089,11 +1089,17 @@ TEST_P(Fabric, CloseEndsEveryRequestAndReleasesTheBuffers) {
       ep->close();  // idempotent
     } else {
       rdv.store().get("closed", kDl());
-      std::vector<uint8_t> out(size_t(1) << 20, 9);
-      auto sv = ep->isend(1, tag, out.data(), out.size());
-      try {  // over tcp it may still complete into the kernel's buffers: bounded either way
-        ep->wait(sv, net::deadline_in(std::chrono::milliseconds(500)), "send to a closed rank");
-      } catch (const Error&) {
+      // A send to the closed rank, over tcp only: libfabric 1.17's shm crashed this process
+      // in its progress (SIGSEGV inside fi_cq_read) in about a third of the runs on a loaded
+      // machine when it sent to a peer whose endpoint was closed, 64 bytes or 1 MiB alike
+      // (docs/design.md, the fault section's "Limits").
+      if (prov == "tcp") {
+        std::vector<uint8_t> out(size_t(1) << 20, 9);
+        auto sv = ep->isend(1, tag, out.data(), out.size());
+        try {  // it may still complete into the kernel's buffers: bounded either way
+          ep->wait(sv, net::deadline_in(std::chrono::milliseconds(500)), "send to a closed rank");
+        } catch (const Error&) {
+        }
       }
       rdv.store().set("sent", "1");
       ep->close();

@@ -534,15 +534,16 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   };
   if (std::any_of(faults.begin(), faults.end(), [](const auto& f) { return f.phase == "ring"; }))
     qa.on_phase(maybe_fault);
-  // One step; returns its contributor set (everyone for the plain all-reduce).
-  auto run_step = [&](uint64_t t) {
+  // One step; returns its contributor set (everyone for the plain all-reduce). The result is
+  // copied into buf, or with `view` read where it lies (no copy, as qring-train reads it).
+  auto run_step = [&](uint64_t t, collectives::QuorumAllreduce::View* view = nullptr) {
     bool gave_up =
         collectives::sleep_unless(model.delay(o.seed, rank, t), [&] { return qa.excluded(t); });
     if (!gave_up) {
       qa.contribute(t, buf.data(), count);
       if (faulty) maybe_fault(t, "ready");
     }
-    return qa.wait(t, buf.data());
+    return view ? qa.wait(t, view) : qa.wait(t, buf.data());
   };
   if (o.check) {
     const int checked = std::min(o.iters, 10);
@@ -626,6 +627,7 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
 
   comm.barrier();
   bool more = false;
+  collectives::QuorumAllreduce::View result;  // the last timed step's result
   for (int s = 0; s < o.warmup + o.iters || more; ++s, ++step) {
     if (s == o.warmup) comm.barrier();  // before any fault: every rank is there
     const int idx = s - o.warmup;       // timed step (< 0: warm-up)
@@ -646,8 +648,11 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
     if (refill) fill_pattern(buf.data(), o.dtype, count, step, rank);
     const bool voting = faulty && idx >= o.iters - 1;
     if (voting) store_value(buf.data(), o.dtype, 0, want_more(Clock::now()) ? double(n) : 0.0);
+    // The timed steps read the result in place: in a job that can lose ranks it lies in the
+    // all-reduce's kept buffer, and a copy into buf would add a pass over the whole buffer
+    // that a caller reading it in place does not pay.
     const auto t0 = std::chrono::steady_clock::now();
-    collectives::QuorumResult r = run_step(step);
+    collectives::QuorumResult r = run_step(step, &result);
     const auto t1 = std::chrono::steady_clock::now();
     if (idx >= 0) {
       lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -667,7 +672,7 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       seen.push_back(v);
     }
     // A skipped step leaves the buffer as it was (every rank skips alike): one more step.
-    if (voting) more = r.skipped || load_value(buf.data(), o.dtype, 0) > 0;
+    if (voting) more = r.skipped || load_value(result.data, o.dtype, 0) > 0;
     if (paired) {
       if (refill) fill_pattern(buf2.data(), o.dtype, count, step, rank);
       const auto p0 = std::chrono::steady_clock::now();
