@@ -267,6 +267,8 @@ class QuorumService final : public EngineOp {
     cfg_.evict_steps = o.evict_steps;
     cfg_.min_world = o.min_world;
     cfg_.count = count;
+    cfg_.adaptive = o.adaptive;
+    cfg_.auto_max = o.auto_max;
     cfg_.layout = qproto::layout_of(uint8_t(o.type), o.mean);
     // A job that can lose a rank keeps every contribution intact until its step completes
     // (rings out of place) and every result until every live rank has it (recovery).
@@ -1365,6 +1367,7 @@ class QuorumService final : public EngineOp {
       res.ready_offsets_ms.push_back(off < 0 ? -1.0 : double(off) / 1000.0);
     }
     res.count = int(d.contributors.size());
+    res.quorum = d.quorum;
     res.self_counted = res.contains(rank_);
     res.ready_ms = res.ready_offsets_ms[size_t(rank_)];
     res.decide_ms = double(d.decide_us) / 1000.0;
@@ -1928,6 +1931,11 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
         fmt::format("quorum min_world {} out of range [0, {}]", opts_.min_world, w));
   if (opts_.quorum < 1 || opts_.quorum > w)
     throw ConfigError(fmt::format("quorum {} out of range [1, {}]", opts_.quorum, w));
+  if (opts_.adaptive && (opts_.fraction > 0 || opts_.auto_max < 0 || opts_.auto_max > w ||
+                         (opts_.auto_max > 0 && opts_.auto_max < opts_.quorum)))
+    throw ConfigError(fmt::format("adaptive quorum: bounds [{}, {}] not within 1..{} ranks (or "
+                                  "with a fraction)",
+                                  opts_.quorum, opts_.auto_max, w));
   if (opts_.grace.count() < 0) throw ConfigError("quorum grace must be >= 0");
   if (opts_.deadline.count() <= 0) throw ConfigError("quorum hard deadline must be > 0");
   if (opts_.deadline <= opts_.grace)

@@ -54,6 +54,12 @@ struct QuorumOptions {
   int evict_steps = 0;
   // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
   int min_world = 0;
+  // The adaptive quorum (quorum "auto", collectives/auto_quorum.h): the coordinator chooses
+  // each step's quorum Q(t) from the recent arrivals, within [quorum, auto_max] (auto_max 0 =
+  // the live members); `quorum` is the lower bound. Q(t) travels in DECIDE
+  // (QuorumResult::quorum); the contract of every step is unchanged.
+  bool adaptive = false;
+  int auto_max = 0;
   // Rejoin (docs/design.md, "Rejoin"): the rendezvous store through which a rank that comes
   // back (a new incarnation: restarted, or evicted while alive) is found and connected. It
   // must outlive the all-reduce. nullptr: a rank that left stays out.
@@ -143,6 +149,7 @@ struct QuorumResult {
   int count = 0;                      // |S(t)|
   bool self_counted = false;
   std::vector<int> dropped;  // ranks outside S(t)
+  int quorum = 0;            // the quorum the step was decided with (Q(t) under "auto")
   // Times in ms relative to the first contribution of the step seen by the coordinator.
   double ready_ms = -1;  // this rank's contribution (-1: arrived after the decision)
   double decide_ms = 0;  // the decision

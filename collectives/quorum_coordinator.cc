@@ -214,9 +214,10 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t lay
     if (u != unsettled_.end() && view_.has(from) &&
         std::find(u->second.late.begin(), u->second.late.end(), from) == u->second.late.end())
       u->second.late.push_back(from);
-    if (on_arrival_) {
-      auto f = first_of_decided_.find(step);
-      if (f != first_of_decided_.end()) on_arrival_(step, from, ms_between(f->second, now));
+    auto f = first_of_decided_.find(step);
+    if (f != first_of_decided_.end()) {
+      if (on_arrival_) on_arrival_(step, from, ms_between(f->second, now));
+      if (cfg_.adaptive) window_.late(step, from, ms_between(f->second, now));
     }
     return;  // decided without it: the rank learns from DECIDE
   }
@@ -225,6 +226,14 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t lay
   if (fresh) {
     o.first = now;
     o.arrived.assign(size_t(cfg_.world), std::nullopt);
+    if (cfg_.adaptive) {
+      if (auto p = first_of_decided_.find(step - 1); step > 0 && p != first_of_decided_.end())
+        window_.opened(step, ms_between(p->second, now));
+      std::vector<int> computing;  // a rank that rejoined and is catching up contributes nothing
+      for (int r : view_.members)
+        if (!catching_up_[size_t(r)]) computing.push_back(r);
+      o.quorum = choose_quorum(window_.samples(), computing, cfg_.quorum, cfg_.auto_max).quorum;
+    }
   }
   if (o.arrived[size_t(from)]) return;  // duplicate READY
   o.arrived[size_t(from)] = now;
@@ -238,11 +247,17 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t lay
   recount(o, now);
 }
 
+int Coordinator::quorum_of(const Open& o) const {
+  const int q = quorum();
+  const int n = contributing();
+  return o.quorum > 0 ? std::clamp(o.quorum, std::min(q, n), n) : q;
+}
+
 void Coordinator::recount(Open& o, Time now) const {
   o.n = 0;
   for (int r : view_.members)
     if (o.arrived[size_t(r)]) ++o.n;
-  if (o.n >= quorum()) {
+  if (o.n >= quorum_of(o)) {
     if (!o.quorum_time) o.quorum_time = now;
   } else {
     o.quorum_time.reset();
@@ -483,7 +498,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
     d.step = t;
     d.epoch = view_.epoch;
     d.status = st;
-    d.quorum = q;
+    d.quorum = o.quorum > 0 ? quorum_of(o) : q;
     d.decide_us = us_between(o.first, now);
     d.bad_rank = o.bad_rank;
     d.bad_count = o.bad_count;
@@ -505,6 +520,15 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
         }
       }
       unsettled_[t].contributors = d.contributors;
+      if (cfg_.adaptive) {
+        StepArrivals a;
+        a.offset_ms.assign(size_t(cfg_.world), StepArrivals::kNotMember);
+        for (int r : view_.members)
+          a.offset_ms[size_t(r)] = o.arrived[size_t(r)] ? ms_between(o.first, *o.arrived[size_t(r)])
+                                                        : StepArrivals::kNotArrived;
+        a.decided_ms = ms_between(o.first, now);
+        window_.decided(t, std::move(a));
+      }
     } else {
       stopped_ = true;  // every rank fails the step: the job ends
     }

@@ -36,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "collectives/auto_quorum.h"
+
 namespace qring::collectives::qproto {
 
 using Clock = std::chrono::steady_clock;
@@ -53,6 +55,11 @@ struct Config {
   int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
   int min_world = 0;      // fewest members the job runs with; 0 = the quorum
   uint64_t count = 0;     // elements per contribution (checked on every READY)
+  // quorum "auto" (auto_quorum.h): each step's quorum Q(t) is chosen when it opens from the
+  // window of recent arrivals, within [quorum, auto_max] (auto_max 0 = the view's size);
+  // `quorum` is then the lower bound, the one that membership rules use.
+  bool adaptive = false;
+  int auto_max = 0;
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
@@ -219,6 +226,7 @@ class Coordinator {
   struct Open {
     Time first{};
     std::vector<std::optional<Time>> arrived;
+    int quorum = 0;  // adaptive: Q(t), chosen when the step opened
     int n = 0;
     std::optional<Time> quorum_time;
     bool mismatch = false;
@@ -245,6 +253,7 @@ class Coordinator {
   void decide_open(Time now, std::vector<Action>& out);
   void settle();
   void recount(Open& o, Time now) const;
+  int quorum_of(const Open& o) const;
   void on_join(int r, uint32_t inc, Time now, std::vector<Action>& out);
   void admit_joiners(Time now, std::vector<Action>& out);
   // Whether member r takes part in step t (it joined at or before it).
@@ -278,6 +287,7 @@ class Coordinator {
   };
   std::map<int, Join> joins_;
   std::function<void(uint64_t, int, double)> on_arrival_;
+  AutoQuorumWindow window_;  // adaptive: the recent steps' arrivals
 };
 
 }  // namespace qring::collectives::qproto

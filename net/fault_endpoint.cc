@@ -180,7 +180,7 @@ bool FaultEndpoint::cancel(const RequestPtr& req) {
   }
   for (auto it = recvs_.begin(); it != recvs_.end(); ++it) {
     if (it->proxy == req) {
-      if (fail_cancels_)
+      if (fail_cancels_.load(std::memory_order_acquire))
         throw TimeoutError(fmt::format("rank {}: cancel of a receive from rank {} (tag {:#x}) "
                                        "was not confirmed (fault injection)",
                                        rank(), req->peer, req->tag));

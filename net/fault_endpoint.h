@@ -69,8 +69,8 @@ class FaultEndpoint final : public Endpoint {
 
   // From now on cancel() of a directed receive does nothing and throws TimeoutError, as a
   // provider that never confirms a cancellation: the receive stays posted (its buffer in use)
-  // until it completes or the endpoint is closed. Owner thread.
-  void fail_cancels() { fail_cancels_ = true; }
+  // until it completes or the endpoint is closed. Thread-safe.
+  void fail_cancels() { fail_cancels_.store(true, std::memory_order_release); }
 
   // Messages dropped by rules or by a cut; messages delayed by rules.
   size_t dropped() const { return dropped_; }
@@ -107,7 +107,7 @@ class FaultEndpoint final : public Endpoint {
   bool recvs_dirty_ = false;            // an inner cancel may have completed receives
   size_t dropped_ = 0;
   size_t delayed_ = 0;
-  bool fail_cancels_ = false;
+  std::atomic<bool> fail_cancels_{false};
 };
 
 }  // namespace qring::net

@@ -126,7 +126,7 @@ TEST_P(Mismatch, FailsEveryRankNamingTheRank) {
   CommOptions opts;
   opts.timeout = milliseconds(20000);
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<bool> usage(size_t(c.ranks), false);
+  std::vector<char> usage(size_t(c.ranks), 0);  // one byte per rank thread (not vector<bool>)
   auto errors = run_disagreeing(
       c.ranks, [&](int) { return opts; },
       [&](Communicator& comm) {

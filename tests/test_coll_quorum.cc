@@ -129,7 +129,7 @@ TEST(Quorum, StragglerDoesNotHoldTheOthersBeyondTheGrace) {
     qo.grace = milliseconds(20);
     qo.deadline = milliseconds(10000);
     std::vector<double> step_ms(4);
-    std::vector<bool> counted(4);
+    std::vector<char> counted(4);  // one byte per rank thread: vector<bool> shares words
     run_ranks(4, {}, [&](Communicator& comm) {
       QuorumAllreduce q(comm, 64, qo);
       std::vector<float> buf(64, float(comm.rank()));
@@ -371,7 +371,11 @@ TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {
   run_ranks(3, {}, [&](Communicator& comm) {
     QuorumOptions qo;
     qo.quorum = 2;
-    qo.deadline = milliseconds(3000);
+    // The grace holds each step open for rank 2's READY (all three arrive, so no step waits
+    // it out): a step decided without it would leave the drift unseen on a loaded machine,
+    // where rank 2 may come after the others have finished every step.
+    qo.grace = milliseconds(2000);
+    qo.deadline = milliseconds(5000);
     QuorumAllreduce q(comm, 4, qo);
     std::vector<float> buf(4, 1.f);
     try {

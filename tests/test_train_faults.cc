@@ -32,7 +32,7 @@ std::string run_cmd(const std::string& fault, int ranks, int tolerate, const std
          " --tolerate-failures " + std::to_string(tolerate) + " -- " + kBuild +
          "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" + out +
          " run.name=" + name +
-         " log.progress=false quorum.evict_ms=300 quorum.deadline_ms=8000 train.steps=300 "
+         " log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 train.steps=300 "
          "train.checkpoint_every=10 " +
          extra;
 }
@@ -87,7 +87,7 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   // that it finds out it was evicted.
   const std::string fault = c.action == "kill"
                                 ? "kill:" + std::to_string(c.rank) + ":40:" + c.phase
-                                : "stop:" + std::to_string(c.rank) + ":40:600:" + c.phase;
+                                : "stop:" + std::to_string(c.rank) + ":40:1000:" + c.phase;
   const int steps = c.action == "kill" ? 300 : 1000;
   auto r = sh(run_cmd(fault, 4, 1, dir_, "m",
                       "quorum.quorum=3 train.steps=" + std::to_string(steps) +
@@ -223,7 +223,7 @@ TEST_P(RejoinMatrix, KilledRankComesBackAndTheReplicasAgree) {
                           "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
                           "/train/qring-train --config " + kSource +
                           "/configs/smoke.toml run.out_dir=" + dir_.string() +
-                          " run.name=rj log.progress=false quorum.evict_ms=300 "
+                          " run.name=rj log.progress=false quorum.evict_ms=500 "
                           "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2500 "
                           "net.provider=" +
                           c.provider;
@@ -282,7 +282,7 @@ TEST_F(TrainFaults, RankThatComesBackWithOtherKernelsIsRefused) {
       "--tolerate-failures 1 -- " + wrap.string() + " " +
       kBuild + "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" +
       dir_.string() +
-      " run.name=refused log.progress=false quorum.evict_ms=300 quorum.deadline_ms=8000 "
+      " run.name=refused log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 "
       "quorum.quorum=3 train.steps=2500 net.provider=tcp";
   auto r = sh(cmd);
   ASSERT_EQ(r.status, 101) << r.output;  // rank 2 lost after its one restart

@@ -113,6 +113,15 @@ TEST(Sim, ArrivalTiesGoByRankAndAllReduceCost) {
   EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 1.7 + 0.5, 1e-12);
   o.backups = 1;
   EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 0.2 + 1.7 + 0.5, 1e-12);
+  // Measured step costs replace round trip + all-reduce for the contributor counts they hold,
+  // full sync and backups apart; other counts keep the model.
+  o.step_cost_full_ms = {{4, 3.0}};
+  o.step_cost_backup_ms = {{3, 5.0}};
+  EXPECT_NEAR(sim_sync_comm_ms(o, 3, 1e6, 0.5), 5.5, 1e-12);
+  EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 0.2 + 1.7 + 0.5, 1e-12);
+  o.backups = 0;
+  EXPECT_NEAR(sim_sync_comm_ms(o, 4, 1e6, 0.5), 3.5, 1e-12);
+  EXPECT_NEAR(sim_sync_comm_ms(o, 3, 1e6, 0.5), sim_allreduce_ms(3, 1e6, 50, 1) + 0.5, 1e-12);
 }
 
 SimOptions sync_opts(int workers, int backups) {

@@ -144,23 +144,31 @@ std::vector<Field> fields() {
   f.push_back(int_field("train.checksum_every", QRING_ACC(train.checksum_every)));
   f.push_back({"quorum.quorum", Kind::kQuorum,
                [](TrainConfig& c, const toml::value& v) {
+                 c.quorum.quorum_auto = false;
                  if (v.is_integer()) {
                    c.quorum.quorum = static_cast<double>(v.as_integer());
                    c.quorum.quorum_is_fraction = false;
                  } else if (v.is_floating()) {
                    c.quorum.quorum = to_float("quorum.quorum", v);
                    c.quorum.quorum_is_fraction = true;
+                 } else if (v.is_string() && v.as_string().str == "auto") {
+                   c.quorum.quorum_auto = true;
+                   c.quorum.quorum_is_fraction = false;
                  } else {
                    fail("quorum.quorum",
-                        fmt::format("expected an integer count or a float fraction, got a {}",
+                        fmt::format("expected an integer count, a float fraction or \"auto\", "
+                                    "got a {}",
                                     type_name(v)));
                  }
                },
                [](const TrainConfig& c) {
+                 if (c.quorum.quorum_auto) return nlohmann::json("auto");
                  return c.quorum.quorum_is_fraction
                             ? nlohmann::json(c.quorum.quorum)
                             : nlohmann::json(static_cast<int64_t>(c.quorum.quorum));
                }});
+  f.push_back(int_field("quorum.min", QRING_ACC(quorum.min)));
+  f.push_back(int_field("quorum.max", QRING_ACC(quorum.max)));
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
@@ -312,7 +320,8 @@ void TrainConfig::apply_override(const std::string& assignment) {
   const auto fs = fields();
   const Field* f = find_field(fs, key);
   if (f == nullptr) fail(key, "unknown key");
-  if (f->kind == Kind::kString && (text.empty() || (text[0] != '"' && text[0] != '\''))) {
+  if ((f->kind == Kind::kString || (f->kind == Kind::kQuorum && text == "auto")) &&
+      (text.empty() || (text[0] != '"' && text[0] != '\''))) {
     f->set(*this, toml::value(text));  // bare text for string keys
     return;
   }
@@ -378,12 +387,23 @@ void TrainConfig::validate(int world) const {
     fail("train.target_accuracy", fmt::format("must be in [0, 1], got {}", train.target_accuracy));
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
-  if (quorum.quorum_is_fraction) {
+  if (quorum.quorum_auto) {
+    // (the count and fraction checks do not apply)
+  } else if (quorum.quorum_is_fraction) {
     if (!(quorum.quorum > 0 && quorum.quorum <= 1))
       fail("quorum.quorum", fmt::format("a fraction must be in (0, 1], got {}", quorum.quorum));
   } else if (quorum.quorum < 1) {
     fail("quorum.quorum", fmt::format("a count must be >= 1, got {}", quorum.quorum));
   }
+  check_min("quorum.min", quorum.min, 1);
+  check_min("quorum.max", quorum.max, 0);
+  if (quorum.max > 0 && quorum.max < quorum.min)
+    fail("quorum.max", fmt::format("must be 0 or >= quorum.min ({}), got {}", quorum.min,
+                                   quorum.max));
+  if (world > 0 && quorum.quorum_auto && quorum.min > world)
+    fail("quorum.min", fmt::format("{} is more than the {} ranks of this job", quorum.min, world));
+  if (world > 0 && quorum.quorum_auto && quorum.max > world)
+    fail("quorum.max", fmt::format("{} is more than the {} ranks of this job", quorum.max, world));
   if (world > 0) quorum_count(world);
   check_ms("quorum.grace_ms", quorum.grace_ms, 0);
   check_ms("quorum.deadline_ms", quorum.deadline_ms, 1);
@@ -409,7 +429,9 @@ void TrainConfig::validate(int world) const {
 int TrainConfig::quorum_count(int world) const {
   if (world < 1) throw UsageError(fmt::format("quorum_count: world size {} < 1", world));
   int64_t q;
-  if (quorum.quorum_is_fraction) {
+  if (quorum.quorum_auto) {
+    q = quorum.min;  // the lower bound of Q(t), which the membership rules use
+  } else if (quorum.quorum_is_fraction) {
     if (!(quorum.quorum > 0 && quorum.quorum <= 1))
       fail("quorum.quorum", fmt::format("a fraction must be in (0, 1], got {}", quorum.quorum));
     // The small tolerance keeps 0.75 * 4 at 3 despite rounding in the product.

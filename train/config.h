@@ -61,8 +61,12 @@ struct TrainSection {
 
 struct QuorumSection {
   // TOML integer: a count Q. TOML float in (0, 1]: a fraction of the world, Q = ceil(f * W).
+  // "auto": the coordinator chooses Q(t) per step within [min, max] (collectives/auto_quorum.h).
   double quorum = 1.0;
   bool quorum_is_fraction = true;
+  bool quorum_auto = false;
+  int64_t min = 1;  // quorum "auto": bounds of Q(t); max 0 = the world
+  int64_t max = 0;
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry

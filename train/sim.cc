@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "collectives/algorithms.h"
+#include "collectives/auto_quorum.h"
 #include "net/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -66,6 +67,12 @@ void check_options(const SimOptions& o) {
     throw ConfigError("--backups applies to --mode sync only (async has no quorum)");
   if (o.mode == SimMode::kAsync && o.arrivals_only)
     throw ConfigError("--arrivals-only applies to --mode sync only");
+  if (o.adaptive && (o.mode != SimMode::kSync || o.backups != 0 || o.arrivals_only))
+    throw ConfigError("quorum.quorum = \"auto\" applies to --mode sync, without --backups");
+  if (o.adaptive && (o.auto_min < 1 || o.auto_max < 0 || o.auto_min > o.workers ||
+                     o.auto_max > o.workers || (o.auto_max > 0 && o.auto_max < o.auto_min)))
+    throw ConfigError(fmt::format("quorum.min {} / quorum.max {}: not within 1..{} workers",
+                                  o.auto_min, o.auto_max, o.workers));
   if (o.backups < 0 || o.backups >= o.workers)
     throw ConfigError(fmt::format("--backups must be in 0..{} (workers - 1), got {}",
                                   o.workers - 1, o.backups));
@@ -78,6 +85,10 @@ void check_options(const SimOptions& o) {
   finite_nonneg(o.alpha_us, "--alpha-us");
   finite_nonneg(o.beta_ns_per_byte, "--beta-ns");
   finite_nonneg(o.rtt_us, "--rtt-us");
+  for (const auto* t : {&o.step_cost_full_ms, &o.step_cost_backup_ms})
+    for (const auto& [n, ms] : *t)
+      if (n < 1 || !std::isfinite(ms) || ms < 0)
+        throw ConfigError(fmt::format("calibration: step cost {} ms for {} contributors", ms, n));
 }
 
 // Shared by both modes: the workers' data streams, the output files and the evaluations.
@@ -131,6 +142,7 @@ class SimRun {
                        {"loss", r.loss},           {"lr", r.lr},
                        {"contributors", r.contributors}};
       if (with_ranks) {
+        j["quorum"] = r.contributors;
         j["kth_arrival_ms"] = r.kth_arrival_ms;
         j["ranks"] = r.ranks;
       } else {
@@ -242,10 +254,14 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
 
 void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
               SimResult& res) {
-  const int W = opts.workers, N = W - opts.backups;
+  const int W = opts.workers;
+  // The adaptive quorum: the schedule of the largest quorum, each step's rate scaled by its
+  // contributors over that (as qring-train does).
+  const int qmax = opts.adaptive ? (opts.auto_max > 0 ? std::min(opts.auto_max, W) : W)
+                                 : W - opts.backups;
   const uint64_t seed = uint64_t(cfg.run.seed);
   const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
-  TrainerCore core(cfg, data, 0, W, N);
+  TrainerCore core(cfg, data, 0, W, qmax);
   SimRun run(cfg, data, opts, core, res);
   const size_t P = core.num_params();
   const double bytes = 4.0 * double(P + 1);
@@ -253,17 +269,27 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
                        ? opts.compute_ms
                        : measure_compute_ms(core.model(), data.train, cfg.train.batch_per_rank);
   res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : measure_apply_ms(cfg, P);
-  const double comm_ms = sim_sync_comm_ms(opts, N, bytes, res.apply_ms);
   const int64_t total = core.total_steps();
   const int64_t eval_every =
       cfg.train.eval_every > 0 ? cfg.train.eval_every : run.batches_per_epoch();
   std::vector<float> sum(P);
   std::vector<double> step_ms;
+  std::vector<int> members(static_cast<size_t>(W));
+  for (int w = 0; w < W; ++w) members[size_t(w)] = w;
+  collectives::AutoQuorumWindow window;
+  double since_first = -1;  // from the previous step's first arrival to its end
   double vt = 0;
   for (int64_t t = 0; t < total; ++t) {
     const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
     run.record_arrivals(t, arr);
     add_kth(res, arr, total);
+    int N = W - opts.backups;
+    if (opts.adaptive) {
+      // The coordinator's view of it: this step opens at its first arrival.
+      if (since_first >= 0) window.opened(uint64_t(t), since_first + arr.front().ms);
+      N = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max)
+              .quorum;
+    }
     std::fill(sum.begin(), sum.end(), 0.0f);
     double loss = 0;
     SimStepRecord r;
@@ -278,14 +304,26 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     for (int i = N; i < W; ++i) run.skip(arr[size_t(i)].rank);
     const float inv = 1.0f / float(N);
     for (size_t p = 0; p < P; ++p) sum[p] *= inv;
-    r.lr = core.lr();
-    core.apply_gradient(sum.data());
+    const double lr_scale = opts.adaptive ? double(N) / double(qmax) : 1.0;
+    r.lr = core.lr() * lr_scale;
+    core.apply_gradient(sum.data(), lr_scale);
     r.kth_arrival_ms = arr[size_t(N - 1)].ms;
-    r.step_ms = r.kth_arrival_ms + comm_ms;
+    // Under "auto" the quorum is below the world (no speculation): the round trip counts.
+    r.step_ms = r.kth_arrival_ms + sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0,
+                                                    bytes, res.apply_ms);
+    if (opts.adaptive) {
+      collectives::StepArrivals a;
+      a.offset_ms.assign(size_t(W), collectives::StepArrivals::kNotArrived);
+      for (int i = 0; i < N; ++i) a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
+      a.decided_ms = r.kth_arrival_ms - arr.front().ms;
+      window.decided(uint64_t(t), std::move(a));
+      since_first = r.step_ms - arr.front().ms;
+    }
     vt += r.step_ms / 1000.0;
     r.virtual_s = vt;
     r.loss = loss / N;
     r.contributors = N;
+    ++res.quorum_hist[N];
     step_ms.push_back(r.step_ms);
     run.record(r, true);
     const int64_t done = t + 1;
@@ -432,9 +470,16 @@ double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per
          1e6;
 }
 
-double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
-  return (o.backups > 0 ? o.rtt_us / 1000.0 : 0.0) +
+double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,
+                        double apply_ms) {
+  const auto& measured = speculative ? o.step_cost_full_ms : o.step_cost_backup_ms;
+  if (auto it = measured.find(n); it != measured.end()) return it->second + apply_ms;
+  return (speculative ? 0.0 : o.rtt_us / 1000.0) +
          sim_allreduce_ms(n, bytes, o.alpha_us, o.beta_ns_per_byte) + apply_ms;
+}
+
+double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
+  return sim_step_comm_ms(o, n, o.backups == 0, bytes, apply_ms);
 }
 
 nlohmann::json SimResult::to_json() const {
@@ -476,12 +521,21 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
     j["arrivals_only"] = opts.arrivals_only;
     j["workers"] = opts.workers;
     j["backups"] = opts.backups;
-    j["quorum"] = opts.workers - opts.backups;
+    j["quorum"] = opts.adaptive ? nlohmann::json("auto") : nlohmann::json(opts.workers - opts.backups);
+    j["quorum_histogram"] = nlohmann::json::object();
+    for (const auto& [q, n] : res.quorum_hist) j["quorum_histogram"][std::to_string(q)] = n;
     j["straggler"] = collectives::StragglerModel::parse(cfg.straggler.model).spec();
     j["seed"] = cfg.run.seed;
     j["alpha_us"] = opts.alpha_us;
     j["beta_ns_per_byte"] = opts.beta_ns_per_byte;
     j["rtt_us"] = opts.rtt_us;
+    auto table = [](const std::map<int, double>& t) {
+      nlohmann::json o = nlohmann::json::object();
+      for (const auto& [n, ms] : t) o[std::to_string(n)] = ms;
+      return o;
+    };
+    j["step_cost_full_ms"] = table(opts.step_cost_full_ms);
+    j["step_cost_backup_ms"] = table(opts.step_cost_backup_ms);
     j["target_accuracy"] = cfg.train.target_accuracy;
     j["evals"] = nlohmann::json::array();
     for (const auto& e : res.evals)

@@ -12,9 +12,13 @@
 //       up to 1 MiB on a power of two (2 log2 k), else the ring (2 (k - 1))
 //   READY/DECIDE round trip          = rtt, only when b > 0: with Q = W qring-train starts
 //                                      the ring with the READY (speculation), hiding it
+//   or, for the contributor counts N that qring-bench measured in a training-like duty cycle
+//   (step_cost_full_ms / step_cost_backup_ms, scripts/reproduce.py calibrate), the measured
+//   time of a step after its N-th arrival instead of rtt + all-reduce
 //   optimizer step                   = apply_ms
 //   bytes = 4 (P + 1): the gradient and the loss, as qring-train reduces them
-// alpha, beta and rtt come from qring-bench (scripts/calibrate_sim.py; docs/reproduction.md).
+// alpha, beta and rtt come from qring-bench (scripts/reproduce.py calibrate;
+// docs/reproduction.md, "Calibration").
 //
 // Modes:
 //   sync (b = 0 full sync, b > 0 backups): every step all W workers start together; the step
@@ -41,6 +45,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -54,11 +59,11 @@ namespace qring::train {
 
 enum class SimMode { kSync, kAsync };
 
-// Defaults: the fit of scripts/calibrate_sim.py to qring-bench on this repository's 2-core
+// Defaults: the fit of scripts/reproduce.py calibrate to qring-bench on this repository's 2-core
 // machine (docs/reproduction.md, "Calibration"); --calibration FILE replaces them.
-constexpr double kSimDefaultAlphaUs = 12.0;
-constexpr double kSimDefaultBetaNsPerByte = 0.25;
-constexpr double kSimDefaultRttUs = 100.0;
+constexpr double kSimDefaultAlphaUs = 20.4;
+constexpr double kSimDefaultBetaNsPerByte = 0.34;
+constexpr double kSimDefaultRttUs = 21.5;
 
 struct SimOptions {
   int workers = 0;  // W = N + b
@@ -69,11 +74,21 @@ struct SimOptions {
   double alpha_us = kSimDefaultAlphaUs;
   double beta_ns_per_byte = kSimDefaultBetaNsPerByte;
   double rtt_us = kSimDefaultRttUs;
+  // Measured time of a sync step beyond its N-th arrival, by N: full sync (b = 0) and with
+  // backups (b > 0). For the N they hold they replace rtt + all-reduce (not the update).
+  std::map<int, double> step_cost_full_ms, step_cost_backup_ms;
   std::string out_dir;  // empty: no files
   bool progress = false;  // a progress line on stderr every few seconds
   // Sync only: draw the arrivals of train.steps steps and time the steps, without training
   // (the arrival process alone, e.g. against the order statistics' closed form).
   bool arrivals_only = false;
+  // Sync only: the adaptive quorum (quorum.quorum = "auto"): each step's N chosen by the
+  // coordinator's rule (collectives/auto_quorum.h) from the window of the arrivals it would
+  // have seen (the first N of each step; the others cut off at the decision), within
+  // [auto_min, auto_max] (0 = W); the rate scaled by N over the largest quorum, the round
+  // trip charged every step (no speculation), as qring-train.
+  bool adaptive = false;
+  int auto_min = 1, auto_max = 0;
 };
 
 struct SimStepRecord {
@@ -111,6 +126,7 @@ struct SimResult {
   int64_t staleness_max = 0;                // async
   std::vector<int64_t> staleness_hist;      // async: [s] = updates with staleness s
   std::vector<double> kth_arrival_mean_ms;  // sync: [k-1] = mean over steps of the k-th arrival
+  std::map<int, int64_t> quorum_hist;       // sync: steps decided with each quorum
   uint64_t params_checksum = 0;
   nlohmann::json to_json() const;
 };
@@ -129,7 +145,11 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
 int sim_allreduce_rounds(int k, double bytes);
 // All-reduce time among k contributors of `bytes` (cost model above), in ms.
 double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per_byte);
-// A sync step's time after its N-th arrival: round trip (when b > 0), all-reduce, update (ms).
+// A sync step's time after its N-th arrival (ms): the round trip unless `speculative` (full
+// sync), the all-reduce and the update; or the measured step cost for N.
+double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,
+                        double apply_ms);
+// The same for a fixed quorum: speculative when b = 0.
 double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms);
 
 // Runs the simulation. Throws ConfigError on bad options (workers < 1, backups outside

@@ -224,7 +224,11 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   }
 
   DatasetPair data = load_datasets(cfg.data, seed);
-  TrainerCore core(cfg, data, rank, world, quorum);
+  // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
+  // its contributors over that (the linear rule, step by step).
+  const int sched_quorum =
+      cfg.quorum.quorum_auto ? (cfg.quorum.max > 0 ? int(cfg.quorum.max) : world) : quorum;
+  TrainerCore core(cfg, data, rank, world, sched_quorum);
   const size_t P = core.num_params();
   const int64_t B = cfg.train.batch_per_rank;
   const int64_t spe = core.steps_per_epoch();
@@ -248,6 +252,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.evict = std::chrono::milliseconds(cfg.quorum.evict_ms);
   qo.evict_steps = int(cfg.quorum.evict_steps);
   qo.min_world = int(cfg.quorum.min_world);
+  qo.adaptive = cfg.quorum.quorum_auto;
+  qo.auto_max = int(cfg.quorum.max);
   qo.store = opts.store;
   qo.join = joining;
   // What ranks compare at start (the allgather above), for a rank that comes back to compare
@@ -432,6 +438,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   int64_t compute_n = 0;
   std::vector<float> ready_after;  // per step: compute time, for the full-sync estimate
   std::vector<float> step_ms_v, reduce_ms_v;
+  std::map<int, int64_t> quorum_hist;  // steps decided with each quorum
   auto last_progress = Clock::now() - std::chrono::hours(1);
   const bool tty = isatty(2);
   double last_acc = -1, last_loss = 0;
@@ -569,37 +576,26 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                                          : 0.0,
                      j.donor, v.members.size(), fmt::join(v.members, ", "));
       }
-      if (v.left.empty()) {
-        if (lead()) {
-          nlohmann::json j{{"type", "view"},
-                           {"step", step},
-                           {"epoch", v.epoch},
-                           {"wall_s", std::chrono::duration<double>(now - t_start).count()},
-                           {"members", v.members},
-                           {"left", left},
-                           {"joined", back}};
-          metrics << j.dump() << '\n';
-          metrics.flush();
-        }
-        continue;
-      }
+      nlohmann::json line{{"type", "view"},
+                          {"step", step},
+                          {"epoch", v.epoch},
+                          {"wall_s", std::chrono::duration<double>(now - t_start).count()},
+                          {"members", v.members},
+                          {"left", left},
+                          {"joined", back}};
       // From the lost rank's last sign of life to this step, the first completed without it.
       const double recovery =
           detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
-      sum.recovery_s = std::max(sum.recovery_s, recovery);
+      if (!v.left.empty()) {
+        sum.recovery_s = std::max(sum.recovery_s, recovery);
+        line["detection_ms"] = detect_ms;
+        line["recovery_s"] = recovery;
+      }
       if (lead()) {
-        nlohmann::json j{{"type", "view"},
-                         {"step", step},
-                         {"epoch", v.epoch},
-                         {"wall_s", std::chrono::duration<double>(now - t_start).count()},
-                         {"members", v.members},
-                         {"left", left},
-                         {"joined", back},
-                         {"detection_ms", detect_ms},
-                         {"recovery_s", recovery}};
-        metrics << j.dump() << '\n';
+        metrics << line.dump() << '\n';
         metrics.flush();
       }
+      if (v.left.empty()) continue;
       spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
                    v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
@@ -658,7 +654,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                    rank, t,
                    std::chrono::duration<double>(Clock::now() - opts.process_start).count());
     }
-    const double lr = core.lr();
+    const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
+    const double lr = core.lr() * lr_scale;
+    ++quorum_hist[r.quorum];
     if (r.skipped) {
       // A member was lost mid-step and too few contributors survived: no rank updates.
       ++sum.skipped_steps;
@@ -666,7 +664,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     } else {
       const float* mean = static_cast<const float*>(result.data);
       last_loss = mean[P];
-      core.apply_gradient(mean);
+      core.apply_gradient(mean, lr_scale);
     }
     if (r.epoch != view_epoch) log_views(t, r);
     for (auto it = healing.begin(); it != healing.end();) {
@@ -708,6 +706,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                        {"loss", last_loss},
                        {"lr", lr},
                        {"contributors", r.count},
+                       {"quorum", r.quorum},
                        {"dropped", r.dropped},
                        {"compute_ms", compute_ms},
                        {"delay_ms", delay_ms},
@@ -786,7 +785,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     metrics.close();
     nlohmann::json j = sum.to_json();
     j["world"] = world;
-    j["quorum"] = quorum;
+    j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
+    j["quorum_histogram"] = nlohmann::json::object();
+    for (const auto& [q, n] : quorum_hist) j["quorum_histogram"][std::to_string(q)] = n;
     j["provider"] = comm.provider();
     j["straggler"] = straggler.spec();
     j["finished"] = finished;

@@ -36,8 +36,8 @@ void TrainerCore::skip_batch() {
   sharder_.next_batch();
 }
 
-void TrainerCore::apply_gradient(const float* grad) {
-  opt_.step(model_->params(), grad, schedule_.at(step_));
+void TrainerCore::apply_gradient(const float* grad, double lr_scale) {
+  opt_.step(model_->params(), grad, schedule_.at(step_) * lr_scale);
   ++step_;
 }
 

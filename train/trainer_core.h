@@ -52,8 +52,10 @@ class TrainerCore {
   double compute_gradient();
   // Advances the data position by one batch without computing (e.g. abandoned stale work).
   void skip_batch();
-  // One SGD step with `grad` (num_params() floats, may alias gradient()); step() += 1.
-  void apply_gradient(const float* grad);
+  // One SGD step with `grad` (num_params() floats, may alias gradient()); step() += 1. The
+  // scheduled learning rate is multiplied by lr_scale (the adaptive quorum: contributors of
+  // the step over the quorum the schedule was built for).
+  void apply_gradient(const float* grad, double lr_scale = 1.0);
 
   // Accuracy and mean loss on the test set (or the train set), batches of train.eval_batch.
   EvalResult evaluate_test();

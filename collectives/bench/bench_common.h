@@ -134,8 +134,10 @@ inline std::string help_footer(bool mpi) {
          "fi_pingpong's usec/xfer), bandwidth = size / time.\n"
          "quorum runs -n steps (after -w warm-up steps) per size; every rank sleeps its "
          "straggler\ndelay (stopping early once excluded), contributes, and waits. Step latency "
-         "is the\nslowest rank's time from the start of its step to the end of its wait. Timed "
-         "steps\nrun back to back; with -c, up to 10 separate untimed steps are checked first.\n"
+         "is the\nslowest rank's time from the start of its step to the end of its wait; the "
+         "timed\nsteps read the result where it lies (QuorumAllreduce::View, no copy, as "
+         "qring-train)\nand run back to back; with -c, up to 10 separate untimed steps (copied "
+         "out) are\nchecked first.\n"
          "With --fault the timed loop goes on past -n until each fault has played out (a killed\n"
          "rank left the view; a stopped one has run again for max(500 ms, --evict-ms), so that\n"
          "an evicted one learns it and exits 75) and at least max(10, -n - STEP) steps ran "
@@ -239,8 +241,9 @@ inline void add_flags(CLI::App& app, Options& o, bool mpi) {
                  "sendrecv: busy-poll the completion queue (as fi_pingpong) instead of the "
                  "endpoint's spin-yield-sleep wait"));
   q(app.add_option("--quorum", o.quorum,
-                   "quorum: contributions per step, a count or a fraction of the world (default: "
-                   "all ranks)"));
+                   "quorum: contributions per step, a count or a fraction of the world, or auto "
+                   "(chosen per step from the arrivals, 1..world; docs/design.md) (default: all "
+                   "ranks)"));
   q(cli::add_value(app, "--grace-ms",
                    "quorum: keep waiting G ms for more after the quorum (default 0)"))
       ->each(int_in(o.grace_ms, "--grace-ms", 0, 86'400'000));

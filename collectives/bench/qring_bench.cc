@@ -480,8 +480,9 @@ bool has(const std::vector<int>& v, int x) {
 // Runs the steps of one row: with -c, up to 10 untimed steps whose results are checked
 // against the reduction of exactly S(t) of the pattern; then -w warm-up and -n timed steps
 // back to back (no per-step fill or check: with sum the buffer is refilled before each
-// step, outside the timing). `q` = 0 runs the same loop with the plain in-place all-reduce
-// instead of the quorum op (--compare-allreduce), so both are measured the same way.
+// step, outside the timing). `q` = 0: the adaptive quorum (--quorum auto, bounds 1..world).
+// With `paired`, every step is followed by the same step of the plain in-place all-reduce
+// (--compare-allreduce), so both are measured the same way.
 //
 // `faults` (--fault, first size only): fired at their timed step. Ranks may then die or be
 // evicted, so the loop avoids every collective over the world after the warm-up: the loop's
@@ -495,7 +496,8 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   const size_t ts = dtype_bytes(o.dtype);
   const bool faulty = !faults.empty();
   collectives::QuorumOptions qo;
-  qo.quorum = q;
+  qo.quorum = q > 0 ? q : 1;
+  qo.adaptive = q == 0;
   qo.grace = std::chrono::milliseconds(o.grace_ms);
   qo.deadline = std::chrono::milliseconds(o.deadline_ms);
   qo.type = o.dtype;
@@ -532,15 +534,16 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   };
   if (std::any_of(faults.begin(), faults.end(), [](const auto& f) { return f.phase == "ring"; }))
     qa.on_phase(maybe_fault);
-  // One step; returns its contributor set (everyone for the plain all-reduce).
-  auto run_step = [&](uint64_t t) {
+  // One step; returns its contributor set (everyone for the plain all-reduce). The result is
+  // copied into buf, or with `view` read where it lies (no copy, as qring-train reads it).
+  auto run_step = [&](uint64_t t, collectives::QuorumAllreduce::View* view = nullptr) {
     bool gave_up =
         collectives::sleep_unless(model.delay(o.seed, rank, t), [&] { return qa.excluded(t); });
     if (!gave_up) {
       qa.contribute(t, buf.data(), count);
       if (faulty) maybe_fault(t, "ready");
     }
-    return qa.wait(t, buf.data());
+    return view ? qa.wait(t, view) : qa.wait(t, buf.data());
   };
   if (o.check) {
     const int checked = std::min(o.iters, 10);
@@ -613,6 +616,7 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
 
   comm.barrier();
   bool more = false;
+  collectives::QuorumAllreduce::View result;  // the last timed step's result
   for (int s = 0; s < o.warmup + o.iters || more; ++s, ++step) {
     if (s == o.warmup) comm.barrier();  // before any fault: every rank is there
     const int idx = s - o.warmup;       // timed step (< 0: warm-up)
@@ -633,8 +637,11 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
     if (refill) fill_pattern(buf.data(), o.dtype, count, step, rank);
     const bool voting = faulty && idx >= o.iters - 1;
     if (voting) store_value(buf.data(), o.dtype, 0, want_more(Clock::now()) ? double(n) : 0.0);
+    // The timed steps read the result in place: in a job that can lose ranks it lies in the
+    // all-reduce's kept buffer, and a copy into buf would add a pass over the whole buffer
+    // that a caller reading it in place does not pay.
     const auto t0 = std::chrono::steady_clock::now();
-    collectives::QuorumResult r = run_step(step);
+    collectives::QuorumResult r = run_step(step, &result);
     const auto t1 = std::chrono::steady_clock::now();
     if (idx >= 0) {
       lat.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -654,7 +661,7 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
       seen.push_back(v);
     }
     // A skipped step leaves the buffer as it was (every rank skips alike): one more step.
-    if (voting) more = r.skipped || load_value(buf.data(), o.dtype, 0) > 0;
+    if (voting) more = r.skipped || load_value(result.data, o.dtype, 0) > 0;
     if (paired) {
       if (refill) fill_pattern(buf2.data(), o.dtype, count, step, rank);
       const auto p0 = std::chrono::steady_clock::now();
@@ -885,7 +892,10 @@ struct QuorumOutcome {
 QuorumOutcome run_quorum(collectives::Communicator& comm, const Options& o,
                          std::vector<nlohmann::json>& rows) {
   const int n = comm.size();
-  const int q = o.quorum.empty() ? n : collectives::resolve_quorum(o.quorum, n);
+  // 0: the adaptive quorum (auto_quorum.h), within 1..n.
+  const int q = o.quorum.empty() ? n
+                : o.quorum == "auto" ? 0
+                                     : collectives::resolve_quorum(o.quorum, n);
   if (o.redop != RedOp::kSum && o.redop != RedOp::kAvg)
     throw ConfigError("--op quorum: --redop must be sum or avg");
   const auto model = collectives::StragglerModel::parse(o.straggler);
@@ -895,9 +905,10 @@ QuorumOutcome run_quorum(collectives::Communicator& comm, const Options& o,
   out.writer = comm.rank() == 0;
   if (comm.rank() == 0) {
     std::printf(
-        "# quorum all-reduce: %d ranks, provider %s, quorum %d, grace %ld ms, deadline "
+        "# quorum all-reduce: %d ranks, provider %s, quorum %s, grace %ld ms, deadline "
         "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
-        n, comm.provider().c_str(), q, o.grace_ms, o.deadline_ms, model.spec().c_str(),
+        n, comm.provider().c_str(), q > 0 ? std::to_string(q).c_str() : "auto", o.grace_ms,
+        o.deadline_ms, model.spec().c_str(),
         static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
         o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
     if (!faults.empty()) {
@@ -954,7 +965,7 @@ QuorumOutcome run_quorum(collectives::Communicator& comm, const Options& o,
                        {"ranks", n},
                        {"provider", comm.provider()},
                        {"in_place", true},
-                       {"quorum", quorum},
+                       {"quorum", quorum > 0 ? nlohmann::json(quorum) : nlohmann::json("auto")},
                        {"grace_ms", o.grace_ms},
                        {"straggler", model.spec()},
                        {"time_us", p50},

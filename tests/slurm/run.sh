@@ -307,24 +307,22 @@ scenario_bench() {
   fi
 }
 
-scenario_kill-rank() {
-  echo "== kill-rank: SIGKILL rank 2 of a -N2 --ntasks-per-node=2 job"
-  # A run long enough to be killed; the job's own time limit (10 min) and JOB_TIMEOUT bound it.
-  timeout "$JOB_TIMEOUT" sbatch --wait --job-name=kill-rank --time=10 \
-    --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
-    run.name=kill-rank train.steps=100000 >"$WORK/kill-rank.sbatch" 2>&1 &
-  local waiter=$! victim="" running r deadline
-  JOBID=""
+# victim_of NAME WAITER SETTLE: for the job `sbatch --wait` (pid WAITER) submitted into
+# $WORK/NAME.sbatch, waits up to 60 s until its 4 ranks run, then SETTLE seconds more (into
+# training); sets JOBID, LOG and VICTIM (rank 2's qring-train pid, empty if they never ran).
+victim_of() {
+  local name=$1 waiter=$2 settle=$3 running r deadline
+  JOBID="" VICTIM=""
   deadline=$((SECONDS + 60))
   while ((SECONDS < deadline)); do
     [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
-      "$WORK/kill-rank.sbatch" 2>/dev/null)
+      "$WORK/$name.sbatch" 2>/dev/null)
     if [ -n "$JOBID" ]; then
       running=0
       for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
       if [ "$running" -eq 4 ]; then
-        sleep 2 # past start-up, into training
-        victim=$(rank_pid "$JOBID" 2)
+        sleep "$settle"
+        VICTIM=$(rank_pid "$JOBID" 2)
         break
       fi
     fi
@@ -332,7 +330,18 @@ scenario_kill-rank() {
     sleep 0.3
   done
   [ -n "$JOBID" ] && JOBS+=("$JOBID")
-  LOG="$WORK/logs/kill-rank-$JOBID.out"
+  LOG="$WORK/logs/$name-$JOBID.out"
+}
+
+scenario_kill-rank() {
+  echo "== kill-rank: SIGKILL rank 2 of a -N2 --ntasks-per-node=2 job"
+  # A run long enough to be killed; the job's own time limit (10 min) and JOB_TIMEOUT bound it.
+  timeout "$JOB_TIMEOUT" sbatch --wait --job-name=kill-rank --time=10 \
+    --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
+    run.name=kill-rank train.steps=100000 >"$WORK/kill-rank.sbatch" 2>&1 &
+  local waiter=$! victim
+  victim_of kill-rank "$waiter" 2
+  victim=$VICTIM
   if [ -z "$victim" ]; then
     [ -n "$JOBID" ] && scancel "$JOBID" 2>/dev/null
     wait "$waiter" || true
@@ -363,26 +372,9 @@ scenario_rejoin() {
     --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
     run.name=rejoin train.steps=6000 quorum.quorum=3 quorum.evict_ms=1000 \
     >"$WORK/rejoin.sbatch" 2>&1 &
-  local waiter=$! victim="" running r deadline
-  JOBID=""
-  deadline=$((SECONDS + 60))
-  while ((SECONDS < deadline)); do
-    [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
-      "$WORK/rejoin.sbatch" 2>/dev/null)
-    if [ -n "$JOBID" ]; then
-      running=0
-      for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
-      if [ "$running" -eq 4 ]; then
-        sleep 1 # past start-up, into training
-        victim=$(rank_pid "$JOBID" 2)
-        break
-      fi
-    fi
-    kill -0 "$waiter" 2>/dev/null || break
-    sleep 0.2
-  done
-  [ -n "$JOBID" ] && JOBS+=("$JOBID")
-  LOG="$WORK/logs/rejoin-$JOBID.out"
+  local waiter=$! victim
+  victim_of rejoin "$waiter" 1
+  victim=$VICTIM
   if [ -z "$victim" ]; then
     [ -n "$JOBID" ] && scancel "$JOBID" 2>/dev/null
     wait "$waiter" || true

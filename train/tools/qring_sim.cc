@@ -36,11 +36,14 @@ const char* kUsage =
     "  --config FILE    TOML run configuration, as for qring-train\n"
     "  --workers W      virtual workers W = N + B\n"
     "  --backups B      sync: backup workers; each step averages the first N = W - B\n"
-    "                   gradients to arrive (default 0: full sync)\n"
+    "                   gradients to arrive (default 0: full sync). quorum.quorum=auto\n"
+    "                   instead: N chosen every step by the adaptive quorum's rule, within\n"
+    "                   quorum.min .. quorum.max\n"
     "  --mode M         sync or async (a parameter server); default: train.mode\n"
     "  --compute-ms MS  base compute time of one gradient (default: measured at the start)\n"
     "  --apply-ms MS    one optimizer step (default: measured at the start)\n"
-    "  --calibration F  JSON with alpha_us, beta_ns_per_byte, rtt_us (scripts/calibrate_sim.py)\n"
+    "  --calibration F  JSON: alpha_us, beta_ns_per_byte, rtt_us, optionally step_cost_ms\n"
+    "                   {{full, backup: {{N: ms}}}} (scripts/reproduce.py calibrate)\n"
     "  --alpha-us US    latency of one message, per ring hop (default {})\n"
     "  --beta-ns NS     transfer time per byte (default {})\n"
     "  --rtt-us US      READY/DECIDE round trip, charged when B > 0 (default {})\n"
@@ -85,6 +88,29 @@ void read_calibration(const std::string& path, qring::train::SimOptions& o) {
   o.alpha_us = get("alpha_us");
   o.beta_ns_per_byte = get("beta_ns_per_byte");
   o.rtt_us = get("rtt_us");
+  // Optional: {"step_cost_ms": {"full": {"N": ms, ...}, "backup": {"N": ms, ...}}}.
+  if (j.contains("step_cost_ms")) {
+    const auto& t = j["step_cost_ms"];
+    auto read = [&](const char* key, std::map<int, double>& out) {
+      if (!t.is_object() || !t.contains(key)) return;
+      if (!t[key].is_object())
+        throw qring::ConfigError(fmt::format("--calibration {}: step_cost_ms.{}", path, key));
+      for (auto it = t[key].begin(); it != t[key].end(); ++it) {
+        int n = 0;
+        try {
+          n = std::stoi(it.key());
+        } catch (const std::exception&) {
+          n = 0;
+        }
+        if (n < 1 || !it.value().is_number())
+          throw qring::ConfigError(fmt::format(
+              "--calibration {}: step_cost_ms.{} needs \"N\": ms entries", path, key));
+        out[n] = it.value().get<double>();
+      }
+    };
+    read("full", o.step_cost_full_ms);
+    read("backup", o.step_cost_backup_ms);
+  }
 }
 
 int parse_int(const std::string& flag, const std::string& s) {
@@ -181,6 +207,9 @@ int main(int argc, char** argv) {
     opts.mode = mode ? *mode
                      : (cfg.train.mode == "async" ? qring::train::SimMode::kAsync
                                                   : qring::train::SimMode::kSync);
+    opts.adaptive = cfg.quorum.quorum_auto;
+    opts.auto_min = int(cfg.quorum.min);
+    opts.auto_max = int(cfg.quorum.max);
     opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
     data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
   } catch (const qring::Error& e) {

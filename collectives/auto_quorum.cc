@@ -1,0 +1,222 @@
+#include "collectives/auto_quorum.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace qring::collectives {
+
+namespace {
+
+struct Obs {
+  double x;
+  bool event;  // arrived at x; else censored there (not arrived by x)
+};
+
+// Kaplan-Meier survival of one offset distribution, then an exponential tail with mean theta
+// beyond the largest observation.
+class Survival {
+ public:
+  Survival(std::vector<Obs> obs, double theta_fallback) : theta_(theta_fallback) {
+    std::sort(obs.begin(), obs.end(), [](const Obs& a, const Obs& b) {
+      return a.x != b.x ? a.x < b.x : (a.event && !b.event);  // events first at ties
+    });
+    double s = 1, sum = 0;
+    size_t at_risk = obs.size(), events = 0;
+    for (size_t i = 0; i < obs.size();) {
+      size_t j = i, d = 0;
+      while (j < obs.size() && obs[j].x == obs[i].x) d += obs[j++].event ? 1 : 0;
+      if (d > 0) {
+        s *= 1.0 - double(d) / double(at_risk);
+        km_.emplace_back(obs[i].x, s);
+        sum += double(d) * obs[i].x;
+        events += d;
+      }
+      at_risk -= j - i;
+      i = j;
+    }
+    last_ = obs.empty() ? 0 : obs.back().x;
+    s_last_ = s;
+    if (events > 0 && sum > 0) theta_ = sum / double(events);
+    theta_ = std::max(theta_, 1e-6);
+  }
+  double at(double x) const {
+    if (x >= last_) return s_last_ * std::exp(-(x - last_) / theta_);
+    auto it = std::upper_bound(km_.begin(), km_.end(), x,
+                               [](double v, const std::pair<double, double>& p) { return v < p.first; });
+    return it == km_.begin() ? 1.0 : std::prev(it)->second;
+  }
+  double horizon() const { return last_; }
+  double theta() const { return theta_; }
+
+ private:
+  std::vector<std::pair<double, double>> km_;  // (x, survival just after x)
+  double last_ = 0, s_last_ = 1, theta_;
+};
+
+// below[k] = P(fewer than k of independent events with probabilities p happened), k = 0..n.
+void poisson_binomial_below(const std::vector<double>& p, std::vector<double>& dist,
+                            std::vector<double>& below) {
+  const size_t n = p.size();
+  dist.assign(n + 1, 0.0);
+  dist[0] = 1;
+  for (size_t r = 0; r < n; ++r) {
+    for (size_t j = r + 1; j > 0; --j) dist[j] = dist[j] * (1 - p[r]) + dist[j - 1] * p[r];
+    dist[0] *= 1 - p[r];
+  }
+  below.assign(n + 1, 0.0);
+  double c = 0;
+  for (size_t k = 1; k <= n; ++k) {
+    c += dist[k - 1];
+    below[k] = std::min(1.0, c);
+  }
+}
+
+// below[k] = P(Bin(n, f) < k), k = 0..n (pmf by the recurrence in logs: n up to 65535).
+void binomial_below(size_t n, double f, std::vector<double>& below) {
+  below.assign(n + 1, 0.0);
+  if (n == 0) return;
+  if (f <= 0) {
+    std::fill(below.begin() + 1, below.end(), 1.0);
+    return;
+  }
+  if (f >= 1) return;
+  const double lf = std::log(f), ls = std::log1p(-f);
+  double lp = double(n) * ls, cdf = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cdf += std::exp(lp);
+    below[i + 1] = std::min(1.0, cdf);
+    lp += std::log(double(n - i)) - std::log(double(i + 1)) + lf - ls;
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
+                               const std::vector<int>& members, int min, int max) {
+  AutoQuorumChoice c;
+  const int n = std::max(1, int(members.size()));
+  const int hi = max > 0 ? std::clamp(max, 1, n) : n;
+  const int lo = std::min(std::clamp(min, 1, n), hi);
+  c.quorum = hi;  // nothing observed yet: wait for every arrival, which observes them all
+
+  std::vector<std::vector<Obs>> per(members.size());
+  std::vector<Obs> pooled;
+  std::vector<double> overheads;
+  double event_sum = 0;
+  size_t events = 0;
+  for (const auto& s : window) {
+    bool any = false;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const size_t r = size_t(members[i]);
+      if (r >= s.offset_ms.size() || s.offset_ms[r] == StepArrivals::kNotMember) continue;
+      const double v = s.offset_ms[r];
+      Obs o = v >= 0 ? Obs{v, true} : Obs{std::max(0.0, s.decided_ms), false};
+      per[i].push_back(o);
+      pooled.push_back(o);
+      if (o.event) {
+        event_sum += o.x;
+        ++events;
+      }
+      any = true;
+    }
+    if (any && s.cycle_ms >= 0) overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
+  }
+  if (n == 1 || events == 0 || event_sum <= 0 || overheads.empty()) return c;
+  const double theta = event_sum / double(events);
+
+  // P(T(k) > x) = P(fewer than k members arrived by x), integrated over a grid: up to 256
+  // quantiles of the observed offsets, then the exponential tails up to 20 theta beyond the
+  // last observation (each interval evaluated at its left end: survival is non-increasing,
+  // so the estimate errs late, towards waiting less).
+  const bool per_rank = n <= kPerRankMembers;
+  std::vector<Survival> surv;
+  double horizon = 0, theta_max = theta;
+  if (per_rank) {
+    for (auto& o : per) {
+      surv.emplace_back(o, theta);
+      horizon = std::max(horizon, surv.back().horizon());
+      theta_max = std::max(theta_max, surv.back().theta());
+    }
+  } else {
+    surv.emplace_back(pooled, theta);
+    horizon = surv.back().horizon();
+    theta_max = surv.back().theta();
+  }
+  std::vector<double> xs;
+  for (const auto& o : pooled)
+    if (o.event) xs.push_back(o.x);
+  std::sort(xs.begin(), xs.end());
+  std::vector<double> grid = {0.0};
+  constexpr size_t kQuantiles = 256;
+  for (size_t i = 1; i <= std::min(kQuantiles, xs.size()); ++i) {
+    const double g = xs[i * xs.size() / std::min(kQuantiles, xs.size()) - 1];
+    if (g > grid.back()) grid.push_back(g);
+  }
+  if (horizon > grid.back()) grid.push_back(horizon);
+  constexpr int kTail = 120;  // steps of theta_max / 6 up to 20 theta_max
+  const double base = grid.back();
+  for (int i = 1; i <= kTail; ++i) grid.push_back(base + double(i) * theta_max / 6);
+
+  std::vector<double> e(size_t(n) + 1, 0.0), dist, below;
+  std::vector<double> p(static_cast<size_t>(n));
+  for (size_t g = 0; g + 1 < grid.size(); ++g) {
+    const double width = grid[g + 1] - grid[g];
+    if (per_rank) {
+      for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - surv[size_t(i)].at(grid[g]);
+      poisson_binomial_below(p, dist, below);
+    } else {
+      binomial_below(size_t(n), 1.0 - surv[0].at(grid[g]), below);
+    }
+    for (int k = 1; k <= n; ++k) e[size_t(k)] += width * below[size_t(k)];
+  }
+
+  c.overhead_ms = median(overheads);
+  c.expected_ms.assign(e.begin() + 1, e.end());
+  c.rate.assign(size_t(n), 0.0);
+  double best = -1;
+  for (int k = 1; k <= n; ++k) {
+    const double t = c.expected_ms[size_t(k) - 1] + c.overhead_ms;
+    c.rate[size_t(k) - 1] = t > 0 ? double(k) / t : std::numeric_limits<double>::infinity();
+    // Ties go to the larger quorum (more gradients for the same rate).
+    if (k >= lo && k <= hi && c.rate[size_t(k) - 1] >= best) {
+      best = c.rate[size_t(k) - 1];
+      c.quorum = k;
+    }
+  }
+  return c;
+}
+
+void AutoQuorumWindow::decided(uint64_t step, StepArrivals s) {
+  const double cycle = steps_.count(step) ? steps_[step].cycle_ms : -1;
+  steps_[step] = std::move(s);
+  steps_[step].cycle_ms = cycle;
+  while (steps_.size() > kWindow) steps_.erase(steps_.begin());
+}
+
+void AutoQuorumWindow::late(uint64_t step, int rank, double offset_ms) {
+  auto it = steps_.find(step);
+  if (it == steps_.end() || rank < 0 || size_t(rank) >= it->second.offset_ms.size()) return;
+  double& v = it->second.offset_ms[size_t(rank)];
+  if (v == StepArrivals::kNotArrived) v = offset_ms;
+}
+
+void AutoQuorumWindow::opened(uint64_t step, double since_prev_first_ms) {
+  if (step == 0) return;
+  auto it = steps_.find(step - 1);
+  if (it != steps_.end()) it->second.cycle_ms = since_prev_first_ms;
+}
+
+std::deque<StepArrivals> AutoQuorumWindow::samples() const {
+  std::deque<StepArrivals> out;
+  for (const auto& [t, s] : steps_) out.push_back(s);
+  return out;
+}
+
+}  // namespace qring::collectives

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# ThreadSanitizer run of the collectives and quorum tests (the engine thread, callers that
+# drive it, the quorum service and its waiters, several communicators per process).
+#
+#   scripts/tsan.sh [BUILD_DIR]        (default build-tsan)
+#
+# Builds the in-process test_coll_* suites with -fsanitize=thread (RelWithDebInfo) and runs each
+# binary; any data race or other TSan report fails the run (halt_on_error). OpenMP runs with
+# one thread (OMP_NUM_THREADS=1): libgomp is not instrumented, and its barriers would be
+# reported as races. tests/tsan.supp suppresses what TSan reports inside the uninstrumented
+# spdlog and libstdc++ (their synchronization is invisible to it; each entry says why).
+# scripts/test.sh runs it (QRING_SKIP_TSAN=1 skips): about 7 min to build and 1 min to run
+# on 2 loaded cores (docs/benchmarks.md). QRING_TSAN_TESTS overrides the suites
+# (space-separated test binaries).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-tsan}
+TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler test_coll_rejoin test_coll_param_server"}
+start=$(date +%s)
+QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
+  scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON
+built=$(date +%s)
+failed=0
+for t in $TESTS; do
+  echo "== tsan $t"
+  if ! OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+    timeout 1800 "$BUILD/tests/$t" --gtest_brief=1 >"$BUILD/$t.tsan.log" 2>&1; then
+    failed=1
+    echo "tsan: $t FAILED"
+    grep -E "WARNING: ThreadSanitizer|SUMMARY|FAILED" "$BUILD/$t.tsan.log" | head -20
+  else
+    tail -1 "$BUILD/$t.tsan.log"
+  fi
+done
+end=$(date +%s)
+echo "tsan: build $((built - start)) s, tests $((end - built)) s"
+exit $failed

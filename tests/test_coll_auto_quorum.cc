@@ -1,0 +1,307 @@
+// The adaptive quorum's rule (collectives/auto_quorum.h): a pure function of the window of
+// recent arrivals, tested with synthetic arrivals.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "coll_harness.h"
+#include "collectives/auto_quorum.h"
+#include "collectives/quorum.h"
+#include "collectives/quorum_coordinator.h"
+
+namespace qring::collectives {
+namespace {
+
+std::vector<int> ranks(int n) {
+  std::vector<int> r(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) r[size_t(i)] = i;
+  return r;
+}
+
+// A step where every member arrived (offsets relative to the first), decided at the last
+// arrival, and the next step's first arrival `overhead` after the decision.
+StepArrivals full_step(std::vector<double> offsets, double overhead) {
+  const double mn = *std::min_element(offsets.begin(), offsets.end());
+  for (double& v : offsets) v -= mn;
+  StepArrivals s;
+  s.offset_ms = offsets;
+  s.decided_ms = *std::max_element(offsets.begin(), offsets.end());
+  s.cycle_ms = s.decided_ms + overhead;
+  return s;
+}
+
+// The same step decided at its q-th arrival: later members are censored there.
+StepArrivals cut_step(std::vector<double> offsets, int q, double overhead) {
+  StepArrivals s = full_step(offsets, overhead);
+  std::vector<double> sorted = s.offset_ms;
+  std::sort(sorted.begin(), sorted.end());
+  s.decided_ms = sorted[size_t(q) - 1];
+  for (double& v : s.offset_ms)
+    if (v > s.decided_ms) v = StepArrivals::kNotArrived;
+  s.cycle_ms = s.decided_ms + overhead;
+  return s;
+}
+
+double harmonic(int n) {
+  double h = 0;
+  for (int i = 1; i <= n; ++i) h += 1.0 / i;
+  return h;
+}
+
+TEST(AutoQuorum, WithoutObservationsItWaitsForEveryone) {
+  EXPECT_EQ(choose_quorum({}, ranks(8), 1, 0).quorum, 8);
+  EXPECT_EQ(choose_quorum({}, ranks(8), 2, 6).quorum, 6);
+  EXPECT_EQ(choose_quorum({}, ranks(1), 1, 0).quorum, 1);
+  // Arrivals but no cycle measured yet (the next step has not opened): no overhead estimate.
+  StepArrivals s = full_step({0, 1, 2, 30}, 5);
+  s.cycle_ms = -1;
+  EXPECT_EQ(choose_quorum({s}, ranks(4), 1, 0).quorum, 4);
+}
+
+TEST(AutoQuorum, MembersArrivingTogetherAreAllWaitedFor) {
+  std::deque<StepArrivals> w;
+  for (int t = 0; t < 20; ++t) w.push_back(full_step({0, 0.1, 0.2, 0.1, 0.0, 0.2}, 10));
+  auto c = choose_quorum(w, ranks(6), 1, 0);
+  EXPECT_EQ(c.quorum, 6);
+  EXPECT_NEAR(c.overhead_ms, 10, 1e-9);
+  ASSERT_EQ(c.expected_ms.size(), 6u);
+  for (double e : c.expected_ms) EXPECT_LT(e, 0.5);
+}
+
+// One member 100 ms behind the others every step: the rule leaves it out, whether the window
+// observed its arrivals or (backups) cut it off at the decision every step but one.
+TEST(AutoQuorum, APersistentStragglerIsLeftOut) {
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<double> u(0, 2);
+  auto offsets = [&] {
+    std::vector<double> v(8);
+    for (auto& x : v) x = u(rng);
+    v[5] = 100 + u(rng);
+    return v;
+  };
+  std::deque<StepArrivals> seen, cut;
+  for (int t = 0; t < 32; ++t) {
+    seen.push_back(full_step(offsets(), 10));
+    cut.push_back(t == 7 ? full_step(offsets(), 10) : cut_step(offsets(), 7, 10));
+  }
+  auto a = choose_quorum(seen, ranks(8), 1, 0);
+  EXPECT_EQ(a.quorum, 7);
+  EXPECT_GT(a.expected_ms[7], 95);
+  EXPECT_LT(a.expected_ms[6], 3);
+  EXPECT_EQ(choose_quorum(cut, ranks(8), 1, 0).quorum, 7);
+  // Bounds: max wins over the estimate, and so does min.
+  EXPECT_EQ(choose_quorum(seen, ranks(8), 1, 6).quorum, 6);
+  EXPECT_EQ(choose_quorum(seen, ranks(8), 8, 8).quorum, 8);
+}
+
+// Memoryless arrivals: after the first, the others are exponential, so the k-th offset has
+// the closed form mean (H(n-1) - H(n-k)); the estimate follows it, and the choice is the
+// argmax of k / (closed form + C).
+TEST(AutoQuorum, ShiftedExponentialArrivalsFollowTheClosedForm) {
+  const int n = 16;
+  const double mean = 10, overhead = 20;
+  std::mt19937 rng(7);
+  std::exponential_distribution<double> ex(1.0 / mean);
+  std::deque<StepArrivals> w;
+  for (int t = 0; t < 400; ++t) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = 5 + ex(rng);
+    w.push_back(full_step(v, overhead));
+  }
+  auto c = choose_quorum(w, ranks(n), 1, 0);
+  int best = 1;
+  double best_rate = 0;
+  for (int k = 2; k <= n; ++k) {
+    const double closed = mean * (harmonic(n - 1) - harmonic(n - k));
+    // (The members are modelled as independent, each sometimes the first at 0: the first
+    // few order statistics come out a little early.)
+    if (k >= 4) {
+      EXPECT_NEAR(c.expected_ms[size_t(k) - 1], closed, 0.12 * closed) << "k = " << k;
+    }
+    if (k / (closed + overhead) >= best_rate) {
+      best_rate = k / (closed + overhead);
+      best = k;
+    }
+  }
+  EXPECT_NEAR(c.quorum, best, 1);
+}
+
+// Contributions cut off at the decision are censored, not dropped: the estimate of the last
+// arrival lies beyond every offset observed, where a rule that ignored them would see the
+// cut-off arrivals as no later than the decision.
+TEST(AutoQuorum, CutOffContributionsAreCensoredNotDropped) {
+  const int n = 20;
+  std::mt19937 rng(3);
+  std::lognormal_distribution<double> ln(2.0, 1.0);
+  std::deque<StepArrivals> w;
+  double max_seen = 0;
+  for (int t = 0; t < 32; ++t) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = ln(rng);
+    w.push_back(cut_step(v, 10, 5));
+    for (double x : w.back().offset_ms) max_seen = std::max(max_seen, x);
+  }
+  auto c = choose_quorum(w, ranks(n), 1, 0);
+  EXPECT_GT(c.expected_ms[size_t(n) - 1], max_seen);
+  for (int k = 2; k <= n; ++k) EXPECT_GE(c.expected_ms[size_t(k) - 1], c.expected_ms[size_t(k) - 2]);
+}
+
+// One member turns 5x slower: once the window holds the new regime, it is left out.
+TEST(AutoQuorum, ARegimeChangeIsFollowed) {
+  const int n = 8;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(0, 4);
+  AutoQuorumWindow win;
+  std::vector<int> chosen;
+  for (uint64_t t = 0; t < 96; ++t) {
+    auto c = choose_quorum(win.samples(), ranks(n), 1, 0);
+    chosen.push_back(c.quorum);
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = 10 + u(rng);
+    if (t >= 48) v[2] *= 5;  // rank 2: 5x slower from step 48 on
+    StepArrivals s = cut_step(v, c.quorum, 10);
+    win.decided(t, s);
+    // The next step opens `cycle` after this one's first arrival.
+    win.opened(t + 1, s.cycle_ms);
+  }
+  EXPECT_EQ(chosen[40], n);       // members alike: wait for all
+  EXPECT_EQ(chosen[95], n - 1);   // the slow one is left out
+  int left_out = 0;
+  for (size_t t = 64; t < 96; ++t) left_out += chosen[t] == n - 1;
+  EXPECT_GE(left_out, 28);  // a few steps try it again (its survival beyond the cut decays)
+}
+
+TEST(AutoQuorum, WindowKeepsTheLastStepsLateArrivalsAndCycles) {
+  AutoQuorumWindow w;
+  for (uint64_t t = 0; t < 40; ++t) {
+    StepArrivals s;
+    s.offset_ms = {0, 1, StepArrivals::kNotArrived, StepArrivals::kNotMember};
+    s.decided_ms = 1;
+    w.decided(t, s);
+  }
+  auto all = w.samples();
+  ASSERT_EQ(all.size(), AutoQuorumWindow::kWindow);
+  w.late(39, 2, 7.5);
+  w.late(39, 3, 9);   // not a member: stays out
+  w.late(2, 2, 5);    // no longer in the window: ignored
+  w.opened(40, 12);
+  auto last = w.samples().back();
+  EXPECT_EQ(last.offset_ms[2], 7.5);
+  EXPECT_EQ(last.offset_ms[3], StepArrivals::kNotMember);
+  EXPECT_EQ(last.cycle_ms, 12);
+  EXPECT_EQ(w.samples().front().cycle_ms, -1);
+}
+
+// The coordinator (pure state machine) with quorum "auto": the first step waits for every
+// rank (no observations), later ones leave out the rank that is always 100 ms behind (once
+// its one observation leaves the window, one step tries it again), and every DECIDE names
+// the quorum it was decided with.
+TEST(AutoQuorum, CoordinatorChoosesEachStepsQuorumAndDecideCarriesIt) {
+  using namespace qproto;
+  Config cfg;
+  cfg.world = 4;
+  cfg.quorum = 1;  // the lower bound
+  cfg.adaptive = true;
+  cfg.count = 8;
+  cfg.evict = std::chrono::milliseconds(60000);
+  cfg.deadline = std::chrono::milliseconds(60000);
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c(cfg, now);
+  auto ready = [&](int r, uint64_t t) {
+    Event e;
+    e.kind = Event::Kind::kReady;
+    e.from = r;
+    e.step = t;
+    e.count = 8;
+    return c.handle(e, now);
+  };
+  auto tick = [&] { return c.handle(Event{}, now); };
+  std::vector<int> quorums;
+  std::vector<std::vector<int>> contributors;
+  auto collect = [&](const std::vector<Action>& acts) {
+    for (const auto& a : acts)
+      if (a.kind == Action::Kind::kDecide) {
+        quorums.push_back(a.decide.quorum);
+        contributors.push_back(a.decide.contributors);
+      }
+  };
+  for (uint64_t t = 0; t < 40; ++t) {
+    size_t before = quorums.size();
+    for (int r : {0, 1, 2}) {
+      collect(ready(r, t));
+      now += std::chrono::milliseconds(1);
+    }
+    collect(tick());
+    if (quorums.size() == before) {  // waiting for rank 3: it comes 100 ms later
+      now += std::chrono::milliseconds(100);
+      collect(ready(3, t));
+      collect(tick());
+    }  // else rank 3, left out, abandons its step (qring-train's drop policy): no READY
+    ASSERT_EQ(quorums.size(), before + 1) << "step " << t;
+    now += std::chrono::milliseconds(10);  // the rest of the cycle
+  }
+  EXPECT_EQ(quorums.front(), 4);
+  EXPECT_EQ(contributors.front(), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(quorums.back(), 3);
+  EXPECT_EQ(contributors.back(), (std::vector<int>{0, 1, 2}));
+  int three = 0;
+  for (size_t t = 20; t < quorums.size(); ++t) three += quorums[t] == 3;
+  EXPECT_GE(three, 18);
+}
+
+// The quorum all-reduce with quorum "auto" over the in-process endpoint: every rank gets the
+// same contributor set and the same Q(t) every step, |S(t)| >= Q(t), and the bit-exact sum of
+// exactly S(t)'s contributions; rank 2 is slow every step and ends up left out.
+TEST(AutoQuorum, QuorumAllreduceKeepsItsContractUnderAuto) {
+  using testing::run_ranks;
+  const int W = 4, steps = 40;
+  const size_t count = 64;
+  std::mutex mu;
+  std::vector<std::vector<std::pair<std::vector<uint8_t>, int>>> seen(static_cast<size_t>(W));
+  std::atomic<int> wrong{0};
+  CommOptions co;
+  co.timeout = std::chrono::seconds(20);
+  run_ranks(W, co, [&](Communicator& comm) {
+    QuorumOptions qo;
+    qo.quorum = 1;
+    qo.adaptive = true;
+    qo.deadline = std::chrono::milliseconds(10000);
+    QuorumAllreduce q(comm, count, qo);
+    std::vector<float> buf(count);
+    for (int t = 0; t < steps; ++t) {
+      for (size_t j = 0; j < count; ++j) buf[j] = float((j + 1) * (comm.rank() + 1) + t);
+      // Rank 2 is 30 ms late every step (abandoning as soon as it is left out).
+      if (comm.rank() == 2) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(30);
+        while (std::chrono::steady_clock::now() < until && !q.excluded(uint64_t(t)))
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!q.excluded(uint64_t(t))) q.contribute(uint64_t(t), buf.data(), count);
+      QuorumResult r = q.wait(uint64_t(t), buf.data());
+      EXPECT_GE(r.count, r.quorum);
+      EXPECT_GE(r.quorum, 1);
+      for (size_t j = 0; j < count; ++j) {
+        double want = 0;
+        for (int p = 0; p < W; ++p)
+          if (r.contains(p)) want += double((j + 1) * (p + 1) + t);
+        if (double(buf[j]) != want / r.count && double(buf[j]) != float(want / r.count)) ++wrong;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      seen[size_t(comm.rank())].emplace_back(r.contributors, r.quorum);
+    }
+  });
+  EXPECT_EQ(wrong.load(), 0);
+  for (int r = 1; r < W; ++r) EXPECT_EQ(seen[size_t(r)], seen[0]) << "rank " << r;
+  EXPECT_EQ(seen[0].front().second, W);  // the first step observes everyone
+  int without2 = 0;
+  for (int t = steps / 2; t < steps; ++t)
+    without2 += (seen[0][size_t(t)].first[0] >> 2 & 1) == 0;
+  EXPECT_GE(without2, steps / 2 - 3);
+}
+
+}  // namespace
+}  // namespace qring::collectives

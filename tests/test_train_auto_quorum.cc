@@ -1,0 +1,133 @@
+// quorum.quorum = "auto" in qring-train and qring-sim: the configuration, Q(t) in the metrics
+// and its histogram in the summary, the learning rate scaled by each step's contributors.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "coll_harness.h"
+#include "net/error.h"
+#include "train/config.h"
+#include "train/sim.h"
+#include "train/trainer.h"
+
+namespace qring::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using train::TrainConfig;
+
+TrainConfig smoke(const std::string& name, std::vector<std::string> extra = {}) {
+  std::vector<std::string> ov = {"run.out_dir=" + ::testing::TempDir() + "qring-auto-tests",
+                                 "run.name=" + name, "log.progress=false"};
+  ov.insert(ov.end(), extra.begin(), extra.end());
+  return TrainConfig::from_file(std::string(QRING_SOURCE_DIR) + "/configs/smoke.toml", ov);
+}
+
+TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
+  auto c = smoke("cfg", {"quorum.quorum=auto", "quorum.min=2", "quorum.max=3"});
+  EXPECT_TRUE(c.quorum.quorum_auto);
+  EXPECT_EQ(c.quorum_count(4), 2);  // the lower bound
+  auto back = TrainConfig::from_string(c.to_toml());
+  EXPECT_TRUE(back.quorum.quorum_auto);
+  EXPECT_EQ(back.quorum.max, 3);
+  EXPECT_THROW(smoke("cfg", {"quorum.quorum=auto", "quorum.min=3", "quorum.max=2"}), ConfigError);
+  EXPECT_THROW(smoke("cfg", {"quorum.quorum=automatic"}), ConfigError);
+  EXPECT_THROW(smoke("cfg", {"quorum.quorum=auto", "quorum.min=5"}).validate(4), ConfigError);
+  // A count again clears "auto".
+  EXPECT_FALSE(smoke("cfg", {"quorum.quorum=auto", "quorum.quorum=3"}).quorum.quorum_auto);
+}
+
+// Rank 2 sleeps 200 ms before every gradient: "auto" (bounds 3..4) leaves it out after the
+// first steps. (The delay dwarfs what a loaded machine adds to the others' arrivals, and the
+// lower bound 3 keeps a descheduled fast rank from making 2 the better choice.)
+// Every step line carries the quorum, the summary its histogram, and the learning rate of a
+// step is the schedule's (built for 4) times contributors / 4.
+TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
+  const int W = 4;
+  auto cfg = smoke("auto4", {"quorum.quorum=auto", "quorum.min=3", "train.steps=40",
+                             "straggler.model=fixed:2:200",
+                             "train.schedule=constant", "train.warmup_steps=0"});
+  CommOptions co;
+  co.timeout = std::chrono::seconds(30);
+  std::vector<train::RunSummary> out(W);
+  run_ranks(W, co, [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm); });
+  const fs::path dir = fs::path(cfg.run.out_dir) / cfg.run.name;
+  std::ifstream in(dir / "metrics.jsonl");
+  std::string line;
+  std::map<int, int64_t> hist;
+  int steps = 0, late_three = 0;
+  const double peak = 0.1 * W * 32 / 128;  // smoke.toml: lr 0.1, batch 32, reference 128
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "step") continue;
+    const int q = j["quorum"], n = j["contributors"];
+    EXPECT_GE(n, q);
+    EXPECT_NEAR(j["lr"].get<double>(), peak * n / W, 1e-12);
+    ++hist[q];
+    if (steps >= 20 && q == 3) ++late_three;
+    ++steps;
+  }
+  EXPECT_EQ(steps, 40);
+  EXPECT_GE(late_three, 17);
+  std::ifstream sf(dir / "summary.json");
+  auto s = nlohmann::json::parse(sf);
+  EXPECT_EQ(s["quorum"], "auto");
+  int64_t total = 0;
+  for (auto& [q, n] : s["quorum_histogram"].items()) {
+    EXPECT_EQ(n.get<int64_t>(), hist[std::stoi(q)]) << q;
+    total += n.get<int64_t>();
+  }
+  EXPECT_EQ(total, 40);
+  for (int r = 1; r < W; ++r) EXPECT_EQ(out[size_t(r)].params_checksum, out[0].params_checksum);
+}
+
+// qring-sim's auto mode calls the same rule on its virtual clock: with one worker 100 ms
+// behind, N settles at W - 1; the histogram counts every step.
+TEST(AutoQuorumSim, TheSimulatorUsesTheSameRule) {
+  omp_set_num_threads(1);
+  auto cfg = TrainConfig::from_string(R"(
+[data]
+dataset = "synthetic"
+synthetic_train = 2048
+synthetic_test = 256
+[model]
+hidden = [16]
+[train]
+batch_per_rank = 16
+steps = 60
+eval_every = 30
+[quorum]
+quorum = "auto"
+[straggler]
+model = "fixed:5:100"
+)");
+  train::SimOptions o;
+  o.workers = 8;
+  o.adaptive = true;
+  o.compute_ms = 2;
+  o.apply_ms = 0.1;
+  auto r = train::simulate(cfg, train::load_datasets(cfg.data, 42), o);
+  int64_t total = 0;
+  for (auto& [q, n] : r.quorum_hist) total += n;
+  EXPECT_EQ(total, 60);
+  EXPECT_EQ(r.steps.front().contributors, 8);  // nothing observed yet
+  int seven = 0;
+  for (size_t t = 30; t < r.steps.size(); ++t) {
+    seven += r.steps[t].contributors == 7;
+    if (r.steps[t].contributors == 7) {
+      EXPECT_EQ(std::count(r.steps[t].ranks.begin(), r.steps[t].ranks.end(), 5), 0);
+    }
+  }
+  EXPECT_GE(seven, 28);
+  train::SimOptions bad = o;
+  bad.backups = 1;
+  EXPECT_THROW(train::simulate(cfg, train::load_datasets(cfg.data, 42), bad), ConfigError);
+}
+
+}  // namespace
+}  // namespace qring::testing
