@@ -51,7 +51,7 @@ int resolve_quorum(std::string_view spec, int world) {
   if (s.find('.') != std::string::npos) {
     if (v <= 0 || v > 1)
       throw ConfigError(fmt::format("quorum fraction {} must be in (0, 1]", spec));
-    q = static_cast<int>(std::ceil(v * world - 1e-9));
+    q = static_cast<int>(quorum_of_fraction(v, world));
   } else {
     q = static_cast<int>(v);
   }

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -124,6 +125,12 @@ struct ViewChange {
 
 // "3" → 3; "0.75" → ceil(0.75 * world); "1.0" → world. ConfigError when out of [1, world].
 int resolve_quorum(std::string_view spec, int world);
+// The count a quorum fraction in (0, 1] stands for: ceil(fraction * world), the one rounding
+// rule of resolve_quorum and of qring-train's quorum.quorum. The small tolerance keeps
+// 0.75 * 4 at 3 despite rounding in the product.
+inline int64_t quorum_of_fraction(double fraction, int world) {
+  return static_cast<int64_t>(std::ceil(fraction * world - 1e-9));
+}
 
 class QuorumTimeout : public CollectiveTimeout {
  public:

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "net/fnv1a.h"
+
 namespace qring::collectives {
 
 namespace {
@@ -87,10 +89,11 @@ std::string shape_kind(uint64_t w) {
 
 uint32_t members_hash(const std::vector<int>& members) {
   if (members.empty()) return 0;
-  uint64_t h = 0xcbf29ce484222325ull;
+  // FNV-1a's constants, over whole 32-bit rank numbers instead of bytes (the wire value).
+  uint64_t h = kFnv1aOffset;
   for (int r : members) {
     h ^= uint64_t(uint32_t(r));
-    h *= 0x100000001b3ull;
+    h *= kFnv1aPrime;
   }
   const uint32_t v = uint32_t((h ^ (h >> 29) ^ (h >> 47)) & 0x1FF);
   return v ? v : 1;  // 0 means "every rank"

@@ -9,8 +9,10 @@
 #include <sstream>
 #include <toml.hpp>
 
+#include "collectives/quorum.h"
 #include "collectives/straggler.h"
 #include "net/error.h"
+#include "net/fnv1a.h"
 
 namespace qring::train {
 namespace {
@@ -434,8 +436,7 @@ int TrainConfig::quorum_count(int world) const {
   } else if (quorum.quorum_is_fraction) {
     if (!(quorum.quorum > 0 && quorum.quorum <= 1))
       fail("quorum.quorum", fmt::format("a fraction must be in (0, 1], got {}", quorum.quorum));
-    // The small tolerance keeps 0.75 * 4 at 3 despite rounding in the product.
-    q = static_cast<int64_t>(std::ceil(quorum.quorum * world - 1e-9));
+    q = collectives::quorum_of_fraction(quorum.quorum, world);
     q = std::max<int64_t>(q, 1);
   } else {
     q = static_cast<int64_t>(quorum.quorum);
@@ -477,12 +478,7 @@ uint64_t TrainConfig::fingerprint() const {
                           f.key.rfind("model.", 0) == 0 || f.key == "train.batch_per_rank";
     if (relevant) text += f.key + "=" + f.get(*this).dump() + "\n";
   }
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char ch : text) {
-    h ^= ch;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
+  return fnv1a64(text);
 }
 
 std::vector<std::string> TrainConfig::keys() {
@@ -502,12 +498,7 @@ std::vector<std::string> TrainConfig::agreed_keys() {
 }
 
 uint64_t TrainConfig::digest(const std::string& text) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char ch : text) {
-    h ^= ch;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
+  return fnv1a64(text);
 }
 
 std::vector<uint64_t> TrainConfig::agreed_digests() const {
