@@ -226,17 +226,17 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   const int sched_quorum =
       cfg.quorum.quorum_auto ? (cfg.quorum.max > 0 ? int(cfg.quorum.max) : world) : quorum;
   TrainerCore core(cfg, data, rank, world, sched_quorum);
-  const size_t P = core.num_params();
-  const int64_t B = cfg.train.batch_per_rank;
-  const int64_t spe = core.steps_per_epoch();
-  if (spe < 1)
+  const size_t n_params = core.num_params();
+  const int64_t batch_per_rank = cfg.train.batch_per_rank;
+  const int64_t steps_per_epoch = core.steps_per_epoch();
+  if (steps_per_epoch < 1)
     throw ConfigError(
         fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
                     "batch of {} per rank",
-                    data.train.size(), world, B));
+                    data.train.size(), world, batch_per_rank));
   const int64_t total = core.total_steps();
   const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
-  const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : spe;
+  const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : steps_per_epoch;
 
   collectives::QuorumOptions qo;
   qo.quorum = quorum;
@@ -266,9 +266,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   qo.instance = 1;
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
-  collectives::QuorumAllreduce q(comm, P + 1, qo);
+  collectives::QuorumAllreduce q(comm, n_params + 1, qo);
   float* const grad = core.gradient();
-  comm.register_buffer(grad, (P + 1) * sizeof(float));
+  comm.register_buffer(grad, (n_params + 1) * sizeof(float));
   // Each QRING_FAULT entry fires once, from this thread or (phase "ring") the engine thread;
   // the callback owns what it uses, as the engine may call it until `q` is gone.
   auto maybe_fault = [faults = opts.faults,
@@ -330,16 +330,16 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       if (int(s.world) != world || int(s.rank) != rank)
         return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world,
                            rank, world);
-      if (s.params.size() != P || s.velocity.size() != P)
+      if (s.params.size() != n_params || s.velocity.size() != n_params)
         return fmt::format("{} parameters and {} momentum values, the model has {}",
-                           s.params.size(), s.velocity.size(), P);
+                           s.params.size(), s.velocity.size(), n_params);
       if (s.config_fingerprint != cfg.fingerprint())
         return fmt::format("config fingerprint {:016x} does not match this config's {:016x} "
                            "(seed, data, model or batch changed)",
                            s.config_fingerprint, cfg.fingerprint());
-      if (s.position.index >= spe)
+      if (s.position.index >= steps_per_epoch)
         return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
-                           s.position.epoch, s.position.index, spe);
+                           s.position.epoch, s.position.index, steps_per_epoch);
       return {};
     };
     auto propose = [&](int64_t candidate) -> int64_t {
@@ -424,7 +424,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     spdlog::info(
         "training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
         "provider {}, straggler {}",
-        cfg.model.type, P, world, quorum, total, spe, comm.provider(), straggler.spec());
+        cfg.model.type, n_params, world, quorum, total, steps_per_epoch, comm.provider(),
+        straggler.spec());
   }
   if (!joining) comm.barrier();
 
@@ -458,7 +459,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     if (lead()) {
       nlohmann::json j{{"type", "eval"},
                        {"step", step},
-                       {"epoch", step / spe},
+                       {"epoch", step / steps_per_epoch},
                        {"wall_s", wall},
                        {"test_accuracy", e.accuracy},
                        {"test_loss", e.loss}};
@@ -473,7 +474,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   // The parameters after the last step, which no READY carries: every member reports its
   // checksum (two exact 32-bit halves) to the coordinator, which compares them.
   auto check_final_replicas = [&](int64_t step) {
-    const uint64_t mine = checksum(core.params(), P);
+    const uint64_t mine = checksum(core.params(), n_params);
     const std::vector<int> members = q.members();
     const int k = int(members.size());
     const int me = int(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
@@ -614,7 +615,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     double compute_ms = 0;
     if (!abandoned && !q.excluded(uint64_t(t))) {
       auto c0 = Clock::now();
-      grad[P] = float(core.compute_gradient());
+      grad[n_params] = float(core.compute_gradient());
       compute_ms = ms_since(c0);
       compute_total += compute_ms;
       ++compute_n;
@@ -622,8 +623,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       // (after t steps); the coordinator stops the job if two members' differ.
       std::optional<uint64_t> digest;
       if (cfg.train.checksum_every > 0 && t > 0 && t % cfg.train.checksum_every == 0)
-        digest = checksum(core.params(), P);
-      q.contribute(uint64_t(t), grad, P + 1, digest);
+        digest = checksum(core.params(), n_params);
+      q.contribute(uint64_t(t), grad, n_params + 1, digest);
       maybe_fault(t, "ready");
     } else {
       abandoned = true;
@@ -660,7 +661,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
     } else {
       const float* mean = static_cast<const float*>(result.data);
-      last_loss = mean[P];
+      last_loss = mean[n_params];
       core.apply_gradient(mean, lr_scale);
     }
     if (r.epoch != view_epoch) log_views(t, r);
@@ -690,15 +691,15 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         float(abandoned ? (compute_n ? compute_total / double(compute_n) : 0.0) : compute_ms));
     step_ms_v.push_back(float(ms_since(step_start)));
     reduce_ms_v.push_back(float(r.reduce_ms));
-    counted += double(r.count) * double(B);
-    computed += double(world) * double(B);
+    counted += double(r.count) * double(batch_per_rank);
+    computed += double(world) * double(batch_per_rank);
     contributors += r.count;
     sum.dropped_gradients += world - r.count;
 
     if (lead()) {
       nlohmann::json j{{"type", "step"},
                        {"step", t},
-                       {"epoch", t / spe},
+                       {"epoch", t / steps_per_epoch},
                        {"wall_s", std::chrono::duration<double>(Clock::now() - t_start).count()},
                        {"loss", last_loss},
                        {"lr", lr},
@@ -731,9 +732,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         std::string line = fmt::format(
             "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
             "ETA {}{}",
-            t / spe + 1, (total + spe - 1) / spe, done, total, last_loss,
-            last_acc < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * last_acc), sps,
-            contributors / double(done - start), hms(eta),
+            t / steps_per_epoch + 1, (total + steps_per_epoch - 1) / steps_per_epoch, done, total,
+            last_loss, last_acc < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * last_acc),
+            sps, contributors / double(done - start), hms(eta),
             sum.evicted_ranks.empty()
                 ? std::string()
                 : fmt::format(" live {}/{} (lost {}{})", q.members().size(), world,
@@ -760,7 +761,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   sum.samples_per_s = loop_s > 0 ? counted / loop_s : 0;
   sum.computed_samples_per_s = loop_s > 0 ? computed / loop_s : 0;
   sum.mean_contributors = ran > 0 ? contributors / double(ran) : 0;
-  sum.params_checksum = checksum(core.params(), P);
+  sum.params_checksum = checksum(core.params(), n_params);
 
   // The backup workers' saving, from the recorded timings: had every step waited for its
   // slowest rank, it would have taken max over ranks of (delay + compute) + the reduction.

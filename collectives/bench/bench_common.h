@@ -151,15 +151,21 @@ inline std::string help_footer(bool mpi) {
          "and\nprints the CPU time each rank used meanwhile.\n";
 }
 
-// The flags of both benchmarks (`mpi`: qring-mpi-bench, which refuses the qring-only ones).
-inline void add_flags(CLI::App& app, Options& o, bool mpi) {
-  using cli::to_int;
-  auto size_of = [](size_t& out) { return [&out](const std::string& v) { out = parse_size(v); }; };
-  auto int_in = [](auto& out, const char* flag, long lo, long hi) {
-    return [&out, flag, lo, hi](const std::string& v) {
-      out = static_cast<std::remove_reference_t<decltype(out)>>(to_int(flag, v, lo, hi));
-    };
+// Callbacks for CLI::Option::each that convert a flag's value into `out`: a size (parse_size),
+// an integer in [lo, hi] named after `flag`.
+inline auto size_of(size_t& out) {
+  return [&out](const std::string& v) { out = parse_size(v); };
+}
+template <class T>
+auto int_in(T& out, const char* flag, long lo, long hi) {
+  return [&out, flag, lo, hi](const std::string& v) {
+    out = static_cast<T>(cli::to_int(flag, v, lo, hi));
   };
+}
+
+// The flags qring-bench and qring-mpi-bench share (`mpi`: qring-mpi-bench).
+inline void add_common_flags(CLI::App& app, Options& o, bool mpi) {
+  using cli::to_int;
   cli::add_value(app, "--op",
                  mpi ? "allreduce|broadcast|allgather|reducescatter|barrier"
                      : "sendrecv|allreduce|broadcast|allgather|reducescatter|barrier|quorum|idle")
@@ -207,8 +213,12 @@ inline void add_flags(CLI::App& app, Options& o, bool mpi) {
         o.auto_seconds = cli::to_seconds("--auto-iters", v, 3600);
       });
   app.add_option("--json", o.json_path, "write every row as a JSON array (rank 0)");
+}
 
-  // qring-bench only.
+// qring-bench's own flags; qring-mpi-bench registers them hidden and refuses them
+// (check_options).
+inline void add_qring_flags(CLI::App& app, Options& o, bool mpi) {
+  using cli::to_int;
   const std::string group = mpi ? "" : "qring";  // "": hidden (refused by qring-mpi-bench)
   auto q = [&](CLI::Option* opt) { return opt->group(group); };
   q(app.add_option("--provider", o.provider,
@@ -311,7 +321,8 @@ inline std::optional<int> parse_args(int argc, char** argv, bool mpi, Options& o
   CLI::App app{"nccl-tests style benchmark (usage: " + prog + " --op OP [flags]).", prog};
   cli::init(app);
   app.footer(help_footer(mpi));
-  add_flags(app, o, mpi);
+  add_common_flags(app, o, mpi);
+  add_qring_flags(app, o, mpi);
   cli::ParseOptions po;
   po.check = [&] { check_options(app, o, mpi); };
   po.report = report;
