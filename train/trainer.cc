@@ -169,75 +169,40 @@ nlohmann::json RunSummary::to_json() const {
   return j;
 }
 
-RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
-                 const TrainerOptions& opts) {
+namespace {
+
+// Every rank must run the same configuration: an override given to one node only would go
+// unnoticed (or hang the first collective on a model of another size). The per-key digests
+// are gathered from the whole world, and every rank stops naming the ranks and keys that
+// differ (the collective has the communicator's deadline). The kernels' ISA is compared too
+// (train/kernels.h): ranks that round differently would not stay bit-identical.
+void check_config_agrees(const TrainConfig& cfg, collectives::Communicator& comm) {
   const int rank = comm.rank(), world = comm.size();
-  // A new incarnation of this rank joins the running job (docs/design.md, "Rejoin"): it runs
-  // no collective with the others, takes the state of a live member, and its configuration is
-  // checked against that state's fingerprint instead.
-  const bool joining = opts.incarnation > 0 && world > 1;
-  if (joining && !opts.store)
-    throw UsageError(fmt::format("rank {}: incarnation {} joins a running job, which needs the "
-                                 "rendezvous store",
-                                 rank, opts.incarnation));
-  // Every rank must run the same configuration: an override given to one node only would go
-  // unnoticed (or hang the first collective on a model of another size). The per-key digests
-  // are gathered from the whole world, and every rank stops naming the ranks and keys that
-  // differ (the collective has the communicator's deadline).
-  // The kernels' ISA is compared too (train/kernels.h): ranks that round differently would
-  // not stay bit-identical.
-  if (world > 1 && !joining) {
-    std::vector<uint64_t> mine = cfg.agreed_digests();
-    mine.push_back(TrainConfig::digest(kernel_isa()));
-    std::vector<uint64_t> all(mine.size() * size_t(world));
-    comm.allgather(mine.data(), all.data(), mine.size(), DataType::kInt64);
-    try {
-      TrainConfig::check_ranks_agree(all, world, {"kernels"});
-    } catch (const ConfigError& e) {
-      throw ConfigError(fmt::format("{}; rank {} computes with {}", e.what(), rank, kernel_isa()));
-    }
+  std::vector<uint64_t> mine = cfg.agreed_digests();
+  mine.push_back(TrainConfig::digest(kernel_isa()));
+  std::vector<uint64_t> all(mine.size() * size_t(world));
+  comm.allgather(mine.data(), all.data(), mine.size(), DataType::kInt64);
+  try {
+    TrainConfig::check_ranks_agree(all, world, {"kernels"});
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{}; rank {} computes with {}", e.what(), rank, kernel_isa()));
   }
-  cfg.validate(world);
-  if (cfg.train.mode == "async") {
-    if (joining)
-      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
-                                    "(incarnation {}); restart the job with --resume instead",
-                                    rank, opts.incarnation));
-    return train_async(cfg, comm, opts);
-  }
-  const int quorum = cfg.quorum_count(world);
-  const uint64_t seed = uint64_t(cfg.run.seed);
-  const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
-  const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
-  fs::create_directories(ckpt_dir);
-  if (!opts.resume && !joining) {
-    // A fresh run owns its directory: checkpoints of an earlier run would mislead --resume.
-    size_t removed = 0;
-    for (auto& e : fs::directory_iterator(ckpt_dir))
-      if (e.path().extension() == ".qck") removed += fs::remove(e.path()) ? 1 : 0;
-    if (removed && rank == 0)
-      spdlog::warn("fresh run: removed {} checkpoint(s) of an earlier run in {}", removed,
-                   ckpt_dir.parent_path().string());
-  }
+}
 
-  DatasetPair data = load_datasets(cfg.data, seed);
-  // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
-  // its contributors over that (the linear rule, step by step).
-  const int sched_quorum =
-      cfg.quorum.quorum_auto ? (cfg.quorum.max > 0 ? int(cfg.quorum.max) : world) : quorum;
-  TrainerCore core(cfg, data, rank, world, sched_quorum);
-  const size_t n_params = core.num_params();
-  const int64_t batch_per_rank = cfg.train.batch_per_rank;
-  const int64_t steps_per_epoch = core.steps_per_epoch();
-  if (steps_per_epoch < 1)
-    throw ConfigError(
-        fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
-                    "batch of {} per rank",
-                    data.train.size(), world, batch_per_rank));
-  const int64_t total = core.total_steps();
-  const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
-  const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : steps_per_epoch;
+// A fresh run owns its checkpoint directory: checkpoints of an earlier run would mislead
+// --resume.
+void clear_earlier_checkpoints(const fs::path& ckpt_dir, int rank) {
+  size_t removed = 0;
+  for (auto& e : fs::directory_iterator(ckpt_dir))
+    if (e.path().extension() == ".qck") removed += fs::remove(e.path()) ? 1 : 0;
+  if (removed && rank == 0)
+    spdlog::warn("fresh run: removed {} checkpoint(s) of an earlier run in {}", removed,
+                 ckpt_dir.parent_path().string());
+}
 
+// The quorum all-reduce of the trainer's gradients, as the configuration sets it.
+collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerOptions& opts,
+                                          int quorum, bool joining) {
   collectives::QuorumOptions qo;
   qo.quorum = quorum;
   qo.grace = std::chrono::milliseconds(cfg.quorum.grace_ms);
@@ -264,6 +229,192 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   }
   // The same on every rank, whatever collectives ran before (a joiner runs none).
   qo.instance = 1;
+  return qo;
+}
+
+// A new incarnation of this rank joins the running job: admission by the members, then the
+// donor's state (parameters, momentum, data position) before step joined->step, at which
+// the loop goes on (returned).
+int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const TrainerOptions& opts,
+               int rank, int64_t deadline_ms, std::optional<collectives::JoinInfo>& joined) {
+  const auto until =
+      Clock::now() + std::chrono::milliseconds(std::max<int64_t>(30000, 2 * deadline_ms));
+  const auto t0 = Clock::now();
+  joined = q.join(until);
+  const double admit_ms = ms_since(t0);
+  // The donor's state before step joined->step: parameters, momentum, data position, step.
+  // Room for the donor's state: the same model and optimizer (a bigger one is an error).
+  std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size() + 4096);
+  const auto s0 = Clock::now();
+  bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
+  const double state_ms = ms_since(s0);
+  CheckpointState st =
+      decode_checkpoint(bytes, fmt::format("the state from rank {}", joined->donor));
+  try {
+    core.restore(st);
+  } catch (const DataError& e) {
+    throw ConfigError(fmt::format("rank {}: cannot rejoin with the state of rank {}: {}", rank,
+                                  joined->donor, e.what()));
+  }
+  // The loop goes on at the step it was admitted to (a skipped step made no optimizer step,
+  // so the state's own step count may be lower; the donor's is the same).
+  const int64_t start = int64_t(joined->step);
+  spdlog::warn(
+      "rank {} rejoined at step {} (incarnation {}, view {}, members {}): admitted "
+      "{:.0f} ms after it asked, state {:.1f} MB from rank {} in {:.0f} ms",
+      rank, start, opts.incarnation, joined->epoch, fmt::join(joined->members, ","), admit_ms,
+      double(bytes.size()) / 1e6, joined->donor, state_ms);
+  return start;
+}
+
+// --resume: the step of the newest checkpoint every rank can load, restored into `core` and
+// `q` (0: none, a fresh start).
+int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicator& comm,
+                                TrainerCore& core, collectives::QuorumAllreduce& q,
+                                const fs::path& ckpt_dir) {
+  const int rank = comm.rank(), world = comm.size();
+  const size_t n_params = core.num_params();
+  const int64_t steps_per_epoch = core.steps_per_epoch();
+  int64_t start = 0;
+  // The ranks agree on the newest step at which every rank has a checkpoint it can load: a
+  // rank whose newest file is torn or corrupt falls back, and the others with it, to an
+  // older one. In each round every rank proposes its newest loadable step at or below the
+  // candidate (-1: none) and the candidate becomes the smallest proposal, until all
+  // proposals are equal; every round is a collective of the whole world with the
+  // communicator's deadline, and the candidate only decreases. A checkpoint that loads but
+  // belongs to another job (world, rank, configuration) stops every rank, naming this one.
+  const std::vector<uint64_t> steps = checkpoint_steps(ckpt_dir.string());
+  size_t next = 0;                    // steps[next..] not examined yet
+  std::optional<CheckpointState> st;  // the newest loadable checkpoint examined so far
+  std::string st_path, fatal;
+  auto mismatch = [&](const CheckpointState& s) -> std::string {
+    if (int(s.world) != world || int(s.rank) != rank)
+      return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world, rank,
+                         world);
+    if (s.params.size() != n_params || s.velocity.size() != n_params)
+      return fmt::format("{} parameters and {} momentum values, the model has {}", s.params.size(),
+                         s.velocity.size(), n_params);
+    if (s.config_fingerprint != cfg.fingerprint())
+      return fmt::format(
+          "config fingerprint {:016x} does not match this config's {:016x} "
+          "(seed, data, model or batch changed)",
+          s.config_fingerprint, cfg.fingerprint());
+    if (s.position.index >= steps_per_epoch)
+      return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
+                         s.position.epoch, s.position.index, steps_per_epoch);
+    return {};
+  };
+  auto propose = [&](int64_t candidate) -> int64_t {
+    if (st && int64_t(st->step) <= candidate) return int64_t(st->step);
+    st.reset();
+    for (; next < steps.size() && fatal.empty(); ++next) {
+      if (int64_t(steps[next]) > candidate) continue;
+      const std::string path = checkpoint_path(ckpt_dir.string(), steps[next]);
+      try {
+        CheckpointState s = load_checkpoint(path);
+        if (s.step != steps[next])
+          throw DataError(fmt::format("{}: holds step {}, not the step of its name", path, s.step));
+        if (std::string why = mismatch(s); !why.empty()) {
+          fatal = fmt::format("--resume: rank {}: {}: {}", rank, path, why);
+          break;
+        }
+        st = std::move(s);
+        st_path = path;
+        ++next;
+        return int64_t(st->step);
+      } catch (const DataError& e) {
+        spdlog::warn("--resume: rank {} cannot load a checkpoint, trying an older one: {}", rank,
+                     e.what());
+      }
+    }
+    return -1;
+  };
+  int64_t candidate = std::numeric_limits<int64_t>::max(), agreed = -1;
+  while (true) {
+    const int64_t p = propose(candidate);
+    // MIN of (proposal, -proposal, first rank with a fatal problem or world).
+    int64_t mine[3] = {p, -p, fatal.empty() ? int64_t(world) : int64_t(rank)};
+    int64_t all[3];
+    comm.allreduce(mine, all, 3, DataType::kInt64, RedOp::kMin);
+    if (all[2] < world) {
+      if (!fatal.empty()) throw DataError(fatal);
+      throw DataError(
+          fmt::format("--resume: rank {} has a checkpoint of another job or "
+                      "configuration (see its log); rank {} stops too",
+                      all[2], rank));
+    }
+    if (all[0] == -all[1]) {
+      agreed = all[0];
+      break;
+    }
+    candidate = all[0];
+  }
+  if (agreed < 0) {
+    if (rank == 0) spdlog::warn("--resume: no checkpoint common to all ranks; starting fresh");
+  } else {
+    try {
+      core.restore(*st);
+    } catch (const DataError& e) {
+      throw DataError(fmt::format("{}: {}", st_path, e.what()));
+    }
+    std::vector<char> carry(reinterpret_cast<const char*>(st->carry.data()),
+                            reinterpret_cast<const char*>(st->carry.data() + st->carry.size()));
+    q.restore_carry(carry);
+    start = int64_t(st->step);
+    if (rank == 0) spdlog::info("resumed from step {} ({})", start, st_path);
+  }
+  return start;
+}
+
+}  // namespace
+
+RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
+                 const TrainerOptions& opts) {
+  const int rank = comm.rank(), world = comm.size();
+  // A new incarnation of this rank joins the running job (docs/design.md, "Rejoin"): it runs
+  // no collective with the others, takes the state of a live member, and its configuration is
+  // checked against that state's fingerprint instead.
+  const bool joining = opts.incarnation > 0 && world > 1;
+  if (joining && !opts.store)
+    throw UsageError(fmt::format("rank {}: incarnation {} joins a running job, which needs the "
+                                 "rendezvous store",
+                                 rank, opts.incarnation));
+  // Every rank runs the same configuration and kernels (a joiner is checked at admission).
+  if (world > 1 && !joining) check_config_agrees(cfg, comm);
+  cfg.validate(world);
+  if (cfg.train.mode == "async") {
+    if (joining)
+      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
+                                    "(incarnation {}); restart the job with --resume instead",
+                                    rank, opts.incarnation));
+    return train_async(cfg, comm, opts);
+  }
+  const int quorum = cfg.quorum_count(world);
+  const uint64_t seed = uint64_t(cfg.run.seed);
+  const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
+  const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
+  fs::create_directories(ckpt_dir);
+  if (!opts.resume && !joining) clear_earlier_checkpoints(ckpt_dir, rank);
+
+  DatasetPair data = load_datasets(cfg.data, seed);
+  // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
+  // its contributors over that (the linear rule, step by step).
+  const int sched_quorum =
+      cfg.quorum.quorum_auto ? (cfg.quorum.max > 0 ? int(cfg.quorum.max) : world) : quorum;
+  TrainerCore core(cfg, data, rank, world, sched_quorum);
+  const size_t n_params = core.num_params();
+  const int64_t batch_per_rank = cfg.train.batch_per_rank;
+  const int64_t steps_per_epoch = core.steps_per_epoch();
+  if (steps_per_epoch < 1)
+    throw ConfigError(
+        fmt::format("train.batch_per_rank: {} samples over {} ranks leave no full "
+                    "batch of {} per rank",
+                    data.train.size(), world, batch_per_rank));
+  const int64_t total = core.total_steps();
+  const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
+  const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : steps_per_epoch;
+
+  const collectives::QuorumOptions qo = quorum_options(cfg, opts, quorum, joining);
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, n_params + 1, qo);
@@ -288,119 +439,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   int64_t start = 0;
   std::optional<collectives::JoinInfo> joined;
   if (joining) {
-    const auto until = Clock::now() + std::chrono::milliseconds(
-                                          std::max<int64_t>(30000, 2 * cfg.quorum.deadline_ms));
-    const auto t0 = Clock::now();
-    joined = q.join(until);
-    const double admit_ms = ms_since(t0);
-    // The donor's state before step joined->step: parameters, momentum, data position, step.
-    // Room for the donor's state: the same model and optimizer (a bigger one is an error).
-    std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size() + 4096);
-    const auto s0 = Clock::now();
-    bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
-    const double state_ms = ms_since(s0);
-    CheckpointState st = decode_checkpoint(bytes, fmt::format("the state from rank {}",
-                                                              joined->donor));
-    try {
-      core.restore(st);
-    } catch (const DataError& e) {
-      throw ConfigError(fmt::format("rank {}: cannot rejoin with the state of rank {}: {}", rank,
-                                    joined->donor, e.what()));
-    }
-    // The loop goes on at the step it was admitted to (a skipped step made no optimizer step,
-    // so the state's own step count may be lower; the donor's is the same).
-    start = int64_t(joined->step);
-    spdlog::warn("rank {} rejoined at step {} (incarnation {}, view {}, members {}): admitted "
-                 "{:.0f} ms after it asked, state {:.1f} MB from rank {} in {:.0f} ms",
-                 rank, start, opts.incarnation, joined->epoch, fmt::join(joined->members, ","),
-                 admit_ms, double(bytes.size()) / 1e6, joined->donor, state_ms);
+    start = rejoin(q, core, opts, rank, cfg.quorum.deadline_ms, joined);
   } else if (opts.resume) {
-    // The ranks agree on the newest step at which every rank has a checkpoint it can load: a
-    // rank whose newest file is torn or corrupt falls back, and the others with it, to an
-    // older one. In each round every rank proposes its newest loadable step at or below the
-    // candidate (-1: none) and the candidate becomes the smallest proposal, until all
-    // proposals are equal; every round is a collective of the whole world with the
-    // communicator's deadline, and the candidate only decreases. A checkpoint that loads but
-    // belongs to another job (world, rank, configuration) stops every rank, naming this one.
-    const std::vector<uint64_t> steps = checkpoint_steps(ckpt_dir.string());
-    size_t next = 0;                    // steps[next..] not examined yet
-    std::optional<CheckpointState> st;  // the newest loadable checkpoint examined so far
-    std::string st_path, fatal;
-    auto mismatch = [&](const CheckpointState& s) -> std::string {
-      if (int(s.world) != world || int(s.rank) != rank)
-        return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world,
-                           rank, world);
-      if (s.params.size() != n_params || s.velocity.size() != n_params)
-        return fmt::format("{} parameters and {} momentum values, the model has {}",
-                           s.params.size(), s.velocity.size(), n_params);
-      if (s.config_fingerprint != cfg.fingerprint())
-        return fmt::format("config fingerprint {:016x} does not match this config's {:016x} "
-                           "(seed, data, model or batch changed)",
-                           s.config_fingerprint, cfg.fingerprint());
-      if (s.position.index >= steps_per_epoch)
-        return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
-                           s.position.epoch, s.position.index, steps_per_epoch);
-      return {};
-    };
-    auto propose = [&](int64_t candidate) -> int64_t {
-      if (st && int64_t(st->step) <= candidate) return int64_t(st->step);
-      st.reset();
-      for (; next < steps.size() && fatal.empty(); ++next) {
-        if (int64_t(steps[next]) > candidate) continue;
-        const std::string path = checkpoint_path(ckpt_dir.string(), steps[next]);
-        try {
-          CheckpointState s = load_checkpoint(path);
-          if (s.step != steps[next])
-            throw DataError(fmt::format("{}: holds step {}, not the step of its name", path,
-                                        s.step));
-          if (std::string why = mismatch(s); !why.empty()) {
-            fatal = fmt::format("--resume: rank {}: {}: {}", rank, path, why);
-            break;
-          }
-          st = std::move(s);
-          st_path = path;
-          ++next;
-          return int64_t(st->step);
-        } catch (const DataError& e) {
-          spdlog::warn("--resume: rank {} cannot load a checkpoint, trying an older one: {}",
-                       rank, e.what());
-        }
-      }
-      return -1;
-    };
-    int64_t candidate = std::numeric_limits<int64_t>::max(), agreed = -1;
-    while (true) {
-      const int64_t p = propose(candidate);
-      // MIN of (proposal, -proposal, first rank with a fatal problem or world).
-      int64_t mine[3] = {p, -p, fatal.empty() ? int64_t(world) : int64_t(rank)};
-      int64_t all[3];
-      comm.allreduce(mine, all, 3, DataType::kInt64, RedOp::kMin);
-      if (all[2] < world) {
-        if (!fatal.empty()) throw DataError(fatal);
-        throw DataError(fmt::format("--resume: rank {} has a checkpoint of another job or "
-                                    "configuration (see its log); rank {} stops too",
-                                    all[2], rank));
-      }
-      if (all[0] == -all[1]) {
-        agreed = all[0];
-        break;
-      }
-      candidate = all[0];
-    }
-    if (agreed < 0) {
-      if (rank == 0) spdlog::warn("--resume: no checkpoint common to all ranks; starting fresh");
-    } else {
-      try {
-        core.restore(*st);
-      } catch (const DataError& e) {
-        throw DataError(fmt::format("{}: {}", st_path, e.what()));
-      }
-      std::vector<char> carry(reinterpret_cast<const char*>(st->carry.data()),
-                              reinterpret_cast<const char*>(st->carry.data() + st->carry.size()));
-      q.restore_carry(carry);
-      start = int64_t(st->step);
-      if (rank == 0) spdlog::info("resumed from step {} ({})", start, st_path);
-    }
+    start = resume_from_checkpoints(cfg, comm, core, q, ckpt_dir);
   }
 
   // The job's outputs come from the rank that coordinates: rank 0, or after it was lost the
