@@ -439,18 +439,25 @@ class FabricEndpoint final : public Endpoint {
     fi_av_attr av_attr{};
     av_attr.type = FI_AV_TABLE;
     av_attr.count = static_cast<size_t>(world);
-    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
+    av_attr_ = av_attr;
     // Pairwise: endpoint i serves peer i below this rank's number and peer i + 1 from it on;
     // messages to itself share the next rank's endpoint. All of them share the CQ (one read
-    // progresses every endpoint bound to it) and the AV (entry p: peer p's endpoint for this
-    // rank). Otherwise one endpoint serves everyone.
+    // progresses every endpoint bound to it); each has its own AV, with the entry of its peer
+    // (and of itself, for the one that carries messages to itself): shm maps the regions of
+    // every entry of an AV into each endpoint bound to it, and an endpoint that reset_peer
+    // replaced, enabled on an AV shared with the others, took over messages meant for another
+    // of this rank's endpoints (a ring neighbour's sends never completed; test
+    // Rejoin.ReconnectingOneRankDoesNotDisturbTheOthersTraffic). Otherwise one endpoint and
+    // one AV serve everyone.
     const int n_eps = pairwise_ ? world - 1 : 1;
     std::vector<std::string> names;
     for (int i = 0; i < n_eps; ++i) {
+      Fid<fid_av>& av = avs_.emplace_back();
+      QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr_, av.out(), nullptr));
       Fid<fid_ep>& ep = eps_.emplace_back();
       QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
       QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av.get()->fid, 0));
       QRING_FI_CHECK(fi_enable(ep.get()));
       names.push_back(endpoint_name(ep.get()));
     }
@@ -632,7 +639,7 @@ class FabricEndpoint final : public Endpoint {
     // every entry's region when it enables an endpoint, and libfabric 1.17 keeps a region
     // pointer of a closed endpoint in its map.
     auto forget = [&](size_t i, int who) {
-      int ret = fi_av_remove(av_.get(), &addrs_[i], 1, 0);
+      int ret = fi_av_remove(av_of(int(i)), &addrs_[i], 1, 0);
       if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
       addrs_[i] = FI_ADDR_NOTAVAIL;
     };
@@ -650,9 +657,14 @@ class FabricEndpoint final : public Endpoint {
       const size_t i = index_[pi];
       Fid<fid_ep>& ep = eps_[i];
       ep.reset();
+      // A new AV as well (the old one goes with the old endpoint): nothing of the old
+      // incarnation's entries, nor of the closed endpoint's region, is seen by the new one.
+      Fid<fid_av>& av = avs_[i];
+      av.reset();
+      QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr_, av.out(), nullptr));
       QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
       QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+      QRING_FI_CHECK(fi_ep_bind(ep.get(), &av.get()->fid, 0));
       QRING_FI_CHECK(fi_enable(ep.get()));
       names_[i] = endpoint_name(ep.get());
       for (size_t p = 0; p < ep_of_.size(); ++p)
@@ -874,9 +886,14 @@ class FabricEndpoint final : public Endpoint {
     return addr;
   }
 
+  // The AV that holds rank r's entry: that of the endpoint that talks to it.
+  fid_av* av_of(int r) const {
+    return avs_[pairwise_ ? index_[static_cast<size_t>(r)] : 0].get();
+  }
+
   void insert_peer(int r, const std::string& addr) {
     if (!tcp_cc_.empty() && r != rank_) tcp_regs_.add(addr, tcp_cc_);
-    int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
+    int n = fi_av_insert(av_of(r), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
     if (n != 1)
       throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
                         __LINE__);
@@ -1334,7 +1351,8 @@ class FabricEndpoint final : public Endpoint {
   Fid<fid_fabric> fabric_;
   Fid<fid_domain> domain_;
   Fid<fid_cq> cq_;
-  Fid<fid_av> av_;
+  fi_av_attr av_attr_{};
+  std::deque<Fid<fid_av>> avs_;  // per endpoint (pairwise), else one; destroyed after eps_
   std::deque<Fid<fid_ep>> eps_;  // pairwise: one per peer (see the constructor), else one
   std::vector<fid_ep*> ep_of_;   // per rank: the endpoint that talks to it
   bool pairwise_ = false;
