@@ -234,6 +234,19 @@ const char* addr_format_name(uint32_t f) {
   }
 }
 
+// An IPv4 or IPv6 socket address: its size, family and a port other than 0.
+template <typename Sockaddr, int kFamily, typename FamilyPort>
+std::string sockaddr_problem(const std::string& a, FamilyPort family_port) {
+  if (a.size() != sizeof(Sockaddr))
+    return fmt::format("{} bytes, expected {}", a.size(), sizeof(Sockaddr));
+  Sockaddr sa{};
+  std::memcpy(&sa, a.data(), sizeof(sa));
+  const auto [family, port] = family_port(sa);
+  if (family != kFamily) return fmt::format("address family {}", family);
+  if (port == 0) return "port 0";
+  return {};
+}
+
 // An address read from the store, checked against this endpoint's address format before it
 // reaches fi_av_insert (which reads as many bytes as the format implies, and trusts the
 // content): socket addresses must have their exact size, family and a port; a string address
@@ -246,24 +259,14 @@ std::string address_problem(const std::string& a, uint32_t format, size_t own_le
     return f;
   };
   switch (format) {
-    case FI_SOCKADDR_IN: {
-      if (a.size() != sizeof(sockaddr_in))
-        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in));
-      sockaddr_in sin{};
-      std::memcpy(&sin, a.data(), sizeof(sin));
-      if (sin.sin_family != AF_INET) return fmt::format("address family {}", sin.sin_family);
-      if (sin.sin_port == 0) return "port 0";
-      return {};
-    }
-    case FI_SOCKADDR_IN6: {
-      if (a.size() != sizeof(sockaddr_in6))
-        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in6));
-      sockaddr_in6 sin6{};
-      std::memcpy(&sin6, a.data(), sizeof(sin6));
-      if (sin6.sin6_family != AF_INET6) return fmt::format("address family {}", sin6.sin6_family);
-      if (sin6.sin6_port == 0) return "port 0";
-      return {};
-    }
+    case FI_SOCKADDR_IN:
+      return sockaddr_problem<sockaddr_in, AF_INET>(a, [](const sockaddr_in& x) {
+        return std::pair{x.sin_family, x.sin_port};
+      });
+    case FI_SOCKADDR_IN6:
+      return sockaddr_problem<sockaddr_in6, AF_INET6>(a, [](const sockaddr_in6& x) {
+        return std::pair{x.sin6_family, x.sin6_port};
+      });
     case FI_SOCKADDR: {
       if (a.size() == sizeof(sockaddr_in))
         return address_problem(a, FI_SOCKADDR_IN, own_len);
