@@ -382,8 +382,12 @@ class QuorumService final : public EngineOp {
       error_ = std::current_exception();
       dead_ = true;
     } catch (const JobOver&) {
+      // Rethrown below (fatal) like an eviction: error_ must hold it (a null exception_ptr
+      // rethrown is a crash: a rank that came back after the job ended died of SIGSEGV).
       fatal = true;
-      sh_->fail(std::current_exception());
+      error_ = std::current_exception();
+      sh_->fail(error_);
+      told_ = true;
       dead_ = true;
     } catch (const QuorumLost&) {
       fatal = true;
@@ -960,6 +964,9 @@ class QuorumService final : public EngineOp {
   // while it gathers the acks of a takeover, dropped otherwise (stale).
   bool poll_up(net::Endpoint& ep) {
     bool moved = false;
+    // What this pass finds goes into the state machine together (handle's `more`), this
+    // rank's own messages included, so that a decision counts every contribution already in.
+    std::vector<Event> batch;
     for (int from = 0; from < world_; ++from) {
       if (from == rank_) continue;
       In& in = up_in_[size_t(from)];
@@ -991,11 +998,20 @@ class QuorumService final : public EngineOp {
         else
           takeover_->early.push_back(e);
       } else if (coord_state_) {
-        feed(ep, e);
+        batch.push_back(std::move(e));
       }
     }
     if (!coord_state_) return moved;
-    moved |= drain_self(ep);
+    while (!self_events_.empty()) {
+      batch.push_back(self_events_.front());
+      self_events_.pop_front();
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      feed(ep, batch[i], /*resync=*/false, /*more=*/i + 1 < batch.size());
+      if (!coord_state_) break;
+    }
+    moved |= !batch.empty();
+    if (coord_state_) moved |= drain_self(ep);  // what the batch's actions sent to this rank
     auto now = Clock::now();
     if (!bye_sent_ && now - last_tick_ >= std::chrono::microseconds(200)) {
       last_tick_ = now;
@@ -1015,7 +1031,7 @@ class QuorumService final : public EngineOp {
     return moved;
   }
 
-  void feed(net::Endpoint& ep, const Event& e, bool resync = false) {
+  void feed(net::Endpoint& ep, const Event& e, bool resync = false, bool more = false) {
     auto now = Clock::now();
     // This process may have been stopped since the last pass (SIGSTOP lands anywhere, also
     // inside this pass): the others' silence across the pause is no evidence.
@@ -1023,7 +1039,7 @@ class QuorumService final : public EngineOp {
       coord_state_->resync(now);
       last_pass_ = last_down_ = now;
     }
-    std::vector<qproto::Action> acts = coord_state_->handle(e, now);
+    std::vector<qproto::Action> acts = coord_state_->handle(e, now, more);
     for (auto& a : acts) act(ep, a);
   }
 

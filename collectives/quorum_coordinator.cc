@@ -123,7 +123,7 @@ void Coordinator::resync(Time now) {
   for (int r : view_.members) last_heard_[size_t(r)] = now;
 }
 
-std::vector<Action> Coordinator::handle(const Event& e, Time now) {
+std::vector<Action> Coordinator::handle(const Event& e, Time now, bool more) {
   std::vector<Action> out;
   if (stopped_) return out;
   if (e.kind == Event::Kind::kJoin || e.kind == Event::Kind::kHello) {
@@ -184,7 +184,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now) {
         break;
     }
   }
-  tick(now, out);
+  if (!more) tick(now, out);
   return out;
 }
 

@@ -197,7 +197,11 @@ class Coordinator {
               const std::vector<Known>& known, std::vector<Action>& out,
               const std::vector<uint32_t>& incarnations = {});
 
-  std::vector<Action> handle(const Event& e, Time now);
+  // `more`: further events of the same instant follow (the messages one poll of the streams
+  // found): this one is taken in, and the decisions wait for the last of them, so that every
+  // contribution that is already in when the quorum is reached is counted (grace 0 means the
+  // first Q to arrive, and those found together arrived together).
+  std::vector<Action> handle(const Event& e, Time now, bool more = false);
 
   const View& view() const { return view_; }
   // The quorum in force: a fraction counts the members that can contribute, not those that

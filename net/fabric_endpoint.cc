@@ -229,6 +229,19 @@ const char* addr_format_name(uint32_t f) {
   }
 }
 
+// An IPv4 or IPv6 socket address: its size, family and a port other than 0.
+template <typename Sockaddr, int kFamily, typename FamilyPort>
+std::string sockaddr_problem(const std::string& a, FamilyPort family_port) {
+  if (a.size() != sizeof(Sockaddr))
+    return fmt::format("{} bytes, expected {}", a.size(), sizeof(Sockaddr));
+  Sockaddr sa{};
+  std::memcpy(&sa, a.data(), sizeof(sa));
+  const auto [family, port] = family_port(sa);
+  if (family != kFamily) return fmt::format("address family {}", family);
+  if (port == 0) return "port 0";
+  return {};
+}
+
 // An address read from the store, checked against this endpoint's address format before it
 // reaches fi_av_insert (which reads as many bytes as the format implies, and trusts the
 // content): socket addresses must have their exact size, family and a port; a string address
@@ -241,24 +254,14 @@ std::string address_problem(const std::string& a, uint32_t format, size_t own_le
     return f;
   };
   switch (format) {
-    case FI_SOCKADDR_IN: {
-      if (a.size() != sizeof(sockaddr_in))
-        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in));
-      sockaddr_in sin{};
-      std::memcpy(&sin, a.data(), sizeof(sin));
-      if (sin.sin_family != AF_INET) return fmt::format("address family {}", sin.sin_family);
-      if (sin.sin_port == 0) return "port 0";
-      return {};
-    }
-    case FI_SOCKADDR_IN6: {
-      if (a.size() != sizeof(sockaddr_in6))
-        return fmt::format("{} bytes, expected {}", a.size(), sizeof(sockaddr_in6));
-      sockaddr_in6 sin6{};
-      std::memcpy(&sin6, a.data(), sizeof(sin6));
-      if (sin6.sin6_family != AF_INET6) return fmt::format("address family {}", sin6.sin6_family);
-      if (sin6.sin6_port == 0) return "port 0";
-      return {};
-    }
+    case FI_SOCKADDR_IN:
+      return sockaddr_problem<sockaddr_in, AF_INET>(a, [](const sockaddr_in& x) {
+        return std::pair{x.sin_family, x.sin_port};
+      });
+    case FI_SOCKADDR_IN6:
+      return sockaddr_problem<sockaddr_in6, AF_INET6>(a, [](const sockaddr_in6& x) {
+        return std::pair{x.sin6_family, x.sin6_port};
+      });
     case FI_SOCKADDR: {
       if (a.size() == sizeof(sockaddr_in))
         return address_problem(a, FI_SOCKADDR_IN, own_len);
@@ -393,9 +396,9 @@ class TcpRegistrations {
 
 class FabricEndpoint final : public Endpoint {
  public:
-  // Setup in fabtests' order, one step each: the provider's info, fabric and domain, CQ and
-  // AV, the libfabric endpoints (created, bound, enabled), the address exchange through the
-  // store, and the per-peer send queues.
+  // Setup in fabtests' order, one step each: the provider's info, fabric and domain, CQ, the
+  // libfabric endpoints (each with its AV; created, bound, enabled), the address exchange
+  // through the store, and the per-peer send queues.
   FabricEndpoint(const FabricOptions& opts, int rank, int world, Store& store, bool single_host,
                  Deadline deadline)
       : rank_(rank), world_(world) {
@@ -413,7 +416,7 @@ class FabricEndpoint final : public Endpoint {
       std::optional<TcpListenScope> listen_scope;
       if (!tcp_cc.empty()) listen_scope.emplace(tcp_cc);
       open_fabric_and_domain();
-      open_cq_and_av();
+      open_cq();
       open_endpoints();
     }
     // "<provider>[ eager=<rxm eager limit>][ pairwise]\n<address>": rxm refuses connections
@@ -555,7 +558,7 @@ class FabricEndpoint final : public Endpoint {
     // every entry's region when it enables an endpoint, and libfabric 1.17 keeps a region
     // pointer of a closed endpoint in its map.
     auto forget = [&](size_t i, int who) {
-      int ret = fi_av_remove(av_.get(), &addrs_[i], 1, 0);
+      int ret = fi_av_remove(av_of(int(i)), &addrs_[i], 1, 0);
       if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
       addrs_[i] = FI_ADDR_NOTAVAIL;
     };
@@ -573,7 +576,11 @@ class FabricEndpoint final : public Endpoint {
       const size_t i = index_[pi];
       Fid<fid_ep>& ep = eps_[i];
       ep.reset();
-      names_[i] = open_endpoint(ep);
+      // A new AV as well (the old one goes with the old endpoint): nothing of the old
+      // incarnation's entries, nor of the closed endpoint's region, is seen by the new one.
+      Fid<fid_av>& av = avs_[i];
+      av.reset();
+      names_[i] = open_endpoint(ep, av);
       for (size_t p = 0; p < ep_of_.size(); ++p)
         if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
       if (self_shares) insert_peer(rank_, names_[i]);
@@ -797,9 +804,14 @@ class FabricEndpoint final : public Endpoint {
     return addr;
   }
 
+  // The AV that holds rank r's entry: that of the endpoint that talks to it.
+  fid_av* av_of(int r) const {
+    return avs_[pairwise_ ? index_[static_cast<size_t>(r)] : 0].get();
+  }
+
   void insert_peer(int r, const std::string& addr) {
     if (!tcp_cc_.empty() && r != rank_) tcp_regs_.add(addr, tcp_cc_);
-    int n = fi_av_insert(av_.get(), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
+    int n = fi_av_insert(av_of(r), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
     if (n != 1)
       throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
                         __LINE__);
@@ -1275,34 +1287,40 @@ class FabricEndpoint final : public Endpoint {
     QRING_FI_CHECK(fi_domain(fabric_.get(), info_.get(), domain_.out(), nullptr));
   }
 
-  void open_cq_and_av() {
+  void open_cq() {
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_TAGGED;
     cq_attr.wait_obj = FI_WAIT_NONE;
     cq_attr.size = 4096;
     QRING_FI_CHECK(fi_cq_open(domain_.get(), &cq_attr, cq_.out(), nullptr));
-    fi_av_attr av_attr{};
-    av_attr.type = FI_AV_TABLE;
-    av_attr.count = static_cast<size_t>(world_);
-    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr));
+    av_attr_.type = FI_AV_TABLE;
+    av_attr_.count = static_cast<size_t>(world_);
   }
 
-  // Opens `ep` on the domain, bound to the CQ and the AV, enabled; returns its address.
-  std::string open_endpoint(Fid<fid_ep>& ep) {
+  // Opens `av` and `ep` on the domain, `ep` bound to the CQ and to `av`, enabled; returns its
+  // address.
+  std::string open_endpoint(Fid<fid_ep>& ep, Fid<fid_av>& av) {
+    QRING_FI_CHECK(fi_av_open(domain_.get(), &av_attr_, av.out(), nullptr));
     QRING_FI_CHECK(fi_endpoint(domain_.get(), info_.get(), ep.out(), nullptr));
     QRING_FI_CHECK(fi_ep_bind(ep.get(), &cq_.get()->fid, FI_TRANSMIT | FI_RECV));
-    QRING_FI_CHECK(fi_ep_bind(ep.get(), &av_.get()->fid, 0));
+    QRING_FI_CHECK(fi_ep_bind(ep.get(), &av.get()->fid, 0));
     QRING_FI_CHECK(fi_enable(ep.get()));
     return endpoint_name(ep.get());
   }
 
   // Pairwise: endpoint i serves peer i below this rank's number and peer i + 1 from it on;
   // messages to itself share the next rank's endpoint. All of them share the CQ (one read
-  // progresses every endpoint bound to it) and the AV (entry p: peer p's endpoint for this
-  // rank). Otherwise one endpoint serves everyone.
+  // progresses every endpoint bound to it); each has its own AV, with the entry of its peer
+  // (and of itself, for the one that carries messages to itself): shm maps the regions of
+  // every entry of an AV into each endpoint bound to it, and an endpoint that reset_peer
+  // replaced, enabled on an AV shared with the others, took over messages meant for another
+  // of this rank's endpoints (a ring neighbour's sends never completed; test
+  // Rejoin.ReconnectingOneRankDoesNotDisturbTheOthersTraffic). Otherwise one endpoint and
+  // one AV serve everyone.
   void open_endpoints() {
     const int n_eps = pairwise_ ? world_ - 1 : 1;
-    for (int i = 0; i < n_eps; ++i) names_.push_back(open_endpoint(eps_.emplace_back()));
+    for (int i = 0; i < n_eps; ++i)
+      names_.push_back(open_endpoint(eps_.emplace_back(), avs_.emplace_back()));
     index_.assign(static_cast<size_t>(world_), 0);
     if (pairwise_) {
       for (int p = 0; p < world_; ++p) {
@@ -1365,7 +1383,8 @@ class FabricEndpoint final : public Endpoint {
   Fid<fid_fabric> fabric_;
   Fid<fid_domain> domain_;
   Fid<fid_cq> cq_;
-  Fid<fid_av> av_;
+  fi_av_attr av_attr_{};
+  std::deque<Fid<fid_av>> avs_;  // per endpoint (pairwise), else one; destroyed after eps_
   std::deque<Fid<fid_ep>> eps_;  // pairwise: one per peer (see the constructor), else one
   std::vector<fid_ep*> ep_of_;   // per rank: the endpoint that talks to it
   bool pairwise_ = false;

@@ -27,14 +27,15 @@ struct Sim {
       for (int r = 0; r < cfg.world; ++r) beat(r);
   }
 
-  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8) {
+  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8,
+                            bool more = false) {
     Event e;
     e.kind = Event::Kind::kReady;
     e.from = r;
     e.step = t;
     e.count = count;
     e.completed = completed;
-    return c.handle(e, now);
+    return c.handle(e, now, more);
   }
   std::vector<Action> beat(int r, int64_t completed = -1) {
     Event e;
@@ -106,6 +107,27 @@ TEST(Coordinator, DecidesOnTheQuorumthArrivalWithoutGrace) {
   EXPECT_EQ(d.decide_us, 5000);
   // The late rank is not counted afterwards.
   EXPECT_TRUE(s.ready(3, 0).empty());
+}
+
+// READYs that one poll of the streams found together are taken in together (`more`): with
+// grace 0 the decision counts all of them, not the first Q in the order they were read. The
+// last one of the batch decides; a READY after the decision is late, as before.
+TEST(Coordinator, ReadiesFoundTogetherAreCountedTogether) {
+  Sim s(base(4, 3));
+  EXPECT_TRUE(s.ready(1, 0, -1, 8, /*more=*/true).empty());
+  EXPECT_TRUE(s.ready(2, 0, -1, 8, true).empty());
+  EXPECT_TRUE(s.ready(3, 0, -1, 8, true).empty());  // the quorum is in: no decision yet
+  auto a = of(s.ready(0, 0), K::kDecide);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].decide.contributors, (std::vector<int>{0, 1, 2, 3}));
+  // Without `more` the third READY decides at once and the fourth is late.
+  s.now += milliseconds(1);
+  s.ready(1, 1);
+  s.ready(2, 1);
+  auto b = of(s.ready(3, 1), K::kDecide);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(b[0].decide.contributors, (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(of(s.ready(0, 1), K::kDecide).empty());
 }
 
 TEST(Coordinator, GraceCollectsLateArrivalsUntilItEnds) {

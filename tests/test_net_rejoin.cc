@@ -170,6 +170,67 @@ TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThrough) {
   EXPECT_TRUE(res.exited(2, 0)) << "rank 2 status " << res.status[2];
 }
 
+// Ranks 1, 2 and 3 pass messages around a ring (1 -> 2 -> 3 -> 1, 64 KiB, 300 rounds, each
+// rank's receive from its neighbour posted before it sends), while rank 0 comes back as a new
+// incarnation: halfway, with that receive posted, each of them reconnects to it
+// (reset_peer). No message of the ring may be lost or changed by the reconnection (rank 3's
+// messages to itself share its endpoint for rank 0 over shm, which reset_peer replaces), and
+// the new incarnation then talks with each of them.
+TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTraffic) {
+  const std::string prov = GetParam();
+  constexpr int kRounds = 300, kAt = 150;
+  constexpr size_t kBytes = 64 << 10;
+  auto res = run_procs(4, [&](int r, int, net::Rendezvous& rdv) {
+    net::Store& store = rdv.store();
+    if (r == 0) {
+      { auto first = open_endpoint(rdv, prov); }  // the first incarnation, closed
+      net::FabricOptions o;
+      o.provider = prov;
+      o.incarnation = 1;
+      o.join = true;
+      o.instance = 9;
+      auto ep = net::make_fabric_endpoint(o, 0, 4, store, rdv.single_host(), kDl());
+      store.set("new-addr", ep->published_address());
+      for (int p = 1; p < 4; ++p)
+        ep->reset_peer(p, store.get("addr-for-0/" + std::to_string(p), kDl()), 0);
+      for (int p = 1; p < 4; ++p) {
+        uint32_t v = 0;
+        auto rq = ep->irecv(p, kTag, &v, sizeof v);
+        ep->wait(rq, kDl(), "a member's message to the new incarnation");
+        if (v != uint32_t(100 + p)) return 1;
+        auto sq = ep->isend(p, kTag, &v, sizeof v);
+        ep->wait(sq, kDl(), "the answer");
+      }
+      return 0;
+    }
+    auto ep = open_endpoint(rdv, prov);
+    const int next = r == 3 ? 1 : r + 1, prev = r == 1 ? 3 : r - 1;
+    std::vector<uint32_t> out(kBytes / 4), in(kBytes / 4);
+    for (int i = 0; i < kRounds; ++i) {
+      const uint64_t tag = make_tag(Op::kUser, uint32_t(100 + i), 1);
+      auto rq = ep->irecv(prev, tag, in.data(), kBytes);
+      if (i == kAt) {
+        ep->reset_peer(0, store.get("new-addr", kDl()), 1);
+        store.set("addr-for-0/" + std::to_string(r), ep->published_address());
+      }
+      for (size_t k = 0; k < out.size(); ++k) out[k] = uint32_t(r * 1000003 + i * 7919 + k);
+      auto sq = ep->isend(next, tag, out.data(), kBytes);
+      ep->wait(rq, kDl(), "the ring neighbour's message");
+      ep->wait(sq, kDl(), "the send to the ring neighbour");
+      for (size_t k = 0; k < in.size(); ++k)
+        if (in[k] != uint32_t(prev * 1000003 + i * 7919 + k)) return 30 + (i == kAt ? 1 : 0);
+    }
+    uint32_t v = uint32_t(100 + r), w = 0;
+    auto sq = ep->isend(0, kTag, &v, sizeof v);
+    auto rq = ep->irecv(0, kTag, &w, sizeof w);
+    ep->wait(sq, kDl(), "the message to the new incarnation");
+    ep->wait(rq, kDl(), "its answer");
+    return w == v ? 0 : 40;
+  });
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r << " status " << res.status[r];
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, Rejoin, ::testing::Values("shm", "tcp"));
 
 TEST(RejoinInproc, MessagesOfTheOldIncarnationNeverMatchTheNewOne) {
