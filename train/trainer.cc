@@ -44,6 +44,10 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
 std::string hms(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   int64_t x = int64_t(s);
@@ -366,6 +370,229 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
   return start;
 }
 
+// Each QRING_FAULT entry fires once, from the step loop or (phase "ring") the engine thread.
+// Copies share what has fired: the engine may call its copy until the QuorumAllreduce is gone.
+class FaultInjector {
+ public:
+  FaultInjector(std::vector<collectives::FaultSpec> faults, int rank)
+      : faults_(std::move(faults)),
+        fired_(std::make_shared<std::vector<std::atomic<bool>>>(faults_.size())),
+        rank_(rank) {}
+
+  void operator()(int64_t step, const char* phase) const {
+    for (size_t i = 0; i < faults_.size(); ++i) {
+      if (faults_[i].matches(rank_, uint64_t(step), phase) && !(*fired_)[i].exchange(true)) {
+        spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", faults_[i].spec(), step);
+        faults_[i].inject();
+      }
+    }
+  }
+
+  bool any_at(const char* phase) const {
+    return std::any_of(faults_.begin(), faults_.end(),
+                       [&](const auto& f) { return f.phase == phase; });
+  }
+
+ private:
+  std::vector<collectives::FaultSpec> faults_;
+  std::shared_ptr<std::vector<std::atomic<bool>>> fired_;
+  int rank_;
+};
+
+// The job's outputs in the run directory: metrics.jsonl (a line per step, evaluation, view
+// change and rejoin), arrivals.jsonl and summary.json. They come from the rank that
+// coordinates: rank 0, or after it was lost the rank that took over, which appends to the
+// same files. Each line is one write, flushed at once: a deposed coordinator never
+// overwrites its lines, and one killed mid-run leaves every line it wrote.
+class MetricsWriter {
+ public:
+  MetricsWriter(fs::path run_dir, collectives::QuorumAllreduce& q, int rank, int64_t start)
+      : dir_(std::move(run_dir)), q_(q), rank_(rank), arrivals_next_(start) {}
+
+  // Rank 0 of a job that starts or resumes (not a rank that rejoins): the configuration, and
+  // the metrics and arrivals of the steps before `start` (a fresh run: none).
+  void create(const TrainConfig& cfg, bool resume, int64_t start) {
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "config.toml") << cfg.to_toml();
+    if (resume) truncate_metrics(dir_ / "metrics.jsonl", start);
+    if (!resume) std::ofstream(dir_ / "metrics.jsonl", std::ios::trunc);
+    if (resume) truncate_metrics(dir_ / "arrivals.jsonl", start);
+    if (!resume) std::ofstream(dir_ / "arrivals.jsonl", std::ios::trunc);
+    metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
+  }
+
+  // Whether this rank coordinates, and so writes (it opens the metrics the first time).
+  bool lead() {
+    if (q_.coordinator() != rank_) return false;
+    if (!metrics_.is_open()) metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
+    return true;
+  }
+
+  // One line of metrics.jsonl; the caller leads.
+  void write(const nlohmann::json& line) { metrics_ << line.dump() << '\n' << std::flush; }
+
+  // The coordinator's arrival log keeps its newest steps only (collectives/quorum.cc); the
+  // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when
+  // no late READY can change it any more (the coordinator logs late READYs for its newest
+  // 4096 decided steps, kKeepDecided in quorum_coordinator.cc: the lag must stay above it),
+  // and the rest at the end (finish).
+  void after_step(int64_t done) {
+    if (done % kArrivalsEvery == 0 && done > kArrivalsLag) write_arrivals(done - kArrivalsLag);
+  }
+
+  // summary.json, then the arrivals not written yet; the caller leads.
+  void finish(const nlohmann::json& summary) {
+    metrics_.close();
+    std::ofstream(dir_ / "summary.json") << summary.dump(2) << '\n';
+    write_arrivals(std::numeric_limits<int64_t>::max());
+  }
+
+ private:
+  static constexpr int64_t kArrivalsLag = 8192, kArrivalsEvery = 1024;
+
+  void write_arrivals(int64_t before) {
+    if (q_.coordinator() != rank_) return;
+    std::ofstream arr(dir_ / "arrivals.jsonl", std::ios::app);
+    for (auto& [step, offs] : q_.arrival_log()) {
+      if (int64_t(step) < arrivals_next_ || int64_t(step) >= before) continue;
+      arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
+      arrivals_next_ = int64_t(step) + 1;
+    }
+  }
+
+  fs::path dir_;
+  collectives::QuorumAllreduce& q_;
+  int rank_;
+  std::ofstream metrics_;
+  int64_t arrivals_next_;  // the first step not yet written by this rank
+};
+
+// The test-set evaluation after a step, sharded over the live members, with the result at
+// the coordinator only (evaluate_sharded), which keeps it in the summary and the metrics.
+class Evaluator {
+ public:
+  Evaluator(const TrainConfig& cfg, TrainerCore& core, const Dataset& test,
+            collectives::QuorumAllreduce& q, int rank, FaultInjector faults, MetricsWriter& out,
+            Clock::time_point t_start, bool tty)
+      : cfg_(cfg),
+        core_(core),
+        test_(test),
+        q_(q),
+        rank_(rank),
+        faults_(std::move(faults)),
+        out_(out),
+        t_start_(t_start),
+        tty_(tty),
+        steps_per_epoch_(core.steps_per_epoch()) {}
+
+  void operator()(int64_t step, RunSummary& sum) {
+    faults_(step, "eval");
+    std::optional<EvalOut> got =
+        evaluate_sharded(core_.model(), test_, cfg_.train.eval_batch, q_, rank_, uint64_t(step));
+    if (!got) return;
+    const EvalOut& e = *got;
+    double wall = seconds_since(t_start_);
+    last_accuracy_ = e.accuracy;
+    sum.test_accuracy = e.accuracy;
+    sum.test_loss = e.loss;
+    sum.best_test_accuracy = std::max(sum.best_test_accuracy, e.accuracy);
+    if (cfg_.train.target_accuracy > 0 && !sum.time_to_target_s &&
+        e.accuracy >= cfg_.train.target_accuracy)
+      sum.time_to_target_s = wall;
+    if (out_.lead()) {
+      out_.write({{"type", "eval"},
+                  {"step", step},
+                  {"epoch", step / steps_per_epoch_},
+                  {"wall_s", wall},
+                  {"test_accuracy", e.accuracy},
+                  {"test_loss", e.loss}});
+      if (!tty_ || !cfg_.log.progress)
+        spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy,
+                     e.loss);
+    }
+  }
+
+  double last_accuracy() const { return last_accuracy_; }  // -1: no evaluation yet
+
+ private:
+  const TrainConfig& cfg_;
+  TrainerCore& core_;
+  const Dataset& test_;
+  collectives::QuorumAllreduce& q_;
+  int rank_;
+  FaultInjector faults_;
+  MetricsWriter& out_;
+  Clock::time_point t_start_;
+  bool tty_;
+  int64_t steps_per_epoch_;
+  double last_accuracy_ = -1;
+};
+
+// This rank's checkpoints: the trainer's state and the quorum's pending carry, of which the
+// newest three are kept (a rank killed mid-write still leaves a common older one).
+class Checkpointer {
+ public:
+  Checkpointer(const TrainConfig& cfg, TrainerCore& core, collectives::QuorumAllreduce& q,
+               fs::path dir, int quorum, FaultInjector faults)
+      : cfg_(cfg),
+        core_(core),
+        q_(q),
+        dir_(std::move(dir)),
+        quorum_(quorum),
+        faults_(std::move(faults)) {}
+
+  void save(int64_t step) {
+    CheckpointState st = core_.checkpoint_state();
+    auto carry = q_.pending_carry();
+    st.carry.resize(carry.size() / sizeof(float));
+    std::memcpy(st.carry.data(), carry.data(), carry.size());
+    st.meta = nlohmann::json{{"run", cfg_.run.name}, {"quorum", quorum_}}.dump();
+    save_checkpoint(checkpoint_path(dir_.string(), uint64_t(step)), st,
+                    [&] { faults_(step, "checkpoint"); });
+    std::vector<std::string> all;
+    for (auto& e : fs::directory_iterator(dir_))
+      if (e.path().extension() == ".qck") all.push_back(e.path().string());
+    std::sort(all.begin(), all.end());
+    for (size_t i = 0; i + 3 < all.size(); ++i) fs::remove(all[i]);
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  TrainerCore& core_;
+  collectives::QuorumAllreduce& q_;
+  fs::path dir_;
+  int quorum_;
+  FaultInjector faults_;
+};
+
+// The parameters after the last step, which no READY carries: every member reports its
+// checksum (two exact 32-bit halves) to the coordinator, which compares them.
+void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, int rank,
+                          int64_t step) {
+  const uint64_t mine = checksum(core.params(), core.num_params());
+  const std::vector<int> members = q.members();
+  const int k = int(members.size());
+  const int me = int(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
+  const uint64_t key = uint64_t(step) | (uint64_t(1) << 62);
+  if (q.coordinator() != rank) {
+    q.report(key, me, k, {double(mine >> 32), double(mine & 0xFFFFFFFFu)});
+    return;
+  }
+  if (k < 2) return;
+  auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict);
+  for (auto& [i, v] : parts) {
+    if (v.size() != 2) continue;
+    const uint64_t theirs = (uint64_t(v[0]) << 32) | uint64_t(v[1]);
+    if (theirs != mine)
+      throw Error(fmt::format("rank {}: replicas drifted: after step {} rank {} has parameter "
+                              "checksum {:016x}, rank {} (this one) has {:016x}",
+                              rank, step, members[size_t(i)], theirs, rank, mine));
+  }
+  if (int(parts.size()) < k - 1)
+    spdlog::warn("parameter checksums after step {}: {} of {} members answered", step,
+                 parts.size() + 1, k);
+}
+
 }  // namespace
 
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
@@ -420,20 +647,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   collectives::QuorumAllreduce q(comm, n_params + 1, qo);
   float* const grad = core.gradient();
   comm.register_buffer(grad, (n_params + 1) * sizeof(float));
-  // Each QRING_FAULT entry fires once, from this thread or (phase "ring") the engine thread;
-  // the callback owns what it uses, as the engine may call it until `q` is gone.
-  auto maybe_fault = [faults = opts.faults,
-                      fired = std::make_shared<std::vector<std::atomic<bool>>>(opts.faults.size()),
-                      rank](int64_t step, const char* phase) {
-    for (size_t i = 0; i < faults.size(); ++i) {
-      if (faults[i].matches(rank, uint64_t(step), phase) && !(*fired)[i].exchange(true)) {
-        spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", faults[i].spec(), step);
-        faults[i].inject();
-      }
-    }
-  };
-  if (std::any_of(opts.faults.begin(), opts.faults.end(),
-                  [](const auto& f) { return f.phase == "ring"; }))
+  const FaultInjector maybe_fault(opts.faults, rank);
+  if (maybe_fault.any_at("ring"))
     q.on_phase([maybe_fault](uint64_t step, const char* phase) { maybe_fault(int64_t(step), phase); });
 
   int64_t start = 0;
@@ -444,24 +659,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     start = resume_from_checkpoints(cfg, comm, core, q, ckpt_dir);
   }
 
-  // The job's outputs come from the rank that coordinates: rank 0, or after it was lost the
-  // rank that took over, which appends to the same files.
-  std::ofstream metrics;
-  auto lead = [&] {
-    if (q.coordinator() != rank) return false;
-    if (!metrics.is_open()) metrics.open(run_dir / "metrics.jsonl", std::ios::app);
-    return true;
-  };
+  MetricsWriter out(run_dir, q, rank, start);
   if (rank == 0 && !joining) {
-    fs::create_directories(run_dir);
-    std::ofstream(run_dir / "config.toml") << cfg.to_toml();
-    if (opts.resume) truncate_metrics(run_dir / "metrics.jsonl", start);
-    if (!opts.resume) std::ofstream(run_dir / "metrics.jsonl", std::ios::trunc);
-    if (opts.resume) truncate_metrics(run_dir / "arrivals.jsonl", start);
-    if (!opts.resume) std::ofstream(run_dir / "arrivals.jsonl", std::ios::trunc);
-    // Appending: a rank that takes over as coordinator appends to the same file, each line in
-    // one write (flushed per line), so a deposed coordinator never overwrites its lines.
-    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
+    out.create(cfg, opts.resume, start);
     spdlog::info(
         "training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
         "provider {}, straggler {}",
@@ -480,97 +680,10 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   std::map<int, int64_t> quorum_hist;  // steps decided with each quorum
   auto last_progress = Clock::now() - std::chrono::hours(1);
   const bool tty = isatty(2);
-  double last_acc = -1, last_loss = 0;
+  double last_loss = 0;
 
-  // Sharded over the live members; the result at the coordinator only (evaluate_sharded).
-  auto do_eval = [&](int64_t step) {
-    maybe_fault(step, "eval");
-    std::optional<EvalOut> got =
-        evaluate_sharded(core.model(), data.test, cfg.train.eval_batch, q, rank, uint64_t(step));
-    if (!got) return;
-    const EvalOut& e = *got;
-    double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
-    last_acc = e.accuracy;
-    sum.test_accuracy = e.accuracy;
-    sum.test_loss = e.loss;
-    sum.best_test_accuracy = std::max(sum.best_test_accuracy, e.accuracy);
-    if (cfg.train.target_accuracy > 0 && !sum.time_to_target_s &&
-        e.accuracy >= cfg.train.target_accuracy)
-      sum.time_to_target_s = wall;
-    if (lead()) {
-      nlohmann::json j{{"type", "eval"},
-                       {"step", step},
-                       {"epoch", step / steps_per_epoch},
-                       {"wall_s", wall},
-                       {"test_accuracy", e.accuracy},
-                       {"test_loss", e.loss}};
-      metrics << j.dump() << '\n';
-      metrics.flush();
-      if (!tty || !cfg.log.progress)
-        spdlog::info("eval at step {}: test accuracy {:.4f}, loss {:.4f}", step, e.accuracy,
-                     e.loss);
-    }
-  };
-
-  // The parameters after the last step, which no READY carries: every member reports its
-  // checksum (two exact 32-bit halves) to the coordinator, which compares them.
-  auto check_final_replicas = [&](int64_t step) {
-    const uint64_t mine = checksum(core.params(), n_params);
-    const std::vector<int> members = q.members();
-    const int k = int(members.size());
-    const int me = int(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
-    const uint64_t key = uint64_t(step) | (uint64_t(1) << 62);
-    if (q.coordinator() != rank) {
-      q.report(key, me, k, {double(mine >> 32), double(mine & 0xFFFFFFFFu)});
-      return;
-    }
-    if (k < 2) return;
-    auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict);
-    for (auto& [i, v] : parts) {
-      if (v.size() != 2) continue;
-      const uint64_t theirs = (uint64_t(v[0]) << 32) | uint64_t(v[1]);
-      if (theirs != mine)
-        throw Error(fmt::format("rank {}: replicas drifted: after step {} rank {} has parameter "
-                                "checksum {:016x}, rank {} (this one) has {:016x}",
-                                rank, step, members[size_t(i)], theirs, rank, mine));
-    }
-    if (int(parts.size()) < k - 1)
-      spdlog::warn("parameter checksums after step {}: {} of {} members answered", step,
-                   parts.size() + 1, k);
-  };
-
-  auto save = [&](int64_t step) {
-    CheckpointState st = core.checkpoint_state();
-    auto carry = q.pending_carry();
-    st.carry.resize(carry.size() / sizeof(float));
-    std::memcpy(st.carry.data(), carry.data(), carry.size());
-    st.meta = nlohmann::json{{"run", cfg.run.name}, {"quorum", quorum}}.dump();
-    save_checkpoint(checkpoint_path(ckpt_dir.string(), uint64_t(step)), st,
-                    [&] { maybe_fault(step, "checkpoint"); });
-    // Keep the newest three: a rank killed mid-write still leaves a common older one.
-    std::vector<std::string> all;
-    for (auto& e : fs::directory_iterator(ckpt_dir))
-      if (e.path().extension() == ".qck") all.push_back(e.path().string());
-    std::sort(all.begin(), all.end());
-    for (size_t i = 0; i + 3 < all.size(); ++i) fs::remove(all[i]);
-  };
-
-  // The coordinator's arrival log keeps its newest steps only (collectives/quorum.cc); the
-  // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when no
-  // late READY can change it any more (the coordinator logs late READYs for its newest 4096
-  // decided steps, kKeepDecided in quorum_coordinator.cc: the lag must stay above it), and
-  // the rest at the end.
-  constexpr int64_t kArrivalsLag = 8192, kArrivalsEvery = 1024;
-  int64_t arrivals_next = start;  // the first step not yet written by this rank
-  auto write_arrivals = [&](int64_t before) {
-    if (q.coordinator() != rank) return;
-    std::ofstream arr(run_dir / "arrivals.jsonl", std::ios::app);
-    for (auto& [step, offs] : q.arrival_log()) {
-      if (int64_t(step) < arrivals_next || int64_t(step) >= before) continue;
-      arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
-      arrivals_next = int64_t(step) + 1;
-    }
-  };
+  Evaluator evaluate(cfg, core, data.test, q, rank, maybe_fault, out, t_start, tty);
+  Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
 
   // View changes (ranks lost, ranks back), logged when the first step decided in the new
   // view completes. A rank that comes back heals the job once a step counts it again.
@@ -630,10 +743,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
         line["detection_ms"] = detect_ms;
         line["recovery_s"] = recovery;
       }
-      if (lead()) {
-        metrics << line.dump() << '\n';
-        metrics.flush();
-      }
+      if (out.lead()) out.write(line);
       if (v.left.empty()) continue;
       spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
@@ -713,17 +823,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       }
       const double heal = std::chrono::duration<double>(Clock::now() - it->second.lost).count();
       sum.heal_s = std::max(sum.heal_s, heal);
-      if (lead()) {
-        metrics << nlohmann::json{{"type", "rejoin"},
-                                  {"rank", it->first},
-                                  {"incarnation", it->second.incarnation},
-                                  {"join_step", it->second.join_step},
-                                  {"counted_step", t},
-                                  {"heal_s", heal}}
-                       .dump()
-                << '\n'
-                << std::flush;
-      }
+      if (out.lead())
+        out.write({{"type", "rejoin"},
+                   {"rank", it->first},
+                   {"incarnation", it->second.incarnation},
+                   {"join_step", it->second.join_step},
+                   {"counted_step", t},
+                   {"heal_s", heal}});
       it = healing.erase(it);
     }
 
@@ -737,8 +843,8 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     contributors += r.count;
     sum.dropped_gradients += world - r.count;
 
-    if (lead()) {
-      nlohmann::json j{{"type", "step"},
+    if (out.lead()) {
+      out.write({{"type", "step"},
                        {"step", t},
                        {"epoch", t / steps_per_epoch},
                        {"wall_s", std::chrono::duration<double>(Clock::now() - t_start).count()},
@@ -754,15 +860,14 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                        {"decide_ms", r.decide_ms},
                        {"ready_ms", r.ready_offsets_ms},
                        {"view", r.epoch},
-                       {"skipped", r.skipped}};
-      // Flushed per step: a coordinator killed mid-run leaves every step it recorded.
-      metrics << j.dump() << '\n' << std::flush;
+                 {"skipped", r.skipped}});
     }
     const int64_t done = t + 1;
-    if (done % kArrivalsEvery == 0 && done > kArrivalsLag) write_arrivals(done - kArrivalsLag);
-    if (done % eval_every == 0 && done < total) do_eval(done);
-    if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0) save(done);
-    if (cfg.log.progress && lead()) {
+    out.after_step(done);
+    if (done % eval_every == 0 && done < total) evaluate(done, sum);
+    if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
+      checkpoints.save(done);
+    if (cfg.log.progress && out.lead()) {
       auto now = Clock::now();
       double since = std::chrono::duration<double>(now - last_progress).count();
       if ((tty && since > 0.25) || (!tty && since > 10) || done == total) {
@@ -774,7 +879,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
             "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
             "ETA {}{}",
             t / steps_per_epoch + 1, (total + steps_per_epoch - 1) / steps_per_epoch, done, total,
-            last_loss, last_acc < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * last_acc),
+            last_loss, evaluate.last_accuracy() < 0
+                ? std::string("-")
+                : fmt::format("{:.2f}%", 100 * evaluate.last_accuracy()),
             sps, contributors / double(done - start), hms(eta),
             sum.evicted_ranks.empty()
                 ? std::string()
@@ -788,13 +895,13 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       }
     }
   }
-  if (tty && cfg.log.progress && lead()) fmt::print(stderr, "\n");
+  if (tty && cfg.log.progress && out.lead()) fmt::print(stderr, "\n");
   const double loop_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   const int64_t ran = t - start;
   const bool finished = t >= total;
-  if (finished) do_eval(t);
-  if (finished && cfg.train.checksum_every > 0) check_final_replicas(t);
-  if (cfg.train.checkpoint_every > 0 || finished) save(t);
+  if (finished) evaluate(t, sum);
+  if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
+  if (cfg.train.checkpoint_every > 0 || finished) checkpoints.save(t);
 
   sum.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   sum.steps = t;
@@ -820,8 +927,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   sum.full_sync_estimate_s = full / 1000.0;
   sum.backup_saved_s = (full - actual) / 1000.0;
 
-  if (lead()) {
-    metrics.close();
+  if (out.lead()) {
     nlohmann::json j = sum.to_json();
     j["world"] = world;
     j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
@@ -830,8 +936,7 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
     j["provider"] = comm.provider();
     j["straggler"] = straggler.spec();
     j["finished"] = finished;
-    std::ofstream(run_dir / "summary.json") << j.dump(2) << '\n';
-    write_arrivals(std::numeric_limits<int64_t>::max());
+    out.finish(j);
   }
   return sum;
 }
