@@ -388,15 +388,24 @@ class FaultInjector {
     }
   }
 
-  bool any_at(const char* phase) const {
-    return std::any_of(faults_.begin(), faults_.end(),
-                       [&](const auto& f) { return f.phase == phase; });
+  // Entries of phase "ring" fire from the engine thread, at q's ring phases.
+  void hook_ring_phase(collectives::QuorumAllreduce& q) const {
+    if (std::any_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
+      q.on_phase([self = *this](uint64_t step, const char* phase) { self(int64_t(step), phase); });
   }
 
  private:
   std::vector<collectives::FaultSpec> faults_;
   std::shared_ptr<std::vector<std::atomic<bool>>> fired_;
   int rank_;
+};
+
+// One step's work on this rank (compute_and_contribute).
+struct Work {
+  Clock::time_point start;             // the step's
+  std::chrono::microseconds delay{0};  // the straggler model's
+  double compute_ms = 0;
+  bool abandoned = false;  // decided without this rank: nothing computed, the batch skipped
 };
 
 // The job's outputs in the run directory: metrics.jsonl (a line per step, evaluation, view
@@ -430,6 +439,29 @@ class MetricsWriter {
 
   // One line of metrics.jsonl; the caller leads.
   void write(const nlohmann::json& line) { metrics_ << line.dump() << '\n' << std::flush; }
+
+  // Step t's line, if this rank leads: this rank's work and wait, and the step's decision.
+  void step(int64_t t, int64_t epoch, double wall_s, double loss, double lr, const Work& work,
+            double wait_ms, const collectives::QuorumResult& r) {
+    if (!lead()) return;
+    write({{"type", "step"},
+           {"step", t},
+           {"epoch", epoch},
+           {"wall_s", wall_s},
+           {"loss", loss},
+           {"lr", lr},
+           {"contributors", r.count},
+           {"quorum", r.quorum},
+           {"dropped", r.dropped},
+           {"compute_ms", work.compute_ms},
+           {"delay_ms", double(work.delay.count()) / 1000.0},
+           {"wait_ms", wait_ms},
+           {"allreduce_ms", r.reduce_ms},
+           {"decide_ms", r.decide_ms},
+           {"ready_ms", r.ready_offsets_ms},
+           {"view", r.epoch},
+           {"skipped", r.skipped}});
+  }
 
   // The coordinator's arrival log keeps its newest steps only (collectives/quorum.cc); the
   // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when
@@ -593,29 +625,350 @@ void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, in
                  parts.size() + 1, k);
 }
 
+// The step timer: what each step took and counted, for the summary (throughput, mean
+// contributors, the backup workers' saving, the quorum histogram) and the progress line.
+class StepTimer {
+ public:
+  StepTimer(int world, int64_t batch_per_rank) : world_(world), batch_per_rank_(batch_per_rank) {}
+
+  void computed(double ms) {
+    compute_total_ += ms;
+    ++compute_n_;
+  }
+
+  void record(const Work& w, const collectives::QuorumResult& r) {
+    ++quorum_hist_[r.quorum];
+    // An abandoned step's compute time: this rank's mean, for the full-sync estimate.
+    ready_after_.push_back(float(
+        w.abandoned ? (compute_n_ ? compute_total_ / double(compute_n_) : 0.0) : w.compute_ms));
+    step_ms_.push_back(float(ms_since(w.start)));
+    reduce_ms_.push_back(float(r.reduce_ms));
+    counted_ += double(r.count) * double(batch_per_rank_);
+    computed_ += double(world_) * double(batch_per_rank_);
+    contributors_ += r.count;
+    dropped_ += world_ - r.count;
+  }
+
+  double counted() const { return counted_; }  // samples whose gradients were counted
+  double contributors() const { return contributors_; }  // summed over the steps
+
+  // The summary's throughput over the step loop (`loop_s` for `ran` steps from `start`),
+  // contributors and backup workers' saving. That saving comes from the recorded timings:
+  // had every step waited for its slowest rank, it would have taken max over ranks of (delay
+  // + compute) + the reduction. Every rank's straggler delay is a pure function of (seed,
+  // rank, step), so the estimate needs no exchange with the others (which a lost rank could
+  // not answer): the slowest rank's delay plus this rank's compute time and reduction.
+  void summarize(RunSummary& sum, double loop_s, int64_t ran,
+                 const collectives::StragglerModel& straggler, uint64_t seed,
+                 int64_t start) const {
+    sum.dropped_gradients = dropped_;
+    sum.samples_per_s = loop_s > 0 ? counted_ / loop_s : 0;
+    sum.computed_samples_per_s = loop_s > 0 ? computed_ / loop_s : 0;
+    sum.mean_contributors = ran > 0 ? contributors_ / double(ran) : 0;
+    double full = 0, actual = 0;
+    for (size_t s = 0; s < ready_after_.size(); ++s) {
+      double mx = 0;
+      for (int p = 0; p < world_; ++p)
+        mx = std::max(mx, double(straggler.delay(seed, p, uint64_t(start) + s).count()) / 1000.0);
+      full += mx + double(ready_after_[s]) + double(reduce_ms_[s]);
+      actual += double(step_ms_[s]);
+    }
+    sum.full_sync_estimate_s = full / 1000.0;
+    sum.backup_saved_s = (full - actual) / 1000.0;
+  }
+
+  nlohmann::json quorum_histogram() const {  // steps decided with each quorum
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [q, n] : quorum_hist_) j[std::to_string(q)] = n;
+    return j;
+  }
+
+ private:
+  int world_;
+  int64_t batch_per_rank_;
+  double counted_ = 0, computed_ = 0, contributors_ = 0;
+  int64_t dropped_ = 0;
+  double compute_total_ = 0;
+  int64_t compute_n_ = 0;
+  std::vector<float> ready_after_;  // per step: compute time, for the full-sync estimate
+  std::vector<float> step_ms_, reduce_ms_;
+  std::map<int, int64_t> quorum_hist_;
+};
+
+// Batch, compute, contribute. The straggler model's delay comes first, cut short when the
+// step is decided without this rank; then the gradient of this rank's batch, with the batch's
+// loss in the spare slot after it, goes to the quorum all-reduce. Every train.checksum_every
+// steps the READY carries a checksum of the parameters (after t steps); the coordinator stops
+// the job if two members' differ. A step decided without this rank abandons the work: the
+// batch is skipped, so that the data stream stays aligned across ranks.
+class Worker {
+ public:
+  Worker(const TrainConfig& cfg, TrainerCore& core, collectives::QuorumAllreduce& q,
+         const collectives::StragglerModel& straggler, int rank, FaultInjector faults)
+      : cfg_(cfg),
+        core_(core),
+        q_(q),
+        straggler_(straggler),
+        rank_(rank),
+        faults_(std::move(faults)),
+        grad_(core.gradient()),
+        n_params_(core.num_params()) {}
+
+  Work compute_and_contribute(int64_t t, StepTimer& timer) {
+    Work w;
+    w.start = Clock::now();
+    w.delay = straggler_.delay(uint64_t(cfg_.run.seed), rank_, uint64_t(t));
+    w.abandoned = collectives::sleep_unless(w.delay, [&] { return q_.excluded(uint64_t(t)); });
+    if (!w.abandoned && !q_.excluded(uint64_t(t))) {
+      auto c0 = Clock::now();
+      grad_[n_params_] = float(core_.compute_gradient());
+      w.compute_ms = ms_since(c0);
+      timer.computed(w.compute_ms);
+      std::optional<uint64_t> digest;
+      if (cfg_.train.checksum_every > 0 && t > 0 && t % cfg_.train.checksum_every == 0)
+        digest = checksum(core_.params(), n_params_);
+      q_.contribute(uint64_t(t), grad_, n_params_ + 1, digest);
+      faults_(t, "ready");
+    } else {
+      w.abandoned = true;
+      core_.skip_batch();
+    }
+    return w;
+  }
+
+ private:
+  const TrainConfig& cfg_;
+  TrainerCore& core_;
+  collectives::QuorumAllreduce& q_;
+  const collectives::StragglerModel& straggler_;
+  int rank_;
+  FaultInjector faults_;
+  float* grad_;
+  size_t n_params_;
+};
+
+// The membership as the steps see it. A rank that rejoined at a step gets the state before
+// its update from its donor, and logs the first step that counts it again. View changes
+// (ranks lost, ranks back) are logged when the first step decided in the new view completes;
+// a rank that comes back heals the job once a step counts it again.
+class Membership {
+ public:
+  Membership(TrainerCore& core, collectives::QuorumAllreduce& q, MetricsWriter& out, int rank,
+             const std::optional<collectives::JoinInfo>& joined, Clock::time_point t_start,
+             Clock::time_point process_start)
+      : core_(core),
+        q_(q),
+        out_(out),
+        rank_(rank),
+        joining_(joined.has_value()),
+        view_epoch_(joined ? joined->epoch : 0),
+        t_start_(t_start),
+        process_start_(process_start) {}
+
+  // Once step t is decided: `position` is this rank's data position before the step's batch.
+  void decided(int64_t t, const collectives::QuorumResult& r, const DataPosition& position) {
+    for (const auto& j : r.joined) {
+      if (j.donor != rank_) continue;
+      CheckpointState st = core_.checkpoint_state();
+      st.position = position;
+      const std::vector<uint8_t> bytes = encode_checkpoint(st);
+      q_.send_state(j.rank, uint64_t(t), std::vector<char>(bytes.begin(), bytes.end()));
+      spdlog::info("step {}: sending the state ({:.1f} MB) to rank {}, which rejoins", t,
+                   double(bytes.size()) / 1e6, j.rank);
+    }
+    if (joining_ && !counted_once_ && r.self_counted) {
+      counted_once_ = true;
+      spdlog::warn("rank {}: first contribution counted again at step {}, {:.2f} s after this "
+                   "process started",
+                   rank_, t, std::chrono::duration<double>(Clock::now() - process_start_).count());
+    }
+  }
+
+  // After step t's update.
+  void after_step(int64_t t, const collectives::QuorumResult& r, RunSummary& sum) {
+    if (r.epoch != view_epoch_) log_views(t, r, sum);
+    for (auto it = healing_.begin(); it != healing_.end();) {
+      if (!r.contains(it->first)) {
+        ++it;
+        continue;
+      }
+      const double heal = seconds_since(it->second.lost);
+      sum.heal_s = std::max(sum.heal_s, heal);
+      if (out_.lead())
+        out_.write({{"type", "rejoin"},
+                    {"rank", it->first},
+                    {"incarnation", it->second.incarnation},
+                    {"join_step", it->second.join_step},
+                    {"counted_step", t},
+                    {"heal_s", heal}});
+      it = healing_.erase(it);
+    }
+  }
+
+ private:
+  void log_views(int64_t step, const collectives::QuorumResult& r, RunSummary& sum) {
+    const auto now = Clock::now();
+    for (const auto& v : q_.view_changes()) {
+      if (v.epoch <= view_epoch_ || v.epoch > r.epoch) continue;
+      double detect_ms = 0;
+      nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
+      std::vector<int> who;
+      for (const auto& l : v.left) {
+        left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
+        sum.evicted_ranks.push_back(l.rank);
+        who.push_back(l.rank);
+        detect_ms = std::max(detect_ms, l.silent_ms);
+        ++sum.failures_survived;
+        // Its last sign of life (for a restarted rank: the old incarnation's).
+        lost_at_[l.rank] = v.seen - std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double, std::milli>(l.silent_ms));
+      }
+      for (const auto& j : v.joined) {
+        back.push_back({{"rank", j.rank},
+                        {"incarnation", j.incarnation},
+                        {"step", j.step},
+                        {"donor", j.donor}});
+        ++sum.rejoins;
+        auto la = lost_at_.find(j.rank);
+        healing_[j.rank] = {int64_t(j.step), j.incarnation,
+                           la != lost_at_.end() ? la->second : v.seen};
+        spdlog::warn("view {}: rank {} rejoined at step {} (incarnation {}, {:.1f} s after it "
+                     "left; state from rank {}); {} ranks: {}",
+                     v.epoch, j.rank, j.step, j.incarnation,
+                     la != lost_at_.end() ? std::chrono::duration<double>(v.seen - la->second).count()
+                                         : 0.0,
+                     j.donor, v.members.size(), fmt::join(v.members, ", "));
+      }
+      nlohmann::json line{{"type", "view"},
+                          {"step", step},
+                          {"epoch", v.epoch},
+                          {"wall_s", std::chrono::duration<double>(now - t_start_).count()},
+                          {"members", v.members},
+                          {"left", left},
+                          {"joined", back}};
+      // From the lost rank's last sign of life to this step, the first completed without it.
+      const double recovery =
+          detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
+      if (!v.left.empty()) {
+        sum.recovery_s = std::max(sum.recovery_s, recovery);
+        line["detection_ms"] = detect_ms;
+        line["recovery_s"] = recovery;
+      }
+      if (out_.lead()) out_.write(line);
+      if (v.left.empty()) continue;
+      spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
+                   "completed {:.2f} s after the lost rank's last sign of life",
+                   v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
+                   fmt::join(v.members, ", "), step, recovery);
+    }
+    view_epoch_ = r.epoch;
+  }
+
+  struct Healing {
+    int64_t join_step;
+    uint32_t incarnation;
+    Clock::time_point lost;
+  };
+
+  TrainerCore& core_;
+  collectives::QuorumAllreduce& q_;
+  MetricsWriter& out_;
+  int rank_;
+  bool joining_;
+  bool counted_once_ = false;  // the joiner: has a step counted its contribution yet
+  uint64_t view_epoch_;
+  Clock::time_point t_start_, process_start_;
+  std::map<int, Clock::time_point> lost_at_;  // rank -> when the view without it formed
+  std::map<int, Healing> healing_;            // rejoined, not yet counted
+};
+
+// The progress line (log.progress), at the coordinator: redrawn on a terminal at most four
+// times a second, else logged every 10 s, and at the last step.
+class Progress {
+ public:
+  Progress(const TrainConfig& cfg, collectives::QuorumAllreduce& q, MetricsWriter& out,
+           int world, int64_t start, int64_t total, int64_t steps_per_epoch,
+           Clock::time_point t_start, bool tty)
+      : on_(cfg.log.progress),
+        q_(q),
+        out_(out),
+        world_(world),
+        start_(start),
+        total_(total),
+        steps_per_epoch_(steps_per_epoch),
+        t_start_(t_start),
+        tty_(tty) {}
+
+  void after_step(int64_t t, double loss, double accuracy, const StepTimer& timer,
+                  const RunSummary& sum) {
+    if (!on_ || !out_.lead()) return;
+    const int64_t done = t + 1;
+    auto now = Clock::now();
+    double since = std::chrono::duration<double>(now - last_).count();
+    if (!((tty_ && since > 0.25) || (!tty_ && since > 10) || done == total_)) return;
+    last_ = now;
+    double wall = std::chrono::duration<double>(now - t_start_).count();
+    double sps = wall > 0 ? timer.counted() / wall : 0;
+    double eta = (done > start_) ? wall / double(done - start_) * double(total_ - done) : 0;
+    std::string line = fmt::format(
+        "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
+        "ETA {}{}",
+        t / steps_per_epoch_ + 1, (total_ + steps_per_epoch_ - 1) / steps_per_epoch_, done,
+        total_, loss, accuracy < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * accuracy),
+        sps, timer.contributors() / double(done - start_), hms(eta),
+        sum.evicted_ranks.empty()
+            ? std::string()
+            : fmt::format(" live {}/{} (lost {}{})", q_.members().size(), world_,
+                          fmt::join(sum.evicted_ranks, ","),
+                          sum.rejoins ? fmt::format(", {} rejoined", sum.rejoins) : ""));
+    if (tty_)
+      fmt::print(stderr, "\r\033[K{}", line);
+    else
+      spdlog::info("{}", line);
+  }
+
+  // After the loop: the terminal's line ends.
+  void end() {
+    if (tty_ && on_ && out_.lead()) fmt::print(stderr, "\n");
+  }
+
+ private:
+  bool on_;
+  collectives::QuorumAllreduce& q_;
+  MetricsWriter& out_;
+  int world_;
+  int64_t start_, total_, steps_per_epoch_;
+  Clock::time_point t_start_;
+  bool tty_;
+  Clock::time_point last_ = Clock::now() - std::chrono::hours(1);
+};
+
 }  // namespace
 
-RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
-                 const TrainerOptions& opts) {
+namespace {
+
+// summary.json: the run's summary, the job's shape and the quorums its steps were decided with.
+nlohmann::json summary_json(const RunSummary& sum, const TrainConfig& cfg, int world, int quorum,
+                            const StepTimer& timer, const std::string& provider,
+                            const collectives::StragglerModel& straggler, bool finished) {
+  nlohmann::json j = sum.to_json();
+  j["world"] = world;
+  j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
+  j["quorum_histogram"] = timer.quorum_histogram();
+  j["provider"] = provider;
+  j["straggler"] = straggler.spec();
+  j["finished"] = finished;
+  return j;
+}
+
+// The synchronous trainer (train.mode "sync"): each step, every rank computes the gradient
+// of its batch and contributes it to the quorum all-reduce, waits for the step's decision
+// (the mean of the first Q contributions) and applies it; the parts beside the loop above
+// write the metrics, evaluate, checkpoint and time the steps. `joining`: this process is a
+// new incarnation that rejoins the running job.
+RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
+                      const TrainerOptions& opts, bool joining) {
   const int rank = comm.rank(), world = comm.size();
-  // A new incarnation of this rank joins the running job (docs/design.md, "Rejoin"): it runs
-  // no collective with the others, takes the state of a live member, and its configuration is
-  // checked against that state's fingerprint instead.
-  const bool joining = opts.incarnation > 0 && world > 1;
-  if (joining && !opts.store)
-    throw UsageError(fmt::format("rank {}: incarnation {} joins a running job, which needs the "
-                                 "rendezvous store",
-                                 rank, opts.incarnation));
-  // Every rank runs the same configuration and kernels (a joiner is checked at admission).
-  if (world > 1 && !joining) check_config_agrees(cfg, comm);
-  cfg.validate(world);
-  if (cfg.train.mode == "async") {
-    if (joining)
-      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
-                                    "(incarnation {}); restart the job with --resume instead",
-                                    rank, opts.incarnation));
-    return train_async(cfg, comm, opts);
-  }
   const int quorum = cfg.quorum_count(world);
   const uint64_t seed = uint64_t(cfg.run.seed);
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
@@ -645,11 +998,9 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
   // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, n_params + 1, qo);
-  float* const grad = core.gradient();
-  comm.register_buffer(grad, (n_params + 1) * sizeof(float));
+  comm.register_buffer(core.gradient(), (n_params + 1) * sizeof(float));
   const FaultInjector maybe_fault(opts.faults, rank);
-  if (maybe_fault.any_at("ring"))
-    q.on_phase([maybe_fault](uint64_t step, const char* phase) { maybe_fault(int64_t(step), phase); });
+  maybe_fault.hook_ring_phase(q);
 
   int64_t start = 0;
   std::optional<collectives::JoinInfo> joined;
@@ -672,140 +1023,30 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
 
   RunSummary sum;
   const auto t_start = Clock::now();
-  double counted = 0, computed = 0, contributors = 0;
-  double compute_total = 0;
-  int64_t compute_n = 0;
-  std::vector<float> ready_after;  // per step: compute time, for the full-sync estimate
-  std::vector<float> step_ms_v, reduce_ms_v;
-  std::map<int, int64_t> quorum_hist;  // steps decided with each quorum
-  auto last_progress = Clock::now() - std::chrono::hours(1);
   const bool tty = isatty(2);
-  double last_loss = 0;
-
+  Worker worker(cfg, core, q, straggler, rank, maybe_fault);
+  StepTimer timer(world, batch_per_rank);
+  Membership membership(core, q, out, rank, joined, t_start, opts.process_start);
   Evaluator evaluate(cfg, core, data.test, q, rank, maybe_fault, out, t_start, tty);
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
-
-  // View changes (ranks lost, ranks back), logged when the first step decided in the new
-  // view completes. A rank that comes back heals the job once a step counts it again.
-  uint64_t view_epoch = joined ? joined->epoch : 0;
-  std::map<int, Clock::time_point> lost_at;  // rank -> when the view without it formed
-  struct Healing {
-    int64_t join_step;
-    uint32_t incarnation;
-    Clock::time_point lost;
-  };
-  std::map<int, Healing> healing;  // rejoined, not yet counted
-  auto log_views = [&](int64_t step, const collectives::QuorumResult& r) {
-    const auto now = Clock::now();
-    for (const auto& v : q.view_changes()) {
-      if (v.epoch <= view_epoch || v.epoch > r.epoch) continue;
-      double detect_ms = 0;
-      nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
-      std::vector<int> who;
-      for (const auto& l : v.left) {
-        left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
-        sum.evicted_ranks.push_back(l.rank);
-        who.push_back(l.rank);
-        detect_ms = std::max(detect_ms, l.silent_ms);
-        ++sum.failures_survived;
-        // Its last sign of life (for a restarted rank: the old incarnation's).
-        lost_at[l.rank] = v.seen - std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double, std::milli>(l.silent_ms));
-      }
-      for (const auto& j : v.joined) {
-        back.push_back({{"rank", j.rank},
-                        {"incarnation", j.incarnation},
-                        {"step", j.step},
-                        {"donor", j.donor}});
-        ++sum.rejoins;
-        auto la = lost_at.find(j.rank);
-        healing[j.rank] = {int64_t(j.step), j.incarnation,
-                           la != lost_at.end() ? la->second : v.seen};
-        spdlog::warn("view {}: rank {} rejoined at step {} (incarnation {}, {:.1f} s after it "
-                     "left; state from rank {}); {} ranks: {}",
-                     v.epoch, j.rank, j.step, j.incarnation,
-                     la != lost_at.end() ? std::chrono::duration<double>(v.seen - la->second).count()
-                                         : 0.0,
-                     j.donor, v.members.size(), fmt::join(v.members, ", "));
-      }
-      nlohmann::json line{{"type", "view"},
-                          {"step", step},
-                          {"epoch", v.epoch},
-                          {"wall_s", std::chrono::duration<double>(now - t_start).count()},
-                          {"members", v.members},
-                          {"left", left},
-                          {"joined", back}};
-      // From the lost rank's last sign of life to this step, the first completed without it.
-      const double recovery =
-          detect_ms / 1000.0 + std::chrono::duration<double>(now - v.seen).count();
-      if (!v.left.empty()) {
-        sum.recovery_s = std::max(sum.recovery_s, recovery);
-        line["detection_ms"] = detect_ms;
-        line["recovery_s"] = recovery;
-      }
-      if (out.lead()) out.write(line);
-      if (v.left.empty()) continue;
-      spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
-                   "completed {:.2f} s after the lost rank's last sign of life",
-                   v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
-                   fmt::join(v.members, ", "), step, recovery);
-    }
-    view_epoch = r.epoch;
-  };
+  Progress progress(cfg, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
   collectives::QuorumAllreduce::View result;  // the current step's mean gradient
+  double last_loss = 0;
   int64_t t = start;
-  bool counted_once = false;  // the joiner: has a step counted its contribution yet
   for (; t < total; ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
     maybe_fault(t, "step");
     const DataPosition position = core.position();  // before this step's batch
-    const auto step_start = Clock::now();
-    const auto delay = straggler.delay(seed, rank, uint64_t(t));
-    bool abandoned = collectives::sleep_unless(delay, [&] { return q.excluded(uint64_t(t)); });
-    double compute_ms = 0;
-    if (!abandoned && !q.excluded(uint64_t(t))) {
-      auto c0 = Clock::now();
-      grad[n_params] = float(core.compute_gradient());
-      compute_ms = ms_since(c0);
-      compute_total += compute_ms;
-      ++compute_n;
-      // Every train.checksum_every steps the READY carries a checksum of the parameters
-      // (after t steps); the coordinator stops the job if two members' differ.
-      std::optional<uint64_t> digest;
-      if (cfg.train.checksum_every > 0 && t > 0 && t % cfg.train.checksum_every == 0)
-        digest = checksum(core.params(), n_params);
-      q.contribute(uint64_t(t), grad, n_params + 1, digest);
-      maybe_fault(t, "ready");
-    } else {
-      abandoned = true;
-      core.skip_batch();  // stale work abandoned; the data stream stays aligned across ranks
-    }
+    const Work work = worker.compute_and_contribute(t, timer);
     const auto w0 = Clock::now();
     // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
     // lose ranks, the all-reduce's kept buffer), held until the next step's wait.
     collectives::QuorumResult r = q.wait(uint64_t(t), &result);
     const double wait_ms = ms_since(w0);
-    // A rank that rejoined at this step gets the state before its update from its donor.
-    for (const auto& j : r.joined) {
-      if (j.donor != rank) continue;
-      CheckpointState st = core.checkpoint_state();
-      st.position = position;
-      const std::vector<uint8_t> bytes = encode_checkpoint(st);
-      q.send_state(j.rank, uint64_t(t), std::vector<char>(bytes.begin(), bytes.end()));
-      spdlog::info("step {}: sending the state ({:.1f} MB) to rank {}, which rejoins", t,
-                   double(bytes.size()) / 1e6, j.rank);
-    }
-    if (joining && !counted_once && r.self_counted) {
-      counted_once = true;
-      spdlog::warn("rank {}: first contribution counted again at step {}, {:.2f} s after this "
-                   "process started",
-                   rank, t,
-                   std::chrono::duration<double>(Clock::now() - opts.process_start).count());
-    }
+    membership.decided(t, r, position);
     const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
     const double lr = core.lr() * lr_scale;
-    ++quorum_hist[r.quorum];
     if (r.skipped) {
       // A member was lost mid-step and too few contributors survived: no rank updates.
       ++sum.skipped_steps;
@@ -815,130 +1056,57 @@ RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
       last_loss = mean[n_params];
       core.apply_gradient(mean, lr_scale);
     }
-    if (r.epoch != view_epoch) log_views(t, r);
-    for (auto it = healing.begin(); it != healing.end();) {
-      if (!r.contains(it->first)) {
-        ++it;
-        continue;
-      }
-      const double heal = std::chrono::duration<double>(Clock::now() - it->second.lost).count();
-      sum.heal_s = std::max(sum.heal_s, heal);
-      if (out.lead())
-        out.write({{"type", "rejoin"},
-                   {"rank", it->first},
-                   {"incarnation", it->second.incarnation},
-                   {"join_step", it->second.join_step},
-                   {"counted_step", t},
-                   {"heal_s", heal}});
-      it = healing.erase(it);
-    }
-
-    const double delay_ms = double(delay.count()) / 1000.0;
-    ready_after.push_back(
-        float(abandoned ? (compute_n ? compute_total / double(compute_n) : 0.0) : compute_ms));
-    step_ms_v.push_back(float(ms_since(step_start)));
-    reduce_ms_v.push_back(float(r.reduce_ms));
-    counted += double(r.count) * double(batch_per_rank);
-    computed += double(world) * double(batch_per_rank);
-    contributors += r.count;
-    sum.dropped_gradients += world - r.count;
-
-    if (out.lead()) {
-      out.write({{"type", "step"},
-                       {"step", t},
-                       {"epoch", t / steps_per_epoch},
-                       {"wall_s", std::chrono::duration<double>(Clock::now() - t_start).count()},
-                       {"loss", last_loss},
-                       {"lr", lr},
-                       {"contributors", r.count},
-                       {"quorum", r.quorum},
-                       {"dropped", r.dropped},
-                       {"compute_ms", compute_ms},
-                       {"delay_ms", delay_ms},
-                       {"wait_ms", wait_ms},
-                       {"allreduce_ms", r.reduce_ms},
-                       {"decide_ms", r.decide_ms},
-                       {"ready_ms", r.ready_offsets_ms},
-                       {"view", r.epoch},
-                 {"skipped", r.skipped}});
-    }
+    membership.after_step(t, r, sum);
+    timer.record(work, r);
+    out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);
     const int64_t done = t + 1;
     out.after_step(done);
     if (done % eval_every == 0 && done < total) evaluate(done, sum);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
       checkpoints.save(done);
-    if (cfg.log.progress && out.lead()) {
-      auto now = Clock::now();
-      double since = std::chrono::duration<double>(now - last_progress).count();
-      if ((tty && since > 0.25) || (!tty && since > 10) || done == total) {
-        last_progress = now;
-        double wall = std::chrono::duration<double>(now - t_start).count();
-        double sps = wall > 0 ? counted / wall : 0;
-        double eta = (done > start) ? wall / double(done - start) * double(total - done) : 0;
-        std::string line = fmt::format(
-            "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
-            "ETA {}{}",
-            t / steps_per_epoch + 1, (total + steps_per_epoch - 1) / steps_per_epoch, done, total,
-            last_loss, evaluate.last_accuracy() < 0
-                ? std::string("-")
-                : fmt::format("{:.2f}%", 100 * evaluate.last_accuracy()),
-            sps, contributors / double(done - start), hms(eta),
-            sum.evicted_ranks.empty()
-                ? std::string()
-                : fmt::format(" live {}/{} (lost {}{})", q.members().size(), world,
-                              fmt::join(sum.evicted_ranks, ","),
-                              sum.rejoins ? fmt::format(", {} rejoined", sum.rejoins) : ""));
-        if (tty)
-          fmt::print(stderr, "\r\033[K{}", line);
-        else
-          spdlog::info("{}", line);
-      }
-    }
+    progress.after_step(t, last_loss, evaluate.last_accuracy(), timer, sum);
   }
-  if (tty && cfg.log.progress && out.lead()) fmt::print(stderr, "\n");
-  const double loop_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-  const int64_t ran = t - start;
+  progress.end();
+  const double loop_s = seconds_since(t_start);
   const bool finished = t >= total;
   if (finished) evaluate(t, sum);
   if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
   if (cfg.train.checkpoint_every > 0 || finished) checkpoints.save(t);
 
-  sum.wall_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  sum.wall_s = seconds_since(t_start);
   sum.steps = t;
   // Throughput over the step loop (evaluations inside it included, the final one not).
-  sum.samples_per_s = loop_s > 0 ? counted / loop_s : 0;
-  sum.computed_samples_per_s = loop_s > 0 ? computed / loop_s : 0;
-  sum.mean_contributors = ran > 0 ? contributors / double(ran) : 0;
+  timer.summarize(sum, loop_s, t - start, straggler, seed, start);
   sum.params_checksum = checksum(core.params(), n_params);
-
-  // The backup workers' saving, from the recorded timings: had every step waited for its
-  // slowest rank, it would have taken max over ranks of (delay + compute) + the reduction.
-  // Every rank's straggler delay is a pure function of (seed, rank, step), so the estimate
-  // needs no exchange with the others (which a lost rank could not answer): the slowest
-  // rank's delay plus this rank's compute time and reduction.
-  double full = 0, actual = 0;
-  for (size_t s = 0; s < ready_after.size(); ++s) {
-    double mx = 0;
-    for (int p = 0; p < world; ++p)
-      mx = std::max(mx, double(straggler.delay(seed, p, uint64_t(start) + s).count()) / 1000.0);
-    full += mx + double(ready_after[s]) + double(reduce_ms_v[s]);
-    actual += double(step_ms_v[s]);
-  }
-  sum.full_sync_estimate_s = full / 1000.0;
-  sum.backup_saved_s = (full - actual) / 1000.0;
-
-  if (out.lead()) {
-    nlohmann::json j = sum.to_json();
-    j["world"] = world;
-    j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
-    j["quorum_histogram"] = nlohmann::json::object();
-    for (const auto& [q, n] : quorum_hist) j["quorum_histogram"][std::to_string(q)] = n;
-    j["provider"] = comm.provider();
-    j["straggler"] = straggler.spec();
-    j["finished"] = finished;
-    out.finish(j);
-  }
+  if (out.lead())
+    out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished));
   return sum;
+}
+
+}  // namespace
+
+RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
+                 const TrainerOptions& opts) {
+  const int rank = comm.rank(), world = comm.size();
+  // A new incarnation of this rank joins the running job (docs/design.md, "Rejoin"): it runs
+  // no collective with the others, takes the state of a live member, and its configuration is
+  // checked against that state's fingerprint instead.
+  const bool joining = opts.incarnation > 0 && world > 1;
+  if (joining && !opts.store)
+    throw UsageError(fmt::format("rank {}: incarnation {} joins a running job, which needs the "
+                                 "rendezvous store",
+                                 rank, opts.incarnation));
+  // Every rank runs the same configuration and kernels (a joiner is checked at admission).
+  if (world > 1 && !joining) check_config_agrees(cfg, comm);
+  cfg.validate(world);
+  if (cfg.train.mode == "async") {
+    if (joining)
+      throw ConfigError(fmt::format("rank {}: train.mode = \"async\" cannot take a rank back "
+                                    "(incarnation {}); restart the job with --resume instead",
+                                    rank, opts.incarnation));
+    return train_async(cfg, comm, opts);
+  }
+  return train_sync(cfg, comm, opts, joining);
 }
 
 }  // namespace qring::train
