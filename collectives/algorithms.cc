@@ -103,6 +103,16 @@ void cancel_pending(net::Endpoint& ep, const std::vector<net::RequestPtr>& recvs
     if (rv && !rv->done()) ep.cancel(rv);
 }
 
+// An abandoned op discards at most this many messages it still expected: the earliest ones,
+// which are those a peer can have sent (each of its sends waits for the one before it to be
+// received, up to a few in flight).
+constexpr size_t kMaxDiscards = 256;
+
+// A receive an abandoned op still expected: not posted, or cancelled by abort().
+bool unreceived(const net::RequestPtr& rv) {
+  return !rv || rv->state == net::RequestState::kCancelled;
+}
+
 template <typename Container>
 bool pending(const Container& reqs) {
   for (const auto& r : reqs)
@@ -236,6 +246,25 @@ class RingOp final : public EngineOp {
   void abort(net::Endpoint& ep) override {
     for (const auto& lane : lanes_) cancel_pending(ep, lane.recvs);
     unsent_.clear();
+  }
+  // The left neighbour's messages still expected: each active lane's remaining stages, then
+  // the segments no lane has started.
+  void abandon(net::Endpoint& ep, Deadline until) override {
+    abort(ep);
+    if (done_) return;
+    size_t n = 0;
+    auto expect = [&](size_t seg_index, size_t stage, const net::RequestPtr& rv) {
+      auto [rb, rn] = seg(stages_[stage].recv_chunk, seg_index);
+      if (!rn || !unreceived(rv) || n >= kMaxDiscards) return;
+      ep.discard(left_, net::make_tag(args_.tag_op, seq, stage * nseg_ + seg_index), rn * elem_,
+                 until);
+      ++n;
+    };
+    for (const auto& lane : lanes_)
+      if (lane.active)
+        for (size_t st = lane.stage; st < stages_.size(); ++st) expect(lane.seg, st, lane.recvs[st]);
+    for (size_t j = next_seg_; j < nseg_; ++j)
+      for (size_t st = 0; st < stages_.size(); ++st) expect(j, st, nullptr);
   }
   bool holds_buffers() const override { return pending(sends_); }
 
@@ -474,6 +503,35 @@ class RecursiveDoublingOp final : public EngineOp {
   void abort(net::Endpoint& ep) override {
     if (recv_ && !recv_->done()) ep.cancel(recv_);
   }
+  // The messages still expected: the current receive if it got nothing, then the later
+  // rounds' (an extra rank: only the result it waits for).
+  void abandon(net::Endpoint& ep, Deadline until) override {
+    abort(ep);
+    if (done_ || n_ == 1 || bytes_ == 0) return;
+    const bool current = recv_ && recv_->state == net::RequestState::kCancelled;
+    auto round_of = [](int mask) {
+      int round = 1;
+      for (int m = mask; m > 1; m >>= 1) ++round;
+      return round;
+    };
+    switch (phase_) {
+      case Phase::kExtraWait:
+        if (current) ep.discard(ring_[size_t(me_ - p_)], tag(99), bytes_, until);
+        return;
+      case Phase::kGiveBack:
+        return;
+      case Phase::kAbsorb:
+        if (current) ep.discard(ring_[size_t(peer_)], tag(0), bytes_, until);
+        for (int m = mask_; m < p_; m <<= 1)
+          ep.discard(ring_[size_t(me_ ^ m)], tag(uint64_t(round_of(m))), bytes_, until);
+        return;
+      case Phase::kRounds:
+        for (int m = mask_; m < p_; m <<= 1)
+          if (m != mask_ || current)
+            ep.discard(ring_[size_t(me_ ^ m)], tag(uint64_t(round_of(m))), bytes_, until);
+        return;
+    }
+  }
   bool holds_buffers() const override { return send_ && !send_->done(); }
   std::string waiting_on() const override {
     if (recv_ && !recv_->done())
@@ -639,6 +697,25 @@ class HalvingDoublingOp final : public EngineOp {
 
   void abort(net::Endpoint& ep) override {
     for (const auto& s : steps_) cancel_pending(ep, s.recvs);
+  }
+  // The segments still expected from this and the later steps' partners.
+  void abandon(net::Endpoint& ep, Deadline until) override {
+    abort(ep);
+    if (done_) return;
+    size_t n = 0;
+    for (size_t k = step_; k < steps_.size() && n < kMaxDiscards; ++k) {
+      const StepPlan& s = steps_[k];
+      size_t b = block_off(s.keep_lo), e = block_off(s.keep_hi);
+      size_t nseg = (e - b + seg_elems_ - 1) / seg_elems_;
+      for (size_t j = 0; j < nseg && n < kMaxDiscards; ++j) {
+        // Posted receives (this step's and the next one's) that completed were reset (null)
+        // or are done; the later steps' are not posted yet.
+        if (j < s.recvs.size() && !(s.recvs[j] && unreceived(s.recvs[j]))) continue;
+        size_t len = std::min(seg_elems_, e - b - j * seg_elems_);
+        ep.discard(ring_[size_t(s.peer)], tag(k, j), len * elem_, until);
+        ++n;
+      }
+    }
   }
   bool holds_buffers() const override {
     for (const auto& s : steps_)

@@ -31,6 +31,11 @@ class EngineOp {
   // true afterwards, the engine closes the endpoint before anyone learns of the failure, so
   // that no buffer stays posted into memory whose owner may free it.
   virtual void abort(net::Endpoint& ep) = 0;
+  // Gives the op up while its peers may still be working on it (the quorum service decides a
+  // step again without them, or after one failed): abort(), and the messages the op still
+  // expected are discarded (net::Endpoint::discard) until `until`, so that a peer that sent
+  // one before giving up too is not held back by it. Default: abort() only.
+  virtual void abandon(net::Endpoint& ep, Deadline /*until*/) { abort(ep); }
   // After abort(): whether a request of this op that uses its caller's memory is still
   // pending (a send that has not completed: sends cannot be cancelled).
   virtual bool holds_buffers() const { return false; }

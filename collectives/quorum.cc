@@ -172,6 +172,7 @@ struct JoinAgentIo {
   std::vector<uint32_t> incarnations;    // per rank, as the coordinator knows them
   std::vector<char> outside;             // per rank: not in the coordinator's view
   bool searching = false;                // the joiner: look for the members' addresses
+  bool watch_end = false;                // the joiner: until it has its state, watch for the end
   bool finished = false;                 // the joiner: the job has ended (join_done_key)
   // agent -> service
   std::deque<std::string> published;
@@ -329,6 +330,7 @@ class QuorumService final : public EngineOp {
       if (joining_) {
         sh_->coordinator = -1;
         sh_->agent.searching = true;
+        sh_->agent.watch_end = true;
       }
       ViewChange v;
       v.members = view_.members;
@@ -887,6 +889,7 @@ class QuorumService final : public EngineOp {
         sh_->state_bytes = state_req_->bytes;
       }
       sh_->state_done = true;
+      sh_->agent.watch_end = false;
       state_req_.reset();
       sh_->cv.notify_all();
       moved = true;
@@ -1220,14 +1223,19 @@ class QuorumService final : public EngineOp {
     }
     bool have = done_.count(t) != 0;
     if (!have) {
+      // The other members may have sent this step's messages already, or still send them
+      // until they hear of the recovery too: what is left is discarded (EngineOp::abandon),
+      // not left to hold back their later sends to this rank.
+      const Deadline until = Clock::now() + o_.deadline;
       auto r = rings_.find(t);
       if (r != rings_.end()) {
-        r->second.op->abort(ep);
+        r->second.op->abandon(ep, until);
         rings_.erase(r);
       }
       auto rr = result_recvs_.find(t);
       if (rr != result_recvs_.end()) {
-        if (!rr->second.req->done()) ep.cancel(rr->second.req);
+        const ResultRecv& x = rr->second;
+        if (!x.req->done() && ep.cancel(x.req)) ep.discard(x.from, x.req->tag, x.req->len, until);
         result_recvs_.erase(rr);
       }
     }
@@ -1538,7 +1546,7 @@ class QuorumService final : public EngineOp {
         spdlog::warn("rank {}: quorum step {}: the reduction among {} failed: {}; waiting for "
                      "the coordinator to decide the step again",
                      rank_, it->first, ring.members, e.what());
-        ring.op->abort(ep);
+        ring.op->abandon(ep, Clock::now() + o_.deadline);
         failed_[it->first] = Clock::now();
         it = rings_.erase(it);
         moved = true;
@@ -1829,7 +1837,7 @@ void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* sto
   while (true) {
     std::deque<std::pair<std::string, std::string>> publish;
     std::deque<JoinAgentIo::Fetch> fetch;
-    bool coordinating, searching;
+    bool coordinating, searching, watch_end;
     std::vector<uint32_t> incs;
     std::vector<char> outside;
     {
@@ -1841,6 +1849,7 @@ void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* sto
       fetch.swap(a.fetch);
       coordinating = a.coordinating;
       searching = a.searching;
+      watch_end = a.watch_end;
       incs = a.incarnations;
       outside = a.outside;
     }
@@ -1885,7 +1894,7 @@ void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* sto
         }
       }
     }
-    if (searching && now - last_done_check >= 200ms) {
+    if ((searching || watch_end) && now - last_done_check >= 200ms) {
       last_done_check = now;
       // The job may have finished while this rank was away.
       for (int p = 0; p < world && !out.finished; ++p) {
@@ -2275,9 +2284,13 @@ JoinInfo QuorumAllreduce::join(Clock::time_point until) {
   if (!opts_.join) throw UsageError("quorum join(): this all-reduce was not made to join");
   std::unique_lock<std::mutex> lock(shared_->mu);
   const auto t0 = Clock::now();
-  while (!shared_->joined_info && !shared_->poison && Clock::now() < until)
+  while (!shared_->joined_info && !shared_->poison && !shared_->agent.finished &&
+         Clock::now() < until)
     shared_->cv.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(50)));
   if (shared_->poison) std::rethrow_exception(shared_->poison);
+  if (!shared_->joined_info && shared_->agent.finished)
+    throw JobOver(fmt::format("rank {}: the job finished before this incarnation was admitted",
+                              comm_.rank()));
   if (!shared_->joined_info)
     throw QuorumTimeout(
         fmt::format("rank {}: rejoining the running job: not admitted within {:.0f} ms ({})",
@@ -2299,9 +2312,16 @@ size_t QuorumAllreduce::receive_state(void* buf, size_t len, Clock::time_point u
   comm_.engine().kick();
   std::unique_lock<std::mutex> lock(shared_->mu);
   const auto t0 = Clock::now();
-  while (!shared_->state_done && !shared_->poison && Clock::now() < until)
+  while (!shared_->state_done && !shared_->poison && !shared_->agent.finished &&
+         Clock::now() < until)
     shared_->cv.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(50)));
   if (shared_->poison) std::rethrow_exception(shared_->poison);
+  // Admitted at the very end: the members finished before the donor's next step boundary,
+  // where it would have sent the state.
+  if (!shared_->state_done && shared_->agent.finished)
+    throw JobOver(fmt::format("rank {}: the job finished before this incarnation got its state "
+                              "from rank {}",
+                              comm_.rank(), donor));
   if (!shared_->state_done)
     throw QuorumTimeout(fmt::format("rank {}: rejoining: no state from rank {} (the donor) "
                                     "within {:.0f} ms",

@@ -116,6 +116,15 @@ class Endpoint {
   // only its completion or close() frees its buffer.
   virtual bool cancel(const RequestPtr& req) = 0;
 
+  // A message this rank no longer wants: the receive of an operation it gave up on (posted
+  // and cancelled, or never posted) whose sender may have sent it, or may still send it until
+  // it gives up too. A transport where a message nobody receives holds back the sender's later
+  // ones (shm completes an endpoint's sends in order, and a large send only once the receiver
+  // takes it) receives it into a buffer of its own and drops it; the receive is withdrawn at
+  // `until` if nothing came. Errors of such a receive mark no one suspect. A transport where
+  // an unreceived message costs the sender nothing ignores it (the default).
+  virtual void discard(int /*peer*/, uint64_t /*tag*/, size_t /*len*/, Deadline /*until*/) {}
+
   // Closes the transport ahead of destruction. Every request still pending ends (kCancelled:
   // a receive got nothing, a send may or may not have been delivered) and no buffer given to
   // isend or irecv is read or written after close() returns, including the buffer of a

@@ -495,6 +495,7 @@ class FabricEndpoint final : public Endpoint {
     any_.clear();
     stash_.clear();
     ready_any_ = 0;
+    sinks_.clear();  // the provider holds none of their buffers now
     if (!left.empty())
       spdlog::debug("rank {}: endpoint closed with {} operations unfinished", rank_, left.size());
   }
@@ -585,21 +586,22 @@ class FabricEndpoint final : public Endpoint {
         if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
       if (self_shares) insert_peer(rank_, names_[i]);
     } else {
-      bool pending = false;
+      std::vector<OpCtx*> recvs;
       for (OpCtx* c : posted) {
         if (c->req->is_send) continue;
         fi_cancel(&c->ep->fid, c);
-        pending = true;
+        recvs.push_back(c);
       }
       // The provider reports each cancelled receive (FI_ECANCELED): wait, so that their
       // buffers are free and no message of the old incarnation lands in them afterwards.
+      // A context that completed is deleted: only its address is compared from then on.
       Deadline dl = deadline_in(std::chrono::seconds(5));
       auto still = [&] {
-        for (OpCtx* c : posted)
-          if (!c->req->is_send && outstanding_.count(c)) return true;
+        for (OpCtx* c : recvs)
+          if (outstanding_.count(c)) return true;
         return false;
       };
-      while (pending && still()) {
+      while (still()) {
         if (progress()) continue;
         if (Clock::now() > dl)
           throw TimeoutError(fmt::format("rank {}: reset_peer({}): receives from the old "
@@ -688,10 +690,26 @@ class FabricEndpoint final : public Endpoint {
     }
     if (!active_.empty()) handled += retry_queues();
     if (!any_.empty()) handled += progress_any();
+    if (!sinks_.empty()) reap_sinks();
     return handled;
   }
 
   std::vector<int> suspect_peers() const override { return suspects_; }
+
+  // Every provider here: shm needs it (an unreceived large send holds back the completion of
+  // every later send of its endpoint); over tcp (ofi_rxm) an unreceived message keeps the
+  // sender's buffer (rendezvous) or one of the receiver's unexpected-message buffers (eager)
+  // until the endpoint closes. Sinks are bounded in number: the oldest is withdrawn first.
+  void discard(int peer, uint64_t tag, size_t len, Deadline until) override {
+    if (closed_) return;
+    check_peer(peer, "discard");
+    if (peer == rank_) return;  // this rank's own messages: it gave up sending them too
+    if (sinks_.size() >= kMaxSinks) withdraw(sinks_.front());
+    Sink& s = sinks_.emplace_back();
+    s.buf = std::make_unique<char[]>(std::max<size_t>(len, 1));
+    s.until = until;
+    s.req = irecv(peer, tag, s.buf.get(), len);
+  }
 
   bool cancel(const RequestPtr& req) override {
     if (req->done()) return false;
@@ -1184,6 +1202,53 @@ class FabricEndpoint final : public Endpoint {
     stash_.push_back(std::move(m));
   }
 
+  // ---- sinks (discard): receives of messages nobody wants, into buffers of their own.
+  struct Sink {
+    RequestPtr req;
+    std::unique_ptr<char[]> buf;
+    Deadline until;
+    bool withdrawn = false;
+  };
+  static constexpr size_t kMaxSinks = 1024;
+
+  bool is_sink(const Request* r) const {
+    for (const Sink& s : sinks_)
+      if (s.req.get() == r) return true;
+    return false;
+  }
+
+  // Withdraws a sink's receive without waiting: the provider confirms the cancellation in a
+  // later progress(), after which reap_sinks() frees its buffer.
+  void withdraw(Sink& s) {
+    if (s.withdrawn || s.req->done()) return;
+    s.withdrawn = true;
+    auto it = std::find_if(any_.begin(), any_.end(), [&](const auto& a) { return a->req == s.req; });
+    if (it != any_.end()) {
+      const std::shared_ptr<AnyRecv> a = *it;
+      if (a->ready)
+        take_ready(*a);
+      else
+        cancel_parts(*a);
+      return;
+    }
+    for (OpCtx* c : outstanding_)
+      if (c->req == s.req && c->posted) fi_cancel(&c->ep->fid, c);
+    drop_queued(s.req);
+  }
+
+  void reap_sinks() {
+    const auto now = Clock::now();
+    for (auto it = sinks_.begin(); it != sinks_.end();) {
+      if (it->req->done()) {
+        deregister_memory(it->buf.get());
+        it = sinks_.erase(it);
+        continue;
+      }
+      if (now > it->until) withdraw(*it);
+      ++it;
+    }
+  }
+
   // Removes the unposted fragments of a receive from its post queue, cancelled.
   void drop_queued(const RequestPtr& req) {
     const size_t qi = queue_index(false, req->peer);
@@ -1248,7 +1313,7 @@ class FabricEndpoint final : public Endpoint {
         req.peer == kAnyPeer
             ? "from any peer: " + detail
             : fmt::format("{} rank {}: {}", req.is_send ? "to" : "from", req.peer, detail);
-    if (req.peer != kAnyPeer) mark_suspect(req.peer, msg);
+    if (req.peer != kAnyPeer && !is_sink(&req)) mark_suspect(req.peer, msg);
     finish_part(c, RequestState::kError, msg);
   }
 
@@ -1397,6 +1462,7 @@ class FabricEndpoint final : public Endpoint {
   std::vector<size_t> index_;       // per rank: its endpoint in eps_ / names_
   std::string tcp_cc_;              // the congestion control of tcp connections ("": not tcp)
   uint32_t incarnation_ = 0;
+  std::deque<Sink> sinks_;          // discard(): freed once their receive ended (close: after)
   std::vector<OpCtx*> orphans_;     // operations of endpoints reset_peer closed
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;

@@ -50,6 +50,9 @@ class FaultEndpoint final : public Endpoint {
   RequestPtr irecv(int peer, uint64_t tag, void* buf, size_t len, uint64_t ignore = 0) override;
   size_t progress() override;
   bool cancel(const RequestPtr& req) override;
+  void discard(int peer, uint64_t tag, size_t len, Deadline until) override {
+    inner_->discard(peer, tag, len, until);
+  }
   // Held messages are dropped (their proxies cancelled), then the inner endpoint is closed.
   void close() override;
   bool closed() const override { return inner_->closed(); }

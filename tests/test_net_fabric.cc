@@ -804,6 +804,59 @@ TEST_P(Fabric, LargeMessagesSentBeforeTheReceiveIsPostedArriveIntact) {
   EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
 }
 
+// A receiver that gave up on messages (an abandoned collective: its receive cancelled, or
+// never posted) discards them: the sender's later sends to it complete. Over shm a large send
+// completes only once the receiver takes it, and an endpoint completes its sends in order, so
+// without the discard neither the unwanted send nor any later one to that rank would.
+TEST_P(Fabric, DiscardedMessagesDoNotHoldBackTheSendersLaterOnes) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    auto ep = open_fabric(rdv, prov);
+    const size_t big = 64 << 10;
+    const uint64_t early = make_tag(Op::kUser, 7, 1);   // sent before the receiver gives up
+    const uint64_t late = make_tag(Op::kUser, 7, 2);    // given up before it is sent
+    const uint64_t wanted = make_tag(Op::kUser, 7, 3);  // sent after both, received
+    auto until = [] { return net::deadline_in(std::chrono::seconds(20)); };
+    if (r == 0) {
+      std::vector<uint8_t> a = pattern_buf(big, 1), b = pattern_buf(big, 2), c = pattern_buf(big, 3);
+      auto s1 = ep->isend(1, early, a.data(), a.size());
+      rdv.store().set("early", "1");
+      rdv.store().get("given_up", kDl());
+      auto s2 = ep->isend(1, late, b.data(), b.size());
+      auto s3 = ep->isend(1, wanted, c.data(), c.size());
+      // Short: the sends complete at once when discarded, never when not.
+      ep->wait_all(std::vector<net::RequestPtr>{s1, s2, s3},
+                   net::deadline_in(std::chrono::seconds(5)), "sends");
+      if (!s1->ok() || !s2->ok() || !s3->ok()) return 1;
+      rdv.store().set("sent", "1");
+      rdv.store().get("received", kDl());
+    } else {
+      rdv.store().get("early", kDl());
+      // Let the unwanted message arrive unexpected first.
+      auto t = net::Clock::now() + std::chrono::milliseconds(200);
+      while (net::Clock::now() < t) ep->progress();
+      std::vector<uint8_t> given_up(big);
+      auto q = ep->irecv(0, late, given_up.data(), given_up.size());
+      if (!ep->cancel(q)) return 2;
+      ep->discard(0, early, big, until());
+      ep->discard(0, late, big, until());
+      rdv.store().set("given_up", "1");
+      std::vector<uint8_t> in(big);
+      auto w = ep->irecv(0, wanted, in.data(), in.size());
+      ep->wait(w, kDl(), "wanted");
+      if (!check_buf(in, 3)) return 3;
+      if (given_up[0] != 0 || given_up[big - 1] != 0) return 4;  // the cancelled buffer is untouched
+      rdv.store().get("sent", kDl());
+      if (!ep->suspect_peers().empty()) return 5;
+      rdv.store().set("received", "1");
+    }
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
 // rxm refuses connections between endpoints with different eager limits; qring reports the
 // difference when the endpoints meet instead of timing out later.
 TEST(FabricProvider, DifferentRxmEagerLimitsAreAClearError) {
