@@ -343,8 +343,13 @@ TEST_P(Fabric, DirectedReceivesAfterAnAnyPeerReceiveGetEachSendersMessagesInOrde
 
 // State letter of process `pid` in /proc/<pid>/stat ('T': stopped), or 0.
 char process_state(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string stat;
+  try {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+    stat.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure&) {
+    return 0;  // the process is gone (ESRCH while reading)
+  }
   size_t p = stat.rfind(')');
   return p != std::string::npos && p + 2 < stat.size() ? stat[p + 2] : 0;
 }

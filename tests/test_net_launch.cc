@@ -122,8 +122,13 @@ class LaunchRun {
 // A process is gone when it does not exist or is a zombie awaiting its reaper.
 bool process_gone(pid_t pid) {
   if (kill(pid, 0) != 0) return true;
-  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-  std::string s((std::istreambuf_iterator<char>(stat)), {});
+  std::string s;
+  try {
+    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+    s.assign(std::istreambuf_iterator<char>(stat), {});
+  } catch (const std::ios_base::failure&) {
+    return true;  // it was reaped between kill() and the read (ESRCH)
+  }
   auto p = s.rfind(')');
   return p != std::string::npos && p + 2 < s.size() && s[p + 2] == 'Z';
 }
