@@ -509,11 +509,6 @@ class RecursiveDoublingOp final : public EngineOp {
     abort(ep);
     if (done_ || n_ == 1 || bytes_ == 0) return;
     const bool current = recv_ && recv_->state == net::RequestState::kCancelled;
-    auto round_of = [](int mask) {
-      int round = 1;
-      for (int m = mask; m > 1; m >>= 1) ++round;
-      return round;
-    };
     switch (phase_) {
       case Phase::kExtraWait:
         if (current) ep.discard(ring_[size_t(me_ - p_)], tag(99), bytes_, until);
@@ -523,12 +518,12 @@ class RecursiveDoublingOp final : public EngineOp {
       case Phase::kAbsorb:
         if (current) ep.discard(ring_[size_t(peer_)], tag(0), bytes_, until);
         for (int m = mask_; m < p_; m <<= 1)
-          ep.discard(ring_[size_t(me_ ^ m)], tag(uint64_t(round_of(m))), bytes_, until);
+          ep.discard(ring_[size_t(me_ ^ m)], tag(round_of(m)), bytes_, until);
         return;
       case Phase::kRounds:
         for (int m = mask_; m < p_; m <<= 1)
           if (m != mask_ || current)
-            ep.discard(ring_[size_t(me_ ^ m)], tag(uint64_t(round_of(m))), bytes_, until);
+            ep.discard(ring_[size_t(me_ ^ m)], tag(round_of(m)), bytes_, until);
         return;
     }
   }
@@ -547,13 +542,17 @@ class RecursiveDoublingOp final : public EngineOp {
   static constexpr uint64_t kHandOver = 0;
   static constexpr uint64_t kGiveBack = 99;
   uint64_t tag(uint64_t chunk) const { return net::make_tag(args_.tag_op, seq, chunk); }
+  // The tag chunk of the exchange round at distance `mask` (1, 2, 4, ... -> 1, 2, 3, ...).
+  static uint64_t round_of(int mask) {
+    uint64_t round = 1;
+    for (int m = mask; m > 1; m >>= 1) ++round;
+    return round;
+  }
   void begin_round(net::Endpoint& ep) {
     phase_ = Phase::kRounds;
     peer_ = me_ ^ mask_;
-    int round = 1;
-    for (int m = mask_; m > 1; m >>= 1) ++round;
-    recv_ = ep.irecv(ring_[size_t(peer_)], tag(uint64_t(round)), tmp_, bytes_);
-    send_ = ep.isend(ring_[size_t(peer_)], tag(uint64_t(round)), args_.recv, bytes_, shape_);
+    recv_ = ep.irecv(ring_[size_t(peer_)], tag(round_of(mask_)), tmp_, bytes_);
+    send_ = ep.isend(ring_[size_t(peer_)], tag(round_of(mask_)), args_.recv, bytes_, shape_);
   }
   void finish_avg() {
     if (args_.op == RedOp::kAvg && n_ > 1)
@@ -706,8 +705,7 @@ class HalvingDoublingOp final : public EngineOp {
     for (size_t k = step_; k < steps_.size() && n < kMaxDiscards; ++k) {
       const StepPlan& s = steps_[k];
       size_t b = block_off(s.keep_lo), e = block_off(s.keep_hi);
-      size_t nseg = (e - b + seg_elems_ - 1) / seg_elems_;
-      for (size_t j = 0; j < nseg && n < kMaxDiscards; ++j) {
+      for (size_t j = 0, nseg = kept_segments(s); j < nseg && n < kMaxDiscards; ++j) {
         // Posted receives (this step's and the next one's) that completed were reset (null)
         // or are done; the later steps' are not posted yet.
         if (j < s.recvs.size() && !(s.recvs[j] && unreceived(s.recvs[j]))) continue;
@@ -746,10 +744,15 @@ class HalvingDoublingOp final : public EngineOp {
     return net::make_tag(args_.tag_op, seq, step * max_segs_ + j);
   }
 
+  // The segments step s receives: its kept region in segment_bytes pieces.
+  size_t kept_segments(const StepPlan& s) const {
+    return (block_off(s.keep_hi) - block_off(s.keep_lo) + seg_elems_ - 1) / seg_elems_;
+  }
+
   void post_recvs(net::Endpoint& ep, size_t k) {
     StepPlan& s = steps_[k];
     size_t b = block_off(s.keep_lo), e = block_off(s.keep_hi);
-    size_t nseg = (e - b + seg_elems_ - 1) / seg_elems_;
+    size_t nseg = kept_segments(s);
     s.recvs.resize(nseg);
     s.recv_ptrs.resize(nseg);
     const bool direct = !s.reduce || (k == 0 && !in_place_);

@@ -714,24 +714,7 @@ class FabricEndpoint final : public Endpoint {
   bool cancel(const RequestPtr& req) override {
     if (req->done()) return false;
     if (req->is_send) return false;
-    bool posted = false;
-    auto it = std::find_if(any_.begin(), any_.end(), [&](const auto& a) { return a->req == req; });
-    if (it != any_.end()) {
-      const std::shared_ptr<AnyRecv> a = *it;
-      if (a->ready) {  // it holds a message already: it completes now
-        take_ready(*a);
-        return false;
-      }
-      posted = cancel_parts(*a);
-    } else {
-      for (OpCtx* c : outstanding_) {
-        if (c->req == req && c->posted) {
-          fi_cancel(&c->ep->fid, c);
-          posted = true;
-        }
-      }
-      drop_queued(req);  // unposted fragments: cancelled at once
-    }
+    const bool posted = start_cancel(req);
     // The provider reports each cancelled receive as an FI_ECANCELED completion; wait for
     // them so the buffer is free when we return.
     Deadline dl = deadline_in(std::chrono::seconds(5));
@@ -744,6 +727,31 @@ class FabricEndpoint final : public Endpoint {
       backoff.idle();
     }
     return req->state == RequestState::kCancelled;
+  }
+
+  // Starts the cancellation of a pending receive without waiting: unposted fragments end at
+  // once; posted ones are cancelled at the provider, which confirms each in a later
+  // progress(). An any-peer receive that holds a message already completes with it. Returns
+  // whether a confirmation is awaited.
+  bool start_cancel(const RequestPtr& req) {
+    auto it = std::find_if(any_.begin(), any_.end(), [&](const auto& a) { return a->req == req; });
+    if (it != any_.end()) {
+      const std::shared_ptr<AnyRecv> a = *it;
+      if (a->ready) {
+        take_ready(*a);
+        return false;
+      }
+      return cancel_parts(*a);
+    }
+    bool posted = false;
+    for (OpCtx* c : outstanding_) {
+      if (c->req == req && c->posted) {
+        fi_cancel(&c->ep->fid, c);
+        posted = true;
+      }
+    }
+    drop_queued(req);
+    return posted;
   }
 
   void register_memory(const void* ptr, size_t len) override {
@@ -1217,23 +1225,12 @@ class FabricEndpoint final : public Endpoint {
     return false;
   }
 
-  // Withdraws a sink's receive without waiting: the provider confirms the cancellation in a
-  // later progress(), after which reap_sinks() frees its buffer.
+  // Withdraws a sink's receive without waiting (start_cancel); reap_sinks() frees its buffer
+  // once the cancellation is confirmed.
   void withdraw(Sink& s) {
     if (s.withdrawn || s.req->done()) return;
     s.withdrawn = true;
-    auto it = std::find_if(any_.begin(), any_.end(), [&](const auto& a) { return a->req == s.req; });
-    if (it != any_.end()) {
-      const std::shared_ptr<AnyRecv> a = *it;
-      if (a->ready)
-        take_ready(*a);
-      else
-        cancel_parts(*a);
-      return;
-    }
-    for (OpCtx* c : outstanding_)
-      if (c->req == s.req && c->posted) fi_cancel(&c->ep->fid, c);
-    drop_queued(s.req);
+    start_cancel(s.req);
   }
 
   void reap_sinks() {
