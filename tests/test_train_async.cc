@@ -48,12 +48,14 @@ std::vector<nlohmann::json> lines(const fs::path& p) {
 }
 
 // Every worker's K gradients are applied exactly once, each worker's in push order; the model
-// learns; staleness is recorded per update and summarized. Rank 1 sleeps 60 ms before each of
-// its gradients while the others do not: its first gradient reaches a server that applied many
-// of theirs meanwhile, so the stalest updates are rank 1's.
+// learns; staleness is recorded per update and summarized. Rank 1 sleeps 100 ms before each of
+// its gradients while the others do not: its gradients reach a server that applied many of
+// theirs meanwhile, so the stalest update is rank 1's. (A fast worker that the scheduler holds
+// back on a loaded machine sees some staleness too: 17 next to rank 1's 27 once with a 60 ms
+// sleep, so the test asks for the stalest, with a sleep long enough to keep a margin.)
 TEST(TrainAsync, EveryGradientAppliedOnceAndTheSlowWorkerIsTheStalest) {
   const int W = 3, K = 30;
-  auto cfg = smoke("async3", {"train.steps=30", "train.eval_every=15", "straggler.model=fixed:1:60",
+  auto cfg = smoke("async3", {"train.steps=30", "train.eval_every=15", "straggler.model=fixed:1:100",
                               "train.lr=0.3", "train.warmup_steps=10"});
   auto s = run_training(W, cfg);
   EXPECT_EQ(s[0].steps, K * W);
@@ -84,7 +86,8 @@ TEST(TrainAsync, EveryGradientAppliedOnceAndTheSlowWorkerIsTheStalest) {
   // Evaluations every 15 x W updates and at the end.
   EXPECT_EQ(evals, 2);
   EXPECT_GE(stale_max[1], 10);
-  EXPECT_GT(stale_max[1], 2 * std::max(stale_max[0], stale_max[2]));
+  EXPECT_GT(stale_max[1], std::max(stale_max[0], stale_max[2]))
+      << "fast workers' worst: " << stale_max[0] << ", " << stale_max[2];
   std::ifstream sf(dir / "summary.json");
   auto j = nlohmann::json::parse(sf);
   EXPECT_EQ(j["mode"], "async");
