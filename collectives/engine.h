@@ -93,6 +93,11 @@ class Engine {
   // One engine pass from a caller's thread if no other thread is in one (returns whether
   // anything moved). Waiters use it so small operations complete without a thread hand-off.
   bool try_progress();
+  // Keeps every thread of this process out of the endpoint while the returned lock lives (it
+  // waits for a pass in progress to end). For fault injection: a process stopped or killed
+  // inside the transport may hold the provider's locks (docs/design.md, Membership, "Limits").
+  // Not from the engine thread's own pass (an op's advance), which holds it already.
+  std::unique_lock<std::mutex> hold_progress() { return std::unique_lock<std::mutex>(progress_mu_); }
   // Runs `fn` on the engine thread (with the endpoint) and waits for it.
   void run(const std::function<void(net::Endpoint&)>& fn);
   // Engine thread only (an op's advance): connects `peer`'s new incarnation on the endpoint

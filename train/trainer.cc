@@ -15,9 +15,11 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 
+#include "collectives/engine.h"
 #include "collectives/quorum.h"
 #include "collectives/straggler.h"
 #include "net/error.h"
@@ -372,32 +374,45 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
 
 // Each QRING_FAULT entry fires once, from the step loop or (phase "ring") the engine thread.
 // Copies share what has fired: the engine may call its copy until the QuorumAllreduce is gone.
+// A fault fires between two passes of the engine, never with a thread of this process inside
+// the endpoint: the step loop's faults hold the engine's progress lock, and the ring phase
+// fires inside the engine's own pass. (libfabric 1.17's shm provider takes the receiver's
+// region lock, a process-shared spinlock, while it receives: every rank that sends to a
+// process stopped or killed inside it spins until it continues, or forever; docs/design.md.)
 class FaultInjector {
  public:
-  FaultInjector(std::vector<collectives::FaultSpec> faults, int rank)
+  FaultInjector(std::vector<collectives::FaultSpec> faults, int rank, collectives::Engine& engine)
       : faults_(std::move(faults)),
         fired_(std::make_shared<std::vector<std::atomic<bool>>>(faults_.size())),
-        rank_(rank) {}
+        rank_(rank),
+        engine_(&engine) {}
 
-  void operator()(int64_t step, const char* phase) const {
+  void operator()(int64_t step, const char* phase) const { fire(step, phase, false); }
+
+  // Entries of phase "ring" fire from the engine thread, at q's ring phases.
+  void hook_ring_phase(collectives::QuorumAllreduce& q) const {
+    if (std::any_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
+      q.on_phase([self = *this](uint64_t step, const char* phase) {
+        self.fire(int64_t(step), phase, /*in_engine_pass=*/true);
+      });
+  }
+
+ private:
+  void fire(int64_t step, const char* phase, bool in_engine_pass) const {
     for (size_t i = 0; i < faults_.size(); ++i) {
       if (faults_[i].matches(rank_, uint64_t(step), phase) && !(*fired_)[i].exchange(true)) {
         spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", faults_[i].spec(), step);
+        std::unique_lock<std::mutex> hold;
+        if (!in_engine_pass) hold = engine_->hold_progress();
         faults_[i].inject();
       }
     }
   }
 
-  // Entries of phase "ring" fire from the engine thread, at q's ring phases.
-  void hook_ring_phase(collectives::QuorumAllreduce& q) const {
-    if (std::any_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
-      q.on_phase([self = *this](uint64_t step, const char* phase) { self(int64_t(step), phase); });
-  }
-
- private:
   std::vector<collectives::FaultSpec> faults_;
   std::shared_ptr<std::vector<std::atomic<bool>>> fired_;
   int rank_;
+  collectives::Engine* engine_;
 };
 
 // One step's work on this rank (compute_and_contribute).
@@ -999,7 +1014,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   // mean loss comes with the reduction, and the reduction happens in place, without copies.
   collectives::QuorumAllreduce q(comm, n_params + 1, qo);
   comm.register_buffer(core.gradient(), (n_params + 1) * sizeof(float));
-  const FaultInjector maybe_fault(opts.faults, rank);
+  const FaultInjector maybe_fault(opts.faults, rank, comm.engine());
   maybe_fault.hook_ring_phase(q);
 
   int64_t start = 0;

@@ -25,8 +25,10 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -516,8 +518,11 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
   // Set once the checked steps are done: quorum step number of timed step 0.
   auto first_timed = std::make_shared<std::atomic<uint64_t>>(UINT64_MAX);
   // Each fault fires once, from this thread (phases step, ready) or the engine thread (ring);
-  // the callback owns what it uses, as the engine may call it until `qa` is gone.
-  auto maybe_fault = [faults, first_timed, rank,
+  // the callback owns what it uses, as the engine may call it until `qa` is gone. It fires
+  // between two engine passes, with no thread of this process inside the endpoint (from this
+  // thread: holding the engine's progress lock; ring: inside the engine's own pass), as
+  // qring-train's do (train/trainer.cc, FaultInjector).
+  auto maybe_fault = [faults, first_timed, rank, engine = &comm.engine(),
                       fired = std::make_shared<std::vector<std::atomic<bool>>>(faults.size())](
                          uint64_t t, const char* phase) {
     const uint64_t t0 = first_timed->load();
@@ -528,6 +533,8 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
                      faults[i].spec().c_str(), static_cast<unsigned long long>(t - t0));
         std::fflush(stdout);
         std::fflush(stderr);
+        std::unique_lock<std::mutex> hold;
+        if (std::string_view(phase) != "ring") hold = engine->hold_progress();
         faults[i].inject();
       }
     }
