@@ -455,6 +455,28 @@ bool Engine::step() {
     active_count_.store(active_.size(), std::memory_order_release);
     return moved;
   }
+  if (!start_and_advance(starting, moved)) return true;
+  moved |= reap_finished();
+  if (!active_.empty() && !diag_) check_deadlines();
+  if (diag_) {
+    // The op may still finish while peers answer; then there is nothing to report.
+    bool pending = std::any_of(active_.begin(), active_.end(),
+                               [&](const auto& op) { return op.get() == diag_->op; });
+    if (!pending)
+      diag_.reset();
+    else
+      finish_diagnosis_if_due();
+  }
+  active_count_.store(active_.size(), std::memory_order_release);
+  all_passive_.store(!active_.empty() && std::all_of(active_.begin(), active_.end(),
+                                                     [](const auto& op) { return op->passive(); }),
+                     std::memory_order_release);
+  return moved;
+}
+
+// step(): starts the new ops and advances every active one. Returns false when one failed
+// (fail_all has failed them all).
+bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved) {
   try {
     if (!ctl_posted_ && size_ > 1) {
       ctl_in_.resize(size_t(size_));
@@ -481,13 +503,13 @@ bool Engine::step() {
     spdlog::error("{}", e.what());
     for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(e.what(), std::current_exception());
-    return true;
+    return false;
   } catch (const MismatchNotice& e) {
     tell_mismatch(e.origin, e.seq, e.peer, e.mine, e.theirs);
     spdlog::error("{}", e.what());
     for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(e.what(), std::current_exception());
-    return true;
+    return false;
   } catch (const std::exception& e) {
     // Most errors name this rank already.
     const std::string self = fmt::format("rank {}:", rank_);
@@ -497,8 +519,14 @@ bool Engine::step() {
     spdlog::error("{}", reason);
     for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(reason, std::current_exception());
-    return true;
+    return false;
   }
+  return true;
+}
+
+// step(): completes the finished ops.
+bool Engine::reap_finished() {
+  bool moved = false;
   for (auto it = active_.begin(); it != active_.end();) {
     if ((*it)->finished()) {
       (*it)->work->finish(nullptr);
@@ -508,38 +536,27 @@ bool Engine::step() {
       ++it;
     }
   }
-  if (!active_.empty() && !diag_) {
-    auto now = Clock::now();
-    for (auto& op : active_) {
-      if (now >= op->deadline) {
-        auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
-        std::string reason =
-            fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(),
-                        op->seq, waited.count(), op->waiting_on());
-        if (size_ > 1) {
-          start_diagnosis(*op, reason);
-        } else {
-          spdlog::error("{}", reason);
-          fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
-        }
-        break;
+  return moved;
+}
+
+// step(): the first op past its deadline starts a diagnosis (or fails, alone).
+void Engine::check_deadlines() {
+  auto now = Clock::now();
+  for (auto& op : active_) {
+    if (now >= op->deadline) {
+      auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
+      std::string reason =
+          fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(),
+                      op->seq, waited.count(), op->waiting_on());
+      if (size_ > 1) {
+        start_diagnosis(*op, reason);
+      } else {
+        spdlog::error("{}", reason);
+        fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
       }
+      break;
     }
   }
-  if (diag_) {
-    // The op may still finish while peers answer; then there is nothing to report.
-    bool pending = std::any_of(active_.begin(), active_.end(),
-                               [&](const auto& op) { return op.get() == diag_->op; });
-    if (!pending)
-      diag_.reset();
-    else
-      finish_diagnosis_if_due();
-  }
-  active_count_.store(active_.size(), std::memory_order_release);
-  all_passive_.store(!active_.empty() && std::all_of(active_.begin(), active_.end(),
-                                                     [](const auto& op) { return op->passive(); }),
-                     std::memory_order_release);
-  return moved;
 }
 
 bool Engine::try_progress() {

@@ -127,6 +127,9 @@ class Engine {
  private:
   void loop();
   bool step();
+  bool start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved);
+  bool reap_finished();
+  void check_deadlines();
   void idle_wait(net::Backoff& backoff);
   // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
   // can name the rank that is missing rather than only the neighbour it waited on.

@@ -707,30 +707,51 @@ class QuorumService final : public EngineOp {
     sh_->agent_cv.notify_all();
   }
 
-  bool poll_agent(net::Endpoint& ep) {
+  // What the join agent handed back since the last pass (JoinAgentIo's agent -> service part).
+  struct AgentOutput {
     std::deque<std::string> published;
     std::deque<std::tuple<int, uint32_t, std::string>> fetched;
     std::deque<std::pair<int, uint32_t>> found;
     std::deque<std::pair<int, std::string>> values;
-    {
-      std::lock_guard<std::mutex> lock(sh_->mu);
-      JoinAgentIo& a = sh_->agent;
-      a.coordinating = coord_state_ != nullptr && !coord_state_->stopped();
-      if (a.coordinating) {
-        a.incarnations.resize(size_t(world_));
-        a.outside.assign(size_t(world_), 1);
-        for (int r = 0; r < world_; ++r) a.incarnations[size_t(r)] = coord_state_->incarnation(r);
-        for (int r : coord_state_->view().members) a.outside[size_t(r)] = 0;
-      }
-      published.swap(a.published);
-      fetched.swap(a.fetched);
-      found.swap(a.found);
-      values.swap(a.values);
-      if (a.finished && joining_ && !admitted_)
-        throw JobOver(fmt::format("rank {}: the job finished before this incarnation could "
-                                  "rejoin it",
-                                  rank_));
+  };
+
+  bool poll_agent(net::Endpoint& ep) {
+    AgentOutput got;
+    exchange_with_agent(got);
+    bool moved = feed_found_incarnations(ep, got.found);
+    moved |= reconnect_to_joiners(ep, got.fetched);
+    forget_abandoned_joins();
+    moved |= accept_published_joins(ep, got.published);
+    moved |= connect_to_members(ep, got.values);
+    report_join_stage();
+    moved |= say_hello_when_connected(ep);
+    return moved;
+  }
+
+  // Tells the agent what the coordinator watches and takes what it found.
+  void exchange_with_agent(AgentOutput& got) {
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    JoinAgentIo& a = sh_->agent;
+    a.coordinating = coord_state_ != nullptr && !coord_state_->stopped();
+    if (a.coordinating) {
+      a.incarnations.resize(size_t(world_));
+      a.outside.assign(size_t(world_), 1);
+      for (int r = 0; r < world_; ++r) a.incarnations[size_t(r)] = coord_state_->incarnation(r);
+      for (int r : coord_state_->view().members) a.outside[size_t(r)] = 0;
     }
+    got.published.swap(a.published);
+    got.fetched.swap(a.fetched);
+    got.found.swap(a.found);
+    got.values.swap(a.values);
+    if (a.finished && joining_ && !admitted_)
+      throw JobOver(fmt::format("rank {}: the job finished before this incarnation could "
+                                "rejoin it",
+                                rank_));
+  }
+
+  // The coordinator: new incarnations of ranks outside the view (kJoin).
+  bool feed_found_incarnations(net::Endpoint& ep,
+                               const std::deque<std::pair<int, uint32_t>>& found) {
     bool moved = false;
     for (auto& [r, inc] : found) {
       if (!coord_state_) continue;
@@ -741,6 +762,13 @@ class QuorumService final : public EngineOp {
       feed(ep, e);
       moved = true;
     }
+    return moved;
+  }
+
+  // A member: the joiners' addresses it fetched; it reconnects and publishes its own.
+  bool reconnect_to_joiners(net::Endpoint& ep,
+                            const std::deque<std::tuple<int, uint32_t, std::string>>& fetched) {
+    bool moved = false;
     for (auto& [r, inc, value] : fetched) {
       auto it = member_joins_.find(r);
       if (it == member_joins_.end() || it->second.incarnation != inc || it->second.connected)
@@ -772,14 +800,23 @@ class QuorumService final : public EngineOp {
       sh_->agent_cv.notify_all();
       moved = true;
     }
-    // A join the coordinator gave up on (the joiner never published, or left) is forgotten
-    // here too, after twice the time the coordinator waits for it.
+    return moved;
+  }
+
+  // A join the coordinator gave up on (the joiner never published, or left) is forgotten
+  // here too, after twice the time the coordinator waits for it.
+  void forget_abandoned_joins() {
     for (auto it = member_joins_.begin(); it != member_joins_.end();) {
       if (Clock::now() - it->second.started > 2 * o_.deadline)
         it = member_joins_.erase(it);
       else
         ++it;
     }
+  }
+
+  // A member: its record for a joiner is published; it ACCEPTs the joiner (unless refused).
+  bool accept_published_joins(net::Endpoint& ep, const std::deque<std::string>& published) {
+    bool moved = false;
     for (auto& key : published) {
       for (auto it = member_joins_.begin(); it != member_joins_.end(); ++it) {
         if (it->second.key != key) continue;
@@ -794,6 +831,12 @@ class QuorumService final : public EngineOp {
         break;
       }
     }
+    return moved;
+  }
+
+  bool connect_to_members(net::Endpoint& ep,
+                          const std::deque<std::pair<int, std::string>>& values) {
+    bool moved = false;
     for (auto& [p, value] : values) {
       // The joiner: member p's address for this incarnation.
       JoinValue v;
@@ -819,6 +862,11 @@ class QuorumService final : public EngineOp {
       }
       moved = true;
     }
+    return moved;
+  }
+
+  // The joiner: what it waits for (QuorumAllreduce's join stage).
+  void report_join_stage() {
     if (joining_ && !admitted_ && !hello_sent_ && joiner_coord_ >= 0) {
       std::vector<int> missing;
       for (int m : joiner_members_)
@@ -835,6 +883,10 @@ class QuorumService final : public EngineOp {
             joiner_members_);
       }
     }
+  }
+
+  // The joiner, connected to the coordinator and every member: HELLO to the coordinator.
+  bool say_hello_when_connected(net::Endpoint& ep) {
     if (joining_ && !admitted_ && !hello_sent_ && joiner_coord_ >= 0 &&
         joiner_connected_.count(joiner_coord_) &&
         std::all_of(joiner_members_.begin(), joiner_members_.end(), [&](int m) {
@@ -848,9 +900,9 @@ class QuorumService final : public EngineOp {
       e.completed = completed_;
       e.count = my_inc_;
       send_up_to(ep, coord_, qwire::Up::kHello, e);
-      moved = true;
+      return true;
     }
-    return moved;
+    return false;
   }
 
   // State transfer: the donor's sends (send_state), the joiner's receive (receive_state).
@@ -1369,6 +1421,43 @@ class QuorumService final : public EngineOp {
       throw ProtocolError(fmt::format("rank {}: quorum step {} decided in view {}, this rank is "
                                       "in view {}",
                                       rank_, t, d.epoch, view_.epoch));
+    record_decision(d);
+    QuorumResult res = decided_result(d);
+    throw_if_failed(d, res);
+    if (d.attempt == 0) {
+      awaiting_decide_.erase(t);
+      digests_.erase(t);
+    }
+    if (d.attempt > 0 && d.source >= 0 && !forward_held_result(ep, d)) return;
+    if (d.attempt > 0 && done_.count(t))
+      throw ProtocolError(fmt::format("rank {}: quorum step {} decided again after it completed here",
+                                      rank_, t));
+
+    DecidedStep s;
+    if (!settle_decided_step(d, res, s)) return;  // skipped
+    // Every rank applies every DECIDE in step order, so all switch to speculation together.
+    if (!tolerant_ && o_.quorum == world_) speculate_ = true;
+    if (s.finished) {
+      sh_->cv.notify_all();
+      mark_done(t, nullptr);
+    }
+    if (s.cb) s.cb(t);
+    if (s.spec) return;
+    if (d.attempt > 0 && d.source >= 0) {
+      post_result_recv(ep, t, d.attempt, d.source, s.out);
+    } else if (res.self_counted) {
+      start_ring(ep, t, d.attempt, s.buf, tolerant_ ? s.out->data() : nullptr, d.contributors,
+                 /*speculative=*/false);
+    } else {
+      post_result_recv(ep, t, d.attempt,
+                       d.contributors[size_t(rank_) % d.contributors.size()], s.out);
+    }
+  }
+
+  // Forgets the steps every live rank holds (d.settled) and keeps the decision of a step
+  // with a result.
+  void record_decision(const qproto::Decision& d) {
+    const uint64_t t = d.step;
     if (d.settled >= 0) {
       done_.erase(done_.begin(), done_.upper_bound(uint64_t(d.settled)));
       kept_.erase(kept_.begin(), kept_.upper_bound(uint64_t(d.settled)));
@@ -1379,8 +1468,12 @@ class QuorumService final : public EngineOp {
       if (d.attempt >= k.attempt) k = {t, d.attempt, d.status == qproto::Status::kSkipped, d.contributors};
       while (decisions_.size() > qwire::kMaxKnown) decisions_.erase(decisions_.begin());
     }
+  }
+
+  // The step's QuorumResult as the DECIDE gives it (reduce_ms and wait_ms come later).
+  QuorumResult decided_result(const qproto::Decision& d) const {
     QuorumResult res;
-    res.step = t;
+    res.step = d.step;
     res.epoch = d.epoch;
     res.attempt = d.attempt;
     res.contributors.assign((size_t(world_) + 7) / 8, 0);
@@ -1395,7 +1488,12 @@ class QuorumService final : public EngineOp {
     res.self_counted = res.contains(rank_);
     res.ready_ms = res.ready_offsets_ms[size_t(rank_)];
     res.decide_ms = double(d.decide_us) / 1000.0;
+    return res;
+  }
 
+  // A step that failed (timeout, or ranks that disagree on the all-reduce) throws here.
+  void throw_if_failed(const qproto::Decision& d, const QuorumResult& res) const {
+    const uint64_t t = d.step;
     if (d.status == qproto::Status::kTimeout) {
       throw QuorumTimeout(
           fmt::format("rank {}: quorum step {} failed: only {} of {} ranks contributed within "
@@ -1423,88 +1521,76 @@ class QuorumService final : public EngineOp {
           rank_, t, d.bad_rank, layout(d.bad_count, d.bad_layout), rank_,
           layout(count_, cfg_.layout)));
     }
-    if (d.attempt == 0) {
-      awaiting_decide_.erase(t);
-      digests_.erase(t);
-    }
-    if (d.attempt > 0 && d.source >= 0) {
-      // Someone holds the result: it sends it to those that do not.
-      if (d.source == rank_) {
-        auto it = kept_.find(t);
-        if (it == kept_.end())
-          throw ProtocolError(fmt::format(
-              "rank {}: quorum step {}: asked to forward a result it does not hold", rank_, t));
-        for (int x : d.needers) send_result(ep, t, d.attempt, x, it->second);
-      }
-      if (!std::binary_search(d.needers.begin(), d.needers.end(), rank_)) return;
-    }
-    if (d.attempt > 0 && done_.count(t))
-      throw ProtocolError(fmt::format("rank {}: quorum step {} decided again after it completed here",
-                                      rank_, t));
+  }
 
+  // A step decided again (d.attempt > 0) with a holder of its result (d.source). Returns
+  // whether this rank needs the result.
+  bool forward_held_result(net::Endpoint& ep, const qproto::Decision& d) {
+    const uint64_t t = d.step;
+    // Someone holds the result: it sends it to those that do not.
+    if (d.source == rank_) {
+      auto it = kept_.find(t);
+      if (it == kept_.end())
+        throw ProtocolError(fmt::format(
+            "rank {}: quorum step {}: asked to forward a result it does not hold", rank_, t));
+      for (int x : d.needers) send_result(ep, t, d.attempt, x, it->second);
+    }
+    return std::binary_search(d.needers.begin(), d.needers.end(), rank_);
+  }
+
+  // What apply_decide does after recording the decision in the step (settle_decided_step).
+  struct DecidedStep {
     void* buf = nullptr;
     std::shared_ptr<std::vector<char>> out;
     std::function<void(uint64_t)> cb;
     bool spec = false, finished = false;
-    {
-      std::lock_guard<std::mutex> lock(sh_->mu);
-      StepLocal& s = sh_->steps[t];
-      if (d.status == qproto::Status::kSkipped) {
-        res.skipped = true;
-        res.self_counted = false;
-        s.decided = true;
-        s.result = res;
-        s.done = true;
-        sh_->members = view_.members;
-        sh_->cv.notify_all();
-        mark_done(t, nullptr);
-        return;
-      }
-      spec = s.ring_finished || rings_.count(t);
-      if (spec && res.count != world_)
-        throw ProtocolError(fmt::format(
-            "rank {}: quorum step {} decided {} of {} contributors with quorum = world", rank_, t,
-            res.count, world_));
+  };
+
+  // Records the decision in the caller's view of the step. A skipped step is complete here
+  // (returns false); otherwise `ds` says where its result comes from.
+  bool settle_decided_step(const qproto::Decision& d, QuorumResult& res, DecidedStep& ds) {
+    const uint64_t t = d.step;
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    StepLocal& s = sh_->steps[t];
+    if (d.status == qproto::Status::kSkipped) {
+      res.skipped = true;
+      res.self_counted = false;
       s.decided = true;
-      double reduce_ms = s.result.reduce_ms;
       s.result = res;
+      s.done = true;
       sh_->members = view_.members;
-      if (s.ring_finished) {
-        s.result.reduce_ms = reduce_ms;
-        s.done = finished = true;
-      }
-      if (res.self_counted) {
-        if (!s.contributed)
-          throw ProtocolError(
-              fmt::format("rank {}: counted in step {} without contributing", rank_, t));
-        buf = s.buf;
-        s.excluded = false;  // a late contribution counted when the step was decided again
-      } else {
-        if (!s.excluded) cb = sh_->on_excluded;
-        s.excluded = true;
-      }
-      if (!spec && (tolerant_ || !res.self_counted)) {
-        if (!s.out) s.out = result_buffer();
-        out = s.out;
-      }
-    }
-    // Every rank applies every DECIDE in step order, so all switch to speculation together.
-    if (!tolerant_ && o_.quorum == world_) speculate_ = true;
-    if (finished) {
       sh_->cv.notify_all();
       mark_done(t, nullptr);
+      return false;
     }
-    if (cb) cb(t);
-    if (spec) return;
-    if (d.attempt > 0 && d.source >= 0) {
-      post_result_recv(ep, t, d.attempt, d.source, out);
-    } else if (res.self_counted) {
-      start_ring(ep, t, d.attempt, buf, tolerant_ ? out->data() : nullptr, d.contributors,
-                 /*speculative=*/false);
+    ds.spec = s.ring_finished || rings_.count(t);
+    if (ds.spec && res.count != world_)
+      throw ProtocolError(fmt::format(
+          "rank {}: quorum step {} decided {} of {} contributors with quorum = world", rank_, t,
+          res.count, world_));
+    s.decided = true;
+    double reduce_ms = s.result.reduce_ms;
+    s.result = res;
+    sh_->members = view_.members;
+    if (s.ring_finished) {
+      s.result.reduce_ms = reduce_ms;
+      s.done = ds.finished = true;
+    }
+    if (res.self_counted) {
+      if (!s.contributed)
+        throw ProtocolError(
+            fmt::format("rank {}: counted in step {} without contributing", rank_, t));
+      ds.buf = s.buf;
+      s.excluded = false;  // a late contribution counted when the step was decided again
     } else {
-      post_result_recv(ep, t, d.attempt,
-                       d.contributors[size_t(rank_) % d.contributors.size()], out);
+      if (!s.excluded) ds.cb = sh_->on_excluded;
+      s.excluded = true;
     }
+    if (!ds.spec && (tolerant_ || !res.self_counted)) {
+      if (!s.out) s.out = result_buffer();
+      ds.out = s.out;
+    }
+    return true;
   }
 
   void post_result_recv(net::Endpoint& ep, uint64_t t, uint32_t attempt, int from,
@@ -1822,50 +1908,109 @@ namespace {
 // view every 100 ms (the coordinator), and looks for the members' addresses (a joiner).
 // Store errors are logged and retried; they never stop the job (a rank that cannot rejoin
 // stays out).
-void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* store,
-                    Engine* engine, int rank, int world, uint32_t instance, uint32_t my_inc) {
-  using namespace std::chrono_literals;
+struct JoinAgent {
+  std::shared_ptr<QuorumAllreduce::Shared> sh;
+  net::Store* store;
+  Engine* engine;
+  int rank, world;
+  uint32_t instance, my_inc;
   Clock::time_point last_watch{}, last_done_check{};
-  std::vector<char> found_peer(size_t(world), 0);
-  found_peer[size_t(rank)] = 1;
+  std::vector<char> found_peer;
   Clock::time_point last_warning{};
-  auto warn = [&](const std::string& what, const std::exception& e) {
-    if (Clock::now() - last_warning < 5s) return;
-    last_warning = Clock::now();
-    spdlog::warn("rank {}: quorum join agent: {}: {}", rank, what, e.what());
-  };
-  while (true) {
+
+  JoinAgent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* store, Engine* engine,
+            int rank, int world, uint32_t instance, uint32_t my_inc)
+      : sh(std::move(sh)),
+        store(store),
+        engine(engine),
+        rank(rank),
+        world(world),
+        instance(instance),
+        my_inc(my_inc),
+        found_peer(size_t(world), 0) {
+    found_peer[size_t(rank)] = 1;
+  }
+
+  // What the service asks for in one pass (JoinAgentIo's service -> agent part).
+  struct Requests {
     std::deque<std::pair<std::string, std::string>> publish;
     std::deque<JoinAgentIo::Fetch> fetch;
     bool coordinating, searching, watch_end;
     std::vector<uint32_t> incs;
     std::vector<char> outside;
-    {
-      std::unique_lock<std::mutex> lock(sh->mu);
-      JoinAgentIo& a = sh->agent;
-      sh->agent_cv.wait_for(lock, 20ms, [&] { return a.stop || !a.publish.empty(); });
-      if (a.stop) return;
-      publish.swap(a.publish);
-      fetch.swap(a.fetch);
-      coordinating = a.coordinating;
-      searching = a.searching;
-      watch_end = a.watch_end;
-      incs = a.incarnations;
-      outside = a.outside;
+  };
+  // What a pass could not do yet; the next one tries again.
+  struct Retries {
+    std::deque<std::pair<std::string, std::string>> publish;
+    std::deque<JoinAgentIo::Fetch> fetch;
+  };
+
+  void run() {
+    using namespace std::chrono_literals;
+    while (true) {
+      Requests q;
+      if (!take_requests(q)) return;
+      JoinAgentIo out;
+      Retries retry;
+      publish_values(q, out, retry);
+      fetch_joiners(q, out, retry);
+      const auto now = Clock::now();
+      if (q.coordinating && now - last_watch >= 100ms) {
+        last_watch = now;
+        watch_incarnations(q, out);
+      }
+      if ((q.searching || q.watch_end) && now - last_done_check >= 200ms) {
+        last_done_check = now;
+        check_job_end(out);
+      }
+      if (q.searching) search_members(out);
+      const bool any = !out.published.empty() || !out.fetched.empty() || !out.found.empty() ||
+                       !out.values.empty() || out.finished;
+      hand_back(out, retry);
+      if (any) engine->kick();
+      if (!retry.publish.empty()) std::this_thread::sleep_for(20ms);
     }
-    JoinAgentIo out;
-    std::deque<std::pair<std::string, std::string>> retry_publish;
-    std::deque<JoinAgentIo::Fetch> retry_fetch;
-    for (auto& [key, value] : publish) {
+  }
+
+  void warn(const std::string& what, const std::exception& e) {
+    using namespace std::chrono_literals;
+    if (Clock::now() - last_warning < 5s) return;
+    last_warning = Clock::now();
+    spdlog::warn("rank {}: quorum join agent: {}: {}", rank, what, e.what());
+  }
+
+  // Waits up to 20 ms for something to publish; false once the agent is to stop.
+  bool take_requests(Requests& q) {
+    using namespace std::chrono_literals;
+    std::unique_lock<std::mutex> lock(sh->mu);
+    JoinAgentIo& a = sh->agent;
+    sh->agent_cv.wait_for(lock, 20ms, [&] { return a.stop || !a.publish.empty(); });
+    if (a.stop) return false;
+    q.publish.swap(a.publish);
+    q.fetch.swap(a.fetch);
+    q.coordinating = a.coordinating;
+    q.searching = a.searching;
+    q.watch_end = a.watch_end;
+    q.incs = a.incarnations;
+    q.outside = a.outside;
+    return true;
+  }
+
+  void publish_values(Requests& q, JoinAgentIo& out, Retries& retry) {
+    for (auto& [key, value] : q.publish) {
       try {
         store->set(key, value);
         out.published.push_back(key);
       } catch (const std::exception& e) {
         warn(fmt::format("cannot publish '{}'", key), e);
-        retry_publish.emplace_back(key, value);
+        retry.publish.emplace_back(key, value);
       }
     }
-    for (auto& f : fetch) {
+  }
+
+  void fetch_joiners(Requests& q, JoinAgentIo& out, Retries& retry) {
+    using namespace std::chrono_literals;
+    for (auto& f : q.fetch) {
       try {
         if (store->check({f.key})) {
           out.fetched.emplace_back(f.rank, f.incarnation, store->get(f.key, net::deadline_in(2s)));
@@ -1874,66 +2019,72 @@ void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* sto
       } catch (const std::exception& e) {
         warn(fmt::format("cannot read '{}'", f.key), e);
       }
-      if (Clock::now() < f.until) retry_fetch.push_back(f);
+      if (Clock::now() < f.until) retry.fetch.push_back(f);
     }
-    const auto now = Clock::now();
-    if (coordinating && now - last_watch >= 100ms) {
-      last_watch = now;
-      for (int r = 0; r < world && size_t(r) < outside.size(); ++r) {
-        if (!outside[size_t(r)] || r == rank) continue;
-        try {
-          const std::string key = net::incarnation_key(r);
-          if (!store->check({key})) continue;
-          const int64_t n = net::parse_counter(key, store->get(key, net::deadline_in(2s)));
-          if (n < 1 || n - 1 <= int64_t(incs[size_t(r)]) || n - 1 > int64_t(UINT32_MAX)) continue;
-          const uint32_t inc = uint32_t(n - 1);
-          // Found once its address is there to fetch.
-          if (store->check({join_key(instance, r, inc, r)})) out.found.emplace_back(r, inc);
-        } catch (const std::exception& e) {
-          warn(fmt::format("cannot look for a new incarnation of rank {}", r), e);
-        }
-      }
-    }
-    if ((searching || watch_end) && now - last_done_check >= 200ms) {
-      last_done_check = now;
-      // The job may have finished while this rank was away.
-      for (int p = 0; p < world && !out.finished; ++p) {
-        try {
-          out.finished = store->check({join_done_key(instance, p)});
-        } catch (const std::exception& e) {
-          warn("cannot look for the end of the job", e);
-        }
-      }
-    }
-    if (searching) {
-      for (int p = 0; p < world; ++p) {
-        if (found_peer[size_t(p)]) continue;
-        const std::string key = join_key(instance, rank, my_inc, p);
-        try {
-          if (!store->check({key})) continue;
-          out.values.emplace_back(p, store->get(key, net::deadline_in(2s)));
-          found_peer[size_t(p)] = 1;
-        } catch (const std::exception& e) {
-          warn(fmt::format("cannot read '{}'", key), e);
-        }
-      }
-    }
-    const bool any = !out.published.empty() || !out.fetched.empty() || !out.found.empty() ||
-                     !out.values.empty() || out.finished;
-    {
-      std::lock_guard<std::mutex> lock(sh->mu);
-      JoinAgentIo& a = sh->agent;
-      for (auto& k : out.published) a.published.push_back(std::move(k));
-      for (auto& f : out.fetched) a.fetched.push_back(std::move(f));
-      for (auto& f : out.found) a.found.push_back(f);
-      for (auto& v : out.values) a.values.push_back(std::move(v));
-      a.finished = a.finished || out.finished;
-      for (auto& p : retry_publish) a.publish.push_back(std::move(p));
-      for (auto& f : retry_fetch) a.fetch.push_back(std::move(f));
-    }
-    if (any) engine->kick();
-    if (!retry_publish.empty()) std::this_thread::sleep_for(20ms);
   }
+
+  // The coordinator: new incarnations of the ranks outside its view.
+  void watch_incarnations(const Requests& q, JoinAgentIo& out) {
+    using namespace std::chrono_literals;
+    for (int r = 0; r < world && size_t(r) < q.outside.size(); ++r) {
+      if (!q.outside[size_t(r)] || r == rank) continue;
+      try {
+        const std::string key = net::incarnation_key(r);
+        if (!store->check({key})) continue;
+        const int64_t n = net::parse_counter(key, store->get(key, net::deadline_in(2s)));
+        if (n < 1 || n - 1 <= int64_t(q.incs[size_t(r)]) || n - 1 > int64_t(UINT32_MAX)) continue;
+        const uint32_t inc = uint32_t(n - 1);
+        // Found once its address is there to fetch.
+        if (store->check({join_key(instance, r, inc, r)})) out.found.emplace_back(r, inc);
+      } catch (const std::exception& e) {
+        warn(fmt::format("cannot look for a new incarnation of rank {}", r), e);
+      }
+    }
+  }
+
+  void check_job_end(JoinAgentIo& out) {
+    // The job may have finished while this rank was away.
+    for (int p = 0; p < world && !out.finished; ++p) {
+      try {
+        out.finished = store->check({join_done_key(instance, p)});
+      } catch (const std::exception& e) {
+        warn("cannot look for the end of the job", e);
+      }
+    }
+  }
+
+  // The joiner: the members' addresses for this incarnation.
+  void search_members(JoinAgentIo& out) {
+    using namespace std::chrono_literals;
+    for (int p = 0; p < world; ++p) {
+      if (found_peer[size_t(p)]) continue;
+      const std::string key = join_key(instance, rank, my_inc, p);
+      try {
+        if (!store->check({key})) continue;
+        out.values.emplace_back(p, store->get(key, net::deadline_in(2s)));
+        found_peer[size_t(p)] = 1;
+      } catch (const std::exception& e) {
+        warn(fmt::format("cannot read '{}'", key), e);
+      }
+    }
+  }
+
+  void hand_back(JoinAgentIo& out, Retries& retry) {
+    std::lock_guard<std::mutex> lock(sh->mu);
+    JoinAgentIo& a = sh->agent;
+    for (auto& k : out.published) a.published.push_back(std::move(k));
+    for (auto& f : out.fetched) a.fetched.push_back(std::move(f));
+    for (auto& f : out.found) a.found.push_back(f);
+    for (auto& v : out.values) a.values.push_back(std::move(v));
+    a.finished = a.finished || out.finished;
+    for (auto& p : retry.publish) a.publish.push_back(std::move(p));
+    for (auto& f : retry.fetch) a.fetch.push_back(std::move(f));
+  }
+};
+
+void run_join_agent(std::shared_ptr<QuorumAllreduce::Shared> sh, net::Store* store,
+                    Engine* engine, int rank, int world, uint32_t instance, uint32_t my_inc) {
+  JoinAgent(std::move(sh), store, engine, rank, world, instance, my_inc).run();
 }
 
 }  // namespace

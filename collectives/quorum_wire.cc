@@ -143,15 +143,11 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   return out;
 }
 
-qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type) {
-  if (len < sizeof(UpWire))
-    throw ProtocolError(
-        fmt::format("quorum: malformed message from rank {} ({} bytes, expected {})", from, len,
-                    sizeof(UpWire)));
-  UpWire w;
-  std::memcpy(&w, buf, sizeof(w));
-  const size_t entry = sizeof(KnownWire) + bitmap_bytes(world);
-  const size_t extra = len - sizeof(UpWire);
+namespace {
+
+// decode_up: throws unless `w` (of a message of `len` bytes, `extra` after the header, an
+// ACK's entries of `entry` bytes) is one rank `from` may send.
+void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world, int from) {
   bool bad_len;
   if (w.type == uint8_t(Up::kAck))
     bad_len = extra % entry != 0 || extra / entry > kMaxKnown;
@@ -195,6 +191,20 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
                                     w.attempt, w.count));
   if (w.completed < -1)
     throw ProtocolError(fmt::format("quorum: rank {} reports completed step {}", from, w.completed));
+}
+
+}  // namespace
+
+qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type) {
+  if (len < sizeof(UpWire))
+    throw ProtocolError(
+        fmt::format("quorum: malformed message from rank {} ({} bytes, expected {})", from, len,
+                    sizeof(UpWire)));
+  UpWire w;
+  std::memcpy(&w, buf, sizeof(w));
+  const size_t entry = sizeof(KnownWire) + bitmap_bytes(world);
+  const size_t extra = len - sizeof(UpWire);
+  check_up(w, len, extra, entry, world, from);
   *type = Up(w.type);
   qproto::Event e;
   switch (*type) {
@@ -325,11 +335,78 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
   return out;
 }
 
+namespace {
+
+ProtocolError malformed_down(int from, const std::string& what) {
+  return ProtocolError(
+      fmt::format("quorum: malformed message from the coordinator (rank {}): {}", from, what));
+}
+
+// decode_down's DECIDE.
+void decode_decide(const DownWire& h, const char* body, int world, int from,
+                   qproto::Decision& d) {
+  auto bad = [&](const std::string& what) { return malformed_down(from, what); };
+  if (h.body != 2 * bitmap_bytes(world) + 8 * size_t(world))
+    throw bad(fmt::format("DECIDE body of {} bytes", h.body));
+  if (h.status > uint8_t(qproto::Status::kSkipped))
+    throw bad(fmt::format("DECIDE status {}", h.status));
+  d.status = qproto::Status(h.status);
+  d.step = h.step;
+  d.attempt = h.attempt;
+  d.epoch = h.epoch;
+  d.decide_us = h.decide_us;
+  d.settled = h.settled;
+  d.bad_rank = h.bad_rank;
+  d.source = h.source;
+  d.bad_count = h.bad_count;
+  d.bad_layout = h.bad_layout;
+  d.quorum = int(h.quorum);
+  if (d.source < -1 || d.source >= world) throw bad(fmt::format("source rank {}", d.source));
+  d.contributors = get_bitmap(body, world);
+  d.needers = get_bitmap(body + bitmap_bytes(world), world);
+  d.offsets_us.resize(size_t(world));
+  std::memcpy(d.offsets_us.data(), body + 2 * bitmap_bytes(world), 8 * size_t(world));
+  if (d.status == qproto::Status::kOk && d.contributors.empty())
+    throw bad("DECIDE without contributors");
+}
+
+// decode_down's VIEW.
+void decode_view(const DownWire& h, const char* body, int world, int from, DownMsg& m) {
+  auto bad = [&](const std::string& what) { return malformed_down(from, what); };
+  const size_t bm = bitmap_bytes(world);
+  const size_t n_left = h.quorum, n_joined = h.attempt;
+  if (n_left > size_t(world) || n_joined > size_t(world) ||
+      h.body != bm + n_left * sizeof(DepartureWire) + n_joined * sizeof(JoinedWire))
+    throw bad(fmt::format("VIEW body of {} bytes ({} departures, {} joined)", h.body, n_left,
+                          n_joined));
+  m.view.epoch = h.epoch;
+  m.view.members = get_bitmap(body, world);
+  size_t at = bm;
+  for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
+    DepartureWire dw;
+    std::memcpy(&dw, body + at, sizeof(dw));
+    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 4 || !std::isfinite(dw.silent_ms))
+      throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
+    m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
+  }
+  for (size_t i = 0; i < n_joined; ++i, at += sizeof(JoinedWire)) {
+    JoinedWire jw;
+    std::memcpy(&jw, body + at, sizeof(jw));
+    if (int64_t(jw.rank) >= world || jw.donor < 0 || jw.donor >= world ||
+        int64_t(jw.donor) == int64_t(jw.rank) || jw.incarnation == 0 ||
+        !std::binary_search(m.view.members.begin(), m.view.members.end(), int(jw.rank)) ||
+        !std::binary_search(m.view.members.begin(), m.view.members.end(), jw.donor))
+      throw bad(fmt::format("VIEW joiner rank {} (incarnation {}, donor {})", jw.rank,
+                            jw.incarnation, jw.donor));
+    m.joined.push_back({int(jw.rank), jw.incarnation, jw.step, jw.donor});
+  }
+  if (m.view.members.empty()) throw bad("VIEW without members");
+}
+
+}  // namespace
+
 DownMsg decode_down(const void* buf, size_t len, int world, int from) {
-  auto bad = [&](const std::string& what) {
-    return ProtocolError(
-        fmt::format("quorum: malformed message from the coordinator (rank {}): {}", from, what));
-  };
+  auto bad = [&](const std::string& what) { return malformed_down(from, what); };
   if (len < sizeof(DownWire)) throw bad(fmt::format("{} bytes", len));
   DownWire h;
   std::memcpy(&h, buf, sizeof(h));
@@ -348,63 +425,12 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
     throw bad(fmt::format("unknown type {}", h.type));
   m.type = Down(h.type);
   switch (m.type) {
-    case Down::kDecide: {
-      if (h.body != 2 * bitmap_bytes(world) + 8 * size_t(world))
-        throw bad(fmt::format("DECIDE body of {} bytes", h.body));
-      if (h.status > uint8_t(qproto::Status::kSkipped))
-        throw bad(fmt::format("DECIDE status {}", h.status));
-      auto& d = m.decide;
-      d.status = qproto::Status(h.status);
-      d.step = h.step;
-      d.attempt = h.attempt;
-      d.epoch = h.epoch;
-      d.decide_us = h.decide_us;
-      d.settled = h.settled;
-      d.bad_rank = h.bad_rank;
-      d.source = h.source;
-      d.bad_count = h.bad_count;
-      d.bad_layout = h.bad_layout;
-      d.quorum = int(h.quorum);
-      if (d.source < -1 || d.source >= world) throw bad(fmt::format("source rank {}", d.source));
-      d.contributors = get_bitmap(body, world);
-      d.needers = get_bitmap(body + bitmap_bytes(world), world);
-      d.offsets_us.resize(size_t(world));
-      std::memcpy(d.offsets_us.data(), body + 2 * bitmap_bytes(world), 8 * size_t(world));
-      if (d.status == qproto::Status::kOk && d.contributors.empty())
-        throw bad("DECIDE without contributors");
+    case Down::kDecide:
+      decode_decide(h, body, world, from, m.decide);
       break;
-    }
-    case Down::kView: {
-      const size_t bm = bitmap_bytes(world);
-      const size_t n_left = h.quorum, n_joined = h.attempt;
-      if (n_left > size_t(world) || n_joined > size_t(world) ||
-          h.body != bm + n_left * sizeof(DepartureWire) + n_joined * sizeof(JoinedWire))
-        throw bad(fmt::format("VIEW body of {} bytes ({} departures, {} joined)", h.body, n_left,
-                              n_joined));
-      m.view.epoch = h.epoch;
-      m.view.members = get_bitmap(body, world);
-      size_t at = bm;
-      for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
-        DepartureWire dw;
-        std::memcpy(&dw, body + at, sizeof(dw));
-        if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 4 || !std::isfinite(dw.silent_ms))
-          throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
-        m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
-      }
-      for (size_t i = 0; i < n_joined; ++i, at += sizeof(JoinedWire)) {
-        JoinedWire jw;
-        std::memcpy(&jw, body + at, sizeof(jw));
-        if (int64_t(jw.rank) >= world || jw.donor < 0 || jw.donor >= world ||
-            int64_t(jw.donor) == int64_t(jw.rank) || jw.incarnation == 0 ||
-            !std::binary_search(m.view.members.begin(), m.view.members.end(), int(jw.rank)) ||
-            !std::binary_search(m.view.members.begin(), m.view.members.end(), jw.donor))
-          throw bad(fmt::format("VIEW joiner rank {} (incarnation {}, donor {})", jw.rank,
-                                jw.incarnation, jw.donor));
-        m.joined.push_back({int(jw.rank), jw.incarnation, jw.step, jw.donor});
-      }
-      if (m.view.members.empty()) throw bad("VIEW without members");
+    case Down::kView:
+      decode_view(h, body, world, from, m);
       break;
-    }
     case Down::kJoining:
       if (h.body != 0) throw bad(fmt::format("JOINING body of {} bytes", h.body));
       if (h.source < 0 || h.source >= world || h.attempt == 0)

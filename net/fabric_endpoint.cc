@@ -539,16 +539,7 @@ class FabricEndpoint final : public Endpoint {
     };
     // Queued posts end here; posted receives are cancelled (pairwise: dropped with the old
     // endpoint); posted sends complete on their own, or go with the old endpoint.
-    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) {
-      PostQueue& q = queues_[qi];
-      while (OpCtx* c = q.head) {
-        q.head = c->next;
-        c->next = nullptr;
-        finish_part(c, RequestState::kCancelled, {});
-      }
-      q.tail = nullptr;
-      deactivate(qi);
-    }
+    cancel_queued_posts(peer);
     std::vector<OpCtx*> posted;
     for (OpCtx* c : outstanding_)
       if (c->posted && affected(c)) posted.push_back(c);
@@ -558,58 +549,12 @@ class FabricEndpoint final : public Endpoint {
     // So does this rank's own entry when it names the endpoint about to be closed: shm reads
     // every entry's region when it enables an endpoint, and libfabric 1.17 keeps a region
     // pointer of a closed endpoint in its map.
-    auto forget = [&](size_t i, int who) {
-      int ret = fi_av_remove(av_of(int(i)), &addrs_[i], 1, 0);
-      if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
-      addrs_[i] = FI_ADDR_NOTAVAIL;
-    };
-    if (connected_[pi]) forget(pi, peer);
-    if (replace && self_shares) forget(static_cast<size_t>(rank_), rank_);
-    if (replace) {
-      for (OpCtx* c : posted) {
-        outstanding_.erase(c);
-        --queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
-        if (c->req->state == RequestState::kPending) c->req->state = RequestState::kCancelled;
-        pending_parts_of(*c->req) = 0;
-        c->req.reset();
-        orphans_.push_back(c);  // its endpoint is closed below; never completed
-      }
-      const size_t i = index_[pi];
-      Fid<fid_ep>& ep = eps_[i];
-      ep.reset();
-      // A new AV as well (the old one goes with the old endpoint): nothing of the old
-      // incarnation's entries, nor of the closed endpoint's region, is seen by the new one.
-      Fid<fid_av>& av = avs_[i];
-      av.reset();
-      names_[i] = open_endpoint(ep, av);
-      for (size_t p = 0; p < ep_of_.size(); ++p)
-        if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
-      if (self_shares) insert_peer(rank_, names_[i]);
-    } else {
-      std::vector<OpCtx*> recvs;
-      for (OpCtx* c : posted) {
-        if (c->req->is_send) continue;
-        fi_cancel(&c->ep->fid, c);
-        recvs.push_back(c);
-      }
-      // The provider reports each cancelled receive (FI_ECANCELED): wait, so that their
-      // buffers are free and no message of the old incarnation lands in them afterwards.
-      // A context that completed is deleted: only its address is compared from then on.
-      Deadline dl = deadline_in(std::chrono::seconds(5));
-      auto still = [&] {
-        for (OpCtx* c : recvs)
-          if (outstanding_.count(c)) return true;
-        return false;
-      };
-      while (still()) {
-        if (progress()) continue;
-        if (Clock::now() > dl)
-          throw TimeoutError(fmt::format("rank {}: reset_peer({}): receives from the old "
-                                         "incarnation were not cancelled within 5 s",
-                                         rank_, peer));
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-    }
+    if (connected_[pi]) forget_address(pi, peer);
+    if (replace && self_shares) forget_address(static_cast<size_t>(rank_), rank_);
+    if (replace)
+      replace_endpoint(pi, old_ep, posted, self_shares);
+    else
+      cancel_posted_recvs(peer, posted);
     insert_peer(peer, addr);
     gens_[pi] = generation(incarnation_, incarnation);
     connected_[pi] = 1;
@@ -841,6 +786,79 @@ class FabricEndpoint final : public Endpoint {
     if (n != 1)
       throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
                         __LINE__);
+  }
+
+  // reset_peer: the queued posts to and from `peer` end (cancelled).
+  void cancel_queued_posts(int peer) {
+    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) {
+      PostQueue& q = queues_[qi];
+      while (OpCtx* c = q.head) {
+        q.head = c->next;
+        c->next = nullptr;
+        finish_part(c, RequestState::kCancelled, {});
+      }
+      q.tail = nullptr;
+      deactivate(qi);
+    }
+  }
+
+  // reset_peer: removes the address of endpoint i (rank `who`'s) from its AV.
+  void forget_address(size_t i, int who) {
+    int ret = fi_av_remove(av_of(int(i)), &addrs_[i], 1, 0);
+    if (ret) spdlog::warn("rank {}: fi_av_remove(rank {}): {}", rank_, who, fi_strerror(-ret));
+    addrs_[i] = FI_ADDR_NOTAVAIL;
+  }
+
+  // reset_peer, pairwise: the peer's endpoint `old_ep` (and its AV) is replaced; the ops
+  // posted on it are orphaned.
+  void replace_endpoint(size_t pi, fid_ep* old_ep, const std::vector<OpCtx*>& posted,
+                        bool self_shares) {
+    for (OpCtx* c : posted) {
+      outstanding_.erase(c);
+      --queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
+      if (c->req->state == RequestState::kPending) c->req->state = RequestState::kCancelled;
+      pending_parts_of(*c->req) = 0;
+      c->req.reset();
+      orphans_.push_back(c);  // its endpoint is closed below; never completed
+    }
+    const size_t i = index_[pi];
+    Fid<fid_ep>& ep = eps_[i];
+    ep.reset();
+    // A new AV as well (the old one goes with the old endpoint): nothing of the old
+    // incarnation's entries, nor of the closed endpoint's region, is seen by the new one.
+    Fid<fid_av>& av = avs_[i];
+    av.reset();
+    names_[i] = open_endpoint(ep, av);
+    for (size_t p = 0; p < ep_of_.size(); ++p)
+      if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
+    if (self_shares) insert_peer(rank_, names_[i]);
+  }
+
+  // reset_peer, not replacing the endpoint: cancels the receives posted from the peer.
+  void cancel_posted_recvs(int peer, const std::vector<OpCtx*>& posted) {
+    std::vector<OpCtx*> recvs;
+    for (OpCtx* c : posted) {
+      if (c->req->is_send) continue;
+      fi_cancel(&c->ep->fid, c);
+      recvs.push_back(c);
+    }
+    // The provider reports each cancelled receive (FI_ECANCELED): wait, so that their
+    // buffers are free and no message of the old incarnation lands in them afterwards.
+    // A context that completed is deleted: only its address is compared from then on.
+    Deadline dl = deadline_in(std::chrono::seconds(5));
+    auto still = [&] {
+      for (OpCtx* c : recvs)
+        if (outstanding_.count(c)) return true;
+      return false;
+    };
+    while (still()) {
+      if (progress()) continue;
+      if (Clock::now() > dl)
+        throw TimeoutError(fmt::format("rank {}: reset_peer({}): receives from the old "
+                                       "incarnation were not cancelled within 5 s",
+                                       rank_, peer));
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   }
 
   // A directed tag as it goes on the wire: with the pair's generation (net/tags.h).

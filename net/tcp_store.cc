@@ -315,6 +315,11 @@ struct TcpStoreServer::Impl {
   bool read_conn(Conn& c);
   bool process(uint64_t cid, Conn& c);
   bool handle(uint64_t cid, Conn& c, const Header& h, std::string_view payload);
+  bool handle_join(uint64_t cid, Conn& c, const Header& h, std::string_view payload,
+                   PayloadReader& r);
+  bool handle_add(Conn& c, const Header& h, std::string_view payload, PayloadReader& r);
+  bool malformed(const Conn& c, std::string_view payload, const char* what);
+  bool refuse_foreign(Conn& c, const Header& h, const std::string& key, const char* op);
   bool flush(Conn& c);
   bool drain(Conn& c);
   void reply(Conn& c, uint32_t id, StoreMsg type, std::string_view payload = {}) {
@@ -604,11 +609,6 @@ bool TcpStoreServer::Impl::process(uint64_t cid, Conn& c) {
 
 bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
                                   std::string_view payload) {
-  auto malformed = [&](const char* what) {
-    spdlog::error("store server: malformed {} message ({} bytes) from {}; closing the connection",
-                  what, payload.size(), c.peer);
-    return false;
-  };
   if (h.version != kProtocolVersion) {
     std::string why = fmt::format("protocol version mismatch: client speaks version {}, server "
                                   "version {}",
@@ -624,73 +624,14 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     reject_join(c, h.id, fmt::format("the first message was of type {:#x}, not JOIN", h.type));
     return true;
   }
-  // SET and ADD of a key that belongs to another rank (key_owner()).
-  auto refuse_foreign = [&](const std::string& key, const char* op) {
-    int owner = key_owner(key, world_size);
-    if (owner < 0 || owner == c.rank) return false;
-    spdlog::warn("store server: rank {} ({}) tried to {} key '{}' of rank {}; refused", c.rank,
-                 c.peer, op, printable(key), owner);
-    std::string out;
-    put_str(out, fmt::format("rank {} may not {} key '{}': it belongs to rank {}", c.rank, op,
-                             key, owner));
-    reply(c, h.id, StoreMsg::kError, out);
-    return true;
-  };
   PayloadReader r(payload);
   switch (type) {
-    case StoreMsg::kJoin: {
-      uint32_t version = 0;
-      int64_t rank = 0, world = 0;
-      std::string job, host, client_nonce, proof;
-      if (!r.u32(version) || !r.i64(rank) || !r.i64(world) || !r.str(job) || !r.str(host) ||
-          !r.str(client_nonce) || !r.str(proof) || !r.at_end())
-        return malformed("JOIN");
-      // The proof covers everything before it: the fields as the client sent them.
-      std::string_view fields = payload.substr(0, payload.size() - 4 - proof.size());
-      std::string expected = join_proof(options.secret, c.nonce, fields);
-      std::string who = fmt::format("rank {} on '{}', world size {}, job '{}'", rank,
-                                    printable(host), world, printable(job));
-      if (c.joined) {
-        reject(c, h.id, fmt::format("rank {} sent JOIN twice", c.rank));
-      } else if (version != kProtocolVersion) {
-        reject_join(c, h.id,
-                    fmt::format("{}: protocol version mismatch: client speaks version {}, "
-                                "server version {}",
-                                who, version, kProtocolVersion));
-      } else if (proof.size() != expected.size() ||
-                 CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0) {
-        reject_join(c, h.id,
-                    fmt::format("{}: wrong proof of the job secret (another job, a different "
-                                "QRING_JOB_SECRET, or not a qring rank)",
-                                who));
-      } else if (world != world_size) {
-        reject_join(c, h.id,
-                    fmt::format("{}: world size mismatch, the store serves {}", who, world_size));
-      } else if (job != job_id) {
-        reject_join(c, h.id,
-                    fmt::format("{}: job id mismatch, the store serves '{}'", who, job_id));
-      } else if (rank < 0 || rank >= world_size) {
-        reject_join(c, h.id, fmt::format("{}: rank out of range [0, {})", who, world_size));
-      } else if (auto it = rank_conn.find(static_cast<int>(rank)); it != rank_conn.end()) {
-        reject_join(c, h.id,
-                    fmt::format("{}: duplicate rank, already joined from {}", who,
-                                conns.count(it->second) ? conns.at(it->second).peer : "?"));
-      } else {
-        c.joined = true;
-        c.rank = static_cast<int>(rank);
-        c.expires = Clock::time_point::max();
-        rank_conn[c.rank] = cid;
-        spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
-        std::string out;
-        put_str(out, server_proof(options.secret, c.nonce, fields));
-        reply(c, h.id, StoreMsg::kOk, out);
-      }
-      return true;
-    }
+    case StoreMsg::kJoin:
+      return handle_join(cid, c, h, payload, r);
     case StoreMsg::kSet: {
       std::string key, value;
-      if (!r.str(key) || !r.str(value) || !r.at_end()) return malformed("SET");
-      if (refuse_foreign(key, "set")) return true;
+      if (!r.str(key) || !r.str(value) || !r.at_end()) return malformed(c, payload, "SET");
+      if (refuse_foreign(c, h, key, "set")) return true;
       data[key] = std::move(value);
       reply(c, h.id, StoreMsg::kOk);
       wake(key);
@@ -698,7 +639,7 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     }
     case StoreMsg::kGet: {
       std::string key;
-      if (!r.str(key) || !r.at_end()) return malformed("GET");
+      if (!r.str(key) || !r.at_end()) return malformed(c, payload, "GET");
       Parked p{cid, h.id, type, {std::move(key)}};
       if (has_all(p.keys))
         answer(c, p);
@@ -710,7 +651,7 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     case StoreMsg::kCheck: {
       std::vector<std::string> keys;
       if (!r.keys(keys) || !r.at_end())
-        return malformed(type == StoreMsg::kWait ? "WAIT" : "CHECK");
+        return malformed(c, payload, type == StoreMsg::kWait ? "WAIT" : "CHECK");
       if (type == StoreMsg::kCheck) {
         std::string out;
         put_u32(out, has_all(keys) ? 1 : 0);
@@ -724,47 +665,124 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     }
     case StoreMsg::kMissing: {
       std::vector<std::string> keys;
-      if (!r.keys(keys) || !r.at_end()) return malformed("MISSING");
+      if (!r.keys(keys) || !r.at_end()) return malformed(c, payload, "MISSING");
       std::vector<std::string> missing;
       for (auto& k : keys)
         if (!data.count(k)) missing.push_back(std::move(k));
       reply(c, h.id, StoreMsg::kOk, encode_keys(missing));
       return true;
     }
-    case StoreMsg::kAdd: {
-      std::string key;
-      int64_t delta = 0;
-      if (!r.str(key) || !r.i64(delta) || !r.at_end()) return malformed("ADD");
-      if (refuse_foreign(key, "add to")) return true;
-      int64_t v = 0;
-      try {
-        auto it = data.find(key);
-        if (it != data.end()) v = parse_counter(key, it->second);
-      } catch (const UsageError& e) {
-        std::string out;
-        put_str(out, e.what());
-        reply(c, h.id, StoreMsg::kError, out);
-        return true;
-      }
-      if (__builtin_add_overflow(v, delta, &v)) {  // found by fuzz_store (signed overflow)
-        std::string out;
-        put_str(out, fmt::format("add to key '{}': {} + {} overflows a 64-bit counter",
-                                 printable(key), data.count(key) ? data[key] : "0", delta));
-        reply(c, h.id, StoreMsg::kError, out);
-        return true;
-      }
-      data[key] = std::to_string(v);
-      std::string out;
-      put_i64(out, v);
-      reply(c, h.id, StoreMsg::kOk, out);
-      wake(key);
-      return true;
-    }
+    case StoreMsg::kAdd:
+      return handle_add(c, h, payload, r);
     default:
       spdlog::error("store server: unknown message type {:#x} from {}; closing the connection",
                     h.type, c.peer);
       return false;
   }
+}
+
+// JOIN: admits the connection as a rank of the job, or rejects it.
+bool TcpStoreServer::Impl::handle_join(uint64_t cid, Conn& c, const Header& h,
+                                       std::string_view payload, PayloadReader& r) {
+  uint32_t version = 0;
+  int64_t rank = 0, world = 0;
+  std::string job, host, client_nonce, proof;
+  if (!r.u32(version) || !r.i64(rank) || !r.i64(world) || !r.str(job) || !r.str(host) ||
+      !r.str(client_nonce) || !r.str(proof) || !r.at_end())
+    return malformed(c, payload, "JOIN");
+  // The proof covers everything before it: the fields as the client sent them.
+  std::string_view fields = payload.substr(0, payload.size() - 4 - proof.size());
+  std::string expected = join_proof(options.secret, c.nonce, fields);
+  std::string who = fmt::format("rank {} on '{}', world size {}, job '{}'", rank,
+                                printable(host), world, printable(job));
+  if (c.joined) {
+    reject(c, h.id, fmt::format("rank {} sent JOIN twice", c.rank));
+  } else if (version != kProtocolVersion) {
+    reject_join(c, h.id,
+                fmt::format("{}: protocol version mismatch: client speaks version {}, "
+                            "server version {}",
+                            who, version, kProtocolVersion));
+  } else if (proof.size() != expected.size() ||
+             CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0) {
+    reject_join(c, h.id,
+                fmt::format("{}: wrong proof of the job secret (another job, a different "
+                            "QRING_JOB_SECRET, or not a qring rank)",
+                            who));
+  } else if (world != world_size) {
+    reject_join(c, h.id,
+                fmt::format("{}: world size mismatch, the store serves {}", who, world_size));
+  } else if (job != job_id) {
+    reject_join(c, h.id,
+                fmt::format("{}: job id mismatch, the store serves '{}'", who, job_id));
+  } else if (rank < 0 || rank >= world_size) {
+    reject_join(c, h.id, fmt::format("{}: rank out of range [0, {})", who, world_size));
+  } else if (auto it = rank_conn.find(static_cast<int>(rank)); it != rank_conn.end()) {
+    reject_join(c, h.id,
+                fmt::format("{}: duplicate rank, already joined from {}", who,
+                            conns.count(it->second) ? conns.at(it->second).peer : "?"));
+  } else {
+    c.joined = true;
+    c.rank = static_cast<int>(rank);
+    c.expires = Clock::time_point::max();
+    rank_conn[c.rank] = cid;
+    spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
+    std::string out;
+    put_str(out, server_proof(options.secret, c.nonce, fields));
+    reply(c, h.id, StoreMsg::kOk, out);
+  }
+  return true;
+}
+
+// ADD: adds to a counter and answers with its new value.
+bool TcpStoreServer::Impl::handle_add(Conn& c, const Header& h, std::string_view payload,
+                                      PayloadReader& r) {
+  std::string key;
+  int64_t delta = 0;
+  if (!r.str(key) || !r.i64(delta) || !r.at_end()) return malformed(c, payload, "ADD");
+  if (refuse_foreign(c, h, key, "add to")) return true;
+  int64_t v = 0;
+  try {
+    auto it = data.find(key);
+    if (it != data.end()) v = parse_counter(key, it->second);
+  } catch (const UsageError& e) {
+    std::string out;
+    put_str(out, e.what());
+    reply(c, h.id, StoreMsg::kError, out);
+    return true;
+  }
+  if (__builtin_add_overflow(v, delta, &v)) {  // found by fuzz_store (signed overflow)
+    std::string out;
+    put_str(out, fmt::format("add to key '{}': {} + {} overflows a 64-bit counter",
+                             printable(key), data.count(key) ? data[key] : "0", delta));
+    reply(c, h.id, StoreMsg::kError, out);
+    return true;
+  }
+  data[key] = std::to_string(v);
+  std::string out;
+  put_i64(out, v);
+  reply(c, h.id, StoreMsg::kOk, out);
+  wake(key);
+  return true;
+}
+
+bool TcpStoreServer::Impl::malformed(const Conn& c, std::string_view payload, const char* what) {
+  spdlog::error("store server: malformed {} message ({} bytes) from {}; closing the connection",
+                what, payload.size(), c.peer);
+  return false;
+}
+
+// SET and ADD of a key that belongs to another rank (key_owner()).
+bool TcpStoreServer::Impl::refuse_foreign(Conn& c, const Header& h, const std::string& key,
+                                          const char* op) {
+  int owner = key_owner(key, world_size);
+  if (owner < 0 || owner == c.rank) return false;
+  spdlog::warn("store server: rank {} ({}) tried to {} key '{}' of rank {}; refused", c.rank,
+               c.peer, op, printable(key), owner);
+  std::string out;
+  put_str(out, fmt::format("rank {} may not {} key '{}': it belongs to rank {}", c.rank, op,
+                           key, owner));
+  reply(c, h.id, StoreMsg::kError, out);
+  return true;
 }
 
 void TcpStoreServer::Impl::wake(const std::string& key) {

@@ -140,17 +140,65 @@ ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives:
   return out;
 }
 
-}  // namespace
-
-RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
-                       const TrainerOptions& opts) {
-  const int rank = comm.rank(), world = comm.size();
+// What the synchronous trainer has and the asynchronous one does not.
+void check_async_options(const TrainConfig& cfg, const TrainerOptions& opts) {
   if (opts.resume)
     throw ConfigError("train.mode = \"async\": --resume is not supported (no checkpoints)");
   if (cfg.train.checkpoint_every > 0)
     throw ConfigError("train.checkpoint_every: checkpoints need train.mode = \"sync\"");
   if (!opts.faults.empty())
     throw ConfigError("QRING_FAULT: fault injection needs train.mode = \"sync\"");
+}
+
+// This rank's worker: K gradients, each pushed to the server, then the parameters pulled
+// back. Returns what failed, if anything.
+std::exception_ptr run_worker(TrainerCore& core, size_t P, collectives::ParamServer& ps,
+                              const collectives::StragglerModel& straggler, uint64_t seed,
+                              int rank, int64_t K) {
+  float* const grad = core.gradient();
+  std::exception_ptr worker_error;
+  try {
+    uint64_t version = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      collectives::sleep_unless(straggler.delay(seed, rank, uint64_t(k)));
+      grad[P] = float(core.compute_gradient());
+      ps.push(grad, version);
+      version = ps.pull(core.params());
+    }
+  } catch (...) {
+    worker_error = std::current_exception();
+    if (rank == 0) ps.fail(worker_error);  // nor the server's wait for this worker
+  }
+  return worker_error;
+}
+
+// summary.json of an asynchronous run.
+nlohmann::json summary_json(const RunSummary& sum, const ServerResult& served, int world,
+                            int64_t K, const std::string& provider,
+                            const collectives::StragglerModel& straggler) {
+  nlohmann::json j = sum.to_json();
+  j["mode"] = "async";
+  j["world"] = world;
+  j["quorum"] = 1;
+  j["provider"] = provider;
+  j["straggler"] = straggler.spec();
+  j["finished"] = true;
+  j["updates"] = served.updates;
+  j["gradients_per_worker"] = K;
+  j["staleness_mean"] = served.staleness_mean;
+  j["staleness_max"] = served.staleness_max;
+  j["staleness_hist"] = served.staleness_hist;
+  j["iteration_p50_ms"] = served.iteration_p50_ms;
+  j["iteration_p90_ms"] = served.iteration_p90_ms;
+  return j;
+}
+
+}  // namespace
+
+RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
+                       const TrainerOptions& opts) {
+  const int rank = comm.rank(), world = comm.size();
+  check_async_options(cfg, opts);
   const uint64_t seed = uint64_t(cfg.run.seed);
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   DatasetPair data = load_datasets(cfg.data, seed);
@@ -170,7 +218,6 @@ RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
   po.deadline = std::chrono::milliseconds(cfg.quorum.deadline_ms);
   // The gradient and, after it, the batch loss (the slot Network::grads() leaves spare).
   collectives::ParamServer ps(comm, P + 1, P, po);
-  float* const grad = core.gradient();
 
   std::ofstream metrics;
   if (rank == 0) {
@@ -199,19 +246,7 @@ RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
       }
     });
   }
-  std::exception_ptr worker_error;
-  try {
-    uint64_t version = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      collectives::sleep_unless(straggler.delay(seed, rank, uint64_t(k)));
-      grad[P] = float(core.compute_gradient());
-      ps.push(grad, version);
-      version = ps.pull(core.params());
-    }
-  } catch (...) {
-    worker_error = std::current_exception();
-    if (rank == 0) ps.fail(worker_error);  // nor the server's wait for this worker
-  }
+  std::exception_ptr worker_error = run_worker(core, P, ps, straggler, seed, rank, K);
   if (server.joinable()) server.join();
   if (server_error) std::rethrow_exception(server_error);
   if (worker_error) std::rethrow_exception(worker_error);
@@ -227,21 +262,8 @@ RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
   sum.computed_samples_per_s = sum.samples_per_s;
   sum.mean_contributors = 1;
   metrics.close();
-  nlohmann::json j = sum.to_json();
-  j["mode"] = "async";
-  j["world"] = world;
-  j["quorum"] = 1;
-  j["provider"] = comm.provider();
-  j["straggler"] = straggler.spec();
-  j["finished"] = true;
-  j["updates"] = served.updates;
-  j["gradients_per_worker"] = K;
-  j["staleness_mean"] = served.staleness_mean;
-  j["staleness_max"] = served.staleness_max;
-  j["staleness_hist"] = served.staleness_hist;
-  j["iteration_p50_ms"] = served.iteration_p50_ms;
-  j["iteration_p90_ms"] = served.iteration_p90_ms;
-  std::ofstream(run_dir / "summary.json") << j.dump(2) << '\n';
+  std::ofstream(run_dir / "summary.json")
+      << summary_json(sum, served, world, K, comm.provider(), straggler).dump(2) << '\n';
   return sum;
 }
 

@@ -74,6 +74,45 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   return a;
 }
 
+// One incarnation of this rank: rendezvous, connect, train, and state the result.
+void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::TrainConfig& cfg,
+                     bool resume, std::chrono::steady_clock::time_point process_start) {
+  auto deadline = qring::net::deadline_in(
+      std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
+  qring::net::Rendezvous rdv(info, deadline);
+  qring::net::FabricOptions fo;
+  fo.provider = cfg.net.provider;
+  fo.incarnation = rdv.incarnation();
+  fo.join = rdv.incarnation() > 0;
+  auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
+                                             rdv.single_host(), deadline);
+  qring::collectives::CommOptions co;
+  co.local_size = info.local_size;
+  co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  qring::collectives::Communicator comm(std::move(ep), co);
+  qring::train::TrainerOptions topts;
+  topts.resume = resume;
+  topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
+  topts.incarnation = rdv.incarnation();
+  topts.process_start = process_start;
+  if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
+    topts.faults = qring::collectives::FaultSpec::parse_list(f);
+  auto s = qring::train::train(cfg, comm, topts);
+  rdv.lost(s.evicted_ranks);
+  if (info.rank == 0 && rdv.incarnation() == 0) {
+    fmt::print(
+        "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
+        "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
+        "params_checksum {:016x}\n",
+        s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
+        s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
+  } else {
+    // Every rank states its final parameters so logs show the replicas agree.
+    fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,40 +152,7 @@ int main(int argc, char** argv) {
   constexpr int kMaxRejoins = 8;
   for (int attempt = 0;; ++attempt) {
     try {
-      auto deadline = qring::net::deadline_in(
-          std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
-      qring::net::Rendezvous rdv(info, deadline);
-      qring::net::FabricOptions fo;
-      fo.provider = cfg.net.provider;
-      fo.incarnation = rdv.incarnation();
-      fo.join = rdv.incarnation() > 0;
-      auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                                 rdv.single_host(), deadline);
-      qring::collectives::CommOptions co;
-      co.local_size = info.local_size;
-      co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
-      qring::collectives::Communicator comm(std::move(ep), co);
-      qring::train::TrainerOptions topts;
-      topts.resume = resume;
-      topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
-      topts.incarnation = rdv.incarnation();
-      topts.process_start = process_start;
-      if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
-        topts.faults = qring::collectives::FaultSpec::parse_list(f);
-      auto s = qring::train::train(cfg, comm, topts);
-      rdv.lost(s.evicted_ranks);
-      if (info.rank == 0 && rdv.incarnation() == 0) {
-        fmt::print(
-            "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
-            "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
-            "params_checksum {:016x}\n",
-            s.test_accuracy, s.best_test_accuracy, s.wall_s, s.steps, s.samples_per_s,
-            s.mean_contributors, s.dropped_gradients, s.backup_saved_s, s.params_checksum);
-      } else {
-        // Every rank states its final parameters so logs show the replicas agree.
-        fmt::print("rank {} params_checksum {:016x}\n", info.rank, s.params_checksum);
-      }
-      std::fflush(stdout);
+      run_incarnation(info, cfg, resume, process_start);
     } catch (const qring::collectives::Evicted& e) {
       // Alive, but the others went on without this rank: come back, or leave with the status
       // qring-launch counts as a lost rank (--tolerate-failures).

@@ -336,18 +336,38 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   run.finish(vt);
 }
 
+// run_async: the per-worker step count of the equivalent sync run.
+int64_t async_steps_per_worker(const TrainConfig& cfg_in, const DatasetPair& data, int W,
+                               uint64_t seed) {
+  Sharder s(data.train.size(), 0, W, cfg_in.train.batch_per_rank, seed);
+  return cfg_in.train.steps > 0 ? cfg_in.train.steps : cfg_in.train.epochs * s.batches_per_epoch();
+}
+
+// An update with staleness `stale` (run_async).
+void count_staleness(SimResult& res, int64_t stale) {
+  if (size_t(stale) >= res.staleness_hist.size()) res.staleness_hist.resize(size_t(stale) + 1);
+  ++res.staleness_hist[size_t(stale)];
+  res.staleness_max = std::max(res.staleness_max, stale);
+}
+
+// The mean staleness of the updates counted in res.staleness_hist.
+double mean_staleness(const SimResult& res) {
+  double s = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < res.staleness_hist.size(); ++i) {
+    s += double(i) * double(res.staleness_hist[i]);
+    n += res.staleness_hist[i];
+  }
+  return n ? s / double(n) : 0;
+}
+
 void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOptions& opts,
                SimResult& res) {
   const int W = opts.workers;
   const uint64_t seed = uint64_t(cfg_in.run.seed);
   const auto straggler = collectives::StragglerModel::parse(cfg_in.straggler.model);
   // Per-worker step count of the equivalent sync run, then W updates per such step.
-  int64_t per_worker;
-  {
-    Sharder s(data.train.size(), 0, W, cfg_in.train.batch_per_rank, seed);
-    per_worker = cfg_in.train.steps > 0 ? cfg_in.train.steps
-                                        : cfg_in.train.epochs * s.batches_per_epoch();
-  }
+  const int64_t per_worker = async_steps_per_worker(cfg_in, data, W, seed);
   TrainConfig cfg = cfg_in;
   cfg.train.steps = per_worker * W;
   cfg.train.warmup_steps = cfg_in.train.warmup_steps * W;
@@ -399,9 +419,7 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
     if (r.contributors == 0) r.lr = core.lr();
     core.apply_gradient(grad[size_t(w)].data());
     ++version;
-    if (size_t(stale) >= res.staleness_hist.size()) res.staleness_hist.resize(size_t(stale) + 1);
-    ++res.staleness_hist[size_t(stale)];
-    res.staleness_max = std::max(res.staleness_max, stale);
+    count_staleness(res, stale);
     const double pull_done = applied + hop_ms;
     const double it = pull_done - start_ms[size_t(w)];
     iter_ms.push_back(it);
@@ -428,13 +446,7 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
     run.progress(version, total, vt_ms / 1000.0);
   }
   run.evaluate(total, vt_ms / 1000.0);
-  double s = 0;
-  int64_t n = 0;
-  for (size_t i = 0; i < res.staleness_hist.size(); ++i) {
-    s += double(i) * double(res.staleness_hist[i]);
-    n += res.staleness_hist[i];
-  }
-  res.staleness_mean = n ? s / double(n) : 0;
+  res.staleness_mean = mean_staleness(res);
   res.step_p50_ms = quantile(iter_ms, 0.5);
   res.step_p90_ms = quantile(iter_ms, 0.9);
   run.finish(vt_ms / 1000.0);

@@ -976,6 +976,60 @@ nlohmann::json summary_json(const RunSummary& sum, const TrainConfig& cfg, int w
   return j;
 }
 
+// A step of train_sync: the gradient of this rank's batch goes into the quorum all-reduce,
+// the step's mean gradient (the first Q contributions) is applied, and the parts beside the
+// loop record it. What it works with is set up by train_sync, once.
+struct SyncStep {
+  const TrainConfig& cfg;
+  TrainerCore& core;
+  collectives::QuorumAllreduce& q;
+  const FaultInjector& maybe_fault;
+  Worker& worker;
+  StepTimer& timer;
+  Membership& membership;
+  MetricsWriter& out;
+  Evaluator& evaluate;
+  Checkpointer& checkpoints;
+  Progress& progress;
+  const size_t n_params;
+  const int sched_quorum;
+  const int64_t steps_per_epoch, total, eval_every;
+  const Clock::time_point t_start;
+
+  void operator()(int64_t t, collectives::QuorumAllreduce::View& result, double& last_loss,
+                  RunSummary& sum) {
+    maybe_fault(t, "step");
+    const DataPosition position = core.position();  // before this step's batch
+    const Work work = worker.compute_and_contribute(t, timer);
+    const auto w0 = Clock::now();
+    // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
+    // lose ranks, the all-reduce's kept buffer), held until the next step's wait.
+    collectives::QuorumResult r = q.wait(uint64_t(t), &result);
+    const double wait_ms = ms_since(w0);
+    membership.decided(t, r, position);
+    const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
+    const double lr = core.lr() * lr_scale;
+    if (r.skipped) {
+      // A member was lost mid-step and too few contributors survived: no rank updates.
+      ++sum.skipped_steps;
+      spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
+    } else {
+      const float* mean = static_cast<const float*>(result.data);
+      last_loss = mean[n_params];
+      core.apply_gradient(mean, lr_scale);
+    }
+    membership.after_step(t, r, sum);
+    timer.record(work, r);
+    out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);
+    const int64_t done = t + 1;
+    out.after_step(done);
+    if (done % eval_every == 0 && done < total) evaluate(done, sum);
+    if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
+      checkpoints.save(done);
+    progress.after_step(t, last_loss, evaluate.last_accuracy(), timer, sum);
+  }
+};
+
 // The synchronous trainer (train.mode "sync"): each step, every rank computes the gradient
 // of its batch and contributes it to the quorum all-reduce, waits for the step's decision
 // (the mean of the first Q contributions) and applies it; the parts beside the loop above
@@ -1046,40 +1100,16 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
   Progress progress(cfg, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
+  SyncStep step{
+      cfg,   core,       q,           maybe_fault, worker,   timer,        membership,
+      out,   evaluate,   checkpoints, progress,    n_params, sched_quorum, steps_per_epoch,
+      total, eval_every, t_start};
   collectives::QuorumAllreduce::View result;  // the current step's mean gradient
   double last_loss = 0;
   int64_t t = start;
   for (; t < total; ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
-    maybe_fault(t, "step");
-    const DataPosition position = core.position();  // before this step's batch
-    const Work work = worker.compute_and_contribute(t, timer);
-    const auto w0 = Clock::now();
-    // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
-    // lose ranks, the all-reduce's kept buffer), held until the next step's wait.
-    collectives::QuorumResult r = q.wait(uint64_t(t), &result);
-    const double wait_ms = ms_since(w0);
-    membership.decided(t, r, position);
-    const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
-    const double lr = core.lr() * lr_scale;
-    if (r.skipped) {
-      // A member was lost mid-step and too few contributors survived: no rank updates.
-      ++sum.skipped_steps;
-      spdlog::warn("step {} skipped on every rank: a member was lost during it", t);
-    } else {
-      const float* mean = static_cast<const float*>(result.data);
-      last_loss = mean[n_params];
-      core.apply_gradient(mean, lr_scale);
-    }
-    membership.after_step(t, r, sum);
-    timer.record(work, r);
-    out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);
-    const int64_t done = t + 1;
-    out.after_step(done);
-    if (done % eval_every == 0 && done < total) evaluate(done, sum);
-    if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
-      checkpoints.save(done);
-    progress.after_step(t, last_loss, evaluate.last_accuracy(), timer, sum);
+    step(t, result, last_loss, sum);
   }
   progress.end();
   const double loop_s = seconds_since(t_start);

@@ -335,6 +335,14 @@ class Launcher {
   void begin_stop(int sig, const std::string& why, int code);
   void signal_all(int sig);
   bool any_child_left();
+  // run()'s steps.
+  std::unique_ptr<qring::net::TcpStoreServer> serve_store();
+  void event_loop(int sfd);
+  int poll_timeout_ms(Clock::time_point now, const std::optional<Clock::time_point>& timeout_at,
+                      const std::optional<Clock::time_point>& drain_until) const;
+  void wait_for_input(int sfd, std::vector<pollfd>& pfds, int wait_ms);
+  void read_signals(int sfd);
+  void report_lost_ranks();
 
   Options opts_;
   // One identity per launch, the same for every rank: a unique job id, and the secret each
@@ -618,22 +626,8 @@ int Launcher::run() {
   for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, sig);
   sigprocmask(SIG_BLOCK, &mask, &old_mask);
   child_mask_ = old_mask;
-  // The job's rendezvous store, on loopback (the ranks are on this host), for as long as the
-  // launcher runs: ranks that come back find it there. Its thread starts after the signals
-  // are blocked, so that they all reach the signalfd.
-  spdlog::set_pattern("qring-launch: store: %v");
-  spdlog::set_level(spdlog::level::warn);
-  std::unique_ptr<qring::net::TcpStoreServer> store;
-  try {
-    qring::net::StoreServerOptions so;
-    so.secret = job_secret_;
-    store = std::make_unique<qring::net::TcpStoreServer>("127.0.0.1", opts_.port, opts_.n,
-                                                         job_id_, so);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on 127.0.0.1:{}: {}\n",
-               opts_.port, e.what());
-    return 1;
-  }
+  std::unique_ptr<qring::net::TcpStoreServer> store = serve_store();
+  if (!store) return 1;
   int port = port_ = store->port();
 
   int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
@@ -645,6 +639,39 @@ int Launcher::run() {
   cpus_ = opts_.bind ? plan_cpus(opts_.n) : std::vector<std::vector<int>>(size_t(opts_.n));
   for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask, cpus_[size_t(r)]);
 
+  event_loop(sfd);
+  for (auto& s : streams_) {
+    flush_partial(s);
+    if (s.fd >= 0) close(s.fd);
+  }
+  close(sfd);
+  report_lost_ranks();
+  return exit_code_;
+}
+
+// The job's rendezvous store, on loopback (the ranks are on this host), for as long as the
+// launcher runs: ranks that come back find it there. Its thread starts after the signals
+// are blocked, so that they all reach the signalfd. Null (reported) when it cannot start.
+std::unique_ptr<qring::net::TcpStoreServer> Launcher::serve_store() {
+  spdlog::set_pattern("qring-launch: store: %v");
+  spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<qring::net::TcpStoreServer> store;
+  try {
+    qring::net::StoreServerOptions so;
+    so.secret = job_secret_;
+    store = std::make_unique<qring::net::TcpStoreServer>("127.0.0.1", opts_.port, opts_.n,
+                                                         job_id_, so);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on 127.0.0.1:{}: {}\n",
+               opts_.port, e.what());
+    return nullptr;
+  }
+  return store;
+}
+
+// Runs until every rank and what it left behind are gone and their output is drained (or the
+// processes outlive SIGKILL): reaps, enforces the timeout, forwards signals, relays output.
+void Launcher::event_loop(int sfd) {
   std::optional<Clock::time_point> timeout_at;
   if (opts_.timeout_s > 0)
     timeout_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -680,45 +707,56 @@ int Launcher::run() {
         break;
       }
     }
-
-    Clock::time_point wake = now + std::chrono::seconds(1);
-    if (timeout_at && !stopping_) wake = std::min(wake, *timeout_at);
-    if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
-    if (killed_) wake = std::min(wake, now + milliseconds(50));
-    if (drain_until) wake = std::min(wake, *drain_until);
-    int wait_ms = static_cast<int>(
-        std::max<int64_t>(0, std::chrono::duration_cast<milliseconds>(wake - now).count() + 1));
-
-    pfds.clear();
-    pfds.push_back({sfd, POLLIN, 0});
-    for (auto& s : streams_)
-      if (s.fd >= 0) pfds.push_back({s.fd, POLLIN, 0});
-    if (poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) {
-      fmt::print(stderr, "qring-launch: poll(): {}\n", std::strerror(errno));
-      begin_stop(SIGKILL, "", 1);
-      killed_ = true;
-    }
-    signalfd_siginfo si;
-    while (read(sfd, &si, sizeof(si)) == static_cast<ssize_t>(sizeof(si))) {
-      int sig = static_cast<int>(si.ssi_signo);
-      if (sig == SIGCHLD) continue;  // reap() runs at the top of the loop
-      if (signals_received_++ > 0) {
-        write_all(2, fmt::format("qring-launch: {} again; killing all ranks\n", signal_name(sig)));
-        killed_ = true;
-        signal_all(SIGKILL);
-      } else {
-        begin_stop(sig, fmt::format("received {}; forwarding it to all ranks", signal_name(sig)),
-                   stopping_ ? exit_code_ : 128 + sig);
-      }
-    }
+    const int wait_ms = poll_timeout_ms(now, timeout_at, drain_until);
+    wait_for_input(sfd, pfds, wait_ms);
+    read_signals(sfd);
     for (auto& s : streams_)
       if (s.fd >= 0) on_output(s);
   }
-  for (auto& s : streams_) {
-    flush_partial(s);
-    if (s.fd >= 0) close(s.fd);
+}
+
+int Launcher::poll_timeout_ms(Clock::time_point now,
+                              const std::optional<Clock::time_point>& timeout_at,
+                              const std::optional<Clock::time_point>& drain_until) const {
+  Clock::time_point wake = now + std::chrono::seconds(1);
+  if (timeout_at && !stopping_) wake = std::min(wake, *timeout_at);
+  if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
+  if (killed_) wake = std::min(wake, now + milliseconds(50));
+  if (drain_until) wake = std::min(wake, *drain_until);
+  return static_cast<int>(
+      std::max<int64_t>(0, std::chrono::duration_cast<milliseconds>(wake - now).count() + 1));
+}
+
+void Launcher::wait_for_input(int sfd, std::vector<pollfd>& pfds, int wait_ms) {
+  pfds.clear();
+  pfds.push_back({sfd, POLLIN, 0});
+  for (auto& s : streams_)
+    if (s.fd >= 0) pfds.push_back({s.fd, POLLIN, 0});
+  if (poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) {
+    fmt::print(stderr, "qring-launch: poll(): {}\n", std::strerror(errno));
+    begin_stop(SIGKILL, "", 1);
+    killed_ = true;
   }
-  close(sfd);
+}
+
+// Signals to the launcher go to every rank; a second one kills them all.
+void Launcher::read_signals(int sfd) {
+  signalfd_siginfo si;
+  while (read(sfd, &si, sizeof(si)) == static_cast<ssize_t>(sizeof(si))) {
+    int sig = static_cast<int>(si.ssi_signo);
+    if (sig == SIGCHLD) continue;  // reap() runs at the top of the loop
+    if (signals_received_++ > 0) {
+      write_all(2, fmt::format("qring-launch: {} again; killing all ranks\n", signal_name(sig)));
+      killed_ = true;
+      signal_all(SIGKILL);
+    } else {
+      begin_stop(sig, fmt::format("received {}; forwarding it to all ranks", signal_name(sig)),
+                 stopping_ ? exit_code_ : 128 + sig);
+    }
+  }
+}
+
+void Launcher::report_lost_ranks() {
   if (exit_code_ == 0 && !lost_.empty()) {
     // Degraded success: every rank that was not lost exited 0.
     std::vector<std::string> list;
@@ -730,7 +768,6 @@ int Launcher::run() {
                        "{}): {}; exit status {}\n",
                        lost_.size(), opts_.n, opts_.tolerate, fmt::join(list, "; "), exit_code_));
   }
-  return exit_code_;
 }
 
 }  // namespace

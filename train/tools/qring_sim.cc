@@ -120,9 +120,8 @@ int parse_int(const std::string& flag, const std::string& s) {
   return int(v);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command line, checked (ConfigError when it is wrong).
+struct Args {
   std::string config_path;
   std::vector<std::string> overrides;
   qring::train::SimOptions opts;
@@ -130,65 +129,105 @@ int main(int argc, char** argv) {
   std::optional<qring::train::SimMode> mode;
   std::string calibration;
   std::optional<double> alpha, beta, rtt;
-  try {
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        if (i + 1 >= argc) throw qring::ConfigError(fmt::format("{} needs a value", a));
-        return argv[++i];
-      };
-      if (a == "--help" || a == "-h") {
-        fputs(usage().c_str(), stdout);
-        return 0;
-      } else if (a == "--config") {
-        config_path = value();
-      } else if (a == "--workers") {
-        opts.workers = parse_int(a, value());
-        have_workers = true;
-      } else if (a == "--backups") {
-        opts.backups = parse_int(a, value());
-      } else if (a == "--mode") {
-        std::string m = value();
-        if (m == "sync")
-          mode = qring::train::SimMode::kSync;
-        else if (m == "async")
-          mode = qring::train::SimMode::kAsync;
-        else
-          throw qring::ConfigError(
-              fmt::format("--mode: '{}' is not sync or async", m));
-      } else if (a == "--compute-ms") {
-        opts.compute_ms = parse_number(a, value());
-        if (opts.compute_ms < 0)
-          throw qring::ConfigError(fmt::format("--compute-ms must be >= 0, got {}", opts.compute_ms));
-      } else if (a == "--apply-ms") {
-        opts.apply_ms = parse_number(a, value());
-        if (opts.apply_ms < 0)
-          throw qring::ConfigError(fmt::format("--apply-ms must be >= 0, got {}", opts.apply_ms));
-      } else if (a == "--calibration") {
-        calibration = value();
-      } else if (a == "--alpha-us") {
-        alpha = parse_number(a, value());
-      } else if (a == "--beta-ns") {
-        beta = parse_number(a, value());
-      } else if (a == "--rtt-us") {
-        rtt = parse_number(a, value());
-      } else if (a == "--progress") {
-        opts.progress = true;
-      } else if (a == "--arrivals-only") {
-        opts.arrivals_only = true;
-      } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
-        overrides.push_back(a);
-      } else {
-        throw qring::ConfigError(fmt::format("unknown argument '{}'", a));
-      }
+};
+
+// False after --help (the usage is printed).
+bool parse_args(int argc, char** argv, Args& args) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw qring::ConfigError(fmt::format("{} needs a value", a));
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      fputs(usage().c_str(), stdout);
+      return false;
+    } else if (a == "--config") {
+      args.config_path = value();
+    } else if (a == "--workers") {
+      args.opts.workers = parse_int(a, value());
+      args.have_workers = true;
+    } else if (a == "--backups") {
+      args.opts.backups = parse_int(a, value());
+    } else if (a == "--mode") {
+      std::string m = value();
+      if (m == "sync")
+        args.mode = qring::train::SimMode::kSync;
+      else if (m == "async")
+        args.mode = qring::train::SimMode::kAsync;
+      else
+        throw qring::ConfigError(fmt::format("--mode: '{}' is not sync or async", m));
+    } else if (a == "--compute-ms") {
+      args.opts.compute_ms = parse_number(a, value());
+      if (args.opts.compute_ms < 0)
+        throw qring::ConfigError(
+            fmt::format("--compute-ms must be >= 0, got {}", args.opts.compute_ms));
+    } else if (a == "--apply-ms") {
+      args.opts.apply_ms = parse_number(a, value());
+      if (args.opts.apply_ms < 0)
+        throw qring::ConfigError(
+            fmt::format("--apply-ms must be >= 0, got {}", args.opts.apply_ms));
+    } else if (a == "--calibration") {
+      args.calibration = value();
+    } else if (a == "--alpha-us") {
+      args.alpha = parse_number(a, value());
+    } else if (a == "--beta-ns") {
+      args.beta = parse_number(a, value());
+    } else if (a == "--rtt-us") {
+      args.rtt = parse_number(a, value());
+    } else if (a == "--progress") {
+      args.opts.progress = true;
+    } else if (a == "--arrivals-only") {
+      args.opts.arrivals_only = true;
+    } else if (a.find('=') != std::string::npos && a.rfind("-", 0) != 0) {
+      args.overrides.push_back(a);
+    } else {
+      throw qring::ConfigError(fmt::format("unknown argument '{}'", a));
     }
-    if (config_path.empty()) throw qring::ConfigError("--config FILE is required");
-    if (!have_workers) throw qring::ConfigError("--workers W is required");
-    // The file first, explicit flags over it.
-    if (!calibration.empty()) read_calibration(calibration, opts);
-    if (alpha) opts.alpha_us = *alpha;
-    if (beta) opts.beta_ns_per_byte = *beta;
-    if (rtt) opts.rtt_us = *rtt;
+  }
+  if (args.config_path.empty()) throw qring::ConfigError("--config FILE is required");
+  if (!args.have_workers) throw qring::ConfigError("--workers W is required");
+  // The file first, explicit flags over it.
+  if (!args.calibration.empty()) read_calibration(args.calibration, args.opts);
+  if (args.alpha) args.opts.alpha_us = *args.alpha;
+  if (args.beta) args.opts.beta_ns_per_byte = *args.beta;
+  if (args.rtt) args.opts.rtt_us = *args.rtt;
+  return true;
+}
+
+// The configuration and the data (qring::Error when they are wrong); the options that
+// follow from the configuration.
+void load_run(Args& args, qring::train::TrainConfig& cfg, qring::train::DatasetPair& data) {
+  cfg = qring::train::TrainConfig::from_file(args.config_path, args.overrides);
+  cfg.validate();
+  args.opts.mode = args.mode ? *args.mode
+                            : (cfg.train.mode == "async" ? qring::train::SimMode::kAsync
+                                                         : qring::train::SimMode::kSync);
+  args.opts.adaptive = cfg.quorum.quorum_auto;
+  args.opts.auto_min = int(cfg.quorum.min);
+  args.opts.auto_max = int(cfg.quorum.max);
+  args.opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
+  data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
+}
+
+void print_result(const qring::train::SimOptions& opts, const qring::train::SimResult& r) {
+  fmt::print(
+      "mode {} workers {} backups {} test_accuracy {:.4f} best {:.4f} time_to_target_s {} "
+      "virtual_s {:.2f} step_p50_ms {:.2f} step_p90_ms {:.2f} staleness_mean {:.2f} "
+      "compute_ms {:.3f} gradients {} wall_s {:.1f}\n",
+      opts.mode == qring::train::SimMode::kSync ? "sync" : "async", opts.workers,
+      opts.backups, r.test_accuracy, r.best_test_accuracy,
+      r.time_to_target_s ? fmt::format("{:.2f}", *r.time_to_target_s) : std::string("-"),
+      r.virtual_s, r.step_p50_ms, r.step_p90_ms, r.staleness_mean, r.compute_ms,
+      r.gradients_computed, r.wall_s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    if (!parse_args(argc, argv, args)) return 0;
   } catch (const qring::ConfigError& e) {
     fmt::print(stderr, "qring-sim: {}\n{}", e.what(), usage());
     return 2;
@@ -202,32 +241,15 @@ int main(int argc, char** argv) {
   qring::train::TrainConfig cfg;
   qring::train::DatasetPair data;
   try {
-    cfg = qring::train::TrainConfig::from_file(config_path, overrides);
-    cfg.validate();
-    opts.mode = mode ? *mode
-                     : (cfg.train.mode == "async" ? qring::train::SimMode::kAsync
-                                                  : qring::train::SimMode::kSync);
-    opts.adaptive = cfg.quorum.quorum_auto;
-    opts.auto_min = int(cfg.quorum.min);
-    opts.auto_max = int(cfg.quorum.max);
-    opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
-    data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
+    load_run(args, cfg, data);
   } catch (const qring::Error& e) {
     fmt::print(stderr, "qring-sim: {}\n", e.what());
     return 2;
   }
 
   try {
-    auto r = qring::train::simulate(cfg, data, opts);
-    fmt::print(
-        "mode {} workers {} backups {} test_accuracy {:.4f} best {:.4f} time_to_target_s {} "
-        "virtual_s {:.2f} step_p50_ms {:.2f} step_p90_ms {:.2f} staleness_mean {:.2f} "
-        "compute_ms {:.3f} gradients {} wall_s {:.1f}\n",
-        opts.mode == qring::train::SimMode::kSync ? "sync" : "async", opts.workers,
-        opts.backups, r.test_accuracy, r.best_test_accuracy,
-        r.time_to_target_s ? fmt::format("{:.2f}", *r.time_to_target_s) : std::string("-"),
-        r.virtual_s, r.step_p50_ms, r.step_p90_ms, r.staleness_mean, r.compute_ms,
-        r.gradients_computed, r.wall_s);
+    auto r = qring::train::simulate(cfg, data, args.opts);
+    print_result(args.opts, r);
   } catch (const qring::ConfigError& e) {
     fmt::print(stderr, "qring-sim: {}\n", e.what());
     return 2;
