@@ -450,16 +450,7 @@ class FabricEndpoint final : public Endpoint {
   // reference to any buffer of ours, and whatever is still pending ends as cancelled.
   void close() override {
     if (closed_) return;
-    for (size_t qi = 0; qi < queues_.size(); ++qi) {
-      PostQueue& q = queues_[qi];
-      while (OpCtx* c = q.head) {
-        q.head = c->next;
-        c->next = nullptr;
-        finish_part(c, RequestState::kCancelled, {});
-      }
-      q.tail = nullptr;
-      deactivate(qi);
-    }
+    for (size_t qi = 0; qi < queues_.size(); ++qi) cancel_queue(qi);
     for (OpCtx* c : outstanding_)
       if (c->posted && !c->req->is_send) fi_cancel(&c->ep->fid, c);
     fi_cq_tagged_entry entries[16];
@@ -788,18 +779,21 @@ class FabricEndpoint final : public Endpoint {
                         __LINE__);
   }
 
+  // The posts still queued (not handed to the provider) in queue `qi` end, cancelled.
+  void cancel_queue(size_t qi) {
+    PostQueue& q = queues_[qi];
+    while (OpCtx* c = q.head) {
+      q.head = c->next;
+      c->next = nullptr;
+      finish_part(c, RequestState::kCancelled, {});
+    }
+    q.tail = nullptr;
+    deactivate(qi);
+  }
+
   // reset_peer: the queued posts to and from `peer` end (cancelled).
   void cancel_queued_posts(int peer) {
-    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) {
-      PostQueue& q = queues_[qi];
-      while (OpCtx* c = q.head) {
-        q.head = c->next;
-        c->next = nullptr;
-        finish_part(c, RequestState::kCancelled, {});
-      }
-      q.tail = nullptr;
-      deactivate(qi);
-    }
+    for (size_t qi : {queue_index(true, peer), queue_index(false, peer)}) cancel_queue(qi);
   }
 
   // reset_peer: removes the address of endpoint i (rank `who`'s) from its AV.
