@@ -8,8 +8,10 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
 #include <vector>
 
+#include "collectives/engine.h"
 #include "net/error.h"
 
 namespace qring::collectives {
@@ -81,7 +83,9 @@ std::string FaultSpec::spec() const {
   return fmt::format("stop:{}:{}:{}:{}", rank, step, stop_ms, phase);
 }
 
-void FaultSpec::inject() const {
+void FaultSpec::inject(Engine* engine) const {
+  std::unique_lock<std::mutex> hold;
+  if (engine) hold = engine->hold_progress();
   if (action == Action::kKill) {
     ::kill(::getpid(), SIGKILL);
     ::pause();

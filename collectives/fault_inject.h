@@ -20,6 +20,8 @@
 
 namespace qring::collectives {
 
+class Engine;
+
 struct FaultSpec {
   enum class Action : uint8_t { kKill, kStop } action = Action::kKill;
   int rank = 0;
@@ -38,8 +40,13 @@ struct FaultSpec {
   bool matches(int r, uint64_t t, std::string_view ph) const {
     return r == rank && t >= step && ph == phase;
   }
-  // Carries the fault out on this process (does not return for kill).
-  void inject() const;
+  // Carries the fault out on this process (does not return for kill). With `engine`, it first
+  // takes the engine's progress lock (Engine::hold_progress), so that no thread of this
+  // process is inside the endpoint when it stops or dies: over libfabric 1.17's shm a process
+  // stopped inside the receive path blocks every rank that sends to it (docs/design.md,
+  // Membership, "Limits"). Null from the engine thread's own pass (phase "ring"), which holds
+  // that lock already.
+  void inject(Engine* engine) const;
 };
 
 }  // namespace qring::collectives

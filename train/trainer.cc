@@ -15,7 +15,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <optional>
 
@@ -375,10 +374,8 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
 // Each QRING_FAULT entry fires once, from the step loop or (phase "ring") the engine thread.
 // Copies share what has fired: the engine may call its copy until the QuorumAllreduce is gone.
 // A fault fires between two passes of the engine, never with a thread of this process inside
-// the endpoint: the step loop's faults hold the engine's progress lock, and the ring phase
-// fires inside the engine's own pass. (libfabric 1.17's shm provider takes the receiver's
-// region lock, a process-shared spinlock, while it receives: every rank that sends to a
-// process stopped or killed inside it spins until it continues, or forever; docs/design.md.)
+// the endpoint (FaultSpec::inject): the step loop's hold the engine's progress lock, and the
+// ring phase fires inside the engine's own pass.
 class FaultInjector {
  public:
   FaultInjector(std::vector<collectives::FaultSpec> faults, int rank, collectives::Engine& engine)
@@ -402,9 +399,7 @@ class FaultInjector {
     for (size_t i = 0; i < faults_.size(); ++i) {
       if (faults_[i].matches(rank_, uint64_t(step), phase) && !(*fired_)[i].exchange(true)) {
         spdlog::warn("injecting fault {} at step {} (QRING_FAULT)", faults_[i].spec(), step);
-        std::unique_lock<std::mutex> hold;
-        if (!in_engine_pass) hold = engine_->hold_progress();
-        faults_[i].inject();
+        faults_[i].inject(in_engine_pass ? nullptr : engine_);
       }
     }
   }

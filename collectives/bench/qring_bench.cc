@@ -25,7 +25,6 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -488,10 +487,9 @@ uint64_t last_step(const std::vector<collectives::FaultSpec>& faults) {
 
 // --fault: fires each fault once, at its timed step and phase, from the bench's thread
 // (phases step, ready) or the engine thread (ring). It owns what it uses, as the engine may
-// call it until the quorum all-reduce is gone. It fires between two engine passes, with no
-// thread of this process inside the endpoint (from the bench's thread: holding the engine's
-// progress lock; ring: inside the engine's own pass), as qring-train's do (train/trainer.cc,
-// FaultInjector).
+// call it until the quorum all-reduce is gone. It fires between two engine passes
+// (FaultSpec::inject: from the bench's thread holding the engine's progress lock; ring inside
+// the engine's own pass).
 struct FaultFirer {
   std::vector<collectives::FaultSpec> faults;
   std::shared_ptr<std::atomic<uint64_t>> first_timed;  // QuorumSteps::first_timed
@@ -508,9 +506,7 @@ struct FaultFirer {
                      faults[i].spec().c_str(), static_cast<unsigned long long>(t - t0));
         std::fflush(stdout);
         std::fflush(stderr);
-        std::unique_lock<std::mutex> hold;
-        if (std::string_view(phase) != "ring") hold = engine->hold_progress();
-        faults[i].inject();
+        faults[i].inject(std::string_view(phase) == "ring" ? nullptr : engine);
       }
     }
   }
