@@ -192,11 +192,12 @@ struct QuorumAllreduce::Shared {
     std::vector<double> values;
   };
   std::deque<Report> reports_out;  // report() calls not sent yet
-  // Coordinator: reports received, by key then part (a few keys at most).
-  std::map<uint64_t, std::map<int, std::vector<double>>> reports_in;
-  void keep_report(uint64_t key, uint32_t part, std::vector<double> v) {
+  // Coordinator: reports received, by key (a few keys at most), then by the number of parts
+  // the sender split the report into and the part.
+  std::map<uint64_t, std::map<std::pair<uint32_t, int>, std::vector<double>>> reports_in;
+  void keep_report(uint64_t key, uint32_t part, uint32_t parts, std::vector<double> v) {
     std::lock_guard<std::mutex> lock(mu);
-    reports_in[key][int(part)] = std::move(v);
+    reports_in[key][{parts, int(part)}] = std::move(v);
     while (reports_in.size() > 16) reports_in.erase(reports_in.begin());
     cv.notify_all();
   }
@@ -1044,7 +1045,7 @@ class QuorumService final : public EngineOp {
         // A part of a report: kept for gather_reports() (when this rank coordinates, or is
         // about to), and a sign of life like a heartbeat.
         if (coord_state_ || takeover_)
-          sh_->keep_report(e.step, e.attempt, std::move(e.values));
+          sh_->keep_report(e.step, e.attempt, uint32_t(e.count), std::move(e.values));
         e.values.clear();
       }
       if (takeover_) {
@@ -1251,6 +1252,7 @@ class QuorumService final : public EngineOp {
     {
       std::lock_guard<std::mutex> lock(sh_->mu);
       sh_->views.push_back(std::move(v));
+      sh_->cv.notify_all();  // gather_reports stops waiting for ranks that left
     }
     if (!view_.has(rank_))
       throw Evicted(fmt::format("rank {}: evicted from the job in view {} (members {}): the "
@@ -1325,7 +1327,7 @@ class QuorumService final : public EngineOp {
     }
     for (auto& r : reports) {
       if (coord_state_) {
-        sh_->keep_report(r.key, r.part, std::move(r.values));
+        sh_->keep_report(r.key, r.part, r.parts, std::move(r.values));
         continue;
       }
       Event e;
@@ -2300,16 +2302,31 @@ void QuorumAllreduce::report(uint64_t key, int part, int parts, std::vector<doub
   if (!comm_.engine().try_progress()) comm_.engine().kick();
 }
 
-std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(uint64_t key, int parts,
-                                                                   int skip,
-                                                                   Clock::time_point until) {
+std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(
+    uint64_t key, int parts, int skip, Clock::time_point until, const std::vector<int>& senders) {
   std::unique_lock<std::mutex> lock(shared_->mu);
+  const size_t views_before = shared_->views.size();
+  // Part p's sender has left the job: it is not in the newest view, or a view since this call
+  // began dropped it (it may be back as a new incarnation, which does not send this report).
+  auto gone = [&](int p) {
+    if (size_t(p) >= senders.size() || shared_->views.empty()) return false;
+    const int r = senders[size_t(p)];
+    const std::vector<int>& m = shared_->views.back().members;
+    if (std::find(m.begin(), m.end(), r) == m.end()) return true;
+    for (size_t i = views_before; i < shared_->views.size(); ++i)
+      for (auto& l : shared_->views[i].left)
+        if (l.rank == r) return true;
+    return false;
+  };
   auto have = [&] {
     auto it = shared_->reports_in.find(key);
-    int n = 0;
-    if (it != shared_->reports_in.end())
-      for (auto& [p, v] : it->second) n += (p < parts && p != skip) ? 1 : 0;
-    return n >= parts - (skip >= 0 && skip < parts ? 1 : 0);
+    for (int p = 0; p < parts; ++p) {
+      if (p == skip) continue;
+      const bool in =
+          it != shared_->reports_in.end() && it->second.count({uint32_t(parts), p}) > 0;
+      if (!in && !gone(p)) return false;
+    }
+    return true;
   };
   // The engine thread receives the parts (keep_report notifies).
   while (!have() && !shared_->poison && Clock::now() < until)
@@ -2318,8 +2335,8 @@ std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(uint64_t key,
   std::map<int, std::vector<double>> out;
   auto it = shared_->reports_in.find(key);
   if (it != shared_->reports_in.end()) {
-    for (auto& [p, v] : it->second)
-      if (p < parts && p != skip) out[p] = std::move(v);
+    for (auto& [at, v] : it->second)
+      if (at.first == uint32_t(parts) && at.second != skip) out[at.second] = std::move(v);
   }
   // This key and every older one are done.
   shared_->reports_in.erase(shared_->reports_in.begin(), shared_->reports_in.upper_bound(key));

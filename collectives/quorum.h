@@ -223,9 +223,13 @@ class QuorumAllreduce {
   void report(uint64_t key, int part, int parts, std::vector<double> values);
   // At the coordinator: waits until parts [0, parts) of `key` other than `skip` (its own;
   // -1 = none) are in, or until `until`, and returns those that arrived (part -> values).
-  // Reports of this key and of older keys are dropped afterwards.
+  // With `senders` (the rank that sends each part), it stops waiting for a part as soon as
+  // its sender has left the job (a view without it). A part its sender split into another
+  // number of parts (it saw other members) does not count. Reports of this key and of older
+  // keys are dropped afterwards.
   std::map<int, std::vector<double>> gather_reports(uint64_t key, int parts, int skip,
-                                                    Clock::time_point until);
+                                                    Clock::time_point until,
+                                                    const std::vector<int>& senders = {});
 
   // The late gradient waiting to be carried into the next contribution (LatePolicy::kCarry),
   // for checkpoints: empty when none is pending. restore_carry() takes what it returned.

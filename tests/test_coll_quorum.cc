@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -412,8 +413,10 @@ TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
     q.wait(0, buf.data());
     const int r = comm.rank();
     if (q.coordinator() != r) {
-      // Rank 3 never reports key 10: the coordinator stops waiting at its deadline.
+      // Rank 3 never reports key 10 in 4 parts (it splits it in 3, as if it saw 3 members):
+      // the coordinator stops waiting at its deadline.
       if (r != 3) q.report(10, r, 4, {double(r), 0.5 * r});
+      if (r == 3) q.report(10, 2, 3, {99.0});
       q.report(11, r, 4, {double(10 * r)});
     } else {
       EXPECT_THROW(q.report(12, 4, 4, {1.0}), UsageError);           // part out of range
@@ -504,6 +507,82 @@ TEST(QuorumMembership, CutOffCoordinatorIsReplacedAndNoStepHasTwoOutcomes) {
       EXPECT_EQ(rec[size_t(r)][t].bitmap, rec[1][t].bitmap) << "rank " << r << " step " << t;
       EXPECT_EQ(rec[size_t(r)][t].out, rec[1][t].out) << "rank " << r << " step " << t;
     }
+}
+
+// Reports gathered at the coordinator stop waiting for a sender that has left the job: rank
+// 3 is cut off by the fault endpoint before it reports; the coordinator's gather names the
+// senders and returns once rank 3 is evicted (200 ms), long before its 20 s deadline, with
+// the other ranks' parts.
+TEST(QuorumMembership, GatherStopsWaitingForASenderThatLeft) {
+  const int world = 4;
+  const size_t count = 8;
+  QuorumOptions qo;
+  qo.quorum = 3;
+  qo.deadline = milliseconds(3000);
+  qo.evict = milliseconds(200);
+  net::InprocFabric fabric(world);
+  std::vector<net::FaultEndpoint*> fault(static_cast<size_t>(world), nullptr);
+  std::atomic<int> ready{0}, reported{0}, past{0};
+  std::map<int, std::vector<double>> got;
+  double gather_s = -1;
+  std::vector<std::string> error(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto fe = std::make_unique<net::FaultEndpoint>(fabric.endpoint(r),
+                                                       std::vector<net::FaultRule>{});
+        fault[size_t(r)] = fe.get();
+        ++ready;
+        while (ready.load() < world) std::this_thread::yield();
+        Communicator comm(std::move(fe), CommOptions{});
+        QuorumAllreduce q(comm, count, qo);
+        std::vector<float> buf(count, float(r));
+        for (uint64_t t = 0; t < 3; ++t) {
+          q.contribute(t, buf.data(), count);
+          q.wait(t, buf.data());
+        }
+        // Every rank completed step 2 in view 0 before rank 3 goes silent: all see the
+        // same members.
+        ++past;
+        while (past.load() < world) std::this_thread::yield();
+        const std::vector<int> members = q.members();
+        if (r == 3) {
+          for (int p = 0; p < 3; ++p) {
+            fault[3]->cut(p);
+            fault[size_t(p)]->cut(3);
+          }
+          ++reported;
+          return;  // silent from now on
+        }
+        ASSERT_EQ(members, (std::vector<int>{0, 1, 2, 3}));
+        if (q.coordinator() != r) {
+          q.report(7, r, world, {double(r)});
+          ++reported;
+        } else {
+          while (reported.load() < world - 1) std::this_thread::sleep_for(milliseconds(1));
+          const auto t0 = std::chrono::steady_clock::now();
+          got = q.gather_reports(7, world, r, t0 + milliseconds(20000), members);
+          gather_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
+        // The survivors go on without rank 3.
+        for (uint64_t t = 3; t < 6; ++t) {
+          q.contribute(t, buf.data(), count);
+          q.wait(t, buf.data());
+        }
+      } catch (const std::exception& e) {
+        error[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(error[size_t(r)], "") << "rank " << r;
+  EXPECT_GE(gather_s, 0.0);
+  EXPECT_LT(gather_s, 10.0) << "the gather waited for the evicted rank until its deadline";
+  EXPECT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[1], std::vector<double>{1.0});
+  EXPECT_EQ(got[2], std::vector<double>{2.0});
+  EXPECT_EQ(got.count(3), 0u);
 }
 
 }  // namespace

@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -12,6 +17,42 @@
 #include "train/rng.h"
 
 namespace qring::train {
+
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+size_t round_up(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+}  // namespace
+
+void* alloc_data_bytes(size_t bytes) {
+  if (bytes < kHugePage) {
+    void* p = std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 1), 64));
+    if (p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  // Map one huge page more than needed and trim to a 2 MiB boundary on both sides.
+  const size_t size = round_up(bytes, kHugePage);
+  void* m = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                 -1, 0);
+  if (m == MAP_FAILED) throw std::bad_alloc();
+  auto* base = static_cast<char*>(m);
+  char* p = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(base), kHugePage));
+  if (p > base) munmap(base, size_t(p - base));
+  if (char* end = base + size + kHugePage; end > p + size) munmap(p + size, size_t(end - (p + size)));
+  madvise(p, size, MADV_HUGEPAGE);  // advice: without it the pages are 4 KiB, still correct
+  return p;
+}
+
+void free_data_bytes(void* p, size_t bytes) noexcept {
+  if (p == nullptr) return;
+  if (bytes < kHugePage) {
+    std::free(p);
+    return;
+  }
+  munmap(p, round_up(bytes, kHugePage));
+}
+
 namespace {
 
 std::string pick(const std::string& dir, const std::string& base) {
@@ -22,20 +63,37 @@ std::string pick(const std::string& dir, const std::string& base) {
   throw DataError(fmt::format("{}: dataset file not found (also tried without .gz)", gz));
 }
 
+// The pixels of an images file as floats, pixel / 255, converted as they are inflated (the
+// bytes are never held whole). Returns the number of images.
+size_t read_images(const std::string& path, DataVector<float>& out) {
+  IdxReader in(path);
+  check_idx_image_dims(path, in.dims());
+  out.resize(in.first_block());
+  std::vector<uint8_t> piece(size_t{1} << 20);
+  size_t at = 0;
+  while (at < in.total()) {
+    if (at == out.size()) out.resize(std::min(in.total(), 2 * at));
+    const size_t n = in.read(piece.data(), std::min(piece.size(), out.size() - at));
+    float* dst = out.data() + at;
+    for (size_t i = 0; i < n; ++i) dst[i] = piece[i] / 255.0f;
+    at += n;
+  }
+  in.finish();
+  return in.dims()[0];
+}
+
 Dataset load_split(const std::string& dir, const std::string& prefix) {
   const std::string ipath = pick(dir, prefix + "-images-idx3-ubyte");
   const std::string lpath = pick(dir, prefix + "-labels-idx1-ubyte");
-  IdxArray images = read_idx_images(ipath);
-  IdxArray labels = read_idx_labels(lpath, 10);
-  if (images.dims[0] != labels.dims[0]) {
-    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath,
-                                images.dims[0]));
-  }
-  if (images.dims[0] == 0) throw DataError(fmt::format("{}: no images", ipath));
   Dataset d;
   d.dim = 784;
-  d.images.resize(images.data.size());
-  for (size_t i = 0; i < images.data.size(); ++i) d.images[i] = images.data[i] / 255.0f;
+  const size_t n_images = read_images(ipath, d.images);
+  IdxArray labels = read_idx_labels(lpath, 10);
+  if (n_images != labels.dims[0]) {
+    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath,
+                                n_images));
+  }
+  if (n_images == 0) throw DataError(fmt::format("{}: no images", ipath));
   d.labels.assign(labels.data.begin(), labels.data.end());
   return d;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "net/error.h"
@@ -31,12 +32,14 @@ std::string zlib_message(const std::string& path, const char* msg) {
   return m;
 }
 
+}  // namespace
+
 // A gzip (or plain) stream read in bounded pieces: nothing is inflated beyond what the
 // caller asks for, so a small file that inflates to gigabytes costs no more than the IDX
 // header says the data needs (a "gzip bomb" is refused after its header).
-class Stream {
+class IdxStream {
  public:
-  explicit Stream(const std::string& path) : path_(path) {
+  explicit IdxStream(const std::string& path) : path_(path) {
     errno = 0;
     f_.reset(gzopen(path.c_str(), "rb"));
     if (!f_) {
@@ -81,16 +84,27 @@ class Stream {
   GzFile f_;
 };
 
+namespace {
+
 void put_be32(std::vector<uint8_t>& out, uint32_t v) {
   for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<uint8_t>(v >> s));
 }
 
+// The data's first block: what the header claims, but no more than the file can hold. Deflate
+// expands at most 1032:1, so a small file whose header claims gigabytes costs no more than
+// this; the rest grows as data really arrives.
+size_t plausible_bytes(const std::string& path, size_t total) {
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(path, ec);
+  if (ec) return std::min(total, size_t{1} << 20);
+  return std::min(total, static_cast<size_t>(bytes) * 1040 + (size_t{1} << 20));
+}
+
 }  // namespace
 
-IdxArray read_idx(const std::string& path) {
-  Stream in(path);
+IdxReader::IdxReader(const std::string& path) : path_(path), in_(std::make_unique<IdxStream>(path_)) {
   uint8_t head[4 + 4 * 4];
-  size_t got = in.read(head, 4);
+  size_t got = in_->read(head, 4);
   if (got < 4) throw DataError(fmt::format("{}: truncated IDX header ({} bytes)", path, got));
   if (head[0] != 0 || head[1] != 0) {
     throw DataError(fmt::format("{}: bad IDX magic number 0x{:02x}{:02x}{:02x}{:02x}", path,
@@ -104,44 +118,63 @@ IdxArray read_idx(const std::string& path) {
   if (ndims < 1 || ndims > 4)
     throw DataError(fmt::format("{}: bad IDX dimension count {} (1..4)", path, ndims));
   const size_t header = 4 + 4 * ndims;
-  got += in.read(head + 4, header - 4);
+  got += in_->read(head + 4, header - 4);
   if (got < header) {
     throw DataError(fmt::format("{}: truncated IDX header ({} bytes, need {})", path, got, header));
   }
-  IdxArray a;
-  size_t total = 1;
+  total_ = 1;
   for (size_t d = 0; d < ndims; ++d) {
     const uint8_t* p = head + 4 + 4 * d;
     const uint32_t v =
         (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
     if (v == 0 && d > 0) throw DataError(fmt::format("{}: IDX dimension {} is zero", path, d));
-    a.dims.push_back(v);
-    total *= v;
-    if (total > kMaxIdxBytes)
+    dims_.push_back(v);
+    total_ *= v;
+    if (total_ > kMaxIdxBytes)
       throw DataError(fmt::format("{}: IDX dimensions are too large", path));
   }
-  // The data, read as it arrives (a header may claim more than the file holds), then at most
-  // kTrailingLimit bytes more to tell a clean end from trailing data.
-  while (a.data.size() < total) {
-    const size_t at = a.data.size();
-    const size_t step = std::min(total - at, std::max<size_t>(at, size_t{1} << 20));
-    a.data.resize(at + step);
-    const size_t n = in.read(a.data.data() + at, step);
-    if (n < step) {
-      throw DataError(fmt::format("{}: truncated IDX data: dimensions need {} bytes, file has {}",
-                                  path, total, at + n));
-    }
+  first_block_ = plausible_bytes(path, total_);
+}
+
+IdxReader::~IdxReader() = default;
+
+size_t IdxReader::read(uint8_t* p, size_t n) {
+  n = std::min(n, total_ - done_);
+  const size_t got = in_->read(p, n);
+  if (got < n) {
+    throw DataError(fmt::format("{}: truncated IDX data: dimensions need {} bytes, file has {}",
+                                path_, total_, done_ + got));
   }
+  done_ += n;
+  return n;
+}
+
+void IdxReader::finish() {
+  // At most kTrailingLimit bytes more, to tell a clean end from trailing data.
   std::vector<uint8_t> extra(kTrailingLimit + 1);
-  const size_t trailing = in.read(extra.data(), extra.size());
+  const size_t trailing = in_->read(extra.data(), extra.size());
   if (trailing > kTrailingLimit) {
     throw DataError(fmt::format("{}: more than {} trailing bytes after the IDX data ({} expected)",
-                                path, kTrailingLimit, total));
+                                path_, kTrailingLimit, total_));
   }
   if (trailing > 0) {
-    throw DataError(fmt::format("{}: {} trailing bytes after the IDX data ({} expected)", path,
-                                trailing, total));
+    throw DataError(fmt::format("{}: {} trailing bytes after the IDX data ({} expected)", path_,
+                                trailing, total_));
   }
+}
+
+IdxArray read_idx(const std::string& path) {
+  IdxReader in(path);
+  IdxArray a;
+  a.dims = in.dims();
+  // The data, read as it arrives (a header may claim more than the file holds).
+  a.data.resize(in.first_block());
+  size_t at = 0;
+  while (at < in.total()) {
+    if (at == a.data.size()) a.data.resize(std::min(in.total(), 2 * at));
+    at += in.read(a.data.data() + at, a.data.size() - at);
+  }
+  in.finish();
   return a;
 }
 
@@ -163,16 +196,19 @@ void write_idx(const std::string& path, const std::vector<uint32_t>& dims,
   if (gzclose(f.release()) != Z_OK) throw Error(fmt::format("{}: close failed", path));
 }
 
+void check_idx_image_dims(const std::string& path, const std::vector<uint32_t>& dims,
+                          bool require_28x28) {
+  if (dims.size() != 3) {
+    throw DataError(fmt::format("{}: an images file needs 3 dimensions (count, rows, cols), has {}",
+                                path, dims.size()));
+  }
+  if (require_28x28 && (dims[1] != 28 || dims[2] != 28))
+    throw DataError(fmt::format("{}: images are {}x{}, expected 28x28", path, dims[1], dims[2]));
+}
+
 IdxArray read_idx_images(const std::string& path, bool require_28x28) {
   IdxArray a = read_idx(path);
-  if (a.dims.size() != 3) {
-    throw DataError(fmt::format("{}: an images file needs 3 dimensions (count, rows, cols), has {}",
-                                path, a.dims.size()));
-  }
-  if (require_28x28 && (a.dims[1] != 28 || a.dims[2] != 28)) {
-    throw DataError(
-        fmt::format("{}: images are {}x{}, expected 28x28", path, a.dims[1], a.dims[2]));
-  }
+  check_idx_image_dims(path, a.dims, require_28x28);
   return a;
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,32 @@ struct IdxArray {
 // refused at the cost of its header's claim, never read whole.
 IdxArray read_idx(const std::string& path);
 
+// An IDX file read in order, piece by piece: for data too large to hold twice (the images are
+// converted to floats as they are inflated). The constructor reads and checks the header,
+// read() hands out the data, finish() checks the end; the same checks and messages as
+// read_idx.
+class IdxStream;
+class IdxReader {
+ public:
+  explicit IdxReader(const std::string& path);
+  ~IdxReader();
+  const std::vector<uint32_t>& dims() const { return dims_; }
+  size_t total() const { return total_; }  // bytes of data: the product of dims()
+  // What to hold at first: total(), or less when the file is too small to hold that much (a
+  // header may claim more than the file has).
+  size_t first_block() const { return first_block_; }
+  // The next min(n, bytes left) bytes of data into p; throws DataError if the file ends first.
+  size_t read(uint8_t* p, size_t n);
+  // After the data: throws DataError if anything trails it.
+  void finish();
+
+ private:
+  std::string path_;
+  std::unique_ptr<IdxStream> in_;
+  std::vector<uint32_t> dims_;
+  size_t total_ = 0, done_ = 0, first_block_ = 0;
+};
+
 // Writes an IDX file of unsigned bytes (gzip-compressed if gzip is true). For tests and tools.
 void write_idx(const std::string& path, const std::vector<uint32_t>& dims,
                const std::vector<uint8_t>& data, bool gzip);
@@ -31,6 +58,9 @@ void write_idx(const std::string& path, const std::vector<uint32_t>& dims,
 // An images file: 3 dimensions (count, rows, cols). Throws DataError unless rows == cols == 28
 // when require_28x28.
 IdxArray read_idx_images(const std::string& path, bool require_28x28 = true);
+// The same checks on the dimensions of an images file alone.
+void check_idx_image_dims(const std::string& path, const std::vector<uint32_t>& dims,
+                          bool require_28x28 = true);
 
 // A labels file: 1 dimension; every label must be < num_classes.
 IdxArray read_idx_labels(const std::string& path, int num_classes = 10);

@@ -96,12 +96,13 @@ std::vector<double> evaluate_slice(Model& model, const Dataset& test, int64_t ba
   return v;
 }
 
-// The sharded evaluation, without a collective: each live member (`members`, sorted, the
-// same on every rank after a step) evaluates its slice of the test set and sends the sums to
-// the coordinator, which adds them in slice order (exact in float64: the same bits whoever
-// evaluated a slice). Nobody but the coordinator waits, and it waits a bounded time: the
-// slices of a member that died or stopped during the evaluation it evaluates itself. Only the
-// coordinator gets a result (nullopt elsewhere).
+// The sharded evaluation, without a collective: each live member (`members`, sorted, as of
+// the step each rank completed last) evaluates its slice of the test set and sends the sums
+// to the coordinator, which adds them in slice order (exact in float64: the same bits
+// whoever evaluated a slice). Nobody but the coordinator waits, and it waits a bounded time,
+// ending as soon as the missing slices' members have left the job; those slices, and those of
+// a member that completed the step in another view (so cut the set into another number of
+// slices), it evaluates itself. Only the coordinator gets a result (nullopt elsewhere).
 std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
                                         collectives::QuorumAllreduce& q, int rank, uint64_t key) {
   const std::vector<int> members = q.members();
@@ -121,7 +122,7 @@ std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64
     // overdue after twice this rank's time for one, plus the eviction time.
     const auto own = Clock::now() - t0;
     parts = q.gather_reports(key, int(k), int(me),
-                             Clock::now() + 2 * own + q.options().evict);
+                             Clock::now() + 2 * own + q.options().evict, members);
   }
   parts[int(me)] = std::move(mine);
   double v[3] = {0, 0, 0};
@@ -621,7 +622,7 @@ void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, in
     return;
   }
   if (k < 2) return;
-  auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict);
+  auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict, members);
   for (auto& [i, v] : parts) {
     if (v.size() != 2) continue;
     const uint64_t theirs = (uint64_t(v[0]) << 32) | uint64_t(v[1]);
