@@ -224,7 +224,7 @@ struct QuorumAllreduce::Shared {
   struct StateOut {
     int to;
     uint64_t step;
-    std::shared_ptr<std::vector<char>> buf;
+    std::shared_ptr<const std::vector<char>> buf;
   };
   std::deque<StateOut> state_out;
   size_t state_len = 0;  // > 0: receive_state waits for this many bytes at most
@@ -454,7 +454,7 @@ class QuorumService final : public EngineOp {
  private:
   struct Send {
     net::RequestPtr req;
-    std::shared_ptr<std::vector<char>> buf;
+    std::shared_ptr<const std::vector<char>> buf;
     int peer = -1;
     bool result = false;  // a step's result to a rank outside S(t)
     uint32_t incarnation = 0;  // of the peer when it was sent
@@ -2504,13 +2504,18 @@ size_t QuorumAllreduce::receive_state(void* buf, size_t len, Clock::time_point u
 }
 
 void QuorumAllreduce::send_state(int to, uint64_t step, std::vector<char> state) {
+  send_state(to, step, std::make_shared<const std::vector<char>>(std::move(state)));
+}
+
+void QuorumAllreduce::send_state(int to, uint64_t step,
+                                 std::shared_ptr<const std::vector<char>> state) {
   if (to < 0 || to >= comm_.size() || to == comm_.rank())
     throw UsageError(fmt::format("quorum send_state(): rank {} out of range", to));
+  if (!state) throw UsageError("quorum send_state(): no state");
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     if (shared_->poison) std::rethrow_exception(shared_->poison);
-    shared_->state_out.push_back(
-        {to, step, std::make_shared<std::vector<char>>(std::move(state))});
+    shared_->state_out.push_back({to, step, std::move(state)});
   }
   comm_.engine().kick();
 }

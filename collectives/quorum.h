@@ -149,7 +149,6 @@ class QuorumLost : public QuorumTimeout {
   using QuorumTimeout::QuorumTimeout;
 };
 
-
 struct QuorumResult {
   uint64_t step = 0;
   std::vector<uint8_t> contributors;  // bitmap: bit (r % 8) of byte r / 8 = rank r counted
@@ -166,8 +165,8 @@ struct QuorumResult {
   // No result: a member was lost mid-step and too few contributors survived. Every rank
   // skips the step alike (count 0, no update); the output buffer is left untouched.
   bool skipped = false;
-  uint64_t epoch = 0;     // the view that decided the step
-  uint32_t attempt = 0;   // > 0: decided again after a member was lost during the step
+  uint64_t epoch = 0;    // the view that decided the step
+  uint32_t attempt = 0;  // > 0: decided again after a member was lost during the step
   // Ranks that entered the view at this step (rejoined). The donor of each sends it the
   // state before this step's update (send_state), after wait() and before applying it.
   std::vector<Rejoined> joined;
@@ -258,6 +257,9 @@ class QuorumAllreduce {
   // The donor of a rank that joined at `step` (QuorumResult::joined): sends it `state` and
   // returns at once (the transfer runs on the engine thread while the steps go on).
   void send_state(int to, uint64_t step, std::vector<char> state);
+  // The same with a buffer the caller may keep: the engine holds its reference until the send
+  // completes (use_count() back to 1: the caller may reuse it).
+  void send_state(int to, uint64_t step, std::shared_ptr<const std::vector<char>> state);
 
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }

@@ -107,6 +107,28 @@ TEST(Checkpoint, RoundTripIsBitIdentical) {
   EXPECT_EQ(load_checkpoint(p), s2);
 }
 
+// The state sent to a rejoining rank is encoded from spans into a reused buffer: the same
+// bytes as a checkpoint file's, of the size computed beforehand, whatever the buffer held.
+TEST(Checkpoint, EncodingFromAViewIntoAReusedBufferGivesTheSameBytes) {
+  const CheckpointState s = sample_state();
+  const std::vector<uint8_t> ref = encode_checkpoint(s);
+  EXPECT_EQ(encoded_checkpoint_size(view_of(s)), ref.size());
+  EXPECT_EQ(encode_checkpoint(view_of(s)), ref);
+  std::vector<char> buf(3 * ref.size(), 'x');  // larger and full of something else
+  encode_checkpoint_into(view_of(s), buf);
+  ASSERT_EQ(buf.size(), ref.size());
+  EXPECT_EQ(std::memcmp(buf.data(), ref.data(), ref.size()), 0);
+  const CheckpointState back =
+      decode_checkpoint(std::vector<uint8_t>(buf.begin(), buf.end()), "the reused buffer");
+  EXPECT_EQ(back, s);
+  // Smaller content into the same buffer: no trace of the earlier one.
+  CheckpointState small = s;
+  small.params.resize(3);
+  small.meta.clear();
+  encode_checkpoint_into(view_of(small), buf);
+  EXPECT_EQ(std::vector<uint8_t>(buf.begin(), buf.end()), encode_checkpoint(small));
+}
+
 TEST(Checkpoint, EmptyStateRoundTrips) {
   TempDir dir;
   const std::string p = dir.path() + "/empty.qck";

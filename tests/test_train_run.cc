@@ -97,6 +97,9 @@ TEST(TrainRun, ResumeFromCheckpointIsBitIdentical) {
       first.apply_gradient(first.gradient());
     }
     save_checkpoint(checkpoint_path(tmpl, first.step()), first.checkpoint_state());
+    // What a donor sends a rejoining rank: the same bytes, encoded from the live buffers.
+    EXPECT_EQ(encode_checkpoint(first.checkpoint_view()),
+              encode_checkpoint(first.checkpoint_state()));
   }
   TrainerCore resumed(cfg, data, 0, 1, 1);
   resumed.restore(load_checkpoint(*latest_checkpoint(tmpl)));

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <span>
 #include <utility>
 
 #include "net/error.h"
@@ -25,20 +26,27 @@ constexpr char kMagic[8] = {'Q', 'R', 'I', 'N', 'G', 'C', 'K', '\0'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeader = 24;
 
+// Appends to a buffer reserved to its final size by the caller (one allocation, no copies
+// as it grows: the state sent to a rejoining rank is encoded between two steps).
+template <class Bytes>
 class Writer {
  public:
+  explicit Writer(Bytes& out, size_t size) : buf(out) {
+    buf.clear();
+    buf.reserve(size);
+  }
   template <class U>
   void put(U v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
+    const auto* p = reinterpret_cast<const typename Bytes::value_type*>(&v);
     buf.insert(buf.end(), p, p + sizeof(U));
   }
   template <class U>
-  void put_array(const std::vector<U>& v) {
+  void put_array(std::span<const U> v) {
     put<uint64_t>(v.size());
-    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+    const auto* p = reinterpret_cast<const typename Bytes::value_type*>(v.data());
     buf.insert(buf.end(), p, p + v.size() * sizeof(U));
   }
-  std::vector<uint8_t> buf;
+  Bytes& buf;
 };
 
 class Reader {
@@ -109,27 +117,69 @@ class Fd {
 
 }  // namespace
 
-std::vector<uint8_t> encode_checkpoint(const CheckpointState& s) {
-  Writer w;
-  w.buf.insert(w.buf.end(), kMagic, kMagic + sizeof(kMagic));
-  w.put<uint32_t>(kVersion);
-  w.put<uint32_t>(0);
-  w.put<uint64_t>(0);  // payload length, patched below
-  w.put<uint64_t>(s.step);
-  w.put<int64_t>(s.position.epoch);
-  w.put<int64_t>(s.position.index);
-  w.put<uint64_t>(s.config_fingerprint);
-  w.put<uint32_t>(s.world);
-  w.put<uint32_t>(s.rank);
+CheckpointView view_of(const CheckpointState& s) {
+  CheckpointView v;
+  v.step = s.step;
+  v.position = s.position;
+  v.config_fingerprint = s.config_fingerprint;
+  v.world = s.world;
+  v.rank = s.rank;
+  v.params = s.params;
+  v.velocity = s.velocity;
+  v.carry = s.carry;
+  v.rng_state = s.rng_state;
+  v.meta = s.meta;
+  return v;
+}
+
+size_t encoded_checkpoint_size(const CheckpointView& s) {
+  return kHeader + 3 * 8 + 8 + 2 * 4 + 5 * 8 +
+         4 * (s.params.size() + s.velocity.size() + s.carry.size()) + s.rng_state.size() +
+         s.meta.size() + 4;
+}
+
+namespace {
+template <class Bytes>
+void encode(const CheckpointView& s, Bytes& out) {
+  Writer<Bytes> w(out, encoded_checkpoint_size(s));
+  const auto* magic = reinterpret_cast<const typename Bytes::value_type*>(kMagic);
+  w.buf.insert(w.buf.end(), magic, magic + sizeof(kMagic));
+  w.template put<uint32_t>(kVersion);
+  w.template put<uint32_t>(0);
+  w.template put<uint64_t>(0);  // payload length, patched below
+  w.template put<uint64_t>(s.step);
+  w.template put<int64_t>(s.position.epoch);
+  w.template put<int64_t>(s.position.index);
+  w.template put<uint64_t>(s.config_fingerprint);
+  w.template put<uint32_t>(s.world);
+  w.template put<uint32_t>(s.rank);
   w.put_array(s.params);
   w.put_array(s.velocity);
   w.put_array(s.carry);
   w.put_array(s.rng_state);
-  w.put_array(std::vector<uint8_t>(s.meta.begin(), s.meta.end()));
+  w.put_array(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.meta.data()), s.meta.size()));
   const uint64_t payload = w.buf.size() - kHeader;
   std::memcpy(w.buf.data() + 16, &payload, sizeof(payload));
-  w.put<uint32_t>(crc(w.buf.data(), w.buf.size()));
-  return std::move(w.buf);
+  w.template put<uint32_t>(crc(reinterpret_cast<const uint8_t*>(w.buf.data()), w.buf.size()));
+  if (w.buf.size() != encoded_checkpoint_size(s))
+    throw Error(fmt::format("checkpoint encoding: {} bytes, {} expected", w.buf.size(),
+                            encoded_checkpoint_size(s)));
+}
+}  // namespace
+
+std::vector<uint8_t> encode_checkpoint(const CheckpointState& s) {
+  return encode_checkpoint(view_of(s));
+}
+
+std::vector<uint8_t> encode_checkpoint(const CheckpointView& s) {
+  std::vector<uint8_t> out;
+  encode(s, out);
+  return out;
+}
+
+void encode_checkpoint_into(const CheckpointView& s, std::vector<char>& out) {
+  encode(s, out);
 }
 
 void save_checkpoint(const std::string& path, const CheckpointState& s,

@@ -19,7 +19,9 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "train/dataset.h"
@@ -52,7 +54,26 @@ CheckpointState load_checkpoint(const std::string& path);
 
 // The file's bytes without the file: the state a live member sends to a rank that rejoins.
 // decode_checkpoint checks them as load_checkpoint does, naming `what` in its errors.
+// A checkpoint's content without owning it (spans into live buffers), so that the state sent
+// to a rejoining rank is encoded straight from the model and optimizer, in one copy.
+struct CheckpointView {
+  uint64_t step = 0;
+  DataPosition position;
+  uint64_t config_fingerprint = 0;
+  uint32_t world = 1;
+  uint32_t rank = 0;
+  std::span<const float> params, velocity, carry;
+  std::span<const uint8_t> rng_state;
+  std::string_view meta;
+};
+CheckpointView view_of(const CheckpointState& state);
+// The exact size encode_checkpoint() gives for this content.
+size_t encoded_checkpoint_size(const CheckpointView& state);
+
 std::vector<uint8_t> encode_checkpoint(const CheckpointState& state);
+std::vector<uint8_t> encode_checkpoint(const CheckpointView& state);
+// Into `out`, replacing what it held; no allocation when its capacity suffices.
+void encode_checkpoint_into(const CheckpointView& state, std::vector<char>& out);
 CheckpointState decode_checkpoint(const std::vector<uint8_t>& bytes, const std::string& what);
 
 // <dir>/ckpt-<step, 12 digits>.qck

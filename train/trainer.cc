@@ -250,7 +250,7 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   const double admit_ms = ms_since(t0);
   // The donor's state before step joined->step: parameters, momentum, data position, step.
   // Room for the donor's state: the same model and optimizer (a bigger one is an error).
-  std::vector<uint8_t> bytes(encode_checkpoint(core.checkpoint_state()).size() + 4096);
+  std::vector<uint8_t> bytes(encoded_checkpoint_size(core.checkpoint_view()) + 4096);
   const auto s0 = Clock::now();
   bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
   const double state_ms = ms_since(s0);
@@ -774,18 +774,30 @@ class Membership {
         joining_(joined.has_value()),
         view_epoch_(joined ? joined->epoch : 0),
         t_start_(t_start),
-        process_start_(process_start) {}
+        process_start_(process_start) {
+    // A job that survives a loss can take a rank back, and any member may be its donor: the
+    // buffer for the state is made (and its pages touched) here, not between two steps.
+    if (q.survives_loss() && q.members().size() > 1) {
+      state_buf_ = std::make_shared<std::vector<char>>();
+      encode_checkpoint_into(core.checkpoint_view(), *state_buf_);
+    }
+  }
 
   // Once step t is decided: `position` is this rank's data position before the step's batch.
   void decided(int64_t t, const collectives::QuorumResult& r, const DataPosition& position) {
     for (const auto& j : r.joined) {
       if (j.donor != rank_) continue;
-      CheckpointState st = core_.checkpoint_state();
+      CheckpointView st = core_.checkpoint_view();
       st.position = position;
-      const std::vector<uint8_t> bytes = encode_checkpoint(st);
-      q_.send_state(j.rank, uint64_t(t), std::vector<char>(bytes.begin(), bytes.end()));
+      // The buffer of the last transfer when the engine has let go of it (already in memory:
+      // fresh pages cost more than the copy), else a new one.
+      if (!state_buf_ || state_buf_.use_count() > 1)
+        state_buf_ = std::make_shared<std::vector<char>>();
+      encode_checkpoint_into(st, *state_buf_);
+      const size_t size = state_buf_->size();
+      q_.send_state(j.rank, uint64_t(t), state_buf_);
       spdlog::info("step {}: sending the state ({:.1f} MB) to rank {}, which rejoins", t,
-                   double(bytes.size()) / 1e6, j.rank);
+                   double(size) / 1e6, j.rank);
     }
     if (joining_ && !counted_once_ && r.self_counted) {
       counted_once_ = true;
@@ -889,6 +901,7 @@ class Membership {
   bool counted_once_ = false;  // the joiner: has a step counted its contribution yet
   uint64_t view_epoch_;
   Clock::time_point t_start_, process_start_;
+  std::shared_ptr<std::vector<char>> state_buf_;  // the state for a rejoining rank
   std::map<int, Clock::time_point> lost_at_;  // rank -> when the view without it formed
   std::map<int, Healing> healing_;            // rejoined, not yet counted
 };

@@ -61,6 +61,18 @@ CheckpointState TrainerCore::checkpoint_state() const {
   return s;
 }
 
+CheckpointView TrainerCore::checkpoint_view() const {
+  CheckpointView v;
+  v.step = static_cast<uint64_t>(step_);
+  v.position = sharder_.position();
+  v.config_fingerprint = cfg_.fingerprint();
+  v.world = static_cast<uint32_t>(world_);
+  v.rank = static_cast<uint32_t>(rank_);
+  v.params = std::span<const float>(model_->params(), model_->num_params());
+  v.velocity = opt_.velocity();
+  return v;
+}
+
 void TrainerCore::restore(const CheckpointState& s) {
   if (s.params.size() != model_->num_params() || s.velocity.size() != model_->num_params()) {
     throw DataError(

@@ -64,6 +64,9 @@ class TrainerCore {
   // Parameters, momentum, step, data position, config fingerprint, world and rank. The caller
   // adds carry, rng_state and meta as needed.
   CheckpointState checkpoint_state() const;
+  // The same content as spans into the live parameters and momentum (valid until the next
+  // update): for encoding without a copy in between.
+  CheckpointView checkpoint_view() const;
   // Restores parameters, momentum, step and data position. Throws DataError if the sizes or
   // the config fingerprint do not match this core.
   void restore(const CheckpointState& s);
