@@ -1,7 +1,6 @@
 #include "train/dataset.h"
 
 #include <fmt/format.h>
-
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -33,13 +32,14 @@ void* alloc_data_bytes(size_t bytes) {
   }
   // Map one huge page more than needed and trim to a 2 MiB boundary on both sides.
   const size_t size = round_up(bytes, kHugePage);
-  void* m = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                 -1, 0);
+  void* m =
+      mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED) throw std::bad_alloc();
   auto* base = static_cast<char*>(m);
   char* p = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(base), kHugePage));
   if (p > base) munmap(base, size_t(p - base));
-  if (char* end = base + size + kHugePage; end > p + size) munmap(p + size, size_t(end - (p + size)));
+  if (char* end = base + size + kHugePage; end > p + size)
+    munmap(p + size, size_t(end - (p + size)));
   madvise(p, size, MADV_HUGEPAGE);  // advice: without it the pages are 4 KiB, still correct
   return p;
 }
@@ -90,8 +90,8 @@ Dataset load_split(const std::string& dir, const std::string& prefix) {
   const size_t n_images = read_images(ipath, d.images);
   IdxArray labels = read_idx_labels(lpath, 10);
   if (n_images != labels.dims[0]) {
-    throw DataError(fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath,
-                                n_images));
+    throw DataError(
+        fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath, n_images));
   }
   if (n_images == 0) throw DataError(fmt::format("{}: no images", ipath));
   d.labels.assign(labels.data.begin(), labels.data.end());

@@ -102,7 +102,8 @@ size_t plausible_bytes(const std::string& path, size_t total) {
 
 }  // namespace
 
-IdxReader::IdxReader(const std::string& path) : path_(path), in_(std::make_unique<IdxStream>(path_)) {
+IdxReader::IdxReader(const std::string& path)
+    : path_(path), in_(std::make_unique<IdxStream>(path_)) {
   uint8_t head[4 + 4 * 4];
   size_t got = in_->read(head, 4);
   if (got < 4) throw DataError(fmt::format("{}: truncated IDX header ({} bytes)", path, got));
