@@ -29,8 +29,13 @@
 #include "collectives/quorum_coordinator.h"
 #include "collectives/quorum_wire.h"
 #include "collectives/reduce.h"
+#include "net/large_buffer.h"
 
 namespace qring::collectives {
+
+// Results and kept buffers (count elements each): in huge pages, since a rank that falls
+// behind, or a joiner catching up, makes the others keep a new one per step.
+using Bytes = net::LargeVector<char>;
 
 LatePolicy parse_late_policy(std::string_view s) {
   if (s == "drop") return LatePolicy::kDrop;
@@ -152,7 +157,7 @@ struct StepLocal {
   QuorumResult result;
   // Where the result lands when it is not reduced in place: the excluded rank's copy, and in
   // a job that survives lost ranks every rank's (kept until every live rank has the step).
-  std::shared_ptr<std::vector<char>> out;
+  std::shared_ptr<Bytes> out;
 };
 
 // The join agent's work (a thread of QuorumAllreduce: the store look-ups of a rejoin, which
@@ -454,7 +459,7 @@ class QuorumService final : public EngineOp {
  private:
   struct Send {
     net::RequestPtr req;
-    std::shared_ptr<const std::vector<char>> buf;
+    std::shared_ptr<const void> buf;  // kept alive until the send completes
     int peer = -1;
     bool result = false;  // a step's result to a rank outside S(t)
     uint32_t incarnation = 0;  // of the peer when it was sent
@@ -1300,10 +1305,10 @@ class QuorumService final : public EngineOp {
     send_up(ep, qwire::Up::kReport, e);
   }
 
-  std::shared_ptr<std::vector<char>> result_buffer() {
+  std::shared_ptr<Bytes> result_buffer() {
     for (auto& b : pool_)
       if (b.use_count() == 1) return b;
-    pool_.push_back(std::make_shared<std::vector<char>>(count_ * esz_));
+    pool_.push_back(std::make_shared<Bytes>(count_ * esz_));
     return pool_.back();
   }
 
@@ -1387,7 +1392,7 @@ class QuorumService final : public EngineOp {
   // (they are kept until every live rank has the step anyway), so a rank that stops reading
   // holds no more than that in the transport; it leaves the view when it falls silent.
   void send_result(net::Endpoint& ep, uint64_t t, uint32_t attempt, int to,
-                   const std::shared_ptr<std::vector<char>>& buf) {
+                   const std::shared_ptr<Bytes>& buf) {
     ResultsTo& q = results_to_[size_t(to)];
     q.queued.push_back({t, attempt, buf});
     flush_results(ep, to);
@@ -1543,7 +1548,7 @@ class QuorumService final : public EngineOp {
   // What apply_decide does after recording the decision in the step (settle_decided_step).
   struct DecidedStep {
     void* buf = nullptr;
-    std::shared_ptr<std::vector<char>> out;
+    std::shared_ptr<Bytes> out;
     std::function<void(uint64_t)> cb;
     bool spec = false, finished = false;
   };
@@ -1596,14 +1601,14 @@ class QuorumService final : public EngineOp {
   }
 
   void post_result_recv(net::Endpoint& ep, uint64_t t, uint32_t attempt, int from,
-                        const std::shared_ptr<std::vector<char>>& out) {
+                        const std::shared_ptr<Bytes>& out) {
     auto req = ep.irecv(from, net::make_tag(net::Op::kQuorumResult, attempt_seq(t, attempt), chunk(0)),
                         out->data(), count_ * esz_);
     result_recvs_[t] = ResultRecv{req, from, Clock::now()};
   }
 
   // Step t's result is complete on this rank.
-  void mark_done(uint64_t t, std::shared_ptr<std::vector<char>> out) {
+  void mark_done(uint64_t t, std::shared_ptr<Bytes> out) {
     completed_ = std::max(completed_, int64_t(t));
     if (tolerant_) {
       done_.insert(t);
@@ -1655,15 +1660,15 @@ class QuorumService final : public EngineOp {
         if (join_step_of_[size_t(x)] > t) continue;  // joined after this step: not its result
         if (ring.members[size_t(x) % k] == rank_) targets.push_back(x);
       }
-      std::shared_ptr<std::vector<char>> out;
+      std::shared_ptr<Bytes> out;
       {
         std::lock_guard<std::mutex> lock(sh_->mu);
         StepLocal& s = sh_->steps[t];
         out = s.out;
         if (!targets.empty()) {
           auto src = out ? out
-                         : std::make_shared<std::vector<char>>(
-                               static_cast<char*>(s.buf), static_cast<char*>(s.buf) + count_ * esz_);
+                         : std::make_shared<Bytes>(static_cast<char*>(s.buf),
+                                                   static_cast<char*>(s.buf) + count_ * esz_);
           for (int x : targets) send_result(ep, t, ring.attempt, x, src);
         }
         s.result.reduce_ms = reduce_ms;
@@ -1698,7 +1703,7 @@ class QuorumService final : public EngineOp {
         moved = true;
         continue;
       }
-      std::shared_ptr<std::vector<char>> out;
+      std::shared_ptr<Bytes> out;
       {
         std::lock_guard<std::mutex> lock(sh_->mu);
         StepLocal& s = sh_->steps[t];
@@ -1867,7 +1872,7 @@ class QuorumService final : public EngineOp {
   struct QueuedResult {
     uint64_t step;
     uint32_t attempt;
-    std::shared_ptr<std::vector<char>> buf;
+    std::shared_ptr<Bytes> buf;
   };
   struct ResultsTo {
     int in_flight = 0;
@@ -1879,8 +1884,8 @@ class QuorumService final : public EngineOp {
   std::map<uint64_t, ResultRecv> result_recvs_;
   std::map<uint64_t, Clock::time_point> failed_;  // steps whose reduction failed here
   std::set<uint64_t> done_;  // completed here, not yet settled everywhere (tolerant jobs)
-  std::map<uint64_t, std::shared_ptr<std::vector<char>>> kept_;  // their results
-  std::vector<std::shared_ptr<std::vector<char>>> pool_;
+  std::map<uint64_t, std::shared_ptr<Bytes>> kept_;  // their results
+  std::vector<std::shared_ptr<Bytes>> pool_;
   // Rejoin.
   Clock::time_point created_ = Clock::now();
   uint32_t my_inc_ = 0;               // this process's incarnation

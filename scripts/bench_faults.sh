@@ -112,6 +112,14 @@ print(f"accuracy gap {acc_gap:+.2f} points (<= 0.5: {'yes' if ok_acc else 'NO'})
 
 import re
 rejoined, dt_rejoined, _ = load("rejoined")
+# What the join costs the healthy ranks: the step at which the state is sent (the view that
+# admits the rank) against the median step of the run.
+join_step = None
+for line in open(f"{out}/rejoined/metrics.jsonl"):
+    j = json.loads(line)
+    if j["type"] == "view" and j.get("joined"):
+        join_step = j["joined"][0]["step"]
+        break
 log = open(f"{out}/rejoined.log", errors="replace").read()
 m = re.search(r"rank (\d+) rejoined at step (\d+) .*admitted (\d+) ms after it asked, state "
               r"([0-9.]+) MB from rank (\d+) in (\d+) ms", log)
@@ -130,6 +138,11 @@ print(f"| rank {m.group(1)} killed at step {kill_at}, back at step {m.group(2)} 
       f"{m.group(4)}, {m.group(6)} | {to_counted:.2f} (step {c.group(1)}) | "
       f"{rejoined['heal_s']:.2f} |")
 print()
+if join_step is not None and join_step in dt_rejoined:
+    med = statistics.median(dt_rejoined.values())
+    print(f"join step {join_step}: {dt_rejoined[join_step]:.1f} ms against the run's median "
+          f"step of {med:.1f} ms (the next five: "
+          f"{', '.join(f'{dt_rejoined[s]:.1f}' for s in range(join_step + 1, join_step + 6) if s in dt_rejoined)})")
 print(f"rejoin: accuracy gap {acc_gap_r:+.2f} points (<= 0.5: "
       f"{'yes' if abs(acc_gap_r) <= 0.5 else 'NO'}); restart to first counted contribution "
       f"{to_counted:.2f} s (<= 2 s plus process start: {'yes' if to_counted <= 2 else 'NO'})")

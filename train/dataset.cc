@@ -1,7 +1,6 @@
 #include "train/dataset.h"
 
 #include <fmt/format.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,42 +15,6 @@
 #include "train/rng.h"
 
 namespace qring::train {
-
-namespace {
-constexpr size_t kHugePage = size_t{2} << 20;
-size_t round_up(size_t n, size_t to) {
-  return (n + to - 1) / to * to;
-}
-}  // namespace
-
-void* alloc_data_bytes(size_t bytes) {
-  if (bytes < kHugePage) {
-    void* p = std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 1), 64));
-    if (p == nullptr) throw std::bad_alloc();
-    return p;
-  }
-  // Map one huge page more than needed and trim to a 2 MiB boundary on both sides.
-  const size_t size = round_up(bytes, kHugePage);
-  void* m =
-      mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) throw std::bad_alloc();
-  auto* base = static_cast<char*>(m);
-  char* p = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(base), kHugePage));
-  if (p > base) munmap(base, size_t(p - base));
-  if (char* end = base + size + kHugePage; end > p + size)
-    munmap(p + size, size_t(end - (p + size)));
-  madvise(p, size, MADV_HUGEPAGE);  // advice: without it the pages are 4 KiB, still correct
-  return p;
-}
-
-void free_data_bytes(void* p, size_t bytes) noexcept {
-  if (p == nullptr) return;
-  if (bytes < kHugePage) {
-    std::free(p);
-    return;
-  }
-  munmap(p, round_up(bytes, kHugePage));
-}
 
 namespace {
 

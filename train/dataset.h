@@ -2,52 +2,20 @@
 #pragma once
 
 #include <cstdint>
-#include <new>
 #include <string>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
+#include "net/large_buffer.h"
 #include "train/nn.h"
 
 namespace qring::train {
 
 struct DataSection;
 
-// Memory for datasets: hundreds of MB written once at load. Blocks of 2 MiB or more are mapped
-// 2 MiB-aligned and advised as huge pages (MADV_HUGEPAGE), so filling them faults in hundreds
-// of pages, not tens of thousands (on a virtual machine a fault costs microseconds: 188 MB in
-// 4 KiB pages took 0.7 s here, in 2 MiB pages 20 ms); smaller blocks are 64-byte aligned
-// (nn.h, AlignedVector). resize() leaves new elements unset: the loaders write every one.
-void* alloc_data_bytes(size_t bytes);
-void free_data_bytes(void* p, size_t bytes) noexcept;
-
+// Datasets: hundreds of MB written once at load, in huge pages (net/large_buffer.h); resize()
+// leaves new elements unset, the loaders write every one.
 template <class T>
-struct DataAllocator {
-  using value_type = T;
-  DataAllocator() = default;
-  template <class U>
-  DataAllocator(const DataAllocator<U>&) noexcept {}
-  T* allocate(size_t n) {
-    if (n > SIZE_MAX / sizeof(T)) throw std::bad_alloc();
-    return static_cast<T*>(alloc_data_bytes(n * sizeof(T)));
-  }
-  void deallocate(T* p, size_t n) noexcept { free_data_bytes(p, n * sizeof(T)); }
-  template <class U>
-  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <class U, class... A>
-  void construct(U* p, A&&... a) {
-    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
-  }
-  template <class U>
-  bool operator==(const DataAllocator<U>&) const noexcept {
-    return true;
-  }
-};
-template <class T>
-using DataVector = std::vector<T, DataAllocator<T>>;
+using DataVector = std::vector<T, net::LargeAllocator<T, /*DefaultInit=*/true>>;
 
 // N images of `dim` floats each (sample-contiguous: image i is images[i*dim, (i+1)*dim)),
 // pixels in row-major 28x28 order, and N labels in 0..num_classes-1.
