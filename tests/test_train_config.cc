@@ -119,6 +119,37 @@ TEST(TrainConfig, UnknownKeysNameTheKey) {
   expect_config_error([] { parse("[train.sub]\nx = 1\n"); }, "train.sub");
 }
 
+// TOML is UTF-8. Invalid UTF-8 inside a string made toml11 3.7 read out of bounds while it
+// reported the error (found by fuzz_config: the first input below): the text is checked first.
+TEST(TrainConfig, InvalidUtf8IsAConfigErrorNamingWhere) {
+  const std::vector<std::string> bad = {
+      std::string("'[i\xa9ntr'[intnair]\neain]\nea/l[ina/lin"),
+      std::string("[run]\nname = 'a\xff'\n"),
+      std::string("[run]\nname = \"\xc0\xaf\"\n"),          // overlong '/'
+      std::string("[run]\nname = \"\xed\xa0\x80\"\n"),      // a surrogate
+      std::string("[run]\nname = \"\xf4\x90\x80\x80\"\n"),  // above U+10FFFF
+      std::string("[run]\nname = \"\xe2\x82\"\n"),          // cut short
+  };
+  for (const std::string& text : bad) {
+    try {
+      parse(text);
+      ADD_FAILURE() << "no ConfigError";
+    } catch (const ConfigError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("not valid UTF-8"));
+    }
+  }
+  try {
+    parse("[run]\nseed = 1\nname = 'x\xa9'\n");
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("line 3"));
+  }
+  expect_config_error([] { parse("", {"run.name='\xa9'"}); }, "run.name", "not valid UTF-8");
+  // Valid multi-byte text is fine.
+  EXPECT_EQ(parse("[run]\nname = 'h\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80'\n").run.name,
+            "h\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+}
+
 TEST(TrainConfig, WrongTypesNameTheKey) {
   expect_config_error([] { parse("[train]\nbatch_per_rank = 1.5\n"); }, "train.batch_per_rank",
                       "integer");

@@ -213,7 +213,49 @@ void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value
   }
 }
 
+// The offset of the first byte that does not start a valid UTF-8 sequence (overlong forms,
+// surrogates and code points above U+10FFFF are invalid), or npos. TOML files are UTF-8, and
+// toml11 3.7 reads out of bounds when it reports invalid UTF-8 inside a string, so the text
+// is checked before it gets there.
+size_t invalid_utf8(const std::string& text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned c = p[i];
+    size_t len = 0;
+    uint32_t cp = 0, min = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F, min = 0x80;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F, min = 0x800;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07, min = 0x10000;
+    } else {
+      return i;
+    }
+    if (n - i < len) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::string::npos;
+}
+
 toml::value parse_toml(const std::string& text, const std::string& name) {
+  if (const size_t bad = invalid_utf8(text); bad != std::string::npos) {
+    const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(bad), '\n'));
+    throw ConfigError(
+        fmt::format("{}: not valid UTF-8: byte {} (line {}) starts no valid "
+                    "sequence; TOML files are UTF-8",
+                    name, bad, line));
+  }
   std::istringstream is(text);
   try {
     return toml::parse(is, name);
@@ -327,6 +369,7 @@ void TrainConfig::apply_override(const std::string& assignment) {
     f->set(*this, toml::value(text));  // bare text for string keys
     return;
   }
+  if (invalid_utf8(text) != std::string::npos) fail(key, "the value is not valid UTF-8");
   toml::value v;
   try {
     std::istringstream is("v = " + text);

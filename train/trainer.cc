@@ -793,6 +793,8 @@ class Membership {
       // fresh pages cost more than the copy), else a new one.
       if (!state_buf_ || state_buf_.use_count() > 1)
         state_buf_ = std::make_shared<std::vector<char>>();
+      else  // the engine's release of its reference (after its send) happens before our writes
+        std::atomic_thread_fence(std::memory_order_acquire);
       encode_checkpoint_into(st, *state_buf_);
       const size_t size = state_buf_->size();
       q_.send_state(j.rank, uint64_t(t), state_buf_);
