@@ -50,14 +50,15 @@ EvalResult TrainerCore::evaluate_train() {
 }
 
 CheckpointState TrainerCore::checkpoint_state() const {
+  const CheckpointView v = checkpoint_view();
   CheckpointState s;
-  s.step = static_cast<uint64_t>(step_);
-  s.position = sharder_.position();
-  s.config_fingerprint = cfg_.fingerprint();
-  s.world = static_cast<uint32_t>(world_);
-  s.rank = static_cast<uint32_t>(rank_);
-  s.params.assign(model_->params(), model_->params() + model_->num_params());
-  s.velocity = opt_.velocity();
+  s.step = v.step;
+  s.position = v.position;
+  s.config_fingerprint = v.config_fingerprint;
+  s.world = v.world;
+  s.rank = v.rank;
+  s.params.assign(v.params.begin(), v.params.end());
+  s.velocity.assign(v.velocity.begin(), v.velocity.end());
   return s;
 }
 
