@@ -103,6 +103,8 @@ class Engine {
   // Engine thread only (an op's advance): connects `peer`'s new incarnation on the endpoint
   // (net::Endpoint::reset_peer) and restarts the engine's own control stream with it.
   void reset_peer(int peer, const std::string& published, uint32_t incarnation);
+  // net::Endpoint::prepare_reset_peer: `peer` left and may come back.
+  void prepare_reset_peer(int peer) { ep_->prepare_reset_peer(peer); }
   // Scratch memory owned by the engine and reused (and registered once) across operations.
   // Engine thread only; the lease returns the buffer to the pool when destroyed.
   class Lease {

@@ -234,7 +234,7 @@ struct QuorumAllreduce::Shared {
   std::deque<StateOut> state_out;
   size_t state_len = 0;  // > 0: receive_state waits for this many bytes at most
   bool state_done = false;
-  std::shared_ptr<std::vector<char>> state_in;
+  std::shared_ptr<Bytes> state_in;
   size_t state_bytes = 0;
   std::string state_error;
 
@@ -928,7 +928,7 @@ class QuorumService final : public EngineOp {
       moved = true;
     }
     if (want > 0 && admitted_ && joining_) {
-      state_buf_ = std::make_shared<std::vector<char>>(want);
+      state_buf_ = std::make_shared<Bytes>(want);
       state_req_ = ep.irecv(donor_, net::make_tag(net::Op::kQuorumState, join_step_, chunk(donor_)),
                             state_buf_->data(), want);
       moved = true;
@@ -1265,6 +1265,10 @@ class QuorumService final : public EngineOp {
                                 rank_, view_.epoch, view_.members));
     // Results owed to ranks that left are no longer sent.
     for (auto& d : m.left) results_to_[size_t(d.rank)].queued.clear();
+    // A rank that left may come back (rejoin): what reconnecting to it needs is made now,
+    // beside the view change, not later while the others step (connect_peer).
+    if (o_.store)
+      for (auto& d : m.left) engine_.prepare_reset_peer(d.rank);
   }
 
   // A member was lost while step t may be unfinished: say whether this rank holds the result;
@@ -1902,7 +1906,7 @@ class QuorumService final : public EngineOp {
   int joiner_coord_ = -1;
   uint64_t joiner_epoch_ = 0;
   net::RequestPtr state_req_;
-  std::shared_ptr<std::vector<char>> state_buf_;
+  std::shared_ptr<Bytes> state_buf_;
 };
 
 }  // namespace

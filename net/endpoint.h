@@ -164,6 +164,11 @@ class Endpoint {
   // Throws ProtocolError for a malformed address, ConfigError for one of another provider or
   // setting, UsageError where the transport cannot replace a peer.
   virtual void reset_peer(int peer, const std::string& published, uint32_t incarnation);
+  // A hint that `peer` left and may come back: the transport may make ready now what a later
+  // reset_peer(peer) needs, so that the reconnection, which happens while the others train,
+  // costs them less then (pairwise shm: a new endpoint, whose region takes tens of
+  // milliseconds to set up on a virtual machine). Changes nothing a caller sees.
+  virtual void prepare_reset_peer(int /*peer*/) {}
   // Whether `peer` can be reached. An endpoint created to join a running job starts with no
   // peer connected; posts to a peer that is not connected wait until reset_peer connects it.
   virtual bool connected(int /*peer*/) const { return true; }

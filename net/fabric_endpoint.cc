@@ -29,6 +29,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -53,6 +54,7 @@ class Fid {
   Fid& operator=(const Fid&) = delete;
   T** out() { return &p_; }
   T* get() const { return p_; }
+  void swap(Fid& o) noexcept { std::swap(p_, o.p_); }
   void reset() {
     if (p_) {
       int ret = fi_close(&p_->fid);
@@ -475,6 +477,7 @@ class FabricEndpoint final : public Endpoint {
     closed_ = true;
     std::vector<RequestPtr> left;
     for (OpCtx* c : outstanding_) left.push_back(c->req);
+    spares_.clear();
     eps_.clear();
     for (OpCtx* c : outstanding_) delete c;
     outstanding_.clear();
@@ -555,6 +558,18 @@ class FabricEndpoint final : public Endpoint {
     }
     spdlog::debug("rank {}: rank {} reconnected (incarnation {}, generation {})", rank_, peer,
                   incarnation, gens_[pi]);
+  }
+  // Pairwise: the endpoint that serves `peer` gets its replacement now (opened and enabled,
+  // with an empty AV of its own: nobody can reach it until reset_peer puts it in place).
+  void prepare_reset_peer(int peer) override {
+    check_peer(peer, "prepare_reset_peer");
+    const size_t pi = static_cast<size_t>(peer);
+    if (!pairwise_ || closed_ || peer == rank_ || !connected_[pi]) return;
+    const size_t i = index_[pi];
+    if (spares_.count(i)) return;
+    auto spare = std::make_unique<Spare>();
+    spare->name = open_endpoint(spare->ep, spare->av);
+    spares_.emplace(i, std::move(spare));
   }
   std::string provider() const override { return provider_name_; }
   TransportTraits traits() const override {
@@ -822,7 +837,15 @@ class FabricEndpoint final : public Endpoint {
     // incarnation's entries, nor of the closed endpoint's region, is seen by the new one.
     Fid<fid_av>& av = avs_[i];
     av.reset();
-    names_[i] = open_endpoint(ep, av);
+    auto spare = spares_.find(i);
+    if (spare != spares_.end()) {  // made ready by prepare_reset_peer
+      ep.swap(spare->second->ep);
+      av.swap(spare->second->av);
+      names_[i] = std::move(spare->second->name);
+      spares_.erase(spare);
+    } else {
+      names_[i] = open_endpoint(ep, av);
+    }
     for (size_t p = 0; p < ep_of_.size(); ++p)
       if (ep_of_[p] == old_ep) ep_of_[p] = ep.get();
     if (self_shares) insert_peer(rank_, names_[i]);
@@ -1460,6 +1483,13 @@ class FabricEndpoint final : public Endpoint {
   fi_av_attr av_attr_{};
   std::deque<Fid<fid_av>> avs_;  // per endpoint (pairwise), else one; destroyed after eps_
   std::deque<Fid<fid_ep>> eps_;  // pairwise: one per peer (see the constructor), else one
+  // prepare_reset_peer: replacements for endpoints of eps_ (by index), each with its AV.
+  struct Spare {
+    Fid<fid_av> av;  // destroyed after ep
+    Fid<fid_ep> ep;
+    std::string name;
+  };
+  std::map<size_t, std::unique_ptr<Spare>> spares_;
   std::vector<fid_ep*> ep_of_;   // per rank: the endpoint that talks to it
   bool pairwise_ = false;
   bool shm_ = false;

@@ -64,6 +64,7 @@ class FaultEndpoint final : public Endpoint {
   bool connected(int peer) const override { return inner_->connected(peer); }
   // Held messages to `peer` and receives from it end cancelled; the rules stay.
   void reset_peer(int peer, const std::string& published, uint32_t incarnation) override;
+  void prepare_reset_peer(int peer) override { inner_->prepare_reset_peer(peer); }
 
   // Cuts `peer` off (see above); permanent. Thread-safe: any thread may call it while the
   // owner drives the endpoint, which applies it from its next isend/irecv/progress.

@@ -54,6 +54,16 @@ void* alloc_large(size_t bytes) {
   return p;
 }
 
+void populate(void* p, size_t bytes) noexcept {
+  const auto begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  const uintptr_t huge_begin = round_up(begin, kHugePage), huge_end = end / kHugePage * kHugePage;
+  if (huge_end > huge_begin)
+    madvise(reinterpret_cast<void*>(huge_begin), huge_end - huge_begin, MADV_HUGEPAGE);
+  const uintptr_t page_begin = round_up(begin, kPage), page_end = end / kPage * kPage;
+  if (page_end > page_begin)
+    madvise(reinterpret_cast<void*>(page_begin), page_end - page_begin, MADV_POPULATE_WRITE);
+}
+
 void free_large(void* p, size_t bytes) noexcept {
   if (p == nullptr) return;
   if (bytes < kMapped) {

@@ -19,6 +19,10 @@ namespace qring::net {
 
 void* alloc_large(size_t bytes);
 void free_large(void* p, size_t bytes) noexcept;
+// For memory that is already allocated but not yet written (a reserved std::vector): the
+// whole pages inside [p, p + bytes) are faulted in now, in one call, as huge pages where a
+// 2 MiB-aligned block fits. Advice only: where the kernel refuses it nothing changes.
+void populate(void* p, size_t bytes) noexcept;
 
 // An allocator over alloc_large. With DefaultInit, resize() leaves new elements unset (for
 // buffers whose every element is written next); otherwise they are value-initialized.

@@ -143,6 +143,21 @@ if join_step is not None and join_step in dt_rejoined:
     print(f"join step {join_step}: {dt_rejoined[join_step]:.1f} ms against the run's median "
           f"step of {med:.1f} ms (the next five: "
           f"{', '.join(f'{dt_rejoined[s]:.1f}' for s in range(join_step + 1, join_step + 6) if s in dt_rejoined)})")
+    # The whole join as the healthy ranks saw it: from 8 steps before the admission (the
+    # members reconnect to the joiner a few steps before it) to 5 after the first step that
+    # counted the joiner again, the time each step took beyond the run's median, summed.
+    counted_step = None
+    for line in open(f"{out}/rejoined/metrics.jsonl"):
+        j = json.loads(line)
+        if j["type"] == "rejoin":
+            counted_step = j["counted_step"]
+            break
+    if counted_step is not None:
+        window = [s for s in range(join_step - 8, counted_step + 5) if s in dt_rejoined]
+        extra = sum(max(0.0, dt_rejoined[s] - med) for s in window)
+        print(f"join cost to the healthy ranks: {extra:.0f} ms beyond the median over steps "
+              f"{window[0]}-{window[-1]} ({extra / med:.1f} median steps; the joiner shares "
+              f"this machine's cores with them)")
 print(f"rejoin: accuracy gap {acc_gap_r:+.2f} points (<= 0.5: "
       f"{'yes' if abs(acc_gap_r) <= 0.5 else 'NO'}); restart to first counted contribution "
       f"{to_counted:.2f} s (<= 2 s plus process start: {'yes' if to_counted <= 2 else 'NO'})")

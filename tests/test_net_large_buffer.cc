@@ -1,8 +1,12 @@
 // net/large_buffer.h: memory for large buffers (huge-page advised above 2 MiB).
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "net/large_buffer.h"
 
@@ -37,6 +41,44 @@ TEST(LargeBuffer, VectorsValueInitializeUnlessAskedNotTo) {
   EXPECT_EQ(b.back(), 1.5f);
   LargeVector<char> c(a.begin(), a.end());
   EXPECT_EQ(c, a);
+}
+
+// How many of the pages of [p, p + bytes) are resident (mincore).
+size_t resident_pages(void* p, size_t bytes) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  auto* first = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) / page * page);
+  const size_t len = reinterpret_cast<uintptr_t>(p) + bytes - reinterpret_cast<uintptr_t>(first);
+  std::vector<unsigned char> in((len + page - 1) / page);
+  if (mincore(first, len, in.data()) != 0) return 0;
+  size_t n = 0;
+  for (unsigned char c : in) n += c & 1;
+  return n;
+}
+
+// populate() faults in the pages of memory that is allocated but not yet written, and keeps
+// what is written already.
+TEST(LargeBuffer, PopulateFaultsInReservedMemoryAndKeepsItsContent) {
+  constexpr size_t kBytes = size_t{6} << 20;
+  void* m = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  if (madvise(m, 4096, 23 /* MADV_POPULATE_WRITE */) != 0) {
+    munmap(m, kBytes);
+    GTEST_SKIP() << "this kernel has no MADV_POPULATE_WRITE (Linux 5.14)";
+  }
+  munmap(m, kBytes);
+  // Fresh memory (a mapping of its own, as a large reserved vector gets from malloc).
+  m = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* p = static_cast<unsigned char*>(m);
+  std::memset(p, 0x5a, 100);  // the first page is written, the rest untouched
+  // From an unaligned start, over all but the last few bytes.
+  populate(p + 10, kBytes - 20);
+  EXPECT_GE(resident_pages(p, kBytes), kBytes / 4096 - 1);
+  for (size_t i = 0; i < 100; ++i) ASSERT_EQ(p[i], 0x5a) << i;
+  EXPECT_EQ(p[kBytes / 2], 0);
+  populate(p, 0);  // nothing to do
+  populate(p + 1, 1);
+  munmap(m, kBytes);
 }
 
 }  // namespace

@@ -112,8 +112,11 @@ TEST_P(Rejoin, MessagesOfTheOldIncarnationNeverMatchTheNewOne) {
 
 // The peer is another process that died (SIGKILL) with a large send to rank 0 unanswered;
 // rank 0 reconnects to its replacement and large messages flow again both ways.
-TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThrough) {
-  const std::string prov = GetParam();
+// `prepare`: rank 0 calls prepare_reset_peer(1) once it knows rank 1 is gone, as the quorum
+// service does when a rank leaves the view (pairwise shm: the replacement endpoint is opened
+// then, and reset_peer puts it in place); what rank 0 publishes does not change until the
+// reset_peer.
+void replacement_of_a_killed_peer(const std::string& prov, bool prepare) {
   auto res = run_procs(3, [&](int r, int, net::Rendezvous& rdv) {
     net::Store& store = rdv.store();
     std::vector<uint8_t> big(1 << 20, uint8_t(r + 1));
@@ -153,6 +156,12 @@ TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThrough) {
     std::vector<uint8_t> stuck(1 << 20, 9);
     auto stuck_req = ep->isend(1, make_tag(Op::kUser, 4, 0), stuck.data(), stuck.size());
     while (!store.check({"victim-sent"})) pump(*ep, std::chrono::milliseconds(5));
+    if (prepare) {
+      const std::string before = ep->published_address();
+      ep->prepare_reset_peer(1);
+      ep->prepare_reset_peer(1);  // a second hint changes nothing either
+      if (ep->published_address() != before) return 22;
+    }
     pump(*ep, std::chrono::milliseconds(300));
     ep->reset_peer(1, store.get("new-addr", kDl()), 1);
     if (!stuck_req->done()) return 20;  // ended with the old incarnation
@@ -170,14 +179,23 @@ TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThrough) {
   EXPECT_TRUE(res.exited(2, 0)) << "rank 2 status " << res.status[2];
 }
 
+TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThrough) {
+  replacement_of_a_killed_peer(GetParam(), false);
+}
+
+TEST_P(Rejoin, ReplacementOfAKilledPeerGetsLargeMessagesThroughAfterPrepareResetPeer) {
+  replacement_of_a_killed_peer(GetParam(), true);
+}
+
 // Ranks 1, 2 and 3 pass messages around a ring (1 -> 2 -> 3 -> 1, 64 KiB, 300 rounds, each
 // rank's receive from its neighbour posted before it sends), while rank 0 comes back as a new
 // incarnation: halfway, with that receive posted, each of them reconnects to it
 // (reset_peer). No message of the ring may be lost or changed by the reconnection (rank 3's
 // messages to itself share its endpoint for rank 0 over shm, which reset_peer replaces), and
 // the new incarnation then talks with each of them.
-TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTraffic) {
-  const std::string prov = GetParam();
+// `prepare`: each member calls prepare_reset_peer(0) a quarter of the way, with its ring
+// traffic in flight (rank 3's replacement also carries its messages to itself).
+void reconnecting_one_rank(const std::string& prov, bool prepare) {
   constexpr int kRounds = 300, kAt = 150;
   constexpr size_t kBytes = 64 << 10;
   auto res = run_procs(4, [&](int r, int, net::Rendezvous& rdv) {
@@ -209,6 +227,11 @@ TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTraffic) {
     for (int i = 0; i < kRounds; ++i) {
       const uint64_t tag = make_tag(Op::kUser, uint32_t(100 + i), 1);
       auto rq = ep->irecv(prev, tag, in.data(), kBytes);
+      if (prepare && i == kAt / 2) {
+        const std::string before = ep->published_address();
+        ep->prepare_reset_peer(0);
+        if (ep->published_address() != before) return 50;
+      }
       if (i == kAt) {
         ep->reset_peer(0, store.get("new-addr", kDl()), 1);
         store.set("addr-for-0/" + std::to_string(r), ep->published_address());
@@ -229,6 +252,14 @@ TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTraffic) {
   });
   EXPECT_FALSE(res.timed_out);
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(res.exited(r, 0)) << "rank " << r << " status " << res.status[r];
+}
+
+TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTraffic) {
+  reconnecting_one_rank(GetParam(), false);
+}
+
+TEST_P(Rejoin, ReconnectingOneRankDoesNotDisturbTheOthersTrafficAfterPrepareResetPeer) {
+  reconnecting_one_rank(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, Rejoin, ::testing::Values("shm", "tcp"));

@@ -107,6 +107,39 @@ TEST(Checkpoint, RoundTripIsBitIdentical) {
   EXPECT_EQ(load_checkpoint(p), s2);
 }
 
+// A rejoining rank restores the state it received where it lies: the view has the same
+// content as decode_checkpoint's copy, its arrays point into the bytes, and the checks are
+// the same (a corrupt byte is a DataError). Bytes that do not start at a 4-byte boundary are
+// refused (the floats are read in place).
+TEST(Checkpoint, DecodedViewPointsIntoTheBytesWithTheSameContent) {
+  const CheckpointState s = sample_state();
+  std::vector<uint8_t> bytes = encode_checkpoint(s);
+  const CheckpointView v = decode_checkpoint_view(bytes, "the state");
+  const auto* lo = bytes.data();
+  const auto* hi = bytes.data() + bytes.size();
+  auto inside = [&](const void* p) {
+    return static_cast<const uint8_t*>(p) >= lo && static_cast<const uint8_t*>(p) < hi;
+  };
+  ASSERT_FALSE(v.params.empty());
+  EXPECT_TRUE(inside(v.params.data()));
+  EXPECT_TRUE(inside(v.velocity.data()));
+  EXPECT_EQ(encode_checkpoint(v), bytes);
+  EXPECT_EQ(decode_checkpoint(bytes, "the state"), s);
+
+  std::vector<uint8_t> bad = bytes;
+  bad[bad.size() / 2] ^= 1;
+  try {
+    decode_checkpoint_view(bad, "the state from rank 3");
+    FAIL() << "a corrupt state decoded";
+  } catch (const DataError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the state from rank 3: corrupt checkpoint: CRC-32"));
+  }
+  std::vector<uint8_t> shifted(bytes.size() + 1);
+  std::memcpy(shifted.data() + 1, bytes.data(), bytes.size());
+  EXPECT_THROW(decode_checkpoint_view(std::span<const uint8_t>(shifted).subspan(1), "shifted"),
+               UsageError);
+}
+
 // The state sent to a rejoining rank is encoded from spans into a reused buffer: the same
 // bytes as a checkpoint file's, of the size computed beforehand, whatever the buffer held.
 TEST(Checkpoint, EncodingFromAViewIntoAReusedBufferGivesTheSameBytes) {

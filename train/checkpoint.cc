@@ -60,17 +60,20 @@ class Reader {
     off_ += sizeof(U);
     return v;
   }
+  // An array where it lies (the element type's alignment is checked by the caller, for the
+  // buffer's start; every array of a checkpoint starts at a multiple of its element size).
   template <class U>
-  std::vector<U> get_array(const char* what) {
+  std::span<const U> get_array(const char* what) {
     const uint64_t count = get<uint64_t>(what);
     if (count > (n_ - off_) / sizeof(U)) {
       throw DataError(
           fmt::format("{}: corrupt checkpoint: {} length {} exceeds the file", path_, what, count));
     }
-    std::vector<U> v(count);
-    if (count > 0) std::memcpy(v.data(), p_ + off_, count * sizeof(U));
+    const U* first = reinterpret_cast<const U*>(p_ + off_);
+    if (reinterpret_cast<uintptr_t>(first) % alignof(U) != 0)
+      throw DataError(fmt::format("{}: corrupt checkpoint: {} is not aligned", path_, what));
     off_ += count * sizeof(U);
-    return v;
+    return {first, size_t(count)};
   }
   size_t remaining() const { return n_ - off_; }
 
@@ -220,7 +223,9 @@ CheckpointState load_checkpoint(const std::string& path) {
   return decode_checkpoint(buf, path);
 }
 
-CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::string& path) {
+CheckpointView decode_checkpoint_view(std::span<const uint8_t> buf, const std::string& path) {
+  if (reinterpret_cast<uintptr_t>(buf.data()) % alignof(float) != 0)
+    throw UsageError(fmt::format("{}: checkpoint bytes must start at a 4-byte boundary", path));
   if (buf.size() < kHeader + 4) {
     throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
                                 buf.size(), kHeader + 4));
@@ -248,7 +253,7 @@ CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::st
                                 actual, stored));
   }
   Reader r(path, buf.data() + kHeader, payload);
-  CheckpointState s;
+  CheckpointView s;
   s.step = r.get<uint64_t>("step");
   s.position.epoch = r.get<int64_t>("epoch");
   s.position.index = r.get<int64_t>("batch index");
@@ -260,12 +265,28 @@ CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::st
   s.carry = r.get_array<float>("carry");
   s.rng_state = r.get_array<uint8_t>("rng state");
   const auto meta = r.get_array<uint8_t>("meta");
-  s.meta.assign(meta.begin(), meta.end());
+  s.meta = std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size());
   if (r.remaining() != 0)
     throw DataError(
         fmt::format("{}: corrupt checkpoint: {} unexpected bytes", path, r.remaining()));
   if (s.position.epoch < 0 || s.position.index < 0)
     throw DataError(fmt::format("{}: corrupt checkpoint: negative data position", path));
+  return s;
+}
+
+CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::string& path) {
+  const CheckpointView v = decode_checkpoint_view(buf, path);
+  CheckpointState s;
+  s.step = v.step;
+  s.position = v.position;
+  s.config_fingerprint = v.config_fingerprint;
+  s.world = v.world;
+  s.rank = v.rank;
+  s.params.assign(v.params.begin(), v.params.end());
+  s.velocity.assign(v.velocity.begin(), v.velocity.end());
+  s.carry.assign(v.carry.begin(), v.carry.end());
+  s.rng_state.assign(v.rng_state.begin(), v.rng_state.end());
+  s.meta.assign(v.meta);
   return s;
 }
 

@@ -75,6 +75,10 @@ std::vector<uint8_t> encode_checkpoint(const CheckpointView& state);
 // Into `out`, replacing what it held; no allocation when its capacity suffices.
 void encode_checkpoint_into(const CheckpointView& state, std::vector<char>& out);
 CheckpointState decode_checkpoint(const std::vector<uint8_t>& bytes, const std::string& what);
+// The same checks without a copy: the view's arrays point into `bytes`, which must outlive
+// it and start at a 4-byte boundary (a rejoining rank restores the state it received where
+// it lies, instead of copying it into fresh memory first).
+CheckpointView decode_checkpoint_view(std::span<const uint8_t> bytes, const std::string& what);
 
 // <dir>/ckpt-<step, 12 digits>.qck
 std::string checkpoint_path(const std::string& dir, uint64_t step);

@@ -23,6 +23,7 @@
 #include "collectives/straggler.h"
 #include "net/error.h"
 #include "net/fnv1a.h"
+#include "net/large_buffer.h"
 #include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
@@ -240,9 +241,11 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
 
 // A new incarnation of this rank joins the running job: admission by the members, then the
 // donor's state (parameters, momentum, data position) before step joined->step, at which
-// the loop goes on (returned).
+// the loop goes on (returned). `state` keeps the bytes received (the buffer this rank encodes
+// its own state into when it is a donor later: its pages are in memory already).
 int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const TrainerOptions& opts,
-               int rank, int64_t deadline_ms, std::optional<collectives::JoinInfo>& joined) {
+               int rank, int64_t deadline_ms, std::optional<collectives::JoinInfo>& joined,
+               std::shared_ptr<std::vector<char>>& state) {
   const auto until =
       Clock::now() + std::chrono::milliseconds(std::max<int64_t>(30000, 2 * deadline_ms));
   const auto t0 = Clock::now();
@@ -250,12 +253,20 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   const double admit_ms = ms_since(t0);
   // The donor's state before step joined->step: parameters, momentum, data position, step.
   // Room for the donor's state: the same model and optimizer (a bigger one is an error).
-  std::vector<uint8_t> bytes(encoded_checkpoint_size(core.checkpoint_view()) + 4096);
+  // Fresh pages cost more than the copy on a virtual machine, and this process competes with
+  // the training ranks for the cores: the buffer is faulted in at once, in huge pages, and
+  // the state is restored from where it lies.
+  const size_t room = encoded_checkpoint_size(core.checkpoint_view()) + 4096;
+  state = std::make_shared<std::vector<char>>();
+  state->reserve(room);
+  net::populate(state->data(), room);
+  state->resize(room);
   const auto s0 = Clock::now();
-  bytes.resize(q.receive_state(bytes.data(), bytes.size(), until));
+  state->resize(q.receive_state(state->data(), state->size(), until));
   const double state_ms = ms_since(s0);
-  CheckpointState st =
-      decode_checkpoint(bytes, fmt::format("the state from rank {}", joined->donor));
+  const CheckpointView st = decode_checkpoint_view(
+      {reinterpret_cast<const uint8_t*>(state->data()), state->size()},
+      fmt::format("the state from rank {}", joined->donor));
   try {
     core.restore(st);
   } catch (const DataError& e) {
@@ -269,7 +280,7 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
       "rank {} rejoined at step {} (incarnation {}, view {}, members {}): admitted "
       "{:.0f} ms after it asked, state {:.1f} MB from rank {} in {:.0f} ms",
       rank, start, opts.incarnation, joined->epoch, fmt::join(joined->members, ","), admit_ms,
-      double(bytes.size()) / 1e6, joined->donor, state_ms);
+      double(state->size()) / 1e6, joined->donor, state_ms);
   return start;
 }
 
@@ -766,7 +777,7 @@ class Membership {
  public:
   Membership(TrainerCore& core, collectives::QuorumAllreduce& q, MetricsWriter& out, int rank,
              const std::optional<collectives::JoinInfo>& joined, Clock::time_point t_start,
-             Clock::time_point process_start)
+             Clock::time_point process_start, std::shared_ptr<std::vector<char>> received)
       : core_(core),
         q_(q),
         out_(out),
@@ -776,9 +787,15 @@ class Membership {
         t_start_(t_start),
         process_start_(process_start) {
     // A job that survives a loss can take a rank back, and any member may be its donor: the
-    // buffer for the state is made (and its pages touched) here, not between two steps.
-    if (q.survives_loss() && q.members().size() > 1) {
+    // buffer for the state is made (and its pages touched) here, not between two steps. A
+    // rank that rejoined has one: the buffer its own state came in.
+    if (received) {
+      state_buf_ = std::move(received);
+    } else if (q.survives_loss() && q.members().size() > 1) {
+      const size_t size = encoded_checkpoint_size(core.checkpoint_view());
       state_buf_ = std::make_shared<std::vector<char>>();
+      state_buf_->reserve(size);
+      net::populate(state_buf_->data(), size);
       encode_checkpoint_into(core.checkpoint_view(), *state_buf_);
     }
   }
@@ -791,10 +808,14 @@ class Membership {
       st.position = position;
       // The buffer of the last transfer when the engine has let go of it (already in memory:
       // fresh pages cost more than the copy), else a new one.
-      if (!state_buf_ || state_buf_.use_count() > 1)
+      if (!state_buf_ || state_buf_.use_count() > 1) {
         state_buf_ = std::make_shared<std::vector<char>>();
-      else  // the engine's release of its reference (after its send) happens before our writes
+        const size_t size = encoded_checkpoint_size(st);
+        state_buf_->reserve(size);
+        net::populate(state_buf_->data(), size);
+      } else {  // the engine's release of its reference (after its send) happens before our writes
         std::atomic_thread_fence(std::memory_order_acquire);
+      }
       encode_checkpoint_into(st, *state_buf_);
       const size_t size = state_buf_->size();
       q_.send_state(j.rank, uint64_t(t), state_buf_);
@@ -1084,8 +1105,9 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
 
   int64_t start = 0;
   std::optional<collectives::JoinInfo> joined;
+  std::shared_ptr<std::vector<char>> state;  // rejoin: the state received
   if (joining) {
-    start = rejoin(q, core, opts, rank, cfg.quorum.deadline_ms, joined);
+    start = rejoin(q, core, opts, rank, cfg.quorum.deadline_ms, joined, state);
   } else if (opts.resume) {
     start = resume_from_checkpoints(cfg, comm, core, q, ckpt_dir);
   }
@@ -1106,7 +1128,8 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   const bool tty = isatty(2);
   Worker worker(cfg, core, q, straggler, rank, maybe_fault);
   StepTimer timer(world, batch_per_rank);
-  Membership membership(core, q, out, rank, joined, t_start, opts.process_start);
+  Membership membership(core, q, out, rank, joined, t_start, opts.process_start,
+                        std::move(state));
   Evaluator evaluate(cfg, core, data.test, q, rank, maybe_fault, out, t_start, tty);
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
   Progress progress(cfg, q, out, world, start, total, steps_per_epoch, t_start, tty);

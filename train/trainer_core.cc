@@ -75,6 +75,10 @@ CheckpointView TrainerCore::checkpoint_view() const {
 }
 
 void TrainerCore::restore(const CheckpointState& s) {
+  restore(view_of(s));
+}
+
+void TrainerCore::restore(const CheckpointView& s) {
   if (s.params.size() != model_->num_params() || s.velocity.size() != model_->num_params()) {
     throw DataError(
         fmt::format("checkpoint has {} parameters and {} momentum values, the model has {}",
@@ -93,7 +97,7 @@ void TrainerCore::restore(const CheckpointState& s) {
                     s.position.epoch, s.position.index, sharder_.batches_per_epoch()));
   }
   std::copy(s.params.begin(), s.params.end(), model_->params());
-  opt_.velocity() = s.velocity;
+  opt_.velocity().assign(s.velocity.begin(), s.velocity.end());
   sharder_.seek(s.position);
   step_ = static_cast<int64_t>(s.step);
 }

@@ -70,6 +70,7 @@ class TrainerCore {
   // Restores parameters, momentum, step and data position. Throws DataError if the sizes or
   // the config fingerprint do not match this core.
   void restore(const CheckpointState& s);
+  void restore(const CheckpointView& s);
 
  private:
   const TrainConfig cfg_;
