@@ -10,7 +10,13 @@
 # loading, comes on top), its admission and state-transfer times, and heal_s.
 #
 #   scripts/bench_faults.sh [--config configs/fmnist-mlp.toml] [--epochs 3] [--evict-ms 1000]
-#                           [--provider auto] [--rank 2]
+#                           [--provider auto] [--rank 2] [--isolate-joiner]
+#
+# --isolate-joiner: in the rejoin run, the job's ranks share all CPUs but the last, and the
+# restarted rank runs alone on the last one (taskset; QRING_RESTART tells them apart), as
+# on a cluster where the joiner has a node or cores of its own: its start, state transfer
+# and catch-up then do not take CPU time from the healthy ranks, and the join cost printed
+# is what the protocol costs them.
 #
 # Acceptance (issue "ranks that stop or die"): accuracy within 0.5 points of the run without
 # a failure; recovery_s <= evict_ms + 1 s; p50 after the failure within 10 % of the 3-rank
@@ -23,6 +29,7 @@ EPOCHS=3
 EVICT=1000
 PROVIDER=auto
 VICTIM=2
+ISOLATE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -30,6 +37,7 @@ while [ $# -gt 0 ]; do
     --evict-ms) EVICT=$2; shift 2 ;;
     --provider) PROVIDER=$2; shift 2 ;;
     --rank) VICTIM=$2; shift 2 ;;
+    --isolate-joiner) ISOLATE=1; shift ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -50,17 +58,29 @@ STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
 KILL_AT=$(( STEPS * 3 / 10 ))
 echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
 
+WRAP=()  # what runs qring-train (--isolate-joiner: taskset by incarnation)
 run() {  # name ranks fault [launcher options...]
   local name=$1 ranks=$2 fault=$3 status=0
   shift 3
   QRING_FAULT=$fault "$BUILD/net/qring-launch" -n "$ranks" --tolerate-failures 1 "$@" -- \
-    "$BUILD/train/qring-train" "${common[@]}" "run.name=$name" > "$OUT/$name.log" 2>&1 || status=$?
+    ${WRAP[@]+"${WRAP[@]}"} "$BUILD/train/qring-train" "${common[@]}" "run.name=$name" \
+    > "$OUT/$name.log" 2>&1 || status=$?
   echo "  $name: exit $status"
 }
 run clean 4 none
 run killed 4 "kill:$VICTIM:$KILL_AT:step"
 run three 3 none
-run rejoined 4 "kill:$VICTIM:$KILL_AT:step" --max-restarts 1
+if [ "$ISOLATE" = 1 ]; then
+  last=$(( $(nproc) - 1 ))
+  [ "$last" -ge 1 ] || { echo "bench_faults.sh: --isolate-joiner needs 2 CPUs or more" >&2; exit 2; }
+  WRAP=(bash -c 'if [ "${QRING_RESTART:-0}" != 0 ]; then exec taskset -c '"$last"' "$@"; '`
+        `'else exec taskset -c 0-'"$(( last - 1 ))"' "$@"; fi' pin)
+  echo "rejoin run: the job's ranks on CPUs 0-$(( last - 1 )), the restarted rank alone on CPU $last"
+  run rejoined 4 "kill:$VICTIM:$KILL_AT:step" --max-restarts 1 --bind none
+  WRAP=()
+else
+  run rejoined 4 "kill:$VICTIM:$KILL_AT:step" --max-restarts 1
+fi
 
 python3 - "$OUT" "$KILL_AT" "$EVICT" <<'PY'
 import json, statistics, sys
@@ -145,19 +165,28 @@ if join_step is not None and join_step in dt_rejoined:
           f"{', '.join(f'{dt_rejoined[s]:.1f}' for s in range(join_step + 1, join_step + 6) if s in dt_rejoined)})")
     # The whole join as the healthy ranks saw it: from 8 steps before the admission (the
     # members reconnect to the joiner a few steps before it) to 5 after the first step that
-    # counted the joiner again, the time each step took beyond the run's median, summed.
-    counted_step = None
+    # counted the joiner again, what the steps took beyond as many median steps. The same sum
+    # over windows of that length later in the run (no join, no evaluation) shows the noise.
+    counted_step, per_epoch = None, None
     for line in open(f"{out}/rejoined/metrics.jsonl"):
         j = json.loads(line)
         if j["type"] == "rejoin":
             counted_step = j["counted_step"]
-            break
+        elif j["type"] == "eval" and per_epoch is None and j.get("step"):
+            per_epoch = j["step"]
     if counted_step is not None:
         window = [s for s in range(join_step - 8, counted_step + 5) if s in dt_rejoined]
-        extra = sum(max(0.0, dt_rejoined[s] - med) for s in window)
-        print(f"join cost to the healthy ranks: {extra:.0f} ms beyond the median over steps "
-              f"{window[0]}-{window[-1]} ({extra / med:.1f} median steps; the joiner shares "
-              f"this machine's cores with them)")
+        extra = sum(dt_rejoined[s] - med for s in window)
+        n = len(window)
+        quiet = lambda s: s in dt_rejoined and not (per_epoch and min(s % per_epoch, per_epoch - s % per_epoch) <= 3)
+        starts = [a for a in range(counted_step + 20, max(dt_rejoined) - n, 7)
+                  if all(quiet(s) for s in range(a, a + n))]
+        controls = [sum(dt_rejoined[s] - med for s in range(a, a + n))
+                    for a in starts[::max(1, len(starts) // 6)][:6]]
+        noise = (f"; without a join, {len(controls)} windows of {n} steps: "
+                 f"{min(controls):+.0f} to {max(controls):+.0f} ms") if controls else ""
+        print(f"join cost to the healthy ranks: {extra:+.0f} ms beyond {n} median steps "
+              f"(steps {window[0]}-{window[-1]}, {extra / med:+.1f} steps){noise}")
 print(f"rejoin: accuracy gap {acc_gap_r:+.2f} points (<= 0.5: "
       f"{'yes' if abs(acc_gap_r) <= 0.5 else 'NO'}); restart to first counted contribution "
       f"{to_counted:.2f} s (<= 2 s plus process start: {'yes' if to_counted <= 2 else 'NO'})")
