@@ -135,6 +135,21 @@ CheckpointView view_of(const CheckpointState& s) {
   return v;
 }
 
+CheckpointState state_of(const CheckpointView& v) {
+  CheckpointState s;
+  s.step = v.step;
+  s.position = v.position;
+  s.config_fingerprint = v.config_fingerprint;
+  s.world = v.world;
+  s.rank = v.rank;
+  s.params.assign(v.params.begin(), v.params.end());
+  s.velocity.assign(v.velocity.begin(), v.velocity.end());
+  s.carry.assign(v.carry.begin(), v.carry.end());
+  s.rng_state.assign(v.rng_state.begin(), v.rng_state.end());
+  s.meta.assign(v.meta);
+  return s;
+}
+
 size_t encoded_checkpoint_size(const CheckpointView& s) {
   return kHeader + 3 * 8 + 8 + 2 * 4 + 5 * 8 +
          4 * (s.params.size() + s.velocity.size() + s.carry.size()) + s.rng_state.size() +
@@ -275,19 +290,7 @@ CheckpointView decode_checkpoint_view(std::span<const uint8_t> buf, const std::s
 }
 
 CheckpointState decode_checkpoint(const std::vector<uint8_t>& buf, const std::string& path) {
-  const CheckpointView v = decode_checkpoint_view(buf, path);
-  CheckpointState s;
-  s.step = v.step;
-  s.position = v.position;
-  s.config_fingerprint = v.config_fingerprint;
-  s.world = v.world;
-  s.rank = v.rank;
-  s.params.assign(v.params.begin(), v.params.end());
-  s.velocity.assign(v.velocity.begin(), v.velocity.end());
-  s.carry.assign(v.carry.begin(), v.carry.end());
-  s.rng_state.assign(v.rng_state.begin(), v.rng_state.end());
-  s.meta.assign(v.meta);
-  return s;
+  return state_of(decode_checkpoint_view(buf, path));
 }
 
 std::string checkpoint_path(const std::string& dir, uint64_t step) {

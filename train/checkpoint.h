@@ -67,6 +67,8 @@ struct CheckpointView {
   std::string_view meta;
 };
 CheckpointView view_of(const CheckpointState& state);
+// The content of a view, copied (the inverse of view_of).
+CheckpointState state_of(const CheckpointView& view);
 // The exact size encode_checkpoint() gives for this content.
 size_t encoded_checkpoint_size(const CheckpointView& state);
 

@@ -239,6 +239,16 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
   return qo;
 }
 
+// An empty buffer with room for `bytes`, its pages faulted in now (huge pages where they fit):
+// on a virtual machine fresh pages cost more than the copy into them, and the state buffers
+// are filled between two steps or while the others train.
+std::shared_ptr<std::vector<char>> populated_buffer(size_t bytes) {
+  auto b = std::make_shared<std::vector<char>>();
+  b->reserve(bytes);
+  net::populate(b->data(), bytes);
+  return b;
+}
+
 // A new incarnation of this rank joins the running job: admission by the members, then the
 // donor's state (parameters, momentum, data position) before step joined->step, at which
 // the loop goes on (returned). `state` keeps the bytes received (the buffer this rank encodes
@@ -257,9 +267,7 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   // the training ranks for the cores: the buffer is faulted in at once, in huge pages, and
   // the state is restored from where it lies.
   const size_t room = encoded_checkpoint_size(core.checkpoint_view()) + 4096;
-  state = std::make_shared<std::vector<char>>();
-  state->reserve(room);
-  net::populate(state->data(), room);
+  state = populated_buffer(room);
   state->resize(room);
   const auto s0 = Clock::now();
   state->resize(q.receive_state(state->data(), state->size(), until));
@@ -792,10 +800,7 @@ class Membership {
     if (received) {
       state_buf_ = std::move(received);
     } else if (q.survives_loss() && q.members().size() > 1) {
-      const size_t size = encoded_checkpoint_size(core.checkpoint_view());
-      state_buf_ = std::make_shared<std::vector<char>>();
-      state_buf_->reserve(size);
-      net::populate(state_buf_->data(), size);
+      state_buf_ = populated_buffer(encoded_checkpoint_size(core.checkpoint_view()));
       encode_checkpoint_into(core.checkpoint_view(), *state_buf_);
     }
   }
@@ -809,10 +814,7 @@ class Membership {
       // The buffer of the last transfer when the engine has let go of it (already in memory:
       // fresh pages cost more than the copy), else a new one.
       if (!state_buf_ || state_buf_.use_count() > 1) {
-        state_buf_ = std::make_shared<std::vector<char>>();
-        const size_t size = encoded_checkpoint_size(st);
-        state_buf_->reserve(size);
-        net::populate(state_buf_->data(), size);
+        state_buf_ = populated_buffer(encoded_checkpoint_size(st));
       } else {  // the engine's release of its reference (after its send) happens before our writes
         std::atomic_thread_fence(std::memory_order_acquire);
       }

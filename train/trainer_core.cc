@@ -50,16 +50,7 @@ EvalResult TrainerCore::evaluate_train() {
 }
 
 CheckpointState TrainerCore::checkpoint_state() const {
-  const CheckpointView v = checkpoint_view();
-  CheckpointState s;
-  s.step = v.step;
-  s.position = v.position;
-  s.config_fingerprint = v.config_fingerprint;
-  s.world = v.world;
-  s.rank = v.rank;
-  s.params.assign(v.params.begin(), v.params.end());
-  s.velocity.assign(v.velocity.begin(), v.velocity.end());
-  return s;
+  return state_of(checkpoint_view());
 }
 
 CheckpointView TrainerCore::checkpoint_view() const {
