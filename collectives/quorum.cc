@@ -1042,7 +1042,7 @@ class QuorumService final : public EngineOp {
         if (coord_state_)
           throw Evicted(fmt::format(
               "rank {}: evicted from the job: while this rank (the coordinator) was unreachable, "
-              "rank {} took over from it; it must leave (exit)",
+              "another rank took over from it (rank {} says so); it must leave (exit)",
               rank_, e.from));
         continue;
       }
