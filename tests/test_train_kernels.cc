@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "train/conv_direct.h"
 #include "train/kernels.h"
 #include "train/nn.h"
 #include "train/rng.h"
@@ -149,8 +151,93 @@ TEST(Kernels, IsaNamesTheVectorUnitsAndTheBlas) {
   EXPECT_THAT(isa, ::testing::HasSubstr("blas OpenBLAS"));
 #if defined(__AVX512F__)
   EXPECT_THAT(isa, ::testing::HasSubstr("avx512f"));
+  EXPECT_THAT(isa, ::testing::HasSubstr("conv direct"));
+#else
+  EXPECT_THAT(isa, ::testing::HasSubstr("conv im2col"));
 #endif
   EXPECT_EQ(&isa, &kernel_isa());  // computed once
+}
+
+// Conv2d in float (the direct kernels where AVX-512 is built in, else im2col + GEMM) against
+// Conv2d in double (always im2col + GEMM) with the same parameters: the output, the weight and
+// bias gradients and the input gradient, for PyTorch's CNN layers, "same" padding, and output
+// channel counts that are not a multiple of 16 (a partial vector, and groups of 4, 3, 2, 1).
+TEST(DirectConv, FloatConvolutionMatchesTheDoubleOneForwardAndBackward) {
+  struct Case {
+    Shape in;
+    int cout, k, pad, batch;
+  };
+  const Case cases[] = {{{1, 28, 28}, 32, 5, 0, 3}, {{32, 12, 12}, 64, 5, 0, 2},
+                        {{3, 9, 7}, 20, 3, 1, 3},   {{2, 6, 6}, 70, 3, 1, 2},
+                        {{4, 5, 8}, 40, 2, 0, 1},   {{1, 4, 4}, 1, 3, 1, 2}};
+  for (const Case& c : cases) {
+    Conv2d<float> f(c.in, c.cout, c.k, c.pad);
+    Conv2d<double> d(c.in, c.cout, c.k, c.pad);
+    const size_t np = f.num_params();
+    const auto pd = random_vec<double>(np, 21);
+    std::vector<float> pf(pd.begin(), pd.end()), gf(np);
+    std::vector<double> pdd(pf.begin(), pf.end()), gd(np);
+    f.bind(pf.data(), gf.data());
+    d.bind(pdd.data(), gd.data());
+    const int64_t n_in = int64_t{c.batch} * c.in.h * c.in.w;
+    const auto xv = random_vec<float>(size_t(n_in * c.in.c), 22);
+    Mat<float> xf(n_in, c.in.c), yf, dyf, dxf;
+    Mat<double> xd(n_in, c.in.c), yd, dyd, dxd;
+    std::copy(xv.begin(), xv.end(), xf.data());
+    std::copy(xv.begin(), xv.end(), xd.data());
+    f.forward(xf, yf, c.batch);
+    d.forward(xd, yd, c.batch);
+    ASSERT_EQ(yf.rows(), yd.rows());
+    ASSERT_EQ(yf.cols(), yd.cols());
+    const auto dyv = random_vec<float>(size_t(yf.size()), 23);
+    dyf.resize(yf.rows(), yf.cols());
+    dyd.resize(yd.rows(), yd.cols());
+    std::copy(dyv.begin(), dyv.end(), dyf.data());
+    std::copy(dyv.begin(), dyv.end(), dyd.data());
+    f.backward(xf, yf, dyf, &dxf, c.batch);
+    d.backward(xd, yd, dyd, &dxd, c.batch);
+    auto check = [&](const float* a, const double* b, int64_t len, const char* what) {
+      double scale = 1e-30, worst = 0;
+      for (int64_t i = 0; i < len; ++i) scale = std::max(scale, std::abs(b[i]));
+      for (int64_t i = 0; i < len; ++i) worst = std::max(worst, std::abs(double(a[i]) - b[i]));
+      EXPECT_LT(worst / scale, 2e-5) << what << " of " << f.describe() << ", batch " << c.batch;
+    };
+    check(yf.data(), yd.data(), yf.size(), "output");
+    check(gf.data(), gd.data(), int64_t(np), "parameter gradient");
+    check(dxf.data(), dxd.data(), dxf.size(), "input gradient");
+  }
+}
+
+// The direct kernels' bits do not depend on where their buffers are.
+TEST(DirectConv, ResultsDoNotDependOnBufferAlignment) {
+  if (!direct_conv_available()) GTEST_SKIP() << "built without AVX-512: no direct kernels";
+  const ConvGeometry g{3, 10, 9, 37, 3};
+  const int batch = 2;
+  const int64_t plane = int64_t{batch} * g.h * g.w, oplane = int64_t{batch} * g.ho() * g.wo();
+  const auto x = random_vec<float>(size_t(plane * g.cin), 31);
+  const auto w = random_vec<float>(size_t(g.kk() * g.cout + g.cout), 32);
+  const auto dy = random_vec<float>(size_t(oplane * g.cout), 33);
+  std::vector<float> ref_y, ref_dw, scratch;
+  for (int off = 0; off < 16; ++off) {
+    AlignedVector<float> X(x.size() + 16), W(w.size() + 16), DY(dy.size() + 16),
+        Y(size_t(oplane * g.cout) + 16), DW(size_t(g.kk() * g.cout) + 16);
+    std::copy(x.begin(), x.end(), X.begin() + off);
+    std::copy(w.begin(), w.end(), W.begin() + (15 - off));
+    std::copy(dy.begin(), dy.end(), DY.begin() + (off * 7) % 16);
+    float* y = Y.data() + (off * 5) % 16;
+    float* dw = DW.data() + (off * 3) % 16;
+    const float* wp = W.data() + (15 - off);
+    conv_forward_direct(g, batch, X.data() + off, plane, wp, wp + g.kk() * g.cout, y, oplane,
+                        scratch);
+    conv_weight_grad_direct(g, batch, X.data() + off, plane, DY.data() + (off * 7) % 16, oplane, dw,
+                            scratch);
+    if (off == 0) {
+      ref_y.assign(y, y + oplane * g.cout);
+      ref_dw.assign(dw, dw + g.kk() * g.cout);
+    }
+    EXPECT_TRUE(same_bits(y, ref_y.data(), ref_y.size())) << "forward at offset " << off;
+    EXPECT_TRUE(same_bits(dw, ref_dw.data(), ref_dw.size())) << "weight gradient at offset " << off;
+  }
 }
 
 }  // namespace

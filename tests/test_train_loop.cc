@@ -115,6 +115,32 @@ TEST(TrainLoop, ResumeIsBitIdenticalToAStraightRun) {
   EXPECT_EQ(resumed[1].params_checksum, straight[1].params_checksum);
 }
 
+// The same with a CNN, whose convolutions run in the direct kernels on AVX-512 builds
+// (train/conv_direct.h), with "same" padding (a padded copy of the input) and "valid".
+TEST(TrainLoop, ResumeIsBitIdenticalToAStraightRunForACnn) {
+  for (const char* padding : {"same", "valid"}) {
+    const std::vector<std::string> model = {"model.type=cnn", "model.conv_channels=[4, 20]",
+                                            "model.hidden=[16]", "train.steps=30",
+                                            std::string("model.conv_padding=") + padding};
+    auto with = [&](std::string name, std::vector<std::string> extra) {
+      auto kv = model;
+      kv.insert(kv.end(), extra.begin(), extra.end());
+      return smoke(name + "-" + padding, kv);
+    };
+    auto straight = run_training(2, with("cnn-straight", {}));
+    auto cfg = with("cnn-resumed", {"train.checkpoint_every=15"});
+    train::TrainerOptions first;
+    first.stop_after = 15;
+    run_training(2, cfg, first);
+    train::TrainerOptions again;
+    again.resume = true;
+    auto resumed = run_training(2, cfg, again);
+    EXPECT_EQ(resumed[0].steps, 30) << padding;
+    EXPECT_EQ(resumed[0].params_checksum, straight[0].params_checksum) << padding;
+    EXPECT_EQ(resumed[1].params_checksum, straight[0].params_checksum) << padding;
+  }
+}
+
 TEST(TrainLoop, SameSeedSameParametersAcrossRuns) {
   auto a = run_training(2, smoke("det-a", {"train.steps=15"}));
   auto b = run_training(2, smoke("det-b", {"train.steps=15"}));

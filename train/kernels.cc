@@ -7,6 +7,8 @@
 #include <Eigen/Core>
 #include <mutex>
 
+#include "train/conv_direct.h"
+
 namespace qring::train {
 namespace {
 
@@ -98,8 +100,9 @@ const std::string& kernel_isa() {
     std::string blas = openblas_get_config();
     const std::string core = openblas_get_corename();
     if (blas.find(core) == std::string::npos) blas += " " + core;
-    return fmt::format("vector {} (Eigen {}), blas {}", vector_isa(),
-                       Eigen::SimdInstructionSetsInUse(), blas);
+    return fmt::format("vector {} (Eigen {}), conv {}, blas {}", vector_isa(),
+                       Eigen::SimdInstructionSetsInUse(),
+                       direct_conv_available() ? "direct" : "im2col", blas);
   }();
   return isa;
 }

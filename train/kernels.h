@@ -42,9 +42,10 @@ void row_sums(const T* x, int64_t rows, int64_t cols, int64_t ld, T* out);
 template <class T>
 T fixed_order_sum(const T* x, int64_t n);
 
-// What the float kernels run on, e.g. "vector avx512f+fma (Eigen AVX512), blas OpenBLAS
-// 0.3.21 ... Cooperlake": the compile-time vector ISA and the BLAS library with the kernel
-// set it chose for this CPU. Ranks whose strings differ would not compute the same bits.
+// What the float kernels run on, e.g. "vector avx512f+fma (Eigen AVX512), conv direct, blas
+// OpenBLAS 0.3.21 ... Cooperlake": the compile-time vector ISA, how convolutions run (direct
+// kernels, train/conv_direct.h, or im2col + GEMM) and the BLAS library with the kernel set it
+// chose for this CPU. Ranks whose strings differ would not compute the same bits.
 const std::string& kernel_isa();
 
 }  // namespace qring::train

@@ -4,8 +4,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "net/error.h"
+#include "train/conv_direct.h"
 #include "train/kernels.h"
 
 namespace qring::train {
@@ -205,8 +207,39 @@ void Conv2d<T>::col2im(Mat<T>& dx, int batch, int b0, int b1) const {
 }
 
 template <class T>
+bool Conv2d<T>::direct() const {
+  return std::is_same_v<T, float> && direct_conv_available();
+}
+
+template <class T>
+const T* Conv2d<T>::direct_input(const Mat<T>& x, int batch) {
+  if (pad_ == 0) return x.data();
+  const int h = in_.h, w = in_.w, hp = h + 2 * pad_, wp = w + 2 * pad_;
+  const int64_t plane = int64_t{batch} * hp * wp;
+  xpad_.assign(static_cast<size_t>(plane * in_.c), T(0));
+  for (int c = 0; c < in_.c; ++c)
+    for (int b = 0; b < batch; ++b) {
+      const T* s = x.data() + c * x.rows() + int64_t{b} * h * w;
+      T* d = xpad_.data() + c * plane + int64_t{b} * hp * wp + int64_t{pad_} * wp + pad_;
+      for (int yy = 0; yy < h; ++yy) std::copy_n(s + int64_t{yy} * w, w, d + int64_t{yy} * wp);
+    }
+  return xpad_.data();
+}
+
+template <class T>
 void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
   const T* b = p_ + kk_ * cout_;
+  if constexpr (std::is_same_v<T, float>) {
+    if (direct()) {
+      const float* xs = direct_input(x, batch);
+      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
+      const int64_t n = int64_t{batch} * ho_ * wo_;
+      y.resize(n, cout_);
+      conv_forward_direct(g, batch, xs, pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, p_, b,
+                          y.data(), n, scratch_);
+      return;
+    }
+  }
   im2col(x, batch);
   const int64_t n = cols_.rows();
   y.resize(n, cout_);
@@ -219,7 +252,17 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
                          int batch) {
   const int64_t n = dy.rows();
   // dwt = cols^T dy; db[c] = the sum of dy's column c; dcols = dy wt^T.
-  gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
+  bool done = false;
+  if constexpr (std::is_same_v<T, float>) {
+    if (direct()) {  // on the input forward() saw (xpad_ still holds its padded copy)
+      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
+      conv_weight_grad_direct(g, batch, pad_ == 0 ? x.data() : xpad_.data(),
+                              pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, dy.data(), n, g_,
+                              scratch_);
+      done = true;
+    }
+  }
+  if (!done) gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
   for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
   if (dx != nullptr) {
     // dcols = dy wt^T and its col2im, a chunk of samples at a time: the chunk's dcols (about

@@ -129,8 +129,14 @@ class Conv2d : public Layer<T> {
   int64_t kk_;   // Cin * k * k
   T* p_ = nullptr;
   T* g_ = nullptr;
+  // Float with AVX-512 (train/conv_direct.h): the forward pass and the weight gradient run
+  // directly on the input (its zero-padded copy xpad_ when pad > 0), without cols_.
+  bool direct() const;
+  const T* direct_input(const Mat<T>& x, int batch);  // x, or xpad_ filled from x
   Mat<T> cols_;   // (B*Ho*Wo) x (Cin*k*k)
   Mat<T> dcols_;  // (chunk*Ho*Wo) x (Cin*k*k): the unfolded dx of a chunk of samples
+  std::vector<T> xpad_;
+  std::vector<float> scratch_;
 };
 
 // 2x2 max pooling, stride 2 (odd sizes are floored), on spatial activations.

@@ -1,0 +1,251 @@
+#include "train/conv_direct.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace qring::train {
+
+#if defined(__AVX512F__)
+
+bool direct_conv_available() {
+  return true;
+}
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// Per output group of V vectors (16 channels each), the pixels (forward) or weight rows
+// (gradient) a register tile covers: V * tile accumulators plus V operands and a broadcast
+// stay within the 32 vector registers.
+constexpr int tile_for(int v) {
+  return v == 4 ? 6 : v == 3 ? 8 : v == 2 ? 12 : 24;
+}
+
+int64_t padded_out(int cout) {
+  return int64_t{(cout + kLanes - 1) / kLanes} * kLanes;
+}
+
+// Offsets of input pixel (oy, ox) for each output pixel p = oy * wo + ox of one sample, and of
+// each weight row r = (ci, ky, kx) within the input.
+void offsets(const ConvGeometry& g, int64_t x_plane, std::vector<int32_t>& pofs,
+             std::vector<int64_t>& rofs) {
+  const int ho = g.ho(), wo = g.wo(), k = g.k;
+  pofs.resize(size_t(ho) * size_t(wo));
+  for (int oy = 0; oy < ho; ++oy)
+    for (int ox = 0; ox < wo; ++ox) pofs[size_t(oy * wo + ox)] = oy * g.w + ox;
+  rofs.resize(size_t(g.kk()));
+  for (int ci = 0; ci < g.cin; ++ci)
+    for (int ky = 0; ky < k; ++ky)
+      for (int kx = 0; kx < k; ++kx)
+        rofs[size_t((ci * k + ky) * k + kx)] = ci * x_plane + int64_t{ky} * g.w + kx;
+}
+
+// Forward: P output pixels (input offsets pix[0..P)) of one sample by V * 16 channels.
+// acc = bias, then for r = 0, 1, ...: acc += w_t[r] * x[r's offset + pixel's].
+template <int V, int P>
+void forward_tile(const float* xb, const int64_t* rofs, int64_t kk, const int32_t* pix,
+                  const float* wt, int64_t ldw, const float* bias, float* out) {
+  __m512 acc[P][V];
+#pragma GCC unroll 8
+  for (int j = 0; j < P; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_loadu_ps(bias + v * kLanes);
+  for (int64_t r = 0; r < kk; ++r) {
+    __m512 wv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(wt + r * ldw + v * kLanes);
+    const float* xr = xb + rofs[r];
+#pragma GCC unroll 24
+    for (int j = 0; j < P; ++j) {
+      const __m512 bx = _mm512_set1_ps(xr[pix[j]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(bx, wv[v], acc[j][v]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int j = 0; j < P; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + (j * V + v) * kLanes, acc[j][v]);
+}
+
+template <int V>
+void forward_group(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
+                   const std::vector<int64_t>& rofs, const std::vector<int32_t>& pofs,
+                   const float* wt, int64_t ldw, const float* bias, int o0, float* y,
+                   int64_t y_plane) {
+  constexpr int P = tile_for(V);
+  const int hwo = g.ho() * g.wo(), hw = g.h * g.w;
+  const int oc = std::min(g.cout - o0, V * kLanes);
+  alignas(64) float out[P * V * kLanes];
+  int32_t pix[P];
+  for (int b = 0; b < batch; ++b) {
+    const float* xb = x + int64_t{b} * hw;
+    for (int p0 = 0; p0 < hwo; p0 += P) {
+      const int np = std::min(P, hwo - p0);
+      for (int j = 0; j < P; ++j) pix[j] = pofs[size_t(p0 + std::min(j, np - 1))];
+      forward_tile<V, P>(xb, rofs.data(), g.kk(), pix, wt, ldw, bias, out);
+      for (int o = 0; o < oc; ++o) {
+        float* yo = y + (o0 + o) * y_plane + int64_t{b} * hwo + p0;
+        for (int j = 0; j < np; ++j) yo[j] = out[j * V * kLanes + o];
+      }
+    }
+  }
+}
+
+// Weight gradient: R weight rows (input offsets rows[0..R)) by V * 16 channels, over the
+// output pixels of one sample: acc (in dwt) += dy_t[pixel] * x[row's offset + pixel's].
+template <int V, int R>
+void grad_tile(const float* xb, const int64_t* rows, const int32_t* pofs, int hwo, const float* dyt,
+               int64_t ldd, float* const* dwt) {
+  __m512 acc[R][V];
+#pragma GCC unroll 24
+  for (int j = 0; j < R; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_loadu_ps(dwt[j] + v * kLanes);
+  for (int p = 0; p < hwo; ++p) {
+    __m512 dv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) dv[v] = _mm512_loadu_ps(dyt + p * ldd + v * kLanes);
+    const float* xp = xb + pofs[p];
+#pragma GCC unroll 24
+    for (int j = 0; j < R; ++j) {
+      const __m512 bx = _mm512_set1_ps(xp[rows[j]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(bx, dv[v], acc[j][v]);
+    }
+  }
+  // A row repeated to fill the tile (the last block) is stored twice with the same value.
+#pragma GCC unroll 24
+  for (int j = 0; j < R; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(dwt[j] + v * kLanes, acc[j][v]);
+}
+
+template <int V>
+void grad_group(const ConvGeometry& g, int batch, const float* x, const std::vector<int64_t>& rofs,
+                const std::vector<int32_t>& pofs, const float* dyt, int64_t ldd, float* dwt,
+                int64_t ldw) {
+  constexpr int R = tile_for(V);
+  const int hwo = g.ho() * g.wo(), hw = g.h * g.w;
+  const int64_t kk = g.kk();
+  int64_t rows[R];
+  float* dst[R];
+  for (int b = 0; b < batch; ++b) {
+    const float* xb = x + int64_t{b} * hw;
+    const float* dyb = dyt + int64_t{b} * hwo * ldd;
+    for (int64_t r0 = 0; r0 < kk; r0 += R) {
+      for (int j = 0; j < R; ++j) {
+        const int64_t r = std::min<int64_t>(r0 + j, kk - 1);
+        rows[j] = rofs[size_t(r)];
+        dst[j] = dwt + r * ldw;
+      }
+      grad_tile<V, R>(xb, rows, pofs.data(), hwo, dyb, ldd, dst);
+    }
+  }
+}
+
+}  // namespace
+
+void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
+                         const float* weights, const float* bias, float* y, int64_t y_plane,
+                         std::vector<float>& scratch) {
+  const int64_t kk = g.kk(), ldw = padded_out(g.cout);
+  // Weights transposed to rows r of the (padded) output channels, then the padded bias.
+  scratch.assign(size_t(kk * ldw + ldw), 0.0f);
+  float* wt = scratch.data();
+  float* b = wt + kk * ldw;
+  for (int o = 0; o < g.cout; ++o) {
+    for (int64_t r = 0; r < kk; ++r) wt[r * ldw + o] = weights[o * kk + r];
+    b[o] = bias[o];
+  }
+  std::vector<int32_t> pofs;
+  std::vector<int64_t> rofs;
+  offsets(g, x_plane, pofs, rofs);
+  for (int o0 = 0; o0 < g.cout; o0 += 4 * kLanes) {
+    const int v = int(std::min<int64_t>(4, (g.cout - o0 + kLanes - 1) / kLanes));
+    const float* wg = wt + o0;
+    switch (v) {
+      case 4:
+        forward_group<4>(g, batch, x, x_plane, rofs, pofs, wg, ldw, b + o0, o0, y, y_plane);
+        break;
+      case 3:
+        forward_group<3>(g, batch, x, x_plane, rofs, pofs, wg, ldw, b + o0, o0, y, y_plane);
+        break;
+      case 2:
+        forward_group<2>(g, batch, x, x_plane, rofs, pofs, wg, ldw, b + o0, o0, y, y_plane);
+        break;
+      default:
+        forward_group<1>(g, batch, x, x_plane, rofs, pofs, wg, ldw, b + o0, o0, y, y_plane);
+    }
+  }
+}
+
+void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
+                             const float* dy, int64_t dy_plane, float* dw,
+                             std::vector<float>& scratch) {
+  const int64_t kk = g.kk(), ld = padded_out(g.cout);
+  const int64_t n = int64_t{batch} * g.ho() * g.wo();
+  // dy transposed to pixel-major rows of the padded channels, then the gradient's rows r.
+  scratch.resize(size_t(n * ld + kk * ld));
+  float* dyt = scratch.data();
+  float* dwt = dyt + n * ld;
+  std::fill(dwt, dwt + kk * ld, 0.0f);
+  // A tile of 64 pixels at a time: its rows (64 x ld floats) stay in the L1 cache while every
+  // channel's 64 values are written into them.
+  constexpr int64_t kTile = 64;
+  for (int64_t q0 = 0; q0 < n; q0 += kTile) {
+    const int64_t q1 = std::min(n, q0 + kTile);
+    for (int o = 0; o < g.cout; ++o) {
+      const float* s = dy + o * dy_plane;
+      for (int64_t q = q0; q < q1; ++q) dyt[q * ld + o] = s[q];
+    }
+    if (g.cout < ld)
+      for (int64_t q = q0; q < q1; ++q) std::fill(dyt + q * ld + g.cout, dyt + (q + 1) * ld, 0.0f);
+  }
+  std::vector<int32_t> pofs;
+  std::vector<int64_t> rofs;
+  offsets(g, x_plane, pofs, rofs);
+  for (int o0 = 0; o0 < g.cout; o0 += 4 * kLanes) {
+    const int v = int(std::min<int64_t>(4, (g.cout - o0 + kLanes - 1) / kLanes));
+    switch (v) {
+      case 4:
+        grad_group<4>(g, batch, x, rofs, pofs, dyt + o0, ld, dwt + o0, ld);
+        break;
+      case 3:
+        grad_group<3>(g, batch, x, rofs, pofs, dyt + o0, ld, dwt + o0, ld);
+        break;
+      case 2:
+        grad_group<2>(g, batch, x, rofs, pofs, dyt + o0, ld, dwt + o0, ld);
+        break;
+      default:
+        grad_group<1>(g, batch, x, rofs, pofs, dyt + o0, ld, dwt + o0, ld);
+    }
+  }
+  for (int o = 0; o < g.cout; ++o)
+    for (int64_t r = 0; r < kk; ++r) dw[o * kk + r] = dwt[r * ld + o];
+}
+
+#else  // no AVX-512: Conv2d uses im2col + GEMM
+
+bool direct_conv_available() {
+  return false;
+}
+
+void conv_forward_direct(const ConvGeometry&, int, const float*, int64_t, const float*,
+                         const float*, float*, int64_t, std::vector<float>&) {
+  throw std::logic_error("conv_forward_direct: not built (no AVX-512)");
+}
+
+void conv_weight_grad_direct(const ConvGeometry&, int, const float*, int64_t, const float*, int64_t,
+                             float*, std::vector<float>&) {
+  throw std::logic_error("conv_weight_grad_direct: not built (no AVX-512)");
+}
+
+#endif
+
+}  // namespace qring::train
