@@ -161,7 +161,8 @@ TEST(Kernels, IsaNamesTheVectorUnitsAndTheBlas) {
 // Conv2d in float (the direct kernels where AVX-512 is built in, else im2col + GEMM) against
 // Conv2d in double (always im2col + GEMM) with the same parameters: the output, the weight and
 // bias gradients and the input gradient, for PyTorch's CNN layers, "same" padding, and output
-// channel counts that are not a multiple of 16 (a partial vector, and groups of 4, 3, 2, 1).
+// and input channel counts that are not a multiple of 16 (a partial vector, and groups of 4, 3,
+// 2 and 1 vectors).
 TEST(DirectConv, FloatConvolutionMatchesTheDoubleOneForwardAndBackward) {
   struct Case {
     Shape in;
@@ -169,7 +170,8 @@ TEST(DirectConv, FloatConvolutionMatchesTheDoubleOneForwardAndBackward) {
   };
   const Case cases[] = {{{1, 28, 28}, 32, 5, 0, 3}, {{32, 12, 12}, 64, 5, 0, 2},
                         {{3, 9, 7}, 20, 3, 1, 3},   {{2, 6, 6}, 70, 3, 1, 2},
-                        {{4, 5, 8}, 40, 2, 0, 1},   {{1, 4, 4}, 1, 3, 1, 2}};
+                        {{4, 5, 8}, 40, 2, 0, 1},   {{1, 4, 4}, 1, 3, 1, 2},
+                        {{40, 5, 5}, 8, 3, 1, 2},   {{70, 4, 4}, 5, 3, 0, 1}};
   for (const Case& c : cases) {
     Conv2d<float> f(c.in, c.cout, c.k, c.pad);
     Conv2d<double> d(c.in, c.cout, c.k, c.pad);
@@ -217,10 +219,11 @@ TEST(DirectConv, ResultsDoNotDependOnBufferAlignment) {
   const auto x = random_vec<float>(size_t(plane * g.cin), 31);
   const auto w = random_vec<float>(size_t(g.kk() * g.cout + g.cout), 32);
   const auto dy = random_vec<float>(size_t(oplane * g.cout), 33);
-  std::vector<float> ref_y, ref_dw, scratch;
+  std::vector<float> ref_y, ref_dw, ref_dx, scratch;
   for (int off = 0; off < 16; ++off) {
     AlignedVector<float> X(x.size() + 16), W(w.size() + 16), DY(dy.size() + 16),
-        Y(size_t(oplane * g.cout) + 16), DW(size_t(g.kk() * g.cout) + 16);
+        Y(size_t(oplane * g.cout) + 16), DW(size_t(g.kk() * g.cout) + 16),
+        DX(size_t(plane * g.cin) + 16);
     std::copy(x.begin(), x.end(), X.begin() + off);
     std::copy(w.begin(), w.end(), W.begin() + (15 - off));
     std::copy(dy.begin(), dy.end(), DY.begin() + (off * 7) % 16);
@@ -231,10 +234,14 @@ TEST(DirectConv, ResultsDoNotDependOnBufferAlignment) {
                         scratch);
     conv_weight_grad_direct(g, batch, X.data() + off, plane, DY.data() + (off * 7) % 16, oplane, dw,
                             scratch);
+    float* dx = DX.data() + (off * 11) % 16;
+    conv_input_grad_direct(g, batch, DY.data() + (off * 7) % 16, oplane, wp, dx, plane, scratch);
     if (off == 0) {
       ref_y.assign(y, y + oplane * g.cout);
       ref_dw.assign(dw, dw + g.kk() * g.cout);
+      ref_dx.assign(dx, dx + plane * g.cin);
     }
+    EXPECT_TRUE(same_bits(dx, ref_dx.data(), ref_dx.size())) << "input gradient at offset " << off;
     EXPECT_TRUE(same_bits(y, ref_y.data(), ref_y.size())) << "forward at offset " << off;
     EXPECT_TRUE(same_bits(dw, ref_dw.data(), ref_dw.size())) << "weight gradient at offset " << off;
   }

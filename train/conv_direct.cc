@@ -149,6 +149,100 @@ void grad_group(const ConvGeometry& g, int batch, const float* x, const std::vec
   }
 }
 
+// Input gradient, a tile of P output pixels (consecutive in the chunk's copy of dy, from q) by
+// T taps by V * 16 input channels: acc[t][j] = sum over o in order of dy[o][q + j] w[tap t][o].
+// Several taps share each broadcast of dy when the channels fill fewer than 3 vectors.
+template <int V, int P, int T>
+void input_grad_tile(const float* dy, int64_t ld_dy, int cout, const float* const* wtap,
+                     int64_t ldc, int64_t q, __m512 (&acc)[T][P][V]) {
+#pragma GCC unroll 4
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 12
+    for (int j = 0; j < P; ++j)
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[t][j][v] = _mm512_setzero_ps();
+  for (int o = 0; o < cout; ++o) {
+    __m512 wv[T][V];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) wv[t][v] = _mm512_loadu_ps(wtap[t] + o * ldc + v * kLanes);
+    const float* d = dy + o * ld_dy + q;
+#pragma GCC unroll 12
+    for (int j = 0; j < P; ++j) {
+      const __m512 bx = _mm512_set1_ps(d[j]);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[t][j][v] = _mm512_fmadd_ps(bx, wv[t][v], acc[t][j][v]);
+    }
+  }
+}
+
+// Taps [t0, t0 + T) over one chunk: every tile's sums added into the dx rows they belong to.
+template <int V, int P, int T>
+void input_grad_taps(const ConvGeometry& g, int t0, const float* local, int64_t ld_local,
+                     int64_t n, const std::vector<int64_t>& base, const float* wt, int64_t ldc,
+                     float* dxt) {
+  __m512 acc[T][P][V];
+  const float* wtap[T];
+  int64_t shift[T];
+  for (int t = 0; t < T; ++t) {
+    wtap[t] = wt + int64_t{t0 + t} * g.cout * ldc;
+    shift[t] = int64_t{(t0 + t) / g.k} * g.w + (t0 + t) % g.k;
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += P) {
+    // The last tile ends at the chunk's end (it recomputes pixels of the one before, which it
+    // does not add again); a chunk smaller than a tile reads the copy's zero padding.
+    const int64_t start = n >= P ? std::min<int64_t>(i0, n - P) : 0;
+    const int first = int(i0 - start), last = int(std::min<int64_t>(P, n - start));
+    input_grad_tile<V, P, T>(local, ld_local, g.cout, wtap, ldc, start, acc);
+    for (int t = 0; t < T; ++t)
+      for (int j = first; j < last; ++j) {
+        float* row = dxt + (base[size_t(start + j)] + shift[t]) * ldc;
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v)
+          _mm512_storeu_ps(row + v * kLanes,
+                           _mm512_add_ps(_mm512_loadu_ps(row + v * kLanes), acc[t][j][v]));
+      }
+  }
+}
+
+template <int V>
+void input_grad_group(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
+                      const float* wt, int64_t ldc, float* dxt) {
+  // Taps per tile and pixels per tile: (T * P + T) * V + 1 of the 32 vector registers.
+  constexpr int T = V >= 3 ? 1 : V == 2 ? 2 : 4;
+  constexpr int P = V == 3 ? 8 : 6;
+  const int hwo = g.ho() * g.wo(), hw = g.h * g.w, taps = g.k * g.k;
+  // A chunk of samples of about 256 output pixels: its dy and dx rows stay in the L2 cache
+  // while all taps pass over them. Each dx value is the sum of its taps' products, added in
+  // an order fixed by the geometry.
+  const int chunk = std::max(1, 256 / hwo);
+  std::vector<int64_t> base;  // dx row of output pixel i of the chunk, tap (0, 0)
+  std::vector<float> local;
+  for (int b0 = 0; b0 < batch; b0 += chunk) {
+    const int b1 = std::min(batch, b0 + chunk);
+    const int64_t n = int64_t{b1 - b0} * hwo, q0 = int64_t{b0} * hwo;
+    base.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = (q0 + i) / hwo, p = (q0 + i) % hwo;
+      base[size_t(i)] = b * hw + (p / g.wo()) * g.w + p % g.wo();
+    }
+    // The chunk's dy, copied with a row stride that is not a multiple of 4 KiB (dy's planes
+    // often are: their rows would share the L1 cache's sets) and zero-padded to a tile.
+    const int64_t ld_local = std::max<int64_t>(n, P) + 16;
+    local.assign(size_t(g.cout * ld_local), 0.0f);
+    for (int o = 0; o < g.cout; ++o)
+      std::copy_n(dy + o * dy_plane + q0, n, local.data() + o * ld_local);
+    int t0 = 0;
+    for (; t0 + T <= taps; t0 += T)
+      input_grad_taps<V, P, T>(g, t0, local.data(), ld_local, n, base, wt, ldc, dxt);
+    for (; t0 < taps; ++t0)
+      input_grad_taps<V, P, 1>(g, t0, local.data(), ld_local, n, base, wt, ldc, dxt);
+  }
+}
+
 }  // namespace
 
 void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
@@ -230,6 +324,40 @@ void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, i
     for (int64_t r = 0; r < kk; ++r) dw[o * kk + r] = dwt[r * ld + o];
 }
 
+void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
+                            const float* weights, float* dx, int64_t dx_plane,
+                            std::vector<float>& scratch) {
+  const int64_t ldc = padded_out(g.cin), kk = g.kk(), taps = int64_t{g.k} * g.k;
+  const int64_t pixels = int64_t{batch} * g.h * g.w;
+  // Weights as [tap][o][ci] (input channels padded), then dx as pixel-major rows of channels.
+  scratch.resize(size_t(taps * g.cout * ldc + pixels * ldc));
+  float* wt = scratch.data();
+  float* dxt = wt + taps * g.cout * ldc;
+  std::fill(wt, wt + taps * g.cout * ldc, 0.0f);
+  for (int o = 0; o < g.cout; ++o)
+    for (int ci = 0; ci < g.cin; ++ci)
+      for (int64_t t = 0; t < taps; ++t)
+        wt[(t * g.cout + o) * ldc + ci] = weights[o * kk + ci * taps + t];
+  std::fill(dxt, dxt + pixels * ldc, 0.0f);
+  for (int c0 = 0; c0 < g.cin; c0 += 4 * kLanes) {
+    const int v = int(std::min<int64_t>(4, (g.cin - c0 + kLanes - 1) / kLanes));
+    switch (v) {
+      case 4: input_grad_group<4>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
+      case 3: input_grad_group<3>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
+      case 2: input_grad_group<2>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
+      default: input_grad_group<1>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+    }
+  }
+  constexpr int64_t kTile = 64;
+  for (int64_t q0 = 0; q0 < pixels; q0 += kTile) {
+    const int64_t q1 = std::min(pixels, q0 + kTile);
+    for (int ci = 0; ci < g.cin; ++ci) {
+      float* d = dx + ci * dx_plane;
+      for (int64_t q = q0; q < q1; ++q) d[q] = dxt[q * ldc + ci];
+    }
+  }
+}
+
 #else  // no AVX-512: Conv2d uses im2col + GEMM
 
 bool direct_conv_available() {
@@ -244,6 +372,11 @@ void conv_forward_direct(const ConvGeometry&, int, const float*, int64_t, const 
 void conv_weight_grad_direct(const ConvGeometry&, int, const float*, int64_t, const float*, int64_t,
                              float*, std::vector<float>&) {
   throw std::logic_error("conv_weight_grad_direct: not built (no AVX-512)");
+}
+
+void conv_input_grad_direct(const ConvGeometry&, int, const float*, int64_t, const float*, float*,
+                            int64_t, std::vector<float>&) {
+  throw std::logic_error("conv_input_grad_direct: not built (no AVX-512)");
 }
 
 #endif

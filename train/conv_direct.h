@@ -1,8 +1,8 @@
-// Direct float convolutions (issue 17): the forward pass and the weight gradient of a stride-1
-// convolution computed from the activations in place, without the unfolded (im2col) matrix
-// and without the BLAS's packing of it, which together were a fifth of a PyTorch-CNN step
-// (docs/benchmarks.md). The input gradient stays one GEMM and a col2im (a direct kernel for it,
-// tried, was 20 % slower than that on PyTorch's conv2). Built with AVX-512 (a -march that has it,
+// Direct float convolutions (issue 17): the forward pass, the weight gradient and the input
+// gradient of a stride-1 convolution computed from the activations in place, without the
+// unfolded (im2col) matrix and without the BLAS's packing of it, which together were a fifth
+// of a PyTorch-CNN step
+// (docs/benchmarks.md). Built with AVX-512 (a -march that has it,
 // the default native build on such a CPU); elsewhere direct_conv_available() is false and Conv2d
 // keeps im2col + GEMM.
 //
@@ -42,5 +42,13 @@ void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64
 void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
                              const float* dy, int64_t dy_plane, float* dw,
                              std::vector<float>& scratch);
+
+// dx[ci][b][iy][ix] = the sum over the taps (ky, kx) whose output pixel exists of (the sum over
+// o in order of dy[o][b][iy - ky][ix - kx] w[o][ci][ky][kx]), the taps added in an order fixed
+// by the geometry; dx has the (padded) input's shape, dx_plane = batch * h * w floats between
+// input channels.
+void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
+                            const float* weights, float* dx, int64_t dx_plane,
+                            std::vector<float>& scratch);
 
 }  // namespace qring::train

@@ -264,7 +264,28 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
   }
   if (!done) gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
   for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
-  if (dx != nullptr) {
+  if (done && dx != nullptr) {
+    if constexpr (std::is_same_v<T, float>) {
+      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
+      const int64_t n_in = int64_t{batch} * in_.h * in_.w;
+      dx->resize(n_in, in_.c);
+      if (pad_ == 0) {
+        conv_input_grad_direct(g, batch, dy.data(), n, p_, dx->data(), n_in, scratch_);
+      } else {  // into the padded shape (xpad_ is free again), then its interior
+        const int64_t plane = int64_t{batch} * g.h * g.w;
+        xpad_.resize(static_cast<size_t>(plane * in_.c));
+        conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, scratch_);
+        for (int c = 0; c < in_.c; ++c)
+          for (int b = 0; b < batch; ++b) {
+            const T* s = xpad_.data() + c * plane + int64_t{b} * g.h * g.w +
+                         int64_t{pad_} * g.w + pad_;
+            T* d = dx->data() + c * n_in + int64_t{b} * in_.h * in_.w;
+            for (int yy = 0; yy < in_.h; ++yy)
+              std::copy_n(s + int64_t{yy} * g.w, in_.w, d + int64_t{yy} * in_.w);
+          }
+      }
+    }
+  } else if (dx != nullptr) {
     // dcols = dy wt^T and its col2im, a chunk of samples at a time: the chunk's dcols (about
     // 512 KiB) is still in the cache when col2im reads it. The chunk size depends on the
     // layer's shape only, so the results are as deterministic as with one chunk.
