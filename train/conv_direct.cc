@@ -181,9 +181,8 @@ void input_grad_tile(const float* dy, int64_t ld_dy, int cout, const float* cons
 
 // Taps [t0, t0 + T) over one chunk: every tile's sums added into the dx rows they belong to.
 template <int V, int P, int T>
-void input_grad_taps(const ConvGeometry& g, int t0, const float* local, int64_t ld_local,
-                     int64_t n, const std::vector<int64_t>& base, const float* wt, int64_t ldc,
-                     float* dxt) {
+void input_grad_taps(const ConvGeometry& g, int t0, const float* local, int64_t ld_local, int64_t n,
+                     const std::vector<int64_t>& base, const float* wt, int64_t ldc, float* dxt) {
   __m512 acc[T][P][V];
   const float* wtap[T];
   int64_t shift[T];
@@ -342,10 +341,17 @@ void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, i
   for (int c0 = 0; c0 < g.cin; c0 += 4 * kLanes) {
     const int v = int(std::min<int64_t>(4, (g.cin - c0 + kLanes - 1) / kLanes));
     switch (v) {
-      case 4: input_grad_group<4>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
-      case 3: input_grad_group<3>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
-      case 2: input_grad_group<2>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0); break;
-      default: input_grad_group<1>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+      case 4:
+        input_grad_group<4>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        break;
+      case 3:
+        input_grad_group<3>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        break;
+      case 2:
+        input_grad_group<2>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        break;
+      default:
+        input_grad_group<1>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
     }
   }
   constexpr int64_t kTile = 64;

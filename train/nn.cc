@@ -277,8 +277,8 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
         conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, scratch_);
         for (int c = 0; c < in_.c; ++c)
           for (int b = 0; b < batch; ++b) {
-            const T* s = xpad_.data() + c * plane + int64_t{b} * g.h * g.w +
-                         int64_t{pad_} * g.w + pad_;
+            const T* s =
+                xpad_.data() + c * plane + int64_t{b} * g.h * g.w + int64_t{pad_} * g.w + pad_;
             T* d = dx->data() + c * n_in + int64_t{b} * in_.h * in_.w;
             for (int yy = 0; yy < in_.h; ++yy)
               std::copy_n(s + int64_t{yy} * g.w, in_.w, d + int64_t{yy} * in_.w);
