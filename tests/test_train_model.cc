@@ -197,6 +197,43 @@ TEST(MaxPool2, PicksWindowMaxAndRoutesGradient) {
   }
 }
 
+// Float pooling (vectorized on AVX-512 builds) picks the same values and routes the gradient
+// to the same inputs as the double one, ties included: the first maximum in the window order
+// (top left, top right, bottom left, bottom right). Odd widths, an odd height (the scalar
+// path) and rows wider than one vector of windows.
+TEST(MaxPool2, FloatPicksTheSameMaximaAndTiesAsDouble) {
+  const Shape shapes[] = {{3, 24, 24}, {5, 8, 8}, {2, 6, 7}, {2, 5, 4}, {1, 2, 34}, {2, 4, 66}};
+  Rng rng(5);
+  for (const Shape& s : shapes) {
+    const int batch = 3;
+    MaxPool2<float> pf(s);
+    MaxPool2<double> pd(s);
+    const int64_t n = int64_t{batch} * s.h * s.w;
+    Mat<float> xf(n, s.c), yf, dxf;
+    Mat<double> xd(n, s.c), yd, dxd;
+    for (int64_t i = 0; i < xf.size(); ++i) {  // few distinct values: many ties
+      const double v = double(rng.next_u64() % 5) - 1.0;
+      xf.data()[i] = float(v);
+      xd.data()[i] = v;
+    }
+    pf.forward(xf, yf, batch);
+    pd.forward(xd, yd, batch);
+    ASSERT_EQ(yf.rows(), yd.rows());
+    Mat<float> gf(yf.rows(), yf.cols());
+    Mat<double> gd(yd.rows(), yd.cols());
+    for (int64_t i = 0; i < gf.size(); ++i) gf.data()[i] = float(gd.data()[i] = double(i + 1));
+    pf.backward(xf, yf, gf, &dxf, batch);
+    pd.backward(xd, yd, gd, &dxd, batch);
+    for (int64_t i = 0; i < yf.size(); ++i)
+      ASSERT_EQ(double(yf.data()[i]), yd.data()[i])
+          << "output " << i << " of " << s.c << "x" << s.h << "x" << s.w;
+    for (int64_t i = 0; i < dxf.size(); ++i)
+      ASSERT_EQ(double(dxf.data()[i]), dxd.data()[i])
+          << "gradient routed differently at input " << i << " of " << s.c << "x" << s.h << "x"
+          << s.w;
+  }
+}
+
 TEST(Model, ShapesAndContiguousBuffers) {
   ModelSection mlp;
   mlp.type = "mlp";

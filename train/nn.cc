@@ -4,6 +4,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 
 #include "net/error.h"
@@ -305,12 +308,70 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
 
 // ------------------------------------------------------------------------------- MaxPool2 --
 
+#if defined(__AVX512F__)
+namespace {
+// MaxPool2's forward pass in float for even heights (the windows' row pairs are then every
+// pair of rows of a channel plane, one after another): 16 windows at a time, the same
+// candidates in the same order with the same strict comparison as the scalar loop, so the same
+// values and the same argmax.
+void maxpool2_forward_avx512(const float* src, float* dst, int32_t* am, int64_t row_pairs, int w) {
+  const int w2 = w / 2;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i twice =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  for (int64_t r = 0; r < row_pairs; ++r) {
+    const float* top = src + r * 2 * w;
+    const float* bottom = top + w;
+    for (int x0 = 0; x0 < w2; x0 += 16) {
+      const int nx = std::min(16, w2 - x0);
+      const int lo_n = std::min(16, 2 * nx), hi_n = 2 * nx - lo_n;
+      const __mmask16 lo = static_cast<__mmask16>((1u << lo_n) - 1);
+      const __mmask16 hi = static_cast<__mmask16>((1u << hi_n) - 1);
+      const __mmask16 out = static_cast<__mmask16>((1u << nx) - 1);
+      const __m512 t0 = _mm512_maskz_loadu_ps(lo, top + 2 * x0);
+      const __m512 t1 = _mm512_maskz_loadu_ps(hi, top + 2 * x0 + 16);
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, bottom + 2 * x0);
+      const __m512 b1 = _mm512_maskz_loadu_ps(hi, bottom + 2 * x0 + 16);
+      const __m512 c[4] = {
+          _mm512_permutex2var_ps(t0, even, t1), _mm512_permutex2var_ps(t0, odd, t1),
+          _mm512_permutex2var_ps(b0, even, b1), _mm512_permutex2var_ps(b0, odd, b1)};
+      const __m512i base =
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(r * 2 * w + 2 * x0)), twice);
+      const __m512i off[4] = {base, _mm512_add_epi32(base, _mm512_set1_epi32(1)),
+                              _mm512_add_epi32(base, _mm512_set1_epi32(w)),
+                              _mm512_add_epi32(base, _mm512_set1_epi32(w + 1))};
+      __m512 best = c[0];
+      __m512i arg = off[0];
+      for (int i = 1; i < 4; ++i) {
+        const __mmask16 gt = _mm512_cmp_ps_mask(c[i], best, _CMP_GT_OQ);
+        best = _mm512_mask_blend_ps(gt, best, c[i]);
+        arg = _mm512_mask_blend_epi32(gt, arg, off[i]);
+      }
+      _mm512_mask_storeu_ps(dst + r * w2 + x0, out, best);
+      _mm512_mask_storeu_epi32(am + r * w2 + x0, out, arg);
+    }
+  }
+}
+}  // namespace
+#endif
+
 template <class T>
 void MaxPool2<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
   const int h = in_.h, w = in_.w, h2 = h / 2, w2 = w / 2;
   const int64_t hw = int64_t{h} * w, hw2 = int64_t{h2} * w2, n2 = batch * hw2;
   y.resize(n2, in_.c);
   argmax_.resize(static_cast<size_t>(n2 * in_.c));
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (h % 2 == 0 && w2 > 0) {
+      for (int c = 0; c < in_.c; ++c)
+        maxpool2_forward_avx512(x.data() + c * x.rows(), y.data() + c * n2, argmax_.data() + c * n2,
+                                int64_t{batch} * h2, w);
+      return;
+    }
+  }
+#endif
   for (int c = 0; c < in_.c; ++c) {
     const T* src = x.data() + c * x.rows();
     T* dst = y.data() + c * n2;
