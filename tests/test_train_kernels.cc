@@ -219,7 +219,8 @@ TEST(DirectConv, ResultsDoNotDependOnBufferAlignment) {
   const auto x = random_vec<float>(size_t(plane * g.cin), 31);
   const auto w = random_vec<float>(size_t(g.kk() * g.cout + g.cout), 32);
   const auto dy = random_vec<float>(size_t(oplane * g.cout), 33);
-  std::vector<float> ref_y, ref_dw, ref_dx, scratch;
+  std::vector<float> ref_y, ref_dw, ref_dx;
+  ConvWorkspace scratch;
   for (int off = 0; off < 16; ++off) {
     AlignedVector<float> X(x.size() + 16), W(w.size() + 16), DY(dy.size() + 16),
         Y(size_t(oplane * g.cout) + 16), DW(size_t(g.kk() * g.cout) + 16),

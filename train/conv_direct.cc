@@ -209,7 +209,7 @@ void input_grad_taps(const ConvGeometry& g, int t0, const float* local, int64_t 
 
 template <int V>
 void input_grad_group(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
-                      const float* wt, int64_t ldc, float* dxt) {
+                      const float* wt, int64_t ldc, float* dxt, ConvWorkspace& ws) {
   // Taps per tile and pixels per tile: (T * P + T) * V + 1 of the 32 vector registers.
   constexpr int T = V >= 3 ? 1 : V == 2 ? 2 : 4;
   constexpr int P = V == 3 ? 8 : 6;
@@ -218,8 +218,8 @@ void input_grad_group(const ConvGeometry& g, int batch, const float* dy, int64_t
   // while all taps pass over them. Each dx value is the sum of its taps' products, added in
   // an order fixed by the geometry.
   const int chunk = std::max(1, 256 / hwo);
-  std::vector<int64_t> base;  // dx row of output pixel i of the chunk, tap (0, 0)
-  std::vector<float> local;
+  std::vector<int64_t>& base = ws.base;  // dx row of output pixel i of the chunk, tap (0, 0)
+  std::vector<float>& local = ws.local;
   for (int b0 = 0; b0 < batch; b0 += chunk) {
     const int b1 = std::min(batch, b0 + chunk);
     const int64_t n = int64_t{b1 - b0} * hwo, q0 = int64_t{b0} * hwo;
@@ -246,18 +246,18 @@ void input_grad_group(const ConvGeometry& g, int batch, const float* dy, int64_t
 
 void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
                          const float* weights, const float* bias, float* y, int64_t y_plane,
-                         std::vector<float>& scratch) {
+                         ConvWorkspace& ws) {
   const int64_t kk = g.kk(), ldw = padded_out(g.cout);
   // Weights transposed to rows r of the (padded) output channels, then the padded bias.
-  scratch.assign(size_t(kk * ldw + ldw), 0.0f);
-  float* wt = scratch.data();
+  ws.values.assign(size_t(kk * ldw + ldw), 0.0f);
+  float* wt = ws.values.data();
   float* b = wt + kk * ldw;
   for (int o = 0; o < g.cout; ++o) {
     for (int64_t r = 0; r < kk; ++r) wt[r * ldw + o] = weights[o * kk + r];
     b[o] = bias[o];
   }
-  std::vector<int32_t> pofs;
-  std::vector<int64_t> rofs;
+  std::vector<int32_t>& pofs = ws.pixels;
+  std::vector<int64_t>& rofs = ws.rows;
   offsets(g, x_plane, pofs, rofs);
   for (int o0 = 0; o0 < g.cout; o0 += 4 * kLanes) {
     const int v = int(std::min<int64_t>(4, (g.cout - o0 + kLanes - 1) / kLanes));
@@ -280,12 +280,12 @@ void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64
 
 void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
                              const float* dy, int64_t dy_plane, float* dw,
-                             std::vector<float>& scratch) {
+                             ConvWorkspace& ws) {
   const int64_t kk = g.kk(), ld = padded_out(g.cout);
   const int64_t n = int64_t{batch} * g.ho() * g.wo();
   // dy transposed to pixel-major rows of the padded channels, then the gradient's rows r.
-  scratch.resize(size_t(n * ld + kk * ld));
-  float* dyt = scratch.data();
+  ws.values.resize(size_t(n * ld + kk * ld));
+  float* dyt = ws.values.data();
   float* dwt = dyt + n * ld;
   std::fill(dwt, dwt + kk * ld, 0.0f);
   // A tile of 64 pixels at a time: its rows (64 x ld floats) stay in the L1 cache while every
@@ -300,8 +300,8 @@ void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, i
     if (g.cout < ld)
       for (int64_t q = q0; q < q1; ++q) std::fill(dyt + q * ld + g.cout, dyt + (q + 1) * ld, 0.0f);
   }
-  std::vector<int32_t> pofs;
-  std::vector<int64_t> rofs;
+  std::vector<int32_t>& pofs = ws.pixels;
+  std::vector<int64_t>& rofs = ws.rows;
   offsets(g, x_plane, pofs, rofs);
   for (int o0 = 0; o0 < g.cout; o0 += 4 * kLanes) {
     const int v = int(std::min<int64_t>(4, (g.cout - o0 + kLanes - 1) / kLanes));
@@ -325,12 +325,12 @@ void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, i
 
 void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
                             const float* weights, float* dx, int64_t dx_plane,
-                            std::vector<float>& scratch) {
+                            ConvWorkspace& ws) {
   const int64_t ldc = padded_out(g.cin), kk = g.kk(), taps = int64_t{g.k} * g.k;
   const int64_t pixels = int64_t{batch} * g.h * g.w;
   // Weights as [tap][o][ci] (input channels padded), then dx as pixel-major rows of channels.
-  scratch.resize(size_t(taps * g.cout * ldc + pixels * ldc));
-  float* wt = scratch.data();
+  ws.values.resize(size_t(taps * g.cout * ldc + pixels * ldc));
+  float* wt = ws.values.data();
   float* dxt = wt + taps * g.cout * ldc;
   std::fill(wt, wt + taps * g.cout * ldc, 0.0f);
   for (int o = 0; o < g.cout; ++o)
@@ -342,16 +342,16 @@ void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, i
     const int v = int(std::min<int64_t>(4, (g.cin - c0 + kLanes - 1) / kLanes));
     switch (v) {
       case 4:
-        input_grad_group<4>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        input_grad_group<4>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0, ws);
         break;
       case 3:
-        input_grad_group<3>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        input_grad_group<3>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0, ws);
         break;
       case 2:
-        input_grad_group<2>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        input_grad_group<2>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0, ws);
         break;
       default:
-        input_grad_group<1>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0);
+        input_grad_group<1>(g, batch, dy, dy_plane, wt + c0, ldc, dxt + c0, ws);
     }
   }
   constexpr int64_t kTile = 64;
@@ -371,17 +371,17 @@ bool direct_conv_available() {
 }
 
 void conv_forward_direct(const ConvGeometry&, int, const float*, int64_t, const float*,
-                         const float*, float*, int64_t, std::vector<float>&) {
+                         const float*, float*, int64_t, ConvWorkspace&) {
   throw std::logic_error("conv_forward_direct: not built (no AVX-512)");
 }
 
 void conv_weight_grad_direct(const ConvGeometry&, int, const float*, int64_t, const float*, int64_t,
-                             float*, std::vector<float>&) {
+                             float*, ConvWorkspace&) {
   throw std::logic_error("conv_weight_grad_direct: not built (no AVX-512)");
 }
 
 void conv_input_grad_direct(const ConvGeometry&, int, const float*, int64_t, const float*, float*,
-                            int64_t, std::vector<float>&) {
+                            int64_t, ConvWorkspace&) {
   throw std::logic_error("conv_input_grad_direct: not built (no AVX-512)");
 }
 

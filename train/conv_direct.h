@@ -30,18 +30,27 @@ struct ConvGeometry {
 
 bool direct_conv_available();
 
+// What the kernels keep between calls (a layer owns one): a step allocates nothing once the
+// shapes are stable.
+struct ConvWorkspace {
+  std::vector<float> values;   // transposed weights or gradients, accumulators
+  std::vector<float> local;    // the input gradient's copy of a chunk of dy
+  std::vector<int32_t> pixels; // input offset of each output pixel of a sample
+  std::vector<int64_t> rows;   // input offset of each weight row (ci, ky, kx)
+  std::vector<int64_t> base;   // the input gradient's dx row of each pixel of a chunk
+};
+
 // y[o][b][p] = bias[o] + sum over r of w[o][r] x[...]; x holds `batch` samples per channel
 // plane (x_plane = batch * h * w floats apart), y likewise (y_plane = batch * ho * wo).
-// `scratch` is reused between calls.
 void conv_forward_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
                          const float* weights, const float* bias, float* y, int64_t y_plane,
-                         std::vector<float>& scratch);
+                         ConvWorkspace& ws);
 
 // dw[o][r] = sum over samples b and output pixels p of dy[o][b][p] x[ci][b][p + (ky, kx)];
 // dy_plane = batch * ho * wo floats between output channels.
 void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, int64_t x_plane,
                              const float* dy, int64_t dy_plane, float* dw,
-                             std::vector<float>& scratch);
+                             ConvWorkspace& ws);
 
 // dx[ci][b][iy][ix] = the sum over the taps (ky, kx) whose output pixel exists of (the sum over
 // o in order of dy[o][b][iy - ky][ix - kx] w[o][ci][ky][kx]), the taps added in an order fixed
@@ -49,6 +58,6 @@ void conv_weight_grad_direct(const ConvGeometry& g, int batch, const float* x, i
 // input channels.
 void conv_input_grad_direct(const ConvGeometry& g, int batch, const float* dy, int64_t dy_plane,
                             const float* weights, float* dx, int64_t dx_plane,
-                            std::vector<float>& scratch);
+                            ConvWorkspace& ws);
 
 }  // namespace qring::train

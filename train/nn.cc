@@ -239,7 +239,7 @@ void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
       const int64_t n = int64_t{batch} * ho_ * wo_;
       y.resize(n, cout_);
       conv_forward_direct(g, batch, xs, pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, p_, b,
-                          y.data(), n, scratch_);
+                          y.data(), n, ws_);
       return;
     }
   }
@@ -261,7 +261,7 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
       const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
       conv_weight_grad_direct(g, batch, pad_ == 0 ? x.data() : xpad_.data(),
                               pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, dy.data(), n, g_,
-                              scratch_);
+                              ws_);
       done = true;
     }
   }
@@ -273,11 +273,11 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
       const int64_t n_in = int64_t{batch} * in_.h * in_.w;
       dx->resize(n_in, in_.c);
       if (pad_ == 0) {
-        conv_input_grad_direct(g, batch, dy.data(), n, p_, dx->data(), n_in, scratch_);
+        conv_input_grad_direct(g, batch, dy.data(), n, p_, dx->data(), n_in, ws_);
       } else {  // into the padded shape (xpad_ is free again), then its interior
         const int64_t plane = int64_t{batch} * g.h * g.w;
         xpad_.resize(static_cast<size_t>(plane * in_.c));
-        conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, scratch_);
+        conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, ws_);
         for (int c = 0; c < in_.c; ++c)
           for (int b = 0; b < batch; ++b) {
             const T* s =

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "train/conv_direct.h"
 #include "train/rng.h"
 
 namespace qring::train {
@@ -136,7 +137,7 @@ class Conv2d : public Layer<T> {
   Mat<T> cols_;   // (B*Ho*Wo) x (Cin*k*k)
   Mat<T> dcols_;  // (chunk*Ho*Wo) x (Cin*k*k): the unfolded dx of a chunk of samples
   std::vector<T> xpad_;
-  std::vector<float> scratch_;
+  ConvWorkspace ws_;
 };
 
 // 2x2 max pooling, stride 2 (odd sizes are floored), on spatial activations.
