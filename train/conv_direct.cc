@@ -45,28 +45,36 @@ void offsets(const ConvGeometry& g, int64_t x_plane, std::vector<int32_t>& pofs,
         rofs[size_t((ci * k + ky) * k + kx)] = ci * x_plane + int64_t{ky} * g.w + kx;
 }
 
+// The register tile both passes share: for k = 0, 1, ... (in order), N broadcasts of
+// x[koff[k] + joff[j]] times V vectors of row k of m (ld floats apart) added into acc[j].
+template <int V, int N, class KOff, class JOff>
+void accumulate_tile(__m512 (&acc)[N][V], const float* x, const KOff* koff, int64_t count,
+                     const JOff* joff, const float* m, int64_t ld) {
+  for (int64_t k = 0; k < count; ++k) {
+    __m512 mv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) mv[v] = _mm512_loadu_ps(m + k * ld + v * kLanes);
+    const float* xk = x + koff[k];
+#pragma GCC unroll 24
+    for (int j = 0; j < N; ++j) {
+      const __m512 bx = _mm512_set1_ps(xk[joff[j]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(bx, mv[v], acc[j][v]);
+    }
+  }
+}
+
 // Forward: P output pixels (input offsets pix[0..P)) of one sample by V * 16 channels.
 // acc = bias, then for r = 0, 1, ...: acc += w_t[r] * x[r's offset + pixel's].
 template <int V, int P>
 void forward_tile(const float* xb, const int64_t* rofs, int64_t kk, const int32_t* pix,
                   const float* wt, int64_t ldw, const float* bias, float* out) {
   __m512 acc[P][V];
-#pragma GCC unroll 8
+#pragma GCC unroll 24
   for (int j = 0; j < P; ++j)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[j][v] = _mm512_loadu_ps(bias + v * kLanes);
-  for (int64_t r = 0; r < kk; ++r) {
-    __m512 wv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(wt + r * ldw + v * kLanes);
-    const float* xr = xb + rofs[r];
-#pragma GCC unroll 24
-    for (int j = 0; j < P; ++j) {
-      const __m512 bx = _mm512_set1_ps(xr[pix[j]]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(bx, wv[v], acc[j][v]);
-    }
-  }
+  accumulate_tile<V, P>(acc, xb, rofs, kk, pix, wt, ldw);
 #pragma GCC unroll 24
   for (int j = 0; j < P; ++j)
 #pragma GCC unroll 4
@@ -98,7 +106,7 @@ void forward_group(const ConvGeometry& g, int batch, const float* x, int64_t x_p
 }
 
 // Weight gradient: R weight rows (input offsets rows[0..R)) by V * 16 channels, over the
-// output pixels of one sample: acc (in dwt) += dy_t[pixel] * x[row's offset + pixel's].
+// output pixels of one sample: acc (in dwt) += dy_t[pixel] * x[pixel's offset + row's].
 template <int V, int R>
 void grad_tile(const float* xb, const int64_t* rows, const int32_t* pofs, int hwo, const float* dyt,
                int64_t ldd, float* const* dwt) {
@@ -107,18 +115,7 @@ void grad_tile(const float* xb, const int64_t* rows, const int32_t* pofs, int hw
   for (int j = 0; j < R; ++j)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[j][v] = _mm512_loadu_ps(dwt[j] + v * kLanes);
-  for (int p = 0; p < hwo; ++p) {
-    __m512 dv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) dv[v] = _mm512_loadu_ps(dyt + p * ldd + v * kLanes);
-    const float* xp = xb + pofs[p];
-#pragma GCC unroll 24
-    for (int j = 0; j < R; ++j) {
-      const __m512 bx = _mm512_set1_ps(xp[rows[j]]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(bx, dv[v], acc[j][v]);
-    }
-  }
+  accumulate_tile<V, R>(acc, xb, pofs, hwo, rows, dyt, ldd);
   // A row repeated to fill the tile (the last block) is stored twice with the same value.
 #pragma GCC unroll 24
   for (int j = 0; j < R; ++j)

@@ -215,17 +215,31 @@ bool Conv2d<T>::direct() const {
 }
 
 template <class T>
+ConvGeometry Conv2d<T>::direct_geometry() const {
+  return {in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
+}
+
+// Calls f(offset in the input's layout, offset in the padded copy's) for every row of every
+// channel plane of `batch` samples: the padded copy's interior.
+template <class T>
+template <class F>
+void Conv2d<T>::interior_rows(int batch, F f) const {
+  const int h = in_.h, w = in_.w, hp = h + 2 * pad_, wp = w + 2 * pad_;
+  const int64_t plane = int64_t{batch} * hp * wp, n_in = int64_t{batch} * h * w;
+  for (int c = 0; c < in_.c; ++c)
+    for (int b = 0; b < batch; ++b)
+      for (int yy = 0; yy < h; ++yy)
+        f(c * n_in + (int64_t{b} * h + yy) * w,
+          c * plane + (int64_t{b} * hp + yy + pad_) * wp + pad_);
+}
+
+template <class T>
 const T* Conv2d<T>::direct_input(const Mat<T>& x, int batch) {
   if (pad_ == 0) return x.data();
-  const int h = in_.h, w = in_.w, hp = h + 2 * pad_, wp = w + 2 * pad_;
-  const int64_t plane = int64_t{batch} * hp * wp;
-  xpad_.assign(static_cast<size_t>(plane * in_.c), T(0));
-  for (int c = 0; c < in_.c; ++c)
-    for (int b = 0; b < batch; ++b) {
-      const T* s = x.data() + c * x.rows() + int64_t{b} * h * w;
-      T* d = xpad_.data() + c * plane + int64_t{b} * hp * wp + int64_t{pad_} * wp + pad_;
-      for (int yy = 0; yy < h; ++yy) std::copy_n(s + int64_t{yy} * w, w, d + int64_t{yy} * wp);
-    }
+  const ConvGeometry g = direct_geometry();
+  xpad_.assign(static_cast<size_t>(int64_t{batch} * g.h * g.w * in_.c), T(0));
+  interior_rows(batch,
+                [&](int64_t u, int64_t p) { std::copy_n(x.data() + u, in_.w, xpad_.data() + p); });
   return xpad_.data();
 }
 
@@ -235,11 +249,10 @@ void Conv2d<T>::forward(const Mat<T>& x, Mat<T>& y, int batch) {
   if constexpr (std::is_same_v<T, float>) {
     if (direct()) {
       const float* xs = direct_input(x, batch);
-      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
+      const ConvGeometry g = direct_geometry();
       const int64_t n = int64_t{batch} * ho_ * wo_;
       y.resize(n, cout_);
-      conv_forward_direct(g, batch, xs, pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, p_, b,
-                          y.data(), n, ws_);
+      conv_forward_direct(g, batch, xs, int64_t{batch} * g.h * g.w, p_, b, y.data(), n, ws_);
       return;
     }
   }
@@ -258,37 +271,28 @@ void Conv2d<T>::backward(const Mat<T>& x, const Mat<T>& y, const Mat<T>& dy, Mat
   bool done = false;
   if constexpr (std::is_same_v<T, float>) {
     if (direct()) {  // on the input forward() saw (xpad_ still holds its padded copy)
-      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
-      conv_weight_grad_direct(g, batch, pad_ == 0 ? x.data() : xpad_.data(),
-                              pad_ == 0 ? x.rows() : int64_t{batch} * g.h * g.w, dy.data(), n, g_,
-                              ws_);
+      const ConvGeometry g = direct_geometry();
+      const int64_t plane = int64_t{batch} * g.h * g.w;
+      conv_weight_grad_direct(g, batch, pad_ == 0 ? x.data() : xpad_.data(), plane, dy.data(), n,
+                              g_, ws_);
+      if (dx != nullptr) {
+        dx->resize(int64_t{batch} * in_.h * in_.w, in_.c);
+        if (pad_ == 0) {
+          conv_input_grad_direct(g, batch, dy.data(), n, p_, dx->data(), plane, ws_);
+        } else {  // into the padded shape (xpad_ is free again), then its interior
+          xpad_.resize(static_cast<size_t>(plane * in_.c));
+          conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, ws_);
+          interior_rows(batch, [&](int64_t u, int64_t p) {
+            std::copy_n(xpad_.data() + p, in_.w, dx->data() + u);
+          });
+        }
+      }
       done = true;
     }
   }
   if (!done) gemm(true, false, kk_, cout_, n, cols_.data(), n, dy.data(), n, g_, kk_, false);
   for (int c = 0; c < cout_; ++c) g_[kk_ * cout_ + c] = fixed_order_sum(dy.data() + c * n, n);
-  if (done && dx != nullptr) {
-    if constexpr (std::is_same_v<T, float>) {
-      const ConvGeometry g{in_.c, in_.h + 2 * pad_, in_.w + 2 * pad_, cout_, k_};
-      const int64_t n_in = int64_t{batch} * in_.h * in_.w;
-      dx->resize(n_in, in_.c);
-      if (pad_ == 0) {
-        conv_input_grad_direct(g, batch, dy.data(), n, p_, dx->data(), n_in, ws_);
-      } else {  // into the padded shape (xpad_ is free again), then its interior
-        const int64_t plane = int64_t{batch} * g.h * g.w;
-        xpad_.resize(static_cast<size_t>(plane * in_.c));
-        conv_input_grad_direct(g, batch, dy.data(), n, p_, xpad_.data(), plane, ws_);
-        for (int c = 0; c < in_.c; ++c)
-          for (int b = 0; b < batch; ++b) {
-            const T* s =
-                xpad_.data() + c * plane + int64_t{b} * g.h * g.w + int64_t{pad_} * g.w + pad_;
-            T* d = dx->data() + c * n_in + int64_t{b} * in_.h * in_.w;
-            for (int yy = 0; yy < in_.h; ++yy)
-              std::copy_n(s + int64_t{yy} * g.w, in_.w, d + int64_t{yy} * in_.w);
-          }
-      }
-    }
-  } else if (dx != nullptr) {
+  if (!done && dx != nullptr) {
     // dcols = dy wt^T and its col2im, a chunk of samples at a time: the chunk's dcols (about
     // 512 KiB) is still in the cache when col2im reads it. The chunk size depends on the
     // layer's shape only, so the results are as deterministic as with one chunk.
@@ -316,10 +320,9 @@ namespace {
 // values and the same argmax.
 void maxpool2_forward_avx512(const float* src, float* dst, int32_t* am, int64_t row_pairs, int w) {
   const int w2 = w / 2;
+  // Lane i takes element 2 i (and 2 i + 1) of the 32 read; 2 i is also window i's column.
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i twice =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   for (int64_t r = 0; r < row_pairs; ++r) {
     const float* top = src + r * 2 * w;
     const float* bottom = top + w;
@@ -337,7 +340,7 @@ void maxpool2_forward_avx512(const float* src, float* dst, int32_t* am, int64_t 
           _mm512_permutex2var_ps(t0, even, t1), _mm512_permutex2var_ps(t0, odd, t1),
           _mm512_permutex2var_ps(b0, even, b1), _mm512_permutex2var_ps(b0, odd, b1)};
       const __m512i base =
-          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(r * 2 * w + 2 * x0)), twice);
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(r * 2 * w + 2 * x0)), even);
       const __m512i off[4] = {base, _mm512_add_epi32(base, _mm512_set1_epi32(1)),
                               _mm512_add_epi32(base, _mm512_set1_epi32(w)),
                               _mm512_add_epi32(base, _mm512_set1_epi32(w + 1))};

@@ -133,7 +133,10 @@ class Conv2d : public Layer<T> {
   // Float with AVX-512 (train/conv_direct.h): the forward pass and the weight gradient run
   // directly on the input (its zero-padded copy xpad_ when pad > 0), without cols_.
   bool direct() const;
+  ConvGeometry direct_geometry() const;               // the (padded) input the kernels see
   const T* direct_input(const Mat<T>& x, int batch);  // x, or xpad_ filled from x
+  template <class F>
+  void interior_rows(int batch, F f) const;
   Mat<T> cols_;   // (B*Ho*Wo) x (Cin*k*k)
   Mat<T> dcols_;  // (chunk*Ho*Wo) x (Cin*k*k): the unfolded dx of a chunk of samples
   std::vector<T> xpad_;
