@@ -30,6 +30,7 @@ EVICT=1000
 PROVIDER=auto
 VICTIM=2
 ISOLATE=0
+ANALYZE_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -38,6 +39,7 @@ while [ $# -gt 0 ]; do
     --provider) PROVIDER=$2; shift 2 ;;
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
+    --analyze-only) ANALYZE_ONLY=1; shift ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -67,6 +69,9 @@ run() {  # name ranks fault [launcher options...]
     > "$OUT/$name.log" 2>&1 || status=$?
   echo "  $name: exit $status"
 }
+if [ "$ANALYZE_ONLY" = 1 ]; then
+  echo "analysing the runs in $OUT again (no new runs)"
+else
 run clean 4 none
 run killed 4 "kill:$VICTIM:$KILL_AT:step"
 run three 3 none
@@ -80,6 +85,7 @@ if [ "$ISOLATE" = 1 ]; then
   WRAP=()
 else
   run rejoined 4 "kill:$VICTIM:$KILL_AT:step" --max-restarts 1
+fi
 fi
 
 python3 - "$OUT" "$KILL_AT" "$EVICT" <<'PY'
@@ -165,18 +171,31 @@ if join_step is not None and join_step in dt_rejoined:
           f"{', '.join(f'{dt_rejoined[s]:.1f}' for s in range(join_step + 1, join_step + 6) if s in dt_rejoined)})")
     # The whole join as the healthy ranks saw it: from 8 steps before the admission (the
     # members reconnect to the joiner a few steps before it) to 5 after the first step that
-    # counted the joiner again, what the steps took beyond as many median steps. The same sum
-    # over windows of that length later in the run (no join, no evaluation) shows the noise.
-    counted_step, per_epoch = None, None
+    # counted the joiner again, what the steps took beyond as many median steps. The window
+    # starts after the step of the view that evicted the lost incarnation (if the restart
+    # came that soon): detecting the failure is its cost, not the join's. An evaluation in
+    # the window is not counted (its time, from the step before it to its line, comes off
+    # the next step). The same sum over windows of that length later in the run (no join, no
+    # evaluation) shows the noise.
+    counted_step, per_epoch, left_step = None, None, None
+    wall, eval_ms = {}, {}
     for line in open(f"{out}/rejoined/metrics.jsonl"):
         j = json.loads(line)
-        if j["type"] == "rejoin":
+        if j["type"] == "step":
+            wall[j["step"]] = j["wall_s"]
+        elif j["type"] == "rejoin":
             counted_step = j["counted_step"]
-        elif j["type"] == "eval" and per_epoch is None and j.get("step"):
-            per_epoch = j["step"]
+        elif j["type"] == "eval" and j.get("step"):
+            per_epoch = per_epoch or j["step"]
+            if j["step"] - 1 in wall:
+                eval_ms[j["step"]] = 1000 * (j["wall_s"] - wall[j["step"] - 1])
+        elif j["type"] == "view" and j.get("left") and j["step"] <= join_step:
+            left_step = j["step"]
     if counted_step is not None:
-        window = [s for s in range(join_step - 8, counted_step + 5) if s in dt_rejoined]
-        extra = sum(dt_rejoined[s] - med for s in window)
+        first = join_step - 8 if left_step is None else max(join_step - 8, left_step + 1)
+        window = [s for s in range(first, counted_step + 5) if s in dt_rejoined]
+        evals = sum(eval_ms.get(s, 0.0) for s in window)
+        extra = sum(dt_rejoined[s] - med for s in window) - evals
         n = len(window)
         quiet = lambda s: s in dt_rejoined and not (per_epoch and min(s % per_epoch, per_epoch - s % per_epoch) <= 3)
         starts = [a for a in range(counted_step + 20, max(dt_rejoined) - n, 7)
@@ -185,8 +204,9 @@ if join_step is not None and join_step in dt_rejoined:
                     for a in starts[::max(1, len(starts) // 6)][:6]]
         noise = (f"; without a join, {len(controls)} windows of {n} steps: "
                  f"{min(controls):+.0f} to {max(controls):+.0f} ms") if controls else ""
+        what = f", an evaluation of {evals:.0f} ms not counted" if evals else ""
         print(f"join cost to the healthy ranks: {extra:+.0f} ms beyond {n} median steps "
-              f"(steps {window[0]}-{window[-1]}, {extra / med:+.1f} steps){noise}")
+              f"(steps {window[0]}-{window[-1]}{what}, {extra / med:+.1f} steps){noise}")
 print(f"rejoin: accuracy gap {acc_gap_r:+.2f} points (<= 0.5: "
       f"{'yes' if abs(acc_gap_r) <= 0.5 else 'NO'}); restart to first counted contribution "
       f"{to_counted:.2f} s (<= 2 s plus process start: {'yes' if to_counted <= 2 else 'NO'})")
