@@ -10,7 +10,10 @@
 # loading, comes on top), its admission and state-transfer times, and heal_s.
 #
 #   scripts/bench_faults.sh [--config configs/fmnist-mlp.toml] [--epochs 3] [--evict-ms 1000]
-#                           [--provider auto] [--rank 2] [--isolate-joiner]
+#                           [--provider auto] [--rank 2] [--isolate-joiner] [--analyze-only]
+#
+# --analyze-only: no runs; print the tables again from the runs in QRING_BENCH_OUT (the same
+# --config, --epochs and --rank as when they ran, which place the kill).
 #
 # --isolate-joiner: in the rejoin run, the job's ranks share all CPUs but the last, and the
 # restarted rank runs alone on the last one (taskset; QRING_RESTART tells them apart), as
