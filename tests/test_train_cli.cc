@@ -95,6 +95,33 @@ TEST_F(TrainCli, KilledRunResumesToTheSameParameters) {
   EXPECT_EQ(checksums(resumed.output), checksums(straight.output)) << resumed.output;
 }
 
+// train.budget = "gradients" with backups: the run goes on until the updates have counted
+// as many gradients as full sync's steps x world, in more steps of fewer gradients, and the
+// ranks agree on where it ends.
+TEST_F(TrainCli, GradientBudgetRunsUntilFullSyncsGradientsAreCounted) {
+  auto r = sh(train_cmd(4, dir_, "budget",
+                        "train.steps=30 quorum.quorum=2 train.budget=gradients "
+                        "straggler.model=fixed:3:20 net.provider=shm"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  ASSERT_EQ(checksums(r.output).size(), 1u) << "ranks disagree: " << r.output;
+  auto summary = nlohmann::json::parse(std::ifstream(dir_ / "budget" / "summary.json"));
+  const int64_t steps = summary["steps"];
+  EXPECT_GT(steps, 30) << r.output;
+  int64_t counted = 0, last = 0, lines = 0;
+  std::ifstream metrics(dir_ / "budget" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "step" || j.value("skipped", false)) continue;
+    last = j["contributors"];
+    counted += last;
+    ++lines;
+  }
+  EXPECT_EQ(lines, steps);
+  // The budget, 30 x 4 = 120 gradients, is reached by the last step and not before it.
+  EXPECT_GE(counted, 120);
+  EXPECT_LT(counted - last, 120);
+}
+
 // Issue 17: ranks whose kernels would round differently (here rank 1's OpenBLAS forced to its
 // SSE3 kernels) stop at start, naming rank 1 and the key 'kernels'.
 TEST_F(TrainCli, RanksWithOtherKernelsStopAtStart) {

@@ -198,6 +198,18 @@ TEST(TrainConfig, BadValuesNameTheKey) {
   expect_config_error([] { parse("", {"run.seed=-3"}); }, "run.seed");
 }
 
+TEST(TrainConfig, BudgetIsStepsOrGradientsOfASyncRun) {
+  EXPECT_EQ(parse("").train.budget, "steps");
+  EXPECT_EQ(parse("", {"train.budget=gradients"}).train.budget, "gradients");
+  expect_config_error([] { parse("", {"train.budget=samples"}); }, "train.budget", "samples");
+  expect_config_error(
+      [] {
+        parse("", {"train.budget=gradients", "train.mode=async"});
+      },
+      "train.budget", "sync");
+  EXPECT_NO_THROW(parse("", {"train.budget=steps", "train.mode=async"}));
+}
+
 TEST(TrainConfig, QuorumAgainstWorld) {
   TrainConfig c = parse("", {"quorum.quorum=5"});
   EXPECT_EQ(c.quorum_count(8), 5);

@@ -288,6 +288,29 @@ INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
                                   i.param.provider;
                          });
 
+// train.budget = "gradients": the joiner takes the count of gradients with the state, so it
+// ends at the same step as the members (all four replicas agree), after more steps than the
+// 2000 of full sync (quorum 3 of 4, and the lost rank's steps counted 3).
+TEST_F(TrainFaults, RejoinedRankEndsAGradientBudgetWhereTheOthersDo) {
+  const std::string cmd = "QRING_FAULT=kill:2:40:step " + kBuild +
+                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
+                          "/train/qring-train --config " + kSource +
+                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
+                          " run.name=rjb log.progress=false quorum.evict_ms=500 "
+                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2000 "
+                          "train.budget=gradients net.provider=shm";
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  auto s = summary("rjb");
+  EXPECT_EQ(s["finished"], true);
+  EXPECT_EQ(s["rejoins"], 1) << s.dump();
+  EXPECT_GT(s["steps"].get<int64_t>(), 2000) << s.dump();
+}
+
 // A rank that comes back with other settings (here its kernels: OpenBLAS forced to another
 // core type) is not taken back: it stops with an error naming the setting, and the others,
 // which never admitted it, finish without it.

@@ -49,6 +49,65 @@ TEST(TrainRun, SmokeConfigLearnsSyntheticData) {
   EXPECT_EQ(core.position(), (DataPosition{2, 0}));
 }
 
+// train.budget = "gradients": the run ends once the updates have counted steps x world
+// gradients, and the schedule advances by counted gradients / the schedule's quorum.
+TEST(TrainRun, GradientBudgetCountsGradientsAndReadsTheScheduleByThem) {
+  // World 4, schedule quorum 2: 128 full-sync steps are 512 gradients, 256 steps of 2.
+  TrainConfig cfg = smoke({"train.budget=gradients", "train.warmup_steps=10", "train.steps=128"});
+  DatasetPair data = load_datasets(cfg.data, cfg.run.seed);
+  TrainerCore core(cfg, data, 0, 4, 2);
+  TrainerCore steps(smoke({"train.warmup_steps=10", "train.steps=128"}), data, 0, 4, 2);
+  EXPECT_EQ(core.budget_gradients(), 512);
+  EXPECT_EQ(steps.budget_gradients(), 0);
+  // Warm-up of 10 full-sync steps = 20 steps of 2 gradients.
+  EXPECT_EQ(core.schedule().warmup_steps, 20);
+  EXPECT_EQ(core.schedule().total_steps, 256);
+  std::vector<float> zero(core.num_params() + 1, 0.0f);
+  int64_t t = 0;
+  for (; !core.budget_spent(t); ++t) {
+    EXPECT_EQ(core.schedule_position(), core.counted_gradients() / 2);
+    EXPECT_DOUBLE_EQ(core.lr(), core.schedule().at(core.counted_gradients() / 2));
+    // Steps of 1, 2 and 3 contributors: the position moves by the gradients, not the steps.
+    core.apply_gradient(zero.data(), 1.0, int(t % 3) + 1);
+  }
+  // 1+2+3 a cycle: 255 steps count 510, step 256 brings 511, step 257 reaches 512 (and goes
+  // past it by the step's gradients: a step is never cut).
+  EXPECT_EQ(t, 257);
+  EXPECT_EQ(core.counted_gradients(), 513);
+  EXPECT_FALSE(steps.budget_spent(127));
+  EXPECT_TRUE(steps.budget_spent(128));
+}
+
+TEST(TrainRun, GradientBudgetCountSurvivesACheckpointAndIsRequiredByIt) {
+  TrainConfig cfg = smoke({"train.budget=gradients"});
+  DatasetPair data = load_datasets(cfg.data, cfg.run.seed);
+  TrainerCore a(cfg, data, 0, 4, 3);
+  for (int i = 0; i < 5; ++i) {
+    a.compute_gradient();
+    a.apply_gradient(a.gradient(), 1.0, 3 + (i & 1));
+  }
+  ASSERT_EQ(a.counted_gradients(), 17);
+  const std::string dir = testing::TempDir() + "/qring_budget_ckpt";
+  fs::create_directories(dir);
+  const std::string path = dir + "/b.qck";
+  save_checkpoint(path, a.checkpoint_state());
+  TrainerCore b(cfg, data, 0, 4, 3);
+  b.restore(load_checkpoint(path));
+  EXPECT_EQ(b.counted_gradients(), 17);
+  EXPECT_EQ(b.step(), 5);
+  EXPECT_DOUBLE_EQ(b.lr(), a.lr());
+  // A state without the count (a run budgeted in steps wrote it) cannot continue one in
+  // gradients: its position in the schedule is unknown.
+  CheckpointState st = a.checkpoint_state();
+  st.meta = "{\"run\": \"x\"}";
+  TrainerCore c(cfg, data, 0, 4, 3);
+  EXPECT_THROW(c.restore(st), DataError);
+  TrainerCore d(smoke(), data, 0, 4, 3);
+  EXPECT_NO_THROW(d.restore(st));
+  EXPECT_EQ(d.step(), 5);
+  fs::remove_all(dir);
+}
+
 TEST(TrainRun, CnnLossDecreases) {
   TrainConfig cfg = smoke({"model.type=cnn", "model.conv_channels=[4, 8]", "model.hidden=[16]",
                            "train.steps=40", "data.synthetic_train=1280"});

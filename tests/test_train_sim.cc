@@ -205,6 +205,27 @@ TEST(Sim, SyncUpdateIsTheMeanOfTheFirstNGradientsInArrivalOrder) {
   EXPECT_NE(full.params_checksum, r.params_checksum);
 }
 
+// train.budget = "gradients": as many counted gradients as full sync's steps x W, so N of W
+// run steps x W / N steps; with N = W it is the run of a budget of steps, bit for bit.
+TEST(Sim, GradientBudgetRunsUntilFullSyncsGradientsAreCounted) {
+  const int W = 6;
+  SimResult full = simulate(config(), data(), sync_opts(W, 0));
+  SimResult full_g = simulate(config({"train.budget=gradients"}), data(), sync_opts(W, 0));
+  EXPECT_EQ(full_g.params_checksum, full.params_checksum);
+  EXPECT_EQ(full_g.steps.size(), 12u);
+  SimResult half = simulate(config({"train.budget=gradients"}), data(), sync_opts(W, 3));
+  ASSERT_EQ(half.steps.size(), 24u);  // 12 x 6 gradients, 3 a step
+  EXPECT_EQ(half.steps.back().step, 23);
+  // The schedule (warm-up 2 full-sync steps = 4 steps of 3) is read at the counted gradients.
+  TrainerCore ref(config({"train.budget=gradients"}), data(), 0, W, 3);
+  for (size_t i = 0; i < half.steps.size(); ++i) {
+    EXPECT_DOUBLE_EQ(half.steps[i].lr, ref.schedule().at(int64_t(i))) << i;
+  }
+  SimResult half_s = simulate(config(), data(), sync_opts(W, 3));
+  EXPECT_EQ(half_s.steps.size(), 12u);
+  EXPECT_NE(half_s.params_checksum, half.params_checksum);
+}
+
 TEST(Sim, IdenticalSeedsGiveIdenticalRuns) {
   for (SimMode mode : {SimMode::kSync, SimMode::kAsync}) {
     SimOptions o = sync_opts(6, mode == SimMode::kSync ? 2 : 0);

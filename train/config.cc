@@ -129,6 +129,7 @@ std::vector<Field> fields() {
   f.push_back(int_field("train.batch_per_rank", QRING_ACC(train.batch_per_rank)));
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
+  f.push_back(string_field("train.budget", QRING_ACC(train.budget)));
   f.push_back(float_field("train.lr", QRING_ACC(train.lr)));
   f.push_back(float_field("train.momentum", QRING_ACC(train.momentum)));
   f.push_back(bool_field("train.nesterov", QRING_ACC(train.nesterov)));
@@ -412,6 +413,9 @@ void TrainConfig::validate(int world) const {
   check_min("train.steps", train.steps, 0);
   if (train.epochs == 0 && train.steps == 0)
     fail("train.epochs", "train.epochs or train.steps must be > 0");
+  check_one_of("train.budget", train.budget, {"steps", "gradients"});
+  if (train.budget == "gradients" && train.mode != "sync")
+    fail("train.budget", "\"gradients\" needs train.mode = \"sync\" (async counts no quorum)");
   if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));
   if (train.momentum < 0 || train.momentum >= 1)
     fail("train.momentum", fmt::format("must be in [0, 1), got {}", train.momentum));

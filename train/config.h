@@ -42,6 +42,10 @@ struct TrainSection {
   int64_t batch_per_rank = 64;
   int64_t epochs = 10;  // used when steps == 0
   int64_t steps = 0;    // total optimizer steps; 0 = epochs * steps_per_epoch
+  // steps: the run is that many steps. gradients (sync): it ends once the updates have
+  // counted steps x world gradients, as many as full sync would; with backups it runs more
+  // steps of fewer gradients, its schedule read at counted gradients / the schedule's quorum.
+  std::string budget = "steps";
   double lr = 0.05;     // base learning rate, before lr_scaling
   double momentum = 0.9;
   bool nesterov = false;

@@ -279,10 +279,13 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   collectives::AutoQuorumWindow window;
   double since_first = -1;  // from the previous step's first arrival to its end
   double vt = 0;
-  for (int64_t t = 0; t < total; ++t) {
+  // A budget of gradients runs an unknown number of steps: the k-th arrival means are sums
+  // until the end.
+  int64_t t = 0;
+  for (; !core.budget_spent(t); ++t) {
     const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
     run.record_arrivals(t, arr);
-    add_kth(res, arr, total);
+    add_kth(res, arr, 1);
     int N = W - opts.backups;
     if (opts.adaptive) {
       // The coordinator's view of it: this step opens at its first arrival.
@@ -306,7 +309,7 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     for (size_t p = 0; p < P; ++p) sum[p] *= inv;
     const double lr_scale = opts.adaptive ? double(N) / double(qmax) : 1.0;
     r.lr = core.lr() * lr_scale;
-    core.apply_gradient(sum.data(), lr_scale);
+    core.apply_gradient(sum.data(), lr_scale, N);
     r.kth_arrival_ms = arr[size_t(N - 1)].ms;
     // Under "auto" the quorum is below the world (no speculation): the round trip counts.
     r.step_ms = r.kth_arrival_ms + sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0,
@@ -327,10 +330,11 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     step_ms.push_back(r.step_ms);
     run.record(r, true);
     const int64_t done = t + 1;
-    if (done % eval_every == 0 && done < total) run.evaluate(done, vt);
-    run.progress(done, total, vt);
+    if (done % eval_every == 0 && !core.budget_spent(done)) run.evaluate(done, vt);
+    run.progress(done, core.budget_gradients() > 0 ? done : total, vt);
   }
-  run.evaluate(total, vt);
+  for (double& m : res.kth_arrival_mean_ms) m /= double(std::max<int64_t>(1, t));
+  run.evaluate(t, vt);
   res.step_p50_ms = quantile(step_ms, 0.5);
   res.step_p90_ms = quantile(step_ms, 0.9);
   run.finish(vt);

@@ -608,7 +608,10 @@ class Checkpointer {
     auto carry = q_.pending_carry();
     st.carry.resize(carry.size() / sizeof(float));
     std::memcpy(st.carry.data(), carry.data(), carry.size());
-    st.meta = nlohmann::json{{"run", cfg_.run.name}, {"quorum", quorum_}}.dump();
+    st.meta =
+        nlohmann::json{
+            {"run", cfg_.run.name}, {"quorum", quorum_}, {"counted", core_.counted_gradients()}}
+            .dump();
     save_checkpoint(checkpoint_path(dir_.string(), uint64_t(step)), st,
                     [&] { faults_(step, "checkpoint"); });
     std::vector<std::string> all;
@@ -935,10 +938,12 @@ class Membership {
 // times a second, else logged every 10 s, and at the last step.
 class Progress {
  public:
-  Progress(const TrainConfig& cfg, collectives::QuorumAllreduce& q, MetricsWriter& out,
-           int world, int64_t start, int64_t total, int64_t steps_per_epoch,
+  Progress(const TrainConfig& cfg, const TrainerCore& core, collectives::QuorumAllreduce& q,
+           MetricsWriter& out, int world, int64_t start, int64_t total, int64_t steps_per_epoch,
            Clock::time_point t_start, bool tty)
       : on_(cfg.log.progress),
+        core_(core),
+        counted_start_(core.counted_gradients()),
         q_(q),
         out_(out),
         world_(world),
@@ -954,17 +959,30 @@ class Progress {
     const int64_t done = t + 1;
     auto now = Clock::now();
     double since = std::chrono::duration<double>(now - last_).count();
-    if (!((tty_ && since > 0.25) || (!tty_ && since > 10) || done == total_)) return;
+    const bool last = core_.budget_spent(done);
+    if (!((tty_ && since > 0.25) || (!tty_ && since > 10) || last)) return;
     last_ = now;
     double wall = std::chrono::duration<double>(now - t_start_).count();
     double sps = wall > 0 ? timer.counted() / wall : 0;
-    double eta = (done > start_) ? wall / double(done - start_) * double(total_ - done) : 0;
+    // A budget of gradients: how far by the counted gradients (the steps left are not known).
+    const int64_t budget = core_.budget_gradients(), counted = core_.counted_gradients();
+    double eta = 0;
+    std::string where;
+    if (budget > 0) {
+      if (counted > counted_start_)
+        eta = wall / double(counted - counted_start_) *
+              double(std::max<int64_t>(0, budget - counted));
+      where = fmt::format("epoch {} step {} gradients {}/{}", t / steps_per_epoch_ + 1, done,
+                          counted, budget);
+    } else {
+      if (done > start_) eta = wall / double(done - start_) * double(total_ - done);
+      where = fmt::format("epoch {}/{} step {}/{}", t / steps_per_epoch_ + 1,
+                          (total_ + steps_per_epoch_ - 1) / steps_per_epoch_, done, total_);
+    }
     std::string line = fmt::format(
-        "epoch {}/{} step {}/{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} "
-        "ETA {}{}",
-        t / steps_per_epoch_ + 1, (total_ + steps_per_epoch_ - 1) / steps_per_epoch_, done,
-        total_, loss, accuracy < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * accuracy),
-        sps, timer.contributors() / double(done - start_), hms(eta),
+        "{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} ETA {}{}", where, loss,
+        accuracy < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * accuracy), sps,
+        timer.contributors() / double(done - start_), hms(eta),
         sum.evicted_ranks.empty()
             ? std::string()
             : fmt::format(" live {}/{} (lost {}{})", q_.members().size(), world_,
@@ -983,6 +1001,8 @@ class Progress {
 
  private:
   bool on_;
+  const TrainerCore& core_;
+  int64_t counted_start_;
   collectives::QuorumAllreduce& q_;
   MetricsWriter& out_;
   int world_;
@@ -1050,14 +1070,14 @@ struct SyncStep {
     } else {
       const float* mean = static_cast<const float*>(result.data);
       last_loss = mean[n_params];
-      core.apply_gradient(mean, lr_scale);
+      core.apply_gradient(mean, lr_scale, r.count);
     }
     membership.after_step(t, r, sum);
     timer.record(work, r);
     out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);
     const int64_t done = t + 1;
     out.after_step(done);
-    if (done % eval_every == 0 && done < total) evaluate(done, sum);
+    if (done % eval_every == 0 && !core.budget_spent(done)) evaluate(done, sum);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
       checkpoints.save(done);
     progress.after_step(t, last_loss, evaluate.last_accuracy(), timer, sum);
@@ -1118,10 +1138,14 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   if (rank == 0 && !joining) {
     out.create(cfg, opts.resume, start);
     spdlog::info(
-        "training {} ({} parameters) on {} ranks, quorum {}, {} steps ({} per epoch), "
+        "training {} ({} parameters) on {} ranks, quorum {}, {} ({} steps per epoch), "
         "provider {}, straggler {}",
-        cfg.model.type, n_params, world, quorum, total, steps_per_epoch, comm.provider(),
-        straggler.spec());
+        cfg.model.type, n_params, world, quorum,
+        core.budget_gradients() > 0
+            ? fmt::format("until {} gradients are counted ({} steps of full sync)",
+                          core.budget_gradients(), total)
+            : fmt::format("{} steps", total),
+        steps_per_epoch, comm.provider(), straggler.spec());
   }
   if (!joining) comm.barrier();
 
@@ -1134,7 +1158,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
                         std::move(state));
   Evaluator evaluate(cfg, core, data.test, q, rank, maybe_fault, out, t_start, tty);
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
-  Progress progress(cfg, q, out, world, start, total, steps_per_epoch, t_start, tty);
+  Progress progress(cfg, core, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
   SyncStep step{
       cfg,   core,       q,           maybe_fault, worker,   timer,        membership,
@@ -1143,13 +1167,13 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   collectives::QuorumAllreduce::View result;  // the current step's mean gradient
   double last_loss = 0;
   int64_t t = start;
-  for (; t < total; ++t) {
+  for (; !core.budget_spent(t); ++t) {
     if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
     step(t, result, last_loss, sum);
   }
   progress.end();
   const double loop_s = seconds_since(t_start);
-  const bool finished = t >= total;
+  const bool finished = core.budget_spent(t);
   if (finished) evaluate(t, sum);
   if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
   if (cfg.train.checkpoint_every > 0 || finished) checkpoints.save(t);

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
 #include "net/error.h"
 
 namespace qring::train {
@@ -22,7 +25,18 @@ TrainerCore::TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int ra
   }
   total_steps_ =
       cfg.train.steps > 0 ? cfg.train.steps : cfg.train.epochs * sharder_.batches_per_epoch();
-  schedule_ = make_schedule(cfg, quorum, total_steps_);
+  if (quorum < 1) throw UsageError(fmt::format("TrainerCore: quorum {} must be >= 1", quorum));
+  sched_quorum_ = quorum;
+  if (cfg.train.budget == "gradients") {
+    // As many gradients as full sync counts in total_steps_, in steps of `quorum`.
+    budget_gradients_ = total_steps_ * world;
+    TrainConfig c = cfg;
+    c.train.warmup_steps = cfg.train.warmup_steps * world / quorum;
+    c.train.step_decay_every = std::max<int64_t>(1, cfg.train.step_decay_every * world / quorum);
+    schedule_ = make_schedule(c, quorum, (budget_gradients_ + quorum - 1) / quorum);
+  } else {
+    schedule_ = make_schedule(cfg, quorum, total_steps_);
+  }
   x_.resize(static_cast<size_t>(cfg.train.batch_per_rank * data.train.dim));
   y_.resize(static_cast<size_t>(cfg.train.batch_per_rank));
 }
@@ -36,9 +50,10 @@ void TrainerCore::skip_batch() {
   sharder_.next_batch();
 }
 
-void TrainerCore::apply_gradient(const float* grad, double lr_scale) {
-  opt_.step(model_->params(), grad, schedule_.at(step_) * lr_scale);
+void TrainerCore::apply_gradient(const float* grad, double lr_scale, int contributors) {
+  opt_.step(model_->params(), grad, lr() * lr_scale);
   ++step_;
+  counted_ += contributors > 0 ? contributors : sched_quorum_;
 }
 
 EvalResult TrainerCore::evaluate_test() {
@@ -62,7 +77,20 @@ CheckpointView TrainerCore::checkpoint_view() const {
   v.rank = static_cast<uint32_t>(rank_);
   v.params = std::span<const float>(model_->params(), model_->num_params());
   v.velocity = opt_.velocity();
+  meta_ = nlohmann::json{{"counted", counted_}}.dump();
+  v.meta = meta_;
   return v;
+}
+
+static int64_t counted_of(const CheckpointView& s) {
+  try {
+    const auto j = nlohmann::json::parse(s.meta);
+    if (j.is_object() && j.contains("counted") && j["counted"].is_number_integer() &&
+        j["counted"].get<int64_t>() >= 0)
+      return j["counted"].get<int64_t>();
+  } catch (const nlohmann::json::exception&) {
+  }
+  return -1;
 }
 
 void TrainerCore::restore(const CheckpointState& s) {
@@ -87,10 +115,16 @@ void TrainerCore::restore(const CheckpointView& s) {
                     "batches per epoch of this run",
                     s.position.epoch, s.position.index, sharder_.batches_per_epoch()));
   }
+  const int64_t counted = counted_of(s);
+  if (budget_gradients_ > 0 && counted < 0)
+    throw DataError(
+        "checkpoint has no count of gradients (meta 'counted'; written by a run with "
+        "train.budget = \"steps\"?), which train.budget = \"gradients\" needs");
   std::copy(s.params.begin(), s.params.end(), model_->params());
   opt_.velocity().assign(s.velocity.begin(), s.velocity.end());
   sharder_.seek(s.position);
   step_ = static_cast<int64_t>(s.step);
+  counted_ = counted >= 0 ? counted : step_ * sched_quorum_;
 }
 
 }  // namespace qring::train

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "train/checkpoint.h"
@@ -29,7 +30,11 @@ namespace qring::train {
 class TrainerCore {
  public:
   // data must outlive the core. quorum = Q (for the LR scaling rule). Total steps =
-  // train.steps, or train.epochs * batches_per_epoch when train.steps is 0.
+  // train.steps, or train.epochs * batches_per_epoch when train.steps is 0. With
+  // train.budget = "gradients" the run ends once its updates have counted total_steps() x
+  // world gradients (budget_spent), and the schedule spans that many gradients in steps of
+  // `quorum`: it is read at counted_gradients() / quorum, warm-up and step decay scaled by
+  // world / quorum.
   TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int rank, int world, int quorum);
 
   Model& model() { return *model_; }
@@ -42,7 +47,21 @@ class TrainerCore {
   int64_t total_steps() const { return total_steps_; }
   int64_t steps_per_epoch() const { return sharder_.batches_per_epoch(); }
   DataPosition position() const { return sharder_.position(); }
-  double lr() const { return schedule_.at(step_); }  // learning rate of the next step
+  double lr() const { return schedule_.at(schedule_position()); }  // of the next step
+  // The schedule's step for the next update: step() with a budget of steps, counted
+  // gradients / the schedule's quorum with a budget of gradients.
+  int64_t schedule_position() const {
+    return budget_gradients_ > 0 ? counted_ / sched_quorum_ : step_;
+  }
+  // Gradients counted into the updates applied so far (apply_gradient's `contributors`).
+  int64_t counted_gradients() const { return counted_; }
+  // 0 with a budget of steps; else the gradients the run is to count.
+  int64_t budget_gradients() const { return budget_gradients_; }
+  // Whether the run is over after `steps_run` steps (skipped ones included): a budget of
+  // steps ends at total_steps(), one of gradients once counted_gradients() reaches it.
+  bool budget_spent(int64_t steps_run) const {
+    return budget_gradients_ > 0 ? counted_ >= budget_gradients_ : steps_run >= total_steps_;
+  }
   size_t num_params() const { return model_->num_params(); }
   float* params() { return model_->params(); }
   float* gradient() { return model_->grads(); }
@@ -52,10 +71,11 @@ class TrainerCore {
   double compute_gradient();
   // Advances the data position by one batch without computing (e.g. abandoned stale work).
   void skip_batch();
-  // One SGD step with `grad` (num_params() floats, may alias gradient()); step() += 1. The
-  // scheduled learning rate is multiplied by lr_scale (the adaptive quorum: contributors of
-  // the step over the quorum the schedule was built for).
-  void apply_gradient(const float* grad, double lr_scale = 1.0);
+  // One SGD step with `grad` (num_params() floats, may alias gradient()); step() += 1 and
+  // counted_gradients() += contributors (the gradients averaged into grad; 0: the schedule's
+  // quorum). The scheduled learning rate is multiplied by lr_scale (the adaptive quorum:
+  // contributors of the step over the quorum the schedule was built for).
+  void apply_gradient(const float* grad, double lr_scale = 1.0, int contributors = 0);
 
   // Accuracy and mean loss on the test set (or the train set), batches of train.eval_batch.
   EvalResult evaluate_test();
@@ -67,8 +87,10 @@ class TrainerCore {
   // The same content as spans into the live parameters and momentum (valid until the next
   // update): for encoding without a copy in between.
   CheckpointView checkpoint_view() const;
-  // Restores parameters, momentum, step and data position. Throws DataError if the sizes or
-  // the config fingerprint do not match this core.
+  // Restores parameters, momentum, step, data position and (a budget of gradients) the
+  // counted gradients, from the state's meta ({"counted": N}; checkpoint_view writes it).
+  // Throws DataError if the sizes or the config fingerprint do not match this core, or if a
+  // budget of gradients finds no count.
   void restore(const CheckpointState& s);
   void restore(const CheckpointView& s);
 
@@ -82,6 +104,10 @@ class TrainerCore {
   LrSchedule schedule_;
   int64_t total_steps_;
   int64_t step_ = 0;
+  int sched_quorum_;
+  int64_t budget_gradients_ = 0;
+  int64_t counted_ = 0;
+  mutable std::string meta_;  // checkpoint_view's meta
   AlignedVector<float> x_;
   std::vector<int32_t> y_;
 };
