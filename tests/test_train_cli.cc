@@ -120,6 +120,8 @@ TEST_F(TrainCli, GradientBudgetRunsUntilFullSyncsGradientsAreCounted) {
   // The budget, 30 x 4 = 120 gradients, is reached by the last step and not before it.
   EXPECT_GE(counted, 120);
   EXPECT_LT(counted - last, 120);
+  EXPECT_EQ(summary["budget"], "gradients");
+  EXPECT_EQ(summary["counted_gradients"], counted);
 }
 
 // Issue 17: ranks whose kernels would round differently (here rank 1's OpenBLAS forced to its

@@ -1019,8 +1019,11 @@ namespace {
 // summary.json: the run's summary, the job's shape and the quorums its steps were decided with.
 nlohmann::json summary_json(const RunSummary& sum, const TrainConfig& cfg, int world, int quorum,
                             const StepTimer& timer, const std::string& provider,
-                            const collectives::StragglerModel& straggler, bool finished) {
+                            const collectives::StragglerModel& straggler, bool finished,
+                            int64_t counted_gradients) {
   nlohmann::json j = sum.to_json();
+  j["budget"] = cfg.train.budget;
+  j["counted_gradients"] = counted_gradients;
   j["world"] = world;
   j["quorum"] = cfg.quorum.quorum_auto ? nlohmann::json("auto") : nlohmann::json(quorum);
   j["quorum_histogram"] = timer.quorum_histogram();
@@ -1184,7 +1187,8 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   timer.summarize(sum, loop_s, t - start, straggler, seed, start);
   sum.params_checksum = checksum(core.params(), n_params);
   if (out.lead())
-    out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished));
+    out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished,
+                            core.counted_gradients()));
   return sum;
 }
 
