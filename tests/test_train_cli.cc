@@ -134,7 +134,9 @@ TEST_F(TrainCli, RanksWithOtherKernelsStopAtStart) {
               kSource + "/configs/smoke.toml run.out_dir=" + dir_.string() +
               " run.name=kernels log.progress=false train.steps=5\"");
   EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  // Both ranks find the difference; the launcher stops the other as soon as the first exits,
+  // so only the first one's message is sure to be there (a CI run under load once had rank
+  // 1's alone), and it names rank 1 and the key either way.
   EXPECT_NE(r.output.find("rank 1 ('kernels') has other values than rank 0"), std::string::npos)
       << r.output;
   // The first rank to stop says what it computes with (the launcher stops the other).
