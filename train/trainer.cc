@@ -608,10 +608,10 @@ class Checkpointer {
     auto carry = q_.pending_carry();
     st.carry.resize(carry.size() / sizeof(float));
     std::memcpy(st.carry.data(), carry.data(), carry.size());
-    st.meta =
-        nlohmann::json{
-            {"run", cfg_.run.name}, {"quorum", quorum_}, {"counted", core_.counted_gradients()}}
-            .dump();
+    nlohmann::json meta = core_.checkpoint_meta();
+    meta["run"] = cfg_.run.name;
+    meta["quorum"] = quorum_;
+    st.meta = meta.dump();
     save_checkpoint(checkpoint_path(dir_.string(), uint64_t(step)), st,
                     [&] { faults_(step, "checkpoint"); });
     std::vector<std::string> all;
@@ -1050,7 +1050,7 @@ struct SyncStep {
   Progress& progress;
   const size_t n_params;
   const int sched_quorum;
-  const int64_t steps_per_epoch, total, eval_every;
+  const int64_t steps_per_epoch, eval_every;
   const Clock::time_point t_start;
 
   void operator()(int64_t t, collectives::QuorumAllreduce::View& result, double& last_loss,
@@ -1164,9 +1164,9 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   Progress progress(cfg, core, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
   SyncStep step{
-      cfg,   core,       q,           maybe_fault, worker,   timer,        membership,
-      out,   evaluate,   checkpoints, progress,    n_params, sched_quorum, steps_per_epoch,
-      total, eval_every, t_start};
+      cfg,        core,     q,           maybe_fault, worker,   timer,        membership,
+      out,        evaluate, checkpoints, progress,    n_params, sched_quorum, steps_per_epoch,
+      eval_every, t_start};
   collectives::QuorumAllreduce::View result;  // the current step's mean gradient
   double last_loss = 0;
   int64_t t = start;

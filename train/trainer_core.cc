@@ -77,7 +77,7 @@ CheckpointView TrainerCore::checkpoint_view() const {
   v.rank = static_cast<uint32_t>(rank_);
   v.params = std::span<const float>(model_->params(), model_->num_params());
   v.velocity = opt_.velocity();
-  meta_ = nlohmann::json{{"counted", counted_}}.dump();
+  meta_ = checkpoint_meta().dump();
   v.meta = meta_;
   return v;
 }

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,8 @@ class TrainerCore {
   // The same content as spans into the live parameters and momentum (valid until the next
   // update): for encoding without a copy in between.
   CheckpointView checkpoint_view() const;
+  // What this core puts in a state's meta ({"counted": N}); a caller adding keys starts here.
+  nlohmann::json checkpoint_meta() const { return {{"counted", counted_}}; }
   // Restores parameters, momentum, step, data position and (a budget of gradients) the
   // counted gradients, from the state's meta ({"counted": N}; checkpoint_view writes it).
   // Throws DataError if the sizes or the config fingerprint do not match this core, or if a
