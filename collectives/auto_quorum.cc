@@ -99,7 +99,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
-                               const std::vector<int>& members, int min, int max) {
+                               const std::vector<int>& members, int min, int max, double kappa) {
   AutoQuorumChoice c;
   const int n = std::max(1, int(members.size()));
   const int hi = max > 0 ? std::clamp(max, 1, n) : n;
@@ -183,7 +183,8 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   double best = -1;
   for (int k = 1; k <= n; ++k) {
     const double t = c.expected_ms[size_t(k) - 1] + c.overhead_ms;
-    c.rate[size_t(k) - 1] = t > 0 ? double(k) / t : std::numeric_limits<double>::infinity();
+    const double value = kappa > 0 ? double(k) / (1.0 + double(k) / kappa) : double(k);
+    c.rate[size_t(k) - 1] = t > 0 ? value / t : std::numeric_limits<double>::infinity();
     // Ties go to the larger quorum (more gradients for the same rate).
     if (k >= lo && k <= hi && c.rate[size_t(k) - 1] >= best) {
       best = c.rate[size_t(k) - 1];

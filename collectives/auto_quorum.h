@@ -7,12 +7,16 @@
 // The rule (after Xu, Neglia and Sebastianelli, "Dynamic Backup Workers for Parallel Machine
 // Learning"): choose k in [min, max] maximizing the expected training progress per second,
 //
-//     k / (E[T(k)] + C)
+//     value(k) / (E[T(k)] + C)
 //
 // - the value of a step that averages k gradients is taken as proportional to k: with the
 //   linear learning-rate rule (qring-train scales the rate with the contributors in auto mode)
 //   every counted gradient moves the parameters by the same amount, the small-batch regime of
-//   the gradient-noise model;
+//   the gradient-noise model; or, given the gradient-noise scale kappa (in contributions:
+//   quorum.noise_scale over the batch per rank), as k / (1 + k / kappa), the progress per step
+//   of a batch of k in that model (McCandlish et al., "An Empirical Model of Large-Batch
+//   Training", 2018: steps to a target S = S_min (1 + B_noise / B)), which values a gradient
+//   in a large step less than one in a small step;
 // - T(k), the time from a step's first arrival to its k-th, is the k-th order statistic of
 //   the members' arrival offsets, each member's offset distribution estimated by Kaplan-Meier
 //   from its offsets in the window: a contribution that had not arrived when its step was
@@ -52,15 +56,16 @@ struct AutoQuorumChoice {
   int quorum = 0;
   double overhead_ms = 0;           // C
   std::vector<double> expected_ms;  // [k - 1] = E[T(k)], k = 1 .. n (empty: no estimate)
-  std::vector<double> rate;         // [k - 1] = k / (E[T(k)] + C)
+  std::vector<double> rate;         // [k - 1] = value(k) / (E[T(k)] + C)
 };
 
 constexpr int kPerRankMembers = 128;
 
 // The choice for a step among `members` (ranks, sorted), bounded by [min, max] (max 0 = all
-// members; both clamped to 1 .. members.size()).
+// members; both clamped to 1 .. members.size()); kappa > 0: the noise scale in contributions
+// (value k / (1 + k / kappa)), 0: the linear value k.
 AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
-                               const std::vector<int>& members, int min, int max);
+                               const std::vector<int>& members, int min, int max, double kappa = 0);
 
 // The window the coordinator keeps: the last kWindow decided steps, updated as they are
 // decided, as late contributions arrive and as the next step opens.

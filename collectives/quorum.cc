@@ -276,6 +276,7 @@ class QuorumService final : public EngineOp {
     cfg_.count = count;
     cfg_.adaptive = o.adaptive;
     cfg_.auto_max = o.auto_max;
+    cfg_.auto_kappa = o.auto_kappa;
     cfg_.layout = qproto::layout_of(uint8_t(o.type), o.mean);
     // A job that can lose a rank keeps every contribution intact until its step completes
     // (rings out of place) and every result until every live rank has it (recovery).
@@ -2123,6 +2124,9 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
     throw ConfigError(fmt::format("adaptive quorum: bounds [{}, {}] not within 1..{} ranks (or "
                                   "with a fraction)",
                                   opts_.quorum, opts_.auto_max, w));
+  if (!(opts_.auto_kappa >= 0) || !std::isfinite(opts_.auto_kappa))
+    throw ConfigError(
+        fmt::format("adaptive quorum: noise scale {} must be >= 0", opts_.auto_kappa));
   if (opts_.grace.count() < 0) throw ConfigError("quorum grace must be >= 0");
   if (opts_.deadline.count() <= 0) throw ConfigError("quorum hard deadline must be > 0");
   if (opts_.deadline <= opts_.grace)

@@ -61,6 +61,9 @@ struct QuorumOptions {
   // (QuorumResult::quorum); the contract of every step is unchanged.
   bool adaptive = false;
   int auto_max = 0;
+  // The rule's gradient-noise scale in contributions (0 = a step's value is linear in its
+  // contributions; auto_quorum.h).
+  double auto_kappa = 0;
   // Rejoin (docs/design.md, "Rejoin"): the rendezvous store through which a rank that comes
   // back (a new incarnation: restarted, or evicted while alive) is found and connected. It
   // must outlive the all-reduce. nullptr: a rank that left stays out.

@@ -232,7 +232,9 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t lay
       std::vector<int> computing;  // a rank that rejoined and is catching up contributes nothing
       for (int r : view_.members)
         if (!catching_up_[size_t(r)]) computing.push_back(r);
-      o.quorum = choose_quorum(window_.samples(), computing, cfg_.quorum, cfg_.auto_max).quorum;
+      o.quorum =
+          choose_quorum(window_.samples(), computing, cfg_.quorum, cfg_.auto_max, cfg_.auto_kappa)
+              .quorum;
     }
   }
   if (o.arrived[size_t(from)]) return;  // duplicate READY

@@ -60,6 +60,7 @@ struct Config {
   // `quorum` is then the lower bound, the one that membership rules use.
   bool adaptive = false;
   int auto_max = 0;
+  double auto_kappa = 0;   // the rule's noise scale in contributions (0 = linear value)
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };

@@ -5,9 +5,10 @@ SGD", on qring's own runs; docs/reproduction.md).
     scripts/reproduce.py calibrate OUT.json BENCH.json...   the simulator's cost model
     scripts/reproduce.py trace ARRIVALS.jsonl OUT.txt        a full-sync run's arrivals as a
                                                              straggler trace for qring-sim
-    scripts/reproduce.py regime-trace OUT W STEPS MU SIGMA SLOW FACTOR
+    scripts/reproduce.py regime-trace OUT W STEPS MU SIGMA SLOW FACTOR [FROM [SEED]]
                                                              the changing regime's trace
     scripts/reproduce.py analyze DIR                         tables, plots, the claim table
+    scripts/reproduce.py adaptive DIR                        part 4 alone (issue 18)
     scripts/reproduce.py check DIR                           every artefact there, well formed
 
 DIR is runs/reproduce (or the --out of reproduce.sh): real/ holds the qring-train runs,
@@ -244,19 +245,21 @@ def trace(arrivals, out):
     print(f"trace: {len(lines)} entries -> {out}")
 
 
-def regime_trace(out, workers, steps, mu, sigma, slow_rank, factor, seed=42):
+def regime_trace(out, workers, steps, mu, sigma, slow_rank, factor, start=None, seed=42):
     """A straggler trace (lines "step rank ms") for the regime that changes mid-run: every
     worker's delay lognormal(mu, sigma) ms (Python's generator, seeded), worker slow_rank's
-    multiplied by `factor` from step steps / 2 on."""
+    multiplied by `factor` from step `start` on (default steps / 2). The delays of the first
+    steps do not depend on `steps`: a longer trace extends a shorter one."""
     import random
     rng = random.Random(seed)
+    start = steps // 2 if start is None else start
     with open(out, "w") as f:
         f.write(f"# lognormal({mu}, {sigma}) ms every worker; worker {slow_rank} x{factor} from "
-                f"step {steps // 2}\n")
+                f"step {start}\n")
         for t in range(steps):
             for w in range(workers):
                 d = rng.lognormvariate(mu, sigma)
-                if w == slow_rank and t >= steps // 2:
+                if w == slow_rank and t >= start:
                     d *= factor
                 f.write(f"{t} {w} {d:.3f}\n")
     print(f"trace: {workers} workers x {steps} steps -> {out}")
@@ -287,6 +290,197 @@ def tail_share(run_dir):
 
 def fmt_s(v, unit="s", digits=1):
     return "not reached" if v is None else f"{v:.{digits}f} {unit}".strip()
+
+
+ADAPTIVE_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-(q\d+|b\d+|auto|bauto)$")
+
+
+def adaptive_runs(d):
+    """Part 4's runs (DIR/adaptive/{real,sim}/<W|N><world>-<regime>-s<seed>-<config>), as
+    {(kind, world, regime): {config: {seed: run_info}}}, config "auto" or the fixed quorum
+    Q (real) / backups b (sim) as an int."""
+    groups = {}
+    for kind in ("real", "sim"):
+        for p in runs_in(os.path.join(d, "adaptive", kind)):
+            m = ADAPTIVE_RE.match(os.path.basename(p))
+            if not m:
+                continue
+            info = run_info(p)
+            s = read_json(os.path.join(p, "summary.json"))
+            if kind == "sim":
+                # (sync: only the N counted gradients of a step are computed)
+                info["mean_contributors"] = (s["gradients_computed"] / info["steps"]
+                                             if s.get("gradients_computed") and info["steps"]
+                                             else None)
+            info["budget"] = s.get("budget")
+            cfg = "auto" if m.group(5) in ("auto", "bauto") else int(m.group(5)[1:])
+            key = (kind, int(m.group(2)), m.group(3))
+            groups.setdefault(key, {}).setdefault(cfg, {})[int(m.group(4))] = info
+    return groups
+
+
+def mean(v):
+    return sum(v) / len(v) if v else None
+
+
+def adaptive_table(d):
+    """One row per (kind, world, regime): every configuration's mean time to target and final
+    accuracy over the seeds that every configuration ran (None: a seed did not reach it)."""
+    rows = []
+    for (kind, world, regime), cfgs in sorted(adaptive_runs(d).items()):
+        seeds = sorted(set.intersection(*(set(v) for v in cfgs.values())))
+        if not seeds or "auto" not in cfgs:
+            continue
+        per = {}
+        for cfg, runs in cfgs.items():
+            t = [runs[sd]["time_to_target_s"] for sd in seeds]
+            per[str(cfg)] = {
+                "time_to_target_s": None if any(x is None for x in t) else mean(t),
+                "time_to_target_by_seed_s": t,
+                "final_accuracy": mean([runs[sd]["final_accuracy"] for sd in seeds]),
+                "mean_contributors": mean([runs[sd]["mean_contributors"] for sd in seeds
+                                           if runs[sd].get("mean_contributors") is not None]),
+                "steps": mean([runs[sd]["steps"] for sd in seeds]),
+            }
+            if cfg == "auto":
+                hist = {}
+                for sd in seeds:
+                    for q, c in (runs[sd].get("quorum_histogram") or {}).items():
+                        hist[q] = hist.get(q, 0) + c
+                per["auto"]["quorum_histogram"] = hist
+        fixed = {c: v for c, v in per.items() if c != "auto" and v["time_to_target_s"]}
+        best = min(fixed, key=lambda c: fixed[c]["time_to_target_s"]) if fixed else None
+        full = str(world) if kind == "real" else "0"  # Q = W, b = 0
+        rows.append({"kind": kind, "world": world, "regime": regime, "seeds": seeds,
+                     "fixed": "quorum" if kind == "real" else "backups", "configs": per,
+                     "best_fixed": int(best) if best else None, "full_sync": int(full),
+                     "target_accuracy": next(iter(cfgs["auto"].values()))["target_accuracy"]})
+    return rows
+
+
+def adaptive_claims(d, claim, save):
+    rows = adaptive_table(d)
+    save("adaptive.json", rows)
+    for r in rows:
+        per, n = r["configs"], len(r["seeds"])
+        a = per["auto"]["time_to_target_s"]
+        best = per[str(r["best_fixed"])] if r["best_fixed"] is not None else None
+        tb = best["time_to_target_s"] if best else None
+        if r["kind"] == "sim":
+            where = f"sim N+b={r['world']} {r['regime']}"
+            text = f"18. {where}: auto within 5 % of the best fixed b in time to target (mean of {n} seed{'s' if n != 1 else ''})"
+            if a and tb:
+                claim(text, f"auto {a:.2f} s, best fixed b={r['best_fixed']} {tb:.2f} s "
+                      f"({100 * (a / tb - 1):+.1f} %)", a <= 1.05 * tb, "plots/adaptive.png")
+            else:
+                claim(text, f"auto {fmt_s(a)}, best fixed {fmt_s(tb)}", False, "plots/adaptive.png")
+            for b in (0, 20):
+                if str(b) not in per:
+                    continue
+                t = per[str(b)]["time_to_target_s"]
+                claim(f"18. {where}: auto >= 1.2x sooner than b={b} (mean of {n} seed{'s' if n != 1 else ''})",
+                      f"{t / a:.2f}x" if a and t else f"auto {fmt_s(a)}, b={b} {fmt_s(t)}",
+                      bool(a and (t is None or t / a >= 1.2)), "plots/adaptive.png")
+        else:
+            where = f"real W={r['world']} {r['regime']}"
+            text = (f"18. {where}: auto at least matches the best fixed quorum in time to target "
+                    f"(mean of {n} seed{'s' if n != 1 else ''})")
+            if a and tb:
+                claim(text, f"auto {a:.1f} s, best Q={r['best_fixed']} {tb:.1f} s ({tb / a:.2f}x)",
+                      a <= tb, "plots/adaptive.png")
+            else:
+                claim(text, f"auto {fmt_s(a)}, best fixed {fmt_s(tb)}", False, "plots/adaptive.png")
+            fa, ff = per["auto"]["final_accuracy"], per[str(r["full_sync"])]["final_accuracy"] \
+                if str(r["full_sync"]) in per else None
+            if fa is not None and ff is not None:
+                dacc = 100 * (fa - ff)
+                claim(f"18. {where}: auto's final accuracy within 0.3 pts of full sync or above "
+                      f"(mean of {n} seed{'s' if n != 1 else ''})", f"{dacc:+.2f} pts", dacc >= -0.3, "plots/adaptive.png")
+    plot_adaptive(d, rows)
+    return rows
+
+
+def plot_adaptive(d, rows):
+    """plots/adaptive.png: mean time to target against the fixed quorum (real) or b (sim),
+    auto as a horizontal line; plots/quorum.png: Q(t) of the first seed's auto runs."""
+    if not rows:
+        return
+    import matplotlib.pyplot as plt
+    pdir = os.path.join(d, "plots")
+    os.makedirs(pdir, exist_ok=True)
+    fig, ax = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2), squeeze=False)
+    for a, r in zip(ax[0], rows):
+        fixed = sorted((int(c), v) for c, v in r["configs"].items() if c != "auto")
+        xs = [c for c, v in fixed if v["time_to_target_s"]]
+        a.plot(xs, [dict(fixed)[c]["time_to_target_s"] for c in xs], marker="o", label="fixed")
+        t = r["configs"]["auto"]["time_to_target_s"]
+        if t:
+            a.axhline(t, color="C3", linestyle="--", label="auto")
+        a.set_yscale("log")
+        a.set_xlabel("fixed quorum Q" if r["kind"] == "real" else "backups b")
+        a.set_title(f"{r['kind']} {'W' if r['kind'] == 'real' else 'N+b'}={r['world']} "
+                    f"{r['regime']}", fontsize=8)
+        a.grid(alpha=0.3)
+    ax[0][0].set_ylabel("time to target (s), mean over seeds")
+    ax[0][0].legend(fontsize=7)
+    plot.save(fig, os.path.join(pdir, "adaptive.png"), dpi=60)
+    autos = []
+    for kind in ("real", "sim"):
+        ps = [p for p in runs_in(os.path.join(d, "adaptive", kind))
+              if (m := ADAPTIVE_RE.match(os.path.basename(p))) and m.group(5) in ("auto", "bauto")]
+        first = min((int(ADAPTIVE_RE.match(os.path.basename(p)).group(4)) for p in ps), default=None)
+        autos.append([p for p in ps if int(ADAPTIVE_RE.match(os.path.basename(p)).group(4)) == first])
+    fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
+    for a, ps, title in zip(ax, autos, ("qring-train, quorum auto: Q(t)",
+                                        "qring-sim, quorum auto: N(t) of N+b=100")):
+        if ps:
+            plot.draw_quorum(a, ps, labels=[os.path.basename(p) for p in ps])
+            a.legend(fontsize=6)
+        a.set_title(title, fontsize=9)
+    plot.save(fig, os.path.join(pdir, "quorum.png"), dpi=70)
+
+
+def adaptive(d):
+    """Part 4 alone (reproduce.sh --only adaptive): tables/adaptive.json, plots/adaptive.png,
+    plots/quorum.png, adaptive/claims.{json,md}, and the claim table printed."""
+    claims = []
+    os.makedirs(os.path.join(d, "tables"), exist_ok=True)
+
+    def save(name, obj):
+        with open(os.path.join(d, "tables", name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+    def claim(text, measured, holds, evidence):
+        claims.append({"claim": text, "measured": measured, "holds": holds, "evidence": evidence})
+
+    rows = adaptive_claims(d, claim, save)
+    with open(os.path.join(d, "adaptive", "claims.json"), "w") as f:
+        json.dump(claims, f, indent=2)
+    md = ["| claim | measured here | holds? |", "|---|---|---|"]
+    md += [f"| {c['claim']} | {c['measured']} | {'yes' if c['holds'] else 'no'} |" for c in claims]
+    with open(os.path.join(d, "adaptive", "claims.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(adaptive_text(rows))
+    print("\n".join(md))
+    if not rows:
+        sys.exit(f"reproduce.py adaptive: no runs of part 4 in {d}/adaptive")
+
+
+def adaptive_text(rows):
+    """The table of tables/adaptive.json as text: mean time to target (s) per configuration."""
+    out = []
+    for r in rows:
+        per = r["configs"]
+        cfgs = sorted((c for c in per if c != "auto"), key=int) + ["auto"]
+        out.append(f"{r['kind']} {'W' if r['kind'] == 'real' else 'N+b'}={r['world']} {r['regime']} "
+                   f"(seeds {' '.join(map(str, r['seeds']))}), {r['fixed']}: time to target / final "
+                   f"accuracy / mean contributors")
+        for c in cfgs:
+            v = per[c]
+            n = v["mean_contributors"]
+            out.append(f"  {c:>5}: {fmt_s(v['time_to_target_s'], digits=2):>11}  "
+                       f"{100 * v['final_accuracy']:.2f} %  {'' if n is None else f'{n:.1f}'}")
+    return "\n".join(out)
 
 
 def analyze(d):
@@ -501,74 +695,8 @@ def analyze(d):
               worst <= TOLERANCE_CLOSED_FORM, "plots/kth-arrival.png")
     save("closed_form.json", cf)
 
-    # Issue 18: the adaptive quorum against the fixed ones.
-    auto_rows = []
-    for r in sim:  # the simulator: sweeps bsweep100[-REGIME]-bN and -auto
-        mm = re.match(r"(bsweep(\d+)(?:-[a-z]+)?)-auto$", r["name"])
-        if not mm:
-            continue
-        prefix, nb = mm.group(1), mm.group(2)
-        fixed = [x for x in sim if re.match(rf"{prefix}-b\d+$", x["name"])]
-        reached = [x for x in fixed if x["time_to_target_s"] is not None]
-        best = min(reached, key=lambda x: x["time_to_target_s"]) if reached else None
-        by_b = {x["backups"]: x for x in fixed}
-        regime = prefix.split("-")[1] if "-" in prefix else "lognormal"
-        row = {"kind": "sim", "regime": regime, "workers": r["world"], "sweep": prefix,
-               "auto_time_to_target_s": r["time_to_target_s"],
-               "auto_final_accuracy": r["final_accuracy"],
-               "auto_quorum_histogram": r["quorum_histogram"],
-               "best_fixed_b": best["backups"] if best else None,
-               "best_fixed_time_to_target_s": best["time_to_target_s"] if best else None}
-        for b in (0, 20):
-            row[f"b{b}_time_to_target_s"] = by_b[b]["time_to_target_s"] if b in by_b else None
-        auto_rows.append(row)
-        a = r["time_to_target_s"]
-        if best and a:
-            ratio = a / best["time_to_target_s"]
-            claim(f"18. sim N+b={nb} {regime}: auto within 5 % of the best fixed b in time to "
-                  f"target", f"auto {a:.1f} s, best fixed b={best['backups']} "
-                  f"{best['time_to_target_s']:.1f} s ({100 * (ratio - 1):+.1f} %)",
-                  ratio <= 1.05, "plots/quorum.png")
-        else:
-            claim(f"18. sim N+b={nb} {regime}: auto within 5 % of the best fixed b in time to "
-                  f"target", f"auto {fmt_s(a)}, best fixed {fmt_s(best and best['time_to_target_s'])}",
-                  False, "plots/quorum.png")
-        for b in (0, 20):
-            t = row[f"b{b}_time_to_target_s"]
-            if b not in by_b:
-                continue
-            ok = bool(a and (t is None or t / a >= 1.2))
-            claim(f"18. sim N+b={nb} {regime}: auto >= 1.2x sooner than b={b}",
-                  (f"{t / a:.2f}x" if a and t else f"auto {fmt_s(a)}, b={b} {fmt_s(t)}"),
-                  ok, "plots/quorum.png")
-    for w in worlds:  # real runs: W<w>-<regime>-auto against q<Q> of the same regime
-        for regime in sorted({r["name"].split("-")[1] for r in real}):
-            a = real_run(w, regime, "auto")
-            fixed = [x for x in (real_run(w, regime, f"q{q}") for q in (w, w - 1, w - 2)) if x]
-            if not a or not fixed:
-                continue
-            reached = [x for x in fixed if x["time_to_target_s"] is not None]
-            best = min(reached, key=lambda x: x["time_to_target_s"]) if reached else None
-            full = real_run(w, regime, f"q{w}")
-            row = {"kind": "real", "regime": regime, "workers": w,
-                   "auto_time_to_target_s": a["time_to_target_s"],
-                   "auto_final_accuracy": a["final_accuracy"],
-                   "auto_quorum_histogram": a["quorum_histogram"],
-                   "best_fixed_quorum": best["quorum"] if best else None,
-                   "best_fixed_time_to_target_s": best["time_to_target_s"] if best else None,
-                   "full_final_accuracy": full["final_accuracy"] if full else None}
-            auto_rows.append(row)
-            ta = a["time_to_target_s"]
-            if best and ta:
-                claim(f"18. real W={w} {regime}: auto at least matches the best fixed quorum in "
-                      "time to target", f"auto {ta:.1f} s, best Q={best['quorum']} "
-                      f"{best['time_to_target_s']:.1f} s ({best['time_to_target_s'] / ta:.2f}x)",
-                      ta <= best["time_to_target_s"], "plots/quorum.png")
-            if full:
-                dacc = 100 * (a["final_accuracy"] - full["final_accuracy"])
-                claim(f"18. real W={w} {regime}: auto's final accuracy within 0.3 pts of full "
-                      "sync (or above)", f"{dacc:+.2f} pts", dacc >= -0.3, "plots/quorum.png")
-    save("auto_quorum.json", auto_rows)
+    # Issue 18: the adaptive quorum against every fixed quorum (part 4, DIR/adaptive).
+    adaptive_claims(d, claim, save)
 
     make_plots(d, real, sim, regimes, worlds, val)
     with open(os.path.join(d, "claims.json"), "w") as f:
@@ -588,7 +716,7 @@ def make_plots(d, real, sim, regimes, worlds, val):
 
     def names(w, regime):
         out = []
-        for q in [f"q{w}", f"q{w - 1}", f"q{w - 2}", "auto", "async"]:
+        for q in [f"q{w}", f"q{w - 1}", f"q{w - 2}", "async"]:
             p = os.path.join(rdir, f"W{w}-{regime}-{q}")
             if os.path.exists(os.path.join(p, "summary.json")):
                 out.append((p, q if q in ("async", "auto") else f"Q={q[1:]}"))
@@ -688,20 +816,6 @@ def make_plots(d, real, sim, regimes, worlds, val):
         fig.suptitle("qring-sim: sync vs async SGD")
         plot.save(fig, os.path.join(pdir, "async-vs-sync.png"), dpi=70)
 
-    # The adaptive quorum: Q(t) over the runs, real and simulated.
-    autos_real = [os.path.join(rdir, x["name"]) for x in real if x["name"].endswith("-auto")]
-    autos_sim = [os.path.join(d, "sim", x["name"]) for x in sim if x["name"].endswith("-auto")]
-    if autos_real or autos_sim:
-        fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
-        if autos_real:
-            plot.draw_quorum(ax[0], autos_real, labels=[os.path.basename(p) for p in autos_real])
-            ax[0].set_title("qring-train, quorum auto: Q(t)", fontsize=9)
-            ax[0].legend(fontsize=6)
-        if autos_sim:
-            plot.draw_quorum(ax[1], autos_sim, labels=[os.path.basename(p) for p in autos_sim])
-            ax[1].set_title("qring-sim, quorum auto: N(t) of N+b=W", fontsize=9)
-            ax[1].legend(fontsize=6)
-        plot.save(fig, os.path.join(pdir, "quorum.png"), dpi=70)
 
     # Validation: simulated against measured step-time quantiles.
     if val:
@@ -755,7 +869,6 @@ def check(d):
         for regime in ("lognormal", "shiftexp", "noisy", "change"):
             runs = [f"q{w}", f"q{w - 1}", f"q{w - 2}"]
             runs += ["async"] if regime != "change" else []
-            runs += ["auto"] if regime != "noisy" else []
             for q in runs:
                 need(f"W{w}-{regime}-{q}" in real_names, f"real/W{w}-{regime}-{q} missing")
     sim_names = {os.path.basename(p) for p in runs_in(os.path.join(d, "sim"))}
@@ -765,9 +878,17 @@ def check(d):
         need(f"scale-W{w}-async" in sim_names, f"sim/scale-W{w}-async missing")
         need(any(re.match(rf"scale-W{w}-b\d+$", n) for n in sim_names), f"sim/scale-W{w}-b* missing")
     need(any(n.startswith("val-") for n in sim_names), "sim/val-* missing")
-    for prefix in ("bsweep100", "bsweep100-shiftexp", "bsweep100-change"):
-        need(f"{prefix}-auto" in sim_names, f"sim/{prefix}-auto missing")
-        need(any(re.match(rf"{prefix}-b\d+$", n) for n in sim_names), f"sim/{prefix}-b* missing")
+    need("bsweep1000-auto" in sim_names, "sim/bsweep1000-auto missing")
+    # Part 4: every regime's auto and fixed runs, real at 4 and 8 ranks and simulated at 100.
+    groups = adaptive_runs(d)
+    for kind, worlds in (("real", (4, 8)), ("sim", (100,))):
+        for w in worlds:
+            for regime in ("lognormal", "shiftexp", "change"):
+                cfgs = groups.get((kind, w, regime), {})
+                need("auto" in cfgs and len(cfgs) >= 3,
+                     f"adaptive/{kind}: {w} {regime}: auto and two fixed configurations needed")
+                need(all(r.get("budget") == "gradients" for c in cfgs.values() for r in c.values()),
+                     f"adaptive/{kind}: {w} {regime}: a run without train.budget = gradients")
     need(any(n.startswith("closedform-") for n in sim_names), "sim/closedform-* missing")
     cal = os.path.join(d, "calibration", "calibration.json")
     need(os.path.exists(cal), "calibration/calibration.json missing")
@@ -776,13 +897,13 @@ def check(d):
         for k in ("alpha_us", "beta_ns_per_byte", "rtt_us"):
             need(isinstance(c.get(k), (int, float)) and c[k] >= 0, f"calibration.json: {k}")
     for t in ("real_runs", "kth_arrival", "backup_vs_full", "async_vs_sync", "bsweep100",
-              "bsweep1000", "validation", "closed_form", "auto_quorum"):
+              "bsweep1000", "validation", "closed_form", "adaptive"):
         p = os.path.join(d, "tables", f"{t}.json")
         need(os.path.exists(p), f"tables/{t}.json missing")
         if os.path.exists(p):
             need(read_json(p), f"tables/{t}.json empty")
     for png in ("real-accuracy", "real-steptime", "kth-arrival", "bsweep", "sim-accuracy",
-                "async-vs-sync", "validation", "quorum"):
+                "async-vs-sync", "validation", "quorum", "adaptive"):
         p = os.path.join(d, "plots", f"{png}.png")
         ok = os.path.exists(p) and os.path.getsize(p) > 1000
         if ok:
@@ -806,7 +927,7 @@ def check(d):
 
 def main():
     if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace", "analyze",
-                                                 "check"):
+                                                 "adaptive", "check"):
         sys.exit(__doc__)
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "calibrate":
@@ -814,11 +935,16 @@ def main():
     elif cmd == "trace":
         trace(args[0], args[1])
     elif cmd == "regime-trace":
-        out, workers, steps, mu, sigma, slow, factor = args
+        if len(args) not in (7, 8, 9):
+            sys.exit(__doc__)
+        out, workers, steps, mu, sigma, slow, factor = args[:7]
         regime_trace(out, int(workers), int(steps), float(mu), float(sigma), int(slow),
-                     float(factor))
+                     float(factor), int(args[7]) if len(args) >= 8 else None,
+                     int(args[8]) if len(args) == 9 else 42)
     elif cmd == "analyze":
         analyze(args[0])
+    elif cmd == "adaptive":
+        adaptive(args[0])
     else:
         check(args[0])
 

@@ -4,32 +4,47 @@
 #   1. calibration: qring-bench all-reduce and the quorum op's READY/DECIDE round trip,
 #      fitted into the simulator's cost model;
 #   2. real runs (qring-train, 4 and 8 ranks): full sync (Q = W), Q = W-1, Q = W-2 and
-#      async SGD under a lognormal and a shifted-exponential straggler model and under a
-#      real noisy neighbour (a CPU hog on the core of the last rank), same seed throughout;
-#      and the adaptive quorum (quorum.quorum=auto, issue 18) beside the fixed ones, also under
-#      a regime that changes mid-run (rank 1 turns 5x slower halfway);
+#      async SGD under a lognormal and a shifted-exponential straggler model, under a real
+#      noisy neighbour (a CPU hog on the core of the last rank) and under a regime that
+#      changes mid-run (rank 1 turns 5x slower halfway), same seed throughout;
 #   3. qring-sim: the same runs simulated (validation of the step-time distribution), the
 #      order statistics against the shifted exponential's closed form, the b sweep at
-#      N+b = 100 and a coarser one at 1000 (with auto beside them; at 100 also under the
-#      shifted exponential and the changing regime), sync against async at 10, 50 and 100;
-#   4. scripts/reproduce.py analyze: tables, plots and the table "claim | measured | holds?".
+#      N+b = 100 and a coarser one at 1000 (with the adaptive quorum beside it), sync against
+#      async at 10, 50 and 100;
+#   4. the adaptive quorum (quorum.quorum=auto, issue 18) against every fixed quorum, each run
+#      to the same budget of gradients (train.budget=gradients), under the lognormal, the
+#      shifted-exponential and the changing regime, several seeds, interleaved: real runs at 4
+#      and 8 ranks (adaptive/real/) and the simulator at N+b = 100 (adaptive/sim/);
+#   5. scripts/reproduce.py analyze: tables, plots and the table "claim | measured | holds?".
 #
-#   scripts/reproduce.sh [--quick | --smoke] [--out DIR]
+#   scripts/reproduce.sh [--quick | --smoke] [--only adaptive|adaptive-real|adaptive-sim]
+#                        [--out DIR]
 #
-# Full: about an hour on the 2-core machine; --quick: the same experiments shorter (<= 10
-# min); --smoke: every experiment on synthetic data in a minute or two, for scripts/test.sh
-# (checks that every artefact is produced and well formed, not the claims). Results:
-# DIR (default runs/reproduce): calibration/, real/, sim/, tables/, plots/, claims.{json,md}.
+# Full: about two hours on the 2-core machine (one of them part 4's real runs); --quick: the
+# same experiments shorter (<= 15 min); --smoke: every experiment on synthetic data in a few
+# minutes, for scripts/test.sh (checks that every artefact is produced and well formed, not
+# the claims). --only adaptive runs part 4 alone (into DIR/adaptive, the rest of DIR kept;
+# adaptive-real or adaptive-sim: its real runs or its simulated ones, the other half kept)
+# and analyzes what DIR/adaptive holds (scripts/reproduce.py adaptive DIR). Results: DIR (default
+# runs/reproduce): calibration/, real/, sim/, adaptive/, tables/, plots/, claims.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=full
 OUT=runs/reproduce
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) SCALE=quick; shift ;;
     --smoke) SCALE=smoke; shift ;;
     --out) OUT=$2; shift 2 ;;
-    *) echo "reproduce.sh: unknown argument $1 (use --quick, --smoke, --out DIR)" >&2; exit 2 ;;
+    --only)
+      case "${2:-}" in
+        adaptive | adaptive-real | adaptive-sim) ONLY=$2 ;;
+        *) echo "reproduce.sh: --only takes adaptive, adaptive-real or adaptive-sim" >&2; exit 2 ;;
+      esac
+      shift 2 ;;
+    *) echo "reproduce.sh: unknown argument $1 (use --quick, --smoke, --only PART, --out DIR)" >&2
+       exit 2 ;;
   esac
 done
 scripts/setup.sh
@@ -55,7 +70,8 @@ case $SCALE in
     REAL_STEPS=1000; REAL_EVAL=25; REAL_TARGET=0.81
     SIM_BATCH=8; SIM_BATCH1000=2; SIM_EVAL=10; SIM_TARGET=0.865; SIM_TARGET1000=0.85
     SWEEP100_STEPS=300; SWEEP100_B="0 1 2 4 8 16 20 32 48 64 80"
-    SWEEP100R_B="0 4 8 16 20 32 48 64"
+    ADAPT_SEEDS="42 7"; ADAPT_Q4="4 3 2"; ADAPT_Q8="8 7 6 5 4 3 2"
+    ADAPT_SIM_SEEDS="42 7 3 11 5 13 17 23"; ADAPT_SIM_B="0 20 32 40 48 56 64 72 80"; ADAPT_SIM_EVAL=5
     SWEEP1000_STEPS=150; SWEEP1000_B="0 50 200 500 800"; SWEEP1000_EVAL=10
     SCALE_EPOCHS=3
     CLOSED_STEPS=4000
@@ -64,7 +80,8 @@ case $SCALE in
     REAL_STEPS=150; REAL_EVAL=15; REAL_TARGET=0.76
     SIM_BATCH=8; SIM_BATCH1000=2; SIM_EVAL=10; SIM_TARGET=0.83; SIM_TARGET1000=0.75
     SWEEP100_STEPS=150; SWEEP100_B="0 4 20 48"
-    SWEEP100R_B="0 20 48"
+    ADAPT_SEEDS="42"; ADAPT_Q4="4 3 2"; ADAPT_Q8="8 6 4 2"
+    ADAPT_SIM_SEEDS="42 7"; ADAPT_SIM_B="0 20 40 56 72"; ADAPT_SIM_EVAL=5
     SWEEP1000_STEPS=30; SWEEP1000_B="0 200 800"; SWEEP1000_EVAL=5
     SCALE_EPOCHS=1
     CLOSED_STEPS=2000
@@ -73,7 +90,8 @@ case $SCALE in
     REAL_STEPS=24; REAL_EVAL=8; REAL_TARGET=0.3
     SIM_BATCH=4; SIM_BATCH1000=2; SIM_EVAL=4; SIM_TARGET=0.3; SIM_TARGET1000=0.3
     SWEEP100_STEPS=8; SWEEP100_B="0 4 20"
-    SWEEP100R_B="0 20"
+    ADAPT_SEEDS="42"; ADAPT_Q4="4 2"; ADAPT_Q8="8 2"
+    ADAPT_SIM_SEEDS="42"; ADAPT_SIM_B="0 20"; ADAPT_SIM_EVAL=2
     SWEEP1000_STEPS=4; SWEEP1000_B="0 100"; SWEEP1000_EVAL=2
     SCALE_EPOCHS=1
     CLOSED_STEPS=200
@@ -87,12 +105,49 @@ case $SCALE in
             train.checksum_every=10) ;;
 esac
 
-rm -rf "$OUT"
-mkdir -p "$OUT/calibration" "$OUT/real" "$OUT/sim"
+if [ -z "$ONLY" ]; then
+  rm -rf "$OUT"
+  mkdir -p "$OUT/calibration" "$OUT/real" "$OUT/sim"
+fi
+[ "$ONLY" = adaptive-sim ] || rm -rf "$OUT/adaptive/real"
+[ "$ONLY" = adaptive-real ] || rm -rf "$OUT/adaptive/sim"
+mkdir -p "$OUT/adaptive/real" "$OUT/adaptive/sim"
 start=$(date +%s)
 log() { echo "[reproduce $(( $(date +%s) - start )) s] $*"; }
-log "scale $SCALE, output $OUT, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+log "scale $SCALE, output $OUT${ONLY:+ (only $ONLY)}, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
+# A real run (qring-train) or a simulated one (qring-sim), into DIR/NAME; the runs of parts 2
+# and 3 go to real/ and sim/, those of part 4 to adaptive/real/ and adaptive/sim/.
+real_in() {  # real_in DIR NAME WORLD KEY=VALUE...
+  local dir=$1 name=$2 w=$3
+  shift 3
+  log "qring-train ${dir#"$OUT"/}/$name"
+  "$LAUNCH" -n "$w" -- "$TRAIN" --config "$CONFIG" run.out_dir="$dir" run.name="$name" \
+    log.progress=false train.steps="$REAL_STEPS" train.eval_every="$REAL_EVAL" \
+    train.target_accuracy="$REAL_TARGET" "${common[@]}" "$@" \
+    >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
+}
+real() { real_in "$OUT/real" "$@"; }
+sim_in() {  # sim_in DIR NAME --workers W ... [KEY=VALUE...]
+  local dir=$1 name=$2
+  shift 2
+  log "qring-sim ${dir#"$OUT"/}/$name"
+  "$SIM" --config "$CONFIG" run.out_dir="$dir" run.name="$name" "${common[@]}" "$@" \
+    >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
+}
+sim() { sim_in "$OUT/sim" "$1" --calibration "$OUT/calibration/calibration.json" "${@:2}"; }
+# The regime that changes mid-run (issue 18): LOGNORMAL's delays from Python's generator,
+# rank 1's five times longer from step FROM on (default: the middle of STEPS).
+mu=${LOGNORMAL#lognormal:}
+sigma=${mu#*:}
+mu=${mu%%:*}
+change_trace() {  # change_trace WORKERS STEPS [FROM SEED] -> the trace file's path
+  local f="$OUT/change-$1x$2${3:+-from$3-seed$4}.txt"
+  [ -f "$f" ] || "$PY" scripts/reproduce.py regime-trace "$f" "$1" "$2" "$mu" "$sigma" 1 5 ${3:+"$3" "$4"} >/dev/null
+  echo "$f"
+}
+
+if [ -z "$ONLY" ]; then
 # 1. Calibration (scripts/reproduce.py calibrate), over shm as the real runs (one host:
 # provider auto = shm):
 #  - back to back, the quorum op (quorum k - 1) against the plain all-reduce, 4 KiB to 1 MiB:
@@ -118,28 +173,9 @@ done
   "$OUT"/calibration/quorum-*.json "$OUT"/calibration/duty-*.json
 
 # 2. Real runs.
-real() {  # real NAME WORLD KEY=VALUE...
-  local name=$1 w=$2
-  shift 2
-  log "qring-train $name"
-  "$LAUNCH" -n "$w" -- "$TRAIN" --config "$CONFIG" run.out_dir="$OUT/real" run.name="$name" \
-    log.progress=false train.steps="$REAL_STEPS" train.eval_every="$REAL_EVAL" \
-    train.target_accuracy="$REAL_TARGET" "${common[@]}" "$@" \
-    >"$OUT/real/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$OUT/real/$name.log"; exit 1; }
-}
 HOG=""
 stop_hog() { if [ -n "$HOG" ]; then kill "$HOG" 2>/dev/null || true; wait "$HOG" 2>/dev/null || true; HOG=""; fi; }
 trap stop_hog EXIT
-# The regime that changes mid-run (issue 18): LOGNORMAL's delays from Python's generator,
-# rank 1's five times longer from the middle of the run on.
-mu=${LOGNORMAL#lognormal:}
-sigma=${mu#*:}
-mu=${mu%%:*}
-change_trace() {  # change_trace WORKERS STEPS -> the trace file's path
-  local f="$OUT/change-$1x$2.txt"
-  [ -f "$f" ] || "$PY" scripts/reproduce.py regime-trace "$f" "$1" "$2" "$mu" "$sigma" 1 5 >/dev/null
-  echo "$f"
-}
 for w in 4 8; do
   for regime in lognormal shiftexp noisy change; do
     case $regime in
@@ -159,21 +195,12 @@ for w in 4 8; do
     for q in $w $(( w - 1 )) $(( w - 2 )); do
       real "W$w-$regime-q$q" "$w" straggler.model="$model" quorum.quorum="$q"
     done
-    [ "$regime" = noisy ] || real "W$w-$regime-auto" "$w" straggler.model="$model" quorum.quorum=auto
     [ "$regime" = change ] || real "W$w-$regime-async" "$w" straggler.model="$model" train.mode=async
     stop_hog
   done
 done
 
 # 3. The simulator, with the calibrated cost model.
-sim() {  # sim NAME --workers W ... [KEY=VALUE...]
-  local name=$1
-  shift
-  log "qring-sim $name"
-  "$SIM" --config "$CONFIG" --calibration "$OUT/calibration/calibration.json" \
-    run.out_dir="$OUT/sim" run.name="$name" "${common[@]}" "$@" >"$OUT/sim/$name.log" 2>&1 ||
-    { echo "reproduce.sh: $name failed:"; tail -20 "$OUT/sim/$name.log"; exit 1; }
-}
 median_compute() {  # the real run's median compute time of one gradient (rank 0's, ms)
   "$PY" -c "
 import json, sys
@@ -203,18 +230,10 @@ done
 # sync reaches in those steps (an easy target favours ever more backups: few gradients a
 # step get there too, only sooner).
 simc=(straggler.model="$LOGNORMAL" train.target_accuracy="$SIM_TARGET" "model.hidden=$SIM_HIDDEN")
-sweep100() {  # sweep100 PREFIX STRAGGLER "B..." : fixed b, then the adaptive quorum
-  local prefix=$1 model=$2 b
-  for b in $3 auto; do
-    local args=(--backups "$b") tag="b$b"
-    [ "$b" = auto ] && args=(quorum.quorum=auto) && tag=auto
-    sim "$prefix-$tag" --workers 100 "${args[@]}" "${simc[@]}" straggler.model="$model" \
-      train.batch_per_rank="$SIM_BATCH" train.steps="$SWEEP100_STEPS" train.eval_every="$SIM_EVAL"
-  done
-}
-sweep100 bsweep100 "$LOGNORMAL" "$SWEEP100_B"
-sweep100 bsweep100-shiftexp "$SHIFTEXP" "$SWEEP100R_B"
-sweep100 bsweep100-change "trace:$(change_trace 100 "$SWEEP100_STEPS")" "$SWEEP100R_B"
+for b in $SWEEP100_B; do
+  sim "bsweep100-b$b" --workers 100 --backups "$b" "${simc[@]}" \
+    train.batch_per_rank="$SIM_BATCH" train.steps="$SWEEP100_STEPS" train.eval_every="$SIM_EVAL"
+done
 for b in $SWEEP1000_B auto; do
   args=(--backups "$b") tag="b$b"
   [ "$b" = auto ] && args=(quorum.quorum=auto) && tag=auto
@@ -240,8 +259,61 @@ for w in 10 50 100; do
   done
 done
 
-# 4. Tables, plots and the claim table.
+fi  # [ -z "$ONLY" ]: parts 1-3
+
+# 4. The adaptive quorum (issue 18) against every fixed quorum. Each run counts the same
+# gradients (train.budget = "gradients": as many as full sync's steps make), so that what a
+# quorum reaches is not set by how many gradients it saw, and reads its schedule at the
+# gradients counted (docs/training.md). quorum.noise_scale (samples, configs/reproduce.toml)
+# is the rule's value of a step. Interleaved: every round (seed) runs each regime's quorums
+# one after the other. The changing regime's trace is drawn per seed (rank 1 slower from the
+# middle of full sync's run: the same step for every quorum) and long enough for a quorum of
+# 1 (real) or of ADAPT_SIM_MIN (sim, whose auto runs are bounded there).
+ADAPT_SIM_MIN=10
+adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
+  case $1 in
+    lognormal) echo "$LOGNORMAL" ;;
+    shiftexp) echo "$SHIFTEXP" ;;
+    change) echo "trace:$(change_trace "$2" $(( $3 * $2 / $4 )) $(( $3 / 2 )) "$5")" ;;
+  esac
+}
+for seed in $ADAPT_SEEDS; do
+  [ "$ONLY" = adaptive-sim ] && break
+  for regime in lognormal shiftexp change; do
+    for w in 4 8; do
+      model=$(adaptive_model "$regime" "$w" "$REAL_STEPS" 1 "$seed")
+      [ "$w" = 4 ] && qs=$ADAPT_Q4 || qs=$ADAPT_Q8
+      for q in auto $qs; do
+        if [ "$q" = auto ]; then args=(quorum.quorum=auto); tag=auto; else args=(quorum.quorum="$q"); tag=q$q; fi
+        real_in "$OUT/adaptive/real" "W$w-$regime-s$seed-$tag" "$w" straggler.model="$model" \
+          run.seed="$seed" train.budget=gradients "${args[@]}"
+      done
+    done
+  done
+done
+# The simulator at N+b = 100, every b of ADAPT_SIM_B and auto, ADAPT_SIM_SEEDS seeds; the
+# b sweep's model and target, compute and update times fixed (the medians measured on this
+# machine) so that a run is deterministic, the simulator's default network costs.
+for seed in $ADAPT_SIM_SEEDS; do
+  [ "$ONLY" = adaptive-real ] && break
+  for regime in lognormal shiftexp change; do
+    model=$(adaptive_model "$regime" 100 "$SWEEP100_STEPS" "$ADAPT_SIM_MIN" "$seed")
+    for b in auto $ADAPT_SIM_B; do
+      if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN"); else args=(--backups "$b"); fi
+      sim_in "$OUT/adaptive/sim" "N100-$regime-s$seed-b$b" --workers 100 "${args[@]}" \
+        --compute-ms 0.075 --apply-ms 0.077 straggler.model="$model" run.seed="$seed" \
+        train.budget=gradients train.target_accuracy="$SIM_TARGET" "model.hidden=$SIM_HIDDEN" \
+        train.batch_per_rank="$SIM_BATCH" train.steps="$SWEEP100_STEPS" train.eval_every="$ADAPT_SIM_EVAL"
+    done
+  done
+done
+
+# 5. Tables, plots and the claim table.
 log "analysis"
-"$PY" scripts/reproduce.py analyze "$OUT"
-"$PY" scripts/reproduce.py check "$OUT"
+if [ -n "$ONLY" ]; then
+  "$PY" scripts/reproduce.py adaptive "$OUT"
+else
+  "$PY" scripts/reproduce.py analyze "$OUT"
+  "$PY" scripts/reproduce.py check "$OUT"
+fi
 log "done in $(( $(date +%s) - start )) s; load average $(cut -d' ' -f1-3 /proc/loadavg)"

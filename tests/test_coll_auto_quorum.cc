@@ -130,6 +130,38 @@ TEST(AutoQuorum, ShiftedExponentialArrivalsFollowTheClosedForm) {
   EXPECT_NEAR(c.quorum, best, 1);
 }
 
+// With a gradient-noise scale kappa (in contributions), a step of k is worth k / (1 + k /
+// kappa): the rule maximizes that over E[T(k)] + C, and picks a smaller quorum than the
+// linear value on the same window; kappa 0 is the linear value, and a huge kappa agrees with it.
+TEST(AutoQuorum, ANoiseScaleValuesLargeStepsLessAndPicksASmallerQuorum) {
+  const int n = 16;
+  const double mean = 10, overhead = 20;
+  std::mt19937 rng(7);
+  std::exponential_distribution<double> ex(1.0 / mean);
+  std::deque<StepArrivals> w;
+  for (int t = 0; t < 400; ++t) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = 5 + ex(rng);
+    w.push_back(full_step(v, overhead));
+  }
+  const auto linear = choose_quorum(w, ranks(n), 1, 0);
+  EXPECT_EQ(choose_quorum(w, ranks(n), 1, 0, 0).quorum, linear.quorum);
+  EXPECT_EQ(choose_quorum(w, ranks(n), 1, 0, 1e12).quorum, linear.quorum);
+  const double kappa = 4;
+  const auto c = choose_quorum(w, ranks(n), 1, 0, kappa);
+  ASSERT_EQ(c.expected_ms, linear.expected_ms);  // the same estimate of the arrivals
+  int best = 0;
+  for (int k = 1; k <= n; ++k) {
+    const double t = c.expected_ms[size_t(k) - 1] + c.overhead_ms;
+    EXPECT_NEAR(c.rate[size_t(k) - 1], k / (1 + k / kappa) / t, 1e-12) << "k = " << k;
+    if (best == 0 || c.rate[size_t(k) - 1] >= c.rate[size_t(best) - 1]) best = k;
+  }
+  EXPECT_EQ(c.quorum, best);
+  EXPECT_LT(c.quorum, linear.quorum);
+  // The bounds still hold.
+  EXPECT_EQ(choose_quorum(w, ranks(n), c.quorum + 2, 0, kappa).quorum, c.quorum + 2);
+}
+
 // Contributions cut off at the decision are censored, not dropped: the estimate of the last
 // arrival lies beyond every offset observed, where a rule that ignored them would see the
 // cut-off arrivals as no later than the decision.

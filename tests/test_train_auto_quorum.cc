@@ -40,6 +40,13 @@ TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
   EXPECT_THROW(smoke("cfg", {"quorum.quorum=auto", "quorum.min=5"}).validate(4), ConfigError);
   // A count again clears "auto".
   EXPECT_FALSE(smoke("cfg", {"quorum.quorum=auto", "quorum.quorum=3"}).quorum.quorum_auto);
+  // The rule's noise scale: samples, >= 0 (0, the default, is the linear value).
+  EXPECT_EQ(smoke("cfg").quorum.noise_scale, 0);
+  auto ns = smoke("cfg", {"quorum.quorum=auto", "quorum.noise_scale=400"});
+  EXPECT_EQ(TrainConfig::from_string(ns.to_toml()).quorum.noise_scale, 400);
+  EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=-1"}).validate(4), ConfigError);
+  EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=nan"}).validate(4), ConfigError);
+  EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=\"big\""}), ConfigError);
 }
 
 // Rank 2 sleeps 200 ms before every gradient: "auto" (bounds 3..4) leaves it out after the

@@ -172,6 +172,7 @@ std::vector<Field> fields() {
                }});
   f.push_back(int_field("quorum.min", QRING_ACC(quorum.min)));
   f.push_back(int_field("quorum.max", QRING_ACC(quorum.max)));
+  f.push_back(float_field("quorum.noise_scale", QRING_ACC(quorum.noise_scale)));
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
@@ -449,6 +450,9 @@ void TrainConfig::validate(int world) const {
   if (quorum.max > 0 && quorum.max < quorum.min)
     fail("quorum.max", fmt::format("must be 0 or >= quorum.min ({}), got {}", quorum.min,
                                    quorum.max));
+  if (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale))
+    fail("quorum.noise_scale",
+         fmt::format("must be a number of samples >= 0 (0 = none), got {}", quorum.noise_scale));
   if (world > 0 && quorum.quorum_auto && quorum.min > world)
     fail("quorum.min", fmt::format("{} is more than the {} ranks of this job", quorum.min, world));
   if (world > 0 && quorum.quorum_auto && quorum.max > world)

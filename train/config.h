@@ -71,6 +71,10 @@ struct QuorumSection {
   bool quorum_auto = false;
   int64_t min = 1;  // quorum "auto": bounds of Q(t); max 0 = the world
   int64_t max = 0;
+  // quorum "auto": the gradient-noise scale in samples (0 = none): the value of a step that
+  // averages k workers' batches of b samples is taken as k / (1 + k b / noise_scale) instead
+  // of k (collectives/auto_quorum.h).
+  double noise_scale = 0;
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry

@@ -290,7 +290,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     if (opts.adaptive) {
       // The coordinator's view of it: this step opens at its first arrival.
       if (since_first >= 0) window.opened(uint64_t(t), since_first + arr.front().ms);
-      N = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max)
+      N = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max,
+                                     opts.auto_kappa)
               .quorum;
     }
     std::fill(sum.begin(), sum.end(), 0.0f);
@@ -553,6 +554,7 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
     j["step_cost_full_ms"] = table(opts.step_cost_full_ms);
     j["step_cost_backup_ms"] = table(opts.step_cost_backup_ms);
     j["target_accuracy"] = cfg.train.target_accuracy;
+    j["budget"] = cfg.train.budget;
     j["evals"] = nlohmann::json::array();
     for (const auto& e : res.evals)
       j["evals"].push_back({{"step", e.step}, {"virtual_s", e.virtual_s},

@@ -89,6 +89,7 @@ struct SimOptions {
   // trip charged every step (no speculation), as qring-train.
   bool adaptive = false;
   int auto_min = 1, auto_max = 0;
+  double auto_kappa = 0;  // the rule's noise scale in workers' batches (0 = linear value)
 };
 
 struct SimStepRecord {

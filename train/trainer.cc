@@ -223,6 +223,7 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
   qo.min_world = int(cfg.quorum.min_world);
   qo.adaptive = cfg.quorum.quorum_auto;
   qo.auto_max = int(cfg.quorum.max);
+  qo.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
   qo.store = opts.store;
   qo.join = joining;
   // What ranks compare at start (the allgather above), for a rank that comes back to compare
