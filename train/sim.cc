@@ -142,6 +142,7 @@ class SimRun {
                        {"loss", r.loss},           {"lr", r.lr},
                        {"contributors", r.contributors}};
       if (with_ranks) {
+        if (r.noise_scale) j["noise_scale"] = *r.noise_scale;
         j["quorum"] = r.contributors;
         j["kth_arrival_ms"] = r.kth_arrival_ms;
         j["ranks"] = r.ranks;
@@ -277,6 +278,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   std::vector<int> members(static_cast<size_t>(W));
   for (int w = 0; w < W; ++w) members[size_t(w)] = w;
   collectives::AutoQuorumWindow window;
+  NoiseScaleEstimate noise;
+  std::vector<double> noise_all, noise_before_target;
   double since_first = -1;  // from the previous step's first arrival to its end
   double vt = 0;
   // A budget of gradients runs an unknown number of steps: the k-th arrival means are sums
@@ -295,19 +298,32 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
               .quorum;
     }
     std::fill(sum.begin(), sum.end(), 0.0f);
-    double loss = 0;
+    double loss = 0, sq = 0;
     SimStepRecord r;
     r.step = t;
     for (int i = 0; i < N; ++i) {
       const int w = arr[size_t(i)].rank;
       loss += run.gradient(w);
       const float* g = core.gradient();
-      for (size_t p = 0; p < P; ++p) sum[p] += g[p];
+      for (size_t p = 0; p < P; ++p) {
+        sum[p] += g[p];
+        sq += double(g[p]) * double(g[p]);
+      }
       r.ranks.push_back(w);
     }
     for (int i = N; i < W; ++i) run.skip(arr[size_t(i)].rank);
     const float inv = 1.0f / float(N);
-    for (size_t p = 0; p < P; ++p) sum[p] *= inv;
+    double mean_sq = 0;
+    for (size_t p = 0; p < P; ++p) {
+      sum[p] *= inv;
+      mean_sq += double(sum[p]) * double(sum[p]);
+    }
+    noise.add(sq / N, mean_sq, N, int(cfg.train.batch_per_rank));
+    r.noise_scale = noise.value();
+    if (r.noise_scale) {
+      noise_all.push_back(*r.noise_scale);
+      if (!res.time_to_target_s) noise_before_target.push_back(*r.noise_scale);
+    }
     const double lr_scale = opts.adaptive ? double(N) / double(qmax) : 1.0;
     r.lr = core.lr() * lr_scale;
     core.apply_gradient(sum.data(), lr_scale, N);
@@ -338,6 +354,14 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   run.evaluate(t, vt);
   res.step_p50_ms = quantile(step_ms, 0.5);
   res.step_p90_ms = quantile(step_ms, 0.9);
+  auto mean_of = [](const std::vector<double>& v) -> std::optional<double> {
+    if (v.empty()) return std::nullopt;
+    double s = 0;
+    for (double x : v) s += x;
+    return s / double(v.size());
+  };
+  res.noise_scale_mean = mean_of(noise_all);
+  res.noise_scale_to_target = mean_of(noise_before_target);
   run.finish(vt);
 }
 
@@ -499,6 +523,26 @@ double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_m
   return sim_step_comm_ms(o, n, o.backups == 0, bytes, apply_ms);
 }
 
+void NoiseScaleEstimate::add(double mean_sq, double mean_grad_sq, int n, int batch) {
+  if (n < 2 || batch < 1) return;
+  const double k = double(n);
+  const double g2 = (k * mean_grad_sq - mean_sq) / (k - 1);
+  const double trace = double(batch) * k * (mean_sq - mean_grad_sq) / (k - 1);
+  if (!any_) {
+    g2_ = g2;
+    trace_ = trace;
+    any_ = true;
+  } else {
+    g2_ += alpha_ * (g2 - g2_);
+    trace_ += alpha_ * (trace - trace_);
+  }
+}
+
+std::optional<double> NoiseScaleEstimate::value() const {
+  if (!any_ || !(g2_ > 0)) return std::nullopt;
+  return trace_ / g2_;
+}
+
 nlohmann::json SimResult::to_json() const {
   nlohmann::json j;
   j["test_accuracy"] = test_accuracy;
@@ -519,6 +563,11 @@ nlohmann::json SimResult::to_json() const {
   j["staleness_hist"] = staleness_hist;
   j["kth_arrival_mean_ms"] = kth_arrival_mean_ms;
   j["params_checksum"] = fmt::format("{:016x}", params_checksum);
+  auto opt = [](const std::optional<double>& v) {
+    return v ? nlohmann::json(*v) : nlohmann::json();
+  };
+  j["noise_scale_mean"] = opt(noise_scale_mean);
+  j["noise_scale_to_target"] = opt(noise_scale_to_target);
   return j;
 }
 

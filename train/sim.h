@@ -103,6 +103,27 @@ struct SimStepRecord {
   double kth_arrival_ms = 0;       // sync: the N-th arrival (compute + delay)
   double staleness_mean = 0;       // async
   int64_t staleness_max = 0;       // async
+  std::optional<double> noise_scale;  // sync: the gradient-noise estimate after this step
+};
+
+// The gradient-noise scale B_simple = tr(S) / |G|^2, in samples (McCandlish, Kaplan, Amodei,
+// "An Empirical Model of Large-Batch Training", 2018, appendix A: the unbiased two-batch
+// estimates): from a step's N >= 2 worker gradients g_i of b samples each and their mean g,
+//   |G|^2 ~ (N |g|^2 - mean |g_i|^2) / (N - 1),   tr(S) ~ b N (mean |g_i|^2 - |g|^2) / (N - 1),
+// each averaged over steps (an exponential moving average, weight `alpha` for the newest),
+// the estimate their ratio. quorum.noise_scale is this number (docs/design.md).
+class NoiseScaleEstimate {
+ public:
+  explicit NoiseScaleEstimate(double alpha = 0.05) : alpha_(alpha) {}
+  // mean_sq: the mean over the N gradients of |g_i|^2; mean_grad_sq: |mean of the g_i|^2.
+  void add(double mean_sq, double mean_grad_sq, int n, int batch);
+  // None before a step of N >= 2, or while the |G|^2 average is not positive.
+  std::optional<double> value() const;
+
+ private:
+  double alpha_;
+  bool any_ = false;
+  double g2_ = 0, trace_ = 0;
 };
 
 struct SimEval {
@@ -128,6 +149,9 @@ struct SimResult {
   std::vector<int64_t> staleness_hist;      // async: [s] = updates with staleness s
   std::vector<double> kth_arrival_mean_ms;  // sync: [k-1] = mean over steps of the k-th arrival
   std::map<int, int64_t> quorum_hist;       // sync: steps decided with each quorum
+  // sync: the mean over steps of the gradient-noise estimate (samples), over the whole run
+  // and over the steps before the target accuracy was first reached (the whole run if never)
+  std::optional<double> noise_scale_mean, noise_scale_to_target;
   uint64_t params_checksum = 0;
   nlohmann::json to_json() const;
 };

@@ -55,7 +55,10 @@ const char* kUsage =
     "\n"
     "Writes run.out_dir/run.name/{{metrics.jsonl, summary.json, config.toml, arrivals.jsonl}}.\n"
     "Compute time of worker w at its k-th gradient = compute + straggler.model's\n"
-    "delay(run.seed, w, k). One compute thread unless OMP_NUM_THREADS is set.\n";
+    "delay(run.seed, w, k). One compute thread unless OMP_NUM_THREADS is set.\n"
+    "Sync runs estimate the gradient-noise scale B_simple from each step's gradients\n"
+    "(samples; noise_scale on step lines, its means in summary.json): the value for\n"
+    "quorum.noise_scale, the adaptive quorum's value of a step.\n";
 
 std::string usage() {
   return fmt::format(fmt::runtime(kUsage), qring::train::kSimDefaultAlphaUs,
@@ -215,12 +218,14 @@ void print_result(const qring::train::SimOptions& opts, const qring::train::SimR
   fmt::print(
       "mode {} workers {} backups {} test_accuracy {:.4f} best {:.4f} time_to_target_s {} "
       "virtual_s {:.2f} step_p50_ms {:.2f} step_p90_ms {:.2f} staleness_mean {:.2f} "
-      "compute_ms {:.3f} gradients {} wall_s {:.1f}\n",
-      opts.mode == qring::train::SimMode::kSync ? "sync" : "async", opts.workers,
-      opts.backups, r.test_accuracy, r.best_test_accuracy,
+      "compute_ms {:.3f} gradients {} noise_scale_to_target {} wall_s {:.1f}\n",
+      opts.mode == qring::train::SimMode::kSync ? "sync" : "async", opts.workers, opts.backups,
+      r.test_accuracy, r.best_test_accuracy,
       r.time_to_target_s ? fmt::format("{:.2f}", *r.time_to_target_s) : std::string("-"),
       r.virtual_s, r.step_p50_ms, r.step_p90_ms, r.staleness_mean, r.compute_ms,
-      r.gradients_computed, r.wall_s);
+      r.gradients_computed,
+      r.noise_scale_to_target ? fmt::format("{:.0f}", *r.noise_scale_to_target) : std::string("-"),
+      r.wall_s);
 }
 
 }  // namespace
