@@ -478,6 +478,17 @@ def adaptive(d):
         sys.exit(f"reproduce.py adaptive: no runs of part 4 in {d}/adaptive")
 
 
+def _cell(per, c, key, tail):
+    """One table cell: configuration c's mean `key` (s, or — if a seed missed the target) and
+    its `tail` ("acc": final accuracy in %, "train": training time in s)."""
+    v = per.get(c)
+    if v is None:
+        return ""
+    t = v[key]
+    t = "—" if t is None else f"{t:.2f}"
+    return f"{t} ({100 * v['final_accuracy']:.2f})" if tail == "acc" else f"{t} / {v['train_s']:.1f}"
+
+
 def adaptive_markdown(rows):
     """Markdown tables of tables/adaptive.json, one per kind and world: a row per regime, a
     column per configuration, each cell the mean time to target (s) and final accuracy (%)."""
@@ -500,11 +511,7 @@ def adaptive_markdown(rows):
             per = r["configs"]
 
             def cell(c):
-                v = per.get(c)
-                if v is None:
-                    return ""
-                t = v["time_to_target_s"]
-                return f"{'—' if t is None else f'{t:.2f}'} ({100 * v['final_accuracy']:.2f})"
+                return _cell(per, c, "time_to_target_s", "acc")
             a = per["auto"]["time_to_target_s"]
             best = per[str(r["best_fixed"])]["time_to_target_s"] if r["best_fixed"] is not None else None
             vs = f"{100 * (a / best - 1):+.1f} %" if a and best else "—"
@@ -522,11 +529,7 @@ def adaptive_markdown(rows):
             per = r["configs"]
 
             def cell3(c):
-                v = per.get(c)
-                if v is None:
-                    return ""
-                t = v["time_to_target_mean3_s"]
-                return f"{'—' if t is None else f'{t:.2f}'} / {v['train_s']:.1f}"
+                return _cell(per, c, "time_to_target_mean3_s", "train")
             fx = [float(per[c]["time_to_target_mean3_s"]) for c in cfgs
                   if per.get(c) and per[c]["time_to_target_mean3_s"]]
             a3 = per["auto"]["time_to_target_mean3_s"]

@@ -46,6 +46,19 @@ StepArrivals cut_step(std::vector<double> offsets, int q, double overhead) {
   return s;
 }
 
+// 400 steps where every member arrived 5 ms + an exponential of `mean` after the step began.
+std::deque<StepArrivals> shifted_exponential_window(int n, double mean, double overhead) {
+  std::mt19937 rng(7);
+  std::exponential_distribution<double> ex(1.0 / mean);
+  std::deque<StepArrivals> w;
+  for (int t = 0; t < 400; ++t) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = 5 + ex(rng);
+    w.push_back(full_step(v, overhead));
+  }
+  return w;
+}
+
 double harmonic(int n) {
   double h = 0;
   for (int i = 1; i <= n; ++i) h += 1.0 / i;
@@ -104,14 +117,7 @@ TEST(AutoQuorum, APersistentStragglerIsLeftOut) {
 TEST(AutoQuorum, ShiftedExponentialArrivalsFollowTheClosedForm) {
   const int n = 16;
   const double mean = 10, overhead = 20;
-  std::mt19937 rng(7);
-  std::exponential_distribution<double> ex(1.0 / mean);
-  std::deque<StepArrivals> w;
-  for (int t = 0; t < 400; ++t) {
-    std::vector<double> v(static_cast<size_t>(n));
-    for (auto& x : v) x = 5 + ex(rng);
-    w.push_back(full_step(v, overhead));
-  }
+  const auto w = shifted_exponential_window(n, mean, overhead);
   auto c = choose_quorum(w, ranks(n), 1, 0);
   int best = 1;
   double best_rate = 0;
@@ -135,15 +141,7 @@ TEST(AutoQuorum, ShiftedExponentialArrivalsFollowTheClosedForm) {
 // linear value on the same window; kappa 0 is the linear value, and a huge kappa agrees with it.
 TEST(AutoQuorum, ANoiseScaleValuesLargeStepsLessAndPicksASmallerQuorum) {
   const int n = 16;
-  const double mean = 10, overhead = 20;
-  std::mt19937 rng(7);
-  std::exponential_distribution<double> ex(1.0 / mean);
-  std::deque<StepArrivals> w;
-  for (int t = 0; t < 400; ++t) {
-    std::vector<double> v(static_cast<size_t>(n));
-    for (auto& x : v) x = 5 + ex(rng);
-    w.push_back(full_step(v, overhead));
-  }
+  const auto w = shifted_exponential_window(n, 10, 20);
   const auto linear = choose_quorum(w, ranks(n), 1, 0);
   EXPECT_EQ(choose_quorum(w, ranks(n), 1, 0, 0).quorum, linear.quorum);
   EXPECT_EQ(choose_quorum(w, ranks(n), 1, 0, 1e12).quorum, linear.quorum);
