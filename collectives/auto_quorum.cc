@@ -111,8 +111,10 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   std::vector<double> overheads;
   double event_sum = 0;
   size_t events = 0;
+  std::vector<double> observed;  // per step of the window, the arrivals it observed
   for (const auto& s : window) {
     bool any = false;
+    int arrived = 0;
     for (size_t i = 0; i < members.size(); ++i) {
       const size_t r = size_t(members[i]);
       if (r >= s.offset_ms.size() || s.offset_ms[r] == StepArrivals::kNotMember) continue;
@@ -123,9 +125,11 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
       if (o.event) {
         event_sum += o.x;
         ++events;
+        ++arrived;
       }
       any = true;
     }
+    if (any) observed.push_back(arrived);
     if (any && s.cycle_ms >= 0) overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
   }
   if (n == 1 || events == 0 || event_sum <= 0 || overheads.empty()) return c;
@@ -177,6 +181,14 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
     for (int k = 1; k <= n; ++k) e[size_t(k)] += width * below[size_t(k)];
   }
 
+  // The trust region: beyond the arrivals the window's steps observed, E[T(k)] rests on the
+  // extrapolated tail, which forgets the slow arrivals once the steps that saw them leave the
+  // window; the choice goes at most kExplore (at least one) beyond the median step's arrivals,
+  // and so observes them. The median, not the most: one exploring step does not open the way
+  // for the next to climb further.
+  const int support = int(median(observed));
+  const int cap =
+      std::max(lo, std::min(hi, support + std::max(1, int(std::ceil(double(support) * kExplore)))));
   c.overhead_ms = median(overheads);
   c.expected_ms.assign(e.begin() + 1, e.end());
   c.rate.assign(size_t(n), 0.0);
@@ -186,7 +198,7 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
     const double value = kappa > 0 ? double(k) / (1.0 + double(k) / kappa) : double(k);
     c.rate[size_t(k) - 1] = t > 0 ? value / t : std::numeric_limits<double>::infinity();
     // Ties go to the larger quorum (more gradients for the same rate).
-    if (k >= lo && k <= hi && c.rate[size_t(k) - 1] >= best) {
+    if (k >= lo && k <= cap && c.rate[size_t(k) - 1] >= best) {
       best = c.rate[size_t(k) - 1];
       c.quorum = k;
     }

@@ -180,6 +180,43 @@ TEST(AutoQuorum, CutOffContributionsAreCensoredNotDropped) {
   for (int k = 2; k <= n; ++k) EXPECT_GE(c.expected_ms[size_t(k) - 1], c.expected_ms[size_t(k) - 2]);
 }
 
+// The trust region: beyond what the window observed, E[T(k)] is the extrapolated tail. Steps
+// cut at the 8th of 40 arrivals, members alike and close together: the tail extrapolated
+// from the 8 observed says the 32 cut off arrive at once, and the rule would wait for all 40;
+// it goes at most a quarter beyond the median step's 8 observed (10). One step that
+// observed all 40 (the exploration) does not move the median, so the next choice does not
+// climb further; a window that observed all 40 in most steps allows them all.
+TEST(AutoQuorum, AChoiceGoesAtMostAQuarterBeyondTheArrivalsObserved) {
+  const int n = 40;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(0, 1);
+  auto offsets = [&] {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (auto& x : v) x = u(rng);
+    return v;
+  };
+  std::deque<StepArrivals> w;
+  for (int t = 0; t < 32; ++t) w.push_back(cut_step(offsets(), 8, 20));
+  auto c = choose_quorum(w, ranks(n), 1, 0);
+  EXPECT_EQ(c.quorum, 10);
+  // Without the region the rate would be best at a larger quorum (the extrapolated tail).
+  const auto best = std::max_element(c.rate.begin(), c.rate.end()) - c.rate.begin() + 1;
+  EXPECT_GT(best, 10);
+  // One exploring step that observed all 40 leaves the median (and the choice) where it was.
+  w.pop_front();
+  w.push_back(full_step(offsets(), 20));
+  EXPECT_EQ(choose_quorum(w, ranks(n), 1, 0).quorum, 10);
+  // Small quorums still grow by one; the bounds win over the region.
+  std::deque<StepArrivals> small;
+  for (int t = 0; t < 32; ++t) small.push_back(cut_step(offsets(), 2, 20));
+  EXPECT_EQ(choose_quorum(small, ranks(n), 1, 0).quorum, 3);
+  EXPECT_EQ(choose_quorum(small, ranks(n), 20, 0).quorum, 20);
+  // Most steps observed everyone: no limit below the world.
+  std::deque<StepArrivals> seen;
+  for (int t = 0; t < 32; ++t)
+    seen.push_back(t % 3 ? full_step(offsets(), 20) : cut_step(offsets(), 8, 20));
+  EXPECT_EQ(choose_quorum(seen, ranks(n), 1, 0).quorum, n);
+}
 // One member turns 5x slower: once the window holds the new regime, it is left out.
 TEST(AutoQuorum, ARegimeChangeIsFollowed) {
   const int n = 8;
