@@ -27,6 +27,9 @@
 # adaptive-real or adaptive-sim: its real runs or its simulated ones, the other half kept)
 # and analyzes what DIR/adaptive holds (scripts/reproduce.py adaptive DIR). Results: DIR (default
 # runs/reproduce): calibration/, real/, sim/, adaptive/, tables/, plots/, claims.{json,md}.
+# Part 4's real runs take QRING_ADAPT_Q4 / QRING_ADAPT_Q8 (the fixed quorums at 4 and 8 ranks,
+# e.g. "1 2 3") and QRING_ADAPT_NOISE_SCALE (auto's quorum.noise_scale, samples) from the
+# environment, for experiments beside the configured ones (docs/reproduction.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=full
@@ -270,6 +273,8 @@ fi  # [ -z "$ONLY" ]: parts 1-3
 # middle of full sync's run: the same step for every quorum) and long enough for a quorum of
 # 1 (real) or of ADAPT_SIM_MIN (sim, whose auto runs are bounded there).
 ADAPT_SIM_MIN=10
+ADAPT_Q4=${QRING_ADAPT_Q4:-$ADAPT_Q4}
+ADAPT_Q8=${QRING_ADAPT_Q8:-$ADAPT_Q8}
 adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
   case $1 in
     lognormal) echo "$LOGNORMAL" ;;
@@ -284,7 +289,9 @@ for seed in $ADAPT_SEEDS; do
       model=$(adaptive_model "$regime" "$w" "$REAL_STEPS" 1 "$seed")
       [ "$w" = 4 ] && qs=$ADAPT_Q4 || qs=$ADAPT_Q8
       for q in auto $qs; do
-        if [ "$q" = auto ]; then args=(quorum.quorum=auto); tag=auto; else args=(quorum.quorum="$q"); tag=q$q; fi
+        if [ "$q" = auto ]; then
+          args=(quorum.quorum=auto ${QRING_ADAPT_NOISE_SCALE:+quorum.noise_scale="$QRING_ADAPT_NOISE_SCALE"}); tag=auto
+        else args=(quorum.quorum="$q"); tag=q$q; fi
         real_in "$OUT/adaptive/real" "W$w-$regime-s$seed-$tag" "$w" straggler.model="$model" \
           run.seed="$seed" train.budget=gradients "${args[@]}"
       done
