@@ -509,16 +509,14 @@ def adaptive_markdown(rows):
         out.append("|---|" + "---|" * (len(heads) + 2))
         for r in group:
             per = r["configs"]
-
-            def cell(c):
-                return _cell(per, c, "time_to_target_s", "acc")
             a = per["auto"]["time_to_target_s"]
             best = per[str(r["best_fixed"])]["time_to_target_s"] if r["best_fixed"] is not None else None
             vs = f"{100 * (a / best - 1):+.1f} %" if a and best else "—"
             n = per["auto"]["mean_contributors"]
             out.append(f"| {r['regime']} ({', '.join(map(str, r['seeds']))}) | " +
-                       " | ".join(cell(c) for c in cfgs) +
-                       f" | {cell('auto')} ({'' if n is None else f'{n:.1f}'}) | {vs} |")
+                       " | ".join(_cell(per, c, "time_to_target_s", "acc") for c in cfgs) +
+                       f" | {_cell(per, 'auto', 'time_to_target_s', 'acc')} "
+                       f"({'' if n is None else f'{n:.1f}'}) | {vs} |")
         out.append("")
         out.append("The same runs: time to target on the running mean of three evaluations, and "
                    "the training time of the whole budget (s).")
@@ -527,15 +525,13 @@ def adaptive_markdown(rows):
         out.append("|---|" + "---|" * (len(heads) + 2))
         for r in group:
             per = r["configs"]
-
-            def cell3(c):
-                return _cell(per, c, "time_to_target_mean3_s", "train")
             fx = [float(per[c]["time_to_target_mean3_s"]) for c in cfgs
                   if per.get(c) and per[c]["time_to_target_mean3_s"]]
             a3 = per["auto"]["time_to_target_mean3_s"]
             vs3 = f"{100 * (a3 / min(fx) - 1):+.1f} %" if a3 and fx else "—"
-            out.append(f"| {r['regime']} | " + " | ".join(cell3(c) for c in cfgs) +
-                       f" | {cell3('auto')} | {vs3} |")
+            out.append(f"| {r['regime']} | " +
+                       " | ".join(_cell(per, c, "time_to_target_mean3_s", "train") for c in cfgs) +
+                       f" | {_cell(per, 'auto', 'time_to_target_mean3_s', 'train')} | {vs3} |")
         out.append("")
     return "\n".join(out)
 

@@ -217,6 +217,7 @@ TEST(AutoQuorum, AChoiceGoesAtMostAQuarterBeyondTheArrivalsObserved) {
     seen.push_back(t % 3 ? full_step(offsets(), 20) : cut_step(offsets(), 8, 20));
   EXPECT_EQ(choose_quorum(seen, ranks(n), 1, 0).quorum, n);
 }
+
 // One member turns 5x slower: once the window holds the new regime, it is left out.
 TEST(AutoQuorum, ARegimeChangeIsFollowed) {
   const int n = 8;
