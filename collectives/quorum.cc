@@ -851,7 +851,16 @@ class QuorumService final : public EngineOp {
       try {
         v = decode_join_value(value, world_, join_key(instance_, rank_, my_inc_, p));
         why = Communicator::settings_difference(join_settings(ep), rank_, v.settings, p);
-        if (why.empty()) connect_peer(ep, p, v.address, v.incarnation);
+        if (why.empty()) {
+          connect_peer(ep, p, v.address, v.incarnation);
+          // Providers that connect on first use (ofi_rxm over tcp: a handshake that needs
+          // both sides' progress) do it now, while the members step without this rank, and
+          // not in the first ring step that counts it.
+          Event warm;
+          warm.from = rank_;
+          warm.completed = completed_;
+          send_up_to(ep, p, qwire::Up::kWarm, warm);
+        }
       } catch (const std::exception& e) {
         throw ConfigError(fmt::format("rank {}: rejoin: cannot connect to rank {}: {}", rank_,
                                       p, e.what()));
@@ -1039,6 +1048,7 @@ class QuorumService final : public EngineOp {
       ++in.next;
       post_up_recv(ep, from);
       --from;  // the next message of this peer may be waiting already
+      if (type == qwire::Up::kWarm) continue;  // it has done its work: the connection is open
       if (type == qwire::Up::kDeposed) {
         if (coord_state_)
           throw Evicted(fmt::format(

@@ -171,7 +171,7 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kAccept))
+  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kWarm))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
   if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
@@ -218,6 +218,10 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     case Up::kShard: e.kind = qproto::Event::Kind::kHeartbeat; break;  // kept by the service
     case Up::kHello: e.kind = qproto::Event::Kind::kHello; break;
     case Up::kAccept: e.kind = qproto::Event::Kind::kAccept; break;
+    // Dropped by the service.
+    case Up::kWarm:
+      e.kind = qproto::Event::Kind::kTick;
+      break;
   }
   e.from = from;
   e.step = w.step;

@@ -32,11 +32,12 @@ enum class Up : uint8_t {
   kReport = 3,
   kSuspect = 4,
   kBye = 5,
-  kAck = 6,     // accepts a takeover: 48 bytes + the decisions it knows (failover)
+  kAck = 6,      // accepts a takeover: 48 bytes + the decisions it knows (failover)
   kDeposed = 7,  // to a rank that still acts as coordinator: another one took over
   kShard = 8,    // part `attempt` of `count` parts of the report keyed `step` (+ float64s)
   kHello = 9,    // incarnation `count` of the sender rejoins (it reaches every member)
-  kAccept = 10   // the sender reconnected to incarnation `count` of rank `suspect`
+  kAccept = 10,  // the sender reconnected to incarnation `count` of rank `suspect`
+  kWarm = 11     // a joiner's first message to a member: opens their connection; dropped
 };
 enum class Down : uint8_t {
   kDecide = 1,

@@ -341,6 +341,14 @@ TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   back = wire::decode_up(up.data(), up.size(), world, 1, &type);
   EXPECT_TRUE(back.absent);
   EXPECT_FALSE(back.have);
+  // A joiner's WARM to a member (it opens the connection): decoded, and nothing the
+  // coordinator's state machine acts on.
+  Event warm;
+  warm.from = 3;
+  up = wire::encode_up(world, wire::Up::kWarm, warm);
+  back = wire::decode_up(up.data(), up.size(), world, 3, &type);
+  EXPECT_EQ(type, wire::Up::kWarm);
+  EXPECT_EQ(back.kind, Event::Kind::kTick);
 
   wire::DownMsg j;
   j.type = wire::Down::kJoining;
@@ -388,6 +396,9 @@ TEST(QuorumWireRejoin, MalformedJoinMessagesAreRejected) {
   up = wire::encode_up(world, wire::Up::kAccept, e);
   EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
   up = wire::encode_up(world, wire::Up::kHello, e);
+  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  e.count = 1;
+  up = wire::encode_up(world, wire::Up(uint8_t(wire::Up::kWarm) + 1), e);  // no such type
   EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
 
   wire::DownMsg v;

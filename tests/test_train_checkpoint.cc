@@ -11,6 +11,7 @@
 
 #include "net/error.h"
 #include "train/checkpoint.h"
+#include "train/crc32.h"
 #include "train/rng.h"
 
 namespace qring::train {
@@ -204,6 +205,28 @@ TEST(Checkpoint, DetectsCorruption) {
   expect_load_error(p, "corrupt");
 
   expect_load_error(dir.path() + "/none.qck", "cannot open");
+}
+
+// The checksum of checkpoints and of the rejoin state: zlib's CRC-32, also where the bulk is
+// folded by carry-less multiplication (lengths of 64 bytes and more), at any alignment and
+// continued from any value.
+TEST(Crc32, GivesZlibsValueForEveryLengthAlignmentAndStart) {
+  EXPECT_EQ(crc32_ieee(0, "123456789", 9), 0xCBF43926u);  // the check value of CRC-32
+  Rng rng(7);
+  std::vector<uint8_t> bytes(1 << 20);
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng.next_u64());
+  for (size_t n = 0; n <= 300; ++n)
+    for (size_t off = 0; off < 16; off += 3) {
+      const auto start = static_cast<uint32_t>(rng.next_u64());
+      ASSERT_EQ(crc32_ieee(start, bytes.data() + off, n),
+                crc32_ieee_zlib(start, bytes.data() + off, n))
+          << n << " bytes at offset " << off;
+    }
+  EXPECT_EQ(crc32_ieee(0, bytes.data() + 5, bytes.size() - 5),
+            crc32_ieee_zlib(0, bytes.data() + 5, bytes.size() - 5));
+  // In pieces, as a stream: the same as at once.
+  const uint32_t half = crc32_ieee(0, bytes.data(), 1000);
+  EXPECT_EQ(crc32_ieee(half, bytes.data() + 1000, 5000), crc32_ieee_zlib(0, bytes.data(), 6000));
 }
 
 TEST(Checkpoint, WriteFailureIsAnError) {

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -16,6 +15,7 @@
 #include <utility>
 
 #include "net/error.h"
+#include "train/crc32.h"
 
 namespace qring::train {
 namespace {
@@ -89,14 +89,7 @@ class Reader {
 };
 
 uint32_t crc(const uint8_t* p, size_t n) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  while (n > 0) {
-    const uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
-    c = crc32(c, p, chunk);
-    p += chunk;
-    n -= chunk;
-  }
-  return static_cast<uint32_t>(c);
+  return crc32_ieee(0, p, n);
 }
 
 [[noreturn]] void sys_fail(const std::string& what, const std::string& path) {
