@@ -13,6 +13,7 @@
 
 #include "collectives/engine.h"
 #include "net/error.h"
+#include "net/shm_region.h"
 
 namespace qring::collectives {
 
@@ -44,16 +45,18 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
   auto p = split(spec);
   FaultSpec f;
   size_t phase_at;
-  if (p[0] == "kill" && (p.size() == 3 || p.size() == 4)) {
-    f.action = Action::kKill;
+  if ((p[0] == "kill" || p[0] == "kill-locked") && (p.size() == 3 || p.size() == 4)) {
+    f.action = p[0] == "kill" ? Action::kKill : Action::kKillLocked;
     phase_at = 3;
   } else if (p[0] == "stop" && (p.size() == 4 || p.size() == 5)) {
     f.action = Action::kStop;
     f.stop_ms = int(number(spec, p[3], "pause (ms)"));
     phase_at = 4;
   } else {
-    throw ConfigError(fmt::format(
-        "fault '{}': expected kill:RANK:STEP[:PHASE] or stop:RANK:STEP:MS[:PHASE]", spec));
+    throw ConfigError(
+        fmt::format("fault '{}': expected kill:RANK:STEP[:PHASE], kill-locked:RANK:STEP[:PHASE] or "
+                    "stop:RANK:STEP:MS[:PHASE]",
+                    spec));
   }
   f.rank = int(number(spec, p[1], "rank"));
   f.step = uint64_t(number(spec, p[2], "step"));
@@ -80,13 +83,17 @@ std::vector<FaultSpec> FaultSpec::parse_list(std::string_view specs) {
 
 std::string FaultSpec::spec() const {
   if (action == Action::kKill) return fmt::format("kill:{}:{}:{}", rank, step, phase);
+  if (action == Action::kKillLocked) return fmt::format("kill-locked:{}:{}:{}", rank, step, phase);
   return fmt::format("stop:{}:{}:{}:{}", rank, step, stop_ms, phase);
 }
 
 void FaultSpec::inject(Engine* engine) const {
   std::unique_lock<std::mutex> hold;
   if (engine) hold = engine->hold_progress();
-  if (action == Action::kKill) {
+  // With the progress lock held no thread of this process is inside the provider, so the
+  // region locks are free to take.
+  if (action == Action::kKillLocked) net::take_own_shm_locks();
+  if (action == Action::kKill || action == Action::kKillLocked) {
     ::kill(::getpid(), SIGKILL);
     ::pause();
   }

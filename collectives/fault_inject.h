@@ -5,6 +5,8 @@
 //
 //   kill:RANK:STEP[:PHASE]       SIGKILL at step STEP of rank RANK (or the first step after
 //                                it that has PHASE)
+//   kill-locked:RANK:STEP[:PHASE]  the same, holding the locks of its shm regions, as a rank
+//                                killed inside libfabric's shm receive path (net/shm_region.h)
 //   stop:RANK:STEP:MS[:PHASE]    SIGSTOP there, SIGCONT MS milliseconds later
 //
 // PHASE: step (default; before the step's work), ready (right after the contribution was
@@ -23,12 +25,14 @@ namespace qring::collectives {
 class Engine;
 
 struct FaultSpec {
-  enum class Action : uint8_t { kKill, kStop } action = Action::kKill;
+  enum class Action : uint8_t { kKill, kKillLocked, kStop } action = Action::kKill;
   int rank = 0;
   uint64_t step = 0;
   int stop_ms = 0;
   std::string phase = "step";
 
+  // The process dies (kill, kill-locked).
+  bool kills() const { return action != Action::kStop; }
   // ConfigError on a malformed spec; an empty string is no fault.
   static std::optional<FaultSpec> parse(std::string_view spec);
   // Several faults separated by commas ("kill:1:30,kill:3:60"): a job losing ranks one after

@@ -288,6 +288,37 @@ INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
                                   i.param.provider;
                          });
 
+// A rank killed inside libfabric's shm receive path holds its region lock, and every rank
+// that sends to it would spin inside fi_tsend for good (the coordinator first: the others
+// took over from it, then from each other, and the job failed after its deadline).
+// kill-locked kills rank 2 holding the locks of all its regions; the launcher, reaping it,
+// releases them, and the job heals as after any kill.
+class KillLocked : public TrainFaults, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(KillLocked, LauncherReleasesTheLockOfARankThatDiedHoldingIt) {
+  const std::string cmd = "QRING_FAULT=kill-locked:2:40:" + GetParam() + " " + kBuild +
+                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
+                          "/train/qring-train --config " + kSource +
+                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
+                          " run.name=kl log.progress=false quorum.evict_ms=500 "
+                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2500 "
+                          "net.provider=shm";
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("died holding the lock of its shared-memory region"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("is silent; taking over"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return "at_" + i.param;
+                         });
+
 // train.budget = "gradients": the joiner takes the count of gradients with the state, so it
 // ends at the same step as the members (all four replicas agree), after more steps than the
 // 2000 of full sync (quorum 3 of 4, and the lost rank's steps counted 3).

@@ -55,7 +55,8 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   app.footer(
       "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
       "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"
-      "QRING_FAULT=kill:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
+      "QRING_FAULT=kill:RANK:STEP[:PHASE] | kill-locked:RANK:STEP[:PHASE] |\n"
+      "stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
       "(fault tests; collectives/fault_inject.h).");
   if (int rc = qring::cli::parse(app, qring::cli::args_of(argc, argv)); rc >= 0) return rc;
   for (const std::string& o : a.overrides) {

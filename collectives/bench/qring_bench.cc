@@ -669,7 +669,7 @@ class QuorumSteps {
                   std::chrono::milliseconds extra) const {
     const auto& f = faults[i];
     if (!fault_time[i]) return false;
-    if (f.action == collectives::FaultSpec::Action::kKill) return !has(members, f.rank);
+    if (f.kills()) return !has(members, f.rank);
     const auto pause = std::chrono::milliseconds(f.stop_ms);
     if (has(members, f.rank)) return now >= *fault_time[i] + pause + extra;
     if (extra.count() == 0) return true;
@@ -727,7 +727,7 @@ class QuorumSteps {
           if (!has(st.lost, l.rank)) st.lost.push_back(l.rank);
     std::sort(st.lost.begin(), st.lost.end());
     for (const auto& f : faults)
-      if (f.action == collectives::FaultSpec::Action::kKill && has(members, f.rank))
+      if (f.kills() && has(members, f.rank))
         throw TimeoutError(fmt::format(
             "rank {}: --fault {}: rank {} is still a member of the view {} steps after it was due "
             "to be killed (evict time {} ms; a fault at phase ring fires only in a step the "

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "net/cli.h"
+#include "net/shm_region.h"
 #include "net/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
 
 namespace {
@@ -216,37 +217,32 @@ std::string describe_end(int status) {
 // shm. Whoever reaps a process of this job (a rank's supervisor its rank, the launcher the
 // orphans it adopts) removes them while the zombie still holds the pid: no live process can
 // own a region named after it, so only what this dead process left goes (and only our own
-// files). Returns how many were removed.
-int remove_shm_regions_of(pid_t dead) {
-  const std::string prefix = fmt::format("{}:", dead);
+// files). First it releases a region lock the process died holding (net/shm_region.h):
+// otherwise every rank that sends to it spins inside the provider forever, whose mappings
+// outlive the file. Returns how many regions were removed; `released` gets the names of the
+// regions whose lock was released.
+int remove_shm_regions_of(pid_t dead, std::vector<std::string>& released) {
   int removed = 0;
-  DIR* d = opendir("/dev/shm");
-  if (d == nullptr) return 0;
-  while (dirent* e = readdir(d)) {
-    const char* name = e->d_name;
-    if (std::strncmp(name, prefix.c_str(), prefix.size()) != 0) continue;
-    // The rest must be "<n>:<m>", both decimal.
-    const char* p = name + prefix.size();
-    const char* end = name + std::strlen(name);
-    unsigned long n = 0;
-    auto r1 = std::from_chars(p, end, n);
-    if (r1.ec != std::errc() || r1.ptr == end || *r1.ptr != ':') continue;
-    auto r2 = std::from_chars(r1.ptr + 1, end, n);
-    if (r2.ec != std::errc() || r2.ptr != end) continue;
-    struct stat st {};
-    if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
-        st.st_uid != geteuid())
-      continue;
-    if (unlinkat(dirfd(d), name, 0) == 0) ++removed;
+  for (const std::string& name : qring::net::shm_regions_of(dead)) {
+    if (qring::net::release_dead_shm_lock(name, dead, std::chrono::milliseconds(50)))
+      released.push_back(name);
+    if (unlink(("/dev/shm/" + name).c_str()) == 0) ++removed;
   }
-  closedir(d);
   return removed;
 }
 
 // Removes what the exited but unreaped process `pid` left in /dev/shm, then reaps it; returns
 // its wait status. `who` names it in the message ("rank 2 (pid 123)").
 int reap_and_clean(pid_t pid, const std::string& who) {
-  if (int n = remove_shm_regions_of(pid); n > 0)
+  std::vector<std::string> released;
+  const int n = remove_shm_regions_of(pid, released);
+  if (!released.empty())
+    write_all(2, fmt::format("qring-launch: {} died holding the lock of its shared-memory "
+                             "region{} /dev/shm/{}; released {} (every rank that sends to it "
+                             "would wait inside the shm provider for good)\n",
+                             who, released.size() == 1 ? "" : "s", fmt::join(released, ", "),
+                             released.size() == 1 ? "it" : "them"));
+  if (n > 0)
     write_all(2, fmt::format("qring-launch: removed {} shared-memory region{} that {} left in "
                              "/dev/shm ({}:*)\n",
                              n, n == 1 ? "" : "s", who, pid));

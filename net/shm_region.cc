@@ -1,0 +1,116 @@
+#include "net/shm_region.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+
+namespace qring::net {
+namespace {
+
+constexpr size_t kHeaderBytes = 4096;
+constexpr uint8_t kVersion = 4;  // libfabric 1.17's SMR_VERSION
+constexpr size_t kPidAt = 4;
+constexpr size_t kLockAt = 24;
+
+// The mapped header of region `name` when it is a libfabric 1.17 region of process `pid`.
+class Header {
+ public:
+  Header(const std::string& name, pid_t pid) {
+    const int fd = ::open(("/dev/shm/" + name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return;
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+        size_t(st.st_size) >= kHeaderBytes) {
+      void* p = ::mmap(nullptr, kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) base_ = static_cast<uint8_t*>(p);
+    }
+    ::close(fd);
+    if (!base_) return;
+    int32_t owner = 0;
+    std::memcpy(&owner, base_ + kPidAt, sizeof(owner));
+    if (base_[0] != kVersion || owner != pid) {
+      ::munmap(base_, kHeaderBytes);
+      base_ = nullptr;
+    }
+  }
+  ~Header() {
+    if (base_) ::munmap(base_, kHeaderBytes);
+  }
+  Header(const Header&) = delete;
+  Header& operator=(const Header&) = delete;
+
+  pthread_spinlock_t* lock() const {
+    return base_ ? reinterpret_cast<pthread_spinlock_t*>(base_ + kLockAt) : nullptr;
+  }
+
+ private:
+  uint8_t* base_ = nullptr;
+};
+
+}  // namespace
+
+std::vector<std::string> shm_regions_of(pid_t pid) {
+  const std::string prefix = std::to_string(pid) + ":";
+  std::vector<std::string> out;
+  DIR* d = ::opendir("/dev/shm");
+  if (d == nullptr) return out;
+  while (dirent* e = ::readdir(d)) {
+    const char* name = e->d_name;
+    if (std::strncmp(name, prefix.c_str(), prefix.size()) != 0) continue;
+    // The rest must be "<n>:<m>", both decimal.
+    const char* p = name + prefix.size();
+    const char* end = name + std::strlen(name);
+    unsigned long n = 0;
+    auto r1 = std::from_chars(p, end, n);
+    if (r1.ec != std::errc() || r1.ptr == end || *r1.ptr != ':') continue;
+    auto r2 = std::from_chars(r1.ptr + 1, end, n);
+    if (r2.ec != std::errc() || r2.ptr != end) continue;
+    struct stat st {};
+    if (::fstatat(::dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_uid != ::geteuid())
+      continue;
+    out.emplace_back(name);
+  }
+  ::closedir(d);
+  return out;
+}
+
+bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm) {
+  Header h(name, pid);
+  pthread_spinlock_t* lock = h.lock();
+  if (!lock) return false;
+  // Held (trylock fails) at every look for `confirm`: the dead owner's, not a live sender's.
+  const auto until = std::chrono::steady_clock::now() + confirm;
+  while (true) {
+    if (::pthread_spin_trylock(lock) == 0) {
+      ::pthread_spin_unlock(lock);
+      return false;
+    }
+    if (std::chrono::steady_clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ::pthread_spin_unlock(lock);
+  return true;
+}
+
+int take_own_shm_locks() {
+  int taken = 0;
+  for (const std::string& name : shm_regions_of(::getpid())) {
+    Header h(name, ::getpid());
+    if (pthread_spinlock_t* lock = h.lock()) {
+      ::pthread_spin_lock(lock);  // the mapping goes, the lock in the file stays taken
+      ++taken;
+    }
+  }
+  return taken;
+}
+
+}  // namespace qring::net
