@@ -8,10 +8,6 @@
 
 #include <fmt/format.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/statvfs.h>
-#include <unistd.h>
-
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -19,6 +15,9 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +37,7 @@
 #include <vector>
 
 #include "net/error.h"
+#include "net/shm_region.h"
 #include "net/tcp_tuning.h"
 
 namespace qring::net {
@@ -408,7 +408,17 @@ class FabricEndpoint final : public Endpoint {
     const bool rxm = provider_setting_.find("ofi_rxm") != std::string::npos;
     if (rxm) export_rxm_eager_limit();
     get_info(opts, single_host);
-    if (shm_) remove_stale_shm_regions();
+    if (shm_) {
+      remove_stale_shm_regions();
+      // A peer that died inside the provider may hold its region lock; its reaper releases it
+      // under qring-launch, this rank where nobody did (net/shm_region.h).
+      for (const std::string& name : release_locks_of_dead_processes(std::chrono::milliseconds(50)))
+        spdlog::warn(
+            "rank {}: released the lock of shared-memory region /dev/shm/{}, which a "
+            "process that no longer exists held (its senders waited inside the shm "
+            "provider)",
+            rank, name);
+    }
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
     const std::string tcp_cc = provider_name_.find("tcp") != std::string::npos

@@ -3,10 +3,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
 #include <cstring>
@@ -55,21 +57,21 @@ class Header {
   uint8_t* base_ = nullptr;
 };
 
-}  // namespace
-
-std::vector<std::string> shm_regions_of(pid_t pid) {
-  const std::string prefix = std::to_string(pid) + ":";
-  std::vector<std::string> out;
+// The region files in /dev/shm that this user owns, each with the pid in its name
+// "<pid>:<n>:<m>" (all decimal); only those of `pid` unless it is 0.
+std::vector<std::pair<pid_t, std::string>> regions(pid_t pid) {
+  std::vector<std::pair<pid_t, std::string>> out;
   DIR* d = ::opendir("/dev/shm");
   if (d == nullptr) return out;
   while (dirent* e = ::readdir(d)) {
     const char* name = e->d_name;
-    if (std::strncmp(name, prefix.c_str(), prefix.size()) != 0) continue;
-    // The rest must be "<n>:<m>", both decimal.
-    const char* p = name + prefix.size();
     const char* end = name + std::strlen(name);
+    long owner = 0;
     unsigned long n = 0;
-    auto r1 = std::from_chars(p, end, n);
+    auto r0 = std::from_chars(name, end, owner);
+    if (r0.ec != std::errc() || r0.ptr == end || *r0.ptr != ':' || owner <= 0) continue;
+    if (pid != 0 && owner != pid) continue;
+    auto r1 = std::from_chars(r0.ptr + 1, end, n);
     if (r1.ec != std::errc() || r1.ptr == end || *r1.ptr != ':') continue;
     auto r2 = std::from_chars(r1.ptr + 1, end, n);
     if (r2.ec != std::errc() || r2.ptr != end) continue;
@@ -77,10 +79,27 @@ std::vector<std::string> shm_regions_of(pid_t pid) {
     if (::fstatat(::dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
         st.st_uid != ::geteuid())
       continue;
-    out.emplace_back(name);
+    out.emplace_back(pid_t(owner), name);
   }
   ::closedir(d);
   return out;
+}
+
+}  // namespace
+
+std::vector<std::string> shm_regions_of(pid_t pid) {
+  std::vector<std::string> out;
+  if (pid <= 0) return out;
+  for (auto& r : regions(pid)) out.push_back(std::move(r.second));
+  return out;
+}
+
+std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm) {
+  std::vector<std::string> released;
+  for (const auto& [owner, name] : regions(0))
+    if (::kill(owner, 0) != 0 && errno == ESRCH && release_dead_shm_lock(name, owner, confirm))
+      released.push_back(name);
+  return released;
 }
 
 bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm) {

@@ -24,6 +24,13 @@ std::vector<std::string> shm_regions_of(pid_t pid);
 // releases the lock and returns true.
 bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm);
 
+// Every region in /dev/shm (of this user) whose process no longer exists, not even as a
+// zombie awaiting its reaper: releases its lock where held, as release_dead_shm_lock. A rank
+// does this when it opens its shm endpoint: a restarted incarnation (scripts/slurm/retry.sh,
+// or by hand) frees the senders of the one that died, where no qring-launch reaps it.
+// Returns the names of the regions whose lock it released.
+std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm);
+
 // The fault injector (collectives/fault_inject.h, kill-locked): takes the lock of every region
 // of this process, as a process interrupted inside the provider's receive path holds one.
 // Nothing of this process may be inside the provider meanwhile. Returns how many it took.
