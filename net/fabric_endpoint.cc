@@ -105,13 +105,10 @@ void remove_stale_shm_regions() {
     std::ifstream f("/proc/self/maps");
     maps.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
   }
-  const std::string prefix = std::to_string(getpid()) + ":";
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
+  for (const std::string& name : shm_regions_of(getpid())) {
     if (maps.find("/dev/shm/" + name) != std::string::npos) continue;
-    if (std::filesystem::remove(e.path(), ec))
+    if (std::filesystem::remove("/dev/shm/" + name, ec))
       spdlog::warn("removed stale shared-memory region /dev/shm/{} of an earlier process with "
                    "this pid",
                    name);

@@ -56,6 +56,16 @@ class TrainFaults : public ::testing::Test {
   nlohmann::json summary(const std::string& name) {
     return nlohmann::json::parse(std::ifstream(dir_ / name / "summary.json"));
   }
+  // QRING_FAULT=`fault` in 4 ranks of smoke.toml that restart a lost rank once (quorum 3,
+  // evict 500 ms, deadline 8 s), run `name`, with the overrides `extra`.
+  std::string restarting_run(const std::string& fault, const std::string& name,
+                             const std::string& extra) const {
+    return "QRING_FAULT=" + fault + " " + kBuild + "/net/qring-launch -n 4 --max-restarts 1 -- " +
+           kBuild + "/train/qring-train --config " + kSource +
+           "/configs/smoke.toml run.out_dir=" + dir_.string() + " run.name=" + name +
+           " log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 quorum.quorum=3 " +
+           extra;
+  }
   fs::path dir_;
 };
 
@@ -239,14 +249,8 @@ class RejoinMatrix : public TrainFaults, public ::testing::WithParamInterface<Re
 
 TEST_P(RejoinMatrix, KilledRankComesBackAndTheReplicasAgree) {
   const RejoinCase c = GetParam();
-  const std::string cmd = "QRING_FAULT=kill:" + std::to_string(c.rank) + ":40:step " + kBuild +
-                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
-                          "/train/qring-train --config " + kSource +
-                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
-                          " run.name=rj log.progress=false quorum.evict_ms=500 "
-                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2500 "
-                          "net.provider=" +
-                          c.provider;
+  const std::string cmd = restarting_run("kill:" + std::to_string(c.rank) + ":40:step", "rj",
+                                         "train.steps=2500 net.provider=" + c.provider);
   auto r = sh(cmd);
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string victim = "rank " + std::to_string(c.rank);
@@ -296,13 +300,8 @@ INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
 class KillLocked : public TrainFaults, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(KillLocked, LauncherReleasesTheLockOfARankThatDiedHoldingIt) {
-  const std::string cmd = "QRING_FAULT=kill-locked:2:40:" + GetParam() + " " + kBuild +
-                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
-                          "/train/qring-train --config " + kSource +
-                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
-                          " run.name=kl log.progress=false quorum.evict_ms=500 "
-                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2500 "
-                          "net.provider=shm";
+  const std::string cmd =
+      restarting_run("kill-locked:2:40:" + GetParam(), "kl", "train.steps=2500 net.provider=shm");
   auto r = sh(cmd);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("died holding the lock of its shared-memory region"), std::string::npos)
@@ -323,13 +322,8 @@ INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
 // ends at the same step as the members (all four replicas agree), after more steps than the
 // 2000 of full sync (quorum 3 of 4, and the lost rank's steps counted 3).
 TEST_F(TrainFaults, RejoinedRankEndsAGradientBudgetWhereTheOthersDo) {
-  const std::string cmd = "QRING_FAULT=kill:2:40:step " + kBuild +
-                          "/net/qring-launch -n 4 --max-restarts 1 -- " + kBuild +
-                          "/train/qring-train --config " + kSource +
-                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
-                          " run.name=rjb log.progress=false quorum.evict_ms=500 "
-                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=2000 "
-                          "train.budget=gradients net.provider=shm";
+  const std::string cmd = restarting_run(
+      "kill:2:40:step", "rjb", "train.steps=2000 train.budget=gradients net.provider=shm");
   auto r = sh(cmd);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
