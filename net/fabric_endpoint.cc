@@ -115,6 +115,21 @@ void remove_stale_shm_regions() {
   }
 }
 
+// The shm endpoint's watch for peers that died holding their region lock (net/shm_region.h):
+// how often it looks, and how long a lock must stay held to be a dead owner's. A sender
+// spinning on such a lock is freed within about 250 ms, inside the eviction times in use
+// (the default 5 s, 500 ms in the fault tests), so the dead peer is evicted for its silence
+// and the stuck senders are not.
+constexpr std::chrono::milliseconds kLockWatchPeriod{200};
+constexpr std::chrono::milliseconds kLockConfirm{50};
+
+void warn_released(int rank, const std::string& name) {
+  spdlog::warn(
+      "rank {}: released the lock of shared-memory region /dev/shm/{}, which a process that no "
+      "longer exists held (its senders waited inside the shm provider)",
+      rank, name);
+}
+
 // ofi_rxm (over tcp) sends messages above its eager limit (16 KiB by default) by rendezvous:
 // the receiver reads the data after a request-to-send, so every ring segment costs a round
 // trip in which the sending process must be scheduled again. With tcp's dynamic receive
@@ -409,13 +424,10 @@ class FabricEndpoint final : public Endpoint {
     if (shm_) {
       remove_stale_shm_regions();
       // A peer that died inside the provider may hold its region lock; its reaper releases it
-      // under qring-launch, this rank where nobody did (net/shm_region.h).
-      for (const std::string& name : release_locks_of_dead_processes(std::chrono::milliseconds(50)))
-        spdlog::warn(
-            "rank {}: released the lock of shared-memory region /dev/shm/{}, which a "
-            "process that no longer exists held (its senders waited inside the shm "
-            "provider)",
-            rank, name);
+      // under qring-launch, this rank where nobody did (net/shm_region.h): now, and while the
+      // endpoint lives, every kLockWatchPeriod (the watch thread).
+      for (const std::string& name : release_locks_of_dead_processes(kLockConfirm))
+        warn_released(rank, name);
     }
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
@@ -439,6 +451,10 @@ class FabricEndpoint final : public Endpoint {
     incarnation_ = opts.incarnation;
     exchange_addresses(opts, store, deadline);
     size_send_queues();
+    if (shm_)
+      lock_watch_ = std::make_unique<DeadShmLockWatch>(
+          kLockWatchPeriod, kLockConfirm,
+          [rank](const std::string& name) { warn_released(rank, name); });
     spdlog::debug(
         "rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {} endpoints {} "
         "(queue depths tx {} rx {})",
@@ -460,6 +476,7 @@ class FabricEndpoint final : public Endpoint {
   // reference to any buffer of ours, and whatever is still pending ends as cancelled.
   void close() override {
     if (closed_) return;
+    lock_watch_.reset();
     for (size_t qi = 0; qi < queues_.size(); ++qi) cancel_queue(qi);
     for (OpCtx* c : outstanding_)
       if (c->posted && !c->req->is_send) fi_cancel(&c->ep->fid, c);
@@ -1513,6 +1530,7 @@ class FabricEndpoint final : public Endpoint {
   std::vector<OpCtx*> orphans_;     // operations of endpoints reset_peer closed
   std::map<uintptr_t, Mr> mrs_;
   uint64_t next_key_ = 1;
+  std::unique_ptr<DeadShmLockWatch> lock_watch_;  // shm: frees senders to a dead peer
   std::unordered_set<OpCtx*> outstanding_;
   std::vector<PostQueue> queues_;  // see queue_index()
   std::vector<uint32_t> active_;   // indices of the non-empty queues

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,8 +26,8 @@ constexpr size_t kLockAt = 24;
 // The mapped header of region `name` when it is a libfabric 1.17 region of process `pid`.
 class Header {
  public:
-  Header(const std::string& name, pid_t pid) {
-    const int fd = ::open(("/dev/shm/" + name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  Header(const std::string& dir, const std::string& name, pid_t pid) {
+    const int fd = ::open((dir + "/" + name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return;
     struct stat st {};
     if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
@@ -34,8 +35,11 @@ class Header {
       void* p = ::mmap(nullptr, kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       if (p != MAP_FAILED) base_ = static_cast<uint8_t*>(p);
     }
-    ::close(fd);
-    if (!base_) return;
+    if (!base_) {
+      ::close(fd);
+      return;
+    }
+    fd_ = fd;
     int32_t owner = 0;
     std::memcpy(&owner, base_ + kPidAt, sizeof(owner));
     if (base_[0] != kVersion || owner != pid) {
@@ -45,6 +49,7 @@ class Header {
   }
   ~Header() {
     if (base_) ::munmap(base_, kHeaderBytes);
+    if (fd_ >= 0) ::close(fd_);  // drops the flock too
   }
   Header(const Header&) = delete;
   Header& operator=(const Header&) = delete;
@@ -53,15 +58,22 @@ class Header {
     return base_ ? reinterpret_cast<pthread_spinlock_t*>(base_ + kLockAt) : nullptr;
   }
 
+  // Whether this process is now the one releaser of the region (an exclusive flock on its
+  // file, held until the header goes). Several may try at once: the survivors of a rank each
+  // look, and its launcher. A second releaser that unlocked after the first would break the
+  // lock of a sender that took it in between.
+  bool sole_releaser() const { return fd_ >= 0 && ::flock(fd_, LOCK_EX | LOCK_NB) == 0; }
+
  private:
   uint8_t* base_ = nullptr;
+  int fd_ = -1;
 };
 
-// The region files in /dev/shm that this user owns, each with the pid in its name
+// The region files in `dir` that this user owns, each with the pid in its name
 // "<pid>:<n>:<m>" (all decimal); only those of `pid` unless it is 0.
-std::vector<std::pair<pid_t, std::string>> regions(pid_t pid) {
+std::vector<std::pair<pid_t, std::string>> regions(pid_t pid, const std::string& dir) {
   std::vector<std::pair<pid_t, std::string>> out;
-  DIR* d = ::opendir("/dev/shm");
+  DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return out;
   while (dirent* e = ::readdir(d)) {
     const char* name = e->d_name;
@@ -87,25 +99,27 @@ std::vector<std::pair<pid_t, std::string>> regions(pid_t pid) {
 
 }  // namespace
 
-std::vector<std::string> shm_regions_of(pid_t pid) {
+std::vector<std::string> shm_regions_of(pid_t pid, const std::string& dir) {
   std::vector<std::string> out;
   if (pid <= 0) return out;
-  for (auto& r : regions(pid)) out.push_back(std::move(r.second));
+  for (auto& r : regions(pid, dir)) out.push_back(std::move(r.second));
   return out;
 }
 
-std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm) {
+std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
+                                                         const std::string& dir) {
   std::vector<std::string> released;
-  for (const auto& [owner, name] : regions(0))
-    if (::kill(owner, 0) != 0 && errno == ESRCH && release_dead_shm_lock(name, owner, confirm))
+  for (const auto& [owner, name] : regions(0, dir))
+    if (::kill(owner, 0) != 0 && errno == ESRCH && release_dead_shm_lock(name, owner, confirm, dir))
       released.push_back(name);
   return released;
 }
 
-bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm) {
-  Header h(name, pid);
+bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm,
+                           const std::string& dir) {
+  Header h(dir, name, pid);
   pthread_spinlock_t* lock = h.lock();
-  if (!lock) return false;
+  if (!lock || !h.sole_releaser()) return false;
   // Held (trylock fails) at every look for `confirm`: the dead owner's, not a live sender's.
   const auto until = std::chrono::steady_clock::now() + confirm;
   while (true) {
@@ -120,10 +134,37 @@ bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::mill
   return true;
 }
 
+DeadShmLockWatch::DeadShmLockWatch(std::chrono::milliseconds period,
+                                   std::chrono::milliseconds confirm,
+                                   std::function<void(const std::string&)> released,
+                                   std::string dir)
+    : period_(period), confirm_(confirm), released_(std::move(released)), dir_(std::move(dir)) {
+  thread_ = std::thread([this] { run(); });
+}
+
+DeadShmLockWatch::~DeadShmLockWatch() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void DeadShmLockWatch::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
+    lock.unlock();
+    for (const std::string& name : release_locks_of_dead_processes(confirm_, dir_))
+      if (released_) released_(name);
+    lock.lock();
+  }
+}
+
 int take_own_shm_locks() {
   int taken = 0;
   for (const std::string& name : shm_regions_of(::getpid())) {
-    Header h(name, ::getpid());
+    Header h(kShmDir, name, ::getpid());
     if (pthread_spinlock_t* lock = h.lock()) {
       ::pthread_spin_lock(lock);  // the mapping goes, the lock in the file stays taken
       ++taken;

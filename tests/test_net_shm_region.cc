@@ -8,8 +8,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <filesystem>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "net/shm_region.h"
 
@@ -19,11 +26,16 @@ namespace {
 using ::testing::Contains;
 using ::testing::Not;
 
-// /dev/shm/<pid>:<n>:7 with smr_region's header: the version at byte 0, the owner's pid at
+// The region files live in a private directory of each test, not in /dev/shm: the shm
+// endpoints of ranks in tests running beside this one (ctest -j) watch /dev/shm for dead
+// processes' locks (DeadShmLockWatch) and would release these first.
+std::string g_dir;
+
+// <dir>/<pid>:<n>:7 with smr_region's header: the version at byte 0, the owner's pid at
 // byte 4 (`header_pid` if not 0), the region lock at byte 24 (held when `locked`).
 std::string make_region(pid_t pid, int n, uint8_t version, bool locked, pid_t header_pid = 0) {
   const std::string name = std::to_string(pid) + ":" + std::to_string(n) + ":7";
-  const int fd = ::open(("/dev/shm/" + name).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  const int fd = ::open((g_dir + "/" + name).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
   if (fd < 0 || ::ftruncate(fd, 4096) != 0) return "";
   auto* p = static_cast<uint8_t*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ::close(fd);
@@ -40,7 +52,7 @@ std::string make_region(pid_t pid, int n, uint8_t version, bool locked, pid_t he
 
 // Whether the region's lock is free now (taken and given back if so).
 bool lock_free(const std::string& name) {
-  const int fd = ::open(("/dev/shm/" + name).c_str(), O_RDWR);
+  const int fd = ::open((g_dir + "/" + name).c_str(), O_RDWR);
   if (fd < 0) return false;
   auto* p = static_cast<uint8_t*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   ::close(fd);
@@ -70,24 +82,34 @@ std::vector<std::string> dead_process_regions(std::vector<uint8_t> versions, pid
   return names;
 }
 
-TEST(ShmRegion, TheLockADeadProcessHeldIsReleased) {
+class ShmRegion : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/qring-shm-region-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    g_dir = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(g_dir); }
+};
+
+TEST_F(ShmRegion, TheLockADeadProcessHeldIsReleased) {
   const auto names = dead_process_regions({4, 4});
   ASSERT_EQ(names.size(), 2u);
   ASSERT_FALSE(lock_free(names[0]));
-  const auto released = release_locks_of_dead_processes(std::chrono::milliseconds(10));
+  const auto released = release_locks_of_dead_processes(std::chrono::milliseconds(10), g_dir);
   EXPECT_THAT(released, Contains(names[0]));
   EXPECT_THAT(released, Contains(names[1]));
   EXPECT_TRUE(lock_free(names[0]));
   EXPECT_TRUE(lock_free(names[1]));
   // Nothing left to do the second time.
-  EXPECT_THAT(release_locks_of_dead_processes(std::chrono::milliseconds(10)),
+  EXPECT_THAT(release_locks_of_dead_processes(std::chrono::milliseconds(10), g_dir),
               Not(Contains(names[0])));
-  EXPECT_THAT(shm_regions_of(::atoi(names[0].c_str())),
+  EXPECT_THAT(shm_regions_of(::atoi(names[0].c_str()), g_dir),
               ::testing::UnorderedElementsAreArray(names));
-  for (const auto& n : names) ::unlink(("/dev/shm/" + n).c_str());
+  for (const auto& n : names) ::unlink((g_dir + "/" + n).c_str());
 }
 
-TEST(ShmRegion, LiveOwnersAndFilesOfAnotherLayoutAreLeftAlone) {
+TEST_F(ShmRegion, LiveOwnersAndFilesOfAnotherLayoutAreLeftAlone) {
   // This process is alive: its held lock stays held.
   const std::string mine = make_region(::getpid(), 90, 4, true);
   // A dead process's file of another version, and one whose header names another process.
@@ -96,9 +118,9 @@ TEST(ShmRegion, LiveOwnersAndFilesOfAnotherLayoutAreLeftAlone) {
   ASSERT_EQ(other_version.size(), 1u);
   ASSERT_EQ(other_owner.size(), 1u);
   for (const auto& n : {mine, other_version[0], other_owner[0]})
-    ASSERT_EQ(::access(("/dev/shm/" + n).c_str(), F_OK), 0) << n;
+    ASSERT_EQ(::access((g_dir + "/" + n).c_str(), F_OK), 0) << n;
   ASSERT_FALSE(lock_free(other_owner[0]));
-  const auto released = release_locks_of_dead_processes(std::chrono::milliseconds(10));
+  const auto released = release_locks_of_dead_processes(std::chrono::milliseconds(10), g_dir);
   EXPECT_THAT(released, Not(Contains(mine)));
   EXPECT_THAT(released, Not(Contains(other_version[0])));
   EXPECT_THAT(released, Not(Contains(other_owner[0])));
@@ -108,11 +130,89 @@ TEST(ShmRegion, LiveOwnersAndFilesOfAnotherLayoutAreLeftAlone) {
   // release_dead_shm_lock trusts its caller that the owner died (the reaper), but the header
   // must name the owner the file is named after.
   EXPECT_FALSE(release_dead_shm_lock(other_owner[0], ::atoi(other_owner[0].c_str()),
-                                     std::chrono::milliseconds(10)));
-  EXPECT_TRUE(release_dead_shm_lock(mine, ::getpid(), std::chrono::milliseconds(10)));
+                                     std::chrono::milliseconds(10), g_dir));
+  EXPECT_TRUE(release_dead_shm_lock(mine, ::getpid(), std::chrono::milliseconds(10), g_dir));
   EXPECT_TRUE(lock_free(mine));
   for (const auto& n : {mine, other_version[0], other_owner[0]})
-    ::unlink(("/dev/shm/" + n).c_str());
+    ::unlink((g_dir + "/" + n).c_str());
+}
+
+// Several releasers of one region at once (the survivors' watches, the launcher): one acts.
+// A sender spinning on the lock takes it the moment that one releases it; a second releaser
+// that also unlocked then would break the sender's hold, which the sender sees.
+TEST_F(ShmRegion, OnlyOneOfSeveralReleasersActs) {
+  const auto names = dead_process_regions({4});
+  ASSERT_EQ(names.size(), 1u);
+  const pid_t owner = ::atoi(names[0].c_str());
+  const int fd = ::open((g_dir + "/" + names[0]).c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  auto* p = static_cast<uint8_t*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* lock = reinterpret_cast<pthread_spinlock_t*>(p + 24);
+  std::atomic<bool> got{false}, broken{false};
+  std::thread sender([&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (::pthread_spin_trylock(lock) != 0)
+      if (std::chrono::steady_clock::now() > until) return;
+    got = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));  // under the releasers' 100
+    broken = ::pthread_spin_trylock(lock) == 0;  // free: somebody unlocked it meanwhile
+    ::pthread_spin_unlock(lock);
+  });
+  std::atomic<int> released{0};
+  std::vector<std::thread> releasers;
+  for (int i = 0; i < 4; ++i)
+    releasers.emplace_back([&] {
+      released += release_dead_shm_lock(names[0], owner, std::chrono::milliseconds(100), g_dir);
+    });
+  for (auto& t : releasers) t.join();
+  sender.join();
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_TRUE(got.load());
+  EXPECT_FALSE(broken.load()) << "a second releaser unlocked the sender's hold";
+  EXPECT_TRUE(lock_free(names[0]));
+  ::munmap(p, 4096);
+  ::unlink((g_dir + "/" + names[0]).c_str());
+}
+
+// The endpoint's watch: a lock held by a process that died after the watch started is released
+// by the watch's own thread, within a few periods, and reported once.
+TEST_F(ShmRegion, WatchReleasesALockLeftAfterItStarted) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> reported;
+  std::vector<std::string> names;
+  {
+    DeadShmLockWatch watch(
+        std::chrono::milliseconds(20), std::chrono::milliseconds(10),
+        [&](const std::string& name) {
+          std::lock_guard<std::mutex> lock(mu);
+          reported.push_back(name);
+          cv.notify_all();
+        },
+        g_dir);
+    names = dead_process_regions({4});
+    ASSERT_EQ(names.size(), 1u);
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(
+        lock, std::chrono::seconds(10),
+        [&] { return std::find(reported.begin(), reported.end(), names[0]) != reported.end(); }))
+        << "the watch did not release " << names[0];
+    lock.unlock();
+    EXPECT_TRUE(lock_free(names[0]));
+    // Released once: later looks find it free.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(std::count(reported.begin(), reported.end(), names[0]), 1);
+  ::unlink((g_dir + "/" + names[0]).c_str());
+}
+
+// Stopping does not wait for the next period.
+TEST_F(ShmRegion, WatchStopsAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  { DeadShmLockWatch watch(std::chrono::hours(1), std::chrono::milliseconds(10), nullptr, g_dir); }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
 }
 
 }  // namespace

@@ -318,6 +318,41 @@ INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
                            return "at_" + i.param;
                          });
 
+// The same death where no qring-launch reaps the rank: it runs under a shell that waits for
+// it (as a rank does under srun, or one started by hand), so the launcher reaps the shell and
+// knows nothing of the rank's regions, and nobody restarts it. The survivors, spinning inside
+// the shm provider to send to it, are freed by their endpoints' watch (net/shm_region.h),
+// evict the rank and finish. Before the watch this run hung until the harness's limit. (The
+// survivors' log says which of them released the lock, unless the endpoint of a rank in a test
+// running beside this one got there first: the watch looks at every dead process's region.)
+TEST_F(TrainFaults, SurvivorsFinishWhenARankNobodyReapsDiesHoldingItsShmLock) {
+  const fs::path wrap = dir_ / "unreaped.sh";
+  std::ofstream(wrap) << "#!/bin/sh\n\"$@\" &\necho $! > " << (dir_ / "pid.").string()
+                      << "$QRING_RANK\nwait $!\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const std::string cmd = "QRING_FAULT=kill-locked:2:40:ring " + kBuild +
+                          "/net/qring-launch -n 4 --tolerate-failures 1 -- " + wrap.string() + " " +
+                          kBuild + "/train/qring-train --config " + kSource +
+                          "/configs/smoke.toml run.out_dir=" + dir_.string() +
+                          " run.name=unreaped log.progress=false quorum.evict_ms=500 "
+                          "quorum.deadline_ms=8000 quorum.quorum=3 train.steps=300 "
+                          "net.provider=shm";
+  auto r = sh(cmd);
+  // The dead rank's region files: nobody removes them (a rank never removes another
+  // process's regions), so the test does.
+  std::string victim;
+  std::ifstream(dir_ / "pid.2") >> victim;
+  if (!victim.empty())
+    for (const auto& e : fs::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().rfind(victim + ":", 0) == 0) fs::remove(e.path());
+  ASSERT_EQ(r.status, 101) << r.output;  // one rank lost, the others finished
+  EXPECT_NE(r.output.find("rank(s) 2 left"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("died holding the lock"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 3u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "replicas disagree: " << r.output;
+}
+
 // train.budget = "gradients": the joiner takes the count of gradients with the state, so it
 // ends at the same step as the members (all four replicas agree), after more steps than the
 // 2000 of full sync (quorum 3 of 4, and the lost rank's steps counted 3).
