@@ -315,8 +315,10 @@ victim_of() {
   JOBID="" VICTIM=""
   deadline=$((SECONDS + 60))
   while ((SECONDS < deadline)); do
+    # The background sbatch may not have opened its output yet: sed then fails, and under
+    # set -e a failing right side of || would end the whole run (it did once, exit 2).
     [ -n "$JOBID" ] || JOBID=$(sed -n 's/^Submitted batch job \([0-9]*\).*/\1/p' \
-      "$WORK/$name.sbatch" 2>/dev/null)
+      "$WORK/$name.sbatch" 2>/dev/null || true)
     if [ -n "$JOBID" ]; then
       running=0
       for r in 0 1 2 3; do [ -n "$(rank_pid "$JOBID" "$r")" ] && running=$((running + 1)); done
