@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <unordered_map>
 
 namespace qring::net {
 namespace {
@@ -69,10 +70,16 @@ class Header {
   int fd_ = -1;
 };
 
+struct Region {
+  pid_t owner;
+  std::string name;
+  ino_t inode;
+};
+
 // The region files in `dir` that this user owns, each with the pid in its name
 // "<pid>:<n>:<m>" (all decimal); only those of `pid` unless it is 0.
-std::vector<std::pair<pid_t, std::string>> regions(pid_t pid, const std::string& dir) {
-  std::vector<std::pair<pid_t, std::string>> out;
+std::vector<Region> regions(pid_t pid, const std::string& dir) {
+  std::vector<Region> out;
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return out;
   while (dirent* e = ::readdir(d)) {
@@ -91,7 +98,7 @@ std::vector<std::pair<pid_t, std::string>> regions(pid_t pid, const std::string&
     if (::fstatat(::dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
         st.st_uid != ::geteuid())
       continue;
-    out.emplace_back(pid_t(owner), name);
+    out.push_back({pid_t(owner), name, st.st_ino});
   }
   ::closedir(d);
   return out;
@@ -102,16 +109,17 @@ std::vector<std::pair<pid_t, std::string>> regions(pid_t pid, const std::string&
 std::vector<std::string> shm_regions_of(pid_t pid, const std::string& dir) {
   std::vector<std::string> out;
   if (pid <= 0) return out;
-  for (auto& r : regions(pid, dir)) out.push_back(std::move(r.second));
+  for (auto& r : regions(pid, dir)) out.push_back(std::move(r.name));
   return out;
 }
 
 std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
                                                          const std::string& dir) {
   std::vector<std::string> released;
-  for (const auto& [owner, name] : regions(0, dir))
-    if (::kill(owner, 0) != 0 && errno == ESRCH && release_dead_shm_lock(name, owner, confirm, dir))
-      released.push_back(name);
+  for (const Region& r : regions(0, dir))
+    if (::kill(r.owner, 0) != 0 && errno == ESRCH &&
+        release_dead_shm_lock(r.name, r.owner, confirm, dir))
+      released.push_back(r.name);
   return released;
 }
 
@@ -151,12 +159,25 @@ DeadShmLockWatch::~DeadShmLockWatch() {
   thread_.join();
 }
 
+// Each dead process's region file is looked at once (by its name and inode): a lock that
+// nobody owns any more is not taken again for longer than a sender's post, so a region found
+// free, released, or not libfabric's stays so. Leftover files of dead processes pile up on a
+// node without qring-launch; mapping each of them five times a second would cost more than
+// the watch is worth.
 void DeadShmLockWatch::run() {
+  std::unordered_map<std::string, ino_t> seen;  // dead processes' regions already looked at
   std::unique_lock<std::mutex> lock(mu_);
   while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
     lock.unlock();
-    for (const std::string& name : release_locks_of_dead_processes(confirm_, dir_))
-      if (released_) released_(name);
+    std::unordered_map<std::string, ino_t> now;
+    for (const Region& r : regions(0, dir_)) {
+      if (::kill(r.owner, 0) == 0 || errno != ESRCH) continue;
+      now.emplace(r.name, r.inode);
+      auto it = seen.find(r.name);
+      if (it != seen.end() && it->second == r.inode) continue;
+      if (release_dead_shm_lock(r.name, r.owner, confirm_, dir_) && released_) released_(r.name);
+    }
+    seen = std::move(now);  // files gone are forgotten
     lock.lock();
   }
 }

@@ -43,8 +43,9 @@ bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::mill
 std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
                                                          const std::string& dir = kShmDir);
 
-// A thread that calls release_locks_of_dead_processes(confirm) every `period` while it lives,
-// and `released` with each region whose lock it released (on that thread). A rank's shm
+// A thread that does what release_locks_of_dead_processes(confirm) does every `period` while
+// it lives, looking at each dead process's region file once, and calls `released` with each
+// region whose lock it released (on that thread). A rank's shm
 // endpoint keeps one: where no qring-launch reaps a peer that died holding its lock (a rank
 // under srun, or started by hand, that nobody restarts), the survivors' engines spin inside
 // the provider to send to it, and only such a thread of theirs can free them. Several
