@@ -104,6 +104,15 @@ std::vector<Region> regions(pid_t pid, const std::string& dir) {
   return out;
 }
 
+// The regions in `dir` whose process no longer exists, not even as a zombie awaiting its
+// reaper.
+std::vector<Region> dead_regions(const std::string& dir) {
+  std::vector<Region> out;
+  for (Region& r : regions(0, dir))
+    if (::kill(r.owner, 0) != 0 && errno == ESRCH) out.push_back(std::move(r));
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::string> shm_regions_of(pid_t pid, const std::string& dir) {
@@ -116,10 +125,8 @@ std::vector<std::string> shm_regions_of(pid_t pid, const std::string& dir) {
 std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
                                                          const std::string& dir) {
   std::vector<std::string> released;
-  for (const Region& r : regions(0, dir))
-    if (::kill(r.owner, 0) != 0 && errno == ESRCH &&
-        release_dead_shm_lock(r.name, r.owner, confirm, dir))
-      released.push_back(r.name);
+  for (const Region& r : dead_regions(dir))
+    if (release_dead_shm_lock(r.name, r.owner, confirm, dir)) released.push_back(r.name);
   return released;
 }
 
@@ -170,8 +177,7 @@ void DeadShmLockWatch::run() {
   while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
     lock.unlock();
     std::unordered_map<std::string, ino_t> now;
-    for (const Region& r : regions(0, dir_)) {
-      if (::kill(r.owner, 0) == 0 || errno != ESRCH) continue;
+    for (const Region& r : dead_regions(dir_)) {
       now.emplace(r.name, r.inode);
       auto it = seen.find(r.name);
       if (it != seen.end() && it->second == r.inode) continue;
