@@ -46,6 +46,18 @@ std::string_view to_string(LatePolicy p) {
   return p == LatePolicy::kDrop ? "drop" : "carry";
 }
 
+std::vector<ViewChange> views_learned(const std::vector<ViewChange>& views, uint64_t decided_in,
+                                      uint64_t* known) {
+  std::vector<ViewChange> out;
+  if (decided_in <= *known) return out;
+  for (const auto& v : views)
+    if (v.epoch > *known && v.epoch <= decided_in) out.push_back(v);
+  std::sort(out.begin(), out.end(),
+            [](const ViewChange& a, const ViewChange& b) { return a.epoch < b.epoch; });
+  *known = decided_in;
+  return out;
+}
+
 int resolve_quorum(std::string_view spec, int world) {
   std::string s(spec);
   char* end = nullptr;

@@ -126,6 +126,14 @@ struct ViewChange {
   Clock::time_point seen{};  // when this rank applied it
 };
 
+// The view changes a caller learns of from a step decided in view `decided_in`, when it has
+// learned of those up to view `*known`: the views after *known up to decided_in, each once, in
+// epoch order; *known becomes the larger of the two. Steps do not arrive in view order: a step
+// decided again after a loss takes the new view, while the next step may have been decided
+// before that, in the old view (by ranks that had its result, without this one).
+std::vector<ViewChange> views_learned(const std::vector<ViewChange>& views, uint64_t decided_in,
+                                      uint64_t* known);
+
 // "3" → 3; "0.75" → ceil(0.75 * world); "1.0" → world. ConfigError when out of [1, world].
 int resolve_quorum(std::string_view spec, int world);
 // The count a quorum fraction in (0, 1] stands for: ceil(fraction * world), the one rounding

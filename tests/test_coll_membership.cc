@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "collectives/quorum.h"
 #include "collectives/quorum_coordinator.h"
 #include "collectives/quorum_wire.h"
 #include "net/error.h"
@@ -348,6 +349,66 @@ TEST(Coordinator, LostMemberWithTheResultSomewhereIsForwarded) {
   s.beat(1, 0);
   s.beat(3, 0);
   EXPECT_EQ(s.c.unsettled(), 0u);
+}
+
+// Ranks that hold step 0's result go on: step 1 is decided among them in view 0. Then a member
+// of S(0) is lost before the coordinator (rank 0) had step 0's result: step 0 is decided again
+// in view 1. Rank 0 thus completes step 0 in view 1 and step 1 in view 0, the order in which
+// qring-train once logged the view changes twice (views_learned below).
+TEST(Coordinator, NextStepCanBeDecidedInAnOlderViewThanARecoveredStep) {
+  Sim s(base(5, 3));
+  s.ready(0, 0);
+  s.ready(1, 0);
+  ASSERT_EQ(of(s.ready(2, 0), K::kDecide).size(), 1u);  // S(0) = {0, 1, 2}
+  s.ready(1, 1, /*completed=*/0);
+  s.ready(3, 1, /*completed=*/0);
+  auto first = of(s.ready(4, 1, /*completed=*/0), K::kDecide);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].decide.step, 1u);
+  EXPECT_EQ(first[0].decide.epoch, 0u);
+  EXPECT_EQ(first[0].decide.contributors, (std::vector<int>{1, 3, 4}));
+  // Rank 2 dies; rank 0 never completed step 0.
+  auto a = s.run(milliseconds(600), {0, 1, 3, 4});
+  ASSERT_EQ(of(a, K::kView).size(), 1u);
+  ASSERT_EQ(of(a, K::kRecover).size(), 1u);
+  EXPECT_EQ(of(a, K::kRecover)[0].step, 0u);
+  s.report(0, 0, 1, false);
+  s.report(3, 0, 1, true);
+  s.report(4, 0, 1, true);
+  auto d = of(s.report(1, 0, 1, true), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.step, 0u);
+  EXPECT_EQ(d[0].decide.epoch, 1u);
+  EXPECT_EQ(d[0].decide.needers, (std::vector<int>{0}));
+}
+
+// What a rank logs of the views as its steps complete: each view once, in order, though a
+// step can come in an older view than the one before it (the case above).
+TEST(ViewsLearned, EachViewOnceThoughAStepComesInAnOlderView) {
+  std::vector<collectives::ViewChange> views(3);
+  for (uint64_t e = 0; e < 3; ++e) views[e].epoch = e;
+  views[1].left.push_back({2, "silent", 500});
+  views[2].left.push_back({4, "unreachable", 120});
+  auto epochs = [](const std::vector<collectives::ViewChange>& v) {
+    std::vector<uint64_t> e;
+    for (const auto& x : v) e.push_back(x.epoch);
+    return e;
+  };
+  uint64_t known = 0;
+  EXPECT_TRUE(collectives::views_learned(views, 0, &known).empty());
+  // Steps completed in views 2, 0, 1, 2: views 1 and 2 are learned at the first.
+  EXPECT_EQ(epochs(collectives::views_learned(views, 2, &known)), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(known, 2u);
+  EXPECT_TRUE(collectives::views_learned(views, 0, &known).empty());
+  EXPECT_EQ(known, 2u);
+  EXPECT_TRUE(collectives::views_learned(views, 1, &known).empty());
+  EXPECT_TRUE(collectives::views_learned(views, 2, &known).empty());
+  // One at a time, and from a rejoined rank's view on (it knows views up to 1 already).
+  known = 0;
+  EXPECT_EQ(epochs(collectives::views_learned(views, 1, &known)), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(epochs(collectives::views_learned(views, 2, &known)), (std::vector<uint64_t>{2}));
+  known = 1;
+  EXPECT_EQ(epochs(collectives::views_learned(views, 2, &known)), (std::vector<uint64_t>{2}));
 }
 
 TEST(Coordinator, LostMemberWithoutAResultIsDecidedAgainAmongTheSurvivors) {

@@ -838,7 +838,7 @@ class Membership {
 
   // After step t's update.
   void after_step(int64_t t, const collectives::QuorumResult& r, RunSummary& sum) {
-    if (r.epoch != view_epoch_) log_views(t, r, sum);
+    if (r.epoch > view_epoch_) log_views(t, r, sum);
     for (auto it = healing_.begin(); it != healing_.end();) {
       if (!r.contains(it->first)) {
         ++it;
@@ -860,8 +860,8 @@ class Membership {
  private:
   void log_views(int64_t step, const collectives::QuorumResult& r, RunSummary& sum) {
     const auto now = Clock::now();
-    for (const auto& v : q_.view_changes()) {
-      if (v.epoch <= view_epoch_ || v.epoch > r.epoch) continue;
+    // Each view once, though a step can come in a view older than the step before it.
+    for (const auto& v : collectives::views_learned(q_.view_changes(), r.epoch, &view_epoch_)) {
       double detect_ms = 0;
       nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
       std::vector<int> who;
@@ -913,7 +913,6 @@ class Membership {
                    v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
                    fmt::join(v.members, ", "), step, recovery);
     }
-    view_epoch_ = r.epoch;
   }
 
   struct Healing {
@@ -928,7 +927,7 @@ class Membership {
   int rank_;
   bool joining_;
   bool counted_once_ = false;  // the joiner: has a step counted its contribution yet
-  uint64_t view_epoch_;
+  uint64_t view_epoch_;        // the latest view logged (views_learned)
   Clock::time_point t_start_, process_start_;
   std::shared_ptr<std::vector<char>> state_buf_;  // the state for a rejoining rank
   std::map<int, Clock::time_point> lost_at_;  // rank -> when the view without it formed

@@ -715,10 +715,12 @@ class QuorumSteps {
     seen.push_back(v);
   }
 
-  // --fault: the members of the view that decided the last step; the ranks lost go to st.lost.
+  // --fault: the members of the latest view that decided a step (steps can come in an older
+  // view than the step before: collectives::views_learned); the ranks lost go to st.lost.
   std::vector<int> last_members() {
     // Views applied after the last step are left out: not every rank need have them yet.
-    const uint64_t last_epoch = seen.empty() ? 0 : seen.back().epoch;
+    uint64_t last_epoch = 0;
+    for (const auto& v : seen) last_epoch = std::max(last_epoch, v.epoch);
     const auto views = qa.view_changes();
     std::vector<int> members = members_at(views, last_epoch, n);
     for (const auto& v : views)
