@@ -104,7 +104,11 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   const int n = std::max(1, int(members.size()));
   const int hi = max > 0 ? std::clamp(max, 1, n) : n;
   const int lo = std::min(std::clamp(min, 1, n), hi);
-  c.quorum = hi;  // nothing observed yet: wait for every arrival, which observes them all
+  // Nothing observed yet: the middle of [lo, hi]. It observes half the arrivals or more, and
+  // the trust region lets later steps grow by a quarter at a time; waiting for every arrival
+  // instead costs the slowest of n at once (N+b = 100 under lognormal delays: 0.19 s, 3.5 % of
+  // the time to target).
+  c.quorum = lo + (hi - lo + 1) / 2;
 
   std::vector<std::vector<Obs>> per(members.size());
   std::vector<Obs> pooled;
@@ -132,8 +136,10 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
     if (any) observed.push_back(arrived);
     if (any && s.cycle_ms >= 0) overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
   }
-  if (n == 1 || events == 0 || event_sum <= 0 || overheads.empty()) return c;
-  const double theta = event_sum / double(events);
+  if (n == 1 || events == 0 || overheads.empty()) return c;
+  // Every arrival observed at the first's instant (members that arrive together): the tails
+  // decay at once, and the choice is the largest the trust region allows.
+  const double theta = std::max(event_sum / double(events), 1e-6);
 
   // P(T(k) > x) = P(fewer than k members arrived by x), integrated over a grid: up to 256
   // quantiles of the observed offsets, then the exponential tails up to 20 theta beyond the

@@ -33,8 +33,9 @@
 //   median step of the window observed; beyond them E[T(k)] is the extrapolated tail, which
 //   turns optimistic whenever the steps that observed the slow arrivals leave the window
 //   (without it, N = 100 under lognormal delays jumped from ~23 to ~67 every 33 steps).
-// Without observations (the first steps, or no cycle measured yet) the rule returns max:
-// the first steps observe every arrival.
+// Without observations (the first step, or no cycle measured yet) the rule returns the middle
+// of [min, max], rounded up: it observes at least half the arrivals without paying for the
+// slowest one (docs/design.md).
 #pragma once
 
 #include <cstddef>

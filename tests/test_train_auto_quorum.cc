@@ -122,7 +122,7 @@ model = "fixed:5:100"
   int64_t total = 0;
   for (auto& [q, n] : r.quorum_hist) total += n;
   EXPECT_EQ(total, 60);
-  EXPECT_EQ(r.steps.front().contributors, 8);  // nothing observed yet
+  EXPECT_EQ(r.steps.front().contributors, 5);  // nothing observed yet: the middle of [1, 8]
   int seven = 0;
   for (size_t t = 30; t < r.steps.size(); ++t) {
     seven += r.steps[t].contributors == 7;

@@ -334,7 +334,10 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     if (opts.adaptive) {
       collectives::StepArrivals a;
       a.offset_ms.assign(size_t(W), collectives::StepArrivals::kNotArrived);
-      for (int i = 0; i < N; ++i) a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
+      // What the coordinator has seen by its decision: the N counted, and any arrival at the
+      // same instant as the N-th (not counted here, but observed: not censored).
+      for (int i = 0; i < W && (i < N || arr[size_t(i)].ms <= r.kth_arrival_ms); ++i)
+        a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
       a.decided_ms = r.kth_arrival_ms - arr.front().ms;
       window.decided(uint64_t(t), std::move(a));
       since_first = r.step_ms - arr.front().ms;
