@@ -4,13 +4,13 @@
 #
 #   scripts/tsan.sh [BUILD_DIR]        (default build-tsan)
 #
-# Builds the in-process test_coll_* suites with -fsanitize=thread (RelWithDebInfo) and runs each
+# Builds the in-process test_coll_* suites with -fsanitize=thread (-O1 -g1) and runs each
 # binary; any data race or other TSan report fails the run (halt_on_error). OpenMP runs with
 # one thread (OMP_NUM_THREADS=1): libgomp is not instrumented, and its barriers would be
 # reported as races. tests/tsan.supp suppresses what TSan reports inside the uninstrumented
 # spdlog and libstdc++ (their synchronization is invisible to it; each entry says why).
-# scripts/test.sh runs it (QRING_SKIP_TSAN=1 skips): about 7 min to build and 1 min to run
-# on 2 loaded cores (docs/benchmarks.md). QRING_TSAN_TESTS overrides the suites
+# scripts/test.sh runs it (QRING_SKIP_TSAN=1 skips): about 3.5 min to build and run on 2
+# cores (docs/benchmarks.md, "Time of scripts/test.sh"). QRING_TSAN_TESTS overrides the suites
 # (space-separated test binaries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
