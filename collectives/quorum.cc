@@ -50,10 +50,8 @@ std::vector<ViewChange> views_learned(const std::vector<ViewChange>& views, uint
                                       uint64_t* known) {
   std::vector<ViewChange> out;
   if (decided_in <= *known) return out;
-  for (const auto& v : views)
+  for (const auto& v : views)  // in epoch order, as applied (view_changes())
     if (v.epoch > *known && v.epoch <= decided_in) out.push_back(v);
-  std::sort(out.begin(), out.end(),
-            [](const ViewChange& a, const ViewChange& b) { return a.epoch < b.epoch; });
   *known = decided_in;
   return out;
 }

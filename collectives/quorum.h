@@ -127,10 +127,11 @@ struct ViewChange {
 };
 
 // The view changes a caller learns of from a step decided in view `decided_in`, when it has
-// learned of those up to view `*known`: the views after *known up to decided_in, each once, in
-// epoch order; *known becomes the larger of the two. Steps do not arrive in view order: a step
-// decided again after a loss takes the new view, while the next step may have been decided
-// before that, in the old view (by ranks that had its result, without this one).
+// learned of those up to view `*known`: of `views` (in epoch order, as view_changes() returns
+// them), those after *known up to decided_in, each once; *known becomes the larger of the two.
+// Steps do not arrive in view order: a step decided again after a loss takes the new view, while
+// the next step may have been decided before that, in the old view (by ranks that had its result,
+// without this one).
 std::vector<ViewChange> views_learned(const std::vector<ViewChange>& views, uint64_t decided_in,
                                       uint64_t* known);
 
