@@ -28,8 +28,9 @@
 # and analyzes what DIR/adaptive holds (scripts/reproduce.py adaptive DIR). Results: DIR (default
 # runs/reproduce): calibration/, real/, sim/, adaptive/, tables/, plots/, claims.{json,md}.
 # Part 4's real runs take QRING_ADAPT_Q4 / QRING_ADAPT_Q8 (the fixed quorums at 4 and 8 ranks,
-# e.g. "1 2 3") and QRING_ADAPT_NOISE_SCALE (auto's quorum.noise_scale, samples) from the
-# environment, for experiments beside the configured ones (docs/reproduction.md).
+# e.g. "1 2 3"), QRING_ADAPT_SEEDS (their seeds, e.g. "101 102") and QRING_ADAPT_NOISE_SCALE
+# (auto's quorum.noise_scale, samples) from the environment, for experiments beside the
+# configured ones (docs/reproduction.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=full
@@ -275,6 +276,7 @@ fi  # [ -z "$ONLY" ]: parts 1-3
 ADAPT_SIM_MIN=10
 ADAPT_Q4=${QRING_ADAPT_Q4:-$ADAPT_Q4}
 ADAPT_Q8=${QRING_ADAPT_Q8:-$ADAPT_Q8}
+ADAPT_SEEDS=${QRING_ADAPT_SEEDS:-$ADAPT_SEEDS}
 adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
   case $1 in
     lognormal) echo "$LOGNORMAL" ;;
