@@ -108,6 +108,43 @@ TEST(TrainRun, GradientBudgetCountSurvivesACheckpointAndIsRequiredByIt) {
   fs::remove_all(dir);
 }
 
+// quorum "auto" keeps the rate inside the momentum buffer (train/optim.h): its checkpoints
+// say so, resume bit-identically in that mode and are refused, by name, by a fixed quorum
+// (and a fixed quorum's by "auto"), whose buffer means another thing.
+TEST(TrainRun, MomentumFormOfAutoQuorumSurvivesACheckpointAndIsCheckedByIt) {
+  TrainConfig cfg = smoke({"quorum.quorum=auto", "train.steps=40"});
+  ASSERT_TRUE(sgd_options(cfg).lr_in_velocity);
+  DatasetPair data = load_datasets(cfg.data, cfg.run.seed);
+  auto run = [&](TrainerCore& core, int64_t upto) {
+    while (core.step() < upto) {
+      core.compute_gradient();
+      const int k = int(core.step() % 3) + 1;  // 1, 2, 3 contributors: the rate moves
+      core.apply_gradient(core.gradient(), double(k) / 4, k);
+    }
+  };
+  TrainerCore straight(cfg, data, 0, 4, 4);
+  run(straight, 40);
+  TrainerCore first(cfg, data, 0, 4, 4);
+  run(first, 17);
+  const CheckpointState st = first.checkpoint_state();
+  EXPECT_EQ(nlohmann::json::parse(st.meta).value("lr_in_velocity", false), true);
+  TrainerCore resumed(cfg, data, 0, 4, 4);
+  resumed.restore(st);
+  run(resumed, 40);
+  EXPECT_TRUE(bit_identical(params_of(straight), params_of(resumed)));
+  EXPECT_TRUE(bit_identical(straight.optimizer().velocity(), resumed.optimizer().velocity()));
+
+  TrainerCore fixed(smoke({"quorum.quorum=3", "train.steps=40"}), data, 0, 4, 3);
+  try {
+    fixed.restore(st);
+    ADD_FAILURE() << "a fixed quorum resumed a checkpoint of quorum auto";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("momentum buffer"), std::string::npos) << e.what();
+  }
+  TrainerCore other(cfg, data, 0, 4, 4);
+  EXPECT_THROW(other.restore(fixed.checkpoint_state()), DataError);
+}
+
 TEST(TrainRun, CnnLossDecreases) {
   TrainConfig cfg = smoke({"model.type=cnn", "model.conv_channels=[4, 8]", "model.hidden=[16]",
                            "train.steps=40", "data.synthetic_train=1280"});

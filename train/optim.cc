@@ -18,7 +18,15 @@ void Sgd::step(float* params, const float* grads, double lr) {
   const float eta = static_cast<float>(lr);
   const int64_t n = static_cast<int64_t>(velocity_.size());
   float* v = velocity_.data();
-  if (opts_.nesterov) {
+  if (opts_.lr_in_velocity) {
+    const bool nest = opts_.nesterov;
+#pragma omp parallel for simd schedule(static) if (n >= (1 << 18))
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = eta * (grads[i] + wd * params[i]);
+      v[i] = m * v[i] + d;
+      params[i] -= nest ? d + m * v[i] : v[i];
+    }
+  } else if (opts_.nesterov) {
 #pragma omp parallel for simd schedule(static) if (n >= (1 << 18))
     for (int64_t i = 0; i < n; ++i) {
       const float d = grads[i] + wd * params[i];
@@ -90,7 +98,8 @@ LrSchedule make_schedule(const TrainConfig& cfg, int quorum, int64_t total_steps
 }
 
 SgdOptions sgd_options(const TrainConfig& cfg) {
-  return {cfg.train.momentum, cfg.train.weight_decay, cfg.train.nesterov};
+  // quorum "auto" scales the rate with each step's contributors: the rate goes into the buffer.
+  return {cfg.train.momentum, cfg.train.weight_decay, cfg.train.nesterov, cfg.quorum.quorum_auto};
 }
 
 }  // namespace qring::train

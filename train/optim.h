@@ -4,6 +4,17 @@
 //   d = g + weight_decay * p
 //   v = momentum * v + d              (v starts at 0, so the first v is d)
 //   p = p - lr * (nesterov ? d + momentum * v : v)
+// or, with lr_in_velocity (quorum.quorum = "auto"), the rate inside the buffer:
+//   v = momentum * v + lr * d
+//   p = p - (nesterov ? lr * d + momentum * v : v)
+// The two are the same at a constant rate. Where the rate changes from step to step, as under
+// the adaptive quorum (the rate scales with each step's contributors, 1 then 2 then 1 ...),
+// PyTorch's form applies the new rate to the whole buffer, i.e. to the gradients of earlier
+// steps too (a step of 2 after steps of 1 doubles what their momentum still moves); the rate
+// inside the buffer gives each step's gradient its own rate for good (the "momentum
+// correction" of Goyal et al., "Accurate, Large Minibatch SGD", 2017), so that every counted
+// gradient moves the parameters by the same total amount: its step's rate over the step's k
+// gradients, over 1 - momentum, which the linear rule makes the same for every k.
 //
 // Learning rate at step t (0-based), with peak = scaled_lr(...):
 //   warmup (t < W):  peak * (t + 1) / W
@@ -29,6 +40,7 @@ struct SgdOptions {
   double momentum = 0.9;
   double weight_decay = 0.0;
   bool nesterov = false;
+  bool lr_in_velocity = false;  // the buffer holds lr-scaled steps (above)
 };
 
 class Sgd {

@@ -93,6 +93,18 @@ static int64_t counted_of(const CheckpointView& s) {
   return -1;
 }
 
+// The form of the checkpoint's momentum buffer: "lr_in_velocity" in its meta; absent (a
+// checkpoint from before the form was recorded, or a meta that is not JSON): the plain one.
+static bool lr_in_velocity_of(const CheckpointView& s) {
+  try {
+    const auto j = nlohmann::json::parse(s.meta);
+    if (j.is_object() && j.contains("lr_in_velocity") && j["lr_in_velocity"].is_boolean())
+      return j["lr_in_velocity"].get<bool>();
+  } catch (const nlohmann::json::exception&) {
+  }
+  return false;
+}
+
 void TrainerCore::restore(const CheckpointState& s) {
   restore(view_of(s));
 }
@@ -120,6 +132,16 @@ void TrainerCore::restore(const CheckpointView& s) {
     throw DataError(
         "checkpoint has no count of gradients (meta 'counted'; written by a run with "
         "train.budget = \"steps\"?), which train.budget = \"gradients\" needs");
+  if (lr_in_velocity_of(s) != opt_.options().lr_in_velocity) {
+    auto form = [](bool in) {
+      return in ? "the rate inside it (quorum.quorum = \"auto\")"
+                : "the plain form (a fixed quorum)";
+    };
+    throw DataError(fmt::format(
+        "checkpoint's momentum buffer holds {}, this run's holds {}: resume with the quorum "
+        "mode that wrote it, or start afresh",
+        form(lr_in_velocity_of(s)), form(opt_.options().lr_in_velocity)));
+  }
   std::copy(s.params.begin(), s.params.end(), model_->params());
   opt_.velocity().assign(s.velocity.begin(), s.velocity.end());
   sharder_.seek(s.position);

@@ -89,11 +89,16 @@ class TrainerCore {
   // update): for encoding without a copy in between.
   CheckpointView checkpoint_view() const;
   // What this core puts in a state's meta ({"counted": N}); a caller adding keys starts here.
-  nlohmann::json checkpoint_meta() const { return {{"counted", counted_}}; }
+  // "lr_in_velocity": the form of the momentum buffer (SgdOptions; quorum "auto").
+  nlohmann::json checkpoint_meta() const {
+    return {{"counted", counted_}, {"lr_in_velocity", opt_.options().lr_in_velocity}};
+  }
   // Restores parameters, momentum, step, data position and (a budget of gradients) the
-  // counted gradients, from the state's meta ({"counted": N}; checkpoint_view writes it).
-  // Throws DataError if the sizes or the config fingerprint do not match this core, or if a
-  // budget of gradients finds no count.
+  // counted gradients, from the state's meta ({"counted": N, "lr_in_velocity": B};
+  // checkpoint_view writes it; a meta without the form is the plain one).
+  // Throws DataError if the sizes or the config fingerprint do not match this core, if a
+  // budget of gradients finds no count, or if the buffer's form is not this run's (a
+  // checkpoint of quorum "auto" resumed with a fixed quorum, or the other way round).
   void restore(const CheckpointState& s);
   void restore(const CheckpointView& s);
 
