@@ -82,27 +82,28 @@ CheckpointView TrainerCore::checkpoint_view() const {
   return v;
 }
 
-static int64_t counted_of(const CheckpointView& s) {
+// The checkpoint's meta as a JSON object (empty if it is not one).
+static nlohmann::json meta_of(const CheckpointView& s) {
   try {
-    const auto j = nlohmann::json::parse(s.meta);
-    if (j.is_object() && j.contains("counted") && j["counted"].is_number_integer() &&
-        j["counted"].get<int64_t>() >= 0)
-      return j["counted"].get<int64_t>();
+    auto j = nlohmann::json::parse(s.meta);
+    if (j.is_object()) return j;
   } catch (const nlohmann::json::exception&) {
   }
+  return nlohmann::json::object();
+}
+
+static int64_t counted_of(const nlohmann::json& meta) {
+  if (meta.contains("counted") && meta["counted"].is_number_integer() &&
+      meta["counted"].get<int64_t>() >= 0)
+    return meta["counted"].get<int64_t>();
   return -1;
 }
 
 // The form of the checkpoint's momentum buffer: "lr_in_velocity" in its meta; absent (a
 // checkpoint from before the form was recorded, or a meta that is not JSON): the plain one.
-static bool lr_in_velocity_of(const CheckpointView& s) {
-  try {
-    const auto j = nlohmann::json::parse(s.meta);
-    if (j.is_object() && j.contains("lr_in_velocity") && j["lr_in_velocity"].is_boolean())
-      return j["lr_in_velocity"].get<bool>();
-  } catch (const nlohmann::json::exception&) {
-  }
-  return false;
+static bool lr_in_velocity_of(const nlohmann::json& meta) {
+  return meta.contains("lr_in_velocity") && meta["lr_in_velocity"].is_boolean() &&
+         meta["lr_in_velocity"].get<bool>();
 }
 
 void TrainerCore::restore(const CheckpointState& s) {
@@ -127,20 +128,21 @@ void TrainerCore::restore(const CheckpointView& s) {
                     "batches per epoch of this run",
                     s.position.epoch, s.position.index, sharder_.batches_per_epoch()));
   }
-  const int64_t counted = counted_of(s);
+  const nlohmann::json meta = meta_of(s);
+  const int64_t counted = counted_of(meta);
   if (budget_gradients_ > 0 && counted < 0)
     throw DataError(
         "checkpoint has no count of gradients (meta 'counted'; written by a run with "
         "train.budget = \"steps\"?), which train.budget = \"gradients\" needs");
-  if (lr_in_velocity_of(s) != opt_.options().lr_in_velocity) {
-    auto form = [](bool in) {
-      return in ? "the rate inside it (quorum.quorum = \"auto\")"
-                : "the plain form (a fixed quorum)";
+  if (const bool in = lr_in_velocity_of(meta); in != opt_.options().lr_in_velocity) {
+    auto form = [](bool inside) {
+      return inside ? "the rate inside it (quorum.quorum = \"auto\")"
+                    : "the plain form (a fixed quorum)";
     };
     throw DataError(fmt::format(
         "checkpoint's momentum buffer holds {}, this run's holds {}: resume with the quorum "
         "mode that wrote it, or start afresh",
-        form(lr_in_velocity_of(s)), form(opt_.options().lr_in_velocity)));
+        form(in), form(opt_.options().lr_in_velocity)));
   }
   std::copy(s.params.begin(), s.params.end(), model_->params());
   opt_.velocity().assign(s.velocity.begin(), s.velocity.end());
