@@ -18,13 +18,18 @@ void Sgd::step(float* params, const float* grads, double lr) {
   const float eta = static_cast<float>(lr);
   const int64_t n = static_cast<int64_t>(velocity_.size());
   float* v = velocity_.data();
-  if (opts_.lr_in_velocity) {
-    const bool nest = opts_.nesterov;
+  if (opts_.lr_in_velocity && opts_.nesterov) {
 #pragma omp parallel for simd schedule(static) if (n >= (1 << 18))
     for (int64_t i = 0; i < n; ++i) {
       const float d = eta * (grads[i] + wd * params[i]);
       v[i] = m * v[i] + d;
-      params[i] -= nest ? d + m * v[i] : v[i];
+      params[i] -= d + m * v[i];
+    }
+  } else if (opts_.lr_in_velocity) {
+#pragma omp parallel for simd schedule(static) if (n >= (1 << 18))
+    for (int64_t i = 0; i < n; ++i) {
+      v[i] = m * v[i] + eta * (grads[i] + wd * params[i]);
+      params[i] -= v[i];
     }
   } else if (opts_.nesterov) {
 #pragma omp parallel for simd schedule(static) if (n >= (1 << 18))
