@@ -10,6 +10,9 @@ SGD", on qring's own runs; docs/reproduction.md).
     scripts/reproduce.py analyze DIR                         tables, plots, the claim table
     scripts/reproduce.py adaptive DIR                        part 4 alone (issue 18)
     scripts/reproduce.py check DIR                           every artefact there, well formed
+    scripts/reproduce.py compare DIR...                      part 4's runs of several
+                                                             directories: auto against the best
+                                                             fixed quorum, with intervals
 
 DIR is runs/reproduce (or the --out of reproduce.sh): real/ holds the qring-train runs,
 sim/ the qring-sim runs, calibration/ the qring-bench rows. analyze writes DIR/tables/*.json,
@@ -20,6 +23,7 @@ import glob
 import json
 import math
 import os
+import random
 import re
 import sys
 
@@ -959,6 +963,13 @@ def check(d):
                      f"adaptive/{kind}: {w} {regime}: auto and two fixed configurations needed")
                 need(all(r.get("budget") == "gradients" for c in cfgs.values() for r in c.values()),
                      f"adaptive/{kind}: {w} {regime}: a run without train.budget = gradients")
+    cmp_path = os.path.join(d, "adaptive", "compare.txt")
+    need(os.path.exists(cmp_path), "adaptive/compare.txt missing")
+    if os.path.exists(cmp_path):
+        text = open(cmp_path).read()
+        for head in ("## real W=4 ", "## real W=8 ", "## sim N+b=100 "):
+            need(text.count(head) == 3, f"adaptive/compare.txt: three regimes of {head[3:-1]}")
+        need(text.count("  auto: ") >= 9, "adaptive/compare.txt: auto's gap in every group")
     need(any(n.startswith("closedform-") for n in sim_names), "sim/closedform-* missing")
     cal = os.path.join(d, "calibration", "calibration.json")
     need(os.path.exists(cal), "calibration/calibration.json missing")
@@ -995,9 +1006,102 @@ def check(d):
     print(f"reproduce check: every artefact in {d} is there and well formed")
 
 
+# ---------------------------------------------------------------- compare (issue 18)
+
+COMPARE_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-([a-z]+\d*)$")
+METRICS = (("time_to_target_s", "time to target (first crossing)"),
+           ("time_to_target_mean3_s", "time to target (running mean of 3)"),
+           ("train_s", "training time of the budget"))
+
+
+def compare_runs(dirs):
+    """Part 4's runs found in DIRS (each DIR, DIR/adaptive/real, DIR/adaptive/sim), as
+    {(kind, world, regime): {config: {seed: run_info}}}; config "q<Q>" / "b<b>" (fixed) or the
+    auto run's tag ("auto", "auto600": "bauto..." read as "auto..."). A later DIR's run
+    replaces an earlier one of the same key (a rerun with a newer build)."""
+    groups = {}
+    for d in dirs:
+        found = 0
+        for sub in (d, os.path.join(d, "adaptive", "real"), os.path.join(d, "adaptive", "sim")):
+            for p in runs_in(sub):
+                m = COMPARE_RE.match(os.path.basename(p))
+                if not m:
+                    continue
+                cfg = m.group(5)
+                if cfg.startswith("bauto"):
+                    cfg = cfg[1:]
+                if not (cfg.startswith("auto") or re.fullmatch(r"[qb]\d+", cfg)):
+                    continue
+                key = ("real" if m.group(1) == "W" else "sim", int(m.group(2)), m.group(3))
+                groups.setdefault(key, {}).setdefault(cfg, {})[int(m.group(4))] = run_info(p)
+                found += 1
+        if not found:
+            sys.exit(f"reproduce.py compare: no runs of part 4 in {d}")
+    return groups
+
+
+def compare_gap(per, auto, fixed, seeds, metric):
+    """mean(auto) / min over the fixed configurations of their means - 1, over SEEDS."""
+    a = mean([per[auto][s][metric] for s in seeds])
+    best = min(mean([per[c][s][metric] for s in seeds]) for c in fixed)
+    return a / best - 1
+
+
+def compare(dirs, resamples=10000):
+    """auto against the best fixed quorum, per (kind, world, regime) and metric, over the seeds
+    that every configuration of the group ran and reached the target in: the means, the gap
+    of auto's mean to the smallest fixed mean, its 95 % bootstrap interval (seeds drawn with
+    replacement, the best fixed quorum chosen again in every draw, 10,000 draws with a fixed
+    generator), and the paired gap: the geometric mean over the seeds of auto / the best fixed
+    quorum (chosen on all the seeds) of the same seed, with its bootstrap interval."""
+    rng = random.Random(1)
+    out = []
+    groups = compare_runs(dirs)
+    for key in sorted(groups):
+        per = groups[key]
+        fixed = sorted((c for c in per if not c.startswith("auto")), key=lambda c: int(c[1:]))
+        autos = sorted(c for c in per if c.startswith("auto"))
+        if not fixed or not autos:
+            continue
+        kind, world, regime = key
+        out.append(f"## {kind} {'W' if kind == 'real' else 'N+b'}={world} {regime}")
+        for metric, what in METRICS:
+            cfgs = fixed + autos
+            seeds = sorted(set.intersection(*(set(s for s, i in per[c].items()
+                                                   if i.get(metric) is not None)
+                                               for c in cfgs)))
+            if not seeds:
+                continue
+            means = {c: mean([per[c][s][metric] for s in seeds]) for c in cfgs}
+            best = min(fixed, key=lambda c: means[c])
+            out.append(f"{what}, {len(seeds)} seeds ({', '.join(map(str, seeds))}): "
+                       + ", ".join(f"{c} {means[c]:.3f}" for c in cfgs) + f"; best fixed {best}")
+            for a in autos:
+                gap = means[a] / means[best] - 1
+                draws, paired_draws = [], []
+                logs = [math.log(per[a][s][metric] / per[best][s][metric]) for s in seeds]
+                for _ in range(resamples):
+                    pick = [rng.randrange(len(seeds)) for _ in seeds]
+                    draws.append(compare_gap(per, a, fixed, [seeds[i] for i in pick], metric))
+                    paired_draws.append(math.exp(mean([logs[i] for i in pick])) - 1)
+                draws.sort()
+                paired_draws.sort()
+                lo, hi = draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+                plo = paired_draws[int(0.025 * resamples)]
+                phi = paired_draws[int(0.975 * resamples) - 1]
+                paired = math.exp(mean(logs)) - 1
+                wins = sum(1 for v in logs if v <= 0)
+                out.append(f"  {a}: {gap * 100:+.1f} % [{lo * 100:+.1f}, {hi * 100:+.1f}] against "
+                           f"{best}; paired {paired * 100:+.1f} % [{plo * 100:+.1f}, "
+                           f"{phi * 100:+.1f}], at or before it in {wins} of {len(seeds)} seeds")
+    print("\n".join(out))
+    if not out:
+        sys.exit("reproduce.py compare: no group has both a fixed quorum and auto")
+
+
 def main():
     if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace", "analyze",
-                                                 "adaptive", "check"):
+                                                 "adaptive", "check", "compare"):
         sys.exit(__doc__)
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "calibrate":
@@ -1015,6 +1119,8 @@ def main():
         analyze(args[0])
     elif cmd == "adaptive":
         adaptive(args[0])
+    elif cmd == "compare":
+        compare(args)
     else:
         check(args[0])
 
