@@ -193,13 +193,15 @@ TEST(ParamServer, MisuseIsRefused) {
     o.deadline = milliseconds(2000);
     ParamServer ps(comm, 2, 2, o);
     std::vector<float> buf(2, 0.0f);
+    // The server thread's parameters: not buf, which rank 0's worker pulls into meanwhile.
+    const std::vector<float> params(2, 0.0f);
     std::thread server;
     if (comm.rank() == 1) {
       EXPECT_THROW(ps.next_push(), UsageError);
       EXPECT_THROW(ps.pull(buf.data()), UsageError);  // nothing pushed yet
     } else {
       server = std::thread([&] {
-        while (auto p = ps.next_push()) ps.reply(*p, buf.data(), 1);
+        while (auto p = ps.next_push()) ps.reply(*p, params.data(), 1);
       });
     }
     ps.push(buf.data(), 0);
