@@ -305,28 +305,46 @@ def fmt_s(v, unit="s", digits=1):
 
 ADAPTIVE_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-(q\d+|b\d+|auto|bauto)$")
 
+PART4_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-([a-z]+\d*)$")
+
+
+def part4_dirs(dirs, also_top=False):
+    """The run directories of part 4 in DIRS (DIR/adaptive/real, DIR/adaptive/sim, and DIR itself
+    if ALSO_TOP) named <W|N><world>-<regime>-s<seed>-<tag>, as (path, kind, world, regime, seed,
+    tag); tag "q<Q>" / "b<b>" (fixed) or "auto..." ("bauto..." read as "auto...")."""
+    for d in dirs:
+        subs = ([(d, None)] if also_top else []) + [
+            (os.path.join(d, "adaptive", k), k) for k in ("real", "sim")]
+        for sub, kind in subs:
+            for p in runs_in(sub):
+                m = PART4_RE.match(os.path.basename(p))
+                if not m:
+                    continue
+                tag = m.group(5)[1:] if m.group(5).startswith("bauto") else m.group(5)
+                if not (tag.startswith("auto") or re.fullmatch(r"[qb]\d+", tag)):
+                    continue
+                yield (p, kind or ("real" if m.group(1) == "W" else "sim"), int(m.group(2)),
+                       m.group(3), int(m.group(4)), tag)
+
 
 def adaptive_runs(d):
     """Part 4's runs (DIR/adaptive/{real,sim}/<W|N><world>-<regime>-s<seed>-<config>), as
     {(kind, world, regime): {config: {seed: run_info}}}, config "auto" or the fixed quorum
     Q (real) / backups b (sim) as an int."""
     groups = {}
-    for kind in ("real", "sim"):
-        for p in runs_in(os.path.join(d, "adaptive", kind)):
-            m = ADAPTIVE_RE.match(os.path.basename(p))
-            if not m:
-                continue
-            info = run_info(p)
-            s = read_json(os.path.join(p, "summary.json"))
-            if kind == "sim":
-                # (sync: only the N counted gradients of a step are computed)
-                info["mean_contributors"] = (s["gradients_computed"] / info["steps"]
-                                             if s.get("gradients_computed") and info["steps"]
-                                             else None)
-            info["budget"] = s.get("budget")
-            cfg = "auto" if m.group(5) in ("auto", "bauto") else int(m.group(5)[1:])
-            key = (kind, int(m.group(2)), m.group(3))
-            groups.setdefault(key, {}).setdefault(cfg, {})[int(m.group(4))] = info
+    for p, kind, world, regime, seed, tag in part4_dirs([d]):
+        if tag.startswith("auto") and tag != "auto":  # a variant (auto600 ...): compare's
+            continue
+        info = run_info(p)
+        s = read_json(os.path.join(p, "summary.json"))
+        if kind == "sim":
+            # (sync: only the N counted gradients of a step are computed)
+            info["mean_contributors"] = (s["gradients_computed"] / info["steps"]
+                                         if s.get("gradients_computed") and info["steps"]
+                                         else None)
+        info["budget"] = s.get("budget")
+        cfg = "auto" if tag == "auto" else int(tag[1:])
+        groups.setdefault((kind, world, regime), {}).setdefault(cfg, {})[seed] = info
     return groups
 
 
@@ -1008,7 +1026,6 @@ def check(d):
 
 # ---------------------------------------------------------------- compare (issue 18)
 
-COMPARE_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-([a-z]+\d*)$")
 METRICS = (("time_to_target_s", "time to target (first crossing)"),
            ("time_to_target_mean3_s", "time to target (running mean of 3)"),
            ("train_s", "training time of the budget"))
@@ -1022,19 +1039,9 @@ def compare_runs(dirs):
     groups = {}
     for d in dirs:
         found = 0
-        for sub in (d, os.path.join(d, "adaptive", "real"), os.path.join(d, "adaptive", "sim")):
-            for p in runs_in(sub):
-                m = COMPARE_RE.match(os.path.basename(p))
-                if not m:
-                    continue
-                cfg = m.group(5)
-                if cfg.startswith("bauto"):
-                    cfg = cfg[1:]
-                if not (cfg.startswith("auto") or re.fullmatch(r"[qb]\d+", cfg)):
-                    continue
-                key = ("real" if m.group(1) == "W" else "sim", int(m.group(2)), m.group(3))
-                groups.setdefault(key, {}).setdefault(cfg, {})[int(m.group(4))] = run_info(p)
-                found += 1
+        for p, kind, world, regime, seed, tag in part4_dirs([d], also_top=True):
+            groups.setdefault((kind, world, regime), {}).setdefault(tag, {})[seed] = run_info(p)
+            found += 1
         if not found:
             sys.exit(f"reproduce.py compare: no runs of part 4 in {d}")
     return groups
@@ -1065,8 +1072,8 @@ def compare(dirs, resamples=10000):
             continue
         kind, world, regime = key
         out.append(f"## {kind} {'W' if kind == 'real' else 'N+b'}={world} {regime}")
+        cfgs = fixed + autos
         for metric, what in METRICS:
-            cfgs = fixed + autos
             seeds = sorted(set.intersection(*(set(s for s, i in per[c].items()
                                                    if i.get(metric) is not None)
                                                for c in cfgs)))
