@@ -33,7 +33,8 @@
 # simulated runs QRING_ADAPT_SIM_NOISE_SCALE (default configs/reproduce.toml's, 600: the
 # simulator's 784-128-10 batch 8), from the environment, for experiments beside the
 # configured ones (docs/reproduction.md). scripts/reproduce.py compare DIR... puts auto against
-# the best fixed quorum over the runs of several such directories.
+# the best fixed quorum over the runs of several such directories. QRING_ADAPT_FIXED_FORM=auto
+# runs part 4's fixed quorums with auto's momentum form (default pytorch: PyTorch's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=full
@@ -54,6 +55,15 @@ while [ $# -gt 0 ]; do
        exit 2 ;;
   esac
 done
+# Part 4's fixed quorums' optimizer: "pytorch" (default: quorum.quorum=Q, PyTorch's momentum
+# form) or "auto" (auto's path with quorum.min = quorum.max = Q: the same quorum every step, the
+# rate inside the momentum buffer as under auto; docs/reproduction.md, "The momentum buffer's
+# form").
+ADAPT_FIXED_FORM=${QRING_ADAPT_FIXED_FORM:-pytorch}
+case $ADAPT_FIXED_FORM in
+  pytorch | auto) ;;
+  *) echo "reproduce.sh: QRING_ADAPT_FIXED_FORM must be pytorch or auto, got $ADAPT_FIXED_FORM" >&2; exit 2 ;;
+esac
 scripts/setup.sh
 BUILD=${QRING_BUILD:-build}
 QRING_TARGETS="qring-train qring-launch qring-bench qring-sim" scripts/build.sh "$BUILD" >/dev/null
@@ -300,6 +310,8 @@ for seed in $ADAPT_SEEDS; do
       for q in auto $qs; do
         if [ "$q" = auto ]; then
           args=(quorum.quorum=auto quorum.noise_scale="$ADAPT_NOISE_SCALE"); tag=auto
+        elif [ "$ADAPT_FIXED_FORM" = auto ]; then
+          args=(quorum.quorum=auto quorum.min="$q" quorum.max="$q"); tag=q$q
         else args=(quorum.quorum="$q"); tag=q$q; fi
         real_in "$OUT/adaptive/real" "W$w-$regime-s$seed-$tag" "$w" straggler.model="$model" \
           run.seed="$seed" train.budget=gradients "${args[@]}"
@@ -315,7 +327,9 @@ for seed in $ADAPT_SIM_SEEDS; do
   for regime in lognormal shiftexp change; do
     model=$(adaptive_model "$regime" 100 "$SWEEP100_STEPS" "$ADAPT_SIM_MIN" "$seed")
     for b in auto $ADAPT_SIM_B; do
-      if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN" "${ADAPT_SIM_NOISE[@]}"); else args=(--backups "$b"); fi
+      if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN" "${ADAPT_SIM_NOISE[@]}")
+      elif [ "$ADAPT_FIXED_FORM" = auto ]; then args=(quorum.quorum=auto quorum.min=$(( 100 - b )) quorum.max=$(( 100 - b )))
+      else args=(--backups "$b"); fi
       sim_in "$OUT/adaptive/sim" "N100-$regime-s$seed-b$b" --workers 100 "${args[@]}" \
         --compute-ms 0.075 --apply-ms 0.077 straggler.model="$model" run.seed="$seed" \
         train.budget=gradients train.target_accuracy="$SIM_TARGET" "model.hidden=$SIM_HIDDEN" \
