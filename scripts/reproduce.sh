@@ -294,6 +294,9 @@ ADAPT_SEEDS=${QRING_ADAPT_SEEDS:-$ADAPT_SEEDS}
 ADAPT_NOISE_SCALE=${QRING_ADAPT_NOISE_SCALE:-100}
 ADAPT_SIM_NOISE=()
 [ -z "${QRING_ADAPT_SIM_NOISE_SCALE:-}" ] || ADAPT_SIM_NOISE=(quorum.noise_scale="$QRING_ADAPT_SIM_NOISE_SCALE")
+# A fixed quorum of N in auto's momentum form (QRING_ADAPT_FIXED_FORM=auto): auto's path held
+# at N every step.
+auto_form_args() { args=(quorum.quorum=auto quorum.min="$1" quorum.max="$1"); }
 adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
   case $1 in
     lognormal) echo "$LOGNORMAL" ;;
@@ -310,8 +313,7 @@ for seed in $ADAPT_SEEDS; do
       for q in auto $qs; do
         if [ "$q" = auto ]; then
           args=(quorum.quorum=auto quorum.noise_scale="$ADAPT_NOISE_SCALE"); tag=auto
-        elif [ "$ADAPT_FIXED_FORM" = auto ]; then
-          args=(quorum.quorum=auto quorum.min="$q" quorum.max="$q"); tag=q$q
+        elif [ "$ADAPT_FIXED_FORM" = auto ]; then auto_form_args "$q"; tag=q$q
         else args=(quorum.quorum="$q"); tag=q$q; fi
         real_in "$OUT/adaptive/real" "W$w-$regime-s$seed-$tag" "$w" straggler.model="$model" \
           run.seed="$seed" train.budget=gradients "${args[@]}"
@@ -328,7 +330,7 @@ for seed in $ADAPT_SIM_SEEDS; do
     model=$(adaptive_model "$regime" 100 "$SWEEP100_STEPS" "$ADAPT_SIM_MIN" "$seed")
     for b in auto $ADAPT_SIM_B; do
       if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN" "${ADAPT_SIM_NOISE[@]}")
-      elif [ "$ADAPT_FIXED_FORM" = auto ]; then args=(quorum.quorum=auto quorum.min=$(( 100 - b )) quorum.max=$(( 100 - b )))
+      elif [ "$ADAPT_FIXED_FORM" = auto ]; then auto_form_args $(( 100 - b ))
       else args=(--backups "$b"); fi
       sim_in "$OUT/adaptive/sim" "N100-$regime-s$seed-b$b" --workers 100 "${args[@]}" \
         --compute-ms 0.075 --apply-ms 0.077 straggler.model="$model" run.seed="$seed" \
