@@ -7,6 +7,9 @@ SGD", on qring's own runs; docs/reproduction.md).
                                                              straggler trace for qring-sim
     scripts/reproduce.py regime-trace OUT W STEPS MU SIGMA SLOW FACTOR [FROM [SEED]]
                                                              the changing regime's trace
+    scripts/reproduce.py replay-trace OUT TIMES W STEPS BASE_MS [SEED]
+                                                             a real job's per-worker step
+                                                             times as delays (../shared/traces)
     scripts/reproduce.py analyze DIR                         tables, plots, the claim table
     scripts/reproduce.py adaptive DIR                        part 4 alone (issue 18)
     scripts/reproduce.py check DIR                           every artefact there, well formed
@@ -274,6 +277,62 @@ def regime_trace(out, workers, steps, mu, sigma, slow_rank, factor, start=None, 
                     d *= factor
                 f.write(f"{t} {w} {d:.3f}\n")
     print(f"trace: {workers} workers x {steps} steps -> {out}")
+
+
+def replay_trace(out, times, workers, steps, base_ms, seed=42):
+    """A straggler trace (lines "step rank ms") from a real job's per-worker compute times
+    (TIMES: lines "STEP RANK MS", every step with the same ranks, e.g. ../shared/traces): step t
+    replays the job's step t mod S (S its steps); in each pass over them (t div S) the workers
+    are a fresh seeded random sample of the job's ranks, so W may be below the job's size and a
+    pass does not repeat the last one rank for rank. A worker's delay is
+    (MS / the fastest sampled worker's MS of that step - 1) x base_ms: the fastest maps to the
+    model's own compute time, the others' excess to an injected delay."""
+    steps_ms = {}
+    try:
+        f = open(times)
+    except OSError as e:
+        sys.exit(f"replay-trace: cannot read {times}: {e.strerror}")
+    with f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#")[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            try:
+                if len(parts) != 3:
+                    raise ValueError
+                st, rank, ms = int(parts[0]), int(parts[1]), float(parts[2])
+                if st < 0 or rank < 0 or not math.isfinite(ms) or ms <= 0:
+                    raise ValueError
+            except ValueError:
+                sys.exit(f"replay-trace: {times}:{n}: expected 'STEP RANK MS' (MS > 0), got "
+                         f"'{line}'")
+            steps_ms.setdefault(st, {})[rank] = ms
+    if not steps_ms:
+        sys.exit(f"replay-trace: {times}: no entries")
+    order = sorted(steps_ms)
+    ranks = sorted(steps_ms[order[0]])
+    for st in order:
+        if sorted(steps_ms[st]) != ranks:
+            sys.exit(f"replay-trace: {times}: step {st} has ranks other than step {order[0]}'s")
+    if not 1 <= workers <= len(ranks):
+        sys.exit(f"replay-trace: {workers} workers: the job has {len(ranks)} ranks")
+    if steps < 1 or not math.isfinite(base_ms) or base_ms < 0:
+        sys.exit("replay-trace: STEPS must be >= 1 and BASE_MS a number >= 0")
+    rng = random.Random(seed)
+    with open(out, "w") as f:
+        f.write(f"# {os.path.basename(times)}: {len(order)} steps x {len(ranks)} ranks, "
+                f"{workers} sampled per pass (seed {seed}); delay = (ms / fastest - 1) x "
+                f"{base_ms} ms\n")
+        sample = []
+        for t in range(steps):
+            if t % len(order) == 0:
+                sample = rng.sample(ranks, workers)
+            row = steps_ms[order[t % len(order)]]
+            fastest = min(row[r] for r in sample)
+            for w, r in enumerate(sample):
+                f.write(f"{t} {w} {(row[r] / fastest - 1) * base_ms:.3f}\n")
+    print(f"trace: {workers} workers x {steps} steps from {times} -> {out}")
 
 
 # ---------------------------------------------------------------- the analysis
@@ -1107,8 +1166,9 @@ def compare(dirs, resamples=10000):
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace", "analyze",
-                                                 "adaptive", "check", "compare"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace",
+                                                 "replay-trace", "analyze", "adaptive", "check",
+                                                 "compare"):
         sys.exit(__doc__)
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "calibrate":
@@ -1122,6 +1182,15 @@ def main():
         regime_trace(out, int(workers), int(steps), float(mu), float(sigma), int(slow),
                      float(factor), int(args[7]) if len(args) >= 8 else None,
                      int(args[8]) if len(args) == 9 else 42)
+    elif cmd == "replay-trace":
+        if len(args) not in (5, 6):
+            sys.exit(__doc__)
+        try:
+            workers, steps, base = int(args[2]), int(args[3]), float(args[4])
+            seed = int(args[5]) if len(args) == 6 else 42
+        except ValueError:
+            sys.exit("replay-trace: W, STEPS and SEED must be integers, BASE_MS a number")
+        replay_trace(args[0], args[1], workers, steps, base, seed)
     elif cmd == "analyze":
         analyze(args[0])
     elif cmd == "adaptive":

@@ -173,6 +173,61 @@ TEST(Sim, SyncAveragesTheFirstNArrivalsEveryStep) {
   }
 }
 
+// quorum.grace_ms as the coordinator applies it: after the n-th arrival, those within the
+// grace count too (an arrival exactly at its end included); the decision is at n-th + grace,
+// or at the last arrival when all came within it.
+TEST(Sim, GraceCountsTheArrivalsWithinItAfterTheQuorum) {
+  std::vector<SimArrival> a;
+  for (double ms : {0.0, 1.0, 2.0, 5.0, 9.0}) a.push_back({ms, int(a.size())});
+  auto d = sim_decide(a, 2, 0);
+  EXPECT_EQ(d.count, 2);
+  EXPECT_DOUBLE_EQ(d.at_ms, 1.0);
+  d = sim_decide(a, 2, 1.5);
+  EXPECT_EQ(d.count, 3);
+  EXPECT_DOUBLE_EQ(d.at_ms, 2.5);
+  d = sim_decide(a, 2, 4.0);
+  EXPECT_EQ(d.count, 4);
+  EXPECT_DOUBLE_EQ(d.at_ms, 5.0);
+  d = sim_decide(a, 2, 50.0);
+  EXPECT_EQ(d.count, 5);
+  EXPECT_DOUBLE_EQ(d.at_ms, 9.0);
+  d = sim_decide(a, 5, 3.0);  // all of them: nothing to wait for
+  EXPECT_EQ(d.count, 5);
+  EXPECT_DOUBLE_EQ(d.at_ms, 9.0);
+}
+
+// A run with a grace: every step averages sim_decide's arrivals (more than the quorum on some
+// steps), ends at the decision plus communication among them, and records the quorum in force.
+TEST(Sim, SyncWithGraceAveragesTheArrivalsWithinTheGrace) {
+  const TrainConfig cfg = config();
+  const auto m = collectives::StragglerModel::parse(cfg.straggler.model);
+  const int W = 8, b = 4, N = W - b;
+  SimOptions o = sync_opts(W, b);
+  o.grace_ms = 3;
+  SimResult r = simulate(cfg, data(), o);
+  ASSERT_EQ(r.steps.size(), 12u);
+  const double P = double(TrainerCore(cfg, data(), 0, W, N).num_params());
+  const double bytes = 4 * (P + 1);
+  int more = 0;
+  for (const auto& s : r.steps) {
+    auto a = sim_arrivals(m, 3, W, uint64_t(s.step), 4.0);
+    const SimDecision d = sim_decide(a, N, 3);
+    EXPECT_EQ(s.quorum, N);
+    EXPECT_EQ(s.contributors, d.count);
+    ASSERT_EQ(s.ranks.size(), size_t(d.count));
+    for (int i = 0; i < d.count; ++i) EXPECT_EQ(s.ranks[size_t(i)], a[size_t(i)].rank);
+    const double comm = 0.060 + sim_allreduce_rounds(d.count, bytes) * 0.020 +
+                        bytes * 0.5e-6 * 2 * (d.count - 1) / d.count + 0.3;
+    EXPECT_NEAR(s.step_ms, d.at_ms + comm, 1e-9);
+    more += d.count > N;
+  }
+  EXPECT_GT(more, 0);  // the grace mattered on some step (shiftexp:2:10, a grace of 3 ms)
+  EXPECT_EQ(r.quorum_hist.at(N), 12);
+  EXPECT_EQ(r.updates, 12);
+  // The same run without the grace trains on fewer gradients: other parameters.
+  EXPECT_NE(simulate(cfg, data(), sync_opts(W, b)).params_checksum, r.params_checksum);
+}
+
 // The update is exactly SGD with the mean of the first N gradients summed in arrival order:
 // recomputed here from the same pieces (TrainerCore, Sharder, sim_arrivals), bit for bit.
 TEST(Sim, SyncUpdateIsTheMeanOfTheFirstNGradientsInArrivalOrder) {
@@ -382,6 +437,13 @@ TEST(Sim, BadOptionsAreErrors) {
   bad(n);
   n = sync_opts(4, 1);
   n.beta_ns_per_byte = NAN;
+  bad(n);
+  n = sync_opts(4, 1);
+  n.grace_ms = -1;
+  bad(n);
+  n = sync_opts(4, 0);
+  n.mode = SimMode::kAsync;
+  n.grace_ms = 2;
   bad(n);
   EXPECT_THROW(simulate(config({"straggler.model=shiftexp:1"}), data(), sync_opts(4, 0)),
                ConfigError);

@@ -85,6 +85,9 @@ void check_options(const SimOptions& o) {
   finite_nonneg(o.alpha_us, "--alpha-us");
   finite_nonneg(o.beta_ns_per_byte, "--beta-ns");
   finite_nonneg(o.rtt_us, "--rtt-us");
+  finite_nonneg(o.grace_ms, "quorum.grace_ms");
+  if (o.grace_ms > 0 && o.mode != SimMode::kSync)
+    throw ConfigError("quorum.grace_ms applies to --mode sync only (async has no quorum)");
   for (const auto* t : {&o.step_cost_full_ms, &o.step_cost_backup_ms})
     for (const auto& [n, ms] : *t)
       if (n < 1 || !std::isfinite(ms) || ms < 0)
@@ -143,7 +146,7 @@ class SimRun {
                        {"contributors", r.contributors}};
       if (with_ranks) {
         if (r.noise_scale) j["noise_scale"] = *r.noise_scale;
-        j["quorum"] = r.contributors;
+        j["quorum"] = r.quorum;
         j["kth_arrival_ms"] = r.kth_arrival_ms;
         j["ranks"] = r.ranks;
       } else {
@@ -229,7 +232,6 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
   const double bytes = 4.0 * double(core.num_params() + 1);
   res.compute_ms = opts.compute_ms >= 0 ? opts.compute_ms : 0.0;
   res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : 0.0;
-  const double comm_ms = sim_sync_comm_ms(opts, N, bytes, res.apply_ms);
   const int64_t total = core.total_steps();
   std::vector<double> step_ms;
   double vt = 0;
@@ -237,14 +239,16 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
     const auto arr = sim_arrivals(straggler, uint64_t(cfg.run.seed), W, uint64_t(t), res.compute_ms);
     run.record_arrivals(t, arr);
     add_kth(res, arr, total);
+    const SimDecision d = sim_decide(arr, N, opts.grace_ms);
     SimStepRecord r;
     r.step = t;
     r.kth_arrival_ms = arr[size_t(N - 1)].ms;
-    r.step_ms = r.kth_arrival_ms + comm_ms;
+    r.step_ms = d.at_ms + sim_sync_comm_ms(opts, d.count, bytes, res.apply_ms);
     vt += r.step_ms / 1000.0;
     r.virtual_s = vt;
-    r.contributors = N;
-    for (int i = 0; i < N; ++i) r.ranks.push_back(arr[size_t(i)].rank);
+    r.contributors = d.count;
+    r.quorum = N;
+    for (int i = 0; i < d.count; ++i) r.ranks.push_back(arr[size_t(i)].rank);
     step_ms.push_back(r.step_ms);
     run.record(r, true);
   }
@@ -289,14 +293,17 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
     run.record_arrivals(t, arr);
     add_kth(res, arr, 1);
-    int N = W - opts.backups;
+    int Q = W - opts.backups;
     if (opts.adaptive) {
       // The coordinator's view of it: this step opens at its first arrival.
       if (since_first >= 0) window.opened(uint64_t(t), since_first + arr.front().ms);
-      N = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max,
+      Q = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max,
                                      opts.auto_kappa)
               .quorum;
     }
+    // The first N arrivals count: the quorum, and with a grace those within it.
+    const SimDecision dec = sim_decide(arr, Q, opts.grace_ms);
+    const int N = dec.count;
     std::fill(sum.begin(), sum.end(), 0.0f);
     double loss = 0, sq = 0;
     SimStepRecord r;
@@ -327,18 +334,18 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     const double lr_scale = opts.adaptive ? double(N) / double(qmax) : 1.0;
     r.lr = core.lr() * lr_scale;
     core.apply_gradient(sum.data(), lr_scale, N);
-    r.kth_arrival_ms = arr[size_t(N - 1)].ms;
+    r.kth_arrival_ms = arr[size_t(Q - 1)].ms;
     // Under "auto" the quorum is below the world (no speculation): the round trip counts.
-    r.step_ms = r.kth_arrival_ms + sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0,
-                                                    bytes, res.apply_ms);
+    r.step_ms = dec.at_ms +
+                sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0, bytes, res.apply_ms);
     if (opts.adaptive) {
       collectives::StepArrivals a;
       a.offset_ms.assign(size_t(W), collectives::StepArrivals::kNotArrived);
       // What the coordinator has seen by its decision: the N counted, and any arrival at the
-      // same instant as the N-th (not counted here, but observed: not censored).
-      for (int i = 0; i < W && (i < N || arr[size_t(i)].ms <= r.kth_arrival_ms); ++i)
+      // same instant as the decision (not counted here, but observed: not censored).
+      for (int i = 0; i < W && (i < N || arr[size_t(i)].ms <= dec.at_ms); ++i)
         a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
-      a.decided_ms = r.kth_arrival_ms - arr.front().ms;
+      a.decided_ms = dec.at_ms - arr.front().ms;
       window.decided(uint64_t(t), std::move(a));
       since_first = r.step_ms - arr.front().ms;
     }
@@ -346,7 +353,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     r.virtual_s = vt;
     r.loss = loss / N;
     r.contributors = N;
-    ++res.quorum_hist[N];
+    r.quorum = Q;
+    ++res.quorum_hist[Q];
     step_ms.push_back(r.step_ms);
     run.record(r, true);
     const int64_t done = t + 1;
@@ -514,6 +522,18 @@ double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per
          1e6;
 }
 
+SimDecision sim_decide(const std::vector<SimArrival>& arr, int n, double grace_ms) {
+  SimDecision d;
+  d.count = n;
+  d.at_ms = arr[size_t(n - 1)].ms;
+  if (grace_ms > 0 && n < int(arr.size())) {
+    const double until = d.at_ms + grace_ms;
+    while (d.count < int(arr.size()) && arr[size_t(d.count)].ms <= until) ++d.count;
+    d.at_ms = d.count == int(arr.size()) ? arr.back().ms : until;
+  }
+  return d;
+}
+
 double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,
                         double apply_ms) {
   const auto& measured = speculative ? o.step_cost_full_ms : o.step_cost_backup_ms;
@@ -591,6 +611,7 @@ SimResult simulate(const TrainConfig& cfg, const DatasetPair& data, const SimOpt
     j["workers"] = opts.workers;
     j["backups"] = opts.backups;
     j["quorum"] = opts.adaptive ? nlohmann::json("auto") : nlohmann::json(opts.workers - opts.backups);
+    j["grace_ms"] = opts.grace_ms;
     j["quorum_histogram"] = nlohmann::json::object();
     for (const auto& [q, n] : res.quorum_hist) j["quorum_histogram"][std::to_string(q)] = n;
     j["straggler"] = collectives::StragglerModel::parse(cfg.straggler.model).spec();

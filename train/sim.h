@@ -27,6 +27,10 @@
 //     with TrainerCore's optimizer and schedule (quorum N for the LR scaling). The b late
 //     workers' batches are skipped, not computed: their gradients are dropped and change
 //     nothing (qring-train abandons them too), so only N gradients a step cost real time.
+//     With quorum.grace_ms = G the step counts, as qring-train's coordinator, the first N and
+//     every later arrival within G of the N-th, and is decided at the N-th arrival + G (at the
+//     last arrival when all W came sooner); the round trip, the all-reduce among the counted
+//     and the update follow the decision.
 //   async (a parameter server, as train.mode = "async"): each worker computes on the
 //     parameters it last pulled; its gradient reaches the server alpha + bytes beta after it
 //     is ready; the server applies the gradients one at a time in arrival order (ties by
@@ -90,6 +94,10 @@ struct SimOptions {
   bool adaptive = false;
   int auto_min = 1, auto_max = 0;
   double auto_kappa = 0;  // the rule's noise scale in workers' batches (0 = linear value)
+  // Sync: quorum.grace_ms, as the coordinator applies it: once N have arrived, every arrival
+  // within the grace counts too; the step is decided at the N-th arrival + grace, or at the
+  // last arrival if all W came sooner (sim_decide).
+  double grace_ms = 0;
 };
 
 struct SimStepRecord {
@@ -99,6 +107,7 @@ struct SimStepRecord {
   double loss = 0;       // mean batch loss of the gradients applied
   double lr = 0;
   int contributors = 0;            // sync: gradients averaged (N); async: updates (W)
+  int quorum = 0;                  // sync: the quorum in force (N without a grace); async: W
   std::vector<int> ranks;          // sync: the contributors in arrival order
   double kth_arrival_ms = 0;       // sync: the N-th arrival (compute + delay)
   double staleness_mean = 0;       // async
@@ -165,6 +174,17 @@ struct SimArrival {
 // The W arrivals of sync step `step`, sorted by time, ties by rank: what the simulator uses.
 std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggler, uint64_t seed,
                                      int workers, uint64_t step, double compute_ms);
+
+// A sync step's decision among `arr` (sorted as sim_arrivals) with quorum n and a grace (ms):
+// the contributors are the first `count` arrivals, decided at `at_ms` (the n-th arrival
+// without a grace, else min(n-th + grace, the last arrival when all came within it)), the
+// coordinator's rule (quorum_coordinator.h: all live members arrived, or the quorum and the
+// grace passed).
+struct SimDecision {
+  int count = 0;
+  double at_ms = 0;
+};
+SimDecision sim_decide(const std::vector<SimArrival>& arr, int n, double grace_ms);
 
 // Dependent message rounds of qring's all-reduce among k ranks of `bytes` (above).
 int sim_allreduce_rounds(int k, double bytes);

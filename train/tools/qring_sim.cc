@@ -38,7 +38,8 @@ const char* kUsage =
     "  --backups B      sync: backup workers; each step averages the first N = W - B\n"
     "                   gradients to arrive (default 0: full sync). quorum.quorum=auto\n"
     "                   instead: N chosen every step by the adaptive quorum's rule, within\n"
-    "                   quorum.min .. quorum.max\n"
+    "                   quorum.min .. quorum.max; quorum.grace_ms counts the arrivals\n"
+    "                   within the grace after the N-th too, as qring-train's coordinator\n"
     "  --mode M         sync or async (a parameter server); default: train.mode\n"
     "  --compute-ms MS  base compute time of one gradient (default: measured at the start)\n"
     "  --apply-ms MS    one optimizer step (default: measured at the start)\n"
@@ -210,6 +211,7 @@ void load_run(Args& args, qring::train::TrainConfig& cfg, qring::train::DatasetP
   args.opts.auto_min = int(cfg.quorum.min);
   args.opts.auto_max = int(cfg.quorum.max);
   args.opts.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
+  args.opts.grace_ms = double(cfg.quorum.grace_ms);
   args.opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
   data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
 }
