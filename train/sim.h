@@ -107,7 +107,7 @@ struct SimStepRecord {
   double loss = 0;       // mean batch loss of the gradients applied
   double lr = 0;
   int contributors = 0;            // sync: gradients averaged (N); async: updates (W)
-  int quorum = 0;                  // sync: the quorum in force (N without a grace); async: W
+  int quorum = 0;                  // sync: the quorum in force (= contributors without a grace)
   std::vector<int> ranks;          // sync: the contributors in arrival order
   double kth_arrival_ms = 0;       // sync: the N-th arrival (compute + delay)
   double staleness_mean = 0;       // async
