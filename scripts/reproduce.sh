@@ -35,6 +35,9 @@
 # configured ones (docs/reproduction.md). scripts/reproduce.py compare DIR... puts auto against
 # the best fixed quorum over the runs of several such directories. QRING_ADAPT_FIXED_FORM=auto
 # runs part 4's fixed quorums with auto's momentum form (default pytorch: PyTorch's).
+# QRING_ADAPT_SIM_REGIMES: part 4's simulated regimes (default "lognormal shiftexp change";
+# heavyexp, a shifted exponential whose tail outweighs its shift, shiftexp:4:30, may be added),
+# QRING_ADAPT_SIM_SEEDS their seeds (default: the scale's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCALE=full
@@ -64,6 +67,20 @@ case $ADAPT_FIXED_FORM in
   pytorch | auto) ;;
   *) echo "reproduce.sh: QRING_ADAPT_FIXED_FORM must be pytorch or auto, got $ADAPT_FIXED_FORM" >&2; exit 2 ;;
 esac
+ADAPT_SIM_REGIMES=${QRING_ADAPT_SIM_REGIMES:-lognormal shiftexp change}
+[ -n "${ADAPT_SIM_REGIMES// /}" ] || { echo "reproduce.sh: QRING_ADAPT_SIM_REGIMES is empty" >&2; exit 2; }
+for regime in $ADAPT_SIM_REGIMES; do
+  case $regime in
+    lognormal | shiftexp | change | heavyexp) ;;
+    *) echo "reproduce.sh: QRING_ADAPT_SIM_REGIMES: unknown regime '$regime' (lognormal, shiftexp, change, heavyexp)" >&2
+       exit 2 ;;
+  esac
+done
+if [ -n "${QRING_ADAPT_SIM_SEEDS:-}" ]; then
+  for seed in $QRING_ADAPT_SIM_SEEDS; do
+    [[ $seed =~ ^[0-9]+$ ]] || { echo "reproduce.sh: QRING_ADAPT_SIM_SEEDS: '$seed' is not a seed" >&2; exit 2; }
+  done
+fi
 scripts/setup.sh
 BUILD=${QRING_BUILD:-build}
 QRING_TARGETS="qring-train qring-launch qring-bench qring-sim" scripts/build.sh "$BUILD" >/dev/null
@@ -79,6 +96,7 @@ PY=${QRING_PYTHON:-/usr/bin/python3}
 # of the simulator; the simulator's workers use batch SIM_BATCH each.
 LOGNORMAL=lognormal:2.7:1.0   # median 15 ms, mean 24 ms
 SHIFTEXP=shiftexp:8:15        # 8 ms + an exponential of mean 15 ms
+HEAVYEXP=shiftexp:4:30        # part 4's simulator only: 4 ms + an exponential of mean 30 ms
 TRAIN_SAMPLES=60000  # Fashion-MNIST's training set
 SIM_HIDDEN="[128]"   # the simulator's 100-1000 worker runs: 784-128-10
 common=()
@@ -115,6 +133,7 @@ case $SCALE in
     BENCH_ITERS=4
     LOGNORMAL=lognormal:0.5:1.0
     SHIFTEXP=shiftexp:1:2
+    HEAVYEXP=shiftexp:0.5:4
     TRAIN_SAMPLES=8192
     SIM_HIDDEN="[16]"
     common=(data.dataset=synthetic data.synthetic_train=8192 data.synthetic_test=512
@@ -291,6 +310,7 @@ ADAPT_SIM_MIN=10
 ADAPT_Q4=${QRING_ADAPT_Q4:-$ADAPT_Q4}
 ADAPT_Q8=${QRING_ADAPT_Q8:-$ADAPT_Q8}
 ADAPT_SEEDS=${QRING_ADAPT_SEEDS:-$ADAPT_SEEDS}
+ADAPT_SIM_SEEDS=${QRING_ADAPT_SIM_SEEDS:-$ADAPT_SIM_SEEDS}
 ADAPT_NOISE_SCALE=${QRING_ADAPT_NOISE_SCALE:-100}
 ADAPT_SIM_NOISE=()
 [ -z "${QRING_ADAPT_SIM_NOISE_SCALE:-}" ] || ADAPT_SIM_NOISE=(quorum.noise_scale="$QRING_ADAPT_SIM_NOISE_SCALE")
@@ -301,6 +321,7 @@ adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
   case $1 in
     lognormal) echo "$LOGNORMAL" ;;
     shiftexp) echo "$SHIFTEXP" ;;
+    heavyexp) echo "$HEAVYEXP" ;;
     change) echo "trace:$(change_trace "$2" $(( $3 * $2 / $4 )) $(( $3 / 2 )) "$5")" ;;
   esac
 }
@@ -326,7 +347,7 @@ done
 # machine) so that a run is deterministic, the simulator's default network costs.
 for seed in $ADAPT_SIM_SEEDS; do
   [ "$ONLY" = adaptive-real ] && break
-  for regime in lognormal shiftexp change; do
+  for regime in $ADAPT_SIM_REGIMES; do
     model=$(adaptive_model "$regime" 100 "$SWEEP100_STEPS" "$ADAPT_SIM_MIN" "$seed")
     for b in auto $ADAPT_SIM_B; do
       if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN" "${ADAPT_SIM_NOISE[@]}")
