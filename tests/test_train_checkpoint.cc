@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "net/error.h"
+#include "temp_dir.h"
 #include "train/checkpoint.h"
 #include "train/crc32.h"
 #include "train/rng.h"
@@ -20,22 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "qring-ckpt-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using qring::testing::TempDir;
 
 CheckpointState sample_state() {
   CheckpointState s;
@@ -77,7 +63,7 @@ void expect_load_error(const std::string& path, const std::string& what) {
 }
 
 TEST(Checkpoint, RoundTripIsBitIdentical) {
-  TempDir dir;
+  TempDir dir("qring-ckpt");
   const CheckpointState s = sample_state();
   const std::string p = checkpoint_path(dir.path(), s.step);
   EXPECT_THAT(p, HasSubstr("ckpt-000000012345.qck"));
@@ -164,14 +150,14 @@ TEST(Checkpoint, EncodingFromAViewIntoAReusedBufferGivesTheSameBytes) {
 }
 
 TEST(Checkpoint, EmptyStateRoundTrips) {
-  TempDir dir;
+  TempDir dir("qring-ckpt");
   const std::string p = dir.path() + "/empty.qck";
   save_checkpoint(p, CheckpointState{});
   EXPECT_EQ(load_checkpoint(p), CheckpointState{});
 }
 
 TEST(Checkpoint, DetectsCorruption) {
-  TempDir dir;
+  TempDir dir("qring-ckpt");
   const std::string p = dir.path() + "/c.qck";
   save_checkpoint(p, sample_state());
   const auto good = read_raw(p);
@@ -234,7 +220,7 @@ TEST(Checkpoint, WriteFailureIsAnError) {
 }
 
 TEST(Checkpoint, LatestPicksHighestStep) {
-  TempDir dir;
+  TempDir dir("qring-ckpt");
   EXPECT_FALSE(latest_checkpoint(dir.path()).has_value());
   EXPECT_FALSE(latest_checkpoint(dir.path() + "/missing").has_value());
   CheckpointState s;
@@ -253,7 +239,7 @@ TEST(Checkpoint, LatestPicksHighestStep) {
 // Issue 15, item 13: stray names whose step does not fit (the old code aborted with
 // "stoull") or that checkpoint_path() would not write are ignored, not fatal.
 TEST(Checkpoint, StrayNamesAreIgnored) {
-  TempDir dir;
+  TempDir dir("qring-ckpt");
   CheckpointState s;
   for (uint64_t step : {7u, 40u}) {
     s.step = step;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "net/error.h"
+#include "temp_dir.h"
 #include "train/dataset.h"
 #include "train/idx.h"
 
@@ -21,23 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "qring-data-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using qring::testing::TempDir;
 
 std::vector<uint8_t> bytes(size_t n, int mul) {
   std::vector<uint8_t> v(n);
@@ -67,7 +52,7 @@ void expect_data_error(F&& f, const std::string& file, const std::string& what) 
 }
 
 TEST(Idx, RoundTripPlainAndGzip) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const auto data = bytes(5 * 28 * 28, 13);
   for (bool gz : {false, true}) {
     const std::string p = dir.file(gz ? "a.gz" : "a");
@@ -85,7 +70,7 @@ TEST(Idx, RoundTripPlainAndGzip) {
 }
 
 TEST(Idx, HeaderErrors) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const std::string p = dir.file("x");
   write_raw(p, {0x01, 0x00, 0x08, 0x01, 0, 0, 0, 1, 5});
   expect_data_error([&] { read_idx(p); }, p, "bad IDX magic");
@@ -104,7 +89,7 @@ TEST(Idx, HeaderErrors) {
 }
 
 TEST(Idx, TruncatedAndTrailingData) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const std::string p = dir.file("img");
   write_idx(p, {4, 28, 28}, bytes(4 * 784, 3), false);
   auto raw = read_raw(p);
@@ -117,7 +102,7 @@ TEST(Idx, TruncatedAndTrailingData) {
 }
 
 TEST(Idx, TruncatedAndCorruptGzip) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const std::string p = dir.file("img.gz");
   write_idx(p, {50, 28, 28}, bytes(50 * 784, 7), true);
   const auto good = read_raw(p);
@@ -151,7 +136,7 @@ void write_truncated_bomb(const std::string& p, const std::vector<uint8_t>& head
 // at the size it implies. Each file inflates to 64 MiB and is truncated at the end; the old
 // reader inflated all of it and reported the truncation instead.
 TEST(Idx, GzipBombIsRefusedAfterItsHeader) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const std::string p = dir.file("bomb.gz");
   write_truncated_bomb(p, {0x1f, 0x8b, 0x08, 0x03}, size_t{64} << 20);
   expect_data_error([&] { read_idx(p); }, p, "bad IDX magic number 0x1f8b0803");
@@ -171,7 +156,7 @@ TEST(Idx, GzipBombIsRefusedAfterItsHeader) {
 }
 
 TEST(Idx, ImageAndLabelValidation) {
-  TempDir dir;
+  TempDir dir("qring-data");
   const std::string img = dir.file("img");
   write_idx(img, {3, 27, 28}, bytes(3 * 27 * 28, 1), false);
   expect_data_error([&] { read_idx_images(img); }, img, "27x28, expected 28x28");
@@ -193,7 +178,7 @@ void write_split(const TempDir& dir, const std::string& prefix, uint32_t n_img, 
 }
 
 TEST(Dataset, LoadsDirectoryAndNormalizes) {
-  TempDir dir;
+  TempDir dir("qring-data");
   write_split(dir, "train", 20, 20);
   write_split(dir, "t10k", 10, 10);
   DatasetPair d = load_fashion_mnist(dir.path());
@@ -211,7 +196,7 @@ TEST(Dataset, LoadsDirectoryAndNormalizes) {
 }
 
 TEST(Dataset, CountMismatchAndMissingFile) {
-  TempDir dir;
+  TempDir dir("qring-data");
   write_split(dir, "train", 20, 19);
   write_split(dir, "t10k", 10, 10);
   expect_data_error([&] { load_fashion_mnist(dir.path()); }, "train-labels-idx1-ubyte.gz",

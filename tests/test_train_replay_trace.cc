@@ -1,10 +1,8 @@
 // scripts/reproduce.py replay-trace: a real job's per-worker step times (../shared/traces)
 // turned into a straggler trace that qring-sim and qring-train replay (trace:FILE).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +14,7 @@
 
 #include "cli_harness.h"
 #include "collectives/straggler.h"
+#include "temp_dir.h"
 
 namespace qring::testing {
 namespace {
@@ -24,17 +23,6 @@ namespace fs = std::filesystem;
 
 // The job: 3 steps x 4 ranks, compute times in ms.
 const double kTimes[3][4] = {{100, 110, 150, 120}, {200, 260, 210, 250}, {90, 90, 135, 180}};
-
-struct Dir {
-  fs::path path;
-  Dir() {
-    path = fs::temp_directory_path() /
-           ("qring-replay-" + std::to_string(::getpid()) + "-" +
-            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fs::create_directories(path);
-  }
-  ~Dir() { fs::remove_all(path); }
-};
 
 std::string write_times(const fs::path& dir, const std::string& extra = "") {
   const fs::path f = dir / "times.txt";
@@ -70,10 +58,10 @@ std::map<int, std::map<int, double>> read_trace(const fs::path& f) {
 // Every worker's delay is (its rank's time / the fastest sampled rank's - 1) x base, the
 // sample fixed within a pass over the job's steps, and the step replayed is t mod 3.
 TEST(ReplayTrace, DelaysAreTheExcessOverTheFastestSampledWorker) {
-  Dir dir;
-  const std::string times = write_times(dir.path);
+  TempDir dir("qring-replay");
+  const std::string times = write_times(dir.path());
   for (int W : {4, 2}) {
-    const fs::path out = dir.path / ("t" + std::to_string(W) + ".txt");
+    const fs::path out = dir.file("t" + std::to_string(W) + ".txt");
     auto r = replay(out.string() + " " + times + " " + std::to_string(W) + " 7 10 5");
     ASSERT_EQ(r.status, 0) << r.output;
     auto d = read_trace(out);
@@ -105,10 +93,10 @@ TEST(ReplayTrace, DelaysAreTheExcessOverTheFastestSampledWorker) {
 }
 
 TEST(ReplayTrace, SameSeedSameTraceOtherSeedOtherSample) {
-  Dir dir;
-  const std::string times = write_times(dir.path);
+  TempDir dir("qring-replay");
+  const std::string times = write_times(dir.path());
   auto text = [&](const std::string& name, int seed) {
-    const fs::path out = dir.path / name;
+    const fs::path out = dir.file(name);
     auto r = replay(out.string() + " " + times + " 2 30 10 " + std::to_string(seed));
     EXPECT_EQ(r.status, 0) << r.output;
     std::ifstream in(out);
@@ -122,21 +110,21 @@ TEST(ReplayTrace, SameSeedSameTraceOtherSeedOtherSample) {
 }
 
 TEST(ReplayTrace, BadInputIsAClearErrorAndNoCrash) {
-  Dir dir;
-  const std::string out = (dir.path / "out.txt").string();
+  TempDir dir("qring-replay");
+  const std::string out = dir.file("out.txt");
   auto expect_error = [&](const std::string& args, const std::string& says) {
     auto r = replay(args);
     EXPECT_NE(r.status, 0) << args;
     EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("Traceback"), std::string::npos) << r.output;
   };
-  const std::string good = write_times(dir.path);
+  const std::string good = write_times(dir.path());
   expect_error(out + " " + good + " 5 10 10", "5 workers: the job has 4 ranks");
   expect_error(out + " " + good + " 0 10 10", "0 workers");
   expect_error(out + " " + good + " 2 10 -1", "BASE_MS");
   expect_error(out + " " + good + " two 10 10", "must be integers");
-  expect_error(out + " " + (dir.path / "missing.txt").string() + " 2 10 10", "cannot read");
-  const fs::path sub = dir.path / "sub";
+  expect_error(out + " " + dir.file("missing.txt") + " 2 10 10", "cannot read");
+  const fs::path sub = dir.file("sub");
   fs::create_directories(sub);
   expect_error(out + " " + write_times(sub, "3 0 oops\n") + " 2 10 10", "times.txt:14");
   expect_error(out + " " + write_times(sub, "3 0 -5\n") + " 2 10 10", "MS > 0");
