@@ -54,9 +54,8 @@ class Survival {
   double last_ = 0, s_last_ = 1, theta_;
 };
 
-// below[k] = P(fewer than k of independent events with probabilities p happened), k = 0..n.
-void poisson_binomial_below(const std::vector<double>& p, std::vector<double>& dist,
-                            std::vector<double>& below) {
+// dist[j] = P(exactly j of independent events with probabilities p happened), j = 0..n.
+void poisson_binomial(const std::vector<double>& p, std::vector<double>& dist) {
   const size_t n = p.size();
   dist.assign(n + 1, 0.0);
   dist[0] = 1;
@@ -64,11 +63,24 @@ void poisson_binomial_below(const std::vector<double>& p, std::vector<double>& d
     for (size_t j = r + 1; j > 0; --j) dist[j] = dist[j] * (1 - p[r]) + dist[j - 1] * p[r];
     dist[0] *= 1 - p[r];
   }
-  below.assign(n + 1, 0.0);
-  double c = 0;
-  for (size_t k = 1; k <= n; ++k) {
-    c += dist[k - 1];
-    below[k] = std::min(1.0, c);
+}
+
+// The count of the other events, one event of probability q divided out of dist (n + 1
+// entries): out[j], j = 0..n-1. dist = out * (1 - q + q z); the recurrence runs from the end
+// whose divisor is the larger, which keeps it stable.
+void without_member(const std::vector<double>& dist, double q, std::vector<double>& out) {
+  const size_t n = dist.size() - 1;
+  out.assign(n, 0.0);
+  if (n == 0) return;
+  if (q <= 0.5) {
+    const double inv = 1 / (1 - q);
+    double prev = 0;
+    for (size_t j = 0; j < n; ++j) prev = out[j] = std::max(0.0, (dist[j] - q * prev) * inv);
+  } else {
+    const double inv = 1 / q;
+    double next = 0;
+    for (size_t j = n; j > 0; --j)
+      next = out[j - 1] = std::max(0.0, (dist[j] - (1 - q) * next) * inv);
   }
 }
 
@@ -110,41 +122,56 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   // the time to target).
   c.quorum = lo + (hi - lo + 1) / 2;
 
+  // A step's offsets are measured from its first arrival, so one member is at 0 by
+  // definition: the reference, not an observation. Each member's distribution is estimated
+  // from the steps where another member was the reference, and T(k) is the (k-1)-th arrival
+  // among the members other than the step's reference, weighted by how often each member was
+  // the reference. (Counting the reference as an observation at 0 gives every member a point
+  // mass at 0 and, the members taken as independent, puts E[T(1)] above 0: 1.5 ms of a 7 ms
+  // cycle with 4 members under lognormal delays, enough to prefer 2 where 1 is faster.)
   std::vector<std::vector<Obs>> per(members.size());
   std::vector<Obs> pooled;
-  std::vector<double> overheads;
+  std::vector<double> overheads, first(members.size(), 0.0);
   double event_sum = 0;
-  size_t events = 0;
+  size_t events = 0;             // observations after the reference
+  bool any_arrival = false;      // the reference included
   std::vector<double> observed;  // per step of the window, the arrivals it observed
   for (const auto& s : window) {
-    bool any = false;
+    bool any = false, referenced = false;
     int arrived = 0;
     for (size_t i = 0; i < members.size(); ++i) {
       const size_t r = size_t(members[i]);
       if (r >= s.offset_ms.size() || s.offset_ms[r] == StepArrivals::kNotMember) continue;
       const double v = s.offset_ms[r];
+      any = true;
+      if (v >= 0) ++arrived;
+      if (v == 0 && !referenced) {  // the first of the members at 0
+        referenced = true;
+        first[i] += 1;
+        continue;
+      }
       Obs o = v >= 0 ? Obs{v, true} : Obs{std::max(0.0, s.decided_ms), false};
       per[i].push_back(o);
       pooled.push_back(o);
       if (o.event) {
         event_sum += o.x;
         ++events;
-        ++arrived;
       }
-      any = true;
     }
+    any_arrival = any_arrival || arrived > 0;
     if (any) observed.push_back(arrived);
     if (any && s.cycle_ms >= 0) overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
   }
-  if (n == 1 || events == 0 || overheads.empty()) return c;
-  // Every arrival observed at the first's instant (members that arrive together): the tails
-  // decay at once, and the choice is the largest the trust region allows.
-  const double theta = std::max(event_sum / double(events), 1e-6);
+  if (n == 1 || !any_arrival || overheads.empty()) return c;
+  // Every arrival observed at the first's instant (members that arrive together), or none
+  // observed after it: the tails decay at once, and the choice is the largest the trust region
+  // allows (which observes more).
+  const double theta = std::max(events > 0 ? event_sum / double(events) : 0.0, 1e-6);
 
-  // P(T(k) > x) = P(fewer than k members arrived by x), integrated over a grid: up to 256
-  // quantiles of the observed offsets, then the exponential tails up to 20 theta beyond the
-  // last observation (each interval evaluated at its left end: survival is non-increasing,
-  // so the estimate errs late, towards waiting less).
+  // P(T(k) > x) = P(fewer than k - 1 of the reference's others arrived by x), integrated over
+  // a grid: up to 256 quantiles of the observed offsets, then the exponential tails up to 20
+  // theta beyond the last observation (each interval evaluated at its left end: survival is
+  // non-increasing, so the estimate errs late, towards waiting less).
   const bool per_rank = n <= kPerRankMembers;
   std::vector<Survival> surv;
   double horizon = 0, theta_max = theta;
@@ -174,17 +201,47 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   const double base = grid.back();
   for (int i = 1; i <= kTail; ++i) grid.push_back(base + double(i) * theta_max / 6);
 
-  std::vector<double> e(size_t(n) + 1, 0.0), dist, below;
+  // E[T(k)] = sum over the reference f of P(f first) times the integral of P(fewer than k - 1
+  // of the others arrived by x); T(1) = 0. Per rank, the others' count is the members' count
+  // with f's factor divided out: for each member that was a reference up to kExactReferences
+  // members (O(n) each), above that once, with the references' mean probability (the members
+  // other than one of many are nearly the same whichever it is). A decision stays O(grid n^2).
+  double first_total = 0;
+  for (double f : first) first_total += f;
+  std::vector<double> weight(size_t(n), 1.0 / double(n));
+  if (first_total > 0)
+    for (int i = 0; i < n; ++i) weight[size_t(i)] = first[size_t(i)] / first_total;
+  const bool exact = n <= kExactReferences;
+  std::vector<double> e(size_t(n) + 1, 0.0), dist, below, others;
   std::vector<double> p(static_cast<size_t>(n));
+  auto add_others = [&](double w, double width) {  // e[k] += w width P(others < k - 1)
+    double below_k = 0;
+    for (int k = 2; k <= n; ++k) {
+      below_k = std::min(1.0, below_k + others[size_t(k) - 2]);
+      e[size_t(k)] += w * width * below_k;
+    }
+  };
   for (size_t g = 0; g + 1 < grid.size(); ++g) {
     const double width = grid[g + 1] - grid[g];
     if (per_rank) {
       for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - surv[size_t(i)].at(grid[g]);
-      poisson_binomial_below(p, dist, below);
+      poisson_binomial(p, dist);
+      if (exact) {
+        for (int f = 0; f < n; ++f) {
+          if (weight[size_t(f)] == 0) continue;
+          without_member(dist, p[size_t(f)], others);
+          add_others(weight[size_t(f)], width);
+        }
+      } else {
+        double q = 0;
+        for (int f = 0; f < n; ++f) q += weight[size_t(f)] * p[size_t(f)];
+        without_member(dist, q, others);
+        add_others(1.0, width);
+      }
     } else {
-      binomial_below(size_t(n), 1.0 - surv[0].at(grid[g]), below);
+      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(grid[g]), below);
+      for (int k = 2; k <= n; ++k) e[size_t(k)] += width * below[size_t(k) - 1];
     }
-    for (int k = 1; k <= n; ++k) e[size_t(k)] += width * below[size_t(k)];
   }
 
   // The trust region: beyond the arrivals the window's steps observed, E[T(k)] rests on the

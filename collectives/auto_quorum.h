@@ -17,16 +17,20 @@
 //   of a batch of k in that model (McCandlish et al., "An Empirical Model of Large-Batch
 //   Training", 2018: steps to a target S = S_min (1 + B_noise / B)), which values a gradient
 //   in a large step less than one in a small step;
-// - T(k), the time from a step's first arrival to its k-th, is the k-th order statistic of
-//   the members' arrival offsets, each member's offset distribution estimated by Kaplan-Meier
-//   from its offsets in the window: a contribution that had not arrived when its step was
-//   decided (a backup worker abandons its work) is censored there, not dropped, and beyond a
-//   member's last observation its survival decays exponentially with the observed mean offset,
-//   so a member that was always cut off looks soon-to-arrive and is tried again (which
-//   observes it) rather than assumed slow for ever. E[T(k)] = integral over x of
-//   P(fewer than k members arrived by x), with the members independent (a Poisson-binomial
-//   count); above kPerRankMembers members the offsets are pooled over members and treated as
-//   identically distributed (a binomial count), which keeps a decision at 1000 members cheap;
+// - T(k), the time from a step's first arrival to its k-th, is 0 for k = 1 and otherwise the
+//   (k-1)-th order statistic of the offsets of the members other than the step's reference
+//   (its first arrival, at 0 by definition: not an observation), averaged over how often each
+//   member was the reference; each member's offset distribution is estimated by Kaplan-Meier
+//   from its offsets in the steps where another member was the reference. A contribution
+//   that had not arrived when its step was decided (a backup worker abandons its work) is
+//   censored there, not dropped, and beyond a member's last observation its survival decays
+//   exponentially with the observed mean offset, so a member that was always cut off looks
+//   soon-to-arrive and is tried again (which observes it) rather than assumed slow for ever.
+//   E[T(k)] = the sum over references f of P(f first) times the integral over x of P(fewer
+//   than k - 1 of the others arrived by x), the others independent (a Poisson-binomial count,
+//   f's factor divided out); above kPerRankMembers members the offsets are pooled over members
+//   and treated as identically distributed (a binomial count of n - 1), which keeps a
+//   decision at 1000 members cheap;
 // - C, the rest of a step's cycle (from its decision to the next step's first arrival:
 //   DECIDE, the reduction, the update, the next computation), is the window's median.
 // - the trust region: k at most kExplore (a quarter, at least one) beyond the arrivals the
@@ -65,6 +69,9 @@ struct AutoQuorumChoice {
 };
 
 constexpr int kPerRankMembers = 128;
+// Up to this many members, T(k) is averaged over every member that was a step's reference
+// (its first arrival); above, the others are those of a mean reference.
+constexpr int kExactReferences = 32;
 // The trust region: a choice goes at most this fraction (and at least one) beyond the
 // arrivals the median step of the window observed.
 constexpr double kExplore = 0.25;
