@@ -71,7 +71,7 @@ struct AutoQuorumChoice {
 constexpr int kPerRankMembers = 128;
 // Up to this many members, T(k) is averaged over every member that was a step's reference
 // (its first arrival); above, the others are those of a mean reference.
-constexpr int kExactReferences = 32;
+constexpr int kExactReferences = 8;
 // The trust region: a choice goes at most this fraction (and at least one) beyond the
 // arrivals the median step of the window observed.
 constexpr double kExplore = 0.25;
