@@ -13,44 +13,52 @@ struct Obs {
   bool event;  // arrived at x; else censored there (not arrived by x)
 };
 
-// Kaplan-Meier survival of one offset distribution, then an exponential tail with mean theta
-// beyond the largest observation.
+// The Kaplan-Meier order: by offset, events before censorings at a tie.
+bool before(const Obs& a, const Obs& b) {
+  return a.x != b.x ? a.x < b.x : (a.event && !b.event);
+}
+
+// Kaplan-Meier survival of one offset distribution (its observations sorted by `before`), read
+// at the points of a grid, then an exponential tail with mean theta beyond the largest
+// observation. The curve is kept at the grid's points only: they are all a decision reads, and
+// at 1000 pooled members the whole curve would be 32 000 points built and dropped per decision.
 class Survival {
  public:
-  Survival(std::vector<Obs> obs, double theta_fallback) : theta_(theta_fallback) {
-    std::sort(obs.begin(), obs.end(), [](const Obs& a, const Obs& b) {
-      return a.x != b.x ? a.x < b.x : (a.event && !b.event);  // events first at ties
-    });
+  Survival(const std::vector<Obs>& obs, double theta_fallback, const std::vector<double>& grid)
+      : theta_(theta_fallback) {
+    at_grid_.reserve(grid.size());
     double s = 1, sum = 0;
-    size_t at_risk = obs.size(), events = 0;
+    size_t at_risk = obs.size(), events = 0, g = 0;
     for (size_t i = 0; i < obs.size();) {
+      // The grid's points before this offset: the survival after the offsets up to them.
+      for (; g < grid.size() && grid[g] < obs[i].x; ++g) at_grid_.push_back(s);
       size_t j = i, d = 0;
       while (j < obs.size() && obs[j].x == obs[i].x) d += obs[j++].event ? 1 : 0;
       if (d > 0) {
         s *= 1.0 - double(d) / double(at_risk);
-        km_.emplace_back(obs[i].x, s);
         sum += double(d) * obs[i].x;
         events += d;
       }
       at_risk -= j - i;
       i = j;
     }
+    for (; g < grid.size(); ++g) at_grid_.push_back(s);
     last_ = obs.empty() ? 0 : obs.back().x;
     s_last_ = s;
     if (events > 0 && sum > 0) theta_ = sum / double(events);
     theta_ = std::max(theta_, 1e-6);
   }
-  double at(double x) const {
+  // The survival at x, the g-th point of the grid (or, past the grid given, beyond the last
+  // observation).
+  double at(size_t g, double x) const {
     if (x >= last_) return s_last_ * std::exp(-(x - last_) / theta_);
-    auto it = std::upper_bound(km_.begin(), km_.end(), x,
-                               [](double v, const std::pair<double, double>& p) { return v < p.first; });
-    return it == km_.begin() ? 1.0 : std::prev(it)->second;
+    return g < at_grid_.size() ? at_grid_[g] : s_last_;
   }
   double horizon() const { return last_; }
   double theta() const { return theta_; }
 
  private:
-  std::vector<std::pair<double, double>> km_;  // (x, survival just after x)
+  std::vector<double> at_grid_;  // survival at the grid's points, after the offsets up to each
   double last_ = 0, s_last_ = 1, theta_;
 };
 
@@ -84,22 +92,56 @@ void without_member(const std::vector<double>& dist, double q, std::vector<doubl
   }
 }
 
-// below[k] = P(Bin(n, f) < k), k = 0..n (pmf by the recurrence in logs: n up to 65535).
-void binomial_below(size_t n, double f, std::vector<double>& below) {
-  below.assign(n + 1, 0.0);
-  if (n == 0) return;
-  if (f <= 0) {
-    std::fill(below.begin() + 1, below.end(), 1.0);
+// P(Bin(n, f) < k) where it is neither 0 nor 1: 0 for k <= lo, cdf[k - lo - 1] for lo < k <=
+// lo + cdf.size(), 1 beyond. The pmf from its mode outwards by the ratio of successive terms, up
+// to terms below 1e-17: O(sqrt(n f (1 - f))) per call, where a pass over all n + 1 terms with
+// three logarithms each was half of a decision's time at 1000 pooled members.
+struct BinomialBelow {
+  size_t lo = 0;
+  std::vector<double> cdf;
+};
+
+void binomial_below(size_t n, double f, BinomialBelow& out, std::vector<double>& pmf) {
+  out.cdf.clear();
+  if (n == 0 || f <= 0) {  // no event: below is 1 from k = 1
+    out.lo = 0;
     return;
   }
-  if (f >= 1) return;
-  const double lf = std::log(f), ls = std::log1p(-f);
-  double lp = double(n) * ls, cdf = 0;
-  for (size_t i = 0; i < n; ++i) {
-    cdf += std::exp(lp);
-    below[i + 1] = std::min(1.0, cdf);
-    lp += std::log(double(n - i)) - std::log(double(i + 1)) + lf - ls;
+  if (f >= 1) {  // every event: below is 0 up to k = n
+    out.lo = n;
+    return;
   }
+  constexpr double kNegligible = 1e-17;
+  const double odds = f / (1 - f);
+  const size_t mode = std::min(n, size_t(double(n + 1) * f));
+  const double log_mode = std::lgamma(double(n) + 1) - std::lgamma(double(mode) + 1) -
+                          std::lgamma(double(n - mode) + 1) + double(mode) * std::log(f) +
+                          double(n - mode) * std::log1p(-f);
+  // Downwards: pmf[i - 1] = pmf[i] i / ((n - i + 1) odds), stored reversed, then upwards.
+  pmf.clear();
+  double t = std::exp(log_mode);
+  size_t first = mode;
+  for (size_t i = mode; i > 0;) {
+    t *= double(i) / (double(n - i + 1) * odds);
+    if (t < kNegligible) break;
+    --i;
+    pmf.push_back(t);
+    first = i;
+  }
+  std::reverse(pmf.begin(), pmf.end());
+  pmf.push_back(std::exp(log_mode));
+  t = pmf.back();
+  for (size_t i = mode; i < n;) {
+    t *= double(n - i) * odds / double(i + 1);
+    if (t < kNegligible) break;
+    ++i;
+    pmf.push_back(t);
+  }
+  // below(k) = the sum of pmf[first .. k - 1]: 0 up to k = first, 1 from first + size on.
+  out.lo = first;
+  double cdf = 0;
+  for (double v : pmf) out.cdf.push_back(std::min(1.0, cdf += v));
+  out.cdf.pop_back();  // below(first + size) is the whole sum: 1
 }
 
 double median(std::vector<double> v) {
@@ -129,8 +171,12 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   // the reference. (Counting the reference as an observation at 0 gives every member a point
   // mass at 0 and, the members taken as independent, puts E[T(1)] above 0: 1.5 ms of a 7 ms
   // cycle with 4 members under lognormal delays, enough to prefer 2 where 1 is faster.)
-  std::vector<std::vector<Obs>> per(members.size());
+  // Up to kPerRankMembers members, each member's own distribution; above, one pooled over them.
+  const bool per_rank = n <= kPerRankMembers;
+  std::vector<std::vector<Obs>> per(per_rank ? members.size() : 0);
   std::vector<Obs> pooled;
+  pooled.reserve(window.size() * members.size());
+  for (auto& o : per) o.reserve(window.size());
   std::vector<double> overheads, first(members.size(), 0.0);
   double event_sum = 0;
   size_t events = 0;             // observations after the reference
@@ -151,7 +197,7 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
         continue;
       }
       Obs o = v >= 0 ? Obs{v, true} : Obs{std::max(0.0, s.decided_ms), false};
-      per[i].push_back(o);
+      if (per_rank) per[i].push_back(o);
       pooled.push_back(o);
       if (o.event) {
         event_sum += o.x;
@@ -172,29 +218,33 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   // a grid: up to 256 quantiles of the observed offsets, then the exponential tails up to 20
   // theta beyond the last observation (each interval evaluated at its left end: survival is
   // non-increasing, so the estimate errs late, towards waiting less).
-  const bool per_rank = n <= kPerRankMembers;
+  // The pooled offsets are sorted once (at 1000 members, 32 000 of them: the larger part of a
+  // decision's cost); the quantiles are the events' in that order: the i-th of nq the event
+  // i * events / nq.
+  std::sort(pooled.begin(), pooled.end(), before);
+  std::vector<double> grid = {0.0};
+  constexpr size_t kQuantiles = 256;
+  const size_t nq = std::min(kQuantiles, events);
+  size_t seen = 0, next = 1;
+  for (const auto& o : pooled) {
+    if (!o.event) continue;
+    ++seen;
+    for (; next <= nq && next * events / nq == seen; ++next)
+      if (o.x > grid.back()) grid.push_back(o.x);
+  }
   std::vector<Survival> surv;
   double horizon = 0, theta_max = theta;
   if (per_rank) {
     for (auto& o : per) {
-      surv.emplace_back(o, theta);
+      std::sort(o.begin(), o.end(), before);
+      surv.emplace_back(o, theta, grid);
       horizon = std::max(horizon, surv.back().horizon());
       theta_max = std::max(theta_max, surv.back().theta());
     }
   } else {
-    surv.emplace_back(pooled, theta);
+    surv.emplace_back(pooled, theta, grid);
     horizon = surv.back().horizon();
     theta_max = surv.back().theta();
-  }
-  std::vector<double> xs;
-  for (const auto& o : pooled)
-    if (o.event) xs.push_back(o.x);
-  std::sort(xs.begin(), xs.end());
-  std::vector<double> grid = {0.0};
-  constexpr size_t kQuantiles = 256;
-  for (size_t i = 1; i <= std::min(kQuantiles, xs.size()); ++i) {
-    const double g = xs[i * xs.size() / std::min(kQuantiles, xs.size()) - 1];
-    if (g > grid.back()) grid.push_back(g);
   }
   if (horizon > grid.back()) grid.push_back(horizon);
   constexpr int kTail = 120;  // steps of theta_max / 6 up to 20 theta_max
@@ -205,14 +255,17 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   // of the others arrived by x); T(1) = 0. Per rank, the others' count is the members' count
   // with f's factor divided out: for each member that was a reference up to kExactReferences
   // members (O(n) each), above that once, with the references' mean probability (the members
-  // other than one of many are nearly the same whichever it is). A decision stays O(grid n^2).
+  // other than one of many are nearly the same whichever it is): O(grid n^2) a decision. Pooled,
+  // a binomial count of the n - 1 others: O(grid sqrt(n)) after the sort of the offsets.
   double first_total = 0;
   for (double f : first) first_total += f;
   std::vector<double> weight(size_t(n), 1.0 / double(n));
   if (first_total > 0)
     for (int i = 0; i < n; ++i) weight[size_t(i)] = first[size_t(i)] / first_total;
   const bool exact = n <= kExactReferences;
-  std::vector<double> e(size_t(n) + 1, 0.0), dist, below, others;
+  std::vector<double> e(size_t(n) + 1, 0.0), dist, pmf, others;
+  std::vector<double> ones(size_t(n) + 2, 0.0);  // pooled: e[k] += ones[2..k] (P(others < k-1) = 1)
+  BinomialBelow below;
   std::vector<double> p(static_cast<size_t>(n));
   auto add_others = [&](double w, double width) {  // e[k] += w width P(others < k - 1)
     double below_k = 0;
@@ -224,7 +277,7 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   for (size_t g = 0; g + 1 < grid.size(); ++g) {
     const double width = grid[g + 1] - grid[g];
     if (per_rank) {
-      for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - surv[size_t(i)].at(grid[g]);
+      for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - surv[size_t(i)].at(g, grid[g]);
       poisson_binomial(p, dist);
       if (exact) {
         for (int f = 0; f < n; ++f) {
@@ -239,8 +292,20 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
         add_others(1.0, width);
       }
     } else {
-      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(grid[g]), below);
-      for (int k = 2; k <= n; ++k) e[size_t(k)] += width * below[size_t(k) - 1];
+      // e[k] += width P(Bin(n - 1, f) < k - 1): the cdf where it is between 0 and 1, and from
+      // where it is 1 on, once in `ones`.
+      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(g, grid[g]), below, pmf);
+      const size_t from = below.lo + 2, ones_from = from + below.cdf.size();
+      for (size_t k = std::max<size_t>(2, from); k < ones_from && k <= size_t(n); ++k)
+        e[k] += width * below.cdf[k - from];
+      ones[std::max<size_t>(2, std::min(ones_from, size_t(n) + 1))] += width;
+    }
+  }
+  if (!per_rank) {
+    double run = 0;
+    for (int k = 2; k <= n; ++k) {
+      run += ones[size_t(k)];
+      e[size_t(k)] += run;
     }
   }
 

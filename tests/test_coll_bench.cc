@@ -235,4 +235,27 @@ TEST_F(BenchCli, BadFaultArgumentsFailWithAClearMessage) {
   EXPECT_NE(r.output.find("cannot be combined"), std::string::npos) << r.output;
 }
 
+// qring-decide-bench (docs/benchmarks.md): one row per number of members, with the time of a
+// decision and the quorum it chose; a bad member count is a usage error.
+TEST_F(BenchCli, DecideBenchTimesTheAdaptiveQuorumsDecisionPerMemberCount) {
+  auto j = (dir_ / "d.json").string();
+  CmdResult r = sh(kBuild + "/collectives/qring-decide-bench --members 4,200 --min-time-ms 1 " +
+                   "--batches 1 --json " + j);
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto rs = rows("d.json");
+  ASSERT_EQ(rs.size(), 2u) << rs.dump();
+  const int members[] = {4, 200};
+  for (size_t i = 0; i < 2; ++i) {
+    const auto& row = rs[i];
+    EXPECT_EQ(row["members"], members[i]) << row.dump();
+    EXPECT_GT(row["decision_us"].get<double>(), 0) << row.dump();
+    EXPECT_GE(row["decisions"].get<int64_t>(), 1) << row.dump();
+    EXPECT_GE(row["quorum"].get<int>(), 1) << row.dump();
+    EXPECT_LE(row["quorum"].get<int>(), members[i]) << row.dump();
+  }
+  CmdResult bad = sh(kBuild + "/collectives/qring-decide-bench --members 4,0");
+  EXPECT_NE(bad.status, 0) << bad.output;
+  EXPECT_NE(bad.output.find("--members"), std::string::npos) << bad.output;
+}
+
 }  // namespace
