@@ -101,7 +101,7 @@ struct BinomialBelow {
   std::vector<double> cdf;
 };
 
-void binomial_below(size_t n, double f, BinomialBelow& out, std::vector<double>& pmf) {
+void binomial_below(size_t n, double f, BinomialBelow& out) {
   out.cdf.clear();
   if (n == 0 || f <= 0) {  // no event: below is 1 from k = 1
     out.lo = 0;
@@ -114,12 +114,13 @@ void binomial_below(size_t n, double f, BinomialBelow& out, std::vector<double>&
   constexpr double kNegligible = 1e-17;
   const double odds = f / (1 - f);
   const size_t mode = std::min(n, size_t(double(n + 1) * f));
-  const double log_mode = std::lgamma(double(n) + 1) - std::lgamma(double(mode) + 1) -
-                          std::lgamma(double(n - mode) + 1) + double(mode) * std::log(f) +
-                          double(n - mode) * std::log1p(-f);
-  // Downwards: pmf[i - 1] = pmf[i] i / ((n - i + 1) odds), stored reversed, then upwards.
-  pmf.clear();
-  double t = std::exp(log_mode);
+  const double at_mode = std::exp(std::lgamma(double(n) + 1) - std::lgamma(double(mode) + 1) -
+                                  std::lgamma(double(n - mode) + 1) + double(mode) * std::log(f) +
+                                  double(n - mode) * std::log1p(-f));
+  // The pmf into out.cdf: downwards from the mode (pmf[i - 1] = pmf[i] i / ((n - i + 1) odds)),
+  // stored reversed, then upwards; then summed in place.
+  std::vector<double>& pmf = out.cdf;
+  double t = at_mode;
   size_t first = mode;
   for (size_t i = mode; i > 0;) {
     t *= double(i) / (double(n - i + 1) * odds);
@@ -129,8 +130,7 @@ void binomial_below(size_t n, double f, BinomialBelow& out, std::vector<double>&
     first = i;
   }
   std::reverse(pmf.begin(), pmf.end());
-  pmf.push_back(std::exp(log_mode));
-  t = pmf.back();
+  pmf.push_back(t = at_mode);
   for (size_t i = mode; i < n;) {
     t *= double(n - i) * odds / double(i + 1);
     if (t < kNegligible) break;
@@ -140,8 +140,8 @@ void binomial_below(size_t n, double f, BinomialBelow& out, std::vector<double>&
   // below(k) = the sum of pmf[first .. k - 1]: 0 up to k = first, 1 from first + size on.
   out.lo = first;
   double cdf = 0;
-  for (double v : pmf) out.cdf.push_back(std::min(1.0, cdf += v));
-  out.cdf.pop_back();  // below(first + size) is the whole sum: 1
+  for (double& v : pmf) v = std::min(1.0, cdf += v);
+  pmf.pop_back();  // below(first + size) is the whole sum: 1
 }
 
 double median(std::vector<double> v) {
@@ -263,7 +263,7 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
   if (first_total > 0)
     for (int i = 0; i < n; ++i) weight[size_t(i)] = first[size_t(i)] / first_total;
   const bool exact = n <= kExactReferences;
-  std::vector<double> e(size_t(n) + 1, 0.0), dist, pmf, others;
+  std::vector<double> e(size_t(n) + 1, 0.0), dist, others;
   std::vector<double> ones(size_t(n) + 2, 0.0);  // pooled: e[k] += ones[2..k] (P(others < k-1) = 1)
   BinomialBelow below;
   std::vector<double> p(static_cast<size_t>(n));
@@ -294,7 +294,7 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
     } else {
       // e[k] += width P(Bin(n - 1, f) < k - 1): the cdf where it is between 0 and 1, and from
       // where it is 1 on, once in `ones`.
-      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(g, grid[g]), below, pmf);
+      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(g, grid[g]), below);
       const size_t from = below.lo + 2, ones_from = from + below.cdf.size();
       for (size_t k = std::max<size_t>(2, from); k < ones_from && k <= size_t(n); ++k)
         e[k] += width * below.cdf[k - from];

@@ -9,7 +9,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <deque>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "collectives/auto_quorum.h"
+#include "collectives/bench/bench_common.h"
 
 namespace {
 
@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   using Clock = std::chrono::steady_clock;
-  nlohmann::json rows = nlohmann::json::array();
+  std::vector<nlohmann::json> rows;
   fmt::print("{:>8} {:>12} {:>12} {:>8}\n", "members", "decision_us", "decisions", "quorum");
   for (int n : members) {
     const auto window = make_window(n, mu, sigma, decided_fraction, cycle_ms, uint32_t(n));
@@ -113,15 +113,10 @@ int main(int argc, char** argv) {
                     {"window_steps", AutoQuorumWindow::kWindow}});
   }
   if (!json.empty()) {
-    std::FILE* f = std::fopen(json.c_str(), "w");
-    if (!f) {
-      fmt::print(stderr, "qring-decide-bench: cannot write {}\n", json);
-      return 1;
-    }
-    const std::string text = rows.dump(1) + "\n";
-    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (std::fclose(f) != 0 || !ok) {
-      fmt::print(stderr, "qring-decide-bench: cannot write {}\n", json);
+    try {
+      qring::bench::write_json(json, rows);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "qring-decide-bench: {}\n", e.what());
       return 1;
     }
   }
