@@ -207,14 +207,29 @@ struct QuorumAllreduce::Shared {
     std::vector<double> values;
   };
   std::deque<Report> reports_out;  // report() calls not sent yet
-  // Coordinator: reports received, by key (a few keys at most), then by the number of parts
-  // the sender split the report into and the part.
+  // Coordinator: reports received, by key, then by the number of parts the sender split the
+  // report into and the part. A key waits until the coordinator gathers it (which drops it and
+  // every older one), however far the others are ahead: a lagging coordinator still finds its
+  // next key's parts. Only a bound on the parts held (a coordinator that never gathers) drops
+  // the oldest keys. (A bound of 16 keys once dropped them: a coordinator 16 evaluations
+  // behind found no sums, waited its deadline at every evaluation, and fell further behind.)
+  static constexpr size_t kMaxReportParts = size_t(1) << 16;
   std::map<uint64_t, std::map<std::pair<uint32_t, int>, std::vector<double>>> reports_in;
+  size_t report_parts = 0;  // the parts in reports_in
   void keep_report(uint64_t key, uint32_t part, uint32_t parts, std::vector<double> v) {
     std::lock_guard<std::mutex> lock(mu);
-    reports_in[key][{parts, int(part)}] = std::move(v);
-    while (reports_in.size() > 16) reports_in.erase(reports_in.begin());
+    if (reports_in[key].insert_or_assign({parts, int(part)}, std::move(v)).second) ++report_parts;
+    while (report_parts > kMaxReportParts && reports_in.size() > 1) {
+      report_parts -= reports_in.begin()->second.size();
+      reports_in.erase(reports_in.begin());
+    }
     cv.notify_all();
+  }
+  // Drops the reports of `key` and every older key (the caller holds mu).
+  void drop_reports_through(uint64_t key) {
+    const auto end = reports_in.upper_bound(key);
+    for (auto it = reports_in.begin(); it != end; ++it) report_parts -= it->second.size();
+    reports_in.erase(reports_in.begin(), end);
   }
   std::exception_ptr poison;
   bool shutdown = false;
@@ -2372,7 +2387,7 @@ std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(
       if (at.first == uint32_t(parts) && at.second != skip) out[at.second] = std::move(v);
   }
   // This key and every older one are done.
-  shared_->reports_in.erase(shared_->reports_in.begin(), shared_->reports_in.upper_bound(key));
+  shared_->drop_reports_through(key);
   return out;
 }
 

@@ -439,6 +439,43 @@ TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
   EXPECT_EQ(gathered.load(), 1);
 }
 
+// A coordinator that lags the others by many evaluations (a small quorum lets them run ahead)
+// still gathers every key's parts, oldest first: its reports are kept until it gathers them.
+// (Kept for the newest 16 keys only, key 100's parts were gone by the time it asked, so it
+// waited out its deadline and evaluated the others' slices itself, at every evaluation.)
+TEST(Quorum, ALaggingCoordinatorStillGathersEveryReport) {
+  constexpr int kKeys = 40;
+  std::atomic<int> reported{0}, gathered{0};
+  run_ranks(4, {}, [&](Communicator& comm) {
+    QuorumOptions qo;
+    qo.quorum = 4;
+    qo.deadline = milliseconds(20000);
+    QuorumAllreduce q(comm, 4, qo);
+    std::vector<float> buf(4, 1.f);
+    q.contribute(0, buf.data(), 4);
+    q.wait(0, buf.data());
+    const int r = comm.rank();
+    if (q.coordinator() != r) {
+      for (int k = 0; k < kKeys; ++k) q.report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
+      ++reported;
+    } else {
+      // Behind the others by all their reports, and then some (they are on their way).
+      while (reported.load() < 3) std::this_thread::sleep_for(milliseconds(5));
+      std::this_thread::sleep_for(milliseconds(300));
+      for (int k = 0; k < kKeys; ++k) {
+        auto got = q.gather_reports(uint64_t(100 + k), 4, r,
+                                    std::chrono::steady_clock::now() + milliseconds(10000));
+        ASSERT_EQ(got.size(), 3u) << "key " << 100 + k;
+        for (auto& [part, v] : got) EXPECT_EQ(v, (std::vector<double>{1000.0 * part + k}));
+      }
+      ++gathered;
+    }
+    q.contribute(1, buf.data(), 4);
+    q.wait(1, buf.data());
+  });
+  EXPECT_EQ(gathered.load(), 1);
+}
+
 TEST(Quorum, ResolveQuorumSpec) {
   EXPECT_EQ(collectives::resolve_quorum("3", 4), 3);
   EXPECT_EQ(collectives::resolve_quorum("0.75", 4), 3);
