@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -401,17 +402,27 @@ TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {
   EXPECT_EQ(errors.load(), 3);
 }
 
-TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
-  std::atomic<int> gathered{0};
+// Four ranks complete quorum step 0, run `between(q, rank)`, then complete step 1 (so that no
+// rank leaves while another still gathers its reports).
+void between_two_steps(int quorum, milliseconds deadline,
+                       const std::function<void(QuorumAllreduce&, int)>& between) {
   run_ranks(4, {}, [&](Communicator& comm) {
     QuorumOptions qo;
-    qo.quorum = 3;
-    qo.deadline = milliseconds(3000);
+    qo.quorum = quorum;
+    qo.deadline = deadline;
     QuorumAllreduce q(comm, 4, qo);
     std::vector<float> buf(4, 1.f);
     q.contribute(0, buf.data(), 4);
     q.wait(0, buf.data());
-    const int r = comm.rank();
+    between(q, comm.rank());
+    q.contribute(1, buf.data(), 4);
+    q.wait(1, buf.data());
+  });
+}
+
+TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
+  std::atomic<int> gathered{0};
+  between_two_steps(3, milliseconds(3000), [&](QuorumAllreduce& q, int r) {
     if (q.coordinator() != r) {
       // Rank 3 never reports key 10 in 4 parts (it splits it in 3, as if it saw 3 members):
       // the coordinator stops waiting at its deadline.
@@ -433,8 +444,6 @@ TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
       EXPECT_EQ(b[3], (std::vector<double>{30.0}));
       ++gathered;
     }
-    q.contribute(1, buf.data(), 4);
-    q.wait(1, buf.data());
   });
   EXPECT_EQ(gathered.load(), 1);
 }
@@ -446,15 +455,7 @@ TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
 TEST(Quorum, ALaggingCoordinatorStillGathersEveryReport) {
   constexpr int kKeys = 40;
   std::atomic<int> reported{0}, gathered{0};
-  run_ranks(4, {}, [&](Communicator& comm) {
-    QuorumOptions qo;
-    qo.quorum = 4;
-    qo.deadline = milliseconds(20000);
-    QuorumAllreduce q(comm, 4, qo);
-    std::vector<float> buf(4, 1.f);
-    q.contribute(0, buf.data(), 4);
-    q.wait(0, buf.data());
-    const int r = comm.rank();
+  between_two_steps(4, milliseconds(20000), [&](QuorumAllreduce& q, int r) {
     if (q.coordinator() != r) {
       for (int k = 0; k < kKeys; ++k) q.report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
       ++reported;
@@ -470,8 +471,6 @@ TEST(Quorum, ALaggingCoordinatorStillGathersEveryReport) {
       }
       ++gathered;
     }
-    q.contribute(1, buf.data(), 4);
-    q.wait(1, buf.data());
   });
   EXPECT_EQ(gathered.load(), 1);
 }
