@@ -12,7 +12,7 @@
 
 #include "collectives/reduce.h"
 #include "collectives/shape.h"
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::collectives {
 

@@ -11,7 +11,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/engine.h"
-#include "collectives/quorum_wire.h"
+#include "collectives/quorum/wire.h"
 
 namespace qring::collectives {
 

@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "collectives/types.h"
-#include "net/endpoint.h"
-#include "net/error.h"
+#include "net/transport/endpoint.h"
+#include "net/base/error.h"
 
 namespace qring::collectives {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
-#include "net/endpoint.h"
+#include "net/transport/endpoint.h"
 
 namespace qring::collectives {
 

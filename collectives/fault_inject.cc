@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "collectives/engine.h"
-#include "net/error.h"
-#include "net/shm_region.h"
+#include "net/base/error.h"
+#include "net/transport/shm_region.h"
 
 namespace qring::collectives {
 

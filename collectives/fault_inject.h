@@ -6,7 +6,7 @@
 //   kill:RANK:STEP[:PHASE]       SIGKILL at step STEP of rank RANK (or the first step after
 //                                it that has PHASE)
 //   kill-locked:RANK:STEP[:PHASE]  the same, holding the locks of its shm regions, as a rank
-//                                killed inside libfabric's shm receive path (net/shm_region.h)
+//                                killed inside libfabric's shm receive path (net/transport/shm_region.h)
 //   stop:RANK:STEP:MS[:PHASE]    SIGSTOP there, SIGCONT MS milliseconds later
 //
 // PHASE: step (default; before the step's work), ready (right after the contribution was

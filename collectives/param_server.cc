@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "collectives/engine.h"
-#include "net/tags.h"
+#include "net/transport/tags.h"
 
 namespace qring::collectives {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::collectives {
 

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "net/fnv1a.h"
+#include "net/base/fnv1a.h"
 
 namespace qring::collectives {
 

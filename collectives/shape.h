@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "collectives/types.h"
-#include "net/endpoint.h"
-#include "net/error.h"
-#include "net/tags.h"
+#include "net/transport/endpoint.h"
+#include "net/base/error.h"
+#include "net/transport/tags.h"
 
 namespace qring::collectives {
 

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::collectives {
 

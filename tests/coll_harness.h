@@ -12,8 +12,8 @@
 #include "collectives/communicator.h"
 #include "collectives/types.h"
 #include "collectives/verifiable.h"
-#include "net/fault_endpoint.h"
-#include "net/inproc_endpoint.h"
+#include "net/transport/fault_endpoint.h"
+#include "net/transport/inproc_endpoint.h"
 
 namespace qring::testing {
 

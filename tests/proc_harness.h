@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "net/bootstrap.h"
-#include "net/fabric_endpoint.h"
+#include "net/rendezvous/bootstrap.h"
+#include "net/transport/fabric_endpoint.h"
 
 namespace qring::testing {
 

@@ -19,7 +19,7 @@
 
 #include "coll_harness.h"
 #include "collectives/shape.h"
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::testing {
 namespace {

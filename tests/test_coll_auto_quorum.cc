@@ -1,4 +1,4 @@
-// The adaptive quorum's rule (collectives/auto_quorum.h): a pure function of the window of
+// The adaptive quorum's rule (collectives/quorum/auto_quorum.h): a pure function of the window of
 // recent arrivals, tested with synthetic arrivals.
 #include <gtest/gtest.h>
 
@@ -9,9 +9,9 @@
 #include <thread>
 
 #include "coll_harness.h"
-#include "collectives/auto_quorum.h"
-#include "collectives/quorum.h"
-#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/quorum.h"
+#include "collectives/quorum/coordinator.h"
 
 namespace qring::collectives {
 namespace {

@@ -8,7 +8,7 @@
 #include <random>
 
 #include "coll_harness.h"
-#include "collectives/quorum.h"
+#include "collectives/quorum/quorum.h"
 #include "collectives/straggler.h"
 #include "proc_harness.h"
 

@@ -1,15 +1,15 @@
 // The quorum coordinator's decisions and membership as a pure function of events and a
-// simulated clock (collectives/quorum_coordinator.h), and the control message codec
-// (collectives/quorum_wire.h). No threads, no sleeps.
+// simulated clock (collectives/quorum/coordinator.h), and the control message codec
+// (collectives/quorum/wire.h). No threads, no sleeps.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "collectives/quorum.h"
-#include "collectives/quorum_coordinator.h"
-#include "collectives/quorum_wire.h"
-#include "net/error.h"
+#include "collectives/quorum/quorum.h"
+#include "collectives/quorum/coordinator.h"
+#include "collectives/quorum/wire.h"
+#include "net/base/error.h"
 
 namespace qring::testing {
 namespace {

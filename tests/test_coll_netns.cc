@@ -17,8 +17,8 @@
 #include <sstream>
 
 #include "coll_harness.h"
-#include "net/bootstrap.h"
-#include "net/fabric_endpoint.h"
+#include "net/rendezvous/bootstrap.h"
+#include "net/transport/fabric_endpoint.h"
 
 namespace qring::testing {
 namespace {

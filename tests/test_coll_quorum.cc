@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "coll_harness.h"
-#include "collectives/quorum.h"
+#include "collectives/quorum/quorum.h"
 
 namespace qring::testing {
 namespace {

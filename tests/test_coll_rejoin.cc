@@ -1,12 +1,12 @@
-// Rejoin in the coordinator's pure state machine (collectives/quorum_coordinator.h) and the
+// Rejoin in the coordinator's pure state machine (collectives/quorum/coordinator.h) and the
 // wire codec of its messages: a new incarnation of a rank is admitted once every member has
 // reconnected to it and it has reached them all, at the next step to be decided, with the
 // coordinator as the donor of its state. Simulated clock, no threads, no sleeps.
 #include <gtest/gtest.h>
 
-#include "collectives/quorum_coordinator.h"
-#include "collectives/quorum_wire.h"
-#include "net/error.h"
+#include "collectives/quorum/coordinator.h"
+#include "collectives/quorum/wire.h"
+#include "net/base/error.h"
 
 namespace qring::testing {
 namespace {

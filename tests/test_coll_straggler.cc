@@ -5,7 +5,7 @@
 #include <fstream>
 
 #include "collectives/straggler.h"
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::collectives {
 namespace {

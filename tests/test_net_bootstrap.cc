@@ -10,8 +10,8 @@
 #include <map>
 #include <thread>
 
-#include "net/bootstrap.h"
-#include "net/error.h"
+#include "net/rendezvous/bootstrap.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 namespace {

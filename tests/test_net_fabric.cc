@@ -14,9 +14,9 @@
 #include <numeric>
 #include <thread>
 
-#include "net/error.h"
-#include "net/fault_endpoint.h"
-#include "net/inproc_endpoint.h"
+#include "net/base/error.h"
+#include "net/transport/fault_endpoint.h"
+#include "net/transport/inproc_endpoint.h"
 #include "proc_harness.h"
 
 namespace qring::testing {
@@ -920,7 +920,7 @@ std::string system_congestion() {
   return s;
 }
 
-// QRING_TCP_CONGESTION (net/tcp_tuning.h): the listening socket and the connections libfabric
+// QRING_TCP_CONGESTION (net/transport/tcp_tuning.h): the listening socket and the connections libfabric
 // opens for an endpoint get the setting from their start; the store's sockets keep the
 // system's. Case: setting, expected congestion control ("" = the system's).
 class TcpCongestion : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};

@@ -1,8 +1,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "net/error.h"
-#include "net/hostlist.h"
+#include "net/base/error.h"
+#include "net/rendezvous/hostlist.h"
 
 namespace qring::net {
 namespace {

@@ -1,4 +1,4 @@
-// net/large_buffer.h: memory for large buffers (huge-page advised above 2 MiB).
+// net/base/large_buffer.h: memory for large buffers (huge-page advised above 2 MiB).
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "net/large_buffer.h"
+#include "net/base/large_buffer.h"
 
 namespace qring::net {
 namespace {

@@ -1,4 +1,4 @@
-// A rank that comes back (net/endpoint.h, "Ranks that come back"): its peers reconnect to its
+// A rank that comes back (net/transport/endpoint.h, "Ranks that come back"): its peers reconnect to its
 // new incarnation with Endpoint::reset_peer, and no message of the old incarnation -- sent
 // before it died or was torn down, delivered late -- ever matches a receive of the new one.
 #include <gtest/gtest.h>
@@ -6,9 +6,9 @@
 #include <chrono>
 #include <cstring>
 
-#include "net/error.h"
-#include "net/fault_endpoint.h"
-#include "net/inproc_endpoint.h"
+#include "net/base/error.h"
+#include "net/transport/fault_endpoint.h"
+#include "net/transport/inproc_endpoint.h"
 #include "proc_harness.h"
 
 namespace qring::testing {

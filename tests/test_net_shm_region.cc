@@ -1,4 +1,4 @@
-// net/shm_region.h on region files laid out as libfabric 1.17's shm provider lays out its
+// net/transport/shm_region.h on region files laid out as libfabric 1.17's shm provider lays out its
 // regions (the provider itself: Faults/KillLocked.* in test_train_faults.cc).
 #include <fcntl.h>
 #include <gmock/gmock.h>
@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "net/shm_region.h"
+#include "net/transport/shm_region.h"
 
 namespace qring::net {
 namespace {

@@ -23,8 +23,8 @@
 #include <sstream>
 #include <thread>
 
-#include "net/error.h"
-#include "net/store.h"
+#include "net/base/error.h"
+#include "net/rendezvous/store.h"
 
 namespace qring::net {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "cli_harness.h"
 #include "coll_harness.h"
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "coll_harness.h"
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/sim.h"
 #include "train/trainer.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "temp_dir.h"
 #include "train/checkpoint.h"
 #include "train/crc32.h"

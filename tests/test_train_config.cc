@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 
 namespace qring::train {

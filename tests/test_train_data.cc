@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "temp_dir.h"
 #include "train/dataset.h"
 #include "train/idx.h"

@@ -321,7 +321,7 @@ INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
 // The same death where no qring-launch reaps the rank: it runs under a shell that waits for
 // it (as a rank does under srun, or one started by hand), so the launcher reaps the shell and
 // knows nothing of the rank's regions, and nobody restarts it. The survivors, spinning inside
-// the shm provider to send to it, are freed by their endpoints' watch (net/shm_region.h),
+// the shm provider to send to it, are freed by their endpoints' watch (net/transport/shm_region.h),
 // evict the rank and finish. Before the watch this run hung until the harness's limit. (The
 // survivors' log says which of them released the lock, unless the endpoint of a rank in a test
 // running beside this one got there first: the watch looks at every dead process's region.)

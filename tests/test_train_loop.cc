@@ -8,8 +8,8 @@
 #include <set>
 
 #include "coll_harness.h"
-#include "collectives/quorum.h"
-#include "net/error.h"
+#include "collectives/quorum/quorum.h"
+#include "net/base/error.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"

@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/model.h"
 #include "train/nn.h"

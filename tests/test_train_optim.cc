@@ -5,7 +5,7 @@
 #include <numbers>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/optim.h"
 

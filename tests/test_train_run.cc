@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer_core.h"

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "collectives/straggler.h"
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/dataset.h"
 #include "train/sim.h"

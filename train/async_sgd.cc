@@ -14,7 +14,7 @@
 
 #include "collectives/param_server.h"
 #include "collectives/straggler.h"
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/dataset.h"
 #include "train/trainer_core.h"
 

@@ -14,7 +14,7 @@
 #include <span>
 #include <utility>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/crc32.h"
 
 namespace qring::train {

@@ -9,10 +9,10 @@
 #include <sstream>
 #include <toml.hpp>
 
-#include "collectives/quorum.h"
+#include "collectives/quorum/quorum.h"
 #include "collectives/straggler.h"
-#include "net/error.h"
-#include "net/fnv1a.h"
+#include "net/base/error.h"
+#include "net/base/fnv1a.h"
 
 namespace qring::train {
 namespace {

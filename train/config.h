@@ -65,7 +65,7 @@ struct TrainSection {
 
 struct QuorumSection {
   // TOML integer: a count Q. TOML float in (0, 1]: a fraction of the world, Q = ceil(f * W).
-  // "auto": the coordinator chooses Q(t) per step within [min, max] (collectives/auto_quorum.h).
+  // "auto": the coordinator chooses Q(t) per step within [min, max] (collectives/quorum/auto_quorum.h).
   double quorum = 1.0;
   bool quorum_is_fraction = true;
   bool quorum_auto = false;
@@ -73,7 +73,7 @@ struct QuorumSection {
   int64_t max = 0;
   // quorum "auto": the gradient-noise scale in samples (0 = none): the value of a step that
   // averages k workers' batches of b samples is taken as k / (1 + k b / noise_scale) instead
-  // of k (collectives/auto_quorum.h).
+  // of k (collectives/quorum/auto_quorum.h).
   double noise_scale = 0;
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;

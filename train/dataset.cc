@@ -9,7 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/idx.h"
 #include "train/rng.h"

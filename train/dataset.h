@@ -5,14 +5,14 @@
 #include <string>
 #include <vector>
 
-#include "net/large_buffer.h"
+#include "net/base/large_buffer.h"
 #include "train/nn.h"
 
 namespace qring::train {
 
 struct DataSection;
 
-// Datasets: hundreds of MB written once at load, in huge pages (net/large_buffer.h); resize()
+// Datasets: hundreds of MB written once at load, in huge pages (net/base/large_buffer.h); resize()
 // leaves new elements unset, the loaders write every one.
 template <class T>
 using DataVector = std::vector<T, net::LargeAllocator<T, /*DefaultInit=*/true>>;

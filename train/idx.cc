@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <memory>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::train {
 namespace {

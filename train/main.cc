@@ -19,11 +19,11 @@
 #include <vector>
 
 #include "collectives/communicator.h"
-#include "collectives/quorum.h"
-#include "net/bootstrap.h"
-#include "net/cli.h"
-#include "net/error.h"
-#include "net/fabric_endpoint.h"
+#include "collectives/quorum/quorum.h"
+#include "net/rendezvous/bootstrap.h"
+#include "net/base/cli.h"
+#include "net/base/error.h"
+#include "net/transport/fabric_endpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/dataset.h"
 

@@ -9,7 +9,7 @@
 #endif
 #include <type_traits>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/conv_direct.h"
 #include "train/kernels.h"
 

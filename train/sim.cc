@@ -11,8 +11,8 @@
 #include <tuple>
 
 #include "collectives/algorithms.h"
-#include "collectives/auto_quorum.h"
-#include "net/error.h"
+#include "collectives/quorum/auto_quorum.h"
+#include "net/base/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
 #include "train/trainer_core.h"

@@ -87,7 +87,7 @@ struct SimOptions {
   // (the arrival process alone, e.g. against the order statistics' closed form).
   bool arrivals_only = false;
   // Sync only: the adaptive quorum (quorum.quorum = "auto"): each step's N chosen by the
-  // coordinator's rule (collectives/auto_quorum.h) from the window of the arrivals it would
+  // coordinator's rule (collectives/quorum/auto_quorum.h) from the window of the arrivals it would
   // have seen (the first N of each step; the others cut off at the decision), within
   // [auto_min, auto_max] (0 = W); the rate scaled by N over the largest quorum, the round
   // trip charged every step (no speculation), as qring-train.

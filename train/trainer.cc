@@ -19,11 +19,11 @@
 #include <optional>
 
 #include "collectives/engine.h"
-#include "collectives/quorum.h"
+#include "collectives/quorum/quorum.h"
 #include "collectives/straggler.h"
-#include "net/error.h"
-#include "net/fnv1a.h"
-#include "net/large_buffer.h"
+#include "net/base/error.h"
+#include "net/base/fnv1a.h"
+#include "net/base/large_buffer.h"
 #include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
@@ -494,7 +494,7 @@ class MetricsWriter {
            {"skipped", r.skipped}});
   }
 
-  // The coordinator's arrival log keeps its newest steps only (collectives/quorum.cc); the
+  // The coordinator's arrival log keeps its newest steps only (collectives/quorum/quorum.cc); the
   // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when
   // no late READY can change it any more (the coordinator logs late READYs for its newest
   // 4096 decided steps, kKeepDecided in quorum_coordinator.cc: the lag must stay above it),

@@ -11,7 +11,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/fault_inject.h"
-#include "net/store.h"
+#include "net/rendezvous/store.h"
 #include "train/config.h"
 
 namespace qring::train {

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::train {
 

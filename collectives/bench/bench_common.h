@@ -39,8 +39,8 @@
 #include "collectives/bench/ops.h"
 #include "collectives/types.h"
 #include "collectives/verifiable.h"
-#include "net/cli.h"
-#include "net/error.h"
+#include "net/base/cli.h"
+#include "net/base/error.h"
 
 namespace qring::bench {
 

@@ -1,4 +1,4 @@
-// qring-decide-bench: the cost of one adaptive-quorum decision (collectives/auto_quorum.h) at
+// qring-decide-bench: the cost of one adaptive-quorum decision (collectives/quorum/auto_quorum.h) at
 // a given number of members. The coordinator makes one per step, on its engine thread, when a
 // step's first contribution arrives; a decision that takes longer than the quorum's own wait
 // delays the step. The window is the coordinator's (AutoQuorumWindow::kWindow steps) of
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/auto_quorum.h"
+#include "collectives/quorum/auto_quorum.h"
 #include "collectives/bench/bench_common.h"
 
 namespace {

@@ -47,9 +47,9 @@
 #include <variant>
 #include <vector>
 
-#include "net/cli.h"
-#include "net/shm_region.h"
-#include "net/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
+#include "net/base/cli.h"
+#include "net/transport/shm_region.h"
+#include "net/rendezvous/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
 
 namespace {
 
@@ -212,12 +212,12 @@ std::string describe_end(int status) {
 
 // libfabric 1.17's shm provider names each endpoint's region /dev/shm/<pid>:<n>:<m> after the
 // process that opened it (16 MiB each; a qring rank opens one per peer, see
-// net/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM. A
+// net/transport/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM. A
 // process killed by SIGKILL leaves its regions until a later process with the same pid starts
 // shm. Whoever reaps a process of this job (a rank's supervisor its rank, the launcher the
 // orphans it adopts) removes them while the zombie still holds the pid: no live process can
 // own a region named after it, so only what this dead process left goes (and only our own
-// files). First it releases a region lock the process died holding (net/shm_region.h):
+// files). First it releases a region lock the process died holding (net/transport/shm_region.h):
 // otherwise every rank that sends to it spins inside the provider forever, whose mappings
 // outlive the file. Returns how many regions were removed; `released` gets the names of the
 // regions whose lock was released.

@@ -8,7 +8,7 @@
 // QRING_MAX_RESTARTS > 0. qring-launch serves its store itself and needs no qring-store.
 //
 // HOST is the name or address the ranks connect to (default: this host's name); the store
-// binds the address it resolves to (net/bootstrap.h, store_bind_address). PORT 0 (default)
+// binds the address it resolves to (net/rendezvous/bootstrap.h, store_bind_address). PORT 0 (default)
 // picks a free one; --port-file writes the port chosen, for scripts. Exit status: 0 after a
 // signal, 1 when the store cannot be served, 2 on a usage error.
 #include <fmt/format.h>
@@ -21,10 +21,10 @@
 #include <fstream>
 #include <string>
 
-#include "net/bootstrap.h"
-#include "net/cli.h"
-#include "net/error.h"
-#include "net/store.h"
+#include "net/rendezvous/bootstrap.h"
+#include "net/base/cli.h"
+#include "net/base/error.h"
+#include "net/rendezvous/store.h"
 
 int main(int argc, char** argv) {
   using qring::cli::to_int;

@@ -13,7 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/checkpoint.h"
 
 // The parsers log what they reject; at fuzzing rates that is noise.

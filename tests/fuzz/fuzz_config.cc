@@ -9,7 +9,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 
 // The parsers log what they reject; at fuzzing rates that is noise.

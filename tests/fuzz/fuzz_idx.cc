@@ -10,7 +10,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/idx.h"
 
 // The parsers log what they reject; at fuzzing rates that is noise.

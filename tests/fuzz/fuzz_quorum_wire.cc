@@ -1,4 +1,4 @@
-// libFuzzer target: the quorum all-reduce's control messages (collectives/quorum_wire.cc):
+// libFuzzer target: the quorum all-reduce's control messages (collectives/quorum/wire.cc):
 // READY / HEARTBEAT / REPORT / SUSPECT / BYE / ACK / SHARD up, DECIDE / VIEW / RECOVER /
 // EVICTED / FATAL / HEARTBEAT / BYE / TAKEOVER down. Byte 0 picks the world size (1..64) and
 // the direction. A malformed message must be a ProtocolError, nothing else; one that decodes
@@ -10,8 +10,8 @@
 
 #include <spdlog/spdlog.h>
 
-#include "collectives/quorum_wire.h"
-#include "net/error.h"
+#include "collectives/quorum/wire.h"
+#include "net/base/error.h"
 
 namespace wire = qring::collectives::qwire;
 

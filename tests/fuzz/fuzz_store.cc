@@ -1,4 +1,4 @@
-// libFuzzer target: the rendezvous store server's frames and requests (net/tcp_store.cc),
+// libFuzzer target: the rendezvous store server's frames and requests (net/rendezvous/tcp_store.cc),
 // fed through store_server_feed (no sockets). Byte 0 chooses the connection's state: even =
 // before JOIN (what anyone who reaches the port can send), odd = a joined rank 0 (SET, GET,
 // WAIT, ADD, CHECK, MISSING ... with arbitrary keys and values). Any exception or sanitizer
@@ -9,7 +9,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "net/store.h"
+#include "net/rendezvous/store.h"
 
 // The parsers log what they reject; at fuzzing rates that is noise.
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

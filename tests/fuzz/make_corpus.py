@@ -19,7 +19,7 @@ def put(target, name, data):
         f.write(data)
 
 
-# ---- store frames (net/store.h): magic, version, type, id, length, payload.
+# ---- store frames (net/rendezvous/store.h): magic, version, type, id, length, payload.
 def s(b):
     return struct.pack("<I", len(b)) + b
 
@@ -41,7 +41,7 @@ put("fuzz_store", "add_missing", b"\x05" + frame(ADD, s(b"counter") + struct.pac
     frame(MISSING, keys(b"counter", b"nope"), 3) + frame(WAIT, keys(b"late"), 4))
 put("fuzz_store", "foreign_key", b"\x03" + frame(SET, s(b"fabric/addr/1") + s(b"x")))
 
-# ---- quorum wire (collectives/quorum_wire.cc), world 4 (byte 0 = world - 1 | direction).
+# ---- quorum wire (collectives/quorum/wire.cc), world 4 (byte 0 = world - 1 | direction).
 UPW = struct.Struct("<IHBBIIQQqIi")  # 48 bytes
 def up(t, rank=1, step=7, count=100, completed=6, attempt=0, suspect=-1, have=0, extra=b""):
     return UPW.pack(0x50555251, 4, t, have, rank, 4, step, count, completed, attempt, suspect) + extra

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 #include "train/config.h"
 #include "train/dataset.h"
 #include "train/sim.h"

@@ -1,4 +1,4 @@
-#include "net/inproc_endpoint.h"
+#include "net/transport/inproc_endpoint.h"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,7 @@
 #include <list>
 #include <mutex>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 
@@ -278,7 +278,7 @@ class InprocEndpoint final : public Endpoint {
   int rank_;
   std::vector<InprocFabric::Mailbox*> boxes_;
   uint32_t incarnation_;
-  std::vector<uint32_t> gens_;   // per peer: the pair's generation (net/tags.h)
+  std::vector<uint32_t> gens_;   // per peer: the pair's generation (net/transport/tags.h)
   std::vector<char> connected_;  // per peer
   // Posts to or from peers not connected yet (a joining endpoint): they end cancelled when
   // reset_peer connects the peer, as the fabric endpoint's queued posts do.

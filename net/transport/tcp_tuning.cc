@@ -1,4 +1,4 @@
-#include "net/tcp_tuning.h"
+#include "net/transport/tcp_tuning.h"
 
 #include <dlfcn.h>
 #include <netinet/in.h>

@@ -1,4 +1,4 @@
-#include "net/large_buffer.h"
+#include "net/base/large_buffer.h"
 
 #include <sys/mman.h>
 

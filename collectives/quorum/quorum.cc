@@ -6,7 +6,7 @@
 //   every rank ◀──DECIDE(t, S, offsets)──
 //   ranks in S(t): ring all-reduce among themselves, in place in the contributed buffers
 //   rank x ∉ S(t): receives the result from member S[x mod |S|] into an internal buffer
-#include "collectives/quorum.h"
+#include "collectives/quorum/quorum.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -26,10 +26,10 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/engine.h"
-#include "collectives/quorum_coordinator.h"
-#include "collectives/quorum_wire.h"
+#include "collectives/quorum/coordinator.h"
+#include "collectives/quorum/wire.h"
 #include "collectives/reduce.h"
-#include "net/large_buffer.h"
+#include "net/base/large_buffer.h"
 
 namespace qring::collectives {
 
@@ -92,7 +92,7 @@ using qproto::Event;
 
 // Store keys of a rejoin (docs/design.md, "Rejoin"): what rank `owner` publishes about the
 // join of incarnation `inc` of rank `r` -- the joiner its address, each member its address for
-// the joiner -- under "join/<instance>/<r>.<inc>/<owner>" (a key of `owner`: net/store.h).
+// the joiner -- under "join/<instance>/<r>.<inc>/<owner>" (a key of `owner`: net/rendezvous/store.h).
 std::string join_key(uint32_t instance, int r, uint32_t inc, int owner) {
   return fmt::format("join/{}/{}.{}/{}", instance, r, inc, owner);
 }

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum/coordinator.h"
 
 namespace qring::collectives::qwire {
 

@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "collectives/auto_quorum.h"
+#include "collectives/quorum/auto_quorum.h"
 
 namespace qring::collectives::qproto {
 

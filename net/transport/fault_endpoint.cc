@@ -1,10 +1,10 @@
-#include "net/fault_endpoint.h"
+#include "net/transport/fault_endpoint.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 

@@ -1,4 +1,4 @@
-#include "net/error.h"
+#include "net/base/error.h"
 
 #include <fmt/format.h>
 #include <rdma/fi_errno.h>

@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "net/endpoint.h"
+#include "net/transport/endpoint.h"
 
 namespace qring::net {
 

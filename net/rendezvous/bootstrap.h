@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "net/endpoint.h"
-#include "net/store.h"
+#include "net/transport/endpoint.h"
+#include "net/rendezvous/store.h"
 
 namespace qring::net {
 
@@ -22,7 +22,7 @@ struct BootstrapInfo {
   std::string store_host = "127.0.0.1";
   int store_port = 0;  // 0: single process, no store needed
   std::string job_id = "local";
-  // QRING_JOB_SECRET: proven by every rank to the store (net/store.h). Empty: the store may
+  // QRING_JOB_SECRET: proven by every rank to the store (net/rendezvous/store.h). Empty: the store may
   // only listen on loopback, and any local user could join it.
   std::string job_secret;
   std::string source = "single";   // "env", "slurm", "mpi", "single"

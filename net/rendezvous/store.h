@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "net/endpoint.h"  // Clock, Deadline
+#include "net/transport/endpoint.h"  // Clock, Deadline
 
 namespace qring::net {
 

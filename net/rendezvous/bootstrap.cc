@@ -1,5 +1,5 @@
-// Launch detection and rendezvous (net/bootstrap.h); documented in docs/bootstrap.md.
-#include "net/bootstrap.h"
+// Launch detection and rendezvous (net/rendezvous/bootstrap.h); documented in docs/bootstrap.md.
+#include "net/rendezvous/bootstrap.h"
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
@@ -15,8 +15,8 @@
 #include <climits>
 #include <cstdlib>
 
-#include "net/error.h"
-#include "net/hostlist.h"
+#include "net/base/error.h"
+#include "net/rendezvous/hostlist.h"
 
 namespace qring::net {
 

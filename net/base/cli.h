@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::cli {
 

@@ -1,4 +1,4 @@
-#include "collectives/quorum_wire.h"
+#include "collectives/quorum/wire.h"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::collectives::qwire {
 

@@ -1,4 +1,4 @@
-#include "collectives/quorum_coordinator.h"
+#include "collectives/quorum/coordinator.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

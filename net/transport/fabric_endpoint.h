@@ -5,8 +5,8 @@
 #include <memory>
 #include <string>
 
-#include "net/endpoint.h"
-#include "net/store.h"
+#include "net/transport/endpoint.h"
+#include "net/rendezvous/store.h"
 
 namespace qring::net {
 
@@ -31,7 +31,7 @@ struct FabricOptions {
   // keeps a connection per peer already); QRING_SHM_PAIRWISE=0 or 1 decides for shm instead.
   enum class Pairwise { kAuto, kOn, kOff };
   Pairwise pairwise = Pairwise::kAuto;
-  // This process's incarnation of its rank (0 at the job's start; net/endpoint.h, "Ranks that
+  // This process's incarnation of its rank (0 at the job's start; net/transport/endpoint.h, "Ranks that
   // come back").
   uint32_t incarnation = 0;
   // Joining a running job: publish this endpoint's address but read none, and start with no
@@ -47,7 +47,7 @@ struct FabricOptions {
 //  - Over ofi_rxm (tcp, verbs) the first endpoint exports FI_OFI_RXM_EAGER_LIMIT=8 MiB into
 //    the environment unless it is set (setenv, before rxm reads it); another libfabric user
 //    of the process, and child processes, see it too.
-//  - Linking qring_net interposes the process's connect() and listen() (net/tcp_tuning.cc).
+//  - Linking qring_net interposes the process's connect() and listen() (net/transport/tcp_tuning.cc).
 //    They change only sockets of qring's tcp endpoints (a listener opened while a
 //    FabricEndpoint sets up on that thread, a connection to a registered peer address: their
 //    congestion control, QRING_TCP_CONGESTION) and pass every other call through unchanged.

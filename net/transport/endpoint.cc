@@ -1,10 +1,10 @@
-#include "net/endpoint.h"
+#include "net/transport/endpoint.h"
 
 #include <fmt/format.h>
 #include <sched.h>
 #include <time.h>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
-#include "net/store.h"
+#include "net/rendezvous/store.h"
 
 namespace qring::collectives {
 
@@ -55,7 +55,7 @@ struct QuorumOptions {
   int evict_steps = 0;
   // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
   int min_world = 0;
-  // The adaptive quorum (quorum "auto", collectives/auto_quorum.h): the coordinator chooses
+  // The adaptive quorum (quorum "auto", collectives/quorum/auto_quorum.h): the coordinator chooses
   // each step's quorum Q(t) from the recent arrivals, within [quorum, auto_max] (auto_max 0 =
   // the live members); `quorum` is the lower bound. Q(t) travels in DECIDE
   // (QuorumResult::quorum); the contract of every step is unchanged.

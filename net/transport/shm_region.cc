@@ -1,4 +1,4 @@
-#include "net/shm_region.h"
+#include "net/transport/shm_region.h"
 
 #include <dirent.h>
 #include <fcntl.h>

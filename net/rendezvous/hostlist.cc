@@ -1,12 +1,12 @@
-// Slurm hostlist expansion (net/hostlist.h).
-#include "net/hostlist.h"
+// Slurm hostlist expansion (net/rendezvous/hostlist.h).
+#include "net/rendezvous/hostlist.h"
 
 #include <fmt/format.h>
 
 #include <charconv>
 #include <cstdint>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 namespace {

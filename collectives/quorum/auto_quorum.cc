@@ -1,4 +1,4 @@
-#include "collectives/auto_quorum.h"
+#include "collectives/quorum/auto_quorum.h"
 
 #include <algorithm>
 #include <cmath>

@@ -19,8 +19,8 @@
 #include <optional>
 #include <vector>
 
-#include "net/endpoint.h"
-#include "net/tags.h"
+#include "net/transport/endpoint.h"
+#include "net/transport/tags.h"
 
 namespace qring::net {
 

@@ -1,9 +1,9 @@
 // net::Endpoint — the transport interface (gloo's transport/pair split, libfabric semantics).
 //
 // Tagged, non-blocking point-to-point messages between the ranks of one world. Two
-// implementations: FabricEndpoint (libfabric RDM, net/fabric_endpoint.h) and InprocEndpoint
-// (ranks as threads in one process, net/inproc_endpoint.h); FaultEndpoint wraps either to
-// delay or drop messages (net/fault_endpoint.h).
+// implementations: FabricEndpoint (libfabric RDM, net/transport/fabric_endpoint.h) and InprocEndpoint
+// (ranks as threads in one process, net/transport/inproc_endpoint.h); FaultEndpoint wraps either to
+// delay or drop messages (net/transport/fault_endpoint.h).
 //
 // Threading: an Endpoint is driven by one thread at a time (its owner, normally the
 // communicator's progress engine). Requests are completed only inside progress().
@@ -35,7 +35,7 @@
 #include <string_view>
 #include <vector>
 
-#include "net/tags.h"
+#include "net/transport/tags.h"
 
 namespace qring::net {
 
@@ -52,7 +52,7 @@ constexpr int kAnyPeer = -1;
 enum class RequestState : uint8_t { kPending, kDone, kCancelled, kError };
 
 // What a caller sees of a message in flight. A transport that needs bookkeeping per request
-// hands out a type derived from it, made with std::make_shared (net/fabric_endpoint.cc).
+// hands out a type derived from it, made with std::make_shared (net/transport/fabric_endpoint.cc).
 struct Request {
   bool is_send = false;
   int peer = kAnyPeer;       // peer as posted (kAnyPeer for wildcard receives)
@@ -149,7 +149,7 @@ class Endpoint {
 
   // ---- Ranks that come back (a restarted process, or one evicted while alive: docs/design.md,
   // "Rejoin"). Every rank has an incarnation, 0 at the job's start and one more each time the
-  // rank starts again. Tags carry the generation of the pair (net/tags.h), so a message of an
+  // rank starts again. Tags carry the generation of the pair (net/transport/tags.h), so a message of an
   // earlier incarnation never matches a receive of the new one.
   //
   // What this endpoint publishes for its peers (the value it stored in the rendezvous store at

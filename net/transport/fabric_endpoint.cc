@@ -4,7 +4,7 @@
 // bind → fi_enable → fi_getname / exchange through the store / fi_av_insert (on shm one
 // endpoint per peer: see "Pairwise endpoints" below). The Fid<T> members are declared in
 // creation order, so destruction closes them in reverse.
-#include "net/fabric_endpoint.h"
+#include "net/transport/fabric_endpoint.h"
 
 #include <fmt/format.h>
 #include <netinet/in.h>
@@ -37,9 +37,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "net/error.h"
-#include "net/shm_region.h"
-#include "net/tcp_tuning.h"
+#include "net/base/error.h"
+#include "net/transport/shm_region.h"
+#include "net/transport/tcp_tuning.h"
 
 namespace qring::net {
 
@@ -115,7 +115,7 @@ void remove_stale_shm_regions() {
   }
 }
 
-// The shm endpoint's watch for peers that died holding their region lock (net/shm_region.h):
+// The shm endpoint's watch for peers that died holding their region lock (net/transport/shm_region.h):
 // how often it looks, and how long a lock must stay held to be a dead owner's. A sender
 // spinning on such a lock is freed within about 250 ms, inside the eviction times in use
 // (the default 5 s, 500 ms in the fault tests), so the dead peer is evicted for its silence
@@ -335,7 +335,7 @@ struct OpCtx {
   OpCtx* next = nullptr;  // next in its post queue while refused
 };
 
-// The generation bits of a pair (net/tags.h).
+// The generation bits of a pair (net/transport/tags.h).
 uint32_t generation(uint32_t a, uint32_t b) {
   return (a + b) & 0xFu;
 }
@@ -424,7 +424,7 @@ class FabricEndpoint final : public Endpoint {
     if (shm_) {
       remove_stale_shm_regions();
       // A peer that died inside the provider may hold its region lock; its reaper releases it
-      // under qring-launch, this rank where nobody did (net/shm_region.h): now, and while the
+      // under qring-launch, this rank where nobody did (net/transport/shm_region.h): now, and while the
       // endpoint lives, every kLockWatchPeriod (the watch thread).
       for (const std::string& name : release_locks_of_dead_processes(kLockConfirm))
         warn_released(rank, name);
@@ -903,7 +903,7 @@ class FabricEndpoint final : public Endpoint {
     }
   }
 
-  // A directed tag as it goes on the wire: with the pair's generation (net/tags.h).
+  // A directed tag as it goes on the wire: with the pair's generation (net/transport/tags.h).
   uint64_t wire_tag(int peer, uint64_t tag) const {
     return with_generation(tag, peer == kAnyPeer ? 0 : gens_[static_cast<size_t>(peer)]);
   }

@@ -1,4 +1,4 @@
-// TcpStoreServer and TcpStore (net/store.h); wire format in docs/bootstrap.md.
+// TcpStoreServer and TcpStore (net/rendezvous/store.h); wire format in docs/bootstrap.md.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -22,8 +22,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "net/error.h"
-#include "net/store.h"
+#include "net/base/error.h"
+#include "net/rendezvous/store.h"
 
 namespace qring::net {
 namespace {

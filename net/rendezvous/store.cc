@@ -1,5 +1,5 @@
-// MemoryStore and PrefixStore (net/store.h). TcpStore / TcpStoreServer are in tcp_store.cc.
-#include "net/store.h"
+// MemoryStore and PrefixStore (net/rendezvous/store.h). TcpStore / TcpStoreServer are in tcp_store.cc.
+#include "net/rendezvous/store.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,7 +14,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "net/error.h"
+#include "net/base/error.h"
 
 namespace qring::net {
 
