@@ -139,8 +139,8 @@ struct StoreServerOptions {
   // of all) is dropped instead, so that holding connections open cannot lock ranks out. A
   // rank sends its JOIN as soon as the CHALLENGE arrives, so a connection is dropped when its
   // complete JOIN has not arrived within handshake_timeout of the CHALLENGE.
-  int max_handshakes = 512;
-  int max_handshakes_per_source = 128;
+  int max_handshakes = 1024;
+  int max_handshakes_per_source = 256;
   std::chrono::milliseconds handshake_timeout{2000};
 };
 

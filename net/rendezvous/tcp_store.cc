@@ -44,7 +44,7 @@ constexpr auto kWarnInterval = std::chrono::seconds(5);
 constexpr auto kRejectionLogInterval = std::chrono::seconds(10);
 // New connections accepted per turn of the server's loop, after the input of the connections
 // it has: a JOIN already sent is read before a burst of newcomers can push its connection out.
-constexpr int kAcceptBatch = 64;
+constexpr int kAcceptBatch = 16;
 
 std::string errno_text(int err) {
   return fmt::format("{} (errno {})", std::strerror(err), err);
@@ -478,7 +478,9 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
     throw IoError(fmt::format("store server: cannot bind {}:{}: {}{}", bind_host, port,
                               errno_text(err), hint));
   }
-  if (listen(s.listen_fd.get(), 256) != 0)
+  // A long queue of completed connections: a flood must not make the kernel drop a rank's
+  // connection attempt (its SYN is only sent again after 1 s, then 3 s).
+  if (listen(s.listen_fd.get(), SOMAXCONN) != 0)
     throw IoError("store server: listen(): " + errno_text(errno));
   socklen_t len = sizeof(addr);
   getsockname(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
