@@ -116,6 +116,12 @@ std::string join_proof(std::string_view secret, std::string_view server_nonce,
                        std::string_view join_fields);
 std::string server_proof(std::string_view secret, std::string_view server_nonce,
                          std::string_view join_fields);
+// Why `secret` is too weak to be a job secret, or "" when it is not: fewer than 16 characters,
+// fewer than 6 different ones ("aaaa...", "abababab..."), a repetition of a shorter part
+// ("abcdefabcdefabcd"), or a run of 8 consecutive characters ("01234567", "hgfedcba"). A
+// random hex string of 16 characters fails one of these with a probability of 2e-5.
+std::string secret_weakness(std::string_view secret);
+
 // True for the addresses and names of this host's loopback interface (127.0.0.0/8,
 // "localhost").
 bool is_loopback_host(const std::string& host);
@@ -154,6 +160,7 @@ enum class StoreRejection : int {
   kTruncatedFrame,   // closed inside a frame
   kJoinDeadline,     // no complete JOIN within handshake_timeout of the CHALLENGE
   kDroppedForNewer,  // the oldest connection that had not joined, dropped for a new one
+  kConnectionError,  // a receive failed (a reset connection)
   kCount
 };
 // "join rejected", "not a join", ... (the log's and the counters' names).

@@ -310,6 +310,8 @@ const char* store_rejection_name(StoreRejection r) {
       return "join deadline";
     case StoreRejection::kDroppedForNewer:
       return "dropped for a newer connection";
+    case StoreRejection::kConnectionError:
+      return "connection error";
     case StoreRejection::kCount:
       break;
   }
@@ -711,7 +713,8 @@ bool TcpStoreServer::Impl::read_conn(Conn& c) {
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
     if (errno == EINTR) continue;
-    spdlog::warn("store server: recv from {}: {}", c.peer, errno_text(errno));
+    rejections(StoreRejection::kConnectionError, "recv from {}{}: {}", c.peer,
+               c.joined ? fmt::format(" (rank {})", c.rank) : "", errno_text(errno));
     return false;
   }
 }
