@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -26,7 +27,10 @@ namespace {
 namespace fs = std::filesystem;
 using qring::testing::sh;
 
-const std::string kBuild = QRING_BUILD_DIR;
+// QRING_BOUNDS_BUILD: the programs of another build (net/qring-launch, train/qring-train),
+// e.g. to see these tests fail on an older commit.
+const std::string kBuild =
+    std::getenv("QRING_BOUNDS_BUILD") ? std::getenv("QRING_BOUNDS_BUILD") : QRING_BUILD_DIR;
 const std::string kSource = QRING_SOURCE_DIR;
 const std::string kTrain = kBuild + "/train/qring-train";
 const std::string kSmoke = kSource + "/configs/smoke.toml";

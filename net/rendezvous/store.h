@@ -140,7 +140,9 @@ struct StoreServerOptions {
   // the port can join), so the server then binds only a loopback address.
   std::string secret;
   // Connections that have not joined yet (issue 44, N1): at most world size + max_handshakes
-  // at a time, and max_handshakes_per_source from one address. A new connection is always
+  // at a time (and at most a quarter of the process's descriptor limit, RLIMIT_NOFILE: the
+  // store may share its process with a rank), and max_handshakes_per_source from one
+  // address. A new connection is always
   // served: past either cap the oldest connection that has not joined (of that address, else
   // of all) is dropped instead, so that holding connections open cannot lock ranks out. A
   // rank sends its JOIN as soon as the CHALLENGE arrives, so a connection is dropped when its

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -387,6 +388,9 @@ struct TcpStoreServer::Impl {
   // source address. Past a cap the first of these is dropped for a newcomer.
   std::set<uint64_t> unjoined;
   std::unordered_map<uint32_t, std::set<uint64_t>> unjoined_by_source;
+  // world + max_handshakes, but at most a quarter of the process's descriptors (the store
+  // may share its process with a rank, whose fabric needs descriptors too).
+  size_t max_unjoined = 0;
   std::vector<Parked> parked;
   std::unordered_map<std::string, std::string> data;
   std::map<int, uint64_t> rank_conn;
@@ -461,6 +465,10 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
   s.world_size = world_size;
   s.job_id = std::move(job_id);
   s.options = std::move(options);
+  s.max_unjoined = size_t(world_size) + size_t(s.options.max_handshakes);
+  if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+    s.max_unjoined = std::min(s.max_unjoined,
+                              std::max(size_t(world_size) + 16, size_t(lim.rlim_cur / 4)));
   sockaddr_in addr{};
   std::string err;
   if (!resolve_ipv4(bind_host, port, addr, err))
@@ -653,11 +661,12 @@ bool TcpStoreServer::Impl::drop_oldest_unjoined(uint32_t source, bool at_fd_limi
     victim = *unjoined.begin();
     cap = "descriptors ran out";
   } else if (mine != unjoined_by_source.end() &&
-             mine->second.size() >= size_t(options.max_handshakes_per_source)) {
+             mine->second.size() >= std::min(size_t(options.max_handshakes_per_source),
+                                             max_unjoined)) {
     victim = *mine->second.begin();
     cap = fmt::format("{} connections from its address have not joined",
                       mine->second.size());
-  } else if (unjoined.size() >= size_t(world_size + options.max_handshakes)) {
+  } else if (unjoined.size() >= max_unjoined) {
     victim = *unjoined.begin();
     cap = fmt::format("{} connections have not joined", unjoined.size());
   }
