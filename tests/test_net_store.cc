@@ -333,6 +333,22 @@ bool raw_join(RawConn& c, int rank, int world, const std::string& job) {
   return r.size() == kJoinReplyBytes && static_cast<uint8_t>(r[6]) == 0x80;
 }
 
+// A socket listening on a free loopback port (a fake server's), and that port.
+int loopback_listener(int backlog, int& port, bool reuse_addr = false) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  if (reuse_addr) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(listen(fd, backlog), 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
 TEST(TcpStore, JoinRejections) {
   TcpStoreServer server("127.0.0.1", 0, 3, "job-1", with_secret());
   JoinInfo ok = join_info(1, 3, "job-1");
@@ -455,14 +471,8 @@ TEST(TcpStore, UnauthenticatedClientCannotJoinReadOrWrite) {
 // The client checks the server's proof: a store that does not know the secret (here one
 // that accepts any JOIN) gets no further than the JOIN, so a rank never publishes to it.
 TEST(TcpStore, ClientRejectsAStoreThatCannotProveTheSecret) {
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = 0;
+  const int lfd = loopback_listener(4, port);
   std::thread fake([lfd] {
     int c = accept(lfd, nullptr, nullptr);
     std::string p;
@@ -483,7 +493,7 @@ TEST(TcpStore, ClientRejectsAStoreThatCannotProveTheSecret) {
     close(c);
   });
   try {
-    TcpStore c("127.0.0.1", ntohs(a.sin_port), join_info(0), deadline_in(3s));
+    TcpStore c("127.0.0.1", port, join_info(0), deadline_in(3s));
     ADD_FAILURE() << "joined a store that does not know the secret";
   } catch (const ProtocolError& e) {
     EXPECT_THAT(e.what(), HasSubstr("cannot prove the job secret"));
@@ -807,17 +817,8 @@ TEST(TcpStore, RejectionsAreCountedAndTheirLogIsRateLimited) {
 // attempt's timeout and the client connects again, instead of waiting out its whole deadline
 // and blaming the protocol.
 TEST(TcpStore, ClientRetriesAConnectionThatGetsNoChallenge) {
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
-  const int port = ntohs(a.sin_port);
+  int port = 0;
+  const int lfd = loopback_listener(4, port, /*reuse_addr=*/true);
   int silent = -1;
   std::unique_ptr<TcpStoreServer> server;
   std::thread fake([&] {
@@ -837,15 +838,8 @@ TEST(TcpStore, ClientRetriesAConnectionThatGetsNoChallenge) {
 // ... and when no attempt is ever served, the final error says so: how many attempts, and
 // what each met.
 TEST(TcpStore, ClientNamesWhatItsAttemptsMet) {
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 16), 0);  // the kernel accepts; nobody speaks
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
-  const int port = ntohs(a.sin_port);
+  int port = 0;
+  const int lfd = loopback_listener(16, port);  // the kernel accepts; nobody speaks
   try {
     TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(2500ms));
     ADD_FAILURE() << "joined a silent server";
@@ -1029,15 +1023,8 @@ TEST(TcpStore, RandomGarbageNeverBreaksTheServer) {
 
 TEST(TcpStore, MalformedReplyRaisesProtocolError) {
   // A fake server that answers the JOIN with garbage.
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
+  int port = 0;
+  const int lfd = loopback_listener(4, port);
   std::thread fake([lfd] {
     int c = accept(lfd, nullptr, nullptr);  // garbage instead of a CHALLENGE
     std::string garbage(16, '\x11');

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_files.h"
 #include "cli_harness.h"
 
 namespace {
@@ -210,18 +211,7 @@ TEST_F(Bounds, OversizedCheckpointIsRefusedBeforeItIsRead) {
   ASSERT_TRUE(fs::exists(ckpts / "ckpt-000000000020.qck"));
   for (bool valid_header : {false, true}) {
     const fs::path big = ckpts / "ckpt-000000000030.qck";
-    {
-      std::ofstream out(big, std::ios::binary);
-      if (valid_header) {
-        const uint64_t payload = (uint64_t{1} << 30) - 28;
-        const uint32_t version = 1, reserved = 0;
-        out.write("QRINGCK", 8);
-        out.write(reinterpret_cast<const char*>(&version), 4);
-        out.write(reinterpret_cast<const char*>(&reserved), 4);
-        out.write(reinterpret_cast<const char*>(&payload), 8);
-      }
-    }
-    fs::resize_file(big, uint64_t{1} << 30);
+    qring::testing::sparse_checkpoint(big, uint64_t{1} << 30, valid_header);
     expect_refused(kSmoke, {"run.name=ck", "train.steps=40", "--resume"},
                    {big.string(), "more than the limit of"});
   }

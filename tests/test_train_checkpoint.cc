@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "net/base/error.h"
+#include "checkpoint_files.h"
 #include "temp_dir.h"
 #include "train/checkpoint.h"
 #include "train/crc32.h"
@@ -264,16 +265,7 @@ TEST(Checkpoint, StrayNamesAreIgnored) {
 TEST(Checkpoint, SizeAndHeaderAreCheckedBeforeTheBody) {
   TempDir dir("qring-ckpt");
   const std::string p = dir.path() + "/big.qck";
-  {
-    std::ofstream out(p, std::ios::binary);
-    const uint64_t payload = (uint64_t{1} << 30) - 28;
-    const uint32_t version = 1, reserved = 0;
-    out.write("QRINGCK", 8);
-    out.write(reinterpret_cast<const char*>(&version), 4);
-    out.write(reinterpret_cast<const char*>(&reserved), 4);
-    out.write(reinterpret_cast<const char*>(&payload), 8);
-  }
-  std::filesystem::resize_file(p, uint64_t{1} << 30);
+  qring::testing::sparse_checkpoint(p, uint64_t{1} << 30, /*with_header=*/true);
   const auto t0 = std::chrono::steady_clock::now();
   try {
     load_checkpoint(p, max_checkpoint_bytes(1000));
@@ -281,8 +273,7 @@ TEST(Checkpoint, SizeAndHeaderAreCheckedBeforeTheBody) {
   } catch (const DataError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("1073741824 bytes, more than the limit of"));
   }
-  std::filesystem::resize_file(p, 0);
-  std::filesystem::resize_file(p, uint64_t{1} << 30);  // zeros: no magic
+  qring::testing::sparse_checkpoint(p, uint64_t{1} << 30, /*with_header=*/false);
   expect_load_error(p, "bad magic");
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   expect_load_error(dir.path(), "not a regular file");

@@ -112,6 +112,25 @@ class Fd {
   int fd_;
 };
 
+// The checks of the 24-byte header against a file (or buffer) of `size` bytes: magic, version,
+// payload length. Returns the payload length.
+uint64_t check_header(const uint8_t* head, uint64_t size, const std::string& path) {
+  if (std::memcmp(head, kMagic, sizeof(kMagic)) != 0)
+    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
+  uint32_t version;
+  uint64_t payload;
+  std::memcpy(&version, head + 8, 4);
+  std::memcpy(&payload, head + 16, 8);
+  if (version != kVersion)
+    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
+                                version, kVersion));
+  if (payload != size - kHeader - 4)
+    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
+                                path, payload > size - kHeader - 4 ? "truncated" : "corrupt",
+                                payload, size - kHeader - 4));
+  return payload;
+}
+
 }  // namespace
 
 CheckpointView view_of(const CheckpointState& s) {
@@ -262,19 +281,7 @@ CheckpointState load_checkpoint(const std::string& path, uint64_t max_bytes) {
   // The header first: a wrong one costs 24 bytes of reading, whatever the file's size.
   std::vector<uint8_t> buf(kHeader);
   read_all(buf.data(), kHeader, "header");
-  if (std::memcmp(buf.data(), kMagic, sizeof(kMagic)) != 0)
-    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
-  uint32_t version;
-  uint64_t payload;
-  std::memcpy(&version, buf.data() + 8, 4);
-  std::memcpy(&payload, buf.data() + 16, 8);
-  if (version != kVersion)
-    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
-                                version, kVersion));
-  if (payload != size - kHeader - 4)
-    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
-                                path, payload > size - kHeader - 4 ? "truncated" : "corrupt",
-                                payload, size - kHeader - 4));
+  check_header(buf.data(), size, path);
   buf.resize(size_t(size));
   read_all(buf.data() + kHeader, size_t(size) - kHeader, "body");
   return decode_checkpoint(buf, path);
@@ -287,21 +294,7 @@ CheckpointView decode_checkpoint_view(std::span<const uint8_t> buf, const std::s
     throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
                                 buf.size(), kHeader + 4));
   }
-  if (std::memcmp(buf.data(), kMagic, sizeof(kMagic)) != 0)
-    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
-  uint32_t version;
-  uint64_t payload;
-  std::memcpy(&version, buf.data() + 8, 4);
-  std::memcpy(&payload, buf.data() + 16, 8);
-  if (version != kVersion) {
-    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
-                                version, kVersion));
-  }
-  if (payload != buf.size() - kHeader - 4) {
-    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
-                                path, payload > buf.size() - kHeader - 4 ? "truncated" : "corrupt",
-                                payload, buf.size() - kHeader - 4));
-  }
+  const uint64_t payload = check_header(buf.data(), buf.size(), path);
   uint32_t stored;
   std::memcpy(&stored, buf.data() + kHeader + payload, 4);
   const uint32_t actual = crc(buf.data(), kHeader + payload);

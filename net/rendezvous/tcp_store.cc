@@ -298,25 +298,12 @@ uint32_t peer_address(int fd) {
 }  // namespace
 
 const char* store_rejection_name(StoreRejection r) {
-  switch (r) {
-    case StoreRejection::kJoinRejected:
-      return "join rejected";
-    case StoreRejection::kNotJoin:
-      return "not a join";
-    case StoreRejection::kBadFrame:
-      return "bad frame";
-    case StoreRejection::kTruncatedFrame:
-      return "truncated frame";
-    case StoreRejection::kJoinDeadline:
-      return "join deadline";
-    case StoreRejection::kDroppedForNewer:
-      return "dropped for a newer connection";
-    case StoreRejection::kConnectionError:
-      return "connection error";
-    case StoreRejection::kCount:
-      break;
-  }
-  return "?";
+  static constexpr const char* kNames[] = {
+      "join rejected",  "not a join",          "bad frame", "truncated frame", "join deadline",
+      "dropped for a newer connection", "connection error"};
+  static_assert(std::size(kNames) == size_t(StoreRejection::kCount));
+  const auto i = static_cast<size_t>(r);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 std::string encode_join_fields(const JoinInfo& join, std::string_view client_nonce) {
