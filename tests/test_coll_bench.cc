@@ -258,4 +258,24 @@ TEST_F(BenchCli, DecideBenchTimesTheAdaptiveQuorumsDecisionPerMemberCount) {
   EXPECT_NE(bad.output.find("--members"), std::string::npos) << bad.output;
 }
 
+// Issue 44: per-rank settings that change the result -- a --quorum or --deadline-ms given to
+// one node only -- stop every rank at the start (exit 2), naming the setting, both values and
+// the rank (a different deadline went unnoticed; a different quorum failed at step 3).
+TEST_F(BenchCli, RanksWithDifferentQuorumOrDeadlineStopAtTheStart) {
+  const std::string script = (dir_ / "per_rank.sh").string();
+  std::ofstream(script) << "#!/bin/sh\n"
+                        << "if [ \"$QRING_RANK\" = 1 ]; then Q=3; D=1000; else Q=2; D=30000; fi\n"
+                        << "exec " << kBuild << "/collectives/qring-bench --op quorum -b 4K -e 4K "
+                        << "-n 3 -w 1 --quorum $Q --deadline-ms $D\n";
+  fs::permissions(script, fs::perms::owner_all);
+  CmdResult r = sh(kBuild + "/net/qring-launch -n 3 --provider shm -- " + script);
+  EXPECT_EQ(r.status, 2) << r.output;
+  // (The launcher stops the other ranks at the first failure; which one that is varies.)
+  EXPECT_NE(r.output.find("the ranks' settings differ: --quorum is '3' on "
+                          "rank 1 and '2' on rank 0; --deadline-ms is '1000' on rank 1 and "
+                          "'30000' on rank 0"),
+            std::string::npos)
+      << r.output;
+}
+
 }  // namespace

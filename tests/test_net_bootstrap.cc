@@ -242,10 +242,22 @@ TEST(DetectBootstrap, MpiAndPmi) {
 TEST(DetectBootstrap, JobSecretAndJobIdentity) {
   Vars env{{"QRING_RANK", "1"}, {"QRING_WORLD_SIZE", "2"}, {"QRING_STORE", "h:9"}};
   EXPECT_EQ(detect(env).job_secret, "");
-  env["QRING_JOB_SECRET"] = "0123456789abcdef0123";
-  EXPECT_EQ(detect(env).job_secret, "0123456789abcdef0123");
+  env["QRING_JOB_SECRET"] = "7f3a9c0e5b21d8a4c6e1";
+  EXPECT_EQ(detect(env).job_secret, "7f3a9c0e5b21d8a4c6e1");
   env["QRING_JOB_SECRET"] = "short";
   EXPECT_THAT(error_of(env), HasSubstr("QRING_JOB_SECRET has 5 characters, fewer than 16"));
+  // Issue 44: long enough is not enough (16 x 'a' was accepted).
+  const std::pair<const char*, const char*> weak[] = {
+      {"aaaaaaaaaaaaaaaa", "uses only 1 different characters"},
+      {"abababababababababab", "uses only 2 different characters"},
+      {"abcdefabcdefabcdefab", "repeats its first 6 characters"},
+      {"0123456789abcdef0123", "contains the sequence '01234567"},
+      {"x-zyxwvutsrq-42-secret", "contains the sequence 'zyxwvuts"},
+  };
+  for (const auto& [secret, why] : weak) {
+    env["QRING_JOB_SECRET"] = secret;
+    EXPECT_THAT(error_of(env), HasSubstr(std::string("QRING_JOB_SECRET ") + why)) << secret;
+  }
 
   Vars slurm{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},  {"SLURM_JOB_ID", "77"},
              {"SLURM_STEP_ID", "3"}, {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_NODELIST", "n1"},

@@ -13,6 +13,7 @@
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 #include "net/base/fnv1a.h"
+#include "train/config_limits.h"
 
 namespace qring::train {
 namespace {
@@ -116,10 +117,12 @@ std::vector<Field> fields() {
   f.push_back(string_field("run.name", QRING_ACC(run.name)));
   f.push_back(string_field("run.out_dir", QRING_ACC(run.out_dir)));
   f.push_back(int_field("run.seed", QRING_ACC(run.seed)));
+  f.push_back(string_field("run.umask", QRING_ACC(run.umask)));
   f.push_back(string_field("data.path", QRING_ACC(data.path)));
   f.push_back(string_field("data.dataset", QRING_ACC(data.dataset)));
   f.push_back(int_field("data.synthetic_train", QRING_ACC(data.synthetic_train)));
   f.push_back(int_field("data.synthetic_test", QRING_ACC(data.synthetic_test)));
+  f.push_back(int_field("data.max_bytes", QRING_ACC(data.max_bytes)));
   f.push_back(string_field("model.type", QRING_ACC(model.type)));
   f.push_back(int_list_field("model.hidden", QRING_ACC(model.hidden)));
   f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
@@ -145,6 +148,7 @@ std::vector<Field> fields() {
   f.push_back(float_field("train.target_accuracy", QRING_ACC(train.target_accuracy)));
   f.push_back(int_field("train.checkpoint_every", QRING_ACC(train.checkpoint_every)));
   f.push_back(int_field("train.checksum_every", QRING_ACC(train.checksum_every)));
+  f.push_back(string_field("train.nonfinite", QRING_ACC(train.nonfinite)));
   f.push_back({"quorum.quorum", Kind::kQuorum,
                [](TrainConfig& c, const toml::value& v) {
                  c.quorum.quorum_auto = false;
@@ -251,6 +255,7 @@ size_t invalid_utf8(const std::string& text) {
 }
 
 toml::value parse_toml(const std::string& text, const std::string& name) {
+  check_toml_limits(text, name);
   if (const size_t bad = invalid_utf8(text); bad != std::string::npos) {
     const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(bad), '\n'));
     throw ConfigError(
@@ -333,11 +338,7 @@ std::string toml_value_text(const nlohmann::json& j) {
 
 TrainConfig TrainConfig::from_file(const std::string& path,
                                    const std::vector<std::string>& overrides) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("config file '{}': cannot open", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return from_string(ss.str(), overrides, path);
+  return from_string(read_config_file(path), overrides, path);
 }
 
 TrainConfig TrainConfig::from_string(const std::string& toml_text,
@@ -372,6 +373,11 @@ void TrainConfig::apply_override(const std::string& assignment) {
     return;
   }
   if (invalid_utf8(text) != std::string::npos) fail(key, "the value is not valid UTF-8");
+  try {
+    check_toml_limits(text, "the value");
+  } catch (const ConfigError& e) {
+    fail(key, e.what());
+  }
   toml::value v;
   try {
     std::istringstream is("v = " + text);
@@ -384,12 +390,20 @@ void TrainConfig::apply_override(const std::string& assignment) {
 
 void TrainConfig::validate(int world) const {
   if (run.name.empty()) fail("run.name", "must not be empty");
+  if (run.name == "." || run.name == ".." || run.name.find('/') != std::string::npos ||
+      run.name.find('\0') != std::string::npos)
+    fail("run.name", fmt::format("'{}' is not a name inside run.out_dir (no '/', not '.' or "
+                                 "'..'); put the directory in run.out_dir",
+                                 run.name));
+  if (run.umask.size() != 3 || run.umask.find_first_not_of("01234567") != std::string::npos)
+    fail("run.umask", fmt::format("expected 3 octal digits such as \"077\", got '{}'", run.umask));
   if (run.out_dir.empty()) fail("run.out_dir", "must not be empty");
   check_min("run.seed", run.seed, 0);
   check_one_of("data.dataset", data.dataset, {"fashion-mnist", "synthetic"});
   if (data.dataset == "fashion-mnist" && data.path.empty()) fail("data.path", "must not be empty");
   check_min("data.synthetic_train", data.synthetic_train, 1);
   check_min("data.synthetic_test", data.synthetic_test, 1);
+  check_min("data.max_bytes", data.max_bytes, 0);
   check_one_of("model.type", model.type, {"mlp", "cnn"});
   if (model.type == "mlp" && model.hidden.empty())
     fail("model.hidden", "an MLP needs at least one hidden layer");
@@ -437,6 +451,7 @@ void TrainConfig::validate(int world) const {
     fail("train.target_accuracy", fmt::format("must be in [0, 1], got {}", train.target_accuracy));
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
+  check_one_of("train.nonfinite", train.nonfinite, {"fail", "skip"});
   if (quorum.quorum_auto) {
     // (the count and fraction checks do not apply)
   } else if (quorum.quorum_is_fraction) {
@@ -525,7 +540,8 @@ uint64_t TrainConfig::fingerprint() const {
   std::string text;
   for (const auto& f : fields()) {
     const bool relevant = f.key == "run.seed" ||
-                          (f.key.rfind("data.", 0) == 0 && f.key != "data.path") ||
+                          (f.key.rfind("data.", 0) == 0 && f.key != "data.path" &&
+                           f.key != "data.max_bytes") ||
                           f.key.rfind("model.", 0) == 0 || f.key == "train.batch_per_rank";
     if (relevant) text += f.key + "=" + f.get(*this).dump() + "\n";
   }
@@ -541,7 +557,8 @@ std::vector<std::string> TrainConfig::keys() {
 std::vector<std::string> TrainConfig::agreed_keys() {
   std::vector<std::string> out;
   for (const auto& f : fields()) {
-    const bool local = f.key == "run.out_dir" || f.key == "data.path" || f.key == "net.provider" ||
+    const bool local = f.key == "run.out_dir" || f.key == "run.umask" || f.key == "data.path" ||
+                       f.key == "data.max_bytes" || f.key == "net.provider" ||
                        f.key.rfind("log.", 0) == 0;
     if (!local) out.push_back(f.key);
   }

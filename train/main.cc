@@ -4,15 +4,18 @@
 //   srun qring-train --config configs/fmnist-mlp.toml quorum.quorum=3
 //
 // Exit status: 0 done, 1 runtime failure (the job lost more ranks than its quorum allows, a
-// deadline passed, drift...), 2 bad command line, configuration or data, 75 this rank was
-// evicted while alive (paused or too slow; the others went on without it).
+// deadline passed, drift, a diverged run, out of memory...), 2 bad command line,
+// configuration or data, 75 this rank was evicted while alive (paused or too slow; the others
+// went on without it).
 #include <fmt/format.h>
 #include <omp.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <string>
 #include <thread>
 #include <variant>
@@ -23,9 +26,25 @@
 #include "net/rendezvous/bootstrap.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
+#include "net/base/out_of_memory.h"
 #include "net/transport/fabric_endpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
+
+// Every allocation of this program that fails says how much it asked for and for what
+// (AllocationFailed, net/base/out_of_memory.h), instead of a bare std::bad_alloc. The
+// library's operator delete frees with free(), which pairs with the malloc here.
+void* operator new(std::size_t n) {
+  while (true) {
+    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+    std::new_handler h = std::get_new_handler();
+    if (h == nullptr) throw qring::AllocationFailed(n);
+    h();
+  }
+}
+void* operator new[](std::size_t n) {
+  return ::operator new(n);
+}
 
 namespace {
 
@@ -95,6 +114,7 @@ void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::
   topts.resume = resume;
   topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
   topts.incarnation = rdv.incarnation();
+  topts.local_ranks = info.local_size;
   topts.process_start = process_start;
   if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
     topts.faults = qring::collectives::FaultSpec::parse_list(f);
@@ -136,6 +156,9 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // The run's outputs (checkpoints, metrics) are its owner's unless run.umask says otherwise.
+  ::umask(static_cast<mode_t>(std::stoi(cfg.run.umask, nullptr, 8)));
+
   auto level = spdlog::level::from_str(cfg.log.level);
   spdlog::set_level(info.rank == 0 ? level : std::max(level, spdlog::level::warn));
   spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [%^%l%$] [rank {}] %v", info.rank));
@@ -174,6 +197,9 @@ int main(int argc, char** argv) {
     } catch (const qring::DataError& e) {
       spdlog::error("{}", e.what());
       return 2;
+    } catch (const std::bad_alloc& e) {
+      spdlog::error("rank {}: {}", info.rank, qring::out_of_memory_message(e));
+      return 1;
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
       return 1;

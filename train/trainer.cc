@@ -24,6 +24,7 @@
 #include "net/base/error.h"
 #include "net/base/fnv1a.h"
 #include "net/base/large_buffer.h"
+#include "net/base/out_of_memory.h"
 #include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
@@ -170,6 +171,7 @@ nlohmann::json RunSummary::to_json() const {
   j["failures_survived"] = failures_survived;
   j["evicted_ranks"] = evicted_ranks;
   j["skipped_steps"] = skipped_steps;
+  j["nonfinite_steps"] = nonfinite_steps;
   j["recovery_s"] = recovery_s;
   j["rejoins"] = rejoins;
   j["heal_s"] = heal_s;
@@ -336,8 +338,19 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
     for (; next < steps.size() && fatal.empty(); ++next) {
       if (int64_t(steps[next]) > candidate) continue;
       const std::string path = checkpoint_path(ckpt_dir.string(), steps[next]);
+      // Larger than any checkpoint of this model: not a torn file of this run (those are
+      // shorter), so every rank stops rather than reading it (issue 44).
+      std::error_code ec;
+      const uint64_t size = fs::file_size(path, ec);
+      if (!ec && size > max_checkpoint_bytes(n_params)) {
+        fatal = fmt::format("--resume: rank {}: {}: {} bytes, more than the limit of {} bytes "
+                            "that a checkpoint of this model ({} parameters) can have",
+                            rank, path, size, max_checkpoint_bytes(n_params), n_params);
+        break;
+      }
       try {
-        CheckpointState s = load_checkpoint(path);
+        AllocationScope scope("checkpoint " + path);
+        CheckpointState s = load_checkpoint(path, max_checkpoint_bytes(n_params));
         if (s.step != steps[next])
           throw DataError(fmt::format("{}: holds step {}, not the step of its name", path, s.step));
         if (std::string why = mismatch(s); !why.empty()) {
@@ -1073,7 +1086,22 @@ struct SyncStep {
     } else {
       const float* mean = static_cast<const float*>(result.data);
       last_loss = mean[n_params];
-      core.apply_gradient(mean, lr_scale, r.count);
+      // Every rank holds the same mean and parameters, so every rank decides the same here.
+      const bool skip = cfg.train.nonfinite == "skip";
+      std::string bad = nonfinite_text(mean, n_params);
+      if (bad.empty() && !core.apply_gradient_finite(mean, lr_scale, r.count, skip))
+        bad = "a parameter after the step's update";
+      if (!bad.empty()) {
+        if (!skip)
+          throw Error(fmt::format(
+              "step {} ({} contributor(s)): {} is not finite: the run diverged (train.lr = "
+              "{}, {} at this step); train.nonfinite = \"skip\" leaves such steps out instead",
+              t, r.count, bad, cfg.train.lr, lr));
+        if (sum.nonfinite_steps++ % 100 == 0)
+          spdlog::warn("step {} left out on every rank: {} is not finite ({} such step(s) so "
+                       "far)",
+                       t, bad, sum.nonfinite_steps);
+      }
     }
     membership.after_step(t, r, sum);
     timer.record(work, r);
@@ -1102,7 +1130,13 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   fs::create_directories(ckpt_dir);
   if (!opts.resume && !joining) clear_earlier_checkpoints(ckpt_dir, rank);
 
-  DatasetPair data = load_datasets(cfg.data, seed);
+  DatasetPair data = allocating(
+      fmt::format("the datasets ({})",
+                  cfg.data.dataset == "synthetic" ? "synthetic" : "data.path " + cfg.data.path),
+      0, [&] { return load_datasets(cfg.data, seed, opts.local_ranks); });
+  if (world > 1 && !joining) check_data_agrees(cfg, data, comm);
+  const AllocationScope model_scope(
+      fmt::format("the model ({}) and its training state", cfg.model.type));
   // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
   // its contributors over that (the linear rule, step by step).
   const int sched_quorum =
@@ -1193,6 +1227,31 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
 }
 
 }  // namespace
+
+// A node whose dataset files differ (another version, a partial copy) would not be noticed by
+// the configuration check, which leaves data.path out (issue 44).
+void check_data_agrees(const TrainConfig& cfg, const DatasetPair& data,
+                       collectives::Communicator& comm) {
+  const int world = comm.size();
+  const uint64_t mine = data.digest;
+  std::vector<uint64_t> all(size_t(world), 0);
+  comm.allgather(&mine, all.data(), 1, DataType::kInt64);
+  std::map<uint64_t, int> votes;
+  for (uint64_t d : all) ++votes[d];
+  if (votes.size() == 1) return;
+  uint64_t ref = all[0];
+  for (const auto& [d, n] : votes)
+    if (n > votes[ref]) ref = d;
+  std::vector<std::string> odd;
+  for (int r = 0; r < world; ++r)
+    if (all[size_t(r)] != ref) odd.push_back(fmt::format("{} ({:016x})", r, all[size_t(r)]));
+  int first = 0;
+  while (all[size_t(first)] != ref) ++first;
+  throw DataError(fmt::format(
+      "the ranks' training data differ: the dataset files of rank(s) {} are not those of rank "
+      "{} ({:016x}); rank {} read data.path '{}' ({:016x}); every rank needs the same files",
+      fmt::join(odd, ", "), first, ref, comm.rank(), cfg.data.path, mine));
+}
 
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts) {

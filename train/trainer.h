@@ -13,6 +13,7 @@
 #include "collectives/fault_inject.h"
 #include "net/rendezvous/store.h"
 #include "train/config.h"
+#include "train/dataset.h"
 
 namespace qring::train {
 
@@ -36,6 +37,8 @@ struct RunSummary {
   int64_t failures_survived = 0;
   std::vector<int> evicted_ranks;
   int64_t skipped_steps = 0;
+  // Steps whose mean loss or gradient was not finite, left out (train.nonfinite = "skip").
+  int64_t nonfinite_steps = 0;
   double recovery_s = 0;
   // Rejoins (docs/design.md, "Rejoin"): ranks that came back, and the longest healing (from
   // the view without the lost rank to the first step that counted its new incarnation).
@@ -57,6 +60,9 @@ struct TrainerOptions {
   // This process's incarnation of its rank (net::Rendezvous::incarnation): > 0 joins the
   // running job with the state of a live member instead of starting (or resuming) it.
   uint32_t incarnation = 0;
+  // Ranks on this host (net::BootstrapInfo::local_size): they share its memory, which bounds
+  // the datasets each may load (data.max_bytes, train/dataset.h).
+  int local_ranks = 1;
   // When this process started (the joiner reports its time to the first counted step).
   std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();
 };
@@ -66,6 +72,12 @@ struct TrainerOptions {
 // every rank writes its checkpoints under runs/<run.name>/checkpoints/rank-<r>/.
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts = {});
+
+// Every rank of `comm` trains on the same data: the DatasetPair::digest of every rank is
+// gathered (a collective with the communicator's deadline), and a rank whose files differ
+// from the most common ones (rank 0's on a tie) stops every rank with a DataError naming it.
+void check_data_agrees(const TrainConfig& cfg, const DatasetPair& data,
+                       collectives::Communicator& comm);
 
 // FNV-1a 64 of a float buffer's bytes (replica checksums).
 uint64_t checksum(const float* p, size_t n);

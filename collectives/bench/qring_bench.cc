@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -412,6 +413,75 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 
 // ------------------------------------------------------------------ main
 
+// The settings that decide what every rank computes and how long it waits (issue 44): ranks
+// that disagree on them -- a --quorum or --deadline-ms given to one node only -- would
+// measure something other than asked, or fail at a deadline. The provider is compared when
+// the endpoints connect, the communicator's own settings when it forms; --json, --timeout-ms
+// and the pacing of a rank's own traffic may differ.
+std::vector<std::pair<std::string, std::string>> agreed_settings(const Options& o) {
+  return {{"--op", std::string(op_name(o.op))},
+          {"--minbytes", std::to_string(o.min_bytes)},
+          {"--maxbytes", std::to_string(o.max_bytes)},
+          {"--stepfactor", std::to_string(o.factor)},
+          {"--iters", std::to_string(o.iters)},
+          {"--warmup_iters", std::to_string(o.warmup)},
+          {"--auto-iters", fmt::format("{}", o.auto_seconds)},
+          {"--check", o.check ? "1" : "0"},
+          {"--dtype", std::string(dtype_name(o.dtype))},
+          {"--redop", std::string(redop_name(o.redop))},
+          {"--root", std::to_string(o.root)},
+          {"--seconds", fmt::format("{}", o.seconds)},
+          {"--quorum", o.quorum.empty() ? "(the world)" : o.quorum},
+          {"--grace-ms", std::to_string(o.grace_ms)},
+          {"--deadline-ms", std::to_string(o.deadline_ms)},
+          {"--evict-ms", std::to_string(o.evict_ms)},
+          {"--straggler", o.straggler},
+          {"--seed", std::to_string(o.seed)},
+          {"--compare-full", o.compare_full ? "1" : "0"},
+          {"--compare-allreduce", o.compare_allreduce ? "1" : "0"},
+          {"--fault", o.fault.empty() ? "(none)" : o.fault}};
+}
+
+// Every rank's agreed_settings(), gathered; a ConfigError on every rank naming each setting
+// that differs from rank 0's, with both values.
+void check_settings_agree(collectives::Communicator& comm, const Options& o) {
+  std::string text;
+  for (const auto& [k, v] : agreed_settings(o)) text += k + "=" + v + "\n";
+  const int world = comm.size();
+  const int64_t mine = int64_t(text.size());
+  std::vector<int64_t> sizes(static_cast<size_t>(world));
+  comm.allgather(&mine, sizes.data(), 1, DataType::kInt64);
+  const size_t words = size_t(*std::max_element(sizes.begin(), sizes.end()) + 7) / 8;
+  std::vector<int64_t> packed(words, 0), all(words * size_t(world));
+  std::memcpy(packed.data(), text.data(), text.size());
+  comm.allgather(packed.data(), all.data(), words, DataType::kInt64);
+  auto text_of = [&](int r) {
+    const char* p = reinterpret_cast<const char*>(all.data() + size_t(r) * words);
+    return std::string(p, size_t(sizes[size_t(r)]));
+  };
+  auto lines = [](const std::string& t) {
+    std::vector<std::string> out;
+    for (size_t at = 0, nl; (nl = t.find('\n', at)) != std::string::npos; at = nl + 1)
+      out.push_back(t.substr(at, nl - at));
+    return out;
+  };
+  const auto ref = lines(text_of(0));
+  std::vector<std::string> diffs;
+  for (int r = 1; r < world; ++r) {
+    const auto theirs = lines(text_of(r));
+    for (size_t i = 0; i < std::min(ref.size(), theirs.size()); ++i) {
+      if (ref[i] == theirs[i]) continue;
+      const size_t eq = ref[i].find('=');
+      diffs.push_back(fmt::format("{} is '{}' on rank {} and '{}' on rank 0", ref[i].substr(0, eq),
+                                  theirs[i].substr(eq + 1), r, ref[i].substr(eq + 1)));
+    }
+  }
+  if (!diffs.empty())
+    throw ConfigError(fmt::format("rank {}: the ranks' settings differ: {} (every rank needs the "
+                                  "same qring-bench arguments)",
+                                  comm.rank(), fmt::join(diffs, "; ")));
+}
+
 std::string provider_setting(const Options& o) {
   if (!o.provider.empty()) return o.provider;
   if (auto v = net::process_env("QRING_PROVIDER"); v && !v->empty()) return *v;
@@ -447,6 +517,7 @@ int bench_main(const Options& o) {
       if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
       if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
       collectives::Communicator comm(std::move(ep), co);
+      check_settings_agree(comm, o);
       if (o.op == BenchOp::kIdle) {
         run_idle_engine(comm, o, rows);
         write();

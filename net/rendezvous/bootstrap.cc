@@ -29,7 +29,6 @@ std::optional<std::string> process_env(const std::string& name) {
 namespace {
 
 constexpr auto kExitBarrierTimeout = std::chrono::seconds(10);
-constexpr size_t kMinSecretChars = 16;
 
 int64_t parse_int(const std::string& name, const std::string& value, int64_t min, int64_t max) {
   int64_t v = 0;
@@ -275,11 +274,11 @@ BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
     b.store_hosted = *h == "1";
   }
   if (auto secret = env.str("QRING_JOB_SECRET")) {
-    if (secret->size() < kMinSecretChars)
+    if (const std::string weak = secret_weakness(*secret); !weak.empty())
       throw ConfigError(fmt::format(
-          "QRING_JOB_SECRET has {} characters, fewer than {}; use a random one, e.g. "
+          "QRING_JOB_SECRET {}: whoever guesses it can join the job; use a random one, e.g. "
           "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-          secret->size(), kMinSecretChars));
+          weak));
     b.job_secret = *secret;
   }
   return b;

@@ -15,6 +15,13 @@
 #   bench        qring-bench --op allreduce on 2 hosts x 2 ranks: exit 0, provider tcp, 0 wrong
 #   train        configs/smoke.toml on 4 ranks of one host (qring-launch: shm) and on 2 hosts x
 #                2 ranks (tcp): every rank ends with the same params_checksum, in both runs
+#   attack       a 2 x 2 job (qring-bench barrier) whose rank-0 store is attacked from host 2
+#                by an unauthenticated client holding and reopening 1000 connections
+#                (scripts/store_attack.py; the same address as host 2's ranks): it starts
+#                within QRING_NETNS_ATTACK_SLACK_S (default 3) s of the same job beside the
+#                same attacker aimed at a port where nothing listens (the same CPU load), and
+#                rank 0's log has at most 12 store lines (one per reason and 10 s)
+# The job secret reaches the ranks through the environment, never their command lines.
 # Every run is bounded (QRING_NETNS_TEST_TIMEOUT seconds, default 120). The last line is
 # "N passed, M failed"; the exit code is non-zero when anything failed. QRING_SKIP_NETNS=1
 # skips, QRING_NETNS_ONLY="bench" runs only the named scenarios.
@@ -29,7 +36,7 @@ CLUSTER="$ROOT/scripts/netns-cluster.sh"
 WORK=$(mktemp -d /tmp/qring-netns-test.XXXXXX)
 passed=0
 failed=0
-SCENARIOS=(collectives bench train)
+SCENARIOS=(collectives bench train attack)
 
 pass() {
   echo "PASS: $1"
@@ -64,19 +71,27 @@ trap cleanup EXIT
 
 # Starts world = 2 x per_host ranks of CMD on hosts 1 and 2 (rank r on host r / per_host + 1),
 # waits at most TIMEOUT s, and returns non-zero if any rank failed; output in $WORK/$1.<rank>.
+# JOB_PORT: the store's port (default: a random one); JOB_STAGGER_S: ranks other than 0
+# start that many seconds after rank 0 (whose process serves the store).
 run_job() {
   local name=$1 per_host=$2
   shift 2
-  local world=$((2 * per_host)) port secret r host pids=()
-  port=$((20000 + RANDOM % 20000))
-  secret=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  local world=$((2 * per_host)) port r host pids=() pre=()
+  port=${JOB_PORT:-$((20000 + RANDOM % 20000))}
+  # Through the environment (inherited by nsenter, env and the rank), not argv: `ps` shows
+  # every command line on the machine.
+  local QRING_JOB_SECRET
+  QRING_JOB_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  export QRING_JOB_SECRET
   for r in $(seq 0 $((world - 1))); do
     host=$((r / per_host + 1))
+    pre=()
+    [ "$r" -gt 0 ] && [ -n "${JOB_STAGGER_S:-}" ] && pre=(sh -c 'sleep "$0"; exec "$@"' "$JOB_STAGGER_S")
     "$CLUSTER" exec "$host" env QRING_RANK="$r" QRING_WORLD_SIZE="$world" \
       QRING_LOCAL_RANK=$((r % per_host)) QRING_LOCAL_SIZE="$per_host" \
-      QRING_STORE="$("$CLUSTER" addr 1):$port" QRING_JOB_SECRET="$secret" \
+      QRING_STORE="$("$CLUSTER" addr 1):$port" \
       QRING_JOB_ID="netns-$name-$$" QRING_NETNS_ADDR="$("$CLUSTER" addr "$host")" \
-      OMP_NUM_THREADS=1 timeout "$TIMEOUT" "$@" >"$WORK/$name.$r" 2>&1 &
+      OMP_NUM_THREADS=1 timeout "$TIMEOUT" "${pre[@]}" "$@" >"$WORK/$name.$r" 2>&1 &
     pids+=($!)
   done
   local rc=0
@@ -119,6 +134,40 @@ if wants train; then
     pass "train: 2 hosts x 2 ranks (tcp) end with the parameters of 1 host x 4 ranks (shm): $one"
   else
     fail train "one host: '${one:-none}' ($n_one ranks), two hosts: '${two:-none}' ($n_two ranks); $(tail -3 "$WORK/train-one" "$WORK/train.0")"
+  fi
+fi
+
+if wants attack; then
+  # The same job twice while host 2 runs the attacker: first aimed at a port of host 1 where
+  # nothing listens (the same load on this machine's CPUs, and nothing for the store to
+  # serve), then at rank 0's store. The other ranks start 1 s after rank 0, so that the
+  # attacker holds its connections when they come.
+  port=$((20000 + RANDOM % 20000))
+  job=("$BUILD/collectives/qring-bench" --op barrier -n 1 -w 0)
+  attack_job() {  # NAME TARGET_PORT JOB_PORT: the job's wall time in ms on stdout
+    "$CLUSTER" exec 2 timeout 90 python3 "$ROOT/scripts/store_attack.py" \
+      --host "$("$CLUSTER" addr 1)" --port "$2" --connections 1000 --seconds 60 \
+      >"$WORK/attacker.$1" 2>&1 &
+    local attacker=$! t0 rc=0
+    sleep 1
+    t0=$(date +%s%N)
+    JOB_PORT=$3 JOB_STAGGER_S=1 run_job "$1" 2 "${job[@]}" || rc=$?
+    echo $((($(date +%s%N) - t0) / 1000000))
+    kill "$attacker" 2>/dev/null || true
+    wait "$attacker" 2>/dev/null || true
+    return $rc
+  }
+  decoy_ms=$(attack_job decoy $((port + 7)) "$port") && decoy_rc=0 || decoy_rc=$?
+  attacked_ms=$(attack_job attacked $((port + 1)) $((port + 1))) && attacked_rc=0 || attacked_rc=$?
+  store_lines=$(grep -c "store server" "$WORK/attacked.0" || true)
+  challenged=$(grep -o -E 'challenged [0-9]+' "$WORK/attacker.attacked" | tail -1)
+  slack_ms=$((${QRING_NETNS_ATTACK_SLACK_S:-3} * 1000))
+  detail="job beside an attacker aimed elsewhere ${decoy_ms} ms, under attack ${attacked_ms} ms; attacker: ${challenged:-no CHALLENGE}; store log ${store_lines} lines"
+  if [ "$decoy_rc" -eq 0 ] && [ "$attacked_rc" -eq 0 ] && [ -n "$challenged" ] &&
+    [ "$attacked_ms" -le $((decoy_ms + slack_ms)) ] && [ "$store_lines" -le 12 ]; then
+    pass "attack: $detail"
+  else
+    fail attack "$detail; $(tail -3 "$WORK/attacked.0" "$WORK/attacker.attacked")"
   fi
 fi
 
