@@ -156,6 +156,9 @@ class TcpStoreServer {
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
   int port() const;
+  // Ranks whose joined connection is open now (a launcher that serves the store waits for
+  // the ranks of other hosts to close theirs before it stops it).
+  int connected_ranks() const;
 
  private:
   friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -308,6 +309,7 @@ struct TcpStoreServer::Impl {
   std::vector<Parked> parked;
   std::unordered_map<std::string, std::string> data;
   std::map<int, uint64_t> rank_conn;
+  std::atomic<int> connected{0};  // rank_conn.size(), for connected_ranks()
   std::thread thread;
 
   void run();
@@ -424,6 +426,10 @@ TcpStoreServer::~TcpStoreServer() {
 
 int TcpStoreServer::port() const {
   return impl_->port;
+}
+
+int TcpStoreServer::connected_ranks() const {
+  return impl_->connected.load(std::memory_order_relaxed);
 }
 
 void TcpStoreServer::Impl::run() {
@@ -725,6 +731,7 @@ bool TcpStoreServer::Impl::handle_join(uint64_t cid, Conn& c, const Header& h,
     c.rank = static_cast<int>(rank);
     c.expires = Clock::time_point::max();
     rank_conn[c.rank] = cid;
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
     spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
     std::string out;
     put_str(out, server_proof(options.secret, c.nonce, fields));
@@ -838,6 +845,7 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
   }
   std::erase_if(parked, [&](const Parked& p) { return p.conn == cid; });
   Conn& c = it->second;
