@@ -1136,6 +1136,54 @@ struct SyncStep {
   }
 };
 
+// The step loop from `start`: until the budget is spent, `stop_after` steps ran (> 0), or the
+// ranks agreed to stop. Returns the first step not run and whether they stopped.
+std::pair<int64_t, bool> run_steps(SyncStep& step, TrainerCore& core, int64_t start,
+                                   int64_t stop_after, RunSummary& sum) {
+  collectives::QuorumAllreduce::View result;  // the current step's mean gradient
+  double last_loss = 0;
+  int64_t t = start;
+  for (; !core.budget_spent(t); ++t) {
+    if (stop_after > 0 && t - start >= stop_after) break;
+    if (step(t, result, last_loss, sum)) return {t + 1, true};
+  }
+  return {t, false};
+}
+
+// After the ranks stopped at step t (SIGTERM/SIGUSR1) and saved it: rank 0 says how to go on,
+// and no rank leaves before every live member has saved (wait_for_stopped_members).
+void after_stop(const TrainConfig& cfg, const TrainerOptions& opts,
+                const std::vector<int>& members, int rank, int64_t t, const fs::path& run_dir) {
+  if (rank == 0)
+    spdlog::warn("stopped by a signal after step {} (every rank after the same step): checkpoint "
+                 "written to {}; run the same command with --resume to go on",
+                 t, (run_dir / "checkpoints").string());
+  const auto limit = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  if (opts.store) wait_for_stopped_members(*opts.store, members, rank, t, limit);
+}
+
+// Rank 0's lines at the start of a run: its shape, and where it writes.
+void announce_start(const TrainConfig& cfg, const TrainerCore& core, int world, int quorum,
+                    const std::string& provider, const collectives::StragglerModel& straggler,
+                    const fs::path& run_dir) {
+  const size_t n_params = core.num_params();
+  const int64_t total = core.total_steps(), steps_per_epoch = core.steps_per_epoch();
+  spdlog::info(
+      "training {} ({} parameters) on {} ranks, quorum {}, {} ({} steps per epoch), "
+      "provider {}, straggler {}",
+      cfg.model.type, n_params, world, quorum,
+      core.budget_gradients() > 0
+          ? fmt::format("until {} gradients are counted ({} steps of full sync)",
+                        core.budget_gradients(), total)
+          : fmt::format("{} steps", total),
+      steps_per_epoch, provider, straggler.spec());
+  spdlog::info("run directory {}: metrics.jsonl, summary.json; checkpoints {}",
+               fs::absolute(run_dir).string(),
+               cfg.train.checkpoint_every > 0
+                   ? fmt::format("every {} steps", cfg.train.checkpoint_every)
+                   : std::string("at the end and when stopped by SIGTERM/SIGUSR1"));
+}
+
 // The synchronous trainer (train.mode "sync"): each step, every rank computes the gradient
 // of its batch and contributes it to the quorum all-reduce, waits for the step's decision
 // (the mean of the first Q contributions) and applies it; the parts beside the loop above
@@ -1193,20 +1241,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   MetricsWriter out(run_dir, q, rank, start, full_sync);
   if (rank == 0 && !joining) {
     out.create(cfg, opts.resume, start);
-    spdlog::info(
-        "training {} ({} parameters) on {} ranks, quorum {}, {} ({} steps per epoch), "
-        "provider {}, straggler {}",
-        cfg.model.type, n_params, world, quorum,
-        core.budget_gradients() > 0
-            ? fmt::format("until {} gradients are counted ({} steps of full sync)",
-                          core.budget_gradients(), total)
-            : fmt::format("{} steps", total),
-        steps_per_epoch, comm.provider(), straggler.spec());
-    spdlog::info("run directory {}: metrics.jsonl, summary.json; checkpoints {}",
-                 fs::absolute(run_dir).string(),
-                 cfg.train.checkpoint_every > 0
-                     ? fmt::format("every {} steps", cfg.train.checkpoint_every)
-                     : std::string("at the end and when stopped by SIGTERM/SIGUSR1"));
+    announce_start(cfg, core, world, quorum, comm.provider(), straggler, run_dir);
   }
   if (!joining) comm.barrier();
 
@@ -1221,22 +1256,10 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
   Progress progress(cfg, core, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
-  SyncStep step{cfg,         core,      q,         maybe_fault,     worker,
-                timer,       membership, out,      evaluate,        checkpoints,
-                progress,    n_params,  sched_quorum, steps_per_epoch, eval_every,
-                t_start,     opts.stop};
-  collectives::QuorumAllreduce::View result;  // the current step's mean gradient
-  double last_loss = 0;
-  int64_t t = start;
-  bool stopped = false;
-  for (; !core.budget_spent(t); ++t) {
-    if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
-    if (step(t, result, last_loss, sum)) {
-      stopped = true;
-      ++t;
-      break;
-    }
-  }
+  SyncStep step{cfg,      core,     q,           maybe_fault, worker,   timer,
+                membership, out,     evaluate,    checkpoints, progress, n_params,
+                sched_quorum, steps_per_epoch, eval_every, t_start, opts.stop};
+  const auto [t, stopped] = run_steps(step, core, start, opts.stop_after, sum);
   progress.end();
   const double loop_s = seconds_since(t_start);
   const bool finished = core.budget_spent(t);
@@ -1244,10 +1267,6 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   if (finished) evaluate(t, sum);
   if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
   if (cfg.train.checkpoint_every > 0 || finished || sum.preempted) checkpoints.save(t);
-  if (sum.preempted && rank == 0)
-    spdlog::warn("stopped by a signal after step {} (every rank after the same step): checkpoint "
-                 "written to {}; run the same command with --resume to go on",
-                 t, (run_dir / "checkpoints").string());
 
   sum.wall_s = seconds_since(t_start);
   sum.steps = t;
@@ -1258,13 +1277,10 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
     out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
     sum.backup_saved_s = full_sync.saved_ms() / 1000.0;
     sum.full_sync_estimate_s = loop_s + sum.backup_saved_s;
-  }
-  if (out.lead())
     out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished,
                             core.counted_gradients(), opts.hosts));
-  if (sum.preempted && opts.store)
-    wait_for_stopped_members(*opts.store, q.members(), rank, t,
-                             std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms)));
+  }
+  if (sum.preempted) after_stop(cfg, opts, q.members(), rank, t, run_dir);
   return sum;
 }
 

@@ -57,8 +57,8 @@
 
 #include "net/base/cli.h"
 #include "net/rendezvous/bootstrap.h"  // store_bind_address: --master's address on node 0
-#include "net/transport/shm_region.h"
 #include "net/rendezvous/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
+#include "net/transport/shm_region.h"
 
 namespace {
 
@@ -104,25 +104,9 @@ struct Options {
   std::vector<std::string> cmd;
 };
 
-// The launcher's own flags come before "--", the command after it. Returns the options, or
-// the exit status of a usage error or of --help.
-std::variant<Options, int> parse_args(int argc, char** argv) {
+// The flags of a job across hosts (torchrun's shape) and of stopping.
+void add_host_flags(CLI::App& app, Options& o) {
   using qring::cli::to_int;
-  Options o;
-  std::vector<std::string> args = qring::cli::args_of(argc, argv);
-  const auto dashes = std::find(args.begin(), args.end(), "--");
-  if (dashes != args.end()) o.cmd.assign(dashes + 1, args.end());
-  const bool have_cmd = dashes != args.end();
-  args.erase(dashes, args.end());
-
-  CLI::App app{
-      "Starts N local ranks of CMD (usage: qring-launch -n N [flags] -- CMD [ARGS...]) with "
-      "the QRING_* bootstrap environment and serves their rendezvous store; across hosts, one "
-      "launcher per host: qring-launch --nnodes H --node-rank I --master HOST:PORT -n N -- CMD.",
-      "qring-launch"};
-  qring::cli::init(app);
-  qring::cli::add_value(app, "-n,--nproc-per-node", "number of ranks to start on this host")
-      ->each([&](const std::string& v) { o.n = int(to_int("-n", v, 1, kMaxRanks)); });
   qring::cli::add_value(app, "--nnodes",
                         "hosts of the job, one launcher on each (default 1); the ranks of host R "
                         "are R*n .. R*n+n-1")
@@ -156,6 +140,60 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
       ->each([&](const std::string& v) {
         o.stop_grace_s = qring::cli::to_seconds("--stop-grace-s", v, 86400, /*zero_ok=*/true);
       });
+}
+
+// What is wrong with a combination of flags ("" when nothing is).
+std::string check_options(const Options& o) {
+  const long world = long(o.n) * o.nnodes;
+  if (world > kMaxRanks)
+    return fmt::format("-n {} x --nnodes {} = {} ranks, more than {}", o.n, o.nnodes, world,
+                       kMaxRanks);
+  if (o.tolerate >= world)
+    return o.nnodes == 1
+               ? fmt::format("--tolerate-failures {} must be below -n {} (one rank must survive)",
+                             o.tolerate, o.n)
+               : fmt::format(
+                     "--tolerate-failures {} must be below the {} ranks of the job (one "
+                     "rank must survive)",
+                     o.tolerate, world);
+  if (o.node_rank >= o.nnodes)
+    return fmt::format("--node-rank {} is not below --nnodes {}", o.node_rank, o.nnodes);
+  if (o.nnodes > 1 && o.master_host.empty())
+    return fmt::format(
+        "--nnodes {} needs --master HOST:PORT (node 0's address, where "
+        "it serves the rendezvous store)",
+        o.nnodes);
+  if (!o.master_host.empty() && o.port != 0)
+    return "--port and --master exclude each other (--master carries the port)";
+  const char* secret = std::getenv("QRING_JOB_SECRET");
+  if (!o.master_host.empty() && !qring::net::is_loopback_host(o.master_host) &&
+      (secret == nullptr || std::strlen(secret) < 16))
+    return "--master on a network address needs the job secret: export QRING_JOB_SECRET=<the same "
+           "random string of 16+ characters on every host>, e.g. $(od -An -N16 -tx1 /dev/urandom "
+           "| tr -d ' \\n')";
+  return "";
+}
+
+// The launcher's own flags come before "--", the command after it. Returns the options, or
+// the exit status of a usage error or of --help.
+std::variant<Options, int> parse_args(int argc, char** argv) {
+  using qring::cli::to_int;
+  Options o;
+  std::vector<std::string> args = qring::cli::args_of(argc, argv);
+  const auto dashes = std::find(args.begin(), args.end(), "--");
+  if (dashes != args.end()) o.cmd.assign(dashes + 1, args.end());
+  const bool have_cmd = dashes != args.end();
+  args.erase(dashes, args.end());
+
+  CLI::App app{
+      "Starts N local ranks of CMD (usage: qring-launch -n N [flags] -- CMD [ARGS...]) with "
+      "the QRING_* bootstrap environment and serves their rendezvous store; across hosts, one "
+      "launcher per host: qring-launch --nnodes H --node-rank I --master HOST:PORT -n N -- CMD.",
+      "qring-launch"};
+  qring::cli::init(app);
+  qring::cli::add_value(app, "-n,--nproc-per-node", "number of ranks to start on this host")
+      ->each([&](const std::string& v) { o.n = int(to_int("-n", v, 1, kMaxRanks)); });
+  add_host_flags(app, o);
   qring::cli::add_value(app, "--provider", "sets QRING_PROVIDER=P for every rank")
       ->each([&](const std::string& v) {
         if (v.empty()) throw qring::ConfigError("--provider needs a value");
@@ -216,34 +254,7 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
   };
   if (o.n == 0) return usage_error("-n N is required");
   if (!have_cmd || o.cmd.empty()) return usage_error("no command given after '--'");
-  const long world = long(o.n) * o.nnodes;
-  if (world > kMaxRanks)
-    return usage_error(fmt::format("-n {} x --nnodes {} = {} ranks, more than {}", o.n, o.nnodes,
-                                   world, kMaxRanks));
-  if (o.tolerate >= world)
-    return usage_error(
-        o.nnodes == 1
-            ? fmt::format("--tolerate-failures {} must be below -n {} (one rank must survive)",
-                          o.tolerate, o.n)
-            : fmt::format("--tolerate-failures {} must be below the {} ranks of the job (one "
-                          "rank must survive)",
-                          o.tolerate, world));
-  if (o.node_rank >= o.nnodes)
-    return usage_error(
-        fmt::format("--node-rank {} is not below --nnodes {}", o.node_rank, o.nnodes));
-  if (o.nnodes > 1 && o.master_host.empty())
-    return usage_error(fmt::format("--nnodes {} needs --master HOST:PORT (node 0's address, where "
-                                   "it serves the rendezvous store)",
-                                   o.nnodes));
-  if (!o.master_host.empty() && o.port != 0)
-    return usage_error("--port and --master exclude each other (--master carries the port)");
-  const char* secret = std::getenv("QRING_JOB_SECRET");
-  if (!o.master_host.empty() && !qring::net::is_loopback_host(o.master_host) &&
-      (secret == nullptr || std::strlen(secret) < 16))
-    return usage_error(
-        "--master on a network address needs the job secret: export QRING_JOB_SECRET=<the same "
-        "random string of 16+ characters on every host>, e.g. $(od -An -N16 -tx1 /dev/urandom "
-        "| tr -d ' \\n')");
+  if (std::string why = check_options(o); !why.empty()) return usage_error(why);
   return o;
 }
 
@@ -313,8 +324,8 @@ std::string describe_end(int status) {
 
 // libfabric 1.17's shm provider names each endpoint's region /dev/shm/<pid>:<n>:<m> after the
 // process that opened it (16 MiB each; a qring rank opens one per peer, see
-// net/transport/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM. A
-// process killed by SIGKILL leaves its regions until a later process with the same pid starts
+// net/transport/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM.
+// A process killed by SIGKILL leaves its regions until a later process with the same pid starts
 // shm. Whoever reaps a process of this job (a rank's supervisor its rank, the launcher the
 // orphans it adopts) removes them while the zombie still holds the pid: no live process can
 // own a region named after it, so only what this dead process left goes (and only our own
@@ -704,9 +715,9 @@ void Launcher::reap() {
     if (opts_.tolerate > 0) {
       lost_.push_back({r, p, describe_end(status)});
       const int lost = static_cast<int>(lost_.size());
-      std::string what = fmt::format("rank {} (pid {}) {}; {} of {} ranks{} lost", r, p,
-                                     lost_.back().how, lost, opts_.n,
-                                     opts_.nnodes > 1 ? " on this host" : "");
+      std::string what =
+          fmt::format("rank {} (pid {}) {}; {} of {} ranks{} lost", r, p, lost_.back().how, lost,
+                      opts_.n, opts_.nnodes > 1 ? " on this host" : "");
       if (lost <= opts_.tolerate) {
         write_all(2, fmt::format("qring-launch: {}, tolerating up to {}\n", what, opts_.tolerate));
         // What the lost rank left behind in its process group has no use any more.
@@ -775,8 +786,8 @@ int Launcher::run() {
     store = serve_store();
     if (!store) return 1;
     port_ = store->port();
-    store_address_ = fmt::format(
-        "{}:{}", opts_.master_host.empty() ? "127.0.0.1" : opts_.master_host, port_);
+    store_address_ =
+        fmt::format("{}:{}", opts_.master_host.empty() ? "127.0.0.1" : opts_.master_host, port_);
   } else {
     port_ = opts_.master_port;
     store_address_ = fmt::format("{}:{}", opts_.master_host, port_);
@@ -848,8 +859,8 @@ std::unique_ptr<qring::net::TcpStoreServer> Launcher::serve_store() {
     so.secret = job_secret_;
     store = std::make_unique<qring::net::TcpStoreServer>(bind, port, world(), job_id_, so);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on {}:{}: {}\n", bind,
-               port, e.what());
+    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on {}:{}: {}\n", bind, port,
+               e.what());
     return nullptr;
   }
   return store;
