@@ -152,6 +152,16 @@ class TempDir {
   std::string path;
 };
 
+// Reads the launcher's output until ranks 0 and 1 have both printed "ready" (at most 5 s).
+bool both_ranks_ready(LaunchRun& run) {
+  return run.read_until(
+      [&] {
+        return run.out.find("[rank 0] ready") != std::string::npos &&
+               run.out.find("[rank 1] ready") != std::string::npos;
+      },
+      5s);
+}
+
 TEST(Launch, FailingRankStopsTheOthers) {
   LaunchRun run({"-n", "3", "--", "sh", "-c", "if [ $QRING_RANK = 1 ]; then exit 3; fi; sleep 30"});
   int code = run.finish();
@@ -289,13 +299,7 @@ TEST(Launch, SetsTheBootstrapEnvironment) {
 TEST(Launch, ForwardsSigterm) {
   LaunchRun run({"-n", "2", "--", "sh", "-c",
                  "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done"});
-  ASSERT_TRUE(run.read_until(
-      [&] {
-        return run.out.find("[rank 0] ready") != std::string::npos &&
-               run.out.find("[rank 1] ready") != std::string::npos;
-      },
-      5s))
-      << run.out << run.err;
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
   kill(run.pid(), SIGTERM);
   EXPECT_EQ(run.finish(), 128 + SIGTERM);
   EXPECT_LT(run.elapsed, 5s);
@@ -309,13 +313,7 @@ TEST(Launch, ForwardsSigterm) {
 TEST(Launch, RanksThatStopAfterCheckpointingOnSigtermMakeItExit76) {
   LaunchRun run({"-n", "2", "--", "sh", "-c",
                  "trap 'sleep 0.2; exit 76' TERM; echo ready; while :; do sleep 0.05; done"});
-  ASSERT_TRUE(run.read_until(
-      [&] {
-        return run.out.find("[rank 0] ready") != std::string::npos &&
-               run.out.find("[rank 1] ready") != std::string::npos;
-      },
-      5s))
-      << run.out << run.err;
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
   kill(run.pid(), SIGTERM);
   EXPECT_EQ(run.finish(), 76) << run.err;
   EXPECT_THAT(run.err, HasSubstr("the ranks stopped after checkpointing (exit status 76)"));
@@ -327,13 +325,7 @@ TEST(Launch, ForwardsSigusr1AndGivesTheRanksTheirGrace) {
   LaunchRun run({"-n", "2", "--stop-grace-s", "5", "--", "sh", "-c",
                  "trap 'sleep 1; echo saved; exit 76' USR1; echo ready; "
                  "while :; do sleep 0.05; done"});
-  ASSERT_TRUE(run.read_until(
-      [&] {
-        return run.out.find("[rank 0] ready") != std::string::npos &&
-               run.out.find("[rank 1] ready") != std::string::npos;
-      },
-      5s))
-      << run.out << run.err;
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
   kill(run.pid(), SIGUSR1);
   EXPECT_EQ(run.finish(), 76) << run.err;
   EXPECT_THAT(run.err, HasSubstr("received SIGUSR1; forwarding it to all ranks"));
