@@ -212,6 +212,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 // "did you mean 'train.lr'?" when a known key is close to `key` (a typo, or the right name in
 // another section), else "".
 std::string did_you_mean(const std::vector<Field>& fs, const std::string& key) {
+  if (key.size() > 64) return "";  // no key is that long; and the distances cost |key| each
   const std::string name = key.substr(key.rfind('.') + 1);
   const Field* best = nullptr;
   size_t best_d = 0;
