@@ -180,6 +180,7 @@ TEST_F(TrainCli, SigtermStopsEveryRankAfterOneStepAndResumeEndsWhereAStraightRun
         << "rank " << r << " has no checkpoint of step " << step;
   auto summary = nlohmann::json::parse(std::ifstream(dir_ / "stopped" / "summary.json"));
   EXPECT_EQ(summary["preempted"], true);
+  EXPECT_EQ(summary["stop_signal"], "SIGTERM");
   EXPECT_EQ(summary["finished"], false);
   auto resumed = sh(train_cmd(3, dir_, "stopped", opts) + " --resume");
   ASSERT_EQ(resumed.status, 0) << resumed.output;

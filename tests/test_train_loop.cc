@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <signal.h>
+
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -138,13 +140,14 @@ TEST(TrainLoop, AStopOnOneRankStopsEveryRankAfterTheSameStep) {
   const fs::path dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   fs::remove_all(dir);
   // Rank 1 is asked to stop once 10 steps are in the metrics.
-  std::atomic<bool> stop_rank1{false}, done{false};
+  std::atomic<int> stop_rank1{0};
+  std::atomic<bool> done{false};
   std::thread asker([&] {
     while (!done && !stop_rank1) {
       std::ifstream m(dir / "metrics.jsonl");
       int steps = 0;
       for (std::string l; std::getline(m, l);) steps += l.find("\"type\":\"step\"") != l.npos;
-      if (steps >= 10) stop_rank1 = true;
+      if (steps >= 10) stop_rank1 = SIGTERM;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   });
@@ -163,6 +166,7 @@ TEST(TrainLoop, AStopOnOneRankStopsEveryRankAfterTheSameStep) {
   EXPECT_LT(step, 200);
   for (int r = 0; r < 3; ++r) {
     EXPECT_TRUE(sums[size_t(r)].preempted) << "rank " << r;
+    EXPECT_EQ(sums[size_t(r)].stop_signal, r == 1 ? SIGTERM : 0) << "rank " << r;
     EXPECT_EQ(sums[size_t(r)].steps, step) << "rank " << r;
     EXPECT_EQ(sums[size_t(r)].params_checksum, sums[0].params_checksum) << "rank " << r;
     EXPECT_TRUE(fs::exists(dir / "checkpoints" / ("rank-" + std::to_string(r)) /

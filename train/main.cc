@@ -26,10 +26,10 @@
 #include "collectives/communicator.h"
 #include "collectives/quorum/quorum.h"
 #include "net/rendezvous/bootstrap.h"
+#include "net/base/build_info.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
 #include "net/transport/fabric_endpoint.h"
-#include "net/base/build_info.h"
 #include "train/config.h"
 #include "train/stop_signals.h"
 #include "train/trainer.h"
@@ -98,7 +98,6 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   return a;
 }
 
-// One incarnation of this rank: rendezvous, connect, train, and state the result.
 // "qhost1 (2 ranks), qhost2 (2 ranks)": the hosts of the job in rank order.
 std::string hosts_text(const std::vector<std::string>& hosts) {
   std::vector<std::pair<std::string, int>> runs;
@@ -115,8 +114,10 @@ std::string hosts_text(const std::vector<std::string>& hosts) {
   return s;
 }
 
+// One incarnation of this rank: rendezvous, connect, train (its summary into `s`), and state
+// the result.
 void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::TrainConfig& cfg,
-                     const Args& args, const std::atomic<bool>* stop,
+                     const Args& args, const std::atomic<int>* stop,
                      std::chrono::steady_clock::time_point process_start,
                      qring::train::RunSummary& s) {
   auto deadline = qring::net::deadline_in(
@@ -175,9 +176,9 @@ int main(int argc, char** argv) {
   Args args = std::get<Args>(parsed);
   const std::string& config_path = args.config_path;
   const std::vector<std::string>& overrides = args.overrides;
-  // Before anything that takes time: a SIGTERM/SIGUSR1 from now on stops the run cleanly
+  // Set by SIGTERM/SIGUSR1 once the configuration is read, before anything that takes time
   // (sync mode; async mode has no checkpoints, so there the signals keep their default action).
-  const std::atomic<bool>* stop = nullptr;
+  const std::atomic<int>* stop = nullptr;
 
   qring::net::BootstrapInfo info;
   qring::train::TrainConfig cfg;

@@ -33,6 +33,7 @@
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
+#include "train/stop_signals.h"
 #include "train/trainer_core.h"
 
 namespace qring::train {
@@ -180,6 +181,7 @@ nlohmann::json RunSummary::to_json() const {
   j["rejoins"] = rejoins;
   j["heal_s"] = heal_s;
   j["preempted"] = preempted;
+  j["stop_signal"] = preempted ? nlohmann::json(signal_name(stop_signal)) : nlohmann::json();
   return j;
 }
 
@@ -1093,7 +1095,7 @@ struct SyncStep {
   const int sched_quorum;
   const int64_t steps_per_epoch, eval_every;
   const Clock::time_point t_start;
-  const std::atomic<bool>* stop;  // TrainerOptions::stop
+  const std::atomic<int>* stop;  // TrainerOptions::stop
 
   // Returns true when the ranks agreed to stop after this step (a contributor's stop flag
   // was counted): the caller checkpoints it and ends the loop.
@@ -1101,7 +1103,7 @@ struct SyncStep {
                   RunSummary& sum) {
     maybe_fault(t, "step");
     const DataPosition position = core.position();  // before this step's batch
-    const bool stop_here = stop != nullptr && stop->load(std::memory_order_relaxed);
+    const bool stop_here = stop != nullptr && stop->load(std::memory_order_relaxed) != 0;
     const Work work = worker.compute_and_contribute(t, stop_here);
     const auto w0 = Clock::now();
     // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
@@ -1264,6 +1266,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   const double loop_s = seconds_since(t_start);
   const bool finished = core.budget_spent(t);
   sum.preempted = stopped && !finished;
+  if (sum.preempted && opts.stop) sum.stop_signal = opts.stop->load();
   if (finished) evaluate(t, sum);
   if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
   if (cfg.train.checkpoint_every > 0 || finished || sum.preempted) checkpoints.save(t);

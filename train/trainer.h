@@ -34,8 +34,10 @@ struct RunSummary {
   // other ranks).
   double full_sync_estimate_s = 0;
   double backup_saved_s = 0;
-  // Stopped by SIGTERM/SIGUSR1 (TrainerOptions::stop) after step `steps`, checkpointed there.
+  // Stopped by SIGTERM/SIGUSR1 (TrainerOptions::stop) after step `steps`, checkpointed there;
+  // the signal this rank got (0: it stopped because another rank asked).
   bool preempted = false;
+  int stop_signal = 0;
   uint64_t params_checksum = 0;
   // Membership: ranks lost and survived, steps skipped on every rank because a member was
   // lost mid-step with too few contributors left, and the longest recovery (from the lost
@@ -56,10 +58,10 @@ struct TrainerOptions {
   // A fresh run deletes the checkpoints an earlier run left in its run directory instead of
   // refusing to start (qring-train --force).
   bool force = false;
-  // Set (by a signal handler: train/stop_signals.h) when this rank should stop: every rank
-  // stops after the first step whose decision counted a rank with it set, checkpoints that
-  // step and returns with RunSummary::preempted. nullptr: never.
-  const std::atomic<bool>* stop = nullptr;
+  // Set (by a signal handler: train/stop_signals.h) to the signal's number when this rank
+  // should stop: every rank stops after the first step whose decision counted a rank with it
+  // set, checkpoints that step and returns with RunSummary::preempted. nullptr: never.
+  const std::atomic<int>* stop = nullptr;
   // Every rank's host (net::Rendezvous::hostnames), for summary.json.
   std::vector<std::string> hosts;
   // Stop after this many steps of this invocation (0 = run to the end); tests use it to

@@ -173,10 +173,10 @@ qring_srun() {
 # limits, preemption and requeue"): sync mode checkpoints every QRING_CHECKPOINT_EVERY steps
 # (default 500) unless the configuration sets train.checkpoint_every; a job that Slurm
 # restarted (SLURM_RESTART_COUNT > 0; or QRING_RESUME=1) resumes with --resume; when the ranks
-# stop after checkpointing (status 76, on the SIGUSR1 of sbatch --signal or a SIGTERM) the job
+# stop after checkpointing on the SIGUSR1 of sbatch --signal (the time limit is near) the job
 # requeues itself (scontrol requeue) unless QRING_REQUEUE=0. Exits the batch script.
 qring_train() {
-  local bin=$1 config=$2 resolved mode every name run_dir started rc=0
+  local bin=$1 config=$2 resolved mode every name run_dir started signal rc=0
   shift 2
   local -a args=("$@") flags=()
   # The resolved configuration (qring-train --print-config): sync mode checkpoints by default.
@@ -197,30 +197,34 @@ qring_train() {
       "the newest checkpoint every rank has"
   fi
 
-  # Where rank 0 writes summary.json: a stop shows there too, when srun reports another status
-  # (with --kill-on-bad-exit, Slurm kills the ranks still exiting once the first exits 76).
+  # Whether the ranks stopped after checkpointing, and on which signal: rank 0's summary.json of
+  # this run says so (srun's own status does not: with --kill-on-bad-exit, Slurm kills the ranks
+  # still exiting once the first exits 76). Only SIGUSR1 -- the --signal ahead of the time limit
+  # -- requeues: a SIGTERM comes from scancel, from srun stopping the step after a task failed,
+  # or from a preemption that Slurm requeues itself.
   name=$(sed -n 's/^name = "\(.*\)"$/\1/p' <<<"$resolved")
   run_dir="$(sed -n 's/^out_dir = "\(.*\)"$/\1/p' <<<"$resolved")/$name"
   started=$(mktemp "${TMPDIR:-/tmp}/qring-train-start.XXXXXX")
   qring_srun "$bin" --config "$config" "${flags[@]}" "${args[@]}" || rc=$?
-  if [ $rc -ne 0 ] && [ $rc -ne 76 ] && [ "$run_dir/summary.json" -nt "$started" ] &&
+  signal=""
+  if [ $rc -ne 0 ] && [ "$run_dir/summary.json" -nt "$started" ] &&
     grep -q '"preempted": true' "$run_dir/summary.json"; then
-    echo "qring-slurm: srun ended with status $rc, but $run_dir/summary.json says the ranks" \
-      "stopped after checkpointing"
-    rc=76
+    signal=$(sed -n 's/.*"stop_signal": "\([A-Z0-9]*\)".*/\1/p' "$run_dir/summary.json")
+    signal=${signal:-a signal}
   fi
   rm -f "$started"
-  if [ $rc -eq 76 ]; then
-    if [ "${QRING_REQUEUE:-1}" = 1 ]; then
-      echo "qring-slurm: the ranks stopped after checkpointing (status 76, SIGUSR1/SIGTERM);" \
-        "requeueing job ${SLURM_JOB_ID}: it resumes where it stopped"
+  if [ -n "$signal" ]; then
+    if [ "$signal" = SIGUSR1 ] && [ "${QRING_REQUEUE:-1}" = 1 ]; then
+      echo "qring-slurm: the ranks stopped after checkpointing on SIGUSR1 (the time limit is" \
+        "near); requeueing job ${SLURM_JOB_ID}: it resumes where it stopped"
       scontrol requeue "$SLURM_JOB_ID" ||
         qring_die "scontrol requeue $SLURM_JOB_ID failed; resubmit with QRING_RESUME=1 and" \
           "run.name=$name"
       exit 0
     fi
-    echo "qring-slurm: the ranks stopped after checkpointing (status 76); QRING_REQUEUE=0: not" \
-      "requeueing (resume with QRING_RESUME=1 and run.name=$name)"
+    echo "qring-slurm: the ranks stopped after checkpointing on $signal (srun status $rc); not" \
+      "requeueing (only SIGUSR1 requeues, unless QRING_REQUEUE=0); go on with QRING_RESUME=1" \
+      "and run.name=$name"
   fi
   exit $rc
 }
