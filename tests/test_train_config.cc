@@ -120,6 +120,35 @@ TEST(TrainConfig, UnknownKeysNameTheKey) {
   expect_config_error([] { parse("[train.sub]\nx = 1\n"); }, "train.sub");
 }
 
+// A typo or a key in the wrong section gets the key it probably meant; nothing close, none.
+TEST(TrainConfig, UnknownKeysSuggestTheClosestKnownOne) {
+  expect_config_error([] { parse("[train]\nbatch_per_rnak = 8\n"); }, "train.batch_per_rnak",
+                      "did you mean 'train.batch_per_rank'?");
+  expect_config_error([] { parse("", {"quorum.evict_sm=10"}); }, "quorum.evict_sm",
+                      "did you mean 'quorum.evict_ms'?");
+  expect_config_error([] { parse("[quorum]\nlr = 0.1\n"); }, "quorum.lr",
+                      "did you mean 'train.lr'?");
+  expect_config_error([] { parse("lr = 0.1\n"); }, "lr", "did you mean 'train.lr'?");
+  try {
+    parse("", {"train.zzzzzz=1"});
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("did you mean")));
+  }
+}
+
+// A value that does not parse, or has the wrong type, names the type the key takes.
+TEST(TrainConfig, ParseErrorsNameTheExpectedType) {
+  expect_config_error([] { parse("", {"train.steps=ten"}); }, "train.steps",
+                      "cannot parse value 'ten': expected an integer");
+  expect_config_error([] { parse("", {"model.hidden=[1,"}); }, "model.hidden",
+                      "expected an array of integers");
+  expect_config_error([] { parse("", {"log.progress=maybe"}); }, "log.progress",
+                      "expected true or false");
+  expect_config_error([] { parse("[train]\nsteps = 1.5\n"); }, "train.steps",
+                      "expected an integer, got a float");
+}
+
 // TOML is UTF-8. Invalid UTF-8 inside a string made toml11 3.7 read out of bounds while it
 // reported the error (found by fuzz_config: the first input below): the text is checked first.
 TEST(TrainConfig, InvalidUtf8IsAConfigErrorNamingWhere) {

@@ -198,6 +198,67 @@ const Field* find_field(const std::vector<Field>& fs, const std::string& key) {
   return nullptr;
 }
 
+// Edit distance (insertions, deletions, substitutions, transpositions of neighbours).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "did you mean 'train.lr'?" when a known key is close to `key` (a typo, or the right name in
+// another section), else "".
+std::string did_you_mean(const std::vector<Field>& fs, const std::string& key) {
+  if (key.size() > 64) return "";  // no key is that long; and the distances cost |key| each
+  const std::string name = key.substr(key.rfind('.') + 1);
+  const Field* best = nullptr;
+  size_t best_d = 0;
+  for (const auto& f : fs) {
+    const std::string fname = f.key.substr(f.key.find('.') + 1);
+    // The whole key, or the name alone (a key put into the wrong section).
+    const size_t d =
+        std::min(edit_distance(key, f.key), name == fname ? 1 : edit_distance(name, fname) + 1);
+    if (best == nullptr || d < best_d) {
+      best = &f;
+      best_d = d;
+    }
+  }
+  const size_t limit = std::max<size_t>(2, key.size() / 4);
+  if (best == nullptr || best_d > limit) return "";
+  return fmt::format("did you mean '{}'?", best->key);
+}
+
+std::string unknown_key(const std::vector<Field>& fs, const std::string& key) {
+  const std::string hint = did_you_mean(fs, key);
+  return hint.empty() ? "unknown key (docs/training.md lists every key)" : "unknown key; " + hint;
+}
+
+// What a key of this kind takes, for parse errors.
+const char* expected_type(Kind kind) {
+  switch (kind) {
+    case Kind::kInt:
+      return "an integer";
+    case Kind::kFloat:
+      return "a number";
+    case Kind::kBool:
+      return "true or false";
+    case Kind::kString:
+      return "a string";
+    case Kind::kIntList:
+      return "an array of integers, e.g. [512, 256]";
+    case Kind::kQuorum:
+      return "an integer count, a float fraction in (0, 1] or \"auto\"";
+  }
+  return "a value";
+}
+
 // Walks a parsed TOML document: every leaf must be a known key.
 void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value& v,
                  const std::string& prefix) {
@@ -212,8 +273,10 @@ void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value
     }
     const Field* f = find_field(fs, key);
     if (f == nullptr) {
-      if (prefix.empty()) fail(key, "unknown key (keys belong to a [section])");
-      fail(key, "unknown key");
+      const std::string hint = did_you_mean(fs, key);
+      if (prefix.empty())
+        fail(key, "unknown key (keys belong to a [section])" + (hint.empty() ? "" : "; " + hint));
+      fail(key, unknown_key(fs, key));
     }
     f->set(c, child);
   }
@@ -366,7 +429,7 @@ void TrainConfig::apply_override(const std::string& assignment) {
   const std::string text = trim(assignment.substr(eq + 1));
   const auto fs = fields();
   const Field* f = find_field(fs, key);
-  if (f == nullptr) fail(key, "unknown key");
+  if (f == nullptr) fail(key, unknown_key(fs, key));
   if ((f->kind == Kind::kString || (f->kind == Kind::kQuorum && text == "auto")) &&
       (text.empty() || (text[0] != '"' && text[0] != '\''))) {
     f->set(*this, toml::value(text));  // bare text for string keys
@@ -383,7 +446,7 @@ void TrainConfig::apply_override(const std::string& assignment) {
     std::istringstream is("v = " + text);
     v = toml::parse(is, "override").as_table().at("v");
   } catch (const std::exception&) {
-    fail(key, fmt::format("cannot parse value '{}'", text));
+    fail(key, fmt::format("cannot parse value '{}': expected {}", text, expected_type(f->kind)));
   }
   f->set(*this, v);
 }

@@ -2,6 +2,7 @@
 // quorum all-reduce (docs/training.md, "The training loop").
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -28,8 +29,16 @@ struct RunSummary {
   double samples_per_s = 0;           // samples whose gradients were counted, per second
   double computed_samples_per_s = 0;  // samples every rank computed, per second
   double mean_contributors = 0;
-  double full_sync_estimate_s = 0;  // estimated wall time had every step waited for all ranks
-  double backup_saved_s = 0;        // full_sync_estimate_s - the measured step time
+  // The backup workers' saving (train/full_sync.h): what waiting for every rank at every step
+  // would have added to the step loop's measured time, from the arrivals that happened;
+  // full_sync_estimate_s = the loop's time + backup_saved_s. From the coordinator (0 on the
+  // other ranks).
+  double full_sync_estimate_s = 0;
+  double backup_saved_s = 0;
+  // Stopped by SIGTERM/SIGUSR1 (TrainerOptions::stop) after step `steps`, checkpointed there;
+  // the signal this rank got (0: it stopped because another rank asked).
+  bool preempted = false;
+  int stop_signal = 0;
   uint64_t params_checksum = 0;
   // Membership: ranks lost and survived, steps skipped on every rank because a member was
   // lost mid-step with too few contributors left, and the longest recovery (from the lost
@@ -49,6 +58,15 @@ struct RunSummary {
 
 struct TrainerOptions {
   bool resume = false;
+  // A fresh run deletes the checkpoints an earlier run left in its run directory instead of
+  // refusing to start (qring-train --force).
+  bool force = false;
+  // Set (by a signal handler: train/stop_signals.h) to the signal's number when this rank
+  // should stop: every rank stops after the first step whose decision counted a rank with it
+  // set, checkpoints that step and returns with RunSummary::preempted. nullptr: never.
+  const std::atomic<int>* stop = nullptr;
+  // Every rank's host (net::Rendezvous::hostnames), for summary.json.
+  std::vector<std::string> hosts;
   // Stop after this many steps of this invocation (0 = run to the end); tests use it to
   // simulate a run killed part-way.
   int64_t stop_after = 0;

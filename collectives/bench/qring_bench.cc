@@ -17,6 +17,7 @@
 // meanwhile exits 75 (qring-launch --tolerate-failures K then exits 100 + lost ranks).
 #include <fmt/ranges.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/algorithms.h"
 #include "collectives/bench/bench_common.h"
 #include "collectives/bench/quorum_bench.h"
 #include "collectives/communicator.h"
@@ -57,15 +59,29 @@ using net::RequestPtr;
 
 class QringBackend {
  public:
-  QringBackend(collectives::Communicator& comm, const Options& o) : comm_(comm), o_(o) {}
+  QringBackend(collectives::Communicator& comm, const Options& o, std::vector<RankInfo> ranks)
+      : comm_(comm), o_(o), ranks_(std::move(ranks)) {}
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   std::string provider() const { return comm_.provider(); }
   void barrier() { comm_.barrier(); }
-  double max_over_ranks(double v) {
+  double reduce_over_ranks(double v, RedOp op) {
     double out = 0;
-    comm_.allreduce(&v, &out, 1, DataType::kFloat64, RedOp::kMax);
+    comm_.allreduce(&v, &out, 1, DataType::kFloat64, op);
     return out;
+  }
+  std::vector<RankInfo> rank_infos() const { return ranks_; }
+  std::string algorithm(BenchOp op, size_t bytes) const {
+    switch (op) {
+      case BenchOp::kAllreduce:
+        return collectives::allreduce_algorithm(comm_.options(), bytes, size_t(size()));
+      case BenchOp::kBroadcast:
+        return "chain";  // pipelined from the root along the ring
+      case BenchOp::kBarrier:
+        return "dissem";
+      default:
+        return "ring";
+    }
   }
   int64_t sum_over_ranks(int64_t v) {
     int64_t out = 0;
@@ -107,6 +123,7 @@ class QringBackend {
  private:
   collectives::Communicator& comm_;
   const Options& o_;
+  std::vector<RankInfo> ranks_;
 };
 
 // ------------------------------------------------------------------ endpoint-only helpers
@@ -229,7 +246,8 @@ class PingPong {
   uint64_t seq_ = 0;
 };
 
-int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
+int64_t run_sendrecv(Endpoint& ep, const Options& o, const std::vector<RankInfo>& ranks,
+                     std::vector<nlohmann::json>& rows) {
   const int n = ep.world_size();
   const int rank = ep.rank();
   if (n < 2) throw ConfigError("--op sendrecv needs at least 2 ranks");
@@ -237,6 +255,7 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
   const bool initiator = rank % 2 == 0;
   const size_t ts = dtype_bytes(o.dtype);
   if (rank == 0) {
+    std::fputs(rank_block("qring-bench", ranks).c_str(), stdout);
     std::fputs(table_header(BenchOp::kSendRecv, o, n, ep.provider()).c_str(), stdout);
     if (n % 2) std::printf("# rank %d has no partner and only takes part in the reports\n", n - 1);
   }
@@ -244,14 +263,17 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
   ep.register_memory(sbuf.data(), sbuf.size);
   ep.register_memory(rbuf.data(), rbuf.size);
   JsonContext ctx{"sendrecv", std::string(dtype_name(o.dtype)), "none", n, ep.provider(), o.iters,
-                  o.warmup};
+                  o.warmup, average_key(o.average)};
   PingPong pp(ep, o);
   int64_t total_wrong = 0;
+  double bw_sum = 0;
+  int bw_rows = 0;
   uint64_t row = 0;
   for (size_t bytes : sweep_sizes(o)) {
     RowKey k;
     k.count = k.count_per_rank = bytes / ts;
     k.bytes = k.count * ts;
+    k.algo = "pingpong";
     if (k.count == 0) {
       if (rank == 0) std::printf("# %zu bytes: less than one element, skipped\n", bytes);
       continue;
@@ -276,12 +298,16 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
     m.in_place = false;
     m.wrong = o.check ? 0 : -1;
     m.iters = o.iters;
-    for (const Report& r : all) {
-      m.time_us = std::max(m.time_us, r.value);
-      if (o.check) m.wrong += r.wrong;
+    std::vector<double> times;  // of the ranks with a partner
+    for (size_t r = 0; r < all.size(); ++r) {
+      if ((int(r) ^ 1) < n) times.push_back(all[r].value);
+      if (o.check) m.wrong += all[r].wrong;
     }
+    m.time_us = combine_times(times, o.average);
     m.algbw = m.time_us > 0 ? double(k.bytes) / (m.time_us * 1e-6) / 1e9 : 0.0;
     m.busbw = m.algbw;
+    bw_sum += m.busbw;
+    ++bw_rows;
     total_wrong += std::max<int64_t>(0, m.wrong);
     std::fputs(format_row(k, dtype_name(o.dtype), "none", m, std::nullopt).c_str(), stdout);
     std::fflush(stdout);
@@ -289,6 +315,8 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
     j["method"] = "pingpong_half_round_trip";
     rows.push_back(std::move(j));
   }
+  if (rank == 0) std::fputs(table_footer(total_wrong, bw_sum, bw_rows).c_str(), stdout);
+  std::fflush(stdout);
   return total_wrong;
 }
 
@@ -488,10 +516,32 @@ std::string provider_setting(const Options& o) {
   return "auto";
 }
 
+// Every rank's pid and host, at rank 0 (empty elsewhere): each rank publishes its pid in the
+// rendezvous store; the hosts are the rendezvous'.
+std::vector<RankInfo> gather_rank_infos(net::Rendezvous& rdv, const net::BootstrapInfo& info,
+                                        net::Deadline deadline) {
+  rdv.store().set(fmt::format("bench/pid/{}", info.rank), std::to_string(getpid()));
+  std::vector<RankInfo> ranks;
+  if (info.rank != 0) return ranks;
+  for (int r = 0; r < info.world_size; ++r) {
+    RankInfo ri;
+    ri.rank = r;
+    ri.pid = std::stol(rdv.store().get(fmt::format("bench/pid/{}", r), deadline));
+    ri.host = rdv.hostnames()[size_t(r)];
+    ranks.push_back(std::move(ri));
+  }
+  return ranks;
+}
+
 int bench_main(const Options& o) {
   auto info = net::detect_bootstrap();
+  // The rank that writes --json checks it can before anything runs (with --fault the
+  // coordinator at the end writes, which may be any rank).
+  if (!o.json_path.empty() && (info.rank == 0 || !o.fault.empty()))
+    cli::check_output_path("--json", o.json_path);
   const auto setup = std::chrono::seconds(30);
   net::Rendezvous rdv(info, net::deadline_in(setup));
+  const std::vector<RankInfo> ranks = gather_rank_infos(rdv, info, net::deadline_in(setup));
   net::FabricOptions fo;
   fo.provider = provider_setting(o);
   auto ep = net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
@@ -499,12 +549,20 @@ int bench_main(const Options& o) {
   const bool print = info.rank == 0;
   std::vector<nlohmann::json> rows;
   int64_t wrong = 0;
-  auto write = [&] {
-    if (print && !o.json_path.empty()) write_json(o.json_path, rows);
+  std::vector<RankInfo> all_hosts;  // every rank's host, for the JSON rows
+  for (int r = 0; r < info.world_size; ++r)
+    all_hosts.push_back({r, 0, rdv.hostnames()[size_t(r)]});
+  auto stamp_and_write = [&](bool writer) {
+    if (!writer || o.json_path.empty()) return;
+    add_provenance(rows, all_hosts);
+    write_json(o.json_path, rows);
   };
+  auto write = [&] { stamp_and_write(print); };
+  if (print && (o.op == BenchOp::kIdle || o.op == BenchOp::kQuorum))
+    std::fputs(rank_block("qring-bench", ranks).c_str(), stdout);
   try {
     if (o.op == BenchOp::kSendRecv) {
-      wrong = run_sendrecv(*ep, o, rows);
+      wrong = run_sendrecv(*ep, o, ranks, rows);
     } else if (o.op == BenchOp::kIdle && o.idle_via_endpoint) {
       run_idle_endpoint(*ep, o, rows);
     } else {
@@ -528,16 +586,16 @@ int bench_main(const Options& o) {
         // and the final barrier of the rendezvous does not wait for the lost ranks.
         QuorumOutcome out = run_quorum(comm, o, rows);
         rdv.lost(out.lost);
-        if (out.writer && !o.json_path.empty()) write_json(o.json_path, rows);
+        stamp_and_write(out.writer);
         if (out.wrong > 0 && out.writer)
           std::fprintf(stderr, "qring-bench: %lld wrong elements\n",
                        static_cast<long long>(out.wrong));
         return out.wrong > 0 ? 1 : 0;
       }
-      QringBackend be(comm, o);
+      QringBackend be(comm, o, ranks);
       Sweep<QringBackend> sweep(be, o);
       try {
-        wrong = sweep.run();
+        wrong = sweep.run("qring-bench");
       } catch (...) {
         rows = sweep.rows();
         throw;

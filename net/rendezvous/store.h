@@ -187,6 +187,9 @@ class TcpStoreServer {
   int port() const;
   // How many connections were dropped or refused for each reason so far (thread-safe).
   uint64_t rejections(StoreRejection why) const;
+  // Ranks whose joined connection is open now (a launcher that serves the store waits for
+  // the ranks of other hosts to close theirs before it stops it).
+  int connected_ranks() const;
 
  private:
   friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);

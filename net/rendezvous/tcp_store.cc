@@ -381,6 +381,7 @@ struct TcpStoreServer::Impl {
   std::vector<Parked> parked;
   std::unordered_map<std::string, std::string> data;
   std::map<int, uint64_t> rank_conn;
+  std::atomic<int> connected{0};  // rank_conn.size(), for connected_ranks()
   std::thread thread;
 
   void run();
@@ -510,6 +511,10 @@ int TcpStoreServer::port() const {
 
 uint64_t TcpStoreServer::rejections(StoreRejection why) const {
   return impl_->rejections.count(why);
+}
+
+int TcpStoreServer::connected_ranks() const {
+  return impl_->connected.load(std::memory_order_relaxed);
 }
 
 void TcpStoreServer::Impl::run() {
@@ -867,6 +872,7 @@ bool TcpStoreServer::Impl::handle_join(uint64_t cid, Conn& c, const Header& h,
     c.expires = Clock::time_point::max();
     forget_unjoined(cid, c.source);
     rank_conn[c.rank] = cid;
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
     spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
     std::string out;
     put_str(out, server_proof(options.secret, c.nonce, fields));
@@ -981,6 +987,7 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
   } else {
     forget_unjoined(cid, it->second.source);
   }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "net/base/build_info.h"
 #include "net/base/error.h"
 #include "train/config.h"
 #include "train/dataset.h"
@@ -49,6 +50,7 @@ const char* kUsage =
     "  --beta-ns NS     transfer time per byte (default {})\n"
     "  --rtt-us US      READY/DECIDE round trip, charged when B > 0 (default {})\n"
     "  --progress       a progress line on stderr every 5 s\n"
+    "  --version        print the version, commit, build type and ISA, and exit\n"
     "  --arrivals-only  sync: only draw train.steps steps of arrivals and time them (no\n"
     "                   training; arrivals.jsonl and the mean k-th arrival in summary.json)\n"
     "  key=value        override any configuration key, e.g. straggler.model=shiftexp:5:20\n"
@@ -135,7 +137,7 @@ struct Args {
   std::optional<double> alpha, beta, rtt;
 };
 
-// False after --help (the usage is printed).
+// False after --help or --version (printed).
 bool parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -145,6 +147,9 @@ bool parse_args(int argc, char** argv, Args& args) {
     };
     if (a == "--help" || a == "-h") {
       fputs(usage().c_str(), stdout);
+      return false;
+    } else if (a == "--version") {
+      fmt::print("{}\n", qring::build::version_text("qring-sim"));
       return false;
     } else if (a == "--config") {
       args.config_path = value();
