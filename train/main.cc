@@ -20,10 +20,10 @@
 
 #include "collectives/communicator.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
-#include "net/transport/fabric_endpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -78,29 +78,22 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
 // One incarnation of this rank: rendezvous, connect, train, and state the result.
 void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::TrainConfig& cfg,
                      bool resume, std::chrono::steady_clock::time_point process_start) {
-  auto deadline = qring::net::deadline_in(
-      std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
-  qring::net::Rendezvous rdv(info, deadline);
-  qring::net::FabricOptions fo;
-  fo.provider = cfg.net.provider;
-  fo.incarnation = rdv.incarnation();
-  fo.join = rdv.incarnation() > 0;
-  auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                             rdv.single_host(), deadline);
-  qring::collectives::CommOptions co;
-  co.local_size = info.local_size;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
-  qring::collectives::Communicator comm(std::move(ep), co);
+  qring::collectives::SessionOptions so;
+  so.provider = cfg.net.provider;
+  so.setup_timeout = std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms));
+  so.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  qring::collectives::Session session(info, so);
+  qring::collectives::Communicator& comm = session.comm();
   qring::train::TrainerOptions topts;
   topts.resume = resume;
-  topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
-  topts.incarnation = rdv.incarnation();
+  topts.store = session.store();
+  topts.incarnation = session.incarnation();
   topts.process_start = process_start;
-  if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
+  if (const char* f = std::getenv("QRING_FAULT"); f && session.incarnation() == 0)
     topts.faults = qring::collectives::FaultSpec::parse_list(f);
   auto s = qring::train::train(cfg, comm, topts);
-  rdv.lost(s.evicted_ranks);
-  if (info.rank == 0 && rdv.incarnation() == 0) {
+  session.lost(s.evicted_ranks);
+  if (info.rank == 0 && session.incarnation() == 0) {
     fmt::print(
         "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
         "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
@@ -128,8 +121,7 @@ int main(int argc, char** argv) {
   try {
     info = qring::net::detect_bootstrap();
     cfg = qring::train::TrainConfig::from_file(config_path, overrides);
-    if (const char* p = std::getenv("QRING_PROVIDER"); p && cfg.net.provider == "auto")
-      cfg.net.provider = p;
+    cfg.net.provider = qring::collectives::provider_setting(cfg.net.provider);
     cfg.validate(info.world_size);
   } catch (const qring::Error& e) {
     fmt::print(stderr, "qring-train: rank {}: {}\n", info.rank, e.what());

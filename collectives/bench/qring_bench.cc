@@ -37,10 +37,10 @@
 #include "collectives/engine.h"
 #include "collectives/fault_inject.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "collectives/straggler.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/transport/endpoint.h"
-#include "net/transport/fabric_endpoint.h"
 
 namespace qring::bench {
 namespace {
@@ -412,20 +412,21 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 
 // ------------------------------------------------------------------ main
 
-std::string provider_setting(const Options& o) {
-  if (!o.provider.empty()) return o.provider;
-  if (auto v = net::process_env("QRING_PROVIDER"); v && !v->empty()) return *v;
-  return "auto";
-}
-
 int bench_main(const Options& o) {
-  auto info = net::detect_bootstrap();
-  const auto setup = std::chrono::seconds(30);
-  net::Rendezvous rdv(info, net::deadline_in(setup));
-  net::FabricOptions fo;
-  fo.provider = provider_setting(o);
-  auto ep = net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                      rdv.single_host(), net::deadline_in(setup));
+  // One call from the environment to the endpoint and communicator (collectives/session.h);
+  // sendrecv and idle-through-the-endpoint drive the endpoint alone.
+  collectives::SessionOptions so;
+  so.provider = o.provider.empty() ? "auto" : o.provider;
+  so.setup_timeout = std::chrono::seconds(30);
+  so.communicator = !(o.op == BenchOp::kSendRecv || (o.op == BenchOp::kIdle && o.idle_via_endpoint));
+  so.comm.timeout = std::chrono::milliseconds(o.timeout_ms);
+  if (o.segment_bytes) so.comm.segment_bytes = o.segment_bytes;
+  if (o.inflight) so.comm.segments_in_flight = o.inflight;
+  if (o.sends_inflight) so.comm.sends_in_flight = o.sends_inflight;
+  if (o.small_bytes) so.comm.small_allreduce_bytes = *o.small_bytes;
+  if (o.hd_bytes) so.comm.halving_doubling_bytes = *o.hd_bytes;
+  collectives::Session session(so);
+  const net::BootstrapInfo& info = session.info();
   const bool print = info.rank == 0;
   std::vector<nlohmann::json> rows;
   int64_t wrong = 0;
@@ -434,19 +435,11 @@ int bench_main(const Options& o) {
   };
   try {
     if (o.op == BenchOp::kSendRecv) {
-      wrong = run_sendrecv(*ep, o, rows);
+      wrong = run_sendrecv(*session.take_endpoint(), o, rows);
     } else if (o.op == BenchOp::kIdle && o.idle_via_endpoint) {
-      run_idle_endpoint(*ep, o, rows);
+      run_idle_endpoint(*session.take_endpoint(), o, rows);
     } else {
-      collectives::CommOptions co;
-      co.local_size = info.local_size;
-      co.timeout = std::chrono::milliseconds(o.timeout_ms);
-      if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
-      if (o.inflight) co.segments_in_flight = o.inflight;
-      if (o.sends_inflight) co.sends_in_flight = o.sends_inflight;
-      if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
-      if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
-      collectives::Communicator comm(std::move(ep), co);
+      collectives::Communicator& comm = session.comm();
       if (o.op == BenchOp::kIdle) {
         run_idle_engine(comm, o, rows);
         write();
@@ -456,7 +449,7 @@ int bench_main(const Options& o) {
         // With --fault the rows come from the coordinator at the end (rank 0 may be lost),
         // and the final barrier of the rendezvous does not wait for the lost ranks.
         QuorumOutcome out = run_quorum(comm, o, rows);
-        rdv.lost(out.lost);
+        session.lost(out.lost);
         if (out.writer && !o.json_path.empty()) write_json(o.json_path, rows);
         if (out.wrong > 0 && out.writer)
           std::fprintf(stderr, "qring-bench: %lld wrong elements\n",
