@@ -32,17 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "examples"))
-from fmnist_cnn import Cnn, accuracy, batch_at, checksum, load_fashion_mnist, lr_at  # noqa: E402
-
-
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(784, 256), nn.Linear(256, 128), nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = x.flatten(1)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+from fashion_mnist import Cnn, accuracy, batch_at, checksum, load_fashion_mnist, lr_at  # noqa: E402
+from torch_fmnist import Mlp  # noqa: E402  (scripts/, the directory of this file)
 
 
 def args_of():

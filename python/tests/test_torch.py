@@ -60,6 +60,21 @@ def test_sigkill_of_a_rank_the_others_finish():
     assert "rank 2" in job.out and "SIGKILL" in job.out, job
 
 
+def test_a_lost_quorum_is_an_exception_naming_the_rank():
+    # Quorum = world and rank 1 killed: the others cannot go on. Each gets a qring exception
+    # naming rank 1 within the evict time (the launcher tolerates the losses so that it does
+    # not stop them first), never a hang or a crash.
+    job = launch(3, ["train", "--steps", "100", "--evict-ms", "1000", "--kill-rank", "1",
+                     "--kill-step", "3", "--pace-ms", "10"],
+                 launcher_args=["--tolerate-failures", "2"], timeout=120)
+    assert job.rc != 0, job
+    errors = {r["rank"]: r for r in job.results if "error" in r}
+    assert sorted(errors) == [0, 2], job
+    for e in errors.values():
+        assert e["error"] in ("QuorumLost", "QuorumTimeout"), job
+        assert "rank 1" in e["message"] or "ranks 1" in e["message"], job
+
+
 def test_restarted_rank_rejoins_with_the_same_parameters():
     job = launch(4, ["train", "--quorum", "3", "--evict-ms", "1500", "--kill-rank", "2",
                      "--kill-step", "5", "--pace-ms", "10", "--until", "rejoined",
@@ -93,7 +108,8 @@ def test_mismatched_models_are_rejected_naming_the_ranks():
 def test_example_cnn_runs_under_qring_launch():
     job = run([LAUNCH, "-n", "2", "--", PYTHON,
                os.path.join(ROOT, "python", "examples", "fmnist_cnn.py"), "--steps", "12",
-               "--quorum", "1", "--straggler", "fixed:1:50"], timeout=240)
+               "--quorum", "1", "--straggler", "fixed:1:50", "--test-samples", "1000"],
+              timeout=240)
     assert job.rc == 0, job
     assert '"test_accuracy"' in job.out, job
     sums = re.findall(r'params_checksum"?:? "?([0-9a-f]{8})', job.out)
