@@ -254,7 +254,8 @@ class QuorumHandle {
   QuorumHandle& operator=(const QuorumHandle&) = delete;
 
   qc::QuorumAllreduce& q() {
-    if (!q_) throw qring::UsageError("this QuorumAllreduce was closed (close() or qring.finalize())");
+    if (!q_)
+      throw qring::UsageError("this QuorumAllreduce was closed (close() or qring.finalize())");
     return *q_;
   }
 

@@ -70,10 +70,11 @@ OUT=${QRING_BENCH_OUT:-runs/bench-torch}
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
 : >"$RESULTS"
+CORES=$(nproc)  # before OMP_NUM_THREADS=1, which nproc honours
 export LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
-echo "== bench_torch.sh on $(nproc) cores, $RANKS ranks, $(git rev-parse --short HEAD 2>/dev/null)" \
+echo "== bench_torch.sh on $CORES cores, $RANKS ranks, $(git rev-parse --short HEAD 2>/dev/null)" \
   "(shared machine: compare within a pair only)"
 
 port=29600

@@ -418,7 +418,8 @@ int bench_main(const Options& o) {
   collectives::SessionOptions so;
   so.provider = o.provider.empty() ? "auto" : o.provider;
   so.setup_timeout = std::chrono::seconds(30);
-  so.communicator = !(o.op == BenchOp::kSendRecv || (o.op == BenchOp::kIdle && o.idle_via_endpoint));
+  so.communicator =
+      !(o.op == BenchOp::kSendRecv || (o.op == BenchOp::kIdle && o.idle_via_endpoint));
   so.comm.timeout = std::chrono::milliseconds(o.timeout_ms);
   if (o.segment_bytes) so.comm.segment_bytes = o.segment_bytes;
   if (o.inflight) so.comm.segments_in_flight = o.inflight;

@@ -91,10 +91,10 @@ void check_local(const BootstrapInfo& b, const std::string& rank_var, const std:
 
 // A launcher sets its variables in pairs: one without the other is a partial environment.
 void require_both(const Env& env, const std::string& a, const std::string& b) {
-  if (env.has(a) && !env.has(b))
-    throw ConfigError(fmt::format("{} is set but {} is not; set both (a partial environment)", a, b));
-  if (env.has(b) && !env.has(a))
-    throw ConfigError(fmt::format("{} is set but {} is not; set both (a partial environment)", b, a));
+  for (const auto& [set, unset] : {std::pair{a, b}, std::pair{b, a}})
+    if (env.has(set) && !env.has(unset))
+      throw ConfigError(fmt::format("{} is set but {} is not; set both (a partial environment)",
+                                    set, unset));
 }
 
 // With every rank on one host (local size = world size), the local rank is the rank.

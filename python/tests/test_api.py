@@ -178,5 +178,6 @@ def test_mpirun_environment():
     job = run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2",
                "-x", "PYTHONPATH", "-x", "MASTER_ADDR=127.0.0.1",
                "-x", f"MASTER_PORT={free_port()}", PYTHON, WORKER, "launcher"], timeout=120,
-              env=clean_env(OMPI_MCA_plm_rsh_agent="", OMPI_MCA_btl_vader_single_copy_mechanism="none"))
+              env=clean_env(OMPI_MCA_plm_rsh_agent="",
+                            OMPI_MCA_btl_vader_single_copy_mechanism="none"))
     check_launcher_results(job, 2, "mpi")
