@@ -17,6 +17,8 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -147,6 +149,7 @@ class Buffer {
 // ------------------------------------------------------------------ the session
 
 std::unique_ptr<qc::Session> g_session;
+pid_t g_pid = 0;  // the process that made the session (a forked child has no engine thread)
 class QuorumHandle;
 std::vector<std::weak_ptr<QuorumHandle>> g_quorums;
 uint32_t g_instances = 0;  // quorum all-reduces made in this session (their instance numbers)
@@ -246,6 +249,10 @@ class QuorumHandle {
   }
 
   ~QuorumHandle() {
+    if (getpid() != g_pid) {  // a forked child: the engine is the parent's
+      abandon();
+      return;
+    }
     // The engine may still write into a pending buffer: stop it before they are released.
     py::gil_scoped_release release;
     q_.reset();
@@ -336,6 +343,9 @@ class QuorumHandle {
 
   size_t count() const { return count_; }
 
+  // In a forked child: drop the all-reduce without stopping the parent's engine.
+  void abandon() { (void)q_.release(); }
+
  private:
   void check_count(const Buffer& b, const char* what) const {
     if (b.count() != count_)
@@ -385,10 +395,20 @@ void init(const std::string& provider, int64_t timeout_ms, int64_t setup_timeout
   so.setup_timeout = std::chrono::milliseconds(setup_timeout_ms);
   so.comm.timeout = std::chrono::milliseconds(timeout_ms);
   g_session = without_gil([&] { return std::make_unique<qc::Session>(info, so); });
+  g_pid = getpid();
   g_instances = 0;
 }
 
 void finalize() {
+  if (g_session && getpid() != g_pid) {
+    // A forked child (a DataLoader worker...): the threads and connections are the parent's;
+    // let go of the objects without running their shutdown.
+    for (auto& w : g_quorums)
+      if (auto h = w.lock()) h->abandon();
+    g_quorums.clear();
+    (void)g_session.release();
+    return;
+  }
   for (auto& w : g_quorums)
     if (auto h = w.lock()) h->close();
   g_quorums.clear();

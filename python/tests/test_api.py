@@ -10,7 +10,9 @@ import pytest
 from conftest import PYTHON, WORKER, clean_env, launch, python, run
 
 PRELUDE = """
-import numpy as np, torch, qring
+import qring
+if HEAVY:
+    import numpy as np, torch
 def expect(exc, text, f, *args, **kw):
     try:
         f(*args, **kw)
@@ -24,8 +26,8 @@ def expect(exc, text, f, *args, **kw):
 """
 
 
-def check(code, env=None):
-    job = python(PRELUDE + textwrap.dedent(code), env=env)
+def check(code, env=None, heavy=True):
+    job = python(f"HEAVY = {heavy}\n" + PRELUDE + textwrap.dedent(code), env=env)
     assert job.rc == 0, job
     return job
 
@@ -119,6 +121,29 @@ def test_bad_options_are_rejected():
     """)
 
 
+def test_a_forked_child_exits_without_touching_the_parents_session():
+    # A DataLoader worker is a fork: at its exit, finalize() must not stop (or wait for) the
+    # parent's engine thread, which the child does not have.
+    check("""
+    import os, sys, time
+    qring.init()
+    q = qring.QuorumAllreduce(4)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # runs the atexit finalize in the child
+    for _ in range(400):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    assert done and os.waitstatus_to_exitcode(status) == 0, "the child hung or failed"
+    t = torch.ones(4)
+    q.contribute(0, t)
+    assert q.wait(0).count == 1
+    print("OK fork")
+    """)
+
+
 def test_partial_or_contradictory_environments_name_the_variables():
     cases = {
         "RANK is set but WORLD_SIZE is not": dict(RANK=0),
@@ -135,7 +160,7 @@ def test_partial_or_contradictory_environments_name_the_variables():
         job = check(f"""
         expect(qring.ConfigError, {text!r}, qring.init)
         assert not qring.initialized()
-        """, env=clean_env(**env))
+        """, env=clean_env(**env), heavy=False)
         assert "OK ConfigError" in job.out
 
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import zlib
@@ -111,6 +112,11 @@ def mode_train(a):
             sys.exit(4)
         if rank == a.kill_rank and step == a.kill_step and qring.incarnation() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == a.stop_rank and step == a.stop_step:
+            # A helper stops this process now and continues it stop_ms later (SIGSTOP/SIGCONT).
+            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep {a.stop_ms / 1000}; "
+                                          f"kill -CONT {os.getpid()}"])
+            time.sleep(1)  # stopped within this second
         opt.zero_grad()
         if not opt.excluded():
             x, y = data_of(rank, step)
@@ -152,6 +158,9 @@ def main():
     ap.add_argument("--evict-ms", type=int, default=5000)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--stop-rank", type=int, default=-1)
+    ap.add_argument("--stop-step", type=int, default=-1)
+    ap.add_argument("--stop-ms", type=int, default=0)
     ap.add_argument("--until", choices=["left", "rejoined"])
     ap.add_argument("--extra", type=int, default=5)
     ap.add_argument("--pace-ms", type=int, default=0)
@@ -166,7 +175,7 @@ def main():
         MODES[a.mode](a)
     except qring.Error as e:
         emit(rank=int(os.environ.get("QRING_RANK", "-1")), error=type(e).__name__, message=str(e))
-        sys.exit(3)
+        sys.exit(qring.EXIT_EVICTED if isinstance(e, qring.Evicted) else 3)
 
 
 if __name__ == "__main__":
