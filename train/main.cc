@@ -28,12 +28,12 @@
 
 #include "collectives/communicator.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/base/build_info.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
 #include "net/base/out_of_memory.h"
-#include "net/transport/fabric_endpoint.h"
 #include "train/config.h"
 #include "train/stop_signals.h"
 #include "train/trainer.h"
@@ -139,42 +139,36 @@ void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::
                      const Args& args, const std::atomic<int>* stop,
                      std::chrono::steady_clock::time_point process_start,
                      qring::train::RunSummary& s) {
-  auto deadline = qring::net::deadline_in(
-      std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
-  qring::net::Rendezvous rdv(info, deadline);
-  qring::net::FabricOptions fo;
-  fo.provider = cfg.net.provider;
-  fo.incarnation = rdv.incarnation();
-  fo.join = rdv.incarnation() > 0;
-  auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                             rdv.single_host(), deadline);
-  qring::collectives::CommOptions co;
-  co.local_size = info.local_size;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
-  qring::collectives::Communicator comm(std::move(ep), co);
+  qring::collectives::SessionOptions so;
+  so.provider = cfg.net.provider;
+  so.setup_timeout = std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms));
+  so.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  qring::collectives::Session session(info, so);
+  qring::collectives::Communicator& comm = session.comm();
+  const std::vector<std::string>& hosts = session.rendezvous().hostnames();
   // The first line of rank 0's log: what runs, where, over what.
-  if (info.rank == 0 && rdv.incarnation() == 0)
+  if (info.rank == 0 && session.incarnation() == 0)
     spdlog::info("{}; {} rank{} on {}; provider {}", qring::build::version_text("qring-train"),
-                 info.world_size, info.world_size == 1 ? "" : "s", hosts_text(rdv.hostnames()),
+                 info.world_size, info.world_size == 1 ? "" : "s", hosts_text(hosts),
                  comm.provider());
   qring::train::TrainerOptions topts;
-  topts.resume = args.resume && rdv.incarnation() == 0;
+  topts.resume = args.resume && session.incarnation() == 0;
   topts.force = args.force;
   topts.stop = stop;
-  topts.hosts = rdv.hostnames();
-  topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
-  topts.incarnation = rdv.incarnation();
+  topts.hosts = hosts;
+  topts.store = session.store();
+  topts.incarnation = session.incarnation();
   topts.local_ranks = info.local_size;
   topts.process_start = process_start;
-  if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
+  if (const char* f = std::getenv("QRING_FAULT"); f && session.incarnation() == 0)
     topts.faults = qring::collectives::FaultSpec::parse_list(f);
   s = qring::train::train(cfg, comm, topts);
-  rdv.lost(s.evicted_ranks);
+  session.lost(s.evicted_ranks);
   if (s.preempted) {
     // Every rank stopped after the same step and checkpointed it.
     fmt::print("rank {} stopped after step {} params_checksum {:016x}\n", info.rank, s.steps,
                s.params_checksum);
-  } else if (info.rank == 0 && rdv.incarnation() == 0) {
+  } else if (info.rank == 0 && session.incarnation() == 0) {
     fmt::print(
         "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
         "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
@@ -204,8 +198,7 @@ int main(int argc, char** argv) {
   qring::train::TrainConfig cfg;
   try {
     cfg = qring::train::TrainConfig::from_file(config_path, overrides);
-    if (const char* p = std::getenv("QRING_PROVIDER"); p && cfg.net.provider == "auto")
-      cfg.net.provider = p;
+    cfg.net.provider = qring::collectives::provider_setting(cfg.net.provider);
     if (args.print_config) {
       fmt::print("{}", cfg.to_toml());
       return 0;

@@ -40,10 +40,10 @@
 #include "collectives/engine.h"
 #include "collectives/fault_inject.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "collectives/straggler.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/transport/endpoint.h"
-#include "net/transport/fabric_endpoint.h"
 
 namespace qring::bench {
 namespace {
@@ -510,12 +510,6 @@ void check_settings_agree(collectives::Communicator& comm, const Options& o) {
                                   comm.rank(), fmt::join(diffs, "; ")));
 }
 
-std::string provider_setting(const Options& o) {
-  if (!o.provider.empty()) return o.provider;
-  if (auto v = net::process_env("QRING_PROVIDER"); v && !v->empty()) return *v;
-  return "auto";
-}
-
 // Every rank's pid and host, at rank 0 (empty elsewhere): each rank publishes its pid in the
 // rendezvous store; the hosts are the rendezvous'.
 std::vector<RankInfo> gather_rank_infos(net::Rendezvous& rdv, const net::BootstrapInfo& info,
@@ -534,24 +528,29 @@ std::vector<RankInfo> gather_rank_infos(net::Rendezvous& rdv, const net::Bootstr
 }
 
 int bench_main(const Options& o) {
-  auto info = net::detect_bootstrap();
-  // The rank that writes --json checks it can before anything runs (with --fault the
-  // coordinator at the end writes, which may be any rank).
-  if (!o.json_path.empty() && (info.rank == 0 || !o.fault.empty()))
-    cli::check_output_path("--json", o.json_path);
-  const auto setup = std::chrono::seconds(30);
-  net::Rendezvous rdv(info, net::deadline_in(setup));
-  const std::vector<RankInfo> ranks = gather_rank_infos(rdv, info, net::deadline_in(setup));
-  net::FabricOptions fo;
-  fo.provider = provider_setting(o);
-  auto ep = net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                      rdv.single_host(), net::deadline_in(setup));
+  // One call from the environment to the endpoint and communicator (collectives/session.h);
+  // sendrecv and idle-through-the-endpoint drive the endpoint alone.
+  collectives::SessionOptions so;
+  so.provider = o.provider.empty() ? "auto" : o.provider;
+  so.setup_timeout = std::chrono::seconds(30);
+  so.communicator =
+      !(o.op == BenchOp::kSendRecv || (o.op == BenchOp::kIdle && o.idle_via_endpoint));
+  so.comm.timeout = std::chrono::milliseconds(o.timeout_ms);
+  if (o.segment_bytes) so.comm.segment_bytes = o.segment_bytes;
+  if (o.inflight) so.comm.segments_in_flight = o.inflight;
+  if (o.sends_inflight) so.comm.sends_in_flight = o.sends_inflight;
+  if (o.small_bytes) so.comm.small_allreduce_bytes = *o.small_bytes;
+  if (o.hd_bytes) so.comm.halving_doubling_bytes = *o.hd_bytes;
+  collectives::Session session(so);
+  const net::BootstrapInfo& info = session.info();
+  const std::vector<RankInfo> ranks = gather_rank_infos(
+      session.rendezvous(), info, net::deadline_in(std::chrono::seconds(30)));
   const bool print = info.rank == 0;
   std::vector<nlohmann::json> rows;
   int64_t wrong = 0;
   std::vector<RankInfo> all_hosts;  // every rank's host, for the JSON rows
   for (int r = 0; r < info.world_size; ++r)
-    all_hosts.push_back({r, 0, rdv.hostnames()[size_t(r)]});
+    all_hosts.push_back({r, 0, session.rendezvous().hostnames()[size_t(r)]});
   auto stamp_and_write = [&](bool writer) {
     if (!writer || o.json_path.empty()) return;
     add_provenance(rows, all_hosts);
@@ -562,19 +561,11 @@ int bench_main(const Options& o) {
     std::fputs(rank_block("qring-bench", ranks).c_str(), stdout);
   try {
     if (o.op == BenchOp::kSendRecv) {
-      wrong = run_sendrecv(*ep, o, ranks, rows);
+      wrong = run_sendrecv(*session.take_endpoint(), o, ranks, rows);
     } else if (o.op == BenchOp::kIdle && o.idle_via_endpoint) {
-      run_idle_endpoint(*ep, o, rows);
+      run_idle_endpoint(*session.take_endpoint(), o, rows);
     } else {
-      collectives::CommOptions co;
-      co.local_size = info.local_size;
-      co.timeout = std::chrono::milliseconds(o.timeout_ms);
-      if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
-      if (o.inflight) co.segments_in_flight = o.inflight;
-      if (o.sends_inflight) co.sends_in_flight = o.sends_inflight;
-      if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
-      if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
-      collectives::Communicator comm(std::move(ep), co);
+      collectives::Communicator& comm = session.comm();
       check_settings_agree(comm, o);
       if (o.op == BenchOp::kIdle) {
         run_idle_engine(comm, o, rows);
@@ -585,7 +576,7 @@ int bench_main(const Options& o) {
         // With --fault the rows come from the coordinator at the end (rank 0 may be lost),
         // and the final barrier of the rendezvous does not wait for the lost ranks.
         QuorumOutcome out = run_quorum(comm, o, rows);
-        rdv.lost(out.lost);
+        session.lost(out.lost);
         stamp_and_write(out.writer);
         if (out.wrong > 0 && out.writer)
           std::fprintf(stderr, "qring-bench: %lld wrong elements\n",

@@ -23,6 +23,9 @@
 #                 the same step and exit 76, the script requeues the job, the requeued job
 #                 resumes (maybe more than once), ends COMPLETED, and every rank's final
 #                 checksum equals that of the same steps never interrupted (qring-launch)
+#   torch         torch.sbatch -N2 --ntasks-per-node=2 with python/examples/fmnist_cnn.py (a few
+#                 steps, quorum 3): exit 0, the 4 ranks print the same parameter checksum,
+#                 rank 0 a test accuracy (needs PyTorch; without it the scenario is skipped)
 # Every wait is bounded (QRING_SLURM_TEST_TIMEOUT seconds per job, default 300). The last line
 # is "N passed, M failed"; the exit code is non-zero when anything failed.
 #
@@ -50,7 +53,7 @@ CONFIG=${QRING_SLURM_TEST_CONFIG:-$ROOT/configs/smoke.toml}
 
 passed=0
 failed=0
-SCENARIOS=(train-1node train-2node bench kill-rank rejoin requeue)
+SCENARIOS=(train-1node train-2node bench kill-rank rejoin requeue torch)
 JOBS=()
 
 pass() {
@@ -471,6 +474,27 @@ scenario_requeue() {
   else
     echo "    requeue: job $JOBID restarted $restarts time(s); $(grep -m1 'stopped after step' "$LOG" | sed 's/^ *//'); final checksum $got as uninterrupted"
     pass requeue
+  fi
+}
+
+scenario_torch() {
+  echo "== torch: torch.sbatch -N2 --ntasks-per-node=2, the CNN example"
+  if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    echo "    skipped: no PyTorch (QRING_SETUP_TORCH=1 scripts/setup.sh installs it)"
+    return 0
+  fi
+  submit torch -N 2 --ntasks-per-node=2 "$ROOT/scripts/slurm/torch.sbatch" \
+    python/examples/fmnist_cnn.py --steps 10 --quorum 3 --test-samples 1000
+  local why
+  if [ "$RC" -ne 0 ]; then
+    fail torch "sbatch --wait exit code $RC (log $LOG)"
+    tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
+  elif ! grep -q '"test_accuracy"' "$LOG"; then
+    fail torch "no test accuracy from rank 0 in $LOG"
+  elif ! why=$(AGREE='params_checksum"?[=: ]+"?([0-9a-f]+)' check_agreement "$LOG" 4 2>&1); then
+    fail torch "rank agreement: $why"
+  else
+    pass torch
   fi
 }
 
