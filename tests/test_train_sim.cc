@@ -1,14 +1,18 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "collectives/quorum/coordinator.h"
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 #include "train/config.h"
@@ -194,6 +198,73 @@ TEST(Sim, GraceCountsTheArrivalsWithinItAfterTheQuorum) {
   d = sim_decide(a, 5, 3.0);  // all of them: nothing to wait for
   EXPECT_EQ(d.count, 5);
   EXPECT_DOUBLE_EQ(d.at_ms, 9.0);
+}
+
+// sim_decide is the coordinator's decision: the same arrivals fed to a qproto::Coordinator as
+// READYs on its clock (a 0.25 ms grid, ticks at every point of it) give the same contributors
+// at the same instant, for quorums with and without a grace.
+TEST(Sim, DecidesAsTheCoordinatorDoes) {
+  using namespace collectives::qproto;
+  const auto m = collectives::StragglerModel::parse("lognormal:1.5:1.0");
+  const auto grid = std::chrono::microseconds(250);
+  int checked = 0;
+  for (int W : {4, 9}) {
+    for (int n : {1, W / 2, W - 1, W}) {
+      for (int grace : {0, 1, 3, 20}) {
+        for (uint64_t step = 0; step < 6; ++step) {
+          auto arr = sim_arrivals(m, 11, W, step, 0.0);
+          for (auto& a : arr) a.ms = std::round(a.ms * 4) / 4;  // onto the grid
+          std::stable_sort(arr.begin(), arr.end(), [](const SimArrival& x, const SimArrival& y) {
+            return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
+          });
+          const SimDecision d = sim_decide(arr, n, double(grace));
+
+          Config cfg;
+          cfg.world = W;
+          cfg.quorum = n;
+          cfg.count = 8;
+          cfg.grace = Ms(grace);
+          const Time t0 = Time{} + std::chrono::hours(1);
+          Coordinator c(cfg, t0);
+          std::optional<Decision> got;
+          double got_ms = -1;
+          size_t next = 0;
+          for (Time now = t0; !got && now < t0 + std::chrono::seconds(2); now += grid) {
+            std::vector<Action> out;
+            for (; next < arr.size() && t0 + std::chrono::microseconds(std::llround(
+                                                 arr[next].ms * 1000)) <= now;
+                 ++next) {
+              Event e;
+              e.kind = Event::Kind::kReady;
+              e.from = arr[next].rank;
+              e.step = 0;
+              e.count = 8;
+              auto a = c.handle(e, now);
+              out.insert(out.end(), a.begin(), a.end());
+            }
+            auto a = c.handle(Event{}, now);
+            out.insert(out.end(), a.begin(), a.end());
+            for (auto& act : out)
+              if (act.kind == Action::Kind::kDecide && !got) {
+                got = act.decide;
+                got_ms = std::chrono::duration<double, std::milli>(now - t0).count();
+              }
+          }
+          ASSERT_TRUE(got) << "W " << W << " n " << n << " grace " << grace;
+          EXPECT_EQ(int(got->contributors.size()), d.count)
+              << "W " << W << " n " << n << " grace " << grace << " step " << step;
+          EXPECT_DOUBLE_EQ(got_ms, d.at_ms)
+              << "W " << W << " n " << n << " grace " << grace << " step " << step;
+          std::vector<int> ranks;
+          for (int i = 0; i < d.count; ++i) ranks.push_back(arr[size_t(i)].rank);
+          std::sort(ranks.begin(), ranks.end());
+          EXPECT_EQ(got->contributors, ranks);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 4 * 4 * 6);
 }
 
 // A run with a grace: every step averages sim_decide's arrivals (more than the quorum on some

@@ -12,6 +12,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/decide_rule.h"
 #include "net/base/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -523,15 +524,23 @@ double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per
 }
 
 SimDecision sim_decide(const std::vector<SimArrival>& arr, int n, double grace_ms) {
-  SimDecision d;
-  d.count = n;
-  d.at_ms = arr[size_t(n - 1)].ms;
-  if (grace_ms > 0 && n < int(arr.size())) {
-    const double until = d.at_ms + grace_ms;
-    while (d.count < int(arr.size()) && arr[size_t(d.count)].ms <= until) ++d.count;
-    d.at_ms = d.count == int(arr.size()) ? arr.back().ms : until;
+  // The coordinator's rule (collectives/quorum/decide_rule.h) on the virtual clock: the
+  // arrivals taken in one at a time, and between two of them the instant the grace runs out.
+  using collectives::qproto::RuleMs;
+  const int all = int(arr.size());
+  const RuleMs grace(grace_ms);
+  std::optional<double> quorum_at;
+  for (int i = 0; i < all; ++i) {
+    const double now = arr[size_t(i)].ms;
+    // The grace runs out before this arrival: the rule, asked at that instant, decides.
+    if (quorum_at && *quorum_at + grace_ms < now &&
+        collectives::qproto::step_due(i, all, grace, grace))
+      return {i, *quorum_at + grace_ms};
+    if (i + 1 >= n && !quorum_at) quorum_at = now;
+    const auto since = quorum_at ? std::optional<RuleMs>(RuleMs(now - *quorum_at)) : std::nullopt;
+    if (collectives::qproto::step_due(i + 1, all, since, grace)) return {i + 1, now};
   }
-  return d;
+  return {all, all > 0 ? arr.back().ms : 0.0};
 }
 
 double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,

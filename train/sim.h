@@ -177,9 +177,9 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
 
 // A sync step's decision among `arr` (sorted as sim_arrivals) with quorum n and a grace (ms):
 // the contributors are the first `count` arrivals, decided at `at_ms` (the n-th arrival
-// without a grace, else min(n-th + grace, the last arrival when all came within it)), the
-// coordinator's rule (quorum_coordinator.h: all live members arrived, or the quorum and the
-// grace passed).
+// without a grace, else min(n-th + grace, the last arrival when all came within it)): the
+// coordinator's own rule (collectives/quorum/decide_rule.h) asked at every arrival and at
+// the instant the grace runs out.
 struct SimDecision {
   int count = 0;
   double at_ms = 0;

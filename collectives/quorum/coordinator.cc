@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "collectives/quorum/decide_rule.h"
+
 namespace qring::collectives::qproto {
 
 namespace {
@@ -487,7 +489,9 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
     Status st;
     if (o.mismatch)
       st = Status::kMismatch;
-    else if (o.n >= eligible || (o.quorum_time && now >= *o.quorum_time + cfg_.grace))
+    else if (step_due(o.n, eligible,
+                      o.quorum_time ? std::optional<RuleMs>(now - *o.quorum_time) : std::nullopt,
+                      cfg_.grace))
       st = Status::kOk;
     else if (now >= o.first + cfg_.deadline)
       st = Status::kTimeout;
