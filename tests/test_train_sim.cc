@@ -396,42 +396,6 @@ TEST(Sim, AsyncStalenessIsAboutTheNumberOfWorkers) {
   EXPECT_GT(s.staleness_max, W - 1);
 }
 
-// The two-batch estimate of the gradient-noise scale: gradients g_i = G + noise of variance
-// sigma^2 / b per coordinate (a batch of b samples, each of variance sigma^2), P coordinates:
-// B_simple = tr(S) / |G|^2 = P sigma^2 / |G|^2, whatever N and b are.
-TEST(Sim, NoiseScaleEstimateRecoversTraceOverGradientNorm) {
-  const size_t P = 2000;
-  const double sigma2 = 0.25, g_norm2 = 1.0;
-  const double expect = double(P) * sigma2 / g_norm2;  // 500 samples
-  std::mt19937 rng(11);
-  for (auto [n, b] : {std::pair{8, 16}, std::pair{32, 4}}) {
-    NoiseScaleEstimate est(0.05);
-    EXPECT_FALSE(est.value().has_value());
-    std::normal_distribution<double> noise(0, std::sqrt(sigma2 / b));
-    std::vector<double> G(P, std::sqrt(g_norm2 / double(P))), mean(P);
-    for (int step = 0; step < 400; ++step) {
-      std::fill(mean.begin(), mean.end(), 0.0);
-      double sq = 0;
-      for (int i = 0; i < n; ++i) {
-        for (size_t p = 0; p < P; ++p) {
-          const double g = G[p] + noise(rng);
-          sq += g * g;
-          mean[p] += g / n;
-        }
-      }
-      double msq = 0;
-      for (double m : mean) msq += m * m;
-      est.add(sq / n, msq, n, b);
-    }
-    ASSERT_TRUE(est.value().has_value());
-    EXPECT_NEAR(*est.value(), expect, 0.1 * expect) << "N " << n << " b " << b;
-  }
-  // A step of one gradient says nothing about the noise.
-  NoiseScaleEstimate one;
-  one.add(2.0, 2.0, 1, 16);
-  EXPECT_FALSE(one.value().has_value());
-}
-
 TEST(Sim, WritesMetricsAndSummary) {
   const fs::path dir = fs::path(::testing::TempDir()) / "qring-sim-out";
   fs::remove_all(dir);

@@ -172,7 +172,22 @@ std::vector<Field> fields() {
                }});
   f.push_back(int_field("quorum.min", QRING_ACC(quorum.min)));
   f.push_back(int_field("quorum.max", QRING_ACC(quorum.max)));
-  f.push_back(float_field("quorum.noise_scale", QRING_ACC(quorum.noise_scale)));
+  f.push_back({"quorum.noise_scale", Kind::kFloat,
+               [](TrainConfig& c, const toml::value& v) {
+                 c.quorum.noise_scale_estimate = v.is_string() && v.as_string().str == "estimate";
+                 if (c.quorum.noise_scale_estimate)
+                   c.quorum.noise_scale = 0;
+                 else if (v.is_integer() || v.is_floating())
+                   c.quorum.noise_scale = to_float("quorum.noise_scale", v);
+                 else
+                   fail("quorum.noise_scale",
+                        fmt::format("expected a number of samples or \"estimate\", got a {}",
+                                    type_name(v)));
+               },
+               [](const TrainConfig& c) {
+                 return c.quorum.noise_scale_estimated() ? nlohmann::json("estimate")
+                                                         : nlohmann::json(c.quorum.noise_scale);
+               }});
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
@@ -450,9 +465,11 @@ void TrainConfig::validate(int world) const {
   if (quorum.max > 0 && quorum.max < quorum.min)
     fail("quorum.max", fmt::format("must be 0 or >= quorum.min ({}), got {}", quorum.min,
                                    quorum.max));
-  if (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale))
-    fail("quorum.noise_scale",
-         fmt::format("must be a number of samples >= 0 (0 = none), got {}", quorum.noise_scale));
+  if (!quorum.noise_scale_estimated() &&
+      (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale)))
+    fail("quorum.noise_scale", fmt::format("must be \"estimate\" or a number of samples >= 0 "
+                                           "(0 = none), got {}",
+                                           quorum.noise_scale));
   if (world > 0 && quorum.quorum_auto && quorum.min > world)
     fail("quorum.min", fmt::format("{} is more than the {} ranks of this job", quorum.min, world));
   if (world > 0 && quorum.quorum_auto && quorum.max > world)

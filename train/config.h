@@ -71,10 +71,14 @@ struct QuorumSection {
   bool quorum_auto = false;
   int64_t min = 1;  // quorum "auto": bounds of Q(t); max 0 = the world
   int64_t max = 0;
-  // quorum "auto": the gradient-noise scale in samples (0 = none): the value of a step that
-  // averages k workers' batches of b samples is taken as k / (1 + k b / noise_scale) instead
-  // of k (collectives/quorum/auto_quorum.h).
+  // quorum "auto": the gradient-noise scale B in samples: the value of a step that averages k
+  // workers' batches of b samples is taken as k / (1 + k b / B) instead of k
+  // (collectives/quorum/auto_quorum.h). "estimate" (the default: noise_scale_estimate): B is
+  // the run's own estimate from its steps (collectives/quorum/noise_scale.h); a number fixes
+  // it (0 = none: the linear value k).
   double noise_scale = 0;
+  bool noise_scale_estimate = true;
+  bool noise_scale_estimated() const { return noise_scale_estimate; }
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry

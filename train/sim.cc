@@ -13,6 +13,7 @@
 #include "collectives/algorithms.h"
 #include "collectives/quorum/auto_quorum.h"
 #include "collectives/quorum/decide_rule.h"
+#include "collectives/quorum/noise_scale.h"
 #include "net/base/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -283,7 +284,7 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   std::vector<int> members(static_cast<size_t>(W));
   for (int w = 0; w < W; ++w) members[size_t(w)] = w;
   collectives::AutoQuorumWindow window;
-  NoiseScaleEstimate noise;
+  collectives::NoiseScaleEstimate noise;
   std::vector<double> noise_all, noise_before_target;
   double since_first = -1;  // from the previous step's first arrival to its end
   double vt = 0;
@@ -298,8 +299,11 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     if (opts.adaptive) {
       // The coordinator's view of it: this step opens at its first arrival.
       if (since_first >= 0) window.opened(uint64_t(t), since_first + arr.front().ms);
+      // The step's value: the configured noise scale, or the run's estimate so far (none yet:
+      // the linear value), in contributions.
+      const double kappa = opts.auto_kappa ? *opts.auto_kappa : noise.value().value_or(0.0);
       Q = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max,
-                                     opts.auto_kappa)
+                                     kappa)
               .quorum;
     }
     // The first N arrivals count: the quorum, and with a grace those within it.
@@ -326,8 +330,8 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
       sum[p] *= inv;
       mean_sq += double(sum[p]) * double(sum[p]);
     }
-    noise.add(sq / N, mean_sq, N, int(cfg.train.batch_per_rank));
-    r.noise_scale = noise.value();
+    noise.add(N, sq / N, mean_sq);
+    if (auto v = noise.value()) r.noise_scale = *v * double(cfg.train.batch_per_rank);
     if (r.noise_scale) {
       noise_all.push_back(*r.noise_scale);
       if (!res.time_to_target_s) noise_before_target.push_back(*r.noise_scale);
@@ -553,26 +557,6 @@ double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double byt
 
 double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
   return sim_step_comm_ms(o, n, o.backups == 0, bytes, apply_ms);
-}
-
-void NoiseScaleEstimate::add(double mean_sq, double mean_grad_sq, int n, int batch) {
-  if (n < 2 || batch < 1) return;
-  const double k = double(n);
-  const double g2 = (k * mean_grad_sq - mean_sq) / (k - 1);
-  const double trace = double(batch) * k * (mean_sq - mean_grad_sq) / (k - 1);
-  if (!any_) {
-    g2_ = g2;
-    trace_ = trace;
-    any_ = true;
-  } else {
-    g2_ += alpha_ * (g2 - g2_);
-    trace_ += alpha_ * (trace - trace_);
-  }
-}
-
-std::optional<double> NoiseScaleEstimate::value() const {
-  if (!any_ || !(g2_ > 0)) return std::nullopt;
-  return trace_ / g2_;
 }
 
 nlohmann::json SimResult::to_json() const {

@@ -191,7 +191,8 @@ void load_run(Args& args, qring::train::TrainConfig& cfg, qring::train::DatasetP
   args.opts.adaptive = cfg.quorum.quorum_auto;
   args.opts.auto_min = int(cfg.quorum.min);
   args.opts.auto_max = int(cfg.quorum.max);
-  args.opts.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
+  if (!cfg.quorum.noise_scale_estimated())
+    args.opts.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
   args.opts.grace_ms = double(cfg.quorum.grace_ms);
   args.opts.out_dir = (std::filesystem::path(cfg.run.out_dir) / cfg.run.name).string();
   data = qring::train::load_datasets(cfg.data, uint64_t(cfg.run.seed));
