@@ -396,6 +396,26 @@ TEST(Sim, AsyncStalenessIsAboutTheNumberOfWorkers) {
   EXPECT_GT(s.staleness_max, W - 1);
 }
 
+// train.async_staleness = "divide": an update s updates stale takes the schedule's rate / s
+// (s >= 1). Without stragglers every update after the first round is W - 1 stale, so each
+// round's first update runs at the rate of the plain run / (W - 1), and the runs differ.
+TEST(Sim, AsyncDivideRuleScalesEachUpdatesRateByItsStaleness) {
+  const int W = 4;
+  SimOptions o = sync_opts(W, 0);
+  o.mode = SimMode::kAsync;
+  SimResult plain = simulate(config({"straggler.model=none", "train.steps=10"}), data(), o);
+  SimResult divide = simulate(
+      config({"straggler.model=none", "train.steps=10", "train.async_staleness=divide"}), data(), o);
+  ASSERT_EQ(plain.steps.size(), divide.steps.size());
+  EXPECT_EQ(divide.steps[0].lr, plain.steps[0].lr);  // staleness 0: unchanged
+  for (size_t i = 1; i < plain.steps.size(); ++i) {
+    EXPECT_EQ(divide.steps[i].staleness_max, W - 1);
+    EXPECT_NEAR(divide.steps[i].lr, plain.steps[i].lr / (W - 1), 1e-15) << "round " << i;
+  }
+  EXPECT_NE(divide.params_checksum, plain.params_checksum);
+  EXPECT_THROW(config({"train.async_staleness=halve"}).validate(), ConfigError);
+}
+
 TEST(Sim, WritesMetricsAndSummary) {
   const fs::path dir = fs::path(::testing::TempDir()) / "qring-sim-out";
   fs::remove_all(dir);

@@ -96,9 +96,10 @@ ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives:
     const auto got = Clock::now();
     const double wait_ms = std::chrono::duration<double, std::milli>(got - w0).count();
     const int64_t stale = u - int64_t(p->version);
-    const double lr = core.lr();
+    const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
+    const double lr = core.lr() * scale;
     const double loss = double(p->data[P]);
-    core.apply_gradient(p->data);
+    core.apply_gradient(p->data, scale);
     ps.reply(*p, core.params(), uint64_t(u + 1));
     const double it_ms =
         std::chrono::duration<double, std::milli>(got - last_push[size_t(p->rank)]).count();

@@ -130,6 +130,7 @@ std::vector<Field> fields() {
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
   f.push_back(string_field("train.budget", QRING_ACC(train.budget)));
+  f.push_back(string_field("train.async_staleness", QRING_ACC(train.async_staleness)));
   f.push_back(float_field("train.lr", QRING_ACC(train.lr)));
   f.push_back(float_field("train.momentum", QRING_ACC(train.momentum)));
   f.push_back(bool_field("train.nesterov", QRING_ACC(train.nesterov)));
@@ -430,6 +431,7 @@ void TrainConfig::validate(int world) const {
   if (train.epochs == 0 && train.steps == 0)
     fail("train.epochs", "train.epochs or train.steps must be > 0");
   check_one_of("train.budget", train.budget, {"steps", "gradients"});
+  check_one_of("train.async_staleness", train.async_staleness, {"none", "divide"});
   if (train.budget == "gradients" && train.mode != "sync")
     fail("train.budget", "\"gradients\" needs train.mode = \"sync\" (async counts no quorum)");
   if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));

@@ -46,6 +46,10 @@ struct TrainSection {
   // counted steps x world gradients, as many as full sync would; with backups it runs more
   // steps of fewer gradients, its schedule read at counted gradients / the schedule's quorum.
   std::string budget = "steps";
+  // async: the learning rate of an update whose gradient is `s` updates stale: the schedule's
+  // ("none") or the schedule's / max(1, s) ("divide": the staleness-aware rule of Zhang, Gupta,
+  // Lian and Liu, "Staleness-aware Async-SGD", 2016; train/optim.h, staleness_lr_scale).
+  std::string async_staleness = "none";
   double lr = 0.05;     // base learning rate, before lr_scaling
   double momentum = 0.9;
   bool nesterov = false;

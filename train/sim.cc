@@ -461,8 +461,9 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
     const double applied = std::max(arrive, server_free) + serve_ms;
     server_free = applied;
     const int64_t stale = version - pulled[size_t(w)];
-    if (r.contributors == 0) r.lr = core.lr();
-    core.apply_gradient(grad[size_t(w)].data());
+    const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
+    if (r.contributors == 0) r.lr = core.lr() * scale;
+    core.apply_gradient(grad[size_t(w)].data(), scale);
     ++version;
     count_staleness(res, stale);
     const double pull_done = applied + hop_ms;
