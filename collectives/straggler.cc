@@ -145,13 +145,13 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
     return m;
   }
   if (kind == "resample") {
-    // resample:BASE_MS:FILE (the path last: it may hold colons).
+    // resample:SCALE_MS:FILE (the path last: it may hold colons).
     const auto second = colon == std::string_view::npos ? colon : spec.find(':', colon + 1);
     if (second == std::string_view::npos || second + 1 == spec.size())
-      throw ConfigError(fmt::format("straggler model '{}': expected resample:BASE_MS:FILE", spec));
+      throw ConfigError(fmt::format("straggler model '{}': expected resample:SCALE_MS:FILE", spec));
     m.kind_ = Kind::kResample;
-    m.a_ = number(spec, std::string(spec.substr(colon + 1, second - colon - 1)), "base");
-    if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': base must be >= 0", spec));
+    m.a_ = number(spec, std::string(spec.substr(colon + 1, second - colon - 1)), "scale");
+    if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': scale must be >= 0", spec));
     read_times(spec, std::string(spec.substr(second + 1)), m.ratio_, m.columns_, m.steps_);
     return m;
   }
@@ -196,7 +196,7 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
     throw ConfigError(
         fmt::format("unknown straggler model '{}' (expected none, fixed:RANK:MS, exp:MEAN_MS, "
                     "lognormal:MU:SIGMA, shiftexp:SHIFT_MS:MEAN_MS, tail:P:MS, trace:FILE or "
-                    "resample:BASE_MS:FILE)",
+                    "resample:SCALE_MS:FILE)",
                     spec));
   }
   if (m.a_ < 0) throw ConfigError(fmt::format("straggler model '{}': delay must be >= 0", spec));
@@ -240,7 +240,7 @@ std::chrono::microseconds StragglerModel::delay(uint64_t seed, int rank, uint64_
       const int col = perm[size_t(rank % R)];
       const uint64_t offset = uint64_t(uniform(seed, rank, 0, 7) * double(steps_)) % steps_;
       const uint64_t s = (step + offset) % steps_;
-      ms = (ratio_[size_t(s) * size_t(R) + size_t(col)] - 1.0) * a_;
+      ms = ratio_[size_t(s) * size_t(R) + size_t(col)] * a_;
       break;
     }
     case Kind::kTrace: {

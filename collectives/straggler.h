@@ -12,15 +12,16 @@
 //   tail:P:MS            every rank, every step: MS with probability P, else 0
 //   trace:FILE           per (step, rank) delays from FILE: lines "step rank ms" ('#' comments);
 //                        pairs absent from the file are not delayed
-//   resample:BASE_MS:FILE  a real job's per-worker step times (FILE: lines "STEP RANK MS", the
+//   resample:SCALE_MS:FILE  a real job's per-worker step times (FILE: lines "STEP RANK MS", the
 //                        same ranks every step, e.g. ../shared/traces), resampled to any world
 //                        size and any number of steps: worker w replays column pi_j(w mod R)
 //                        of the job's R ranks (pi_j a seeded permutation of the columns for
 //                        the j-th block of R workers, j = w div R: each column once per block)
 //                        from a seeded step offset o_w, wrapping around the job's S steps; its
-//                        delay at step k = (MS / the fastest rank's MS of that job step - 1)
-//                        x BASE_MS, so the fastest maps to the compute time BASE_MS (give the
-//                        model that compute time) and a rank's excess over it to a delay
+//                        delay at step k = MS / (the fastest rank's MS of that job step) x
+//                        SCALE_MS: a worker's whole compute time, the fastest taking SCALE_MS
+//                        (give the model no compute time of its own, qring-sim --compute-ms 0,
+//                        or one small beside SCALE_MS)
 #pragma once
 
 #include <chrono>

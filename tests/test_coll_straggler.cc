@@ -100,7 +100,7 @@ TEST(Straggler, TraceFile) {
 }
 
 // resample: a job of S = 3 steps x R = 4 ranks replayed by any number of workers. Every
-// delay is (that rank's time / the fastest of its job step - 1) x base; a worker keeps one
+// delay is that rank's time / the fastest of its job step x scale; a worker keeps one
 // column and walks the job's steps in order from its offset, wrapping; each block of R
 // workers uses every column once; the draw depends on the seed.
 TEST(Straggler, ResampleReplaysColumnsOfARealJobFromSeededOffsets) {
@@ -118,7 +118,7 @@ TEST(Straggler, ResampleReplaysColumnsOfARealJobFromSeededOffsets) {
   auto expect = [&](int c, int st) {
     double fastest = 1e300;
     for (double v : times[st]) fastest = std::min(fastest, v);
-    return (times[st][c] / fastest - 1) * 10;
+    return times[st][c] / fastest * 10;
   };
   for (uint64_t seed : {1, 2, 3}) {
     const int W = 10;
@@ -152,12 +152,16 @@ TEST(Straggler, ResampleReplaysColumnsOfARealJobFromSeededOffsets) {
   for (int w = 0; w < 8 && !differs; ++w)
     for (uint64_t k = 0; k < 3; ++k) differs = differs || m.delay(1, w, k) != m.delay(2, w, k);
   EXPECT_TRUE(differs);
-  // The fastest rank of a job step maps to no delay: every worker has some zero-delay steps or
-  // the column never is the fastest; the largest delay is the job's largest ratio.
-  double most = 0;
+  // The fastest rank of a job step takes the scale; the slowest delay is the job's largest
+  // ratio times it.
+  double least = 1e300, most = 0;
   for (int w = 0; w < 40; ++w)
-    for (uint64_t k = 0; k < 3; ++k) most = std::max(most, double(m.delay(5, w, k).count()) / 1000);
-  EXPECT_NEAR(most, (180.0 / 90 - 1) * 10, 1e-3);
+    for (uint64_t k = 0; k < 3; ++k) {
+      least = std::min(least, double(m.delay(5, w, k).count()) / 1000);
+      most = std::max(most, double(m.delay(5, w, k).count()) / 1000);
+    }
+  EXPECT_NEAR(least, 10, 1e-3);
+  EXPECT_NEAR(most, 180.0 / 90 * 10, 1e-3);
   for (const std::string& bad :
        std::vector<std::string>{"resample:10", "resample:x:" + path, "resample:-1:" + path,
                                 "resample:10:/nonexistent"})
