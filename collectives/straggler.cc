@@ -50,33 +50,52 @@ double number(std::string_view spec, const std::string& s, const char* what) {
   return v;
 }
 
+// "step rank ms" lines (',' and tabs as spaces, '#' comments): the trace:FILE model's delays.
+std::map<std::pair<uint64_t, int>, double> read_trace(std::string_view spec, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("straggler trace '{}' cannot be opened", path));
+  std::map<std::pair<uint64_t, int>, double> trace;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    auto hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    for (char& c : line)
+      if (c == ',' || c == '\t') c = ' ';
+    std::istringstream ls(line);
+    std::string a, b, c, extra;
+    if (!(ls >> a)) continue;
+    if (!(ls >> b >> c) || (ls >> extra))
+      throw ConfigError(fmt::format("{}:{}: expected 'step rank ms'", path, lineno));
+    double step, rank, ms;
+    try {
+      step = number(spec, a, "step");
+      rank = number(spec, b, "rank");
+      ms = number(spec, c, "delay");
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}:{}: {}", path, lineno, e.what()));
+    }
+    if (step < 0 || rank < 0 || ms < 0 || step != std::floor(step) || rank != std::floor(rank))
+      throw ConfigError(
+          fmt::format("{}:{}: step and rank must be non-negative integers and "
+                      "the delay >= 0",
+                      path, lineno));
+    trace[{uint64_t(step), int(rank)}] = ms;
+  }
+  return trace;
+}
+
 // "STEP RANK MS" lines of a real job (MS > 0, the same ranks every step) as ratios to each
 // step's fastest rank, step-major: ratio[s * ranks + c].
 void read_times(std::string_view spec, const std::string& path, std::vector<double>& ratio,
                 int& columns, uint64_t& steps) {
-  std::ifstream in(path);
-  if (!in) throw ConfigError(fmt::format("straggler model '{}': '{}' cannot be opened", spec, path));
   std::map<uint64_t, std::map<int, double>> t;
-  std::string line;
-  for (int lineno = 1; std::getline(in, line); ++lineno) {
-    if (auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
-    std::istringstream ls(line);
-    std::string a, b, c, extra;
-    if (!(ls >> a)) continue;
-    double step = -1, rank = -1, ms = 0;
-    if ((ls >> b >> c) && !(ls >> extra)) {
-      char* end = nullptr;
-      step = std::strtod(a.c_str(), &end);
-      if (*end) step = -1;
-      rank = std::strtod(b.c_str(), &end);
-      if (*end) rank = -1;
-      ms = std::strtod(c.c_str(), &end);
-      if (*end) ms = 0;
-    }
-    if (step < 0 || rank < 0 || step != std::floor(step) || rank != std::floor(rank) ||
-        rank > 1e6 || !std::isfinite(ms) || ms <= 0)
-      throw ConfigError(fmt::format("{}:{}: expected 'STEP RANK MS' (MS > 0)", path, lineno));
-    t[uint64_t(step)][int(rank)] = ms;
+  for (const auto& [key, ms] : read_trace(spec, path)) {
+    if (!(ms > 0))
+      throw ConfigError(fmt::format("{}: step {} rank {}: a time must be > 0, got {}", path,
+                                    key.first, key.second, ms));
+    t[key.first][key.second] = ms;
   }
   if (t.empty()) throw ConfigError(fmt::format("straggler model '{}': '{}' has no times", spec, path));
   const auto& first = t.begin()->second;
@@ -110,38 +129,8 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
   if (kind == "trace") {
     if (colon == std::string_view::npos || colon + 1 == spec.size())
       throw ConfigError(fmt::format("straggler model '{}': expected trace:FILE", spec));
-    std::string path(spec.substr(colon + 1));
-    std::ifstream in(path);
-    if (!in) throw ConfigError(fmt::format("straggler trace '{}' cannot be opened", path));
     m.kind_ = Kind::kTrace;
-    std::string line;
-    int lineno = 0;
-    while (std::getline(in, line)) {
-      ++lineno;
-      auto hash = line.find('#');
-      if (hash != std::string::npos) line.resize(hash);
-      for (char& c : line)
-        if (c == ',' || c == '\t') c = ' ';
-      std::istringstream ls(line);
-      std::string a, b, c, extra;
-      if (!(ls >> a)) continue;
-      if (!(ls >> b >> c) || (ls >> extra))
-        throw ConfigError(fmt::format("{}:{}: expected 'step rank ms'", path, lineno));
-      double step, rank, ms;
-      try {
-        step = number(spec, a, "step");
-        rank = number(spec, b, "rank");
-        ms = number(spec, c, "delay");
-      } catch (const ConfigError& e) {
-        throw ConfigError(fmt::format("{}:{}: {}", path, lineno, e.what()));
-      }
-      if (step < 0 || rank < 0 || ms < 0 || step != std::floor(step) || rank != std::floor(rank))
-        throw ConfigError(
-            fmt::format("{}:{}: step and rank must be non-negative integers and "
-                        "the delay >= 0",
-                        path, lineno));
-      m.trace_[{uint64_t(step), int(rank)}] = ms;
-    }
+    m.trace_ = read_trace(spec, std::string(spec.substr(colon + 1)));
     return m;
   }
   if (kind == "resample") {

@@ -192,24 +192,15 @@ def allreduce_rounds(k, nbytes):
 
 
 def calibrate(out, bench_files):
-    """The simulator's cost model from qring-bench --op quorum --compare-allreduce rows (one
-    run per rank count k, quorum k - 1, the quorum op and the plain all-reduce alternating
-    step by step, sizes 4 KiB up), from the 2-rank rows, where each rank has a core of its
-    own: the model's workers each have one (the 100-1000 simulated workers are a cluster that
-    this 2-core machine cannot hold; with more ranks than cores a back-to-back all-reduce
-    waits for descheduled peers at every round, 10-100x slower than in training, where ranks
-    sleep between steps: the other rows are kept in the output for the record).
-      alpha, beta   rounds(k, bytes) alpha + 2 (k - 1)/k bytes beta fitted by least squares
-                    in the relative error to the plain all-reduce's medians at 2 ranks
-      rtt           the READY/DECIDE round trip: the 2-rank quorum-1 op's median at the
-                    smallest size (its reduction is empty)
-    and, from rows run with --straggler shiftexp:IDLE:0 (every rank sleeps IDLE ms before
-    each step, as ranks idle between steps in training), the measured time of a step beyond
-    its contributors' arrival by the number of contributors N, full sync and with a backup:
-    step_cost_ms, which the simulator uses for those N instead of rtt + the model (on this
-    machine the reduction among N ranks, and with backups the READY/DECIDE exchange, cost
-    milliseconds once the ranks must be woken and scheduled, where the model's 2-rank
-    figures say microseconds)."""
+    """The simulator's network model from qring-bench --op quorum --compare-allreduce rows
+    (the quorum op and the plain all-reduce alternating step by step, sizes 4 KiB up) of 2
+    ranks, each with a core of its own as each simulated worker: alpha and beta of
+    rounds(k, bytes) alpha + 2 (k - 1)/k bytes beta, fitted by least squares in the relative
+    error to the all-reduce's medians; rtt, the READY/DECIDE round trip, the quorum-1 op's
+    median at the smallest size (its reduction is empty). Rows run with --straggler
+    shiftexp:IDLE:0 (every rank sleeps IDLE ms before each step) give, by contributor count
+    N, the measured time of a step beyond its contributors' arrival (step_cost_ms), which
+    the simulator then uses for those N instead of the model."""
     rows, duty = [], []
     for f in bench_files:
         data = read_json(f)
@@ -668,7 +659,9 @@ def verdict_interval(lo, hi, threshold, above=True):
     return "reproduced" if hi < threshold else "not reproduced" if lo > threshold else "undecided"
 
 
-def claims_of(res, scale):
+def claims_of(res):
+    """The claim table's rows: (id, claim, the paper's number, qring's setup, qring's number
+    with its interval, verdict)."""
     out = []
 
     def add(cid, claim, paper, setup, number, verdict):
@@ -676,6 +669,22 @@ def claims_of(res, scale):
         out.append({"id": cid, "claim": claim, "paper": paper, "setup": setup,
                     "number": number, "verdict": verdict})
 
+    for part in (claims_p1_p2, claims_p3, claims_p4_auto, claims_simulator):
+        part(res, add)
+    return out
+
+
+def seeds_n(seeds):
+    return "1 seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
+
+
+def same_accuracy_verdict(sooner, alo, ahi):
+    same = alo is not None and alo > -SAME_ACCURACY and ahi < SAME_ACCURACY
+    return "reproduced" if sooner == "reproduced" and same else \
+        "partly" if sooner == "reproduced" else sooner
+
+
+def claims_p1_p2(res, add):
     for r in res["kth"]:
         if r["n"] != 100:
             continue
@@ -690,31 +699,27 @@ def claims_of(res, scale):
         if bf:
             m, lo, hi = bf["sooner"]
             am, alo, ahi = bf["accuracy_diff"]
-            sooner = verdict_interval(lo, hi, 1.0)
-            same = alo is not None and alo > -SAME_ACCURACY and ahi < SAME_ACCURACY
-            v = ("reproduced" if sooner == "reproduced" and same else
-                 "partly" if sooner == "reproduced" else sooner)
+            v = same_accuracy_verdict(verdict_interval(lo, hi, 1.0), alo, ahi)
             add("P2", "sync with backups reaches the target sooner than full sync, at the same accuracy",
                 "Inception, 100 workers: 96 + 4 converges sooner than 100 + 0 (the b-sweep figure)",
                 f"qring-sim, N+b = 100, {sw['regime']}, best b = {sw['best_b']} against b = 0, "
                 f"{len(sw['seeds'])} seeds",
                 f"{fmt_ci(m, lo, hi)}x sooner; final accuracy {fmt_ci(am, alo, ahi, 2, ' pts')}", v)
     for r in res["real"]:
-        e = r.get("backups vs async")
         m = r["methods"]
         if "full sync" in m and "backups" in m:
             a, b = m["backups"]["per_seed"], m["full sync"]["per_seed"]
             s = r["seeds"]
             rm, rlo, rhi = ratio_ci([(b[x][0], a[x][0]) for x in s if a[x][0] and b[x][0]])
             am, alo, ahi = mean_ci([a[x][1] - b[x][1] for x in s])
-            sooner = verdict_interval(rlo, rhi, 1.0)
-            same = alo is not None and alo > -SAME_ACCURACY and ahi < SAME_ACCURACY
             add("P2", "sync with backups reaches the target sooner than full sync, at the same accuracy",
                 "(as above)", f"qring-train, {r['key']} ranks, Q = {r['key'] - 1} against Q = {r['key']}, "
                 f"{len(s)} seeds", f"{fmt_ci(rm, rlo, rhi)}x sooner; final accuracy "
                 f"{fmt_ci(am, alo, ahi, 2, ' pts')}",
-                "reproduced" if sooner == "reproduced" and same else
-                "partly" if sooner == "reproduced" else sooner)
+                same_accuracy_verdict(verdict_interval(rlo, rhi, 1.0), alo, ahi))
+
+
+def claims_p3(res, add):
     for where, rows, unit in (("qring-sim", res["async"], "simulated workers"),
                               ("qring-train", res["real"], "ranks")):
         for r in rows:
@@ -760,6 +765,9 @@ def claims_of(res, scale):
             f"{len(dp['rows'][0]['seeds'])} seeds",
             f"gap at 4 layers minus gap at 1: {fmt_ci(gm, glo, ghi, 2, ' pts')} ({gaps})",
             verdict_interval(glo, ghi, 0.0))
+
+
+def claims_p4_auto(res, add):
     for sw in res["bsweep"] + res["bsweep1000"]:
         lo, hi = sw["best_b_interval"]
         bs = sw["b_values"]
@@ -785,6 +793,9 @@ def claims_of(res, scale):
                 f"{fmt_ci(m, lo, hi)}x the best fixed b's time (b = {sw['best_b']}); reached the "
                 f"target in {e['reached']}/{n}",
                 "met" if met else "not met")
+
+
+def claims_simulator(res, add):
     for r in res["validate"]["rows"]:
         ok = abs(r["p50_error"]) <= VALIDATION and abs(r["mean_error"]) <= VALIDATION
         add("sim", "the simulator's step time within 10 % of qring's on emulated hosts",
@@ -801,7 +812,6 @@ def claims_of(res, scale):
             add("sim", "the simulated order statistics follow the shifted exponential's closed form",
                 "E[T(k)] = shift + mean (H(n) - H(n-k))", f"qring-sim, n = {r['n']}, {len(r['seeds'])} seeds",
                 f"largest error {100 * e:.2f} %", "met" if e <= 0.02 else "not met")
-    return out
 
 
 def md_table(header, rows):
@@ -879,7 +889,7 @@ def analyze(d):
     for r in runs(os.path.join(d, "depth"), r"d\d+-s\d+-full").values():
         res["depth_w"] = r["summary"]["workers"]
         break
-    claims = claims_of(res, res["scale"])
+    claims = claims_of(res)
     os.makedirs(os.path.join(d, "tables"), exist_ok=True)
     with open(os.path.join(d, "tables", "results.json"), "w") as f:
         json.dump(res, f, indent=1, default=lambda o: None)

@@ -132,6 +132,36 @@ class SimRun {
   }
   void skip(int w) { sharders_[size_t(w)].next_batch(); }
 
+  // A sync step's update: the mean of the gradients of arr's first n workers (summed in
+  // arrival order) into `mean`, their ranks appended to `ranks`; the others' batches are
+  // skipped. Returns the mean loss; local_sq = the mean over them of |g_i|^2, mean_sq =
+  // |mean|^2 (the noise scale's inputs, as READY carries them in qring-train).
+  double average_first(const std::vector<SimArrival>& arr, int n, std::vector<float>& mean,
+                       std::vector<int>& ranks, double& local_sq, double& mean_sq) {
+    const size_t P = mean.size();
+    std::fill(mean.begin(), mean.end(), 0.0f);
+    double loss = 0, sq = 0;
+    for (int i = 0; i < n; ++i) {
+      const int w = arr[size_t(i)].rank;
+      loss += gradient(w);
+      const float* g = core_.gradient();
+      for (size_t p = 0; p < P; ++p) {
+        mean[p] += g[p];
+        sq += double(g[p]) * double(g[p]);
+      }
+      ranks.push_back(w);
+    }
+    for (size_t i = size_t(n); i < arr.size(); ++i) skip(arr[i].rank);
+    const float inv = 1.0f / float(n);
+    mean_sq = 0;
+    for (size_t p = 0; p < P; ++p) {
+      mean[p] *= inv;
+      mean_sq += double(mean[p]) * double(mean[p]);
+    }
+    local_sq = sq / n;
+    return loss / n;
+  }
+
   // Every worker's arrival in ms after the step's first, by rank (qring-train's format).
   void record_arrivals(int64_t step, const std::vector<SimArrival>& arr) {
     if (!arrivals_.is_open() || arr.empty()) return;
@@ -259,6 +289,26 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
   run.finish(vt);
 }
 
+// A decided step as the coordinator's window keeps it (auto_quorum.h): the arrivals counted,
+// and any at the same instant as the decision (not counted here, but observed: not
+// censored), after the step's first; the others had not arrived.
+collectives::StepArrivals seen_by_coordinator(const std::vector<SimArrival>& arr,
+                                              const SimDecision& dec) {
+  collectives::StepArrivals a;
+  a.offset_ms.assign(arr.size(), collectives::StepArrivals::kNotArrived);
+  for (size_t i = 0; i < arr.size() && (int(i) < dec.count || arr[i].ms <= dec.at_ms); ++i)
+    a.offset_ms[size_t(arr[i].rank)] = arr[i].ms - arr.front().ms;
+  a.decided_ms = dec.at_ms - arr.front().ms;
+  return a;
+}
+
+std::optional<double> mean_of(const std::vector<double>& v) {
+  if (v.empty()) return std::nullopt;
+  double s = 0;
+  for (double x : v) s += x;
+  return s / double(v.size());
+}
+
 void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
               SimResult& res) {
   const int W = opts.workers;
@@ -309,28 +359,11 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     // The first N arrivals count: the quorum, and with a grace those within it.
     const SimDecision dec = sim_decide(arr, Q, opts.grace_ms);
     const int N = dec.count;
-    std::fill(sum.begin(), sum.end(), 0.0f);
-    double loss = 0, sq = 0;
     SimStepRecord r;
     r.step = t;
-    for (int i = 0; i < N; ++i) {
-      const int w = arr[size_t(i)].rank;
-      loss += run.gradient(w);
-      const float* g = core.gradient();
-      for (size_t p = 0; p < P; ++p) {
-        sum[p] += g[p];
-        sq += double(g[p]) * double(g[p]);
-      }
-      r.ranks.push_back(w);
-    }
-    for (int i = N; i < W; ++i) run.skip(arr[size_t(i)].rank);
-    const float inv = 1.0f / float(N);
-    double mean_sq = 0;
-    for (size_t p = 0; p < P; ++p) {
-      sum[p] *= inv;
-      mean_sq += double(sum[p]) * double(sum[p]);
-    }
-    noise.add(N, sq / N, mean_sq);
+    double local_sq = 0, mean_sq = 0;
+    const double loss = run.average_first(arr, N, sum, r.ranks, local_sq, mean_sq);
+    noise.add(N, local_sq, mean_sq);
     if (auto v = noise.value()) r.noise_scale = *v * double(cfg.train.batch_per_rank);
     if (r.noise_scale) {
       noise_all.push_back(*r.noise_scale);
@@ -344,19 +377,12 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     r.step_ms = dec.at_ms +
                 sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0, bytes, res.apply_ms);
     if (opts.adaptive) {
-      collectives::StepArrivals a;
-      a.offset_ms.assign(size_t(W), collectives::StepArrivals::kNotArrived);
-      // What the coordinator has seen by its decision: the N counted, and any arrival at the
-      // same instant as the decision (not counted here, but observed: not censored).
-      for (int i = 0; i < W && (i < N || arr[size_t(i)].ms <= dec.at_ms); ++i)
-        a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
-      a.decided_ms = dec.at_ms - arr.front().ms;
-      window.decided(uint64_t(t), std::move(a));
+      window.decided(uint64_t(t), seen_by_coordinator(arr, dec));
       since_first = r.step_ms - arr.front().ms;
     }
     vt += r.step_ms / 1000.0;
     r.virtual_s = vt;
-    r.loss = loss / N;
+    r.loss = loss;
     r.contributors = N;
     r.quorum = Q;
     ++res.quorum_hist[Q];
@@ -370,12 +396,6 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   run.evaluate(t, vt);
   res.step_p50_ms = quantile(step_ms, 0.5);
   res.step_p90_ms = quantile(step_ms, 0.9);
-  auto mean_of = [](const std::vector<double>& v) -> std::optional<double> {
-    if (v.empty()) return std::nullopt;
-    double s = 0;
-    for (double x : v) s += x;
-    return s / double(v.size());
-  };
   res.noise_scale_mean = mean_of(noise_all);
   res.noise_scale_to_target = mean_of(noise_before_target);
   run.finish(vt);
