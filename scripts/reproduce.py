@@ -7,7 +7,9 @@ SGD", on qring's own runs (docs/reproduction.md).
     scripts/reproduce.py publish DIR           DIR's plots and tables into docs/reproduction/,
                                                its claim table and numbers into the marked
                                                blocks of docs/reproduction.md
-    scripts/reproduce.py calibrate OUT.json BENCH.json...   the simulator's network model
+    scripts/reproduce.py calibrate OUT.json BENCH.json... [--min-bytes=N]
+                                               the simulator's network model (from rows of
+                                               N bytes and more)
     scripts/reproduce.py tune-async DIR PREFIX the best of the async grid DIR/PREFIX-*: its
                                                settings as key=value arguments
     scripts/reproduce.py fake-times OUT RANKS STEPS SEED     a made-up job trace ("STEP RANK
@@ -191,7 +193,7 @@ def allreduce_rounds(k, nbytes):
     return 2 * (k - 1)
 
 
-def calibrate(out, bench_files):
+def calibrate(out, bench_files, min_bytes=0):
     """The simulator's network model from qring-bench --op quorum --compare-allreduce rows
     (the quorum op and the plain all-reduce alternating step by step, sizes 4 KiB up) of 2
     ranks, each with a core of its own as each simulated worker: alpha and beta of
@@ -213,7 +215,9 @@ def calibrate(out, bench_files):
                 rows.append(r)
     ar = [r for r in rows if r.get("op") == "allreduce" and r.get("compare_allreduce")
           and r.get("ranks", 1) > 1]
-    two = [r for r in ar if r["ranks"] == 2 and r["p50_us"] > 0]
+    # Sizes within a rate-capped link's burst (tbf passes its bucket at full speed) say
+    # nothing about the rate: only rows of at least min_bytes are fitted.
+    two = [r for r in ar if r["ranks"] == 2 and r["p50_us"] > 0 and r["bytes"] >= min_bytes]
     if len(two) < 2:
         sys.exit("calibrate: needs 2-rank all-reduce rows (qring-bench -n 2 --op quorum "
                  "--quorum 1 --compare-allreduce) at two or more sizes")
@@ -425,14 +429,20 @@ def async_part(d, sub, prefix="W"):
 
 
 def async_args(run_dir):
-    """The tuned settings of an async run (its config.toml): lr, warm-up, staleness rule."""
+    """The tuned settings of an async run (its config.toml): lr, warm-up, staleness rule. A
+    qring-sim async run's config.toml holds the schedule it ran, in updates (warm-up x W):
+    the setting is that over W."""
     text = open(os.path.join(run_dir, "config.toml")).read()
+    s = read_json(os.path.join(run_dir, "summary.json"))
 
     def get(key):
         m = re.search(rf"^{key}\s*=\s*(.+)$", text, re.M)
         return m.group(1).strip().strip('"') if m else None
+    warm = get("warmup_steps")
+    if warm is not None and "workers" in s and s.get("mode") == "async":
+        warm = str(int(warm) // int(s["workers"]))
     return {"train.async_staleness": get("async_staleness"), "train.lr": get("lr"),
-            "train.warmup_steps": get("warmup_steps")}
+            "train.warmup_steps": warm}
 
 
 def tune_async(d, prefix):
@@ -994,7 +1004,9 @@ def fake_times(out, ranks, steps, seed):
 def main():
     cmds = {"analyze": (1, lambda a: analyze(a[0])), "check": (1, lambda a: check(a[0])),
             "publish": (1, lambda a: publish(a[0])),
-            "calibrate": (2, lambda a: calibrate(a[0], a[1:])),
+            "calibrate": (2, lambda a: calibrate(a[0], [x for x in a[1:] if not x.startswith("--min-bytes=")],
+                                                 min((int(x.split("=")[1]) for x in a[1:]
+                                                      if x.startswith("--min-bytes=")), default=0))),
             "tune-async": (2, lambda a: tune_async(a[0], a[1])),
             "fake-times": (4, lambda a: fake_times(a[0], int(a[1]), int(a[2]), int(a[3])))}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds or len(sys.argv) - 2 < cmds[sys.argv[1]][0]:

@@ -64,7 +64,8 @@ run() {
 
 run 2 calibration-2 --op quorum --quorum 1 --compare-allreduce -b 4K -e 1M -f 4 -n "$VAL_ITERS" \
   -w 3 --json "$DIR/calibration-2.json"
-"$PY" scripts/reproduce.py calibrate "$DIR/calibration.json" "$DIR/calibration-2.json" >/dev/null
+"$PY" scripts/reproduce.py calibrate "$DIR/calibration.json" "$DIR/calibration-2.json" \
+  --min-bytes=65536 >/dev/null
 
 for k in $VAL_HOSTS; do
   run "$k" "cost-$k" --op quorum -b "$BYTES" -e "$BYTES" -n "$VAL_ITERS" -w 3 --json "$DIR/cost-$k.json"
