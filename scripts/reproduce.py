@@ -12,6 +12,7 @@ SGD", on qring's own runs (docs/reproduction.md).
                                                N bytes and more)
     scripts/reproduce.py tune-async DIR PREFIX the best of the async grid DIR/PREFIX-*: its
                                                settings as key=value arguments
+    scripts/reproduce.py step-cost RUN_DIR     a run's median step and compute time (ms)
     scripts/reproduce.py fake-times OUT RANKS STEPS SEED     a made-up job trace ("STEP RANK
                                                              MS"), for --smoke
 
@@ -472,29 +473,56 @@ def depth_part(d):
     return out
 
 
+SKIP_STEPS = 5  # the first steps of a run (connections, warm caches) are left out
+
+
+def step_periods(run_dir):
+    """A qring-train run's step times (ms, rank 0's wall time between consecutive step lines)
+    or a qring-sim run's (its step_ms), after the first SKIP_STEPS steps."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    if steps and "virtual_s" in steps[0]:
+        return [j["step_ms"] for j in steps[SKIP_STEPS:]]
+    return [1000 * (b["wall_s"] - a["wall_s"]) for a, b in zip(steps, steps[1:])][SKIP_STEPS:]
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else None
+
+
+def step_cost(run_dir):
+    """qring's own step cost of a run without stragglers: the median step (ms) and the median
+    compute time of a gradient (ms)."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    print(f"{median(step_periods(run_dir)):.3f} "
+          f"{median([j['compute_ms'] for j in steps[SKIP_STEPS:] if j.get('compute_ms', 0) > 0]):.4f}")
+
+
 def validate_part(d):
+    """The simulator against qring-train on emulated hosts: per hosts and quorum, the p50 and
+    mean step time, measured and simulated."""
     v = os.path.join(d, "validate")
     rows = []
-    for f in sorted(glob.glob(os.path.join(v, "measured-*-q*.json"))):
-        m = re.search(r"measured-(\d+)-q(\d+)\.json$", f)
-        k, q = int(m.group(1)), int(m.group(2))
-        meas = read_json(f)[0]
-        sim_dir = os.path.join(v, f"simulated-{k}-q{q}")
+    for meas in sorted(glob.glob(os.path.join(v, "measured-*-q*"))):
+        m = re.search(r"measured-(\d+)-q(\d+)$", meas)
+        if not m or not os.path.isdir(meas):
+            continue
+        sim_dir = os.path.join(v, f"simulated-{m.group(1)}-q{m.group(2)}")
         if not os.path.exists(os.path.join(sim_dir, "summary.json")):
             continue
-        s = read_json(os.path.join(sim_dir, "summary.json"))
-        steps = [j["step_ms"] for j in plot.read_jsonl(os.path.join(sim_dir, "metrics.jsonl"))
-                 if j.get("type") == "step"]
+        k, q = int(m.group(1)), int(m.group(2))
+        mp, sp = step_periods(meas), step_periods(sim_dir)
         host = read_json(os.path.join(v, f"hosts-{k}.json"))
-        sim_p50, sim_mean = s["step_p50_ms"], sum(steps) / len(steps)
-        rows.append({"hosts": k, "quorum": q, "cost_ms": host["cost_ms"], "rate": host["rate"],
-                     "bytes": host["bytes"], "steps": meas["iters"],
-                     "measured_p50_ms": meas["p50_us"] / 1000, "measured_mean_ms": meas["mean_us"] / 1000,
-                     "simulated_p50_ms": sim_p50, "simulated_mean_ms": sim_mean,
-                     "p50_error": sim_p50 / (meas["p50_us"] / 1000) - 1,
-                     "mean_error": sim_mean / (meas["mean_us"] / 1000) - 1,
-                     "delay_over_cost_max": None})
-        rows[-1]["delay_over_cost_max"] = max_trace_ratio(s["straggler"])
+        s = read_json(os.path.join(sim_dir, "summary.json"))
+        row = {"hosts": k, "quorum": q, "cost_ms": host["cost_ms"], "rate": host["rate"],
+               "bytes": host["bytes"], "steps": len(mp),
+               "measured_p50_ms": median(mp), "measured_mean_ms": sum(mp) / len(mp),
+               "simulated_p50_ms": median(sp), "simulated_mean_ms": sum(sp) / len(sp),
+               "delay_over_cost_max": max_trace_ratio(s["straggler"])}
+        row["p50_error"] = row["simulated_p50_ms"] / row["measured_p50_ms"] - 1
+        row["mean_error"] = row["simulated_mean_ms"] / row["measured_mean_ms"] - 1
+        rows.append(row)
+    rows.sort(key=lambda r: (r["hosts"], -r["quorum"]))
     cal = os.path.join(v, "calibration.json")
     return {"rows": rows, "calibration": read_json(cal) if os.path.exists(cal) else None}
 
@@ -1008,6 +1036,7 @@ def main():
                                                  min((int(x.split("=")[1]) for x in a[1:]
                                                       if x.startswith("--min-bytes=")), default=0))),
             "tune-async": (2, lambda a: tune_async(a[0], a[1])),
+            "step-cost": (1, lambda a: step_cost(a[0])),
             "fake-times": (4, lambda a: fake_times(a[0], int(a[1]), int(a[2]), int(a[3])))}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds or len(sys.argv) - 2 < cmds[sys.argv[1]][0]:
         sys.exit(__doc__)
