@@ -101,11 +101,9 @@ TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
   for (int r = 1; r < W; ++r) EXPECT_EQ(out[size_t(r)].params_checksum, out[0].params_checksum);
 }
 
-// qring-sim's auto mode calls the same rule on its virtual clock: with one worker 100 ms
-// behind, N settles at W - 1; the histogram counts every step.
-TEST(AutoQuorumSim, TheSimulatorUsesTheSameRule) {
-  omp_set_num_threads(1);
-  auto cfg = TrainConfig::from_string(R"(
+// 8-16 simulated workers of a small model, 60 steps, quorum "auto", under `straggler`.
+TrainConfig sim_config(const std::string& straggler) {
+  return TrainConfig::from_string(R"(
 [data]
 dataset = "synthetic"
 synthetic_train = 2048
@@ -118,9 +116,15 @@ steps = 60
 eval_every = 30
 [quorum]
 quorum = "auto"
-[straggler]
-model = "fixed:5:100"
-)");
+)",
+                                  {"straggler.model=" + straggler});
+}
+
+// qring-sim's auto mode calls the same rule on its virtual clock: with one worker 100 ms
+// behind, N settles at W - 1; the histogram counts every step.
+TEST(AutoQuorumSim, TheSimulatorUsesTheSameRule) {
+  omp_set_num_threads(1);
+  auto cfg = sim_config("fixed:5:100");
   train::SimOptions o;
   o.workers = 8;
   o.adaptive = true;
@@ -152,22 +156,7 @@ model = "fixed:5:100"
 // value's. A huge fixed noise scale is the linear value.
 TEST(AutoQuorumSim, WithoutANoiseScaleTheRunsEstimateValuesItsSteps) {
   omp_set_num_threads(1);
-  auto cfg = TrainConfig::from_string(R"(
-[data]
-dataset = "synthetic"
-synthetic_train = 2048
-synthetic_test = 256
-[model]
-hidden = [16]
-[train]
-batch_per_rank = 16
-steps = 60
-eval_every = 30
-[quorum]
-quorum = "auto"
-[straggler]
-model = "shiftexp:1:2"
-)");
+  auto cfg = sim_config("shiftexp:1:2");
   const auto data = train::load_datasets(cfg.data, 42);
   train::SimOptions o;
   o.workers = 16;

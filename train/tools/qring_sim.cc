@@ -150,10 +150,8 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   app.add_flag("--arrivals-only", a.opts.arrivals_only,
                "sync: only draw train.steps steps of arrivals and time them (no training; "
                "arrivals.jsonl and the mean k-th arrival in summary.json)");
-  app.add_option("overrides", a.overrides,
-                 "key=value: override any configuration key, e.g. "
-                 "straggler.model=shiftexp:5:20 train.steps=200 train.target_accuracy=0.8")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cli::add_overrides(app, a.overrides,
+                     "straggler.model=shiftexp:5:20 train.steps=200 train.target_accuracy=0.8");
   app.footer(
       "Writes run.out_dir/run.name/{metrics.jsonl, summary.json, config.toml, arrivals.jsonl}.\n"
       "Compute time of worker w at its k-th gradient = compute + straggler.model's\n"
@@ -164,10 +162,7 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
       "Exit status: 0 done, 1 runtime failure, 2 bad command line, configuration or data.");
   cli::ParseOptions po;
   po.check = [&] {
-    for (const std::string& o : a.overrides)
-      if (o.find('=') == std::string::npos)
-        throw ConfigError(
-            fmt::format("unknown argument '{}' (overrides are key=value; see --help)", o));
+    cli::check_overrides(a.overrides);
     if (a.config_path.empty()) throw ConfigError("--config FILE is required (see --help)");
     if (!have_workers) throw ConfigError("--workers W is required (see --help)");
     // The file first, explicit flags over it.
