@@ -380,7 +380,7 @@ def sweep_part(d, sub, regime, workers):
         out["best_vs_full"] = {"sooner": ratio_ci(paired("0", str(best))),
                                "pairs": len(paired("0", str(best))),
                                "accuracy_diff": acc_diff(str(best), "0")}
-    for auto in ("auto", "auto-linear"):
+    for auto in ("auto", "auto-estimate"):
         if best is not None and auto in groups:
             out[auto + "_vs_best"] = {"ratio": ratio_ci(paired(auto, str(best))),
                                       "pairs": len(paired(auto, str(best))),
@@ -577,7 +577,8 @@ def plot_kth(kth, path):
 
 def plot_sweep(sweeps, path, title):
     """Time to the target against b, one panel per regime: each b's mean and 95 % interval,
-    auto and auto-linear as bands; seeds that never reached the target are said."""
+    auto (the linear value) and auto-estimate (the noise scale estimated in the run) as lines,
+    auto's interval as a band; seeds that never reached the target are said."""
     fig, ax = figure(1, len(sweeps), width=5.5)
     for i, sw in enumerate(sweeps):
         a = ax[0][i]
@@ -637,23 +638,26 @@ def plot_async(rows, path, title, key_label):
 
 
 def plot_auto(d, path):
-    """quorum "auto" under the real trace at N+b = 100, one seed: Q(t) and the estimated
-    noise scale, beside the best fixed quorum."""
-    rs = runs(os.path.join(d, "bsweep"), r"trace-s\d+-bauto")
+    """quorum "auto" under the real trace at N+b = 100, one seed: Q(t) with the linear value
+    (the default) and with the noise scale estimated in the run, and that estimate."""
+    rs = runs(os.path.join(d, "bsweep"), r"trace-s1-bauto(-estimate)?")
     if not rs:
         return
-    r = rs[sorted(rs)[0]]
-    steps = [j for j in plot.read_jsonl(os.path.join(r["dir"], "metrics.jsonl")) if j.get("type") == "step"]
     fig, ax = figure(1, 2)
-    ax[0][0].plot([j["step"] for j in steps], [j["quorum"] for j in steps],
-                  color=palette.method_color("auto"))
-    ax[0][0].set_title(f"quorum Q(t) chosen by auto ({r['name']})")
+    for name, r in sorted(rs.items()):
+        steps = [j for j in plot.read_jsonl(os.path.join(r["dir"], "metrics.jsonl"))
+                 if j.get("type") == "step"]
+        est = name.endswith("estimate")
+        style = {"color": palette.method_color("auto"), "linestyle": "--" if est else "-"}
+        label = "auto, noise scale estimated" if est else "auto (linear value)"
+        ax[0][0].plot([j["step"] for j in steps], [j["quorum"] for j in steps], label=label, **style)
+        if est:
+            ns = [(j["step"], j["noise_scale"] / 8) for j in steps if "noise_scale" in j]
+            ax[0][1].plot([p[0] for p in ns], [p[1] for p in ns], **style)
+    ax[0][0].set_title("quorum Q(t) chosen by auto (trace, seed 1)")
     ax[0][0].set_xlabel("step")
     ax[0][0].set_ylabel("Q(t) of 100")
-    batch = 8
-    ax[0][1].plot([j["step"] for j in steps if "noise_scale" in j],
-                  [j["noise_scale"] / batch for j in steps if "noise_scale" in j],
-                  color=palette.method_color("auto"))
+    ax[0][0].legend()
     ax[0][1].set_yscale("log")
     ax[0][1].set_title("the run's estimate of the gradient-noise scale")
     ax[0][1].set_xlabel("step")
@@ -816,15 +820,15 @@ def claims_p4_auto(res, add):
             f"best b = {sw['best_b']}, bootstrap interval [{lo}, {hi}]",
             "reproduced" if interior else "undecided" if lo is None or hi is None else "not reproduced")
     for sw in res["bsweep"]:
-        for auto in ("auto", "auto-linear"):
+        for auto in ("auto", "auto-estimate"):
             e = sw.get(auto + "_vs_best")
             if not e:
                 continue
             m, lo, hi = e["ratio"]
             n = len(sw["seeds"])
             met = m is not None and e["reached"] == n and m <= AUTO_WITHIN
-            what = ("the noise scale estimated in the run" if auto == "auto"
-                    else "the linear value (no noise scale)")
+            what = ("the default: the linear value, no noise scale" if auto == "auto"
+                    else "quorum.noise_scale = estimate: the noise scale estimated in the run")
             add("auto", f"quorum \"auto\" ({what}) within 5 % of the best fixed b",
                 "(qring's own aim, issue 46)",
                 f"qring-sim, N+b = 100, {sw['regime']}, same optimizer form, {n} seeds",

@@ -40,9 +40,10 @@ TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
   EXPECT_THROW(smoke("cfg", {"quorum.quorum=auto", "quorum.min=5"}).validate(4), ConfigError);
   // A count again clears "auto".
   EXPECT_FALSE(smoke("cfg", {"quorum.quorum=auto", "quorum.quorum=3"}).quorum.quorum_auto);
-  // The rule's noise scale: "estimate" (the default: the run's own), or samples >= 0 (0 is
-  // the linear value); both survive the round trip through TOML.
-  EXPECT_TRUE(smoke("cfg").quorum.noise_scale_estimated());
+  // The rule's noise scale: samples >= 0 (0, the default, is the linear value), or
+  // "estimate" (the run's own); both survive the round trip through TOML.
+  EXPECT_FALSE(smoke("cfg").quorum.noise_scale_estimated());
+  EXPECT_EQ(smoke("cfg").quorum.noise_scale, 0);
   auto ns = smoke("cfg", {"quorum.quorum=auto", "quorum.noise_scale=400"});
   EXPECT_FALSE(ns.quorum.noise_scale_estimated());
   EXPECT_EQ(TrainConfig::from_string(ns.to_toml()).quorum.noise_scale, 400);
@@ -52,6 +53,7 @@ TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
   EXPECT_TRUE(est.quorum.noise_scale_estimated());
   EXPECT_TRUE(TrainConfig::from_string(est.to_toml()).quorum.noise_scale_estimated());
   EXPECT_FALSE(smoke("cfg", {"quorum.noise_scale=0"}).quorum.noise_scale_estimated());
+  EXPECT_TRUE(smoke("cfg", {"quorum.noise_scale=estimate"}).quorum.noise_scale_estimated());
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=-1"}).validate(4), ConfigError);
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=nan"}).validate(4), ConfigError);
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=\"big\""}), ConfigError);

@@ -382,9 +382,12 @@ void TrainConfig::apply_override(const std::string& assignment) {
   const auto fs = fields();
   const Field* f = find_field(fs, key);
   if (f == nullptr) fail(key, "unknown key");
-  if ((f->kind == Kind::kString || (f->kind == Kind::kQuorum && text == "auto")) &&
+  // Bare text for string keys and for the named values of number keys ("auto", "estimate").
+  const bool named = (f->kind == Kind::kQuorum && text == "auto") ||
+                     (f->key == "quorum.noise_scale" && text == "estimate");
+  if ((f->kind == Kind::kString || named) &&
       (text.empty() || (text[0] != '"' && text[0] != '\''))) {
-    f->set(*this, toml::value(text));  // bare text for string keys
+    f->set(*this, toml::value(text));
     return;
   }
   if (invalid_utf8(text) != std::string::npos) fail(key, "the value is not valid UTF-8");

@@ -77,11 +77,12 @@ struct QuorumSection {
   int64_t max = 0;
   // quorum "auto": the gradient-noise scale B in samples: the value of a step that averages k
   // workers' batches of b samples is taken as k / (1 + k b / B) instead of k
-  // (collectives/quorum/auto_quorum.h). "estimate" (the default: noise_scale_estimate): B is
-  // the run's own estimate from its steps (collectives/quorum/noise_scale.h); a number fixes
-  // it (0 = none: the linear value k).
+  // (collectives/quorum/auto_quorum.h). 0 (the default): none, the linear value k, which
+  // fits qring's linear learning-rate rule (docs/reproduction.md, "The adaptive quorum");
+  // "estimate" (noise_scale_estimate): B is the run's own estimate from its steps
+  // (collectives/quorum/noise_scale.h); a number > 0 fixes it.
   double noise_scale = 0;
-  bool noise_scale_estimate = true;
+  bool noise_scale_estimate = false;
   bool noise_scale_estimated() const { return noise_scale_estimate; }
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;

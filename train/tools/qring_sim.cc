@@ -158,7 +158,7 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
       "delay(run.seed, w, k). One compute thread unless OMP_NUM_THREADS is set.\n"
       "Sync runs estimate the gradient-noise scale B_simple from each step's gradients\n"
       "(samples; noise_scale on step lines, its means in summary.json); quorum.quorum=auto\n"
-      "values a step with that estimate unless quorum.noise_scale fixes one.\n"
+      "values a step with it under quorum.noise_scale=\"estimate\".\n"
       "Exit status: 0 done, 1 runtime failure, 2 bad command line, configuration or data.");
   cli::ParseOptions po;
   po.check = [&] {
