@@ -3,10 +3,10 @@
 # runs (docs/reproduction.md). Parts, each into DIR/<part>/:
 #   kth       the k-th arrival curve at N+b = 100 and 1000 (qring-sim --arrivals-only) under
 #             every straggler regime below, and the shifted exponential's closed form
-#   bsweep    N+b = 100: every b of B100 and quorum "auto" (the noise scale estimated in the
-#             run; "auto-linear": the linear value), the b sweep and the adaptive quorum's
-#             comparison at once: the real trace (SEEDS_TRACE seeds), the synthetic regimes
-#             (SEEDS seeds)
+#   bsweep    N+b = 100: every b of B100, quorum "auto" (the default: the linear value) and
+#             "auto-estimate" (the noise scale estimated in the run), the b sweep and the
+#             adaptive quorum's comparison at once: the real trace (SEEDS_TRACE seeds),
+#             the synthetic regimes (SEEDS seeds)
 #   bsweep1000  N+b = 1000, the real trace, every b of B1000
 #   async     full sync, sync with 4 % backups and async SGD at 10, 50, 100 simulated workers
 #             under the real trace; async tuned first (learning rate, warm-up, the staleness
@@ -192,11 +192,12 @@ real() {
     log.progress=false "${common[@]}" "$@" \
     >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
 }
-# The arguments of a sync run at N+b = W: "auto", "auto-linear", or b (auto's path held at N).
+# The arguments of a sync run at N+b = W: "auto" (the default, the linear value),
+# "auto-estimate" (the noise scale estimated in the run), or b (auto's path held at N).
 quorum_args() {  # quorum_args W B
   case $2 in
     auto) echo "quorum.quorum=auto quorum.min=1" ;;
-    auto-linear) echo "quorum.quorum=auto quorum.min=1 quorum.noise_scale=0" ;;
+    auto-estimate) echo "quorum.quorum=auto quorum.min=1 quorum.noise_scale=estimate" ;;
     *) echo "quorum.quorum=auto quorum.min=$(( $1 - $2 )) quorum.max=$(( $1 - $2 ))" ;;
   esac
 }
@@ -220,7 +221,7 @@ if want bsweep; then
     [ "$regime" = trace ] && seeds=$SEEDS_TRACE || seeds=$SEEDS
     log "bsweep: N+b = 100, $regime, seeds $seeds"
     for seed in $seeds; do  # interleaved: each seed a round of every configuration
-      for b in auto auto-linear $B100; do
+      for b in auto auto-estimate $B100; do
         # shellcheck disable=SC2046
         sim "$OUT/bsweep" "$regime-s$seed-b$b" --workers 100 $(quorum_args 100 "$b") "${sim100[@]}" \
           --compute-ms "$(compute_of "$regime")" straggler.model="$(model_of "$regime" "$TRACE_SCALE")" \
@@ -258,7 +259,7 @@ tune_async() {  # tune_async DIR W TAG RUN... -> DIR/tune-TAG-*, the best's args
   for rule in none divide; do
     for m in $TUNE_LR; do
       for k in $TUNE_WARM; do
-        lr=$("$PY" -c "print($lr0 * $m * ($w - 1 if '$rule' == 'divide' else 1))")
+        lr=$("$PY" -c "print('%g' % ($lr0 * $m * ($w - 1 if '$rule' == 'divide' else 1)))")
         warm=$(( warm0 * k ))
         "$@" "$dir" "tune-$tag-$rule-lr$m-w$k" train.mode=async train.async_staleness="$rule" \
           train.lr="$lr" train.warmup_steps="$warm" run.seed="$TUNE_SEED"
