@@ -72,7 +72,10 @@ TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
   CommOptions co;
   co.timeout = std::chrono::seconds(30);
   std::vector<train::RunSummary> out(W);
-  run_ranks(W, co, [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm); });
+  train::TrainerOptions opts;
+  opts.force = true;  // the suite's directory is shared across test runs: start over
+  run_ranks(W, co,
+            [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm, opts); });
   const fs::path dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   std::ifstream in(dir / "metrics.jsonl");
   std::string line;

@@ -15,9 +15,12 @@
 namespace qring::train {
 
 struct RunSection {
-  std::string name = "qring";
+  std::string name = "qring";  // one name inside out_dir: no '/', not "." or ".."
   std::string out_dir = "runs";
   int64_t seed = 42;
+  // The umask of the run's outputs (checkpoints, metrics, summary), 3 octal digits: "077"
+  // keeps them to their owner (files 0600, directories 0700).
+  std::string umask = "077";
 };
 
 struct DataSection {
@@ -25,6 +28,11 @@ struct DataSection {
   std::string dataset = "fashion-mnist";  // fashion-mnist | synthetic
   int64_t synthetic_train = 8192;
   int64_t synthetic_test = 2048;
+  // The memory the datasets may take, in bytes (images as floats and labels, training and
+  // test sets); 0 = no limit but the available memory, which bounds it in any case (shared
+  // by the ranks of a host). Both files' headers are checked against it before anything is
+  // allocated.
+  int64_t max_bytes = int64_t{2} << 30;
 };
 
 struct ModelSection {
@@ -65,6 +73,10 @@ struct TrainSection {
   double target_accuracy = 0.0;  // 0 = none; else time-to-accuracy is reported
   int64_t checkpoint_every = 0;  // steps; 0 = off
   int64_t checksum_every = 100;  // steps; 0 = off (cost: docs/benchmarks.md)
+  // A step whose mean loss or gradient is not finite (NaN, inf): "fail" stops the job on
+  // every rank naming the step; "skip" leaves the parameters and momentum as they were,
+  // counts the step (summary: nonfinite_steps) and goes on.
+  std::string nonfinite = "fail";
 };
 
 struct QuorumSection {
@@ -142,14 +154,15 @@ struct TrainConfig {
   nlohmann::json to_json() const;
 
   // FNV-1a 64 over the keys a checkpoint must agree on to resume exactly: run.seed, data.*
-  // except data.path, model.*, train.batch_per_rank.
+  // except data.path and data.max_bytes, model.*, train.batch_per_rank.
   uint64_t fingerprint() const;
 
   // All dotted key names, in to_toml order.
   static std::vector<std::string> keys();
 
-  // The keys every rank of a job must agree on: all but where this rank's files are and how
-  // it logs (run.out_dir, data.path, net.provider, log.*), which may differ between nodes.
+  // The keys every rank of a job must agree on: all but where this rank's files are, how it
+  // logs and what its host allows (run.out_dir, run.umask, data.path, data.max_bytes,
+  // net.provider, log.*), which may differ between nodes.
   static std::vector<std::string> agreed_keys();
   // Per agreed_keys() entry, in that order, a 64-bit hash (FNV-1a) of its value: what the
   // trainer compares across ranks at start.
