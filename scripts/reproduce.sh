@@ -25,11 +25,11 @@
 #
 # Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
 # how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
-# values and steps), <= 10 minutes on 2 idle cores, regenerating every table and plot the
-# page cites; --smoke: every part on synthetic data and a made-up job trace in a few
-# minutes (what scripts/test.sh runs: the artefacts are produced and well formed, not the
-# claims). --only PART... reruns those parts (the others' runs in DIR are kept) and the
-# analysis. Straggler regimes:
+# values and steps; 11.5 minutes on 2 cores that other builds loaded to 10-20), regenerating
+# every table and plot the page cites; --smoke: every part on synthetic data and a made-up
+# job trace in a few minutes (what scripts/test.sh runs: the artefacts are produced and well
+# formed, not the claims). --only PART... reruns those parts (the others' runs in DIR are
+# kept) and the analysis. Straggler regimes:
 #   trace        the 32-rank job of ../shared/traces/llm-seqlen-imbalance-32ranks.txt,
 #                resampled to any world size (straggler model resample:SCALE:FILE: worker w
 #                replays a seeded permutation's column of the job from a seeded step offset;
@@ -337,8 +337,8 @@ fi
 
 if want validate; then
   log "validate: emulated hosts"
-  VAL_SCALE=$SCALE VAL_HOSTS=$VAL_HOSTS VAL_ITERS=$VAL_ITERS BENCH=$BENCH SIM=$SIM PY=$PY \
-    CONFIG=$CONFIG SEQLEN=$SEQLEN scripts/validate_sim.sh "$OUT/validate" "${MODEL100[@]}"
+  VAL_SCALE=$SCALE VAL_HOSTS=$VAL_HOSTS VAL_ITERS=$VAL_ITERS BENCH=$BENCH SIM=$SIM TRAIN=$TRAIN \
+    PY=$PY CONFIG=$CONFIG SEQLEN=$SEQLEN scripts/validate_sim.sh "$OUT/validate" "${MODEL100[@]}"
 fi
 
 log "analysis"
