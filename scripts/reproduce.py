@@ -494,8 +494,11 @@ def step_cost(run_dir):
     """qring's own step cost of a run without stragglers: the median step (ms) and the median
     compute time of a gradient (ms)."""
     steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
-    print(f"{median(step_periods(run_dir)):.3f} "
-          f"{median([j['compute_ms'] for j in steps[SKIP_STEPS:] if j.get('compute_ms', 0) > 0]):.4f}")
+    periods = step_periods(run_dir)
+    compute = [j["compute_ms"] for j in steps[SKIP_STEPS:] if j.get("compute_ms", 0) > 0]
+    if not periods or not compute:
+        sys.exit(f"step-cost: {run_dir} has {len(steps)} steps; more than {SKIP_STEPS + 1} needed")
+    print(f"{median(periods):.3f} {median(compute):.4f}")
 
 
 def validate_part(d):

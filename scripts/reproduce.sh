@@ -123,7 +123,7 @@ case $SCALE in
     ASYNC_W="10"; EPOCHS=1; TUNE_LR="1"; TUNE_WARM="1"
     DEPTH_W=10
     REAL_STEPS=16; REAL_EVAL=8; REAL_TARGET=0.3; REAL_W="4"
-    VAL_HOSTS="4"; VAL_ITERS=4
+    VAL_HOSTS="4"; VAL_ITERS=10
     TRACE_SCALE=1; REAL_TRACE_SCALE=0.5
     LOGNORMAL=lognormal:0.5:1.0; SHIFTEXP=shiftexp:1:2
     MODEL100=("model.hidden=[16]"); DEEP=("model.hidden=[16,16]")
