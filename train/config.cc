@@ -470,7 +470,10 @@ void TrainConfig::apply_override(const std::string& assignment) {
   f->set(*this, v);
 }
 
-void TrainConfig::validate(int world) const {
+namespace {
+
+// TrainConfig::validate's checks of the sections that need no world size.
+void validate_run_and_data(const RunSection& run, const DataSection& data) {
   if (run.name.empty()) fail("run.name", "must not be empty");
   if (run.name == "." || run.name == ".." || run.name.find('/') != std::string::npos ||
       run.name.find('\0') != std::string::npos)
@@ -486,6 +489,9 @@ void TrainConfig::validate(int world) const {
   check_min("data.synthetic_train", data.synthetic_train, 1);
   check_min("data.synthetic_test", data.synthetic_test, 1);
   check_min("data.max_bytes", data.max_bytes, 0);
+}
+
+void validate_model(const ModelSection& model) {
   check_one_of("model.type", model.type, {"mlp", "cnn"});
   if (model.type == "mlp" && model.hidden.empty())
     fail("model.hidden", "an MLP needs at least one hidden layer");
@@ -504,6 +510,9 @@ void TrainConfig::validate(int world) const {
   if (model.conv_padding == "same" && model.conv_kernel % 2 == 0)
     fail("model.conv_kernel",
          fmt::format("must be odd with model.conv_padding = \"same\", got {}", model.conv_kernel));
+}
+
+void validate_train(const TrainSection& train) {
   check_one_of("train.mode", train.mode, {"sync", "async"});
   check_min("train.batch_per_rank", train.batch_per_rank, 1);
   check_min("train.epochs", train.epochs, 0);
@@ -535,6 +544,14 @@ void TrainConfig::validate(int world) const {
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
   check_one_of("train.nonfinite", train.nonfinite, {"fail", "skip"});
+}
+
+}  // namespace
+
+void TrainConfig::validate(int world) const {
+  validate_run_and_data(run, data);
+  validate_model(model);
+  validate_train(train);
   if (quorum.quorum_auto) {
     // (the count and fraction checks do not apply)
   } else if (quorum.quorum_is_fraction) {
