@@ -354,6 +354,44 @@ char process_state(pid_t pid) {
   return p != std::string::npos && p + 2 < stat.size() ? stat[p + 2] : 0;
 }
 
+// Rank 0 and every other rank exchange one message each way on `tag`: the connections are up.
+void connect_both_ways(net::Endpoint& ep, int r, int n, uint64_t tag) {
+  if (r != 0) {
+    uint32_t v = 0, w = uint32_t(r);
+    auto q = ep.irecv(0, tag, &v, sizeof(v));
+    ep.wait(ep.isend(0, tag, &w, sizeof(w)), kDl(), "hello");
+    ep.wait(q, kDl(), "hello");
+    return;
+  }
+  std::vector<uint32_t> v(static_cast<size_t>(n)), w(static_cast<size_t>(n));
+  std::iota(w.begin(), w.end(), 0u);
+  std::vector<net::RequestPtr> reqs;
+  for (int p = 1; p < n; ++p) {
+    reqs.push_back(ep.irecv(p, tag, &v[size_t(p)], sizeof(uint32_t)));
+    reqs.push_back(ep.isend(p, tag, &w[size_t(p)], sizeof(uint32_t)));
+  }
+  ep.wait_all(reqs, kDl(), "hello");
+}
+
+// Receives the "flood-count" messages rank 0 sent on `tag` (message i carries i): 0 when all
+// arrived in order, 1 otherwise.
+int receive_flood_in_order(net::Endpoint& ep, net::Store& store, uint64_t tag) {
+  const size_t count = std::stoul(store.get("flood-count", kDl()));
+  std::vector<uint32_t> in(count);
+  for (size_t i = 0; i < count; i += 1024) {
+    std::vector<net::RequestPtr> reqs;
+    for (size_t j = i; j < std::min(count, i + 1024); ++j)
+      reqs.push_back(ep.irecv(0, tag, &in[j], sizeof(uint32_t)));
+    ep.wait_all(reqs, kDl(), "flood");
+  }
+  for (size_t i = 0; i < count; ++i)
+    if (in[i] != uint32_t(i)) {
+      fprintf(stderr, "rank 1: message %zu carries %u\n", i, in[i]);
+      return 1;
+    }
+  return 0;
+}
+
 // A peer that stops reading holds back only the sends to itself (issue 13). Rank 1 stops
 // itself (SIGSTOP); rank 0 sends it small messages until the provider pushes back (sends
 // stay pending), then a send to rank 2 must still complete. With one queue of refused posts
@@ -367,38 +405,11 @@ TEST_P(Fabric, StoppedPeerDoesNotHoldBackSendsToOtherPeers) {
     const uint64_t hello = make_tag(Op::kUser, 10, 0);
     const uint64_t flood = make_tag(Op::kUser, 11, 0);
     const uint64_t probe = make_tag(Op::kUser, 12, 0);
-    // Connections up both ways before anyone stops.
-    if (r != 0) {
-      uint32_t v = 0, w = uint32_t(r);
-      auto q = ep->irecv(0, hello, &v, sizeof(v));
-      ep->wait(ep->isend(0, hello, &w, sizeof(w)), kDl(), "hello");
-      ep->wait(q, kDl(), "hello");
-    } else {
-      std::vector<uint32_t> v(3), w{0, 1, 2};
-      std::vector<net::RequestPtr> reqs;
-      for (int p = 1; p < n; ++p) {
-        reqs.push_back(ep->irecv(p, hello, &v[size_t(p)], sizeof(uint32_t)));
-        reqs.push_back(ep->isend(p, hello, &w[size_t(p)], sizeof(uint32_t)));
-      }
-      ep->wait_all(reqs, kDl(), "hello");
-    }
+    connect_both_ways(*ep, r, n, hello);  // before anyone stops
     if (r == 1) {
       store.set("stopped-pid", std::to_string(getpid()));
       raise(SIGSTOP);  // rank 0 resumes it
-      const size_t count = std::stoul(store.get("flood-count", kDl()));
-      std::vector<uint32_t> in(count);
-      for (size_t i = 0; i < count; i += 1024) {
-        std::vector<net::RequestPtr> reqs;
-        for (size_t j = i; j < std::min(count, i + 1024); ++j)
-          reqs.push_back(ep->irecv(0, flood, &in[j], sizeof(uint32_t)));
-        ep->wait_all(reqs, kDl(), "flood");
-      }
-      for (size_t i = 0; i < count; ++i)
-        if (in[i] != uint32_t(i)) {
-          fprintf(stderr, "rank 1: message %zu carries %u\n", i, in[i]);
-          return 1;
-        }
-      return 0;
+      return receive_flood_in_order(*ep, store, flood);
     }
     if (r == 2) {
       uint32_t v = 0;

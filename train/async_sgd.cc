@@ -96,11 +96,12 @@ ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives:
     const auto got = Clock::now();
     const double wait_ms = std::chrono::duration<double, std::milli>(got - w0).count();
     const int64_t stale = u - int64_t(p->version);
-    const double lr = core.lr();
+    const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
+    const double lr = core.lr() * scale;
     const double loss = double(p->data[P]);
     const bool skip = cfg.train.nonfinite == "skip";
     std::string bad = nonfinite_text(p->data, P);
-    if (bad.empty() && !core.apply_gradient_finite(p->data, 1.0, 0, skip))
+    if (bad.empty() && !core.apply_gradient_finite(p->data, scale, 0, skip))
       bad = "a parameter after the update";
     if (!bad.empty()) {
       if (!skip)

@@ -133,6 +133,7 @@ std::vector<Field> fields() {
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
   f.push_back(string_field("train.budget", QRING_ACC(train.budget)));
+  f.push_back(string_field("train.async_staleness", QRING_ACC(train.async_staleness)));
   f.push_back(float_field("train.lr", QRING_ACC(train.lr)));
   f.push_back(float_field("train.momentum", QRING_ACC(train.momentum)));
   f.push_back(bool_field("train.nesterov", QRING_ACC(train.nesterov)));
@@ -176,7 +177,22 @@ std::vector<Field> fields() {
                }});
   f.push_back(int_field("quorum.min", QRING_ACC(quorum.min)));
   f.push_back(int_field("quorum.max", QRING_ACC(quorum.max)));
-  f.push_back(float_field("quorum.noise_scale", QRING_ACC(quorum.noise_scale)));
+  f.push_back({"quorum.noise_scale", Kind::kFloat,
+               [](TrainConfig& c, const toml::value& v) {
+                 c.quorum.noise_scale_estimate = v.is_string() && v.as_string().str == "estimate";
+                 if (c.quorum.noise_scale_estimate)
+                   c.quorum.noise_scale = 0;
+                 else if (v.is_integer() || v.is_floating())
+                   c.quorum.noise_scale = to_float("quorum.noise_scale", v);
+                 else
+                   fail("quorum.noise_scale",
+                        fmt::format("expected a number of samples or \"estimate\", got a {}",
+                                    type_name(v)));
+               },
+               [](const TrainConfig& c) {
+                 return c.quorum.noise_scale_estimated() ? nlohmann::json("estimate")
+                                                         : nlohmann::json(c.quorum.noise_scale);
+               }});
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
@@ -430,9 +446,12 @@ void TrainConfig::apply_override(const std::string& assignment) {
   const auto fs = fields();
   const Field* f = find_field(fs, key);
   if (f == nullptr) fail(key, unknown_key(fs, key));
-  if ((f->kind == Kind::kString || (f->kind == Kind::kQuorum && text == "auto")) &&
+  // Bare text for string keys and for the named values of number keys ("auto", "estimate").
+  const bool named = (f->kind == Kind::kQuorum && text == "auto") ||
+                     (f->key == "quorum.noise_scale" && text == "estimate");
+  if ((f->kind == Kind::kString || named) &&
       (text.empty() || (text[0] != '"' && text[0] != '\''))) {
-    f->set(*this, toml::value(text));  // bare text for string keys
+    f->set(*this, toml::value(text));
     return;
   }
   if (invalid_utf8(text) != std::string::npos) fail(key, "the value is not valid UTF-8");
@@ -451,7 +470,10 @@ void TrainConfig::apply_override(const std::string& assignment) {
   f->set(*this, v);
 }
 
-void TrainConfig::validate(int world) const {
+namespace {
+
+// TrainConfig::validate's checks of the sections that need no world size.
+void validate_run_and_data(const RunSection& run, const DataSection& data) {
   if (run.name.empty()) fail("run.name", "must not be empty");
   if (run.name == "." || run.name == ".." || run.name.find('/') != std::string::npos ||
       run.name.find('\0') != std::string::npos)
@@ -467,6 +489,9 @@ void TrainConfig::validate(int world) const {
   check_min("data.synthetic_train", data.synthetic_train, 1);
   check_min("data.synthetic_test", data.synthetic_test, 1);
   check_min("data.max_bytes", data.max_bytes, 0);
+}
+
+void validate_model(const ModelSection& model) {
   check_one_of("model.type", model.type, {"mlp", "cnn"});
   if (model.type == "mlp" && model.hidden.empty())
     fail("model.hidden", "an MLP needs at least one hidden layer");
@@ -485,6 +510,9 @@ void TrainConfig::validate(int world) const {
   if (model.conv_padding == "same" && model.conv_kernel % 2 == 0)
     fail("model.conv_kernel",
          fmt::format("must be odd with model.conv_padding = \"same\", got {}", model.conv_kernel));
+}
+
+void validate_train(const TrainSection& train) {
   check_one_of("train.mode", train.mode, {"sync", "async"});
   check_min("train.batch_per_rank", train.batch_per_rank, 1);
   check_min("train.epochs", train.epochs, 0);
@@ -492,6 +520,7 @@ void TrainConfig::validate(int world) const {
   if (train.epochs == 0 && train.steps == 0)
     fail("train.epochs", "train.epochs or train.steps must be > 0");
   check_one_of("train.budget", train.budget, {"steps", "gradients"});
+  check_one_of("train.async_staleness", train.async_staleness, {"none", "divide"});
   if (train.budget == "gradients" && train.mode != "sync")
     fail("train.budget", "\"gradients\" needs train.mode = \"sync\" (async counts no quorum)");
   if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));
@@ -515,6 +544,14 @@ void TrainConfig::validate(int world) const {
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
   check_one_of("train.nonfinite", train.nonfinite, {"fail", "skip"});
+}
+
+}  // namespace
+
+void TrainConfig::validate(int world) const {
+  validate_run_and_data(run, data);
+  validate_model(model);
+  validate_train(train);
   if (quorum.quorum_auto) {
     // (the count and fraction checks do not apply)
   } else if (quorum.quorum_is_fraction) {
@@ -528,9 +565,11 @@ void TrainConfig::validate(int world) const {
   if (quorum.max > 0 && quorum.max < quorum.min)
     fail("quorum.max", fmt::format("must be 0 or >= quorum.min ({}), got {}", quorum.min,
                                    quorum.max));
-  if (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale))
-    fail("quorum.noise_scale",
-         fmt::format("must be a number of samples >= 0 (0 = none), got {}", quorum.noise_scale));
+  if (!quorum.noise_scale_estimated() &&
+      (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale)))
+    fail("quorum.noise_scale", fmt::format("must be \"estimate\" or a number of samples >= 0 "
+                                           "(0 = none), got {}",
+                                           quorum.noise_scale));
   if (world > 0 && quorum.quorum_auto && quorum.min > world)
     fail("quorum.min", fmt::format("{} is more than the {} ranks of this job", quorum.min, world));
   if (world > 0 && quorum.quorum_auto && quorum.max > world)

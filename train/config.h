@@ -54,6 +54,10 @@ struct TrainSection {
   // counted steps x world gradients, as many as full sync would; with backups it runs more
   // steps of fewer gradients, its schedule read at counted gradients / the schedule's quorum.
   std::string budget = "steps";
+  // async: the learning rate of an update whose gradient is `s` updates stale: the schedule's
+  // ("none") or the schedule's / max(1, s) ("divide": the staleness-aware rule of Zhang, Gupta,
+  // Lian and Liu, "Staleness-aware Async-SGD", 2016; train/optim.h, staleness_lr_scale).
+  std::string async_staleness = "none";
   double lr = 0.05;     // base learning rate, before lr_scaling
   double momentum = 0.9;
   bool nesterov = false;
@@ -83,10 +87,15 @@ struct QuorumSection {
   bool quorum_auto = false;
   int64_t min = 1;  // quorum "auto": bounds of Q(t); max 0 = the world
   int64_t max = 0;
-  // quorum "auto": the gradient-noise scale in samples (0 = none): the value of a step that
-  // averages k workers' batches of b samples is taken as k / (1 + k b / noise_scale) instead
-  // of k (collectives/quorum/auto_quorum.h).
+  // quorum "auto": the gradient-noise scale B in samples: the value of a step that averages k
+  // workers' batches of b samples is taken as k / (1 + k b / B) instead of k
+  // (collectives/quorum/auto_quorum.h). 0 (the default): none, the linear value k, which
+  // fits qring's linear learning-rate rule (docs/reproduction.md, "The adaptive quorum");
+  // "estimate" (noise_scale_estimate): B is the run's own estimate from its steps
+  // (collectives/quorum/noise_scale.h); a number > 0 fixes it.
   double noise_scale = 0;
+  bool noise_scale_estimate = false;
+  bool noise_scale_estimated() const { return noise_scale_estimate; }
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry

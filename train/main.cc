@@ -81,10 +81,9 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
                "(without it, it refuses to start)");
   app.add_flag("--print-config", a.print_config,
                "print the resolved configuration (file, overrides, defaults) as TOML and exit");
-  app.add_option("overrides", a.overrides,
-                 "key=value: override any configuration key, e.g. quorum.quorum=3 "
-                 "straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  qring::cli::add_overrides(app, a.overrides,
+                            "quorum.quorum=3 straggler.model=fixed:2:200 train.epochs=1 "
+                            "net.provider=tcp");
   app.footer(
       "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
       "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"

@@ -265,7 +265,9 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
   qo.min_world = int(cfg.quorum.min_world);
   qo.adaptive = cfg.quorum.quorum_auto;
   qo.auto_max = int(cfg.quorum.max);
-  qo.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
+  qo.auto_estimate = cfg.quorum.noise_scale_estimated();
+  qo.auto_kappa =
+      qo.auto_estimate ? 0.0 : cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
   qo.store = opts.store;
   qo.join = joining;
   // What ranks compare at start (the allgather above), for a rank that comes back to compare
@@ -810,7 +812,9 @@ class Worker {
       std::optional<uint64_t> digest;
       if (cfg_.train.checksum_every > 0 && t > 0 && t % cfg_.train.checksum_every == 0)
         digest = checksum(core_.params(), n_params_);
-      q_.contribute(uint64_t(t), grad_, n_params_ + kSpare, digest);
+      std::optional<collectives::QuorumAllreduce::Norms> norms;
+      if (estimate_noise_) norms = collectives::QuorumAllreduce::Norms{sq_norm(grad_), prev_sq_};
+      q_.contribute(uint64_t(t), grad_, n_params_ + kSpare, digest, norms);
       faults_(t, "ready");
     } else {
       w.abandoned = true;
@@ -819,7 +823,19 @@ class Worker {
     return w;
   }
 
+  // The step's mean gradient (null: the step was skipped): its squared norm goes with the
+  // next READY (quorum "auto" estimating the noise scale).
+  void took_result(const float* mean) {
+    if (estimate_noise_) prev_sq_ = mean ? std::optional<double>(sq_norm(mean)) : std::nullopt;
+  }
+
  private:
+  double sq_norm(const float* g) const {  // the gradient's, without the spare slots after it
+    double s = 0;
+    for (size_t i = 0; i < n_params_; ++i) s += double(g[i]) * double(g[i]);
+    return s;
+  }
+
   const TrainConfig& cfg_;
   TrainerCore& core_;
   collectives::QuorumAllreduce& q_;
@@ -828,6 +844,8 @@ class Worker {
   FaultInjector faults_;
   float* grad_;
   size_t n_params_;
+  const bool estimate_noise_ = cfg_.quorum.quorum_auto && cfg_.quorum.noise_scale_estimated();
+  std::optional<double> prev_sq_;
 };
 
 // The membership as the steps see it. A rank that rejoined at a step gets the state before
@@ -1135,6 +1153,7 @@ struct SyncStep {
       const float* mean = static_cast<const float*>(result.data);
       last_loss = mean[n_params];
       agreed_stop = mean[n_params + 1] > 0;  // bit-identical on every rank
+      worker.took_result(mean);
       // Every rank holds the same mean and parameters, so every rank decides the same here.
       const bool skip = cfg.train.nonfinite == "skip";
       std::string bad = nonfinite_text(mean, n_params);
@@ -1152,6 +1171,7 @@ struct SyncStep {
                        t, bad, sum.nonfinite_steps);
       }
     }
+    if (r.skipped) worker.took_result(nullptr);
     membership.after_step(t, r, sum);
     timer.record(r);
     out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);

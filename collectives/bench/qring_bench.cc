@@ -528,6 +528,11 @@ std::vector<RankInfo> gather_rank_infos(net::Rendezvous& rdv, const net::Bootstr
 }
 
 int bench_main(const Options& o) {
+  const net::BootstrapInfo launch = net::detect_bootstrap();
+  // The rank that writes --json checks it can before anything runs (with --fault the
+  // coordinator at the end writes, which may be any rank).
+  if (!o.json_path.empty() && (launch.rank == 0 || !o.fault.empty()))
+    cli::check_output_path("--json", o.json_path);
   // One call from the environment to the endpoint and communicator (collectives/session.h);
   // sendrecv and idle-through-the-endpoint drive the endpoint alone.
   collectives::SessionOptions so;
@@ -541,7 +546,7 @@ int bench_main(const Options& o) {
   if (o.sends_inflight) so.comm.sends_in_flight = o.sends_inflight;
   if (o.small_bytes) so.comm.small_allreduce_bytes = *o.small_bytes;
   if (o.hd_bytes) so.comm.halving_doubling_bytes = *o.hd_bytes;
-  collectives::Session session(so);
+  collectives::Session session(launch, so);
   const net::BootstrapInfo& info = session.info();
   const std::vector<RankInfo> ranks = gather_rank_infos(
       session.rendezvous(), info, net::deadline_in(std::chrono::seconds(30)));

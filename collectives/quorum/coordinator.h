@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/noise_scale.h"
 
 namespace qring::collectives::qproto {
 
@@ -61,6 +62,9 @@ struct Config {
   bool adaptive = false;
   int auto_max = 0;
   double auto_kappa = 0;   // the rule's noise scale in contributions (0 = linear value)
+  // The noise scale estimated in the run instead (noise_scale.h), from the norms READYs carry
+  // (Event::grad_sq, prev_mean_sq); auto_kappa until the first estimate.
+  bool auto_estimate = false;
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
@@ -180,6 +184,10 @@ struct Event {
   // kReady: a digest of the sender's replicated state before the step (a parameter checksum);
   // the coordinator stops the job when two ranks' digests of one step differ.
   std::optional<uint64_t> digest;
+  // kReady, quorum "auto" with the noise scale estimated (Config::auto_estimate): the squared
+  // norm of the sender's contribution to `step`, and of the result of step - 1 as it received
+  // it (the same on every rank). They feed the estimate (noise_scale.h).
+  std::optional<double> grad_sq, prev_mean_sq;
   std::vector<double> values;  // a SHARD's values (kept by the service, not by the coordinator)
 };
 
@@ -213,6 +221,8 @@ class Coordinator {
   const Config& config() const { return cfg_; }
   // Every arrival (late ones included), as (step, rank, ms after the step's first arrival).
   void on_arrival(std::function<void(uint64_t, int, double)> cb) { on_arrival_ = std::move(cb); }
+  // auto_estimate: the run's estimate of the gradient-noise scale so far, in contributions.
+  std::optional<double> noise_scale() const { return noise_.value(); }
   // Steps decided but not yet completed by every live member.
   size_t unsettled() const { return unsettled_.size(); }
   // The next step to be decided (a rank admitted now is a member from it on).
@@ -231,6 +241,7 @@ class Coordinator {
   struct Open {
     Time first{};
     std::vector<std::optional<Time>> arrived;
+    std::vector<double> grad_sq;  // auto_estimate: per rank, its contribution's (-1: none)
     int quorum = 0;  // adaptive: Q(t), chosen when the step opened
     int n = 0;
     std::optional<Time> quorum_time;
@@ -257,6 +268,9 @@ class Coordinator {
   void resolve_recoveries(std::vector<Action>& out);
   void decide_open(Time now, std::vector<Action>& out);
   void settle();
+  void take_result_norm(const Event& e);
+  void take_grad_norm(int from, const Event& e);
+  void keep_norms(uint64_t t, const Open& o, const std::vector<int>& contributors);
   void recount(Open& o, Time now) const;
   int quorum_of(const Open& o) const;
   void on_join(int r, uint32_t inc, Time now, std::vector<Action>& out);
@@ -293,6 +307,11 @@ class Coordinator {
   std::map<int, Join> joins_;
   std::function<void(uint64_t, int, double)> on_arrival_;
   AutoQuorumWindow window_;  // adaptive: the recent steps' arrivals
+  // auto_estimate: per decided step, its contributors' count and mean squared norm, until a
+  // READY of the next step brings the result's norm; and the estimate.
+  std::map<uint64_t, std::pair<int, double>> step_norms_;
+  NoiseScaleEstimate noise_;
+  double kappa() const;
 };
 
 }  // namespace qring::collectives::qproto

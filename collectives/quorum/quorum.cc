@@ -157,6 +157,7 @@ struct StepLocal {
   void* buf = nullptr;
   std::vector<Rejoined> joined;  // ranks that entered the view at this step
   std::optional<uint64_t> digest;  // sent with the READY
+  std::optional<QuorumAllreduce::Norms> norms;  // sent with the READY
   bool contributed = false;
   Clock::time_point contrib_time{};
   bool decided = false;
@@ -302,6 +303,7 @@ class QuorumService final : public EngineOp {
     cfg_.adaptive = o.adaptive;
     cfg_.auto_max = o.auto_max;
     cfg_.auto_kappa = o.auto_kappa;
+    cfg_.auto_estimate = o.auto_estimate;
     cfg_.layout = qproto::layout_of(uint8_t(o.type), o.mean);
     // A job that can lose a rank keeps every contribution intact until its step completes
     // (rings out of place) and every result until every live rank has it (recovery).
@@ -1363,6 +1365,7 @@ class QuorumService final : public EngineOp {
       for (uint64_t t : ev) {
         auto it = sh_->steps.find(t);
         if (it != sh_->steps.end() && it->second.digest) digests_[t] = *it->second.digest;
+        if (it != sh_->steps.end() && it->second.norms) norms_[t] = *it->second.norms;
       }
     }
     for (uint64_t t : ev) {
@@ -1393,6 +1396,10 @@ class QuorumService final : public EngineOp {
     e.layout = cfg_.layout;
     auto d = digests_.find(t);
     if (d != digests_.end()) e.digest = d->second;
+    if (auto n = norms_.find(t); n != norms_.end()) {
+      e.grad_sq = n->second.contribution_sq;
+      e.prev_mean_sq = n->second.prev_result_sq;
+    }
     return e;
   }
 
@@ -1474,6 +1481,7 @@ class QuorumService final : public EngineOp {
     if (d.attempt == 0) {
       awaiting_decide_.erase(t);
       digests_.erase(t);
+      norms_.erase(t);
     }
     if (d.attempt > 0 && d.source >= 0 && !forward_held_result(ep, d)) return;
     if (d.attempt > 0 && done_.count(t))
@@ -1908,6 +1916,7 @@ class QuorumService final : public EngineOp {
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   std::set<uint64_t> awaiting_decide_;  // steps this rank contributed to, not decided yet
   std::map<uint64_t, uint64_t> digests_;  // their READYs' digests
+  std::map<uint64_t, QuorumAllreduce::Norms> norms_;  // their READYs' norms
   std::deque<Send> sends_;
   struct QueuedResult {
     uint64_t step;
@@ -2392,13 +2401,18 @@ std::map<int, std::vector<double>> QuorumAllreduce::gather_reports(
 }
 
 void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
-                                 std::optional<uint64_t> digest) {
+                                 std::optional<uint64_t> digest, std::optional<Norms> norms) {
   if (count != count_)
     throw UsageError(
         fmt::format("rank {}: quorum step {}: contribution of {} elements, this "
                     "all-reduce was set up for {}",
                     comm_.rank(), step, count, count_));
   if (!buf && count) throw UsageError("quorum contribute: null buffer");
+  // Norms that are no squared norms (a diverged gradient) say nothing: not sent.
+  auto sq_ok = [](double v) { return std::isfinite(v) && v >= 0; };
+  if (norms && (!sq_ok(norms->contribution_sq) ||
+                (norms->prev_result_sq && !sq_ok(*norms->prev_result_sq))))
+    norms.reset();
   if (have_next_ && step != next_step_)
     throw UsageError(fmt::format("rank {}: contribution for step {}, but step {} is next",
                                  comm_.rank(), step, next_step_));
@@ -2421,6 +2435,7 @@ void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
     StepLocal& s = shared_->steps[step];
     s.buf = buf;
     s.digest = digest;
+    s.norms = norms;
     s.contributed = true;
     s.contrib_time = Clock::now();
     shared_->ready_events.push_back(step);

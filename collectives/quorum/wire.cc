@@ -125,6 +125,12 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
     out.resize(sizeof(w) + 8);
     std::memcpy(out.data() + sizeof(w), &*e.digest, 8);
   }
+  if (type == Up::kReady && e.grad_sq) {  // + 16 bytes: the norms (NaN: no previous step's)
+    const double norms[2] = {*e.grad_sq, e.prev_mean_sq ? *e.prev_mean_sq : std::nan("")};
+    const size_t at = out.size();
+    out.resize(at + sizeof(norms));
+    std::memcpy(out.data() + at, norms, sizeof(norms));
+  }
   if (type == Up::kShard) {
     const size_t n = std::min(e.values.size(), kMaxShardValues);
     out.resize(sizeof(w) + 8 * n);
@@ -152,7 +158,7 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
   if (w.type == uint8_t(Up::kAck))
     bad_len = extra % entry != 0 || extra / entry > kMaxKnown;
   else if (w.type == uint8_t(Up::kReady))
-    bad_len = extra != 0 && extra != 8;
+    bad_len = extra != 0 && extra != 8 && extra != 16 && extra != 24;
   else if (w.type == uint8_t(Up::kShard))
     bad_len = extra == 0 || extra % 8 != 0 || extra / 8 > kMaxShardValues;
   else
@@ -236,10 +242,21 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.absent = w.have == 2;
   e.suspect = w.suspect;
   const char* extra_at = static_cast<const char*>(buf) + sizeof(UpWire);
-  if (*type == Up::kReady && extra == 8) {
+  if (*type == Up::kReady && (extra == 8 || extra == 24)) {
     uint64_t d;
     std::memcpy(&d, extra_at, 8);
     e.digest = d;
+  }
+  if (*type == Up::kReady && extra >= 16) {
+    double norms[2];
+    std::memcpy(norms, extra_at + extra - 16, 16);
+    auto bad = [](double v) { return !std::isfinite(v) || v < 0; };
+    if (bad(norms[0]) || (!std::isnan(norms[1]) && bad(norms[1])))
+      throw ProtocolError(fmt::format(
+          "quorum: rank {} sends gradient norms {} and {} with step {}", from, norms[0], norms[1],
+          w.step));
+    e.grad_sq = norms[0];
+    if (!std::isnan(norms[1])) e.prev_mean_sq = norms[1];
   }
   if (*type == Up::kShard) {
     e.values.resize(extra / 8);

@@ -52,6 +52,20 @@ inline CLI::Option* add_value(CLI::App& app, const std::string& name,
   return app.add_option(name)->description(description);
 }
 
+// The positional "section.key=value" configuration overrides of qring-train and qring-sim
+// (`examples`: a few, for the help); check_overrides() finds one without its '='.
+inline CLI::Option* add_overrides(CLI::App& app, std::vector<std::string>& out,
+                                  const std::string& examples) {
+  return app
+      .add_option("overrides", out, "key=value: override any configuration key, e.g. " + examples)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+inline void check_overrides(const std::vector<std::string>& overrides) {
+  for (const std::string& o : overrides)
+    if (o.find('=') == std::string::npos)
+      throw ConfigError(fmt::format("unknown argument '{}' (overrides are key=value; see --help)", o));
+}
+
 struct ParseOptions {
   // Follows the name of an unknown argument in its message.
   std::string unknown_hint = "(see --help)";
