@@ -150,7 +150,7 @@ if wants train; then
     grep -q "provider tcp;ofi_rxm" "$WORK/train.0"; then
     pass "train: 2 hosts x 2 ranks (tcp) end with the parameters of 1 host x 4 ranks (shm): $one"
   else
-    fail train "one host: '${one:-none}' ($n_one ranks), two hosts: '${two:-none}' ($n_two ranks); $(tail -3 "$WORK/train-one" "$WORK/train.0")"
+    fail train "one host: '${one:-none}' ($n_one ranks), two hosts: '${two:-none}' ($n_two ranks); $(tail -n 3 "$WORK/train-one" "$WORK/train.0")"
   fi
 fi
 
@@ -184,7 +184,7 @@ if wants attack; then
     [ "$attacked_ms" -le $((decoy_ms + slack_ms)) ] && [ "$store_lines" -le 12 ]; then
     pass "attack: $detail"
   else
-    fail attack "$detail; $(tail -3 "$WORK/attacked.0" "$WORK/attacker.attacked")"
+    fail attack "$detail; $(tail -n 3 "$WORK"/attacked.* "$WORK/attacker.attacked")"
   fi
 fi
 
@@ -250,7 +250,7 @@ if wants launch; then
     grep -q "4 ranks on qhost1 (2 ranks), qhost2 (2 ranks)" "$WORK/launch.h1"; then
     pass "launch: qring-launch --nnodes 2 on 2 hosts trains to the checksum of one host: $one"
   else
-    fail launch "exit $RC1/$RC2, one host '${one:-none}', two hosts '${two:-none}' ($n_two ranks); $(tail -3 "$WORK/launch.h1" "$WORK/launch.h2")"
+    fail launch "exit $RC1/$RC2, one host '${one:-none}', two hosts '${two:-none}' ($n_two ranks); $(tail -n 3 "$WORK/launch.h1" "$WORK/launch.h2")"
   fi
 fi
 
