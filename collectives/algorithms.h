@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "collectives/engine.h"
+#include "collectives/types.h"
 
 namespace qring::collectives {
 

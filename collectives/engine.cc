@@ -13,37 +13,63 @@ namespace qring::collectives {
 
 void Work::finish(std::exception_ptr err) {
   error_ = std::move(err);
+  if (on_finish_) on_finish_(error_);
   state_.store(1, std::memory_order_release);
   state_.notify_all();
 }
 
 void Work::wait() {
   // Drive the engine from this thread while it is free (no hand-off latency for small
-  // operations), spinning a little, then yield, then block in the kernel and let the engine
-  // thread finish the work.
-  if (engine_) engine_->begin_help();
-  // Pure polling only while this node has a core per rank: on an oversubscribed node every
-  // unproductive poll yields, so the rank that has the message to send gets the core.
-  const int spin = engine_ && engine_->oversubscribed_ ? 0 : 100;
-  for (int i = 0; i < 4000 && !done(); ++i) {
-    if (engine_ && engine_->try_progress()) {
-      i = 0;
-      continue;
-    }
-    if (i >= spin) sched_yield();
-  }
+  // operations), then block and let the engine thread finish the work. Pure polling only
+  // while this node has a core per rank: on an oversubscribed node every unproductive poll
+  // yields, so the rank that has the message to send gets the core.
+  auto done_now = [this] { return done(); };
   if (engine_) {
-    // Hand the work back to the engine thread (it stays off the CPU while a caller helps,
-    // so an oversubscribed node runs one polling thread per rank, not two). Nothing to hand
-    // over when this work is done and no other operation is active: waking the engine
-    // thread then only steals the core from the caller's next operation. Passive ops (the
-    // quorum service between steps) need no kick either.
-    engine_->end_help(!done() ||
-                      (engine_->active_count_.load(std::memory_order_acquire) != 0 &&
-                       !engine_->all_passive_.load(std::memory_order_acquire)));
+    Help how;
+    how.idle_polls = 4000;
+    engine_->drive_until(done_now, Deadline::max(), how);
+    if (!done() && engine_->clock().drives_engines()) {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::unique_lock<std::mutex> lock(mu);
+      engine_->clock().wait_until(lock, cv, Deadline::max(), done_now);
+    }
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
+}
+
+bool Engine::drive_until(const std::function<bool()>& done, Deadline deadline, const Help& how) {
+  if (clock_->drives_engines()) return done();
+  begin_help();
+  const int spin = oversubscribed_ ? 0 : 100;
+  auto last = now();
+  bool met = false;
+  for (int idle = 0;; ++idle) {
+    if (try_progress()) {
+      if ((met = done())) break;
+      idle = 0;
+      last = now();
+      continue;
+    }
+    if (idle % how.look_every == how.look_every - 1) {
+      if ((met = done())) break;
+      if (idle >= how.idle_polls) break;
+      const bool timed = how.idle_time != std::chrono::microseconds::max();
+      if (timed || deadline != Deadline::max()) {
+        const auto t = now();
+        if ((timed && t - last > how.idle_time) || t >= deadline) break;
+      }
+    }
+    if (idle >= spin) sched_yield();
+  }
+  // Hand unfinished work to the engine thread. Finished: with wake_if_busy, still when other
+  // operations that are not passive remain; otherwise the engine reaps what is left on its own
+  // pass (end_help's wake-up of the last helper) and the caller keeps its core.
+  const bool busy = active_count_.load(std::memory_order_acquire) != 0 &&
+                    !all_passive_.load(std::memory_order_acquire);
+  end_help(!met || (how.wake_if_busy && busy));
+  return met;
 }
 
 Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
@@ -60,7 +86,12 @@ Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
     int hw = static_cast<int>(std::thread::hardware_concurrency());
     reduce_threads_ = std::max(1, hw / std::max(1, opts.local_size));
   }
-  thread_ = std::thread([this] { loop(); });
+  clock_keep_ = opts.clock;
+  clock_ = clock_keep_ ? clock_keep_.get() : &system_time();
+  if (clock_->drives_engines())
+    clock_->attach(this, [this] { return try_progress(); });
+  else
+    thread_ = std::thread([this] { loop(); });
 }
 
 Engine::~Engine() {
@@ -69,7 +100,12 @@ Engine::~Engine() {
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+  } else {
+    clock_->detach(this);
+    shut_down();
+  }
   // Close the endpoint (cancelling its posted receives) before the buffers those receives
   // point into — control messages, scratch — are freed with the other members.
   ep_.reset();
@@ -80,11 +116,11 @@ std::string Engine::broken_reason() const {
   return broken_reason_;
 }
 
-WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake) {
-  auto work = std::make_shared<Work>();
-  work->engine_ = this;
+WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake,
+                       std::function<void(const std::exception_ptr&)> on_finish) {
+  auto work = std::make_shared<Work>(this, std::move(on_finish));
   op->work = work;
-  op->submitted = Clock::now();
+  op->submitted = now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.load()) {
@@ -100,7 +136,13 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake) {
 }
 
 void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
-  auto done = std::make_shared<Work>();
+  if (!thread_.joinable()) {
+    // No engine thread (the clock drives the engines): the caller is the only one here.
+    std::lock_guard<std::mutex> plock(progress_mu_);
+    fn(*ep_);
+    return;
+  }
+  auto done = std::make_shared<Work>(nullptr);
   std::function<void(net::Endpoint&)> wrapped = [&fn, done](net::Endpoint& ep) {
     try {
       fn(ep);
@@ -184,13 +226,53 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
       close_endpoint(fmt::format("abort of {} #{} failed: {}", op->name(), op->seq, e.what()));
     }
   }
+  // Ops that failed alone earlier and still send from their callers' memory: those callers
+  // may free it once they hear of this failure.
+  if (!ep_closed_ && drain_retired())
+    close_endpoint("a failed operation has sends in flight from its caller's buffers");
   std::exception_ptr e = err;
   if (!e) e = std::make_exception_ptr(IoError(reason));
-  for (auto& op : active_) {
-    op->failed(e);
-    op->work->finish(e);
-  }
+  for (auto& op : active_) op->work->finish(e);
   active_.clear();
+  retire_.clear();
+}
+
+void Engine::abandon(const WorkPtr& work, Deadline until, const std::string& why) {
+  retire_.push_back({work, until, std::make_exception_ptr(IoError(why))});
+}
+
+void Engine::fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err) {
+  try {
+    op->abandon(*ep_, until);
+  } catch (const std::exception& e) {
+    // A receive the transport did not let go of: only closing the endpoint frees its buffer.
+    spdlog::warn("rank {}: abandoning {} #{}: {}", rank_, op->name(), op->seq, e.what());
+    close_endpoint(fmt::format("abandoning {} #{} failed: {}", op->name(), op->seq, e.what()));
+  }
+  WorkPtr work = op->work;
+  if (op->holds_buffers() && !ep_closed_) draining_.push_back(std::move(op));
+  work->finish(err);
+}
+
+// step(): the ops abandoned in this pass (Engine::abandon) and those of kFailsOp that failed
+// in it leave the active ones.
+void Engine::retire_failed() {
+  std::vector<Retire> todo;
+  todo.swap(retire_);
+  for (auto& r : todo) {
+    auto it = std::find_if(active_.begin(), active_.end(),
+                           [&](const auto& op) { return op->work == r.work; });
+    if (it == active_.end()) continue;  // finished, or retired already
+    std::unique_ptr<EngineOp> op = std::move(*it);
+    active_.erase(it);
+    fail_op(std::move(op), r.until, r.err);
+  }
+}
+
+// Forgets the failed ops whose sends completed; true when one still holds its buffers.
+bool Engine::drain_retired() {
+  std::erase_if(draining_, [](const auto& op) { return !op->holds_buffers(); });
+  return !draining_.empty();
 }
 
 void Engine::close_endpoint(const std::string& why) {
@@ -295,7 +377,7 @@ void Engine::start_diagnosis(EngineOp& op, const std::string& reason) {
   diag_->seq = op.seq;
   diag_->op_name = op.name();
   diag_->reason = reason;
-  diag_->until = Clock::now() + probe_window_;
+  diag_->until = now() + probe_window_;
   diag_->shape = op.shape();
   diag_->answers.assign(size_t(size_), -2);
   diag_->answers[size_t(rank_)] = last_started_;
@@ -333,9 +415,10 @@ void Engine::tell_mismatch(int origin, uint64_t seq, int peer, uint64_t mine, ui
   // out first (bounded: a peer that does not take them fails by its own deadline). A notice
   // that failed is sent again: over tcp a message longer than its receive makes the provider
   // drop the connection it came on (the peer it concerns), and the next send connects anew.
-  const auto until = Clock::now() + std::chrono::seconds(1);
+  const auto until = now() + std::chrono::seconds(1);
   net::Backoff backoff;
-  while (Clock::now() < until) {
+  // Bounded in passes too: on virtual time (a clock that drives the engines) no time passes here.
+  for (int pass = 0; now() < until && pass < 100000; ++pass) {
     bool all = true;
     for (int p = 0; p < size_; ++p) {
       const auto& r = sent[size_t(p)];
@@ -366,7 +449,7 @@ void Engine::finish_diagnosis_if_due() {
   if (!diag_) return;
   bool all =
       std::none_of(diag_->answers.begin(), diag_->answers.end(), [](int64_t a) { return a == -2; });
-  if (!all && Clock::now() < diag_->until) return;
+  if (!all && now() < diag_->until) return;
   std::vector<int> silent, behind, other;
   for (int p = 0; p < size_; ++p) {
     int64_t a = diag_->answers[size_t(p)];
@@ -456,8 +539,11 @@ bool Engine::step() {
     return moved;
   }
   if (!start_and_advance(starting, moved)) return true;
-  moved |= reap_finished();
   if (!active_.empty() && !diag_) check_deadlines();
+  moved |= !retire_.empty();
+  retire_failed();
+  drain_retired();
+  moved |= reap_finished();
   if (diag_) {
     // The op may still finish while peers answer; then there is nothing to report.
     bool pending = std::any_of(active_.begin(), active_.end(),
@@ -474,6 +560,26 @@ bool Engine::step() {
   return moved;
 }
 
+bool Engine::retiring(const EngineOp& op) const {
+  return std::any_of(retire_.begin(), retire_.end(),
+                     [&](const Retire& r) { return r.work == op.work; });
+}
+
+// Runs an op's start or advance: an error of a kFailsOp op retires it alone (after the pass),
+// any other propagates (start_and_advance fails every op with it).
+bool Engine::guarded(EngineOp& op, const std::function<bool()>& fn) {
+  if (op.on_failure != EngineOp::OnFailure::kFailsOp) return fn();
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    spdlog::debug("rank {}: {} #{} failed alone: {}", rank_, op.name(), op.seq, e.what());
+    const auto budget = op.deadline == Deadline::max() ? Clock::duration(0)
+                                                       : op.deadline - op.submitted;
+    retire_.push_back({op.work, now() + budget, std::current_exception()});
+    return true;
+  }
+}
+
 // step(): starts the new ops and advances every active one. Returns false when one failed
 // (fail_all has failed them all).
 bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved) {
@@ -487,16 +593,25 @@ bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting,
     }
     for (auto& op : starting) {
       active_.push_back(std::move(op));
-      if (active_.back()->sequenced()) {
-        last_started_ = active_.back()->seq;
-        last_shape_ = active_.back()->shape();
+      EngineOp& a = *active_.back();
+      if (a.sequenced) {
+        last_started_ = a.seq;
+        last_shape_ = a.shape();
       }
-      active_.back()->start(*ep_);
+      guarded(a, [&] {
+        a.start(*ep_);
+        return true;
+      });
     }
     starting.clear();
     moved |= ep_->progress() > 0;
     moved |= poll_ctl();
-    for (auto& op : active_) moved |= op->advance(*ep_);
+    // Ops may submit others meanwhile (into incoming_): active_ does not change in this loop.
+    for (size_t i = 0; i < active_.size(); ++i) {
+      EngineOp& op = *active_[i];
+      if (retiring(op)) continue;
+      moved |= guarded(op, [&] { return op.advance(*ep_); });
+    }
   } catch (const ShapeMismatch& e) {
     // Tell every rank, so that those this rank's ring never talked to fail as well.
     tell_mismatch(rank_, e.seq(), e.peer(), e.mine(), e.theirs());
@@ -541,13 +656,19 @@ bool Engine::reap_finished() {
 
 // step(): the first op past its deadline starts a diagnosis (or fails, alone).
 void Engine::check_deadlines() {
-  auto now = Clock::now();
+  auto now = this->now();
   for (auto& op : active_) {
-    if (now >= op->deadline) {
+    if (now >= op->deadline && !retiring(*op)) {
       auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
       std::string reason =
           fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(),
                       op->seq, waited.count(), op->waiting_on());
+      if (op->on_failure == EngineOp::OnFailure::kFailsOp) {
+        // Its submitter decides what the timeout means: no liveness probes for it.
+        retire_.push_back({op->work, now + (op->deadline - op->submitted),
+                           std::make_exception_ptr(CollectiveTimeout(reason))});
+        continue;
+      }
       if (size_ > 1) {
         start_diagnosis(*op, reason);
       } else {
@@ -623,7 +744,11 @@ void Engine::loop() {
       idle_wait(backoff);
     }
   }
-  // Shutdown: fail what is left so no caller waits forever.
+  shut_down();
+}
+
+// Fails what is left so no caller waits forever.
+void Engine::shut_down() {
   std::lock_guard<std::mutex> plock(progress_mu_);
   if (!active_.empty() || !incoming_.empty())
     fail_all(fmt::format("rank {}: communicator destroyed with operations pending", rank_),

@@ -1,10 +1,15 @@
 // The progress engine: one thread per communicator that owns the endpoint and advances every
 // active operation (EngineOp) until it completes, fails, or passes its deadline. Idle, it
 // blocks on a condition variable; waiting for peers, it spins briefly, then yields, then
-// sleeps with backoff (net::Backoff), so oversubscribed nodes stay usable.
+// sleeps with backoff (net::Backoff), so oversubscribed nodes stay usable. It is the one
+// scheduler of a communicator: the collectives, the quorum all-reduce's service and each of
+// its steps' reductions are ops here. Under a clock that drives the engines
+// (collectives/clock.h) it starts no thread and the clock runs its passes.
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -14,7 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "collectives/communicator.h"
+#include "collectives/clock.h"
+#include "collectives/options.h"
+#include "collectives/work.h"
 #include "net/transport/endpoint.h"
 
 namespace qring::collectives {
@@ -31,18 +38,14 @@ class EngineOp {
   // true afterwards, the engine closes the endpoint before anyone learns of the failure, so
   // that no buffer stays posted into memory whose owner may free it.
   virtual void abort(net::Endpoint& ep) = 0;
-  // Gives the op up while its peers may still be working on it (the quorum service decides a
-  // step again without them, or after one failed): abort(), and the messages the op still
-  // expected are discarded (net::Endpoint::discard) until `until`, so that a peer that sent
-  // one before giving up too is not held back by it. Default: abort() only.
+  // Gives the op up while its peers may still be working on it (an op that fails alone,
+  // below, or one its submitter cancels: Engine::abandon): abort(), and the messages the op
+  // still expected are discarded (net::Endpoint::discard) until `until`, so that a peer that
+  // sent one before giving up too is not held back by it. Default: abort() only.
   virtual void abandon(net::Endpoint& ep, Deadline /*until*/) { abort(ep); }
   // After abort(): whether a request of this op that uses its caller's memory is still
   // pending (a send that has not completed: sends cannot be cancelled).
   virtual bool holds_buffers() const { return false; }
-  // Called once when the op fails, after abort() and after the endpoint was closed if it had
-  // to be (its buffers are free), before its Work is failed: where an op that has waiters of
-  // its own (the quorum service) tells them.
-  virtual void failed(const std::exception_ptr& /*err*/) {}
   // "receive from rank 3 (stage 2, segment 0)": what the op is blocked on right now.
   virtual std::string waiting_on() const = 0;
   virtual std::string name() const = 0;
@@ -51,19 +54,47 @@ class EngineOp {
   virtual uint64_t shape() const { return 0; }
   // Called once when the op starts (engine thread), before the first advance().
   virtual void start(net::Endpoint& /*ep*/) {}
-  // False for long-lived services outside the collective sequence (the quorum service).
-  virtual bool sequenced() const { return true; }
   // True while the op has nothing in flight and only waits for peers' messages that may be
-  // noticed a little late (the quorum service between steps). When every active op is
+  // noticed a little late (a long-lived service between its bursts). When every active op is
   // passive, the engine thread polls with short sleeps instead of spinning and yielding, so
   // it leaves the cores to the ranks' own threads.
   virtual bool passive() const { return false; }
 
+  // What a failure of this op (an error thrown by it, or its deadline) does:
+  //  kBreaksCommunicator: every op of the communicator fails with it and the communicator
+  //    refuses further work (the collectives: their ranks' sequence is lost).
+  //  kFailsOp: this op alone is abandoned (abandon(), discarding what it expected for as long
+  //    as its own deadline allowed it) and its Work fails; the rest goes on (a quorum step's
+  //    reduction among its contributors: the quorum all-reduce decides the step again).
+  enum class OnFailure : uint8_t { kBreaksCommunicator, kFailsOp };
+  OnFailure on_failure = OnFailure::kBreaksCommunicator;
+  // Part of the collective sequence (seq numbers every rank calls in the same order): the
+  // liveness probes report the last one started. False for services and for operations
+  // numbered in a protocol's own space (a quorum step's reduction).
+  bool sequenced = true;
   uint32_t seq = 0;
   Deadline deadline{};
   Clock::time_point submitted{};
   WorkPtr work;
 };
+
+// How a caller that waits drives the engine from its own thread (Engine::drive_until).
+struct Help {
+  // Hand over to the engine thread after this many polls in a row without progress...
+  int idle_polls = INT_MAX;
+  // ... or after this long without progress.
+  std::chrono::microseconds idle_time = std::chrono::microseconds::max();
+  // Polls between two looks at the caller's condition while nothing moves.
+  int look_every = 1;
+  // On leaving with the condition met: still wake the engine thread when operations that are
+  // not passive remain (true), or leave them to its own pace (false: the rank computes next,
+  // and a woken engine thread would take its core).
+  bool wake_if_busy = true;
+};
+// For a waiter that may wait long (for a peer still computing): it drives while anything
+// moves, hands over after 2 ms without progress, and leaves what remains once its condition
+// holds to the engine thread's own pace.
+inline constexpr Help kHelpBriefly{INT_MAX, std::chrono::microseconds(2000), 16, false};
 
 class Engine {
  public:
@@ -71,8 +102,13 @@ class Engine {
   ~Engine();
 
   // wake = false: the caller waits on the work at once and drives it (Work::wait), so the
-  // engine thread is not woken for it.
-  WorkPtr submit(std::unique_ptr<EngineOp> op, bool wake = true);
+  // engine thread is not woken for it. `on_finish`: see Work.
+  WorkPtr submit(std::unique_ptr<EngineOp> op, bool wake = true,
+                 std::function<void(const std::exception_ptr&)> on_finish = {});
+  // Engine thread only (an op's advance): gives up the op of `work` (EngineOp::abandon, its
+  // expected messages discarded until `until`) at the end of this pass; its Work fails with
+  // `why`. Nothing happens when it has finished already.
+  void abandon(const WorkPtr& work, Deadline until, const std::string& why);
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
   int rank() const { return rank_; }
@@ -81,15 +117,18 @@ class Engine {
   bool oversubscribed() const { return oversubscribed_; }
   std::string provider() const { return provider_; }
   const net::TransportTraits& traits() const { return traits_; }
+  // The time of everything above the endpoint (CommOptions::clock).
+  TimeSource& clock() const { return *clock_; }
+  Clock::time_point now() const { return clock_->now(); }
   // Wakes the engine thread if it sleeps (call after handing it new work).
   void kick();
-  // A caller that drives progress itself (try_progress in a loop) brackets that with these:
-  // the engine thread stays off the CPU in between. end_help(hand_over) kicks the engine
-  // when the caller leaves work to it; otherwise the last helper to leave still wakes it if
-  // operations remain (passive ones included, such as the quorum service), without marking
-  // new work, so that it resumes its own polling pace instead of sleeping out its backstop.
-  void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
-  void end_help(bool hand_over);
+  // The one way a waiting caller drives the engine from its own thread: passes while they
+  // move, until `done()` holds, `deadline` passes, or `how` says to hand over; then the
+  // engine thread takes over (it stays off the CPU while a caller drives, so an
+  // oversubscribed node runs one polling thread per rank, not two). Returns done(). Blocking
+  // until done() is the caller's (Work::wait, the quorum all-reduce's waits). With a clock
+  // that drives the engines it returns at once: the clock runs them while the caller blocks.
+  bool drive_until(const std::function<bool()>& done, Deadline deadline, const Help& how);
   // One engine pass from a caller's thread if no other thread is in one (returns whether
   // anything moved). Waiters use it so small operations complete without a thread hand-off.
   bool try_progress();
@@ -128,7 +167,22 @@ class Engine {
 
  private:
   void loop();
+  void shut_down();
   bool step();
+  // A caller that drives progress itself brackets that with these (drive_until): the engine
+  // thread stays off the CPU in between. end_help(hand_over) kicks the engine when the caller
+  // leaves work to it; otherwise the last helper to leave still wakes it if operations remain
+  // (passive ones included), without marking new work, so that it resumes its own polling
+  // pace instead of sleeping out its backstop.
+  void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
+  void end_help(bool hand_over);
+  // kFailsOp ops: fails `op` alone (abandon, then its Work), keeping it while it holds buffers.
+  void fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err);
+  // Ops marked by abandon() and failed ops of kFailsOp, after the pass (step()).
+  void retire_failed();
+  bool drain_retired();
+  bool retiring(const EngineOp& op) const;
+  bool guarded(EngineOp& op, const std::function<bool()>& fn);
   bool start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved);
   bool reap_finished();
   void check_deadlines();
@@ -203,8 +257,15 @@ class Engine {
   std::atomic<bool> all_passive_{false};  // every active op is passive()
   std::atomic<int> helpers_{0};  // callers between begin_help and end_help
   bool oversubscribed_ = false;  // more ranks on this host than cores
-  friend class Work;
-  friend class QuorumAllreduce;
+  std::shared_ptr<TimeSource> clock_keep_;  // CommOptions::clock
+  TimeSource* clock_;
+  // Failures of kFailsOp ops in this pass, and abandon() requests: (work, until, error).
+  struct Retire {
+    WorkPtr work;
+    Deadline until;
+    std::exception_ptr err;
+  };
+  std::vector<Retire> retire_;
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;
@@ -215,6 +276,9 @@ class Engine {
   std::vector<std::unique_ptr<std::vector<char>>> scratch_free_;
   std::vector<std::unique_ptr<std::vector<char>>> scratch_used_;
   std::vector<std::unique_ptr<EngineOp>> active_;
+  // Failed ops whose sends still read their callers' memory: kept until those complete (the
+  // endpoint is closed before the communicator's end, or its failure, releases them).
+  std::vector<std::unique_ptr<EngineOp>> draining_;
   std::thread thread_;
 };
 

@@ -232,6 +232,7 @@ struct QuorumAllreduce::Shared {
     reports_in.erase(reports_in.begin(), end);
   }
   std::exception_ptr poison;
+  std::exception_ptr service_error;  // why the service died, when it did
   bool shutdown = false;
   std::function<void(uint64_t)> on_excluded;
   std::function<void(uint64_t, const char*)> on_phase;
@@ -288,6 +289,7 @@ class QuorumService final : public EngineOp {
         esz_(dtype_size(o.type)),
         instance_(instance & 0xFF) {
     seq = 0;
+    sequenced = false;
     deadline = Clock::time_point::max();
     cfg_.world = world_;
     cfg_.self = coord_;
@@ -326,7 +328,6 @@ class QuorumService final : public EngineOp {
   // Chunk field of control tags: the sender's rank and this all-reduce's instance number, so
   // a late message of an earlier instance on the same communicator never matches.
   uint64_t chunk(int r) const { return uint64_t(r) | (uint64_t(instance_) << 16); }
-  bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override { return "contributions"; }
   // Between steps: nothing of this rank in flight, only the standing receives.
@@ -378,20 +379,6 @@ class QuorumService final : public EngineOp {
     retain_sends(ep);
   }
   bool holds_buffers() const override { return user_sends_pending(); }
-  void failed(const std::exception_ptr& err) override {
-    if (error_) {
-      sh_->fail(error_);
-      return;
-    }
-    std::string why = engine_.broken_reason();
-    try {
-      if (err) std::rethrow_exception(err);
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-    sh_->fail(std::make_exception_ptr(IoError(fmt::format(
-        "rank {}: the communicator under the quorum all-reduce failed: {}", rank_, why))));
-  }
 
   bool advance(net::Endpoint& ep) override {
     if (finished_) return false;
@@ -430,6 +417,10 @@ class QuorumService final : public EngineOp {
     } catch (...) {
       error_ = std::current_exception();
       dead_ = true;
+    }
+    if (error_) {
+      std::lock_guard<std::mutex> lock(sh_->mu);
+      if (!sh_->service_error) sh_->service_error = error_;
     }
     bool stop;
     {
@@ -2198,7 +2189,30 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
     agent_ = std::thread(run_join_agent, shared_, opts_.store, &comm.engine(), comm.rank(), w,
                          instance & 0xFF, inc);
   }
-  service_ = comm.submit(std::move(op));
+  // When the service fails (its own error, or the communicator's), every waiter is told, after
+  // the engine made sure no buffer of theirs is still with the transport.
+  op->deadline = Clock::time_point::max();
+  service_ = comm.engine().submit(
+      std::move(op), true,
+      [sh = shared_, rank = comm.rank()](const std::exception_ptr& err) {
+        if (!err) return;
+        std::exception_ptr why;
+        {
+          std::lock_guard<std::mutex> lock(sh->mu);
+          why = sh->service_error;
+        }
+        if (!why) {
+          std::string what = "unknown error";
+          try {
+            std::rethrow_exception(err);
+          } catch (const std::exception& e) {
+            what = e.what();
+          }
+          why = std::make_exception_ptr(IoError(fmt::format(
+              "rank {}: the communicator under the quorum all-reduce failed: {}", rank, what)));
+        }
+        sh->fail(why);
+      });
 }
 
 QuorumAllreduce::~QuorumAllreduce() {
@@ -2285,36 +2299,12 @@ std::map<uint64_t, std::vector<double>> QuorumAllreduce::arrival_log() const {
 // and the ring then progress without engine wake-ups), then leaves the rest to the engine
 // thread: a long wait for stragglers costs no CPU.
 void QuorumAllreduce::help_progress(uint64_t step) {
-  Engine& engine = comm_.engine();
   auto finished = [&] {
     std::lock_guard<std::mutex> lock(shared_->mu);
     auto it = shared_->steps.find(step);
     return shared_->poison || (it != shared_->steps.end() && (it->second.done || it->second.error));
   };
-  // Drive while anything moves (a ring in flight keeps this thread busy, without hand-offs);
-  // after 2 ms without progress (waiting for a peer still computing) leave the step to the
-  // engine thread and sleep, so a rank that waits does not take turns on the core with the
-  // ranks that compute. Pure spinning only with a core per rank.
-  engine.begin_help();
-  const int spin = engine.oversubscribed_ ? 0 : 100;
-  auto last = Clock::now();
-  for (int i = 0;; ++i) {
-    if (engine.try_progress()) {
-      if (finished()) break;
-      i = 0;
-      last = Clock::now();
-      continue;
-    }
-    if ((i & 15) == 15) {
-      if (finished()) break;
-      if (Clock::now() - last > std::chrono::milliseconds(2)) break;
-    }
-    if (i >= spin) sched_yield();
-  }
-  // Hand an unfinished step to the engine thread; a finished one needs no kick (the engine
-  // reaps what is left on its next pass), only the wake-up end_help gives the last helper's
-  // exit so that the engine looks after the quorum service again.
-  engine.end_help(!finished());
+  comm_.engine().drive_until(finished, Deadline::max(), kHelpBriefly);
 }
 
 std::vector<char> QuorumAllreduce::pending_carry() const {
