@@ -379,9 +379,9 @@ TEST(AutoQuorum, CoordinatorChoosesEachStepsQuorumAndDecideCarriesIt) {
   auto tick = [&] { return c.handle(Event{}, now); };
   std::vector<int> quorums;
   std::vector<std::vector<int>> contributors;
-  auto collect = [&](const std::vector<Action>& acts) {
+  auto collect = [&](const std::vector<Down>& acts) {
     for (const auto& a : acts)
-      if (a.kind == Action::Kind::kDecide) {
+      if (a.kind == Down::Kind::kDecide) {
         quorums.push_back(a.decide.quorum);
         contributors.push_back(a.decide.contributors);
       }

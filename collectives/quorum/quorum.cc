@@ -89,6 +89,8 @@ uint64_t attempt_seq(uint64_t step, uint32_t attempt) {
 }
 
 using qproto::Event;
+using UpKind = qproto::Up::Kind;
+using DownKind = qproto::Down::Kind;
 
 // Store keys of a rejoin (docs/design.md, "Rejoin"): what rank `owner` publishes about the
 // join of incarnation `inc` of rank `r` -- the joiner its address, each member its address for
@@ -432,11 +434,11 @@ class QuorumService final : public EngineOp {
       bye_sent_ = true;
       try {
         if (coord_state_) {
-          qwire::DownMsg m;
-          m.type = qwire::Down::kBye;
+          qproto::Down m;
+          m.kind = DownKind::kBye;
           broadcast_down(ep, m);
         } else {
-          send_up(ep, qwire::Up::kBye, Event{});
+          send_up(ep, UpKind::kBye, Event{});
         }
       } catch (const std::exception& e) {
         spdlog::debug("rank {}: quorum: goodbye not sent: {}", rank_, e.what());
@@ -538,8 +540,8 @@ class QuorumService final : public EngineOp {
     takeover_->candidates = cands;
     takeover_->started = Clock::now();
     acked_epoch_ = takeover_->epoch;
-    qwire::DownMsg m;
-    m.type = qwire::Down::kTakeover;
+    qproto::Down m;
+    m.kind = DownKind::kTakeover;
     m.view.epoch = takeover_->epoch;
     m.view.members = cands;
     auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
@@ -567,9 +569,9 @@ class QuorumService final : public EngineOp {
     Event e;
     e.epoch = v.epoch;
     for (auto& [t, k] : decisions_) e.known.push_back(k);
-    send_up(ep, qwire::Up::kAck, e);
+    send_up(ep, UpKind::kAck, e);
     // The new coordinator has not seen the contributions still waiting for a decision.
-    for (uint64_t t : awaiting_decide_) send_up(ep, qwire::Up::kReady, ready_event(t));
+    for (uint64_t t : awaiting_decide_) send_up(ep, UpKind::kReady, ready_event(t));
   }
 
   bool gather_takeover(net::Endpoint& ep) {
@@ -606,7 +608,7 @@ class QuorumService final : public EngineOp {
                  rank_, v.epoch, v.members, coord_);
     qproto::Config cfg = cfg_;
     cfg.self = rank_;
-    std::vector<qproto::Action> out;
+    std::vector<qproto::Down> out;
     coord_state_ =
         std::make_unique<qproto::Coordinator>(cfg, now, v, completed, known, out, inc_);
     coord_ = rank_;
@@ -615,7 +617,7 @@ class QuorumService final : public EngineOp {
     takeover_.reset();
     for (auto& a : out) act(ep, a);
     for (auto& e : early) feed(ep, e);
-    for (uint64_t t : awaiting_decide_) send_up(ep, qwire::Up::kReady, ready_event(t));
+    for (uint64_t t : awaiting_decide_) send_up(ep, UpKind::kReady, ready_event(t));
     drain_self(ep);
     return true;
   }
@@ -847,7 +849,7 @@ class QuorumService final : public EngineOp {
           Event e;
           e.suspect = it->first;
           e.count = it->second.incarnation;
-          send_up(ep, qwire::Up::kAccept, e);
+          send_up(ep, UpKind::kAccept, e);
         }
         member_joins_.erase(it);
         moved = true;
@@ -875,7 +877,7 @@ class QuorumService final : public EngineOp {
           Event warm;
           warm.from = rank_;
           warm.completed = completed_;
-          send_up_to(ep, p, qwire::Up::kWarm, warm);
+          send_up_to(ep, p, UpKind::kWarm, warm);
         }
       } catch (const std::exception& e) {
         throw ConfigError(fmt::format("rank {}: rejoin: cannot connect to rank {}: {}", rank_,
@@ -931,7 +933,7 @@ class QuorumService final : public EngineOp {
       e.from = rank_;
       e.completed = completed_;
       e.count = my_inc_;
-      send_up_to(ep, coord_, qwire::Up::kHello, e);
+      send_up_to(ep, coord_, UpKind::kHello, e);
       return true;
     }
     return false;
@@ -996,17 +998,12 @@ class QuorumService final : public EngineOp {
     in.req = ep.irecv(p, net::make_tag(net::Op::kQuorumDecide, in.next, chunk(p)), in.msg.data(),
                       in.msg.size());
   }
-  void send_up(net::Endpoint& ep, qwire::Up type, Event e) {
+  void send_up(net::Endpoint& ep, UpKind type, Event e) {
+    e.kind = type;
     e.from = rank_;
     e.completed = completed_;
     if (coord_state_) {
       // The coordinator's own messages go straight into its state machine.
-      e.kind = type == qwire::Up::kReady     ? Event::Kind::kReady
-               : type == qwire::Up::kReport  ? Event::Kind::kReport
-               : type == qwire::Up::kSuspect ? Event::Kind::kSuspect
-               : type == qwire::Up::kBye     ? Event::Kind::kBye
-               : type == qwire::Up::kAccept  ? Event::Kind::kAccept
-                                             : Event::Kind::kHeartbeat;
       self_events_.push_back(e);
       return;
     }
@@ -1015,15 +1012,16 @@ class QuorumService final : public EngineOp {
     send_up_to(ep, coord_, type, e);
   }
   // On the up stream to `to` (the coordinator, or a deposed one told so).
-  void send_up_to(net::Endpoint& ep, int to, qwire::Up type, const Event& e) {
-    auto buf = std::make_shared<std::vector<char>>(qwire::encode_up(world_, type, e));
+  void send_up_to(net::Endpoint& ep, int to, UpKind type, Event e) {
+    e.kind = type;
+    auto buf = std::make_shared<std::vector<char>>(qwire::encode_up(world_, e));
     auto req = ep.isend(to, net::make_tag(net::Op::kQuorumReady, up_out_next_[size_t(to)]++,
                                           chunk(rank_)),
                         buf->data(), buf->size());
     sends_.push_back({req, buf, to, false, inc_[size_t(to)]});
   }
   // The coordinator's message to every other member of the view in force (one encoding).
-  void broadcast_down(net::Endpoint& ep, const qwire::DownMsg& m) {
+  void broadcast_down(net::Endpoint& ep, const qproto::Down& m) {
     auto buf = std::make_shared<std::vector<char>>(qwire::encode_down(world_, m));
     for (int r : coord_state_->view().members)
       if (r != rank_) send_down(ep, r, buf);
@@ -1059,13 +1057,13 @@ class QuorumService final : public EngineOp {
       In& in = up_in_[size_t(from)];
       if (!arrived(in, from)) continue;
       moved = true;
-      qwire::Up type;
-      Event e = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from, &type);
+      Event e = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from);
+      const UpKind type = e.kind;
       ++in.next;
       post_up_recv(ep, from);
       --from;  // the next message of this peer may be waiting already
-      if (type == qwire::Up::kWarm) continue;  // it has done its work: the connection is open
-      if (type == qwire::Up::kDeposed) {
+      if (type == UpKind::kWarm) continue;  // it has done its work: the connection is open
+      if (type == UpKind::kDeposed) {
         if (coord_state_)
           throw Evicted(fmt::format(
               "rank {}: evicted from the job: while this rank (the coordinator) was unreachable, "
@@ -1073,7 +1071,7 @@ class QuorumService final : public EngineOp {
               rank_, e.from));
         continue;
       }
-      if (type == qwire::Up::kShard) {
+      if (type == UpKind::kShard) {
         // A part of a report: kept for gather_reports() (when this rank coordinates, or is
         // about to), and a sign of life like a heartbeat.
         if (coord_state_ || takeover_)
@@ -1081,7 +1079,7 @@ class QuorumService final : public EngineOp {
         e.values.clear();
       }
       if (takeover_) {
-        if (type == qwire::Up::kAck && e.epoch == takeover_->epoch)
+        if (type == UpKind::kAck && e.epoch == takeover_->epoch)
           takeover_->acks[e.from] = e;
         else
           takeover_->early.push_back(e);
@@ -1127,44 +1125,13 @@ class QuorumService final : public EngineOp {
       coord_state_->resync(now);
       last_pass_ = last_down_ = now;
     }
-    std::vector<qproto::Action> acts = coord_state_->handle(e, now, more);
+    std::vector<qproto::Down> acts = coord_state_->handle(e, now, more);
     for (auto& a : acts) act(ep, a);
   }
 
-  void act(net::Endpoint& ep, const qproto::Action& a) {
-    using K = qproto::Action::Kind;
-    qwire::DownMsg m;
-    switch (a.kind) {
-      case K::kView:
-        m.type = qwire::Down::kView;
-        m.view = a.view;
-        m.left = a.left;
-        m.joined = a.joined;
-        break;
-      case K::kDecide:
-        m.type = qwire::Down::kDecide;
-        m.decide = a.decide;
-        break;
-      case K::kRecover:
-        m.type = qwire::Down::kRecover;
-        m.step = a.step;
-        m.attempt = a.attempt;
-        break;
-      case K::kEvicted:
-        m.type = qwire::Down::kEvicted;
-        break;
-      case K::kFatal:
-        m.type = qwire::Down::kFatal;
-        m.text = a.reason;
-        break;
-      case K::kJoining:
-        m.type = qwire::Down::kJoining;
-        m.joiner = a.joiner;
-        m.incarnation = a.incarnation;
-        break;
-    }
-    if (a.kind == K::kEvicted) {
-      send_down(ep, a.to, std::make_shared<std::vector<char>>(qwire::encode_down(world_, m)));
+  void act(net::Endpoint& ep, const qproto::Down& m) {
+    if (m.kind == DownKind::kEvicted) {
+      send_down(ep, m.to, std::make_shared<std::vector<char>>(qwire::encode_down(world_, m)));
       return;
     }
     // To the members of the view in force (for a VIEW: the new one).
@@ -1183,62 +1150,62 @@ class QuorumService final : public EngineOp {
       In& in = down_in_[size_t(from)];
       while (arrived(in, from)) {
         moved = true;
-        qwire::DownMsg m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
+        qproto::Down m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
         ++in.next;
         post_down_recv(ep, from);
-        if (m.type == qwire::Down::kTakeover) {
+        if (m.kind == DownKind::kTakeover) {
           answer_takeover(ep, from, m.view);
         } else if (from == coord_ && !coord_state_) {
           last_down_ = Clock::now();
           heard_coordinator_ = true;
           apply(ep, m);
-        } else if (!told_deposed_[size_t(from)] && m.type != qwire::Down::kBye) {
+        } else if (!told_deposed_[size_t(from)] && m.kind != DownKind::kBye) {
           // A coordinator that was replaced while it was unreachable: tell it, once.
           told_deposed_[size_t(from)] = true;
           Event e;
           e.from = rank_;
-          send_up_to(ep, from, qwire::Up::kDeposed, e);
+          send_up_to(ep, from, UpKind::kDeposed, e);
         }
       }
     }
     return moved;
   }
 
-  void apply(net::Endpoint& ep, const qwire::DownMsg& m) {
-    switch (m.type) {
-      case qwire::Down::kHeartbeat:
-      case qwire::Down::kTakeover:  // answered in poll_down
+  void apply(net::Endpoint& ep, const qproto::Down& m) {
+    switch (m.kind) {
+      case DownKind::kHeartbeat:
+      case DownKind::kTakeover:  // answered in poll_down
         return;
-      case qwire::Down::kBye:
+      case DownKind::kBye:
         coordinator_done_ = true;  // its silence from now on is no failure
         return;
-      case qwire::Down::kEvicted:
+      case DownKind::kEvicted:
         throw Evicted(fmt::format(
             "rank {}: evicted from the job: the other ranks stopped waiting for this one (silent "
             "for more than quorum.evict_ms = {} ms, or unreachable); it must leave (exit)",
             rank_, o_.evict.count()));
-      case qwire::Down::kFatal: {
+      case DownKind::kFatal: {
         std::vector<int> gone;
         for (int r = 0; r < world_; ++r)
           if (!view_.has(r)) gone.push_back(r);
-        throw QuorumLost(fmt::format("rank {}: the job stops: {}", rank_, m.text), gone);
+        throw QuorumLost(fmt::format("rank {}: the job stops: {}", rank_, m.reason), gone);
       }
-      case qwire::Down::kView:
+      case DownKind::kView:
         apply_view(m);
         return;
-      case qwire::Down::kRecover:
+      case DownKind::kRecover:
         apply_recover(ep, m.step, m.attempt);
         return;
-      case qwire::Down::kDecide:
+      case DownKind::kDecide:
         apply_decide(ep, m.decide);
         return;
-      case qwire::Down::kJoining:
+      case DownKind::kJoining:
         apply_joining(m.joiner, m.incarnation);
         return;
     }
   }
 
-  void apply_view(const qwire::DownMsg& m) {
+  void apply_view(const qproto::Down& m) {
     if (m.view.epoch <= view_.epoch)
       throw ProtocolError(fmt::format("rank {}: quorum: view {} after view {}", rank_,
                                       m.view.epoch, view_.epoch));
@@ -1308,7 +1275,7 @@ class QuorumService final : public EngineOp {
       e.step = t;
       e.attempt = attempt;
       e.absent = true;
-      send_up(ep, qwire::Up::kReport, e);
+      send_up(ep, UpKind::kReport, e);
       return;
     }
     bool have = done_.count(t) != 0;
@@ -1333,7 +1300,7 @@ class QuorumService final : public EngineOp {
     e.step = t;
     e.attempt = attempt;
     e.have = have;
-    send_up(ep, qwire::Up::kReport, e);
+    send_up(ep, UpKind::kReport, e);
   }
 
   std::shared_ptr<Bytes> result_buffer() {
@@ -1359,7 +1326,7 @@ class QuorumService final : public EngineOp {
     for (uint64_t t : ev) {
       awaiting_decide_.insert(t);
       if (speculate_) start_speculative_ring(ep, t);
-      send_up(ep, qwire::Up::kReady, ready_event(t));
+      send_up(ep, UpKind::kReady, ready_event(t));
     }
     for (auto& r : reports) {
       if (coord_state_) {
@@ -1371,7 +1338,7 @@ class QuorumService final : public EngineOp {
       e.attempt = r.part;
       e.count = r.parts;
       e.values = std::move(r.values);
-      send_up(ep, qwire::Up::kShard, e);
+      send_up(ep, UpKind::kShard, e);
     }
     return !ev.empty() || !reports.empty();
   }
@@ -1449,7 +1416,7 @@ class QuorumService final : public EngineOp {
                  peer, what);
     Event e;
     e.suspect = peer;
-    send_up(ep, qwire::Up::kSuspect, e);
+    send_up(ep, UpKind::kSuspect, e);
   }
 
   void apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
@@ -1787,13 +1754,13 @@ class QuorumService final : public EngineOp {
     last_beat_ = now;
     beat_completed_ = completed_;
     if (coord_state_) {
-      send_up(ep, qwire::Up::kHeartbeat, Event{});
+      send_up(ep, UpKind::kHeartbeat, Event{});
       drain_self(ep);
-      qwire::DownMsg m;
-      m.type = qwire::Down::kHeartbeat;
+      qproto::Down m;
+      m.kind = DownKind::kHeartbeat;
       broadcast_down(ep, m);
     } else {
-      send_up(ep, qwire::Up::kHeartbeat, Event{});
+      send_up(ep, UpKind::kHeartbeat, Event{});
     }
   }
 
