@@ -32,8 +32,10 @@ class TimeSource {
                           Deadline deadline, const std::function<bool()>& pred) = 0;
   // Blocks until `t`.
   void sleep_until(Deadline t);
-  // Starts a helper thread of the library (the quorum all-reduce's join agent).
+  // Starts a helper thread of the library (the quorum all-reduce's join agent), and waits for
+  // one to end.
   virtual std::thread spawn(std::function<void()> fn) { return std::thread(std::move(fn)); }
+  virtual void join(std::thread& t) { t.join(); }
   // False: every engine runs its own thread. True: engines attach their pass (`pass` returns
   // whether anything moved) and the clock runs them; `key` names the engine for detach().
   virtual bool drives_engines() const { return false; }

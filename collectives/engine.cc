@@ -121,6 +121,24 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake,
   auto work = std::make_shared<Work>(this, std::move(on_finish));
   op->work = work;
   op->submitted = now();
+  if (pass_thread_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+    // From an op's advance: it starts now (a quorum step's reduction right after the
+    // decision) and advances at the end of this pass, not one pass later.
+    if (broken_.load())
+      throw UsageError(fmt::format("rank {}: {} #{} refused: the communicator is broken",
+                                   rank_, op->name(), op->seq));
+    EngineOp& a = *op;
+    spawned_.push_back(std::move(op));
+    if (a.sequenced) {
+      last_started_ = a.seq;
+      last_shape_ = a.shape();
+    }
+    guarded(a, [&] {
+      a.start(*ep_);
+      return true;
+    });
+    return work;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.load()) {
@@ -210,6 +228,8 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
     for (auto& op : incoming_) active_.push_back(std::move(op));
     incoming_.clear();
   }
+  for (auto& op : spawned_) active_.push_back(std::move(op));
+  spawned_.clear();
   // First every op withdraws what it posted. A receive the transport does not confirm as
   // cancelled stays posted into its buffer, and a send that never completes keeps reading
   // its buffer; once the op's Work fails its owner may free that memory, so then the
@@ -238,12 +258,30 @@ void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
 }
 
 void Engine::abandon(const WorkPtr& work, Deadline until, const std::string& why) {
-  retire_.push_back({work, until, std::make_exception_ptr(IoError(why))});
-}
-
-void Engine::fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err) {
+  EngineOp* op = nullptr;
+  for (auto* ops : {&active_, &spawned_})
+    for (auto& o : *ops)
+      if (o->work == work) op = o.get();
+  if (!op || retiring(*op)) return;
   try {
     op->abandon(*ep_, until);
+  } catch (const std::exception& e) {
+    spdlog::warn("rank {}: abandoning {} #{}: {}", rank_, op->name(), op->seq, e.what());
+    close_endpoint(fmt::format("abandoning {} #{} failed: {}", op->name(), op->seq, e.what()));
+  }
+  retire_.push_back({work, until, std::make_exception_ptr(IoError(why)), op});
+}
+
+bool Engine::holds_failed_buffers() {
+  for (const auto& r : retire_)
+    if (r.abandoned && r.abandoned->holds_buffers()) return true;
+  return drain_retired();
+}
+
+void Engine::fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err,
+                     bool abandoned) {
+  try {
+    if (!abandoned) op->abandon(*ep_, until);
   } catch (const std::exception& e) {
     // A receive the transport did not let go of: only closing the endpoint frees its buffer.
     spdlog::warn("rank {}: abandoning {} #{}: {}", rank_, op->name(), op->seq, e.what());
@@ -265,7 +303,7 @@ void Engine::retire_failed() {
     if (it == active_.end()) continue;  // finished, or retired already
     std::unique_ptr<EngineOp> op = std::move(*it);
     active_.erase(it);
-    fail_op(std::move(op), r.until, r.err);
+    fail_op(std::move(op), r.until, r.err, r.abandoned != nullptr);
   }
 }
 
@@ -514,6 +552,11 @@ void Engine::idle_wait(net::Backoff& backoff) {
 
 // One pass over everything the engine does. Caller: holds progress_mu_.
 bool Engine::step() {
+  pass_thread_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  struct Leave {
+    std::atomic<std::thread::id>& t;
+    ~Leave() { t.store(std::thread::id(), std::memory_order_relaxed); }
+  } leave{pass_thread_};
   std::vector<std::function<void(net::Endpoint&)>> calls;
   std::vector<std::unique_ptr<EngineOp>> starting;
   {
@@ -611,6 +654,15 @@ bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting,
       EngineOp& op = *active_[i];
       if (retiring(op)) continue;
       moved |= guarded(op, [&] { return op.advance(*ep_); });
+    }
+    // Ops submitted by the ones above start now.
+    while (!spawned_.empty()) {
+      std::unique_ptr<EngineOp> op = std::move(spawned_.front());
+      spawned_.erase(spawned_.begin());
+      active_.push_back(std::move(op));
+      EngineOp& a = *active_.back();
+      if (!retiring(a)) guarded(a, [&] { return a.advance(*ep_); });  // started at submit()
+      moved = true;
     }
   } catch (const ShapeMismatch& e) {
     // Tell every rank, so that those this rank's ring never talked to fail as well.

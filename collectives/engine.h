@@ -105,10 +105,14 @@ class Engine {
   // engine thread is not woken for it. `on_finish`: see Work.
   WorkPtr submit(std::unique_ptr<EngineOp> op, bool wake = true,
                  std::function<void(const std::exception_ptr&)> on_finish = {});
-  // Engine thread only (an op's advance): gives up the op of `work` (EngineOp::abandon, its
-  // expected messages discarded until `until`) at the end of this pass; its Work fails with
-  // `why`. Nothing happens when it has finished already.
+  // Engine thread only (an op's advance): gives up the op of `work` now (EngineOp::abandon,
+  // its expected messages discarded until `until`); it leaves at the end of this pass and its
+  // Work fails with `why`. Nothing happens when it has finished already.
   void abandon(const WorkPtr& work, Deadline until, const std::string& why);
+  // Engine thread only: whether an op that failed alone or was abandoned still sends from its
+  // caller's memory (its owner must not free it: failing the communicator closes the
+  // endpoint first).
+  bool holds_failed_buffers();
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
   int rank() const { return rank_; }
@@ -177,7 +181,8 @@ class Engine {
   void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
   void end_help(bool hand_over);
   // kFailsOp ops: fails `op` alone (abandon, then its Work), keeping it while it holds buffers.
-  void fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err);
+  void fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err,
+               bool abandoned);
   // Ops marked by abandon() and failed ops of kFailsOp, after the pass (step()).
   void retire_failed();
   bool drain_retired();
@@ -264,8 +269,12 @@ class Engine {
     WorkPtr work;
     Deadline until;
     std::exception_ptr err;
+    EngineOp* abandoned = nullptr;  // abandon() did it already
   };
   std::vector<Retire> retire_;
+  // Ops submitted from a pass (an op's advance), started at its end; the thread in a pass.
+  std::vector<std::unique_ptr<EngineOp>> spawned_;
+  std::atomic<std::thread::id> pass_thread_{};
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;

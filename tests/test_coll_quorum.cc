@@ -423,23 +423,23 @@ void between_two_steps(int quorum, milliseconds deadline,
 TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
   std::atomic<int> gathered{0};
   between_two_steps(3, milliseconds(3000), [&](QuorumAllreduce& q, int r) {
-    if (q.coordinator() != r) {
+    if (q.membership().coordinator() != r) {
       // Rank 3 never reports key 10 in 4 parts (it splits it in 3, as if it saw 3 members):
       // the coordinator stops waiting at its deadline.
-      if (r != 3) q.report(10, r, 4, {double(r), 0.5 * r});
-      if (r == 3) q.report(10, 2, 3, {99.0});
-      q.report(11, r, 4, {double(10 * r)});
+      if (r != 3) q.reports().report(10, r, 4, {double(r), 0.5 * r});
+      if (r == 3) q.reports().report(10, 2, 3, {99.0});
+      q.reports().report(11, r, 4, {double(10 * r)});
     } else {
-      EXPECT_THROW(q.report(12, 4, 4, {1.0}), UsageError);           // part out of range
-      EXPECT_THROW(q.report(12, 0, 4, std::vector<double>(9)), UsageError);  // too many
+      EXPECT_THROW(q.reports().report(12, 4, 4, {1.0}), UsageError);           // part out of range
+      EXPECT_THROW(q.reports().report(12, 0, 4, std::vector<double>(9)), UsageError);  // too many
       auto t0 = std::chrono::steady_clock::now();
-      auto a = q.gather_reports(10, 4, r, t0 + milliseconds(300));
+      auto a = q.reports().gather_reports(10, 4, r, t0 + milliseconds(300));
       EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(290));
       EXPECT_EQ(a.size(), 2u);
       EXPECT_EQ(a[1], (std::vector<double>{1.0, 0.5}));
       EXPECT_EQ(a[2], (std::vector<double>{2.0, 1.0}));
       EXPECT_EQ(a.count(3), 0u);
-      auto b = q.gather_reports(11, 4, r, t0 + milliseconds(5000));
+      auto b = q.reports().gather_reports(11, 4, r, t0 + milliseconds(5000));
       EXPECT_EQ(b.size(), 3u);
       EXPECT_EQ(b[3], (std::vector<double>{30.0}));
       ++gathered;
@@ -456,15 +456,15 @@ TEST(Quorum, ALaggingCoordinatorStillGathersEveryReport) {
   constexpr int kKeys = 40;
   std::atomic<int> reported{0}, gathered{0};
   between_two_steps(4, milliseconds(20000), [&](QuorumAllreduce& q, int r) {
-    if (q.coordinator() != r) {
-      for (int k = 0; k < kKeys; ++k) q.report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
+    if (q.membership().coordinator() != r) {
+      for (int k = 0; k < kKeys; ++k) q.reports().report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
       ++reported;
     } else {
       // Behind the others by all their reports, and then some (they are on their way).
       while (reported.load() < 3) std::this_thread::sleep_for(milliseconds(5));
       std::this_thread::sleep_for(milliseconds(300));
       for (int k = 0; k < kKeys; ++k) {
-        auto got = q.gather_reports(uint64_t(100 + k), 4, r,
+        auto got = q.reports().gather_reports(uint64_t(100 + k), 4, r,
                                     std::chrono::steady_clock::now() + milliseconds(10000));
         ASSERT_EQ(got.size(), 3u) << "key " << 100 + k;
         for (auto& [part, v] : got) EXPECT_EQ(v, (std::vector<double>{1000.0 * part + k}));
@@ -582,7 +582,7 @@ TEST(QuorumMembership, GatherStopsWaitingForASenderThatLeft) {
         // same members.
         ++past;
         while (past.load() < world) std::this_thread::yield();
-        const std::vector<int> members = q.members();
+        const std::vector<int> members = q.membership().members();
         if (r == 3) {
           for (int p = 0; p < 3; ++p) {
             fault[3]->cut(p);
@@ -592,13 +592,13 @@ TEST(QuorumMembership, GatherStopsWaitingForASenderThatLeft) {
           return;  // silent from now on
         }
         ASSERT_EQ(members, (std::vector<int>{0, 1, 2, 3}));
-        if (q.coordinator() != r) {
-          q.report(7, r, world, {double(r)});
+        if (q.membership().coordinator() != r) {
+          q.reports().report(7, r, world, {double(r)});
           ++reported;
         } else {
           while (reported.load() < world - 1) std::this_thread::sleep_for(milliseconds(1));
           const auto t0 = std::chrono::steady_clock::now();
-          got = q.gather_reports(7, world, r, t0 + milliseconds(20000), members);
+          got = q.reports().gather_reports(7, world, r, t0 + milliseconds(20000), members);
           gather_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         }
         // The survivors go on without rank 3.

@@ -91,6 +91,8 @@ struct Up {
     kWarm = 11,      // a joiner's first message to a member: opens their connection
     kJoin = 12,      // local: incarnation `count` of rank `from` is in the store
   } kind = Kind::kTick;
+  Up() = default;
+  explicit Up(Kind k) : kind(k) {}
   int from = -1;
   uint64_t step = 0;       // kReady, kReport, kShard
   uint64_t count = 0;      // kReady: elements; kShard: parts; kHello, kAccept, kJoin: incarnation
