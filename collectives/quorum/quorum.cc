@@ -195,14 +195,16 @@ QuorumAllreduce::~QuorumAllreduce() {
   }
   shutdown_->store(true, std::memory_order_release);
   engine.kick();
-  // The service drains its sends for at most 2 s.
+  // The service drains its sends for at most 2 s. Nothing notifies this wait: it looks every
+  // millisecond.
   std::mutex mu;
   std::condition_variable cv;
   std::unique_lock<std::mutex> lock(mu);
-  if (!engine.clock().wait_until(lock, cv, engine.now() + std::chrono::seconds(5),
-                                 [&] { return service_->done(); })) {
-    // (the steady clock: polled, nothing notifies this condition variable)
-  }
+  const auto until = engine.now() + std::chrono::seconds(5);
+  auto stopped = [&] { return service_->done(); };
+  while (!stopped() && engine.now() < until)
+    engine.clock().wait_until(lock, cv, std::min(until, engine.now() + std::chrono::milliseconds(1)),
+                              stopped);
   if (!service_->done()) spdlog::warn("rank {}: quorum service did not stop in 5 s", comm_.rank());
 }
 
