@@ -35,6 +35,24 @@ using collectives::Communicator;
 using collectives::VirtualClock;
 using Program = std::function<void(int rank, Communicator& comm)>;
 
+// Sleeps `d` of virtual time, and returns early (true) once `abandon()` holds: a rank's
+// computation that stops when its step no longer counts it (QuorumAllreduce::excluded).
+inline bool sleep_unless(VirtualClock& clock, std::chrono::microseconds d,
+                         const std::function<bool()>& abandon) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unique_lock<std::mutex> lock(mu);
+  return clock.wait_until(lock, cv, clock.now() + d, abandon);
+}
+
+// Waits on virtual time until `cond()` holds (another rank sets it).
+inline void wait_for(VirtualClock& clock, const std::function<bool()>& cond) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unique_lock<std::mutex> lock(mu);
+  clock.wait_until(lock, cv, collectives::Deadline::max(), cond);
+}
+
 class SimWorld {
  public:
   explicit SimWorld(int world, CommOptions co = {},
