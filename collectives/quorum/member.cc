@@ -125,6 +125,10 @@ bool QuorumMember::advance(net::Endpoint& ep) {
     error_ = std::current_exception();
   }
   dead_ = dead_ || error_ != nullptr;
+  if (error_) {
+    std::lock_guard<std::mutex> lock(boxes_.steps->mu);
+    if (!boxes_.steps->service_error) boxes_.steps->service_error = error_;
+  }
   const bool stop = boxes_.shutdown->load(std::memory_order_acquire);
   if (stop && !dead_ && !bye_sent_) say_goodbye(ep);
   if ((stop || dead_) && !finished_) finish(ep);

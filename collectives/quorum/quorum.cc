@@ -127,7 +127,7 @@ QuorumAllreduce::QuorumAllreduce(Communicator& comm, size_t count, QuorumOptions
         std::exception_ptr why;
         {
           std::lock_guard<std::mutex> lock(steps->mu);
-          why = steps->poison;
+          why = steps->service_error ? steps->service_error : steps->poison;
         }
         if (!why) {
           std::string what = "unknown error";

@@ -47,6 +47,9 @@ class StepTable {
   std::map<uint64_t, StepLocal> steps;
   std::deque<uint64_t> contributed;  // steps whose READY the engine has not sent yet
   std::exception_ptr poison;         // the all-reduce failed: every later call rethrows it
+  // Why the member service died, when it did (its callers are told this, not the engine's
+  // failure it causes: an Evicted stays an Evicted).
+  std::exception_ptr service_error;
 
   // Fails every step not done yet, and the calls to come.
   void fail(std::exception_ptr e) {
