@@ -20,63 +20,15 @@
 #include <vector>
 
 #include "collectives/clock.h"
+#include "collectives/engine_op.h"
+#include "collectives/op_set.h"
 #include "collectives/options.h"
+#include "collectives/probes.h"
+#include "collectives/scratch.h"
 #include "collectives/work.h"
 #include "net/transport/endpoint.h"
 
 namespace qring::collectives {
-
-class EngineOp {
- public:
-  virtual ~EngineOp() = default;
-  // Engine thread only. Posts what can be posted, consumes completions. Returns true if
-  // anything moved. Throws on protocol or transport errors.
-  virtual bool advance(net::Endpoint& ep) = 0;
-  virtual bool finished() const = 0;
-  // Cancels posted receives so that user buffers are free (engine thread, after failure).
-  // A cancellation the transport does not confirm throws; then, or when holds_buffers() is
-  // true afterwards, the engine closes the endpoint before anyone learns of the failure, so
-  // that no buffer stays posted into memory whose owner may free it.
-  virtual void abort(net::Endpoint& ep) = 0;
-  // Gives the op up while its peers may still be working on it (an op that fails alone,
-  // below, or one its submitter cancels: Engine::abandon): abort(), and the messages the op
-  // still expected are discarded (net::Endpoint::discard) until `until`, so that a peer that
-  // sent one before giving up too is not held back by it. Default: abort() only.
-  virtual void abandon(net::Endpoint& ep, Deadline /*until*/) { abort(ep); }
-  // After abort(): whether a request of this op that uses its caller's memory is still
-  // pending (a send that has not completed: sends cannot be cancelled).
-  virtual bool holds_buffers() const { return false; }
-  // "receive from rank 3 (stage 2, segment 0)": what the op is blocked on right now.
-  virtual std::string waiting_on() const = 0;
-  virtual std::string name() const = 0;
-  // The op's descriptor (shape.h; 0: none): answers to liveness probes carry the one of the
-  // op last started, so a timeout can name a rank that called another operation.
-  virtual uint64_t shape() const { return 0; }
-  // Called once when the op starts (engine thread), before the first advance().
-  virtual void start(net::Endpoint& /*ep*/) {}
-  // True while the op has nothing in flight and only waits for peers' messages that may be
-  // noticed a little late (a long-lived service between its bursts). When every active op is
-  // passive, the engine thread polls with short sleeps instead of spinning and yielding, so
-  // it leaves the cores to the ranks' own threads.
-  virtual bool passive() const { return false; }
-
-  // What a failure of this op (an error thrown by it, or its deadline) does:
-  //  kBreaksCommunicator: every op of the communicator fails with it and the communicator
-  //    refuses further work (the collectives: their ranks' sequence is lost).
-  //  kFailsOp: this op alone is abandoned (abandon(), discarding what it expected for as long
-  //    as its own deadline allowed it) and its Work fails; the rest goes on (a quorum step's
-  //    reduction among its contributors: the quorum all-reduce decides the step again).
-  enum class OnFailure : uint8_t { kBreaksCommunicator, kFailsOp };
-  OnFailure on_failure = OnFailure::kBreaksCommunicator;
-  // Part of the collective sequence (seq numbers every rank calls in the same order): the
-  // liveness probes report the last one started. False for services and for operations
-  // numbered in a protocol's own space (a quorum step's reduction).
-  bool sequenced = true;
-  uint32_t seq = 0;
-  Deadline deadline{};
-  Clock::time_point submitted{};
-  WorkPtr work;
-};
 
 // How a caller that waits drives the engine from its own thread (Engine::drive_until).
 struct Help {
@@ -108,11 +60,13 @@ class Engine {
   // Engine thread only (an op's advance): gives up the op of `work` now (EngineOp::abandon,
   // its expected messages discarded until `until`); it leaves at the end of this pass and its
   // Work fails with `why`. Nothing happens when it has finished already.
-  void abandon(const WorkPtr& work, Deadline until, const std::string& why);
+  void abandon(const WorkPtr& work, Deadline until, const std::string& why) {
+    ops_.abandon(work, until, why);
+  }
   // Engine thread only: whether an op that failed alone or was abandoned still sends from its
   // caller's memory (its owner must not free it: failing the communicator closes the
   // endpoint first).
-  bool holds_failed_buffers();
+  bool holds_failed_buffers() { return ops_.holds_failed_buffers(); }
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   std::string broken_reason() const;
   int rank() const { return rank_; }
@@ -148,31 +102,17 @@ class Engine {
   void reset_peer(int peer, const std::string& published, uint32_t incarnation);
   // net::Endpoint::prepare_reset_peer: `peer` left and may come back.
   void prepare_reset_peer(int peer) { ep_->prepare_reset_peer(peer); }
-  // Scratch memory owned by the engine and reused (and registered once) across operations.
-  // Engine thread only; the lease returns the buffer to the pool when destroyed.
-  class Lease {
-   public:
-    Lease() = default;
-    Lease(Engine* e, std::vector<char>* b) : engine_(e), buf_(b) {}
-    Lease(Lease&& o) noexcept : engine_(o.engine_), buf_(o.buf_) { o.buf_ = nullptr; }
-    Lease& operator=(Lease&& o) noexcept {
-      std::swap(engine_, o.engine_);
-      std::swap(buf_, o.buf_);
-      return *this;
-    }
-    ~Lease();
-    char* data() const { return buf_ ? buf_->data() : nullptr; }
-
-   private:
-    Engine* engine_ = nullptr;
-    std::vector<char>* buf_ = nullptr;
-  };
-  Lease scratch(size_t bytes);
+  // Scratch memory owned by the engine and reused (and registered once) across operations
+  // (scratch.h). Engine thread only; the lease returns the buffer to the pool when destroyed.
+  using Lease = ScratchPool::Lease;
+  Lease scratch(size_t bytes) { return scratch_.lease(*ep_, bytes); }
 
  private:
   void loop();
   void shut_down();
   bool step();
+  bool start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved);
+  void diagnose(bool* moved);
   // A caller that drives progress itself brackets that with these (drive_until): the engine
   // thread stays off the CPU in between. end_help(hand_over) kicks the engine when the caller
   // leaves work to it; otherwise the last helper to leave still wakes it if operations remain
@@ -180,74 +120,9 @@ class Engine {
   // pace instead of sleeping out its backstop.
   void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
   void end_help(bool hand_over);
-  // kFailsOp ops: fails `op` alone (abandon, then its Work), keeping it while it holds buffers.
-  void fail_op(std::unique_ptr<EngineOp> op, Deadline until, std::exception_ptr err,
-               bool abandoned);
-  // Ops marked by abandon() and failed ops of kFailsOp, after the pass (step()).
-  void retire_failed();
-  bool drain_retired();
-  bool retiring(const EngineOp& op) const;
-  bool guarded(EngineOp& op, const std::function<bool()>& fn);
-  bool start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved);
-  bool reap_finished();
-  void check_deadlines();
   void idle_wait(net::Backoff& backoff);
-  // Liveness probes: a timed-out op asks every peer which operation it is in, so the error
-  // can name the rank that is missing rather than only the neighbour it waited on.
-  // type 1 probe; 2 answer (last_started, its shape); 3 mismatch: op #last_started failed
-  // on rank `probe_id` because rank `peer` sent a message with descriptor `other` (the
-  // detector's: shape).
-  struct Ctl {
-    uint32_t magic;
-    uint16_t version;
-    uint8_t type;
-    uint8_t pad;
-    uint32_t from;
-    uint32_t peer;
-    int64_t last_started;
-    int64_t probe_id;
-    uint64_t shape;
-    uint64_t other;
-  };
-  // Tells every other rank that `origin` saw rank `peer` call op #seq differently (probe_id
-  // carries the origin: a rank passes on a notice it got, once).
-  void tell_mismatch(int origin, uint64_t seq, int peer, uint64_t mine, uint64_t theirs);
-  void post_ctl_recv(int peer);
-  bool poll_ctl();
-  void send_ctl(int peer, const Ctl& m);
-  void start_diagnosis(EngineOp& op, const std::string& reason);
-  void finish_diagnosis_if_due();
-  std::chrono::milliseconds probe_window_;
-  // One standing receive per peer with an exact tag numbered per (sender, receiver) stream
-  // (no ignore masks: libfabric 1.17's shm provider loses unexpected messages matched
-  // through one).
-  struct CtlIn {
-    Ctl msg{};
-    net::RequestPtr req;
-    uint64_t next = 0;
-  };
-  std::vector<CtlIn> ctl_in_;
-  std::vector<uint64_t> ctl_out_next_;
-  bool ctl_posted_ = false;
-  std::deque<std::pair<net::RequestPtr, std::unique_ptr<Ctl>>> ctl_out_;
-  int64_t last_started_ = -1;
-  uint64_t last_shape_ = 0;
-  int64_t probe_id_ = 0;
-  struct Diagnosis {
-    const EngineOp* op;
-    uint32_t seq;
-    std::string op_name;
-    std::string reason;
-    Clock::time_point until;
-    uint64_t shape;                // of the op that timed out
-    std::vector<int64_t> answers;  // per rank: last started op, or -2 = no answer yet
-    std::vector<uint64_t> shapes;  // per rank: the shape of that op
-  };
-  std::unique_ptr<Diagnosis> diag_;
+  // Breaks the communicator: every op fails (OpSet::fail_all), and later submissions too.
   void fail_all(const std::string& reason, std::exception_ptr err);
-  // Closes the endpoint for good (a failed op left a buffer with the transport).
-  void close_endpoint(const std::string& why);
-  bool ep_closed_ = false;  // engine thread (under progress_mu_)
 
   std::unique_ptr<net::Endpoint> ep_;
   int rank_;
@@ -264,30 +139,17 @@ class Engine {
   bool oversubscribed_ = false;  // more ranks on this host than cores
   std::shared_ptr<TimeSource> clock_keep_;  // CommOptions::clock
   TimeSource* clock_;
-  // Failures of kFailsOp ops in this pass, and abandon() requests: (work, until, error).
-  struct Retire {
-    WorkPtr work;
-    Deadline until;
-    std::exception_ptr err;
-    EngineOp* abandoned = nullptr;  // abandon() did it already
-  };
-  std::vector<Retire> retire_;
-  // Ops submitted from a pass (an op's advance), started at its end; the thread in a pass.
-  std::vector<std::unique_ptr<EngineOp>> spawned_;
-  std::atomic<std::thread::id> pass_thread_{};
+  std::atomic<std::thread::id> pass_thread_{};  // the thread in a pass (step)
   std::deque<std::unique_ptr<EngineOp>> incoming_;
   std::deque<std::function<void(net::Endpoint&)>> calls_;
   bool stop_ = false;
   bool kicked_ = false;
   std::atomic<bool> broken_{false};
   std::string broken_reason_;
-  // Scratch pools before active_: ops hold leases, so they must die first.
-  std::vector<std::unique_ptr<std::vector<char>>> scratch_free_;
-  std::vector<std::unique_ptr<std::vector<char>>> scratch_used_;
-  std::vector<std::unique_ptr<EngineOp>> active_;
-  // Failed ops whose sends still read their callers' memory: kept until those complete (the
-  // endpoint is closed before the communicator's end, or its failure, releases them).
-  std::vector<std::unique_ptr<EngineOp>> draining_;
+  Prober prober_;  // liveness probes and mismatch notices (probes.h)
+  // The scratch pool before the ops: ops hold leases, so they must die first.
+  ScratchPool scratch_;
+  OpSet ops_;
   std::thread thread_;
 };
 

@@ -18,6 +18,7 @@ class CollectiveTimeout : public TimeoutError {
 };
 
 class Engine;
+class OpSet;
 
 class Work {
  public:
@@ -34,7 +35,8 @@ class Work {
   std::exception_ptr error() const { return done() ? error_ : nullptr; }
 
  private:
-  friend class Engine;  // completes it
+  friend class Engine;  // completes it (the engine's op set, op_set.h, too)
+  friend class OpSet;
   void finish(std::exception_ptr err);
   std::atomic<int> state_{0};
   std::exception_ptr error_;
