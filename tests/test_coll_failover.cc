@@ -111,6 +111,19 @@ class Job {
     for (auto [r, inc] : finishers)
       EXPECT_EQ(of(r, inc).params, want) << "rank " << r << " incarnation " << inc;
   }
+  // Rank `back` came back (its incarnation 1 ran): every rank of the world finishes without an
+  // error (`back` as its second incarnation), the decisions agree, and so do the replicas.
+  void expect_all_finish_alike(int world, int back) {
+    ASSERT_TRUE(ran(back, 1));
+    std::vector<std::pair<int, uint32_t>> finishers;
+    for (int r = 0; r < world; ++r) {
+      const uint32_t inc = r == back ? 1 : 0;
+      EXPECT_EQ(w.error(r, inc), "") << "rank " << r;
+      finishers.push_back({r, inc});
+    }
+    expect_agreement();
+    expect_replicas_agree(finishers);
+  }
 
   SimWorld w;
 
@@ -276,15 +289,7 @@ TEST_P(Stopped, TheRankIsEvictedLearnsItAndRejoins) {
   EXPECT_TRUE(job.of(rank).evicted);
   EXPECT_NE(job.w.error(rank, 0).find("evicted from the job"), std::string::npos)
       << job.w.error(rank, 0);
-  ASSERT_TRUE(job.ran(rank, 1));
-  std::vector<std::pair<int, uint32_t>> finishers;
-  for (int r = 0; r < 4; ++r) {
-    const uint32_t inc = r == rank ? 1 : 0;
-    EXPECT_EQ(job.w.error(r, inc), "") << "rank " << r;
-    finishers.push_back({r, inc});
-  }
-  job.expect_agreement();
-  job.expect_replicas_agree(finishers);
+  job.expect_all_finish_alike(4, rank);
   const int other = rank == 1 ? 2 : 1;
   const auto& v = job.of(other).views;
   ASSERT_EQ(v.size(), 3u);
@@ -319,15 +324,7 @@ TEST_P(Restarted, AKilledRankComesBackAndTheReplicasAgree) {
   const int rank = GetParam();
   Job job(4, tolerant(3), 800, {{rank, 20, "step"}});
   job.run(false, {{rank, milliseconds(100)}});
-  ASSERT_TRUE(job.ran(rank, 1));
-  std::vector<std::pair<int, uint32_t>> finishers;
-  for (int r = 0; r < 4; ++r) {
-    const uint32_t inc = r == rank ? 1 : 0;
-    EXPECT_EQ(job.w.error(r, inc), "") << "rank " << r;
-    finishers.push_back({r, inc});
-  }
-  job.expect_agreement();
-  job.expect_replicas_agree(finishers);
+  job.expect_all_finish_alike(4, rank);
   const auto& v = job.of(3).views;
   ASSERT_GE(v.size(), 3u);
   EXPECT_EQ(v.back().members.size(), 4u);
