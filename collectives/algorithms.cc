@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -931,15 +932,20 @@ size_t halving_doubling_bytes(const CommOptions& opts) {
   return opts.halving_doubling_bytes.value_or(kHalvingDoublingBytes);
 }
 
+const char* allreduce_algorithm(const CommOptions& opts, size_t bytes, size_t n) {
+  if (bytes <= small_allreduce_bytes(opts)) return "rd";
+  if ((n & (n - 1)) == 0 && bytes <= halving_doubling_bytes(opts)) return "hd";
+  return "ring";
+}
+
 std::unique_ptr<EngineOp> make_collective_op(Engine& engine, const CommOptions& opts,
                                              const CollArgs& args) {
   if (args.kind == CollKind::kAllreduce) {
     const size_t bytes = args.count * dtype_size(args.type);
     const size_t n = args.members.empty() ? size_t(engine.size()) : args.members.size();
-    if (bytes <= small_allreduce_bytes(opts))
-      return std::make_unique<RecursiveDoublingOp>(engine, args);
-    if ((n & (n - 1)) == 0 && bytes <= halving_doubling_bytes(opts))
-      return std::make_unique<HalvingDoublingOp>(engine, opts, args);
+    const std::string_view algo = allreduce_algorithm(opts, bytes, n);
+    if (algo == "rd") return std::make_unique<RecursiveDoublingOp>(engine, args);
+    if (algo == "hd") return std::make_unique<HalvingDoublingOp>(engine, opts, args);
   }
   return std::make_unique<RingOp>(engine, opts, args);
 }

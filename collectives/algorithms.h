@@ -52,6 +52,9 @@ constexpr size_t kSmallAllreduceBytes = 32 * 1024;
 constexpr size_t kHalvingDoublingBytes = size_t(1) << 20;
 size_t small_allreduce_bytes(const CommOptions& opts);
 size_t halving_doubling_bytes(const CommOptions& opts);
+// The all-reduce algorithm of that rule for `bytes` on `n` ranks: "rd" (recursive doubling),
+// "hd" (halving-doubling) or "ring" (qring-bench's algo column).
+const char* allreduce_algorithm(const CommOptions& opts, size_t bytes, size_t n);
 // The segment size in force (CommOptions::segment_bytes, or by the transport's traits).
 size_t segment_bytes(const CommOptions& opts, const net::TransportTraits& traits);
 std::unique_ptr<EngineOp> make_collective_op(Engine& engine, const CommOptions& opts,

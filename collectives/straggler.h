@@ -12,6 +12,16 @@
 //   tail:P:MS            every rank, every step: MS with probability P, else 0
 //   trace:FILE           per (step, rank) delays from FILE: lines "step rank ms" ('#' comments);
 //                        pairs absent from the file are not delayed
+//   resample:SCALE_MS:FILE  a real job's per-worker step times (FILE: lines "STEP RANK MS", the
+//                        same ranks every step, e.g. ../shared/traces), resampled to any world
+//                        size and any number of steps: worker w replays column pi_j(w mod R)
+//                        of the job's R ranks (pi_j a seeded permutation of the columns for
+//                        the j-th block of R workers, j = w div R: each column once per block)
+//                        from a seeded step offset o_w, wrapping around the job's S steps; its
+//                        delay at step k = MS / (the fastest rank's MS of that job step) x
+//                        SCALE_MS: a worker's whole compute time, the fastest taking SCALE_MS
+//                        (give the model no compute time of its own, qring-sim --compute-ms 0,
+//                        or one small beside SCALE_MS)
 #pragma once
 
 #include <chrono>
@@ -21,12 +31,13 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace qring::collectives {
 
 class StragglerModel {
  public:
-  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace, kShiftExp };
+  enum class Kind { kNone, kFixed, kExp, kLognormal, kTail, kTrace, kShiftExp, kResample };
 
   StragglerModel() = default;
   // Throws ConfigError naming the spec (and file:line for traces) on bad input.
@@ -42,6 +53,10 @@ class StragglerModel {
   int rank_ = -1;
   double a_ = 0, b_ = 0;
   std::map<std::pair<uint64_t, int>, double> trace_;
+  // resample: ratio_[s * columns_ + c] = MS / the fastest MS of job step s, for column c.
+  std::vector<double> ratio_;
+  int columns_ = 0;
+  uint64_t steps_ = 0;
 };
 
 // Sleeps for `d` in 250 us slices, returning early (true) as soon as `abandon()` is true.

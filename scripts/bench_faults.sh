@@ -68,7 +68,7 @@ run() {  # name ranks fault [launcher options...]
   local name=$1 ranks=$2 fault=$3 status=0
   shift 3
   QRING_FAULT=$fault "$BUILD/net/qring-launch" -n "$ranks" --tolerate-failures 1 "$@" -- \
-    ${WRAP[@]+"${WRAP[@]}"} "$BUILD/train/qring-train" "${common[@]}" "run.name=$name" \
+    ${WRAP[@]+"${WRAP[@]}"} "$BUILD/train/qring-train" --force "${common[@]}" "run.name=$name" \
     > "$OUT/$name.log" 2>&1 || status=$?
   echo "  $name: exit $status"
 }

@@ -52,9 +52,9 @@ median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(
 ratios=()
 bounds=()
 for i in $(seq "$PAIRS"); do
-  "$BUILD/net/qring-launch" -n "$RANKS" -- "$BUILD/train/qring-train" --config "$CONFIG" \
+  "$BUILD/net/qring-launch" -n "$RANKS" -- "$BUILD/train/qring-train" --force --config "$CONFIG" \
     $common run.name=ranks-$i train.batch_per_rank="$BATCH" >/dev/null
-  OMP_NUM_THREADS=$(nproc) "$BUILD/train/qring-train" --config "$CONFIG" $common \
+  OMP_NUM_THREADS=$(nproc) "$BUILD/train/qring-train" --force --config "$CONFIG" $common \
     run.name=single-$i train.batch_per_rank=$((BATCH * RANKS)) >/dev/null
   r=$(sps ranks-$i)
   s=$(sps single-$i)
@@ -65,7 +65,7 @@ for i in $(seq "$PAIRS"); do
     pids=()
     names=()
     for k in $(seq 0 $((RANKS - 1))); do
-      OMP_NUM_THREADS=1 "$BUILD/train/qring-train" --config "$CONFIG" $common \
+      OMP_NUM_THREADS=1 "$BUILD/train/qring-train" --force --config "$CONFIG" $common \
         run.name=independent-$i-$k run.seed=$((1000 + k)) train.batch_per_rank="$BATCH" >/dev/null &
       pids+=($!)
       names+=(independent-$i-$k)

@@ -40,7 +40,7 @@ echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 run() {  # build name [overrides...]
   local build=$1 name=$2
   shift 2
-  "$build/net/qring-launch" -n "$RANKS" -- "$build/train/qring-train" --config "$CONFIG" \
+  "$build/net/qring-launch" -n "$RANKS" -- "$build/train/qring-train" --force --config "$CONFIG" \
     train.steps=300 straggler.model=none log.progress=false "run.out_dir=$OUT" \
     "run.name=$name" "$@" >"$OUT/$name.log" 2>&1 || {
     echo "bench_train_ab.sh: run $name failed (see $OUT/$name.log)" >&2

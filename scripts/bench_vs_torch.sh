@@ -87,9 +87,10 @@ for model in $MODELS; do
       common=("${cfg[@]}" $qlen log.progress=false run.out_dir="$OUT" run.name="$name"
               quorum.quorum=1.0 straggler.model=none train.checksum_every=0)
       if [ "$world" = 1 ]; then
-        "$BUILD/train/qring-train" "${common[@]}" >/dev/null
+        "$BUILD/train/qring-train" --force "${common[@]}" >/dev/null
       else
-        "$BUILD/net/qring-launch" -n "$world" -- "$BUILD/train/qring-train" "${common[@]}" >/dev/null
+        "$BUILD/net/qring-launch" -n "$world" -- "$BUILD/train/qring-train" --force "${common[@]}" \
+          >/dev/null
       fi
       $PY scripts/torch_fmnist.py --model "$model" --world "$world" $tlen \
         --summary "$OUT/$name-torch.json" >/dev/null

@@ -9,14 +9,16 @@
 # BUILD_DIR/corpus/<target> (not the committed corpus; copy good ones to tests/fuzz/corpus by
 # hand, or rerun tests/fuzz/make_corpus.py). Targets: fuzz_store (store frames and requests),
 # fuzz_quorum_wire (READY/DECIDE/VIEW/... messages), fuzz_idx, fuzz_checkpoint, fuzz_config
-# (TOML and overrides).
+# (TOML and overrides), fuzz_toml_nesting (deep nesting and dotted keys, built from the input),
+# fuzz_idx_budget (honest IDX headers against a memory budget).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-fuzz}
 shift || true
 SECONDS_PER=${QRING_FUZZ_SECONDS:-10}
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_store fuzz_quorum_wire fuzz_idx fuzz_checkpoint fuzz_config)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_store fuzz_quorum_wire fuzz_idx fuzz_checkpoint fuzz_config
+  fuzz_toml_nesting fuzz_idx_budget)
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (scripts/setup.sh)" >&2; exit 1; }
 CXX=clang++ cmake -S tests/fuzz -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" --target "${TARGETS[@]}"

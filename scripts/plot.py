@@ -25,6 +25,10 @@ quantiles stay honest; a quantile that falls on one is not drawn.
 difference, leaving out steps that contained an evaluation.
 
 --quorum: Q(t), the quorum each step was decided with (quorum "auto" chooses it per step).
+
+Every figure has a title, labelled axes and a legend; a run's colour is its method's
+(scripts/palette.py: full sync, backups, async, auto), runs of one method differ in line
+style.
 """
 import argparse
 import json
@@ -36,6 +40,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import palette  # noqa: E402
 
 
 def read_jsonl(path):
@@ -74,6 +81,19 @@ def label_of(run_dir, s):
     elif s:
         label += f" (Q={s.get('quorum')}/{s.get('world')}, {s.get('straggler')})"
     return label
+
+
+def style_of(runs):
+    """Per run: its method's colour and, among the runs of one method, the next line style."""
+    seen, out = {}, []
+    for path in runs:
+        _, run_dir = run_paths(path)
+        m = palette.method_of(summary_of(run_dir))
+        i = seen.get(m, 0)
+        seen[m] = i + 1
+        out.append({"color": palette.method_color(m),
+                    "linestyle": palette.STYLES[i % len(palette.STYLES)]})
+    return out
 
 
 def time_of(line):
@@ -181,13 +201,13 @@ def train_time_evals(path):
 
 def draw_accuracy(ax, runs, by="time", labels=None):
     """Test accuracy of each run against training time (evaluations taken out) or steps."""
-    for i, path in enumerate(runs):
+    for i, (path, style) in enumerate(zip(runs, style_of(runs))):
         label, _, _, s, world = load(path)
         scale = step_scale(s, world)
         ev = train_time_evals(path)
         x = [t for _, t, _ in ev] if by == "time" else [st / scale for st, _, _ in ev]
         ax.plot(x, [100 * a for _, _, a in ev], marker="o", markersize=3,
-                label=labels[i] if labels else label)
+                label=labels[i] if labels else label, **style)
     ax.set_xlabel("training time (s)" if by == "time" else "step")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
@@ -200,98 +220,103 @@ def draw_kth(ax, runs, fraction=False, labels=None):
         ks, med, p90 = kth_curve(path)
         x = [k / len(ks) for k in ks] if fraction else ks
         fin = lambda v: [y if math.isfinite(y) else math.nan for y in v]  # noqa: E731
-        line, = ax.plot(x, fin(med), marker="." if len(ks) <= 16 else None,
-                        label=f"{label} median")
-        ax.plot(x, fin(p90), linestyle="--", color=line.get_color(), label=f"{label} p90")
+        color = f"C{i}"  # one run per colour: they are the same method
+        ax.plot(x, fin(med), marker="." if len(ks) <= 16 else None, color=color,
+                label=f"{label} median")
+        ax.plot(x, fin(p90), linestyle="--", color=color, label=f"{label} p90")
     ax.set_xlabel("k / n" if fraction else "k (the k-th gradient of the step)")
     ax.set_ylabel("arrival after the step's first (ms)")
     ax.grid(alpha=0.3)
 
 
 def draw_steptime(ax, runs, labels=None):
-    for i, path in enumerate(runs):
+    for i, (path, style) in enumerate(zip(runs, style_of(runs))):
         _, run_dir = run_paths(path)
-        label = labels[i] if labels else label_of(run_dir, summary_of(run_dir))
+        s = summary_of(run_dir)
+        if s.get("mode") == "async" and "workers" not in s:
+            continue  # a parameter server has updates, not steps: no step time to show
+        label = labels[i] if labels else label_of(run_dir, s)
         v = sorted(step_times_ms(path))
         if v:
-            ax.plot(v, [(k + 1) / len(v) for k in range(len(v))], label=label)
+            ax.plot(v, [(k + 1) / len(v) for k in range(len(v))], label=label, **style)
     ax.set_xlabel("step time (ms)")
-    ax.set_ylabel("fraction of steps")
-    ax.set_xscale("log")
+    ax.set_ylabel("fraction of steps at most that long")
     ax.grid(alpha=0.3)
 
 
 def draw_quorum(ax, runs, labels=None):
     """Q(t), the quorum each step was decided with (the `quorum` key of step lines)."""
-    for i, path in enumerate(runs):
+    for i, (path, style) in enumerate(zip(runs, style_of(runs))):
         label, steps, _, s, world = load(path)
         pts = [(j["step"], j["quorum"]) for j in steps if "quorum" in j]
         if pts:
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post",
-                    label=labels[i] if labels else label)
+                    label=labels[i] if labels else label, **style)
     ax.set_xlabel("step")
     ax.set_ylabel("quorum Q(t)")
     ax.grid(alpha=0.3)
 
 
 def plot_training(runs, smooth_steps=20, title=None, ylim=None):
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
-    for path in runs:
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    for path, style in zip(runs, style_of(runs)):
         label, steps, evals, s, world = load(path)
         scale = step_scale(s, world)
         if steps:
             x = [j["step"] / scale for j in steps]
             t = [time_of(j) for j in steps]
             loss = smooth([j["loss"] for j in steps], smooth_steps * scale)
-            ax[0][0].plot(x, loss, label=label)
-            ax[0][1].plot(t, loss, label=label)
+            ax[0][0].plot(x, loss, label=label, **style)
+            ax[0][1].plot(t, loss, label=label, **style)
         if evals:
             ax[1][0].plot([e["step"] / scale for e in evals],
-                          [100 * e["test_accuracy"] for e in evals], marker="o", label=label)
+                          [100 * e["test_accuracy"] for e in evals], marker="o", markersize=3,
+                          label=label, **style)
             ax[1][1].plot([time_of(e) for e in evals], [100 * e["test_accuracy"] for e in evals],
-                          marker="o", label=label)
-    titles = [("training loss", "step"), ("training loss", "time (s)"),
-              ("test accuracy (%)", "step"), ("test accuracy (%)", "time (s)")]
-    for a, (y, x) in zip([ax[0][0], ax[0][1], ax[1][0], ax[1][1]], titles):
+                          marker="o", markersize=3, label=label, **style)
+    panels = [("training loss against steps", "training loss (moving average)", "step"),
+              ("training loss against time", "training loss (moving average)", "time (s)"),
+              ("test accuracy against steps", "test accuracy (%)", "step"),
+              ("test accuracy against time", "test accuracy (%)", "time (s)")]
+    for a, (t, y, x) in zip([ax[0][0], ax[0][1], ax[1][0], ax[1][1]], panels):
+        a.set_title(t)
         a.set_xlabel(x)
         a.set_ylabel(y)
-        a.grid(alpha=0.3)
     ax[0][0].set_yscale("log")
     ax[0][1].set_yscale("log")
     if ylim:
         ax[1][0].set_ylim(*ylim)
         ax[1][1].set_ylim(*ylim)
-    ax[1][1].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
+    ax[1][1].legend()
+    fig.suptitle(title or "training runs (time: wall for qring-train, virtual for qring-sim)")
     return fig
 
 
 def plot_kth(runs, fraction=False, title=None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw_kth(ax, runs, fraction)
-    ax.legend(fontsize=7)
-    ax.set_title(title or "time until the k-th gradient arrives")
+    ax.legend()
+    ax.set_title(title or "time until the k-th gradient of a step arrives")
     return fig
 
 
 def plot_quorum(runs, title=None):
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     draw_quorum(ax, runs)
-    ax.legend(fontsize=7)
-    ax.set_title(title or "quorum per step")
+    ax.legend()
+    ax.set_title(title or "quorum Q(t) of each step")
     return fig
 
 
 def plot_steptime(runs, title=None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw_steptime(ax, runs)
-    ax.legend(fontsize=7)
-    ax.set_title(title or "step-time distribution")
+    ax.legend()
+    ax.set_title(title or "step-time distribution (sync runs)")
     return fig
 
 
-def save(fig, output, dpi=90):
+def save(fig, output, dpi=100):
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fig.savefig(output, dpi=dpi)
@@ -310,8 +335,9 @@ def main():
     ap.add_argument("--quorum", action="store_true", help="Q(t), the quorum of every step")
     ap.add_argument("--title", help="figure title")
     ap.add_argument("--ylim", type=float, nargs=2, help="accuracy axis range (%%)")
-    ap.add_argument("--dpi", type=int, default=90, help="resolution of the PNG")
+    ap.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")
     args = ap.parse_args()
+    palette.apply()
     for path in args.runs:
         if not os.path.exists(path):
             sys.exit(f"{path}: no such run")

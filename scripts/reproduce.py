@@ -1,26 +1,29 @@
 #!/usr/bin/python3
-"""The analysis half of scripts/reproduce.sh (Chen et al., "Revisiting Distributed Synchronous
-SGD", on qring's own runs; docs/reproduction.md).
+"""The analysis half of scripts/reproduce.sh: Chen et al., "Revisiting Distributed Synchronous
+SGD", on qring's own runs (docs/reproduction.md).
 
-    scripts/reproduce.py calibrate OUT.json BENCH.json...   the simulator's cost model
-    scripts/reproduce.py trace ARRIVALS.jsonl OUT.txt        a full-sync run's arrivals as a
-                                                             straggler trace for qring-sim
-    scripts/reproduce.py regime-trace OUT W STEPS MU SIGMA SLOW FACTOR [FROM [SEED]]
-                                                             the changing regime's trace
-    scripts/reproduce.py replay-trace OUT TIMES W STEPS BASE_MS [SEED]
-                                                             a real job's per-worker step
-                                                             times as delays (../shared/traces)
-    scripts/reproduce.py analyze DIR                         tables, plots, the claim table
-    scripts/reproduce.py adaptive DIR                        part 4 alone (issue 18)
-    scripts/reproduce.py check DIR                           every artefact there, well formed
-    scripts/reproduce.py compare DIR...                      part 4's runs of several
-                                                             directories: auto against the best
-                                                             fixed quorum, with intervals
+    scripts/reproduce.py analyze DIR           tables, plots and the claim table of DIR's runs
+    scripts/reproduce.py check DIR             every artefact of analyze there, well formed
+    scripts/reproduce.py publish DIR           DIR's plots and tables into docs/reproduction/,
+                                               its claim table and numbers into the marked
+                                               blocks of docs/reproduction.md
+    scripts/reproduce.py calibrate OUT.json BENCH.json... [--min-bytes=N]
+                                               the simulator's network model (from rows of
+                                               N bytes and more)
+    scripts/reproduce.py tune-async DIR PREFIX the best of the async grid DIR/PREFIX-*: its
+                                               settings as key=value arguments
+    scripts/reproduce.py step-cost RUN_DIR     a run's median step and compute time (ms)
+    scripts/reproduce.py fake-times OUT RANKS STEPS SEED     a made-up job trace ("STEP RANK
+                                                             MS"), for --smoke
 
-DIR is runs/reproduce (or the --out of reproduce.sh): real/ holds the qring-train runs,
-sim/ the qring-sim runs, calibration/ the qring-bench rows. analyze writes DIR/tables/*.json,
-DIR/plots/*.png, DIR/claims.json and DIR/claims.md, and prints the claim table; every number
-in it is computed here from the runs' files.
+DIR is runs/reproduce (reproduce.sh --out): one folder per part (kth, bsweep, bsweep1000,
+async, depth, real, validate) of run directories. analyze writes DIR/tables/*.json and *.md,
+DIR/plots/*.png, DIR/claims.json and DIR/claims.md; every number is computed here from the
+runs' files. Statistics: a claim's number is the mean over seeds with a 95 % interval
+(Student's t over the seeds; for ratios of times, over the logarithms of the per-seed ratios,
+so a ratio's interval is a geometric one); the optimum b's interval is a bootstrap over the
+seeds (the b with the least mean time in each resample); a verdict is given only where the
+interval supports it.
 """
 import glob
 import json
@@ -32,90 +35,144 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plot  # noqa: E402
+import palette  # noqa: E402
 
-TOLERANCE_VALIDATION = 0.10  # simulated vs measured step time (p50, p90)
-TOLERANCE_CLOSED_FORM = 0.02  # simulated order statistics vs the closed form
-TAIL_FRACTION = 0.05  # claim 1: the last 5 % of the gradients (at least one)
-TAIL_SHARE = 0.5  # ... take at least half of the spread between the first and the last
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGIMES = ["trace", "lognormal", "shiftexp"]  # the b sweep's; the k-th curve adds slow-worker
+TAIL_FRACTION = 0.05  # P1: the last 5 % of the gradients ...
+TAIL_SHARE = 0.5      # ... take at least half of the spread between the first and the last
+SAME_ACCURACY = 0.5   # P2: "the same accuracy": the final accuracy's interval within this (pts)
+AUTO_WITHIN = 1.05    # auto within 5 % of the best fixed b
+VALIDATION = 0.10     # the simulator within 10 % of the measured step time
 
-
-# ---------------------------------------------------------------- reading runs
 
 def read_json(path):
     with open(path) as f:
         return json.load(f)
 
 
-def run_info(run_dir):
-    """Everything the tables need about one run directory (qring-train or qring-sim)."""
+# ---------------------------------------------------------------- statistics
+
+# Student's t, 97.5 % quantile, by degrees of freedom (1..30); 1.96 beyond.
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci(values):
+    """(mean, low, high): the mean and its 95 % interval (t over the values); one value: no
+    interval (low = high = None)."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None, None, None
+    m = sum(v) / len(v)
+    if len(v) < 2:
+        return m, None, None
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+    h = (T975[len(v) - 2] if len(v) - 1 <= len(T975) else 1.96) * sd / math.sqrt(len(v))
+    return m, m - h, m + h
+
+
+def ratio_ci(pairs):
+    """Geometric mean of a / b over the pairs (a, b > 0) and its 95 % interval."""
+    logs = [math.log(a / b) for a, b in pairs if a and b]
+    m, lo, hi = mean_ci(logs)
+    if m is None:
+        return None, None, None
+    if lo is None:
+        return math.exp(m), None, None
+    return math.exp(m), math.exp(lo), math.exp(hi)
+
+
+def fmt_ci(m, lo, hi, digits=2, unit=""):
+    if m is None:
+        return "-"
+    if lo is None:
+        return f"{m:.{digits}f}{unit} (one seed)"
+    return f"{m:.{digits}f}{unit} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def bootstrap_best(table, resamples=2000, seed=1):
+    """table: {b: {seed: time}} over the same seeds. The b with the least mean time, and the
+    2.5 and 97.5 percentiles of that b over resamples of the seeds (None if every seed of no b
+    reached the target)."""
+    bs = sorted(table)
+    seeds = sorted(set.intersection(*(set(table[b]) for b in bs))) if bs else []
+    if not seeds:
+        return None, None, None
+
+    def best_of(chosen):
+        means = {}
+        for b in bs:
+            v = [table[b][s] for s in chosen]
+            means[b] = math.inf if any(x is None for x in v) else sum(v) / len(v)
+        b = min(bs, key=lambda x: (means[x], x))
+        return b if math.isfinite(means[b]) else None
+
+    best = best_of(seeds)
+    rng = random.Random(seed)
+    draws = [best_of([rng.choice(seeds) for _ in seeds]) for _ in range(resamples)]
+    draws = sorted(d for d in draws if d is not None)
+    if not draws:
+        return best, None, None
+    return best, draws[int(0.025 * (len(draws) - 1))], draws[int(0.975 * (len(draws) - 1))]
+
+
+# ---------------------------------------------------------------- reading runs
+
+def time_to_target(evals, target):
+    """Training time at which the test accuracy first reaches `target`, interpolated linearly
+    between the evaluation before and the first at or above it (None: never)."""
+    prev = None
+    for _, t, a in evals:
+        if a >= target:
+            if prev is None or a == prev[1]:
+                return t
+            return prev[0] + (target - prev[1]) / (a - prev[1]) * (t - prev[0])
+        prev = (t, a)
+    return None
+
+
+def run(run_dir):
+    """What the tables need of one run directory (qring-train or qring-sim)."""
     s = read_json(os.path.join(run_dir, "summary.json"))
-    name = os.path.basename(os.path.normpath(run_dir))
-    sim = "workers" in s
-    world = s["workers"] if sim else s["world"]
-    mode = s.get("mode", "sync")
     evals = plot.train_time_evals(run_dir)
-    cfg_target = None
-    cfg_path = os.path.join(run_dir, "config.toml")
-    if os.path.exists(cfg_path):
-        m = re.search(r"^target_accuracy\s*=\s*([0-9.eE+-]+)", open(cfg_path).read(), re.M)
-        cfg_target = float(m.group(1)) if m else None
-    target = s.get("target_accuracy", cfg_target)
-    ttt = ttt3 = None
-    if target:
-        for _, t, a in evals:
-            if a >= target:
-                ttt = t
-                break
-        # The same on the running mean of three evaluations: less set by one evaluation
-        # where the curve is flat near the target.
-        for i in range(2, len(evals)):
-            if sum(e[2] for e in evals[i - 2:i + 1]) / 3 >= target:
-                ttt3 = evals[i][1]
-                break
-    steps = plot.step_times_ms(run_dir)
-    srt = sorted(steps)
-    info = {
-        "name": name,
-        "kind": "sim" if sim else "real",
-        "mode": mode,
-        "world": world,
-        "quorum": None if mode == "async" else s.get("quorum"),
-        "backups": None if mode == "async" or s.get("quorum") == "auto"
-        else world - s.get("quorum", world),
-        "quorum_histogram": s.get("quorum_histogram"),
-        "straggler": s.get("straggler"),
-        "final_accuracy": s.get("test_accuracy"),
-        "best_accuracy": s.get("best_test_accuracy"),
-        "target_accuracy": target,
-        "time_to_target_s": ttt,
-        "time_to_target_mean3_s": ttt3,
-        "train_s": evals[-1][1] if evals else None,
-        "step_p50_ms": plot.quantile(srt, 0.5) if srt else None,
-        "step_p90_ms": plot.quantile(srt, 0.9) if srt else None,
-        "steps": len(steps),
+    target = s.get("target_accuracy")
+    if target is None:
+        m = re.search(r"^target_accuracy\s*=\s*([0-9.eE+-]+)",
+                      open(os.path.join(run_dir, "config.toml")).read(), re.M)
+        target = float(m.group(1)) if m else 0
+    return {
+        "name": os.path.basename(os.path.normpath(run_dir)),
+        "dir": run_dir,
+        "summary": s,
+        "method": palette.method_of(s),
+        "final": 100 * s.get("test_accuracy", 0),
+        "ttt": time_to_target(evals, target) if target else None,
+        "target": target,
+        "evals": evals,
+        "staleness": s.get("staleness_mean"),
     }
-    if mode == "async":
-        info["staleness_mean"] = s.get("staleness_mean")
-        info["staleness_max"] = s.get("staleness_max")
-        if not sim:
-            info["step_p50_ms"] = s.get("iteration_p50_ms")
-            info["step_p90_ms"] = s.get("iteration_p90_ms")
-    if not sim:
-        info["wall_s"] = s.get("wall_s")
-        info["mean_contributors"] = s.get("mean_contributors")
-        comp = [j["compute_ms"] for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-                if j.get("type", "step") == "step" and j.get("compute_ms", 0) > 0]
-        info["compute_p50_ms"] = plot.quantile(sorted(comp), 0.5) if comp else None
-    else:
-        info["virtual_s"] = s.get("virtual_s")
-        info["kth_arrival_mean_ms"] = s.get("kth_arrival_mean_ms")
-        info["compute_ms"] = s.get("compute_ms")
-    return info
 
 
-def runs_in(d):
-    return sorted(p for p in glob.glob(os.path.join(d, "*"))
-                  if os.path.exists(os.path.join(p, "summary.json")))
+def runs(d, pattern=r"(.*)"):
+    """{name: run} of the run directories in d whose name matches `pattern` (whole name)."""
+    out = {}
+    for p in sorted(glob.glob(os.path.join(d, "*"))):
+        name = os.path.basename(p)
+        if os.path.exists(os.path.join(p, "summary.json")) and re.fullmatch(pattern, name):
+            out[name] = run(p)
+    return out
+
+
+def by_seed(rs, pattern):
+    """{key: {seed: run}} of the runs whose name matches pattern (named groups key, seed)."""
+    out = {}
+    for name, r in rs.items():
+        m = re.fullmatch(pattern, name)
+        if m:
+            out.setdefault(m.group("key"), {})[int(m.group("seed"))] = r
+    return out
 
 
 # ---------------------------------------------------------------- calibration
@@ -137,25 +194,16 @@ def allreduce_rounds(k, nbytes):
     return 2 * (k - 1)
 
 
-def calibrate(out, bench_files):
-    """The simulator's cost model from qring-bench --op quorum --compare-allreduce rows (one
-    run per rank count k, quorum k - 1, the quorum op and the plain all-reduce alternating
-    step by step, sizes 4 KiB up), from the 2-rank rows, where each rank has a core of its
-    own: the model's workers each have one (the 100-1000 simulated workers are a cluster that
-    this 2-core machine cannot hold; with more ranks than cores a back-to-back all-reduce
-    waits for descheduled peers at every round, 10-100x slower than in training, where ranks
-    sleep between steps: the other rows are kept in the output for the record).
-      alpha, beta   rounds(k, bytes) alpha + 2 (k - 1)/k bytes beta fitted by least squares
-                    in the relative error to the plain all-reduce's medians at 2 ranks
-      rtt           the READY/DECIDE round trip: the 2-rank quorum-1 op's median at the
-                    smallest size (its reduction is empty)
-    and, from rows run with --straggler shiftexp:IDLE:0 (every rank sleeps IDLE ms before
-    each step, as ranks idle between steps in training), the measured time of a step beyond
-    its contributors' arrival by the number of contributors N, full sync and with a backup:
-    step_cost_ms, which the simulator uses for those N instead of rtt + the model (on this
-    machine the reduction among N ranks, and with backups the READY/DECIDE exchange, cost
-    milliseconds once the ranks must be woken and scheduled, where the model's 2-rank
-    figures say microseconds)."""
+def calibrate(out, bench_files, min_bytes=0):
+    """The simulator's network model from qring-bench --op quorum --compare-allreduce rows
+    (the quorum op and the plain all-reduce alternating step by step, sizes 4 KiB up) of 2
+    ranks, each with a core of its own as each simulated worker: alpha and beta of
+    rounds(k, bytes) alpha + 2 (k - 1)/k bytes beta, fitted by least squares in the relative
+    error to the all-reduce's medians; rtt, the READY/DECIDE round trip, the quorum-1 op's
+    median at the smallest size (its reduction is empty). Rows run with --straggler
+    shiftexp:IDLE:0 (every rank sleeps IDLE ms before each step) give, by contributor count
+    N, the measured time of a step beyond its contributors' arrival (step_cost_ms), which
+    the simulator then uses for those N instead of the model."""
     rows, duty = [], []
     for f in bench_files:
         data = read_json(f)
@@ -168,7 +216,9 @@ def calibrate(out, bench_files):
                 rows.append(r)
     ar = [r for r in rows if r.get("op") == "allreduce" and r.get("compare_allreduce")
           and r.get("ranks", 1) > 1]
-    two = [r for r in ar if r["ranks"] == 2 and r["p50_us"] > 0]
+    # Sizes within a rate-capped link's burst (tbf passes its bucket at full speed) say
+    # nothing about the rate: only rows of at least min_bytes are fitted.
+    two = [r for r in ar if r["ranks"] == 2 and r["p50_us"] > 0 and r["bytes"] >= min_bytes]
     if len(two) < 2:
         sys.exit("calibrate: needs 2-rank all-reduce rows (qring-bench -n 2 --op quorum "
                  "--quorum 1 --compare-allreduce) at two or more sizes")
@@ -243,962 +293,785 @@ def calibrate(out, bench_files):
           f"-> {out}")
 
 
-def trace(arrivals, out):
-    """A qring-train run's arrivals.jsonl as a straggler trace (lines "step rank ms"): each
-    rank's delay = its arrival after the step's first. Needs every arrival (a full-sync run)."""
-    lines = []
-    for j in plot.read_jsonl(arrivals):
-        for r, ms in enumerate(j["ready_ms"]):
-            if ms is None or ms < 0:
-                sys.exit(f"{arrivals}: step {j['step']}: rank {r} never arrived; only a "
-                         "full-sync run's arrivals make a complete trace")
-            lines.append(f"{j['step']} {r} {ms:.3f}")
-    with open(out, "w") as f:
-        f.write(f"# from {arrivals}: step rank ms (arrival after the step's first)\n")
-        f.write("\n".join(lines) + "\n")
-    print(f"trace: {len(lines)} entries -> {out}")
-
-
-def regime_trace(out, workers, steps, mu, sigma, slow_rank, factor, start=None, seed=42):
-    """A straggler trace (lines "step rank ms") for the regime that changes mid-run: every
-    worker's delay lognormal(mu, sigma) ms (Python's generator, seeded), worker slow_rank's
-    multiplied by `factor` from step `start` on (default steps / 2). The delays of the first
-    steps do not depend on `steps`: a longer trace extends a shorter one."""
-    import random
-    rng = random.Random(seed)
-    start = steps // 2 if start is None else start
-    with open(out, "w") as f:
-        f.write(f"# lognormal({mu}, {sigma}) ms every worker; worker {slow_rank} x{factor} from "
-                f"step {start}\n")
-        for t in range(steps):
-            for w in range(workers):
-                d = rng.lognormvariate(mu, sigma)
-                if w == slow_rank and t >= start:
-                    d *= factor
-                f.write(f"{t} {w} {d:.3f}\n")
-    print(f"trace: {workers} workers x {steps} steps -> {out}")
-
-
-def replay_trace(out, times, workers, steps, base_ms, seed=42):
-    """A straggler trace (lines "step rank ms") from a real job's per-worker compute times
-    (TIMES: lines "STEP RANK MS", every step with the same ranks, e.g. ../shared/traces): step t
-    replays the job's step t mod S (S its steps); in each pass over them (t div S) the workers
-    are a fresh seeded random sample of the job's ranks, so W may be below the job's size and a
-    pass does not repeat the last one rank for rank. A worker's delay is
-    (MS / the fastest sampled worker's MS of that step - 1) x base_ms: the fastest maps to the
-    model's own compute time, the others' excess to an injected delay."""
-    steps_ms = {}
-    try:
-        f = open(times)
-    except OSError as e:
-        sys.exit(f"replay-trace: cannot read {times}: {e.strerror}")
-    with f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#")[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            try:
-                if len(parts) != 3:
-                    raise ValueError
-                st, rank, ms = int(parts[0]), int(parts[1]), float(parts[2])
-                if st < 0 or rank < 0 or not math.isfinite(ms) or ms <= 0:
-                    raise ValueError
-            except ValueError:
-                sys.exit(f"replay-trace: {times}:{n}: expected 'STEP RANK MS' (MS > 0), got "
-                         f"'{line}'")
-            steps_ms.setdefault(st, {})[rank] = ms
-    if not steps_ms:
-        sys.exit(f"replay-trace: {times}: no entries")
-    order = sorted(steps_ms)
-    ranks = sorted(steps_ms[order[0]])
-    for st in order:
-        if sorted(steps_ms[st]) != ranks:
-            sys.exit(f"replay-trace: {times}: step {st} has ranks other than step {order[0]}'s")
-    if not 1 <= workers <= len(ranks):
-        sys.exit(f"replay-trace: {workers} workers: the job has {len(ranks)} ranks")
-    if steps < 1 or not math.isfinite(base_ms) or base_ms < 0:
-        sys.exit("replay-trace: STEPS must be >= 1 and BASE_MS a number >= 0")
-    rng = random.Random(seed)
-    with open(out, "w") as f:
-        f.write(f"# {os.path.basename(times)}: {len(order)} steps x {len(ranks)} ranks, "
-                f"{workers} sampled per pass (seed {seed}); delay = (ms / fastest - 1) x "
-                f"{base_ms} ms\n")
-        sample = []
-        for t in range(steps):
-            if t % len(order) == 0:
-                sample = rng.sample(ranks, workers)
-            row = steps_ms[order[t % len(order)]]
-            fastest = min(row[r] for r in sample)
-            for w, r in enumerate(sample):
-                f.write(f"{t} {w} {(row[r] / fastest - 1) * base_ms:.3f}\n")
-    print(f"trace: {workers} workers x {steps} steps from {times} -> {out}")
-
-
-# ---------------------------------------------------------------- the analysis
+# ---------------------------------------------------------------- the parts
 
 def harmonic(n):
     return sum(1.0 / i for i in range(1, n + 1))
 
 
-def kth_medians(run_dir):
-    ks, med, _ = plot.kth_curve(run_dir)
-    return ks, med
+def closed_form_shiftexp(spec, n, compute_ms):
+    """E[T(k)] of n shifted exponentials (the paper's model): shift + mean (H(n) - H(n-k))."""
+    shift, mean = (float(x) for x in spec.split(":")[1:3])
+    hn = harmonic(n)
+    return [compute_ms + shift + mean * (hn - harmonic(n - k)) for k in range(1, n + 1)]
 
 
-def tail_share(run_dir):
-    """Share of the spread of the median k-th arrival curve (k = 1 .. n) taken by the last
-    ceil(5 % n) arrivals, and that number of arrivals."""
-    ks, med = kth_medians(run_dir)
-    n = len(ks)
-    m = max(1, math.ceil(TAIL_FRACTION * n))
-    if n < 2 or not all(math.isfinite(v) for v in med):
-        return None, m, n
-    spread = med[-1] - med[0]
-    return ((med[-1] - med[-1 - m]) / spread if spread > 0 else 0.0), m, n
-
-
-def fmt_s(v, unit="s", digits=1):
-    return "not reached" if v is None else f"{v:.{digits}f} {unit}".strip()
-
-
-ADAPTIVE_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-(q\d+|b\d+|auto|bauto)$")
-
-PART4_RE = re.compile(r"^(W|N)(\d+)-([a-z]+)-s(\d+)-([a-z]+\d*)$")
-
-
-def part4_dirs(dirs, also_top=False):
-    """The run directories of part 4 in DIRS (DIR/adaptive/real, DIR/adaptive/sim, and DIR itself
-    if ALSO_TOP) named <W|N><world>-<regime>-s<seed>-<tag>, as (path, kind, world, regime, seed,
-    tag); tag "q<Q>" / "b<b>" (fixed) or "auto..." ("bauto..." read as "auto...")."""
-    for d in dirs:
-        subs = ([(d, None)] if also_top else []) + [
-            (os.path.join(d, "adaptive", k), k) for k in ("real", "sim")]
-        for sub, kind in subs:
-            for p in runs_in(sub):
-                m = PART4_RE.match(os.path.basename(p))
-                if not m:
-                    continue
-                tag = m.group(5)[1:] if m.group(5).startswith("bauto") else m.group(5)
-                if not (tag.startswith("auto") or re.fullmatch(r"[qb]\d+", tag)):
-                    continue
-                yield (p, kind or ("real" if m.group(1) == "W" else "sim"), int(m.group(2)),
-                       m.group(3), int(m.group(4)), tag)
-
-
-def adaptive_runs(d):
-    """Part 4's runs (DIR/adaptive/{real,sim}/<W|N><world>-<regime>-s<seed>-<config>), as
-    {(kind, world, regime): {config: {seed: run_info}}}, config "auto" or the fixed quorum
-    Q (real) / backups b (sim) as an int."""
-    groups = {}
-    for p, kind, world, regime, seed, tag in part4_dirs([d]):
-        if tag.startswith("auto") and tag != "auto":  # a variant (auto600 ...): compare's
-            continue
-        info = run_info(p)
-        s = read_json(os.path.join(p, "summary.json"))
-        if kind == "sim":
-            # (sync: only the N counted gradients of a step are computed)
-            info["mean_contributors"] = (s["gradients_computed"] / info["steps"]
-                                         if s.get("gradients_computed") and info["steps"]
-                                         else None)
-        info["budget"] = s.get("budget")
-        cfg = "auto" if tag == "auto" else int(tag[1:])
-        groups.setdefault((kind, world, regime), {}).setdefault(cfg, {})[seed] = info
-    return groups
-
-
-def mean(v):
-    return sum(v) / len(v) if v else None
-
-
-def adaptive_table(d):
-    """One row per (kind, world, regime): every configuration's mean time to target and final
-    accuracy over the seeds that every configuration ran (None: a seed did not reach it)."""
+def kth_part(d):
+    """P1, the long tail: per regime and n, the mean k-th arrival over each seed's steps, and
+    the share of the spread between the first and the last arrival that the last 5 % take."""
     rows = []
-    for (kind, world, regime), cfgs in sorted(adaptive_runs(d).items()):
-        seeds = sorted(set.intersection(*(set(v) for v in cfgs.values())))
-        if not seeds or "auto" not in cfgs:
+    groups = {}
+    for name, r in runs(os.path.join(d, "kth")).items():
+        m = re.fullmatch(r"(?P<regime>.+)-n(?P<n>\d+)-s(?P<seed>\d+)", name)
+        if m:
+            groups.setdefault((m["regime"], int(m["n"])), {})[int(m["seed"])] = r["summary"]
+    for (regime, n), seeds in sorted(groups.items()):
+        shares, curves = [], []
+        for s in seeds.values():
+            k = s["kth_arrival_mean_ms"]
+            tail = max(1, math.ceil(TAIL_FRACTION * n))
+            spread = k[-1] - k[0]
+            shares.append((k[-1] - k[-1 - tail]) / spread if spread > 0 else 0.0)
+            curves.append(k)
+        curve = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+        row = {"regime": regime, "n": n, "seeds": sorted(seeds), "tail": max(1, math.ceil(TAIL_FRACTION * n)),
+               "share": mean_ci(shares), "curve_ms": curve,
+               "first_ms": curve[0], "last_ms": curve[-1], "median_ms": curve[n // 2 - 1]}
+        s0 = next(iter(seeds.values()))
+        if regime == "shiftexp":
+            cf = closed_form_shiftexp(s0["straggler"], n, s0.get("compute_ms", 0))
+            row["closed_form_max_error"] = max(abs(a / b - 1) for a, b in zip(curve, cf))
+        rows.append(row)
+    return rows
+
+
+def fixed_b(key):
+    return int(key) if key.isdigit() else None
+
+
+def sweep_part(d, sub, regime, workers):
+    """The b sweep of one regime at N+b = workers, with auto: per configuration the time to
+    the target and the final accuracy over the seeds; the best fixed b and its bootstrap
+    interval; best against b = 0 and auto against best, paired by seed."""
+    groups = by_seed(runs(os.path.join(d, sub)), rf"{re.escape(regime)}-s(?P<seed>\d+)-b(?P<key>.+)")
+    if not groups:
+        return None
+    seeds = sorted(set.intersection(*(set(v) for v in groups.values())))
+    configs = sorted(groups, key=lambda k: (fixed_b(k) is None, fixed_b(k) or 0, k))
+    rows = []
+    for c in configs:
+        rs = [groups[c][s] for s in seeds]
+        ttts = [r["ttt"] for r in rs]
+        reached = [t for t in ttts if t is not None]
+        hist = {}
+        for r in rs:
+            for q, n in (r["summary"].get("quorum_histogram") or {}).items():
+                hist[int(q)] = hist.get(int(q), 0) + n
+        steps = sum(hist.values())
+        rows.append({"config": c, "b": fixed_b(c), "seeds": len(rs),
+                     "reached": len(reached),
+                     "ttt": mean_ci(reached) if len(reached) == len(rs) else (None, None, None),
+                     "ttt_reached": mean_ci(reached),
+                     "final": mean_ci([r["final"] for r in rs]),
+                     "mean_quorum": sum(q * n for q, n in hist.items()) / steps if steps else None})
+    table = {fixed_b(c): {s: groups[c][s]["ttt"] for s in seeds} for c in configs if fixed_b(c) is not None}
+    best, lo, hi = bootstrap_best(table)
+    out = {"regime": regime, "workers": workers, "seeds": seeds, "rows": rows,
+           "best_b": best, "best_b_interval": [lo, hi], "b_values": sorted(table)}
+
+    def paired(a, b):  # time of a over time of b, per seed; both reached
+        return [(groups[a][s]["ttt"], groups[b][s]["ttt"]) for s in seeds
+                if groups[a][s]["ttt"] and groups[b][s]["ttt"]]
+
+    def acc_diff(a, b):
+        return mean_ci([groups[a][s]["final"] - groups[b][s]["final"] for s in seeds])
+
+    if best is not None and "0" in groups:
+        out["best_vs_full"] = {"sooner": ratio_ci(paired("0", str(best))),
+                               "pairs": len(paired("0", str(best))),
+                               "accuracy_diff": acc_diff(str(best), "0")}
+    for auto in ("auto", "auto-estimate"):
+        if best is not None and auto in groups:
+            out[auto + "_vs_best"] = {"ratio": ratio_ci(paired(auto, str(best))),
+                                      "pairs": len(paired(auto, str(best))),
+                                      "reached": sum(1 for s in seeds if groups[auto][s]["ttt"]),
+                                      "accuracy_diff": acc_diff(auto, str(best))}
+    return out
+
+
+def async_part(d, sub, prefix="W"):
+    """Sync (full, with backups) against the tuned async, per world size W (prefix "W": runs
+    W<w>-s<seed>-<full|b<b>|async>) or depth (prefix "d"): time to the target and final
+    accuracy over the seeds, sync against async paired by seed, and the async grid of the
+    held-out seed (tune-<prefix><w>-*)."""
+    rs = runs(os.path.join(d, sub))
+    keys = sorted({m["w"] for n in rs for m in [re.fullmatch(rf"{prefix}(?P<w>\d+)-s\d+-.+", n)] if m},
+                  key=int)
+    out = []
+    for w in keys:
+        groups = by_seed(rs, rf"{prefix}{w}-s(?P<seed>\d+)-(?P<key>.+)")
+        seeds = sorted(set.intersection(*(set(v) for v in groups.values())))
+        methods = {}
+        for key, per in groups.items():
+            method = "async" if key == "async" else "full sync" if key == "full" else "backups"
+            rs_ = [per[s] for s in seeds]
+            reached = [r["ttt"] for r in rs_ if r["ttt"] is not None]
+            methods[method] = {
+                "config": key, "final": mean_ci([r["final"] for r in rs_]),
+                "ttt": mean_ci(reached) if len(reached) == len(rs_) else (None, None, None),
+                "reached": len(reached), "seeds": len(rs_),
+                "staleness": mean_ci([r["staleness"] for r in rs_ if r["staleness"] is not None]),
+                "per_seed": {s: (per[s]["ttt"], per[s]["final"]) for s in seeds}}
+        row = {"key": int(w), "seeds": seeds, "methods": methods}
+        tune = runs(os.path.join(d, sub), rf"tune-{prefix}{w}-.+")
+        row["tuning"] = [{"name": n, "ttt": r["ttt"], "final": r["final"],
+                          "args": async_args(r["dir"])} for n, r in sorted(tune.items())]
+        for sync in ("backups", "full sync"):
+            if sync in methods and "async" in methods:
+                a, b = methods["async"]["per_seed"], methods[sync]["per_seed"]
+                row[f"{sync} vs async"] = {
+                    "accuracy_diff": mean_ci([b[s][1] - a[s][1] for s in seeds]),
+                    "sooner": ratio_ci([(a[s][0], b[s][0]) for s in seeds if a[s][0] and b[s][0]]),
+                    "both_reached": sum(1 for s in seeds if a[s][0] and b[s][0]),
+                    "sync_only_reached": sum(1 for s in seeds if b[s][0] and not a[s][0]),
+                    "async_only_reached": sum(1 for s in seeds if a[s][0] and not b[s][0])}
+        out.append(row)
+    return out
+
+
+def async_args(run_dir):
+    """The tuned settings of an async run (its config.toml): lr, warm-up, staleness rule. A
+    qring-sim async run's config.toml holds the schedule it ran, in updates (warm-up x W):
+    the setting is that over W."""
+    text = open(os.path.join(run_dir, "config.toml")).read()
+    s = read_json(os.path.join(run_dir, "summary.json"))
+
+    def get(key):
+        m = re.search(rf"^{key}\s*=\s*(.+)$", text, re.M)
+        return m.group(1).strip().strip('"') if m else None
+    warm = get("warmup_steps")
+    if warm is not None and "workers" in s and s.get("mode") == "async":
+        warm = str(int(warm) // int(s["workers"]))
+    return {"train.async_staleness": get("async_staleness"), "train.lr": get("lr"),
+            "train.warmup_steps": warm}
+
+
+def tune_async(d, prefix):
+    """The best run of the grid d/prefix-*: the soonest to the target (those that reached
+    it), else the most accurate; its settings as key=value arguments."""
+    grid = runs(d, re.escape(prefix) + r"-.+")
+    if not grid:
+        sys.exit(f"tune-async: no runs {d}/{prefix}-*")
+    best = min(grid.values(), key=lambda r: (r["ttt"] is None, r["ttt"] or 0, -r["final"]))
+    print(" ".join(f"{k}={v}" for k, v in async_args(best["dir"]).items()))
+
+
+def depth_part(d):
+    """P3c: the accuracy full sync has over tuned async, per depth (hidden layers), and how
+    much more it is at four layers than at one, paired by seed."""
+    rows = async_part(d, "depth", "d")
+    for r in rows:
+        m = r["methods"]
+        if "full sync" in m and "async" in m:
+            a, b = m["async"]["per_seed"], m["full sync"]["per_seed"]
+            r["gap_per_seed"] = {s: b[s][1] - a[s][1] for s in r["seeds"]}
+    out = {"rows": rows}
+    if len(rows) == 2 and all("gap_per_seed" in r for r in rows):
+        shallow, deep = rows
+        seeds = sorted(set(shallow["gap_per_seed"]) & set(deep["gap_per_seed"]))
+        out["gap_growth"] = mean_ci([deep["gap_per_seed"][s] - shallow["gap_per_seed"][s] for s in seeds])
+    return out
+
+
+SKIP_STEPS = 5  # the first steps of a run (connections, warm caches) are left out
+
+
+def step_periods(run_dir):
+    """A qring-train run's step times (ms, rank 0's wall time between consecutive step lines)
+    or a qring-sim run's (its step_ms), after the first SKIP_STEPS steps."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    if steps and "virtual_s" in steps[0]:
+        return [j["step_ms"] for j in steps[SKIP_STEPS:]]
+    return [1000 * (b["wall_s"] - a["wall_s"]) for a, b in zip(steps, steps[1:])][SKIP_STEPS:]
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else None
+
+
+def step_cost(run_dir):
+    """qring's own step cost of a run without stragglers: the median step (ms) and the median
+    compute time of a gradient (ms)."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    periods = step_periods(run_dir)
+    compute = [j["compute_ms"] for j in steps[SKIP_STEPS:] if j.get("compute_ms", 0) > 0]
+    if not periods or not compute:
+        sys.exit(f"step-cost: {run_dir} has {len(steps)} steps; more than {SKIP_STEPS + 1} needed")
+    print(f"{median(periods):.3f} {median(compute):.4f}")
+
+
+def validate_part(d):
+    """The simulator against qring-train on emulated hosts: per hosts and quorum, the p50 and
+    mean step time, measured and simulated."""
+    v = os.path.join(d, "validate")
+    rows = []
+    for meas in sorted(glob.glob(os.path.join(v, "measured-*-q*"))):
+        m = re.search(r"measured-(\d+)-q(\d+)$", meas)
+        if not m or not os.path.isdir(meas):
             continue
-        per = {}
-        for cfg, runs in cfgs.items():
-            t = [runs[sd]["time_to_target_s"] for sd in seeds]
-            t3 = [runs[sd]["time_to_target_mean3_s"] for sd in seeds]
-            per[str(cfg)] = {
-                "time_to_target_s": None if any(x is None for x in t) else mean(t),
-                "time_to_target_by_seed_s": t,
-                "time_to_target_mean3_s": None if any(x is None for x in t3) else mean(t3),
-                "train_s": mean([runs[sd]["train_s"] for sd in seeds]),
-                "final_accuracy": mean([runs[sd]["final_accuracy"] for sd in seeds]),
-                "mean_contributors": mean([runs[sd]["mean_contributors"] for sd in seeds
-                                           if runs[sd].get("mean_contributors") is not None]),
-                "steps": mean([runs[sd]["steps"] for sd in seeds]),
-            }
-            if cfg == "auto":
-                hist = {}
-                for sd in seeds:
-                    for q, c in (runs[sd].get("quorum_histogram") or {}).items():
-                        hist[q] = hist.get(q, 0) + c
-                per["auto"]["quorum_histogram"] = hist
-        fixed = {c: v for c, v in per.items() if c != "auto" and v["time_to_target_s"]}
-        best = min(fixed, key=lambda c: fixed[c]["time_to_target_s"]) if fixed else None
-        full = str(world) if kind == "real" else "0"  # Q = W, b = 0
-        rows.append({"kind": kind, "world": world, "regime": regime, "seeds": seeds,
-                     "fixed": "quorum" if kind == "real" else "backups", "configs": per,
-                     "best_fixed": int(best) if best else None, "full_sync": int(full),
-                     "target_accuracy": next(iter(cfgs["auto"].values()))["target_accuracy"]})
-    return rows
+        sim_dir = os.path.join(v, f"simulated-{m.group(1)}-q{m.group(2)}")
+        if not os.path.exists(os.path.join(sim_dir, "summary.json")):
+            continue
+        k, q = int(m.group(1)), int(m.group(2))
+        mp, sp = step_periods(meas), step_periods(sim_dir)
+        host = read_json(os.path.join(v, f"hosts-{k}.json"))
+        s = read_json(os.path.join(sim_dir, "summary.json"))
+        row = {"hosts": k, "quorum": q, "cost_ms": host["cost_ms"], "rate": host["rate"],
+               "bytes": host["bytes"], "steps": len(mp),
+               "measured_p50_ms": median(mp), "measured_mean_ms": sum(mp) / len(mp),
+               "simulated_p50_ms": median(sp), "simulated_mean_ms": sum(sp) / len(sp),
+               "delay_over_cost_max": max_trace_ratio(s["straggler"])}
+        row["p50_error"] = row["simulated_p50_ms"] / row["measured_p50_ms"] - 1
+        row["mean_error"] = row["simulated_mean_ms"] / row["measured_mean_ms"] - 1
+        rows.append(row)
+    rows.sort(key=lambda r: (r["hosts"], -r["quorum"]))
+    cal = os.path.join(v, "calibration.json")
+    return {"rows": rows, "calibration": read_json(cal) if os.path.exists(cal) else None}
 
 
-def adaptive_claims(d, claim, save):
-    rows = adaptive_table(d)
-    save("adaptive.json", rows)
-    for r in rows:
-        per, n = r["configs"], len(r["seeds"])
-        a = per["auto"]["time_to_target_s"]
-        best = per[str(r["best_fixed"])] if r["best_fixed"] is not None else None
-        tb = best["time_to_target_s"] if best else None
-        if r["kind"] == "sim":
-            where = f"sim N+b={r['world']} {r['regime']}"
-            text = f"18. {where}: auto within 5 % of the best fixed b in time to target (mean of {n} seed{'s' if n != 1 else ''})"
-            if a and tb:
-                claim(text, f"auto {a:.2f} s, best fixed b={r['best_fixed']} {tb:.2f} s "
-                      f"({100 * (a / tb - 1):+.1f} %)", a <= 1.05 * tb, "plots/adaptive.png")
-            else:
-                claim(text, f"auto {fmt_s(a)}, best fixed {fmt_s(tb)}", False, "plots/adaptive.png")
-            for b in (0, 20):
-                if str(b) not in per:
-                    continue
-                t = per[str(b)]["time_to_target_s"]
-                claim(f"18. {where}: auto >= 1.2x sooner than b={b} (mean of {n} seed{'s' if n != 1 else ''})",
-                      f"{t / a:.2f}x" if a and t else f"auto {fmt_s(a)}, b={b} {fmt_s(t)}",
-                      bool(a and (t is None or t / a >= 1.2)), "plots/adaptive.png")
-        else:
-            where = f"real W={r['world']} {r['regime']}"
-            text = (f"18. {where}: auto at least matches the best fixed quorum in time to target "
-                    f"(mean of {n} seed{'s' if n != 1 else ''})")
-            if a and tb:
-                claim(text, f"auto {a:.1f} s, best Q={r['best_fixed']} {tb:.1f} s ({tb / a:.2f}x)",
-                      a <= tb, "plots/adaptive.png")
-            else:
-                claim(text, f"auto {fmt_s(a)}, best fixed {fmt_s(tb)}", False, "plots/adaptive.png")
-            fa, ff = per["auto"]["final_accuracy"], per[str(r["full_sync"])]["final_accuracy"] \
-                if str(r["full_sync"]) in per else None
-            if fa is not None and ff is not None:
-                dacc = 100 * (fa - ff)
-                claim(f"18. {where}: auto's final accuracy within 0.3 pts of full sync or above "
-                      f"(mean of {n} seed{'s' if n != 1 else ''})", f"{dacc:+.2f} pts", dacc >= -0.3, "plots/adaptive.png")
-    plot_adaptive(d, rows)
-    return rows
+def max_trace_ratio(spec):
+    """The largest delay of a resample: model over its scale (its job's slowest / fastest)."""
+    m = re.fullmatch(r"resample:[^:]+:(.+)", spec or "")
+    if not m or not os.path.exists(m.group(1)):
+        return None
+    steps = {}
+    for line in open(m.group(1)):
+        line = line.split("#")[0].split()
+        if len(line) == 3:
+            steps.setdefault(line[0], []).append(float(line[2]))
+    return max(max(v) / min(v) for v in steps.values())
+# ---------------------------------------------------------------- plots
 
-
-def plot_adaptive(d, rows):
-    """plots/adaptive.png: mean time to target against the fixed quorum (real) or b (sim),
-    auto as a horizontal line; plots/quorum.png: Q(t) of the first seed's auto runs."""
-    if not rows:
-        return
+def figure(rows, cols, width=6.0, height=4.2):
     import matplotlib.pyplot as plt
-    pdir = os.path.join(d, "plots")
-    os.makedirs(pdir, exist_ok=True)
-    fig, ax = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2), squeeze=False)
-    for a, r in zip(ax[0], rows):
-        fixed = sorted((int(c), v) for c, v in r["configs"].items() if c != "auto")
-        xs = [c for c, v in fixed if v["time_to_target_s"]]
-        a.plot(xs, [dict(fixed)[c]["time_to_target_s"] for c in xs], marker="o", label="fixed")
-        t = r["configs"]["auto"]["time_to_target_s"]
-        if t:
-            a.axhline(t, color="C3", linestyle="--", label="auto")
-        a.set_yscale("log")
-        a.set_xlabel("fixed quorum Q" if r["kind"] == "real" else "backups b")
-        a.set_title(f"{r['kind']} {'W' if r['kind'] == 'real' else 'N+b'}={r['world']} "
-                    f"{r['regime']}", fontsize=8)
-        a.grid(alpha=0.3)
-    ax[0][0].set_ylabel("time to target (s), mean over seeds")
-    ax[0][0].legend(fontsize=7)
-    plot.save(fig, os.path.join(pdir, "adaptive.png"), dpi=60)
-    autos = []
-    for kind in ("real", "sim"):
-        ps = [p for p in runs_in(os.path.join(d, "adaptive", kind))
-              if (m := ADAPTIVE_RE.match(os.path.basename(p))) and m.group(5) in ("auto", "bauto")]
-        first = min((int(ADAPTIVE_RE.match(os.path.basename(p)).group(4)) for p in ps), default=None)
-        autos.append([p for p in ps if int(ADAPTIVE_RE.match(os.path.basename(p)).group(4)) == first])
-    fig, ax = plt.subplots(1, 2, figsize=(12, 3.8))
-    for a, ps, title in zip(ax, autos, ("qring-train, quorum auto: Q(t)",
-                                        "qring-sim, quorum auto: N(t) of N+b=100")):
-        if ps:
-            plot.draw_quorum(a, ps, labels=[os.path.basename(p) for p in ps])
-            a.legend(fontsize=6)
-        a.set_title(title, fontsize=9)
-    plot.save(fig, os.path.join(pdir, "quorum.png"), dpi=70)
+    fig, ax = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    return fig, ax
 
 
-def adaptive(d):
-    """Part 4 alone (reproduce.sh --only adaptive): tables/adaptive.json, plots/adaptive.png,
-    plots/quorum.png, adaptive/claims.{json,md}, and the claim table printed."""
-    claims = []
-    os.makedirs(os.path.join(d, "tables"), exist_ok=True)
-
-    def save(name, obj):
-        with open(os.path.join(d, "tables", name), "w") as f:
-            json.dump(obj, f, indent=2)
-
-    def claim(text, measured, holds, evidence):
-        claims.append({"claim": text, "measured": measured, "holds": holds, "evidence": evidence})
-
-    rows = adaptive_claims(d, claim, save)
-    with open(os.path.join(d, "adaptive", "claims.json"), "w") as f:
-        json.dump(claims, f, indent=2)
-    md = ["| claim | measured here | holds? |", "|---|---|---|"]
-    md += [f"| {c['claim']} | {c['measured']} | {'yes' if c['holds'] else 'no'} |" for c in claims]
-    with open(os.path.join(d, "adaptive", "claims.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    with open(os.path.join(d, "adaptive", "tables.md"), "w") as f:
-        f.write(adaptive_markdown(rows))
-    print(adaptive_text(rows))
-    print("\n".join(md))
-    if not rows:
-        sys.exit(f"reproduce.py adaptive: no runs of part 4 in {d}/adaptive")
+def errbar(ax, x, m_lo_hi, **kw):
+    """A point with its interval (nothing for a missing mean)."""
+    m, lo, hi = m_lo_hi
+    if m is None:
+        return
+    yerr = [[m - lo], [hi - m]] if lo is not None else None
+    ax.errorbar([x], [m], yerr=yerr, capsize=4, fmt="o", **kw)
 
 
-def _cell(per, c, key, tail):
-    """One table cell: configuration c's mean `key` (s, or — if a seed missed the target) and
-    its `tail` ("acc": final accuracy in %, "train": training time in s)."""
-    v = per.get(c)
-    if v is None:
-        return ""
-    t = v[key]
-    t = "—" if t is None else f"{t:.2f}"
-    return f"{t} ({100 * v['final_accuracy']:.2f})" if tail == "acc" else f"{t} / {v['train_s']:.1f}"
+def plot_kth(kth, path):
+    """The k-th arrival at N+b = 100 and 1000 as a share of the step's spread, per regime:
+    linear axes, the last 5 % shaded (the claim is about a jump there)."""
+    fig, ax = figure(1, 2)
+    for i, n in enumerate((100, 1000)):
+        a = ax[0][i]
+        for r in (r for r in kth if r["n"] == n):
+            c = r["curve_ms"]
+            spread = c[-1] - c[0] or 1
+            a.plot([(k + 1) / n for k in range(n)], [(v - c[0]) / spread for v in c],
+                   color=palette.regime_color(r["regime"]),
+                   label=f"{r['regime']} (last {r['tail']}: {100 * r['share'][0]:.0f} %)")
+        a.axvspan(1 - TAIL_FRACTION, 1, color="#dddddd", zorder=0)
+        a.set_title(f"k-th of {n} gradients (mean over steps and seeds)")
+        a.set_xlabel("k / n")
+        a.set_ylabel("(T(k) - T(1)) / (T(n) - T(1))")
+        a.legend(loc="upper left")
+    save(fig, path)
 
 
-def adaptive_markdown(rows):
-    """Markdown tables of tables/adaptive.json, one per kind and world: a row per regime, a
-    column per configuration, each cell the mean time to target (s) and final accuracy (%)."""
+def plot_sweep(sweeps, path, title):
+    """Time to the target against b, one panel per regime: each b's mean and 95 % interval,
+    auto (the linear value) and auto-estimate (the noise scale estimated in the run) as lines,
+    auto's interval as a band; seeds that never reached the target are said."""
+    fig, ax = figure(1, len(sweeps), width=5.5)
+    for i, sw in enumerate(sweeps):
+        a = ax[0][i]
+        fixed = [r for r in sw["rows"] if r["b"] is not None]
+        xs = list(range(len(fixed)))
+        for x, r in zip(xs, fixed):
+            method = "full sync" if r["b"] == 0 else "backups"
+            errbar(a, x, r["ttt"], color=palette.method_color(method))
+            if r["reached"] < r["seeds"]:
+                a.annotate(f"{r['reached']}/{r['seeds']}", (x, 0), xycoords=("data", "axes fraction"),
+                           ha="center", va="bottom", fontsize=9)
+        for r in sw["rows"]:
+            if r["b"] is None and r["ttt"][0] is not None:
+                m, lo, hi = r["ttt"]
+                style = "-" if r["config"] == "auto" else "--"
+                a.axhline(m, color=palette.method_color("auto"), linestyle=style,
+                          label=f"{r['config']} (mean quorum {r['mean_quorum']:.0f})")
+                if lo is not None and r["config"] == "auto":
+                    a.axhspan(lo, hi, color=palette.method_color("auto"), alpha=0.15)
+        a.set_xticks(xs)
+        a.set_xticklabels([str(r["b"]) for r in fixed])
+        a.set_xlabel(f"backup workers b (N + b = {sw['workers']})")
+        a.set_ylabel("time to the target (virtual s)")
+        lo, hi = sw["best_b_interval"]
+        a.set_title(f"{sw['regime']}: best b = {sw['best_b']} [{lo}, {hi}], {len(sw['seeds'])} seeds")
+        if a.get_legend_handles_labels()[0]:
+            a.legend(loc="upper right")
+    fig.suptitle(title)
+    save(fig, path)
+
+
+def plot_async(rows, path, title, key_label):
+    """Time to the target and final accuracy of full sync, sync with backups and tuned async."""
+    fig, ax = figure(1, 2)
+    methods = ["full sync", "backups", "async"]
+    for j, r in enumerate(rows):
+        for i, m in enumerate(methods):
+            if m not in r["methods"]:
+                continue
+            e = r["methods"][m]
+            x = j + (i - 1) * 0.22
+            errbar(ax[0][0], x, e["ttt"], color=palette.method_color(m), label=m if j == 0 else None)
+            if e["reached"] < e["seeds"]:
+                ax[0][0].annotate(f"{e['reached']}/{e['seeds']}", (x, 0),
+                                  xycoords=("data", "axes fraction"), ha="center", va="bottom",
+                                  fontsize=9, color=palette.method_color(m))
+            errbar(ax[0][1], x, e["final"], color=palette.method_color(m), label=m if j == 0 else None)
+    for a, y in ((ax[0][0], "time to the target (s)"), (ax[0][1], "final test accuracy (%)")):
+        a.set_xticks(range(len(rows)))
+        a.set_xticklabels([f"{key_label} {r['key']}" for r in rows])
+        a.set_xlim(-0.5, len(rows) - 0.5)  # room for a method that never reached the target
+        a.set_ylabel(y)
+        a.legend()
+    ax[0][0].set_title("time to the target (n/m: seeds that reached it)")
+    ax[0][1].set_title("final test accuracy")
+    fig.suptitle(title)
+    save(fig, path)
+
+
+def plot_auto(d, path):
+    """quorum "auto" under the real trace at N+b = 100, one seed: Q(t) with the linear value
+    (the default) and with the noise scale estimated in the run, and that estimate."""
+    rs = runs(os.path.join(d, "bsweep"), r"trace-s1-bauto(-estimate)?")
+    if not rs:
+        return
+    fig, ax = figure(1, 2)
+    for name, r in sorted(rs.items()):
+        steps = [j for j in plot.read_jsonl(os.path.join(r["dir"], "metrics.jsonl"))
+                 if j.get("type") == "step"]
+        est = name.endswith("estimate")
+        style = {"color": palette.method_color("auto"), "linestyle": "--" if est else "-"}
+        label = "auto, noise scale estimated" if est else "auto (linear value)"
+        ax[0][0].plot([j["step"] for j in steps], [j["quorum"] for j in steps], label=label, **style)
+        if est:
+            ns = [(j["step"], j["noise_scale"] / 8) for j in steps if "noise_scale" in j]
+            ax[0][1].plot([p[0] for p in ns], [p[1] for p in ns], **style)
+    ax[0][0].set_title("quorum Q(t) chosen by auto (trace, seed 1)")
+    ax[0][0].set_xlabel("step")
+    ax[0][0].set_ylabel("Q(t) of 100")
+    ax[0][0].legend()
+    ax[0][1].set_yscale("log")
+    ax[0][1].set_title("the run's estimate of the gradient-noise scale")
+    ax[0][1].set_xlabel("step")
+    ax[0][1].set_ylabel("B_simple (contributions of 8 samples)")
+    save(fig, path)
+
+
+def plot_validation(val, path):
+    fig, ax = figure(1, 1, width=7)
+    a = ax[0][0]
+    rows = val["rows"]
+    for i, r in enumerate(rows):
+        a.bar(i - 0.2, r["measured_p50_ms"], width=0.4, color=palette.SOURCES["measured"],
+              label="measured (qring-bench)" if i == 0 else None)
+        a.bar(i + 0.2, r["simulated_p50_ms"], width=0.4, color=palette.SOURCES["simulated"],
+              label="simulated (qring-sim)" if i == 0 else None)
+    a.set_xticks(range(len(rows)))
+    a.set_xticklabels([f"{r['hosts']} hosts\nQ = {r['quorum']}" for r in rows])
+    a.set_ylabel("median step time (ms)")
+    a.set_title(f"step time on emulated hosts ({rows[0]['rate'] if rows else ''} links)")
+    a.legend()
+    save(fig, path)
+
+
+def save(fig, path):
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- claims and tables
+
+def verdict_interval(lo, hi, threshold, above=True):
+    """reproduced / not / undecided from an interval against a threshold."""
+    if lo is None:
+        return "undecided (one seed)"
+    if above:
+        return "reproduced" if lo > threshold else "not reproduced" if hi < threshold else "undecided"
+    return "reproduced" if hi < threshold else "not reproduced" if lo > threshold else "undecided"
+
+
+def claims_of(res):
+    """The claim table's rows: (id, claim, the paper's number, qring's setup, qring's number
+    with its interval, verdict)."""
     out = []
-    for kind, world in sorted({(r["kind"], r["world"]) for r in rows}):
-        group = [r for r in rows if r["kind"] == kind and r["world"] == world]
-        cfgs = sorted({c for r in group for c in r["configs"] if c != "auto"}, key=int)
-        if kind == "real":
-            out.append(f"qring-train, {world} ranks (fixed: the quorum Q):")
-            heads = [f"Q={c}" for c in cfgs]
-        else:
-            out.append(f"qring-sim, N+b={world} (fixed: the backups b):")
-            heads = [f"b={c}" for c in cfgs]
-        out.append("Mean time to target in s (final accuracy in %) over the seeds.")
-        out.append("")
-        out.append("| regime (seeds) | " + " | ".join(heads) +
-                   " | auto (mean N) | auto vs best fixed |")
-        out.append("|---|" + "---|" * (len(heads) + 2))
-        for r in group:
-            per = r["configs"]
-            a = per["auto"]["time_to_target_s"]
-            best = per[str(r["best_fixed"])]["time_to_target_s"] if r["best_fixed"] is not None else None
-            vs = f"{100 * (a / best - 1):+.1f} %" if a and best else "—"
-            n = per["auto"]["mean_contributors"]
-            out.append(f"| {r['regime']} ({', '.join(map(str, r['seeds']))}) | " +
-                       " | ".join(_cell(per, c, "time_to_target_s", "acc") for c in cfgs) +
-                       f" | {_cell(per, 'auto', 'time_to_target_s', 'acc')} "
-                       f"({'' if n is None else f'{n:.1f}'}) | {vs} |")
-        out.append("")
-        out.append("The same runs: time to target on the running mean of three evaluations, and "
-                   "the training time of the whole budget (s).")
-        out.append("")
-        out.append("| regime | " + " | ".join(heads) + " | auto | auto vs best fixed (mean of 3) |")
-        out.append("|---|" + "---|" * (len(heads) + 2))
-        for r in group:
-            per = r["configs"]
-            fx = [float(per[c]["time_to_target_mean3_s"]) for c in cfgs
-                  if per.get(c) and per[c]["time_to_target_mean3_s"]]
-            a3 = per["auto"]["time_to_target_mean3_s"]
-            vs3 = f"{100 * (a3 / min(fx) - 1):+.1f} %" if a3 and fx else "—"
-            out.append(f"| {r['regime']} | " +
-                       " | ".join(_cell(per, c, "time_to_target_mean3_s", "train") for c in cfgs) +
-                       f" | {_cell(per, 'auto', 'time_to_target_mean3_s', 'train')} | {vs3} |")
-        out.append("")
-    return "\n".join(out)
+
+    def add(cid, claim, paper, setup, number, verdict):
+        setup = re.sub(r"\b1 seeds\b", "1 seed", setup)
+        out.append({"id": cid, "claim": claim, "paper": paper, "setup": setup,
+                    "number": number, "verdict": verdict})
+
+    for part in (claims_p1_p2, claims_p3, claims_p4_auto, claims_simulator):
+        part(res, add)
+    return out
 
 
-def adaptive_text(rows):
-    """The table of tables/adaptive.json as text: mean time to target (s) per configuration."""
-    out = []
-    for r in rows:
-        per = r["configs"]
-        cfgs = sorted((c for c in per if c != "auto"), key=int) + ["auto"]
-        out.append(f"{r['kind']} {'W' if r['kind'] == 'real' else 'N+b'}={r['world']} {r['regime']} "
-                   f"(seeds {' '.join(map(str, r['seeds']))}), {r['fixed']}: time to target / final "
-                   f"accuracy / mean contributors")
-        for c in cfgs:
-            v = per[c]
-            n = v["mean_contributors"]
-            out.append(f"  {c:>5}: {fmt_s(v['time_to_target_s'], digits=2):>11}  "
-                       f"{100 * v['final_accuracy']:.2f} %  {'' if n is None else f'{n:.1f}'}")
-    return "\n".join(out)
+def seeds_n(seeds):
+    return "1 seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
+
+
+def same_accuracy_verdict(sooner, alo, ahi):
+    same = alo is not None and alo > -SAME_ACCURACY and ahi < SAME_ACCURACY
+    return "reproduced" if sooner == "reproduced" and same else \
+        "partly" if sooner == "reproduced" else sooner
+
+
+def claims_p1_p2(res, add):
+    for r in res["kth"]:
+        if r["n"] != 100:
+            continue
+        m, lo, hi = r["share"]
+        add("P1", "the k-th gradient's arrival is flat for most k and jumps for the last few",
+            "100 workers: the last few gradients take most of a step's wait (the k-th arrival figure)",
+            f"qring-sim, N+b = 100, {r['regime']}, {len(r['seeds'])} seeds",
+            f"last {r['tail']} of 100 take {fmt_ci(100 * m, lo and 100 * lo, hi and 100 * hi, 0, ' %')} "
+            "of the spread (uniform: 5 %)", verdict_interval(lo, hi, TAIL_SHARE))
+    for sw in res["bsweep"]:
+        bf = sw.get("best_vs_full")
+        if bf:
+            m, lo, hi = bf["sooner"]
+            am, alo, ahi = bf["accuracy_diff"]
+            v = same_accuracy_verdict(verdict_interval(lo, hi, 1.0), alo, ahi)
+            add("P2", "sync with backups reaches the target sooner than full sync, at the same accuracy",
+                "Inception, 100 workers: 96 + 4 converges sooner than 100 + 0 (the b-sweep figure)",
+                f"qring-sim, N+b = 100, {sw['regime']}, best b = {sw['best_b']} against b = 0, "
+                f"{len(sw['seeds'])} seeds",
+                f"{fmt_ci(m, lo, hi)}x sooner; final accuracy {fmt_ci(am, alo, ahi, 2, ' pts')}", v)
+    for r in res["real"]:
+        m = r["methods"]
+        if "full sync" in m and "backups" in m:
+            a, b = m["backups"]["per_seed"], m["full sync"]["per_seed"]
+            s = r["seeds"]
+            rm, rlo, rhi = ratio_ci([(b[x][0], a[x][0]) for x in s if a[x][0] and b[x][0]])
+            am, alo, ahi = mean_ci([a[x][1] - b[x][1] for x in s])
+            add("P2", "sync with backups reaches the target sooner than full sync, at the same accuracy",
+                "(as above)", f"qring-train, {r['key']} ranks, Q = {r['key'] - 1} against Q = {r['key']}, "
+                f"{len(s)} seeds", f"{fmt_ci(rm, rlo, rhi)}x sooner; final accuracy "
+                f"{fmt_ci(am, alo, ahi, 2, ' pts')}",
+                same_accuracy_verdict(verdict_interval(rlo, rhi, 1.0), alo, ahi))
+
+
+def claims_p3(res, add):
+    for where, rows, unit in (("qring-sim", res["async"], "simulated workers"),
+                              ("qring-train", res["real"], "ranks")):
+        for r in rows:
+            e = r.get("backups vs async") or r.get("full sync vs async")
+            if not e:
+                continue
+            sync = "sync with backups" if "backups vs async" in r else "full sync"
+            am, alo, ahi = e["accuracy_diff"]
+            st = r["methods"]["async"]["staleness"][0]
+            add("P3a", "sync ends more accurate than async, the more so the more workers",
+                "sync with backups ahead of async at 50-200 workers, the gap growing (Inception, the async-vs-sync figure)",
+                f"{where}, {r['key']} {unit}, {sync} against tuned async (staleness {st:.0f}), "
+                f"{seeds_n(r['seeds'])}", f"{fmt_ci(am, alo, ahi, 2, ' pts')}",
+                verdict_interval(alo, ahi, 0.0))
+            sm, slo, shi = e["sooner"]
+            n = len(r["seeds"])
+            reach = (f"; both reached the target in {e['both_reached']}/{n}, only sync in "
+                     f"{e['sync_only_reached']}, only async in {e['async_only_reached']}")
+            if e["both_reached"] >= 2:
+                v = verdict_interval(slo, shi, 1.0)
+                if e["async_only_reached"] > 0:
+                    v = "undecided"
+            elif e["sync_only_reached"] == n:
+                v = "reproduced"
+            elif e["async_only_reached"] == n:
+                v = "contradicted"
+            else:
+                v = "undecided"
+            if v == "not reproduced" and sm is not None and shi is not None and shi < 1:
+                v = "contradicted"
+            add("P3b", "sync with backups reaches the target sooner than async",
+                "sync converges faster in wall time than async (the convergence figures)",
+                f"{where}, {r['key']} {unit}, {sync} against tuned async, {n} seeds",
+                f"{fmt_ci(sm, slo, shi)}x sooner{reach}", v)
+    dp = res["depth"]
+    if dp.get("gap_growth"):
+        gm, glo, ghi = dp["gap_growth"]
+        gaps = "; ".join(f"{r['key']} hidden: {fmt_ci(*r['full sync vs async']['accuracy_diff'], 2, ' pts')}"
+                         for r in dp["rows"] if "full sync vs async" in r)
+        add("P3c", "staleness hurts deeper models more",
+            "the accuracy async loses to staleness grows with depth (the staleness figure)",
+            f"qring-sim, W = {res['depth_w']}, MLP with 1 and 4 hidden layers, full sync against tuned async, "
+            f"{len(dp['rows'][0]['seeds'])} seeds",
+            f"gap at 4 layers minus gap at 1: {fmt_ci(gm, glo, ghi, 2, ' pts')} ({gaps})",
+            verdict_interval(glo, ghi, 0.0))
+
+
+def claims_p4_auto(res, add):
+    for sw in res["bsweep"] + res["bsweep1000"]:
+        lo, hi = sw["best_b_interval"]
+        bs = sw["b_values"]
+        interior = lo is not None and lo > bs[0] and hi < bs[-1]
+        add("P4", "at fixed N + b the time to the target has an interior optimum in b",
+            "100 workers: b = 4 (96 + 4)", f"qring-sim, N+b = {sw['workers']}, {sw['regime']}, "
+            f"b in {bs[0]}..{bs[-1]}, {len(sw['seeds'])} seeds",
+            f"best b = {sw['best_b']}, bootstrap interval [{lo}, {hi}]",
+            "reproduced" if interior else "undecided" if lo is None or hi is None else "not reproduced")
+    for sw in res["bsweep"]:
+        for auto in ("auto", "auto-estimate"):
+            e = sw.get(auto + "_vs_best")
+            if not e:
+                continue
+            m, lo, hi = e["ratio"]
+            n = len(sw["seeds"])
+            met = m is not None and e["reached"] == n and m <= AUTO_WITHIN
+            what = ("the default: the linear value, no noise scale" if auto == "auto"
+                    else "quorum.noise_scale = estimate: the noise scale estimated in the run")
+            add("auto", f"quorum \"auto\" ({what}) within 5 % of the best fixed b",
+                "(qring's own aim, issue 46)",
+                f"qring-sim, N+b = 100, {sw['regime']}, same optimizer form, {n} seeds",
+                f"{fmt_ci(m, lo, hi)}x the best fixed b's time (b = {sw['best_b']}); reached the "
+                f"target in {e['reached']}/{n}",
+                "met" if met else "not met")
+
+
+def claims_simulator(res, add):
+    for r in res["validate"]["rows"]:
+        ok = abs(r["p50_error"]) <= VALIDATION and abs(r["mean_error"]) <= VALIDATION
+        add("sim", "the simulator's step time within 10 % of qring's on emulated hosts",
+            "(qring's own check, issue 46)",
+            f"{r['hosts']} hosts, Q = {r['quorum']}, {r['rate']} links, {r['bytes']} B, delays "
+            f"{r['cost_ms']:.1f}-{r['cost_ms'] * (r['delay_over_cost_max'] or 1):.1f} ms "
+            f"(<= {r['delay_over_cost_max'] or 0:.1f}x the step cost {r['cost_ms']:.1f} ms)",
+            f"p50 {r['simulated_p50_ms']:.1f} vs {r['measured_p50_ms']:.1f} ms ({100 * r['p50_error']:+.1f} %), "
+            f"mean {r['simulated_mean_ms']:.1f} vs {r['measured_mean_ms']:.1f} ms ({100 * r['mean_error']:+.1f} %)",
+            "met" if ok else "not met")
+    for r in res["kth"]:
+        if "closed_form_max_error" in r:
+            e = r["closed_form_max_error"]
+            add("sim", "the simulated order statistics follow the shifted exponential's closed form",
+                "E[T(k)] = shift + mean (H(n) - H(n-k))", f"qring-sim, n = {r['n']}, {len(r['seeds'])} seeds",
+                f"largest error {100 * e:.2f} %", "met" if e <= 0.02 else "not met")
+
+
+def md_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def auto_md(res):
+    """quorum "auto" (the linear value; the in-run estimate) against the best fixed b, per
+    regime at N+b = 100: the ratio of the times to the target, paired by seed."""
+    rows = []
+    for sw in res["bsweep"]:
+        cells = []
+        for auto in ("auto", "auto-estimate"):
+            e = sw.get(auto + "_vs_best")
+            cells.append(f"{fmt_ci(*e['ratio'])}x (reached {e['reached']}/{len(sw['seeds'])})" if e else "-")
+        rows.append([sw["regime"], len(sw["seeds"]), sw["best_b"]] + cells)
+    return md_table(["regime", "seeds", "best fixed b", "auto (linear value, the default)",
+                     "auto with the estimate"], rows)
+
+
+def tables_md(res):
+    """The detailed tables, one markdown file per part (DIR/tables/*.md)."""
+    t = {"auto": auto_md(res)}
+    for sws, name in ((res["bsweep"], "bsweep"), (res["bsweep1000"], "bsweep1000")):
+        parts = []
+        for sw in sws:
+            rows = []
+            for r in sw["rows"]:
+                ttt = fmt_ci(*r["ttt"]) if r["ttt"][0] is not None else \
+                    f"{fmt_ci(*r['ttt_reached'])} (reached {r['reached']}/{r['seeds']})" if r["reached"] else "never"
+                rows.append([r["config"], ttt, fmt_ci(*r["final"]),
+                             f"{r['mean_quorum']:.1f}" if r["mean_quorum"] else "-"])
+            parts.append(f"**{sw['regime']}**, N+b = {sw['workers']}, seeds {sw['seeds'][0]}-"
+                         f"{sw['seeds'][-1]}: best b = {sw['best_b']}, bootstrap interval "
+                         f"{sw['best_b_interval']}\n\n" +
+                         md_table(["b", "time to target (virtual s)", "final accuracy (%)",
+                                   "mean quorum"], rows))
+        t[name] = "\n".join(parts)
+    for rows_, name, label in ((res["async"], "async", "W"), (res["depth"]["rows"], "depth", "hidden layers"),
+                               (res["real"], "real", "ranks")):
+        out = []
+        for r in rows_:
+            for m, e in r["methods"].items():
+                ttt = fmt_ci(*e["ttt"]) if e["ttt"][0] is not None else f"reached {e['reached']}/{e['seeds']}"
+                st = fmt_ci(*e["staleness"], 1) if e["staleness"][0] is not None else "-"
+                out.append([f"{label} {r['key']}", m, e["config"], ttt, fmt_ci(*e["final"]), st])
+        grid = []
+        for r in rows_:
+            for g in r["tuning"]:
+                a = g["args"]
+                grid.append([f"{label} {r['key']}", a["train.async_staleness"],
+                             f"{float(a['train.lr']):g}",
+                             a["train.warmup_steps"], f"{g['ttt']:.2f}" if g["ttt"] else "never",
+                             f"{g['final']:.2f}"])
+        t[name] = md_table([label, "method", "run", "time to target (s)", "final accuracy (%)",
+                            "staleness"], out)
+        if grid:
+            t[name] += "\nAsync tuned on the held-out seed (the first soonest to the target wins):\n\n" + \
+                md_table([label, "staleness rule", "lr", "warm-up steps", "time to target (s)",
+                          "final accuracy (%)"], grid)
+    kth = [[r["regime"], r["n"], f"{r['first_ms']:.1f}", f"{r['median_ms']:.1f}",
+            f"{r['last_ms']:.1f}", r["tail"], fmt_ci(*(100 * x if x is not None else None for x in r["share"]), 0)]
+           for r in res["kth"]]
+    t["kth"] = md_table(["regime", "n", "first (ms)", "median (ms)", "last (ms)", "tail k",
+                         "tail share of the spread (%)"], kth)
+    v = [[r["hosts"], r["quorum"], f"{r['cost_ms']:.2f}", f"{r['measured_p50_ms']:.2f}",
+          f"{r['simulated_p50_ms']:.2f}", f"{100 * r['p50_error']:+.1f} %", f"{r['measured_mean_ms']:.2f}",
+          f"{r['simulated_mean_ms']:.2f}", f"{100 * r['mean_error']:+.1f} %"] for r in res["validate"]["rows"]]
+    t["validate"] = md_table(["hosts", "Q", "step cost (ms)", "measured p50", "simulated p50", "error",
+                              "measured mean", "simulated mean", "error"], v)
+    cal = res["validate"]["calibration"]
+    if cal:
+        t["validate"] += (f"\nNetwork model fitted on 2 emulated hosts: alpha {cal['alpha_us']:.1f} us, "
+                          f"beta {cal['beta_ns_per_byte']:.2f} ns/B, rtt {cal['rtt_us']:.1f} us.\n")
+    return t
+
+
+# ---------------------------------------------------------------- commands
+
+def claims_md(claims, ids=None):
+    """The claim table (the rows whose id is in `ids`, all without)."""
+    return md_table(["claim", "paper", "qring setup", "qring's number [95 % interval]", "verdict"],
+                    [[f"{c['id']}: {c['claim']}", c["paper"], c["setup"], c["number"], c["verdict"]]
+                     for c in claims if ids is None or c["id"] in ids])
 
 
 def analyze(d):
-    real = [run_info(p) for p in runs_in(os.path.join(d, "real"))]
-    sim = [run_info(p) for p in runs_in(os.path.join(d, "sim"))]
-    tables = os.path.join(d, "tables")
-    plots = os.path.join(d, "plots")
-    os.makedirs(tables, exist_ok=True)
-    os.makedirs(plots, exist_ok=True)
-    by_name = {r["name"]: r for r in real + sim}
-    claims = []
-
-    def save(name, obj):
-        with open(os.path.join(tables, name), "w") as f:
-            json.dump(obj, f, indent=2)
-
-    def claim(text, measured, holds, evidence):
-        claims.append({"claim": text, "measured": measured, "holds": holds,
-                       "evidence": evidence})
-
-    save("real_runs.json", real)
-    # Real runs are named W<world>-<regime>-<q<Q>|async>.
-    regimes = sorted({r["name"].split("-")[1] for r in real})
-    worlds = sorted({r["world"] for r in real})
-
-    def real_run(w, regime, q):
-        return by_name.get(f"W{w}-{regime}-{q}")
-
-    # Claim 1: the k-th arrival curve has a long tail.
-    kth_rows, kth_runs = [], []
-    for r in real:
-        if r["mode"] == "sync" and r["quorum"] == r["world"]:
-            kth_runs.append(r)
-    for r in sim:
-        if r["name"].startswith("closedform-") or r["name"].startswith("bsweep"):
-            if r["backups"] == 0 and r["mode"] == "sync":
-                kth_runs.append(r)
-    for r in kth_runs:
-        run_dir = os.path.join(d, r["kind"], r["name"])
-        share, m, n = tail_share(run_dir)
-        kth_rows.append({"run": r["name"], "kind": r["kind"], "straggler": r["straggler"],
-                         "n": n, "tail_arrivals": m, "tail_share": share})
-    save("kth_arrival.json", kth_rows)
-    for row in kth_rows:
-        if row["tail_share"] is None:
-            continue
-        claim(f"1. the last {row['tail_arrivals']} of {row['n']} gradients take most of the "
-              f"arrival spread ({row['kind']} {row['run']})",
-              f"{100 * row['tail_share']:.0f} % of the spread "
-              f"(uniform arrivals: {100 * row['tail_arrivals'] / max(1, row['n'] - 1):.0f} %)",
-              row["tail_share"] >= TAIL_SHARE, "plots/kth-arrival.png")
-
-    # Claim 2: sync with backups reaches the target sooner than full sync, same accuracy.
-    c2 = []
-    for w in worlds:
-        for regime in regimes:
-            full = real_run(w, regime, f"q{w}")
-            if not full:
-                continue
-            for b in (1, 2):
-                bk = real_run(w, regime, f"q{w - b}")
-                if not bk:
-                    continue
-                ratio = (full["time_to_target_s"] / bk["time_to_target_s"]
-                         if full["time_to_target_s"] and bk["time_to_target_s"] else None)
-                dacc = 100 * (bk["final_accuracy"] - full["final_accuracy"])
-                c2.append({"world": w, "regime": regime, "backups": b,
-                           "full_time_to_target_s": full["time_to_target_s"],
-                           "backup_time_to_target_s": bk["time_to_target_s"],
-                           "speedup": ratio, "final_accuracy_delta_points": dacc,
-                           "full_step_p50_ms": full["step_p50_ms"],
-                           "backup_step_p50_ms": bk["step_p50_ms"]})
-                meas = (f"{ratio:.2f}x sooner" if ratio else
-                        f"target: full {fmt_s(full['time_to_target_s'])}, backups "
-                        f"{fmt_s(bk['time_to_target_s'])}") + f", final accuracy {dacc:+.2f} pts"
-                holds = bool(ratio and ratio > 1.0 and dacc >= -0.3)
-                claim(f"2. W={w} {regime}: Q=W-{b} reaches the target sooner than Q=W, at the "
-                      "same accuracy (within 0.3 pts)", meas, holds, "plots/real-accuracy.png")
-    save("backup_vs_full.json", c2)
-    aim = [x for x in c2 if x["world"] == 4 and x["regime"] == "lognormal" and x["backups"] == 1]
-    if aim:
-        x = aim[0]
-        ok = bool(x["speedup"] and x["speedup"] >= 1.3 and abs(x["final_accuracy_delta_points"]) <= 0.3)
-        claim("aim: lognormal, one backup of 4: target >= 1.3x sooner, final accuracy within "
-              "0.3 pts",
-              (f"{x['speedup']:.2f}x" if x["speedup"] else "target not reached") +
-              f", {x['final_accuracy_delta_points']:+.2f} pts", ok, "plots/real-accuracy.png")
-
-    # Claim 3: sync beats async in accuracy, more so with more workers (simulator), and async
-    # staleness is about the number of workers.
-    c3 = []
-    for r in sim:
-        mm = re.match(r"scale-W(\d+)-(async|b(\d+))$", r["name"])
-        if not mm:
-            continue
-        c3.append({"workers": int(mm.group(1)), "run": r["name"], "mode": r["mode"],
-                   "backups": r["backups"], "final_accuracy": r["final_accuracy"],
-                   "best_accuracy": r["best_accuracy"], "time_to_target_s": r["time_to_target_s"],
-                   "staleness_mean": r.get("staleness_mean")})
-    c3.sort(key=lambda x: (x["workers"], x["mode"], x["backups"] or 0))
-    save("async_vs_sync.json", c3)
-    gaps = []
-    for w in sorted({x["workers"] for x in c3}):
-        a = [x for x in c3 if x["workers"] == w and x["mode"] == "async"]
-        s = [x for x in c3 if x["workers"] == w and x["mode"] == "sync"]
-        if not a or not s:
-            continue
-        best = max(s, key=lambda x: x["final_accuracy"])
-        gap = 100 * (best["final_accuracy"] - a[0]["final_accuracy"])
-        gaps.append((w, gap, best, a[0]))
-        claim(f"3. {w} simulated workers: sync (b={best['backups']}) ends more accurate than "
-              "async",
-              f"{100 * best['final_accuracy']:.2f} % vs {100 * a[0]['final_accuracy']:.2f} % "
-              f"({gap:+.2f} pts); async staleness mean {a[0]['staleness_mean']:.1f}",
-              gap > 0, "plots/async-vs-sync.png")
-    if len(gaps) >= 2:
-        grows = all(gaps[i + 1][1] >= gaps[i][1] for i in range(len(gaps) - 1))
-        claim("3. the gap grows with the number of workers",
-              ", ".join(f"{w}: {g:+.2f}" for w, g, _, _ in gaps) + " pts", grows,
-              "plots/async-vs-sync.png")
-        stale_ok = all(abs(a["staleness_mean"] - (w - 1)) <= 0.2 * (w - 1) for w, _, _, a in gaps)
-        claim("3. async gradients are stale by about the number of workers",
-              ", ".join(f"W={w}: {a['staleness_mean']:.1f}" for w, _, _, a in gaps), stale_ok,
-              "plots/async-vs-sync.png")
-    for w in worlds:
-        for regime in regimes:
-            a = real_run(w, regime, "async")
-            s = [real_run(w, regime, f"q{q}") for q in (w, w - 1, w - 2)]
-            s = [x for x in s if x]
-            if not a or not s:
-                continue
-            best = max(s, key=lambda x: x["final_accuracy"])
-            gap = 100 * (best["final_accuracy"] - a["final_accuracy"])
-            claim(f"3. real W={w} {regime}: sync (Q={best['quorum']}) ends more accurate than "
-                  "async", f"{gap:+.2f} pts; async staleness mean {a['staleness_mean']:.1f}",
-                  gap > 0, "plots/real-accuracy.png")
-    if gaps:
-        w100 = [g for g in gaps if g[0] == max(x[0] for x in gaps)][0]
-        claim(f"aim: async below sync+backup in final accuracy at {w100[0]} simulated workers",
-              f"{w100[1]:+.2f} pts", w100[1] > 0, "plots/async-vs-sync.png")
-
-    # Claim 4: the b sweep at fixed N + b has an interior optimum in time to accuracy.
-    for n in sorted({int(m.group(1)) for r in sim
-                     for m in [re.match(r"bsweep(\d+)-b(\d+)$", r["name"])] if m}):
-        rows = []
-        for r in sim:
-            mm = re.match(rf"bsweep{n}-b(\d+)$", r["name"])
-            if mm:
-                rows.append({"b": int(mm.group(1)), "time_to_target_s": r["time_to_target_s"],
-                             "final_accuracy": r["final_accuracy"],
-                             "step_p50_ms": r["step_p50_ms"], "step_p90_ms": r["step_p90_ms"],
-                             "virtual_s": r["virtual_s"]})
-        rows.sort(key=lambda x: x["b"])
-        save(f"bsweep{n}.json", rows)
-        reached = [x for x in rows if x["time_to_target_s"] is not None]
-        base = [x for x in rows if x["b"] == 0]
-        if not reached:
-            claim(f"4. b sweep at N+b={n}: interior optimum", "no b reached the target", False,
-                  "plots/bsweep.png")
-            continue
-        best = min(reached, key=lambda x: x["time_to_target_s"])
-        interior = best["b"] != rows[0]["b"] and best["b"] != rows[-1]["b"]
-        vs0 = (f", {base[0]['time_to_target_s'] / best['time_to_target_s']:.2f}x sooner than b=0"
-               if base and base[0]["time_to_target_s"] else ", b=0 did not reach the target")
-        claim(f"4. b sweep at N+b={n}: time to accuracy has an interior optimum "
-              f"(b in {rows[0]['b']}..{rows[-1]['b']})",
-              f"best b={best['b']} ({best['time_to_target_s']:.1f} virtual s){vs0}", interior,
-              "plots/bsweep.png")
-
-    # Validation: simulated step times against the measured ones, same model and workers.
-    val = []
-    for r in sim:
-        mm = re.match(r"val-(W\d+-[a-z]+-q\d+)$", r["name"])
-        if not mm or mm.group(1) not in by_name:
-            continue
-        m = by_name[mm.group(1)]
-        e50 = r["step_p50_ms"] / m["step_p50_ms"] - 1
-        e90 = r["step_p90_ms"] / m["step_p90_ms"] - 1
-        val.append({"run": m["name"], "world": m["world"], "quorum": m["quorum"],
-                    "measured_p50_ms": m["step_p50_ms"], "simulated_p50_ms": r["step_p50_ms"],
-                    "measured_p90_ms": m["step_p90_ms"], "simulated_p90_ms": r["step_p90_ms"],
-                    "error_p50": e50, "error_p90": e90, "compute_ms": r["compute_ms"]})
-    save("validation.json", val)
-    for v in val:
-        claim(f"validation: simulated step time p50/p90 within 10 % of {v['run']}",
-              f"p50 {v['simulated_p50_ms']:.1f} vs {v['measured_p50_ms']:.1f} ms "
-              f"({100 * v['error_p50']:+.1f} %), p90 {v['simulated_p90_ms']:.1f} vs "
-              f"{v['measured_p90_ms']:.1f} ms ({100 * v['error_p90']:+.1f} %)",
-              abs(v["error_p50"]) <= TOLERANCE_VALIDATION and
-              abs(v["error_p90"]) <= TOLERANCE_VALIDATION, "plots/validation.png")
-
-    # Validation: the simulator's order statistics against the shifted-exponential closed form.
-    cf = []
-    for r in sim:
-        mm = re.match(r"closedform-n(\d+)$", r["name"])
-        if not mm or not r.get("kth_arrival_mean_ms"):
-            continue
-        sm = re.match(r"shiftexp:([0-9.]+):([0-9.]+)$", r["straggler"] or "")
-        if not sm:
-            continue
-        shift, mean = float(sm.group(1)), float(sm.group(2))
-        n = len(r["kth_arrival_mean_ms"])
-        hn = harmonic(n)
-        worst = 0.0
-        for k in range(1, n + 1):
-            expect = r["compute_ms"] + shift + mean * (hn - harmonic(n - k))
-            worst = max(worst, abs(r["kth_arrival_mean_ms"][k - 1] / expect - 1))
-        cf.append({"run": r["name"], "n": n, "steps": r["steps"], "straggler": r["straggler"],
-                   "max_relative_error": worst})
-        claim(f"validation: simulated E[T(k:{n})] within 2 % of shift + mean (H(n) - H(n-k)), "
-              "every k", f"max error {100 * worst:.2f} % over {r['steps']} steps",
-              worst <= TOLERANCE_CLOSED_FORM, "plots/kth-arrival.png")
-    save("closed_form.json", cf)
-
-    # Issue 18: the adaptive quorum against every fixed quorum (part 4, DIR/adaptive).
-    adaptive_claims(d, claim, save)
-
-    make_plots(d, real, sim, regimes, worlds, val)
+    res = {"scale": read_json(os.path.join(d, "scale.json")) if os.path.exists(os.path.join(d, "scale.json")) else {},
+           "kth": kth_part(d),
+           "bsweep": [s for s in (sweep_part(d, "bsweep", g, 100) for g in REGIMES) if s],
+           "bsweep1000": [s for s in [sweep_part(d, "bsweep1000", "trace", 1000)] if s],
+           "async": async_part(d, "async"), "real": async_part(d, "real"),
+           "depth": depth_part(d), "validate": validate_part(d)}
+    res["depth_w"] = None
+    for r in runs(os.path.join(d, "depth"), r"d\d+-s\d+-full").values():
+        res["depth_w"] = r["summary"]["workers"]
+        break
+    claims = claims_of(res)
+    os.makedirs(os.path.join(d, "tables"), exist_ok=True)
+    with open(os.path.join(d, "tables", "results.json"), "w") as f:
+        json.dump(res, f, indent=1, default=lambda o: None)
+    for name, text in tables_md(res).items():
+        with open(os.path.join(d, "tables", name + ".md"), "w") as f:
+            f.write(text)
     with open(os.path.join(d, "claims.json"), "w") as f:
-        json.dump(claims, f, indent=2)
-    md = ["| claim | measured here | holds? |", "|---|---|---|"]
-    for c in claims:
-        md.append(f"| {c['claim']} | {c['measured']} | {'yes' if c['holds'] else 'no'} |")
+        json.dump(claims, f, indent=1)
+    md = claims_md(claims)
     with open(os.path.join(d, "claims.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+        f.write(md)
+    palette.apply()
+    pd = os.path.join(d, "plots")
+    if res["kth"]:
+        plot_kth(res["kth"], os.path.join(pd, "kth-arrival.png"))
+    if res["bsweep"]:
+        plot_sweep(res["bsweep"], os.path.join(pd, "bsweep.png"),
+                   "time to the target against backup workers, N + b = 100")
+    if res["bsweep1000"]:
+        plot_sweep(res["bsweep1000"], os.path.join(pd, "bsweep1000.png"),
+                   "time to the target against backup workers, N + b = 1000")
+    if res["async"]:
+        plot_async(res["async"], os.path.join(pd, "async.png"),
+                   "sync against tuned async, simulated workers, real trace", "W =")
+    if res["depth"]["rows"]:
+        plot_async(res["depth"]["rows"], os.path.join(pd, "depth.png"),
+                   f"sync against tuned async by depth, W = {res['depth_w']}", "hidden layers:")
+    if res["real"]:
+        plot_async(res["real"], os.path.join(pd, "real.png"),
+                   "qring-train: full sync, one backup, tuned async (real trace)", "ranks:")
+    plot_auto(d, os.path.join(pd, "auto.png"))
+    if res["validate"]["rows"]:
+        plot_validation(res["validate"], os.path.join(pd, "validation.png"))
+    print(md)
 
 
-def make_plots(d, real, sim, regimes, worlds, val):
-    import matplotlib.pyplot as plt
-    pdir = os.path.join(d, "plots")
-    rdir = os.path.join(d, "real")
+EXPECTED_PLOTS = ["kth-arrival", "bsweep", "bsweep1000", "async", "depth", "real", "auto", "validation"]
+EXPECTED_TABLES = ["kth", "bsweep", "bsweep1000", "async", "depth", "real", "validate"]
 
-    def names(w, regime):
-        out = []
-        for q in [f"q{w}", f"q{w - 1}", f"q{w - 2}", "async"]:
-            p = os.path.join(rdir, f"W{w}-{regime}-{q}")
-            if os.path.exists(os.path.join(p, "summary.json")):
-                out.append((p, q if q in ("async", "auto") else f"Q={q[1:]}"))
-        return out
-
-    # Real runs: accuracy against training time and step-time distributions.
-    if real:
-        for what in ("accuracy", "steptime"):
-            fig, ax = plt.subplots(len(worlds), len(regimes),
-                                   figsize=(4.2 * len(regimes), 3.2 * len(worlds)), squeeze=False)
-            for i, w in enumerate(worlds):
-                for j, regime in enumerate(regimes):
-                    runs = names(w, regime)
-                    a = ax[i][j]
-                    if what == "accuracy":
-                        plot.draw_accuracy(a, [p for p, _ in runs], labels=[lab for _, lab in runs])
-                        lo = min((100 * x["final_accuracy"] for x in real if x["world"] == w), default=0)
-                        a.set_ylim(max(0, lo - 15), None)
-                    else:
-                        plot.draw_steptime(a, [p for p, _ in runs], labels=[lab for _, lab in runs])
-                    a.set_title(f"W={w}, {regime}", fontsize=9)
-                    a.legend(fontsize=7)
-            fig.suptitle("qring-train: test accuracy vs training time" if what == "accuracy"
-                         else "qring-train: step time (async: one worker's iteration)")
-            plot.save(fig, os.path.join(pdir, f"real-{what}.png"), dpi=70)
-
-    # The k-th arrival curve: real full-sync runs (k / n) and the simulator at 100 and 1000.
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    reals = [os.path.join(rdir, x["name"]) for x in real
-             if x["mode"] == "sync" and x["quorum"] == x["world"]]
-    if reals:
-        plot.draw_kth(ax[0], reals, fraction=True,
-                      labels=[os.path.basename(p) for p in reals])
-        ax[0].set_title("qring-train, full sync (coordinator's arrival log)", fontsize=9)
-        ax[0].legend(fontsize=6)
-    sims = [os.path.join(d, "sim", x["name"]) for x in sim
-            if (x["name"].startswith("closedform-") or re.match(r"bsweep\d+-b0$", x["name"]))]
-    if sims:
-        plot.draw_kth(ax[1], sims, fraction=True, labels=[os.path.basename(p) for p in sims])
-        ax[1].set_title("qring-sim", fontsize=9)
-        ax[1].set_yscale("log")
-        ax[1].legend(fontsize=6)
-    plot.save(fig, os.path.join(pdir, "kth-arrival.png"), dpi=70)
-
-    # The b sweeps: time to accuracy, step time and final accuracy against b.
-    sweeps = sorted({int(m.group(1)) for x in sim
-                     for m in [re.match(r"bsweep(\d+)-b\d+$", x["name"])] if m})
-    if sweeps:
-        fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
-        for n in sweeps:
-            rows = read_json(os.path.join(d, "tables", f"bsweep{n}.json"))
-            bs = [r["b"] for r in rows]
-            ax[0].plot(bs, [r["time_to_target_s"] if r["time_to_target_s"] is not None else math.nan
-                            for r in rows], marker="o", label=f"N+b={n}")
-            ax[1].plot(bs, [r["step_p50_ms"] for r in rows], marker="o", label=f"N+b={n}")
-            ax[2].plot(bs, [100 * r["final_accuracy"] for r in rows], marker="o", label=f"N+b={n}")
-        for a, y in zip(ax, ["virtual time to target (s)", "step time p50 (ms)",
-                             "final test accuracy (%)"]):
-            a.set_xlabel("backup workers b")
-            a.set_ylabel(y)
-            a.grid(alpha=0.3)
-            a.legend(fontsize=7)
-        fig.suptitle("qring-sim: the b sweep at fixed N + b")
-        plot.save(fig, os.path.join(pdir, "bsweep.png"), dpi=70)
-        # Accuracy against virtual time for the sweep at the smallest N + b.
-        runs = sorted((x for x in sim if re.match(rf"bsweep{sweeps[0]}-b\d+$", x["name"])),
-                      key=lambda x: x["backups"])
-        fig, a = plt.subplots(figsize=(7, 4.2))
-        plot.draw_accuracy(a, [os.path.join(d, "sim", x["name"]) for x in runs],
-                           labels=[f"b={x['backups']}" for x in runs])
-        a.set_xlabel("virtual time (s)")
-        a.legend(fontsize=7, ncol=2)
-        a.set_title(f"qring-sim, N+b={sweeps[0]}: test accuracy vs virtual time")
-        plot.save(fig, os.path.join(pdir, "sim-accuracy.png"), dpi=70)
-
-    # Async against sync at 10, 50, 100 simulated workers.
-    rows = read_json(os.path.join(d, "tables", "async_vs_sync.json"))
-    if rows:
-        fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
-        for label, sel in [("async", lambda x: x["mode"] == "async"),
-                           ("sync b=0", lambda x: x["mode"] == "sync" and x["backups"] == 0),
-                           ("sync with backups", lambda x: x["mode"] == "sync" and x["backups"])]:
-            pts = sorted((x["workers"], 100 * x["final_accuracy"]) for x in rows if sel(x))
-            if pts:
-                ax[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax[0].set_xlabel("simulated workers")
-        ax[0].set_ylabel("final test accuracy (%)")
-        ax[0].set_xscale("log")
-        ax[0].grid(alpha=0.3)
-        ax[0].legend(fontsize=7)
-        runs = [x for x in rows]
-        plot.draw_accuracy(ax[1], [os.path.join(d, "sim", x["run"]) for x in runs],
-                           labels=[x["run"].replace("scale-", "") for x in runs])
-        ax[1].set_xlabel("virtual time (s)")
-        ax[1].set_xscale("log")
-        ax[1].legend(fontsize=6, ncol=2)
-        fig.suptitle("qring-sim: sync vs async SGD")
-        plot.save(fig, os.path.join(pdir, "async-vs-sync.png"), dpi=70)
-
-
-    # Validation: simulated against measured step-time quantiles.
-    if val:
-        fig, a = plt.subplots(figsize=(5, 4.5))
-        for q, mk in (("p50", "o"), ("p90", "s")):
-            a.scatter([v[f"measured_{q}_ms"] for v in val], [v[f"simulated_{q}_ms"] for v in val],
-                      marker=mk, label=q)
-        hi = max(max(v["measured_p90_ms"], v["simulated_p90_ms"]) for v in val) * 1.1
-        a.plot([0, hi], [0, hi], color="gray", linewidth=0.8)
-        a.plot([0, hi], [0, 1.1 * hi], color="gray", linewidth=0.5, linestyle=":")
-        a.plot([0, hi], [0, 0.9 * hi], color="gray", linewidth=0.5, linestyle=":")
-        a.set_xlabel("qring-train step time (ms)")
-        a.set_ylabel("qring-sim step time (ms)")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-        a.set_title("simulator vs real runs (dotted: +-10 %)")
-        plot.save(fig, os.path.join(pdir, "validation.png"), dpi=70)
-
-
-# ---------------------------------------------------------------- the artefact check
 
 def check(d):
-    """Every artefact of a reproduction is there and well formed; exits 1 naming what is not."""
-    problems = []
-
-    def need(cond, what):
-        if not cond:
-            problems.append(what)
-
-    for sub in ("real", "sim"):
-        runs = runs_in(os.path.join(d, sub))
-        need(runs, f"{sub}/: no runs")
-        for p in runs:
-            s = read_json(os.path.join(p, "summary.json"))
-            for key in ("test_accuracy", "best_test_accuracy"):
-                need(isinstance(s.get(key), (int, float)) and 0 <= s[key] <= 1,
-                     f"{p}/summary.json: {key}")
-            lines = plot.read_jsonl(os.path.join(p, "metrics.jsonl"))
-            need(any(j.get("type") == "step" for j in lines), f"{p}/metrics.jsonl: no step lines")
-            if not s.get("arrivals_only"):
-                need(any(j.get("type") == "eval" for j in lines), f"{p}/metrics.jsonl: no eval lines")
-            if s.get("mode", "sync") == "sync" and not (sub == "sim" and "val-" in p):
-                arr = os.path.join(p, "arrivals.jsonl")
-                need(os.path.exists(arr) and plot.read_jsonl(arr), f"{p}/arrivals.jsonl")
-            if s.get("mode") == "async":
-                need(all("staleness" in j for j in lines if j.get("type") == "step"
-                         and sub == "real") and "staleness_hist" in s,
-                     f"{p}: async staleness missing")
-    real_names = {os.path.basename(p) for p in runs_in(os.path.join(d, "real"))}
-    for w in (4, 8):
-        for regime in ("lognormal", "shiftexp", "noisy", "change"):
-            runs = [f"q{w}", f"q{w - 1}", f"q{w - 2}"]
-            runs += ["async"] if regime != "change" else []
-            for q in runs:
-                need(f"W{w}-{regime}-{q}" in real_names, f"real/W{w}-{regime}-{q} missing")
-    sim_names = {os.path.basename(p) for p in runs_in(os.path.join(d, "sim"))}
-    need(any(re.match(r"bsweep100-b\d+$", n) for n in sim_names), "sim/bsweep100-* missing")
-    need(any(re.match(r"bsweep1000-b\d+$", n) for n in sim_names), "sim/bsweep1000-* missing")
-    for w in (10, 50, 100):
-        need(f"scale-W{w}-async" in sim_names, f"sim/scale-W{w}-async missing")
-        need(any(re.match(rf"scale-W{w}-b\d+$", n) for n in sim_names), f"sim/scale-W{w}-b* missing")
-    need(any(n.startswith("val-") for n in sim_names), "sim/val-* missing")
-    need("bsweep1000-auto" in sim_names, "sim/bsweep1000-auto missing")
-    # Part 4: every regime's auto and fixed runs, real at 4 and 8 ranks and simulated at 100.
-    groups = adaptive_runs(d)
-    for kind, worlds in (("real", (4, 8)), ("sim", (100,))):
-        for w in worlds:
-            for regime in ("lognormal", "shiftexp", "change"):
-                cfgs = groups.get((kind, w, regime), {})
-                need("auto" in cfgs and len(cfgs) >= 3,
-                     f"adaptive/{kind}: {w} {regime}: auto and two fixed configurations needed")
-                need(all(r.get("budget") == "gradients" for c in cfgs.values() for r in c.values()),
-                     f"adaptive/{kind}: {w} {regime}: a run without train.budget = gradients")
-    cmp_path = os.path.join(d, "adaptive", "compare.txt")
-    need(os.path.exists(cmp_path), "adaptive/compare.txt missing")
-    if os.path.exists(cmp_path):
-        text = open(cmp_path).read()
-        for head in ("## real W=4 ", "## real W=8 ", "## sim N+b=100 "):
-            need(text.count(head) >= 3, f"adaptive/compare.txt: three regimes of {head[3:-1]}")
-        need(text.count("  auto: ") >= 9, "adaptive/compare.txt: auto's gap in every group")
-    need(any(n.startswith("closedform-") for n in sim_names), "sim/closedform-* missing")
-    cal = os.path.join(d, "calibration", "calibration.json")
-    need(os.path.exists(cal), "calibration/calibration.json missing")
-    if os.path.exists(cal):
-        c = read_json(cal)
-        for k in ("alpha_us", "beta_ns_per_byte", "rtt_us"):
-            need(isinstance(c.get(k), (int, float)) and c[k] >= 0, f"calibration.json: {k}")
-    for t in ("real_runs", "kth_arrival", "backup_vs_full", "async_vs_sync", "bsweep100",
-              "bsweep1000", "validation", "closed_form", "adaptive"):
-        p = os.path.join(d, "tables", f"{t}.json")
-        need(os.path.exists(p), f"tables/{t}.json missing")
-        if os.path.exists(p):
-            need(read_json(p), f"tables/{t}.json empty")
-    for png in ("real-accuracy", "real-steptime", "kth-arrival", "bsweep", "sim-accuracy",
-                "async-vs-sync", "validation", "quorum", "adaptive"):
-        p = os.path.join(d, "plots", f"{png}.png")
-        ok = os.path.exists(p) and os.path.getsize(p) > 1000
-        if ok:
-            with open(p, "rb") as f:
-                ok = f.read(8) == b"\x89PNG\r\n\x1a\n"
-        need(ok, f"plots/{png}.png missing or not a PNG")
-    cj = os.path.join(d, "claims.json")
-    need(os.path.exists(cj), "claims.json missing")
-    if os.path.exists(cj):
-        claims = read_json(cj)
-        for prefix in ("1.", "2.", "3.", "4.", "validation: simulated step", "validation: simulated E",
-                       "18. sim", "18. real"):
-            need(any(c["claim"].startswith(prefix) for c in claims), f"claims.json: no '{prefix}' row")
-        need(all(isinstance(c["holds"], bool) and c["measured"] for c in claims),
-             "claims.json: a row without a measurement or verdict")
-    if problems:
-        print("reproduce check: FAILED\n  " + "\n  ".join(problems))
-        sys.exit(1)
-    print(f"reproduce check: every artefact in {d} is there and well formed")
-
-
-# ---------------------------------------------------------------- compare (issue 18)
-
-METRICS = (("time_to_target_s", "time to target (first crossing)"),
-           ("time_to_target_mean3_s", "time to target (running mean of 3)"),
-           ("train_s", "training time of the budget"))
-
-
-def compare_runs(dirs):
-    """Part 4's runs found in DIRS (each DIR, DIR/adaptive/real, DIR/adaptive/sim), as
-    {(kind, world, regime): {config: {seed: run_info}}}; config "q<Q>" / "b<b>" (fixed) or the
-    auto run's tag ("auto", "auto600": "bauto..." read as "auto..."). A later DIR's run
-    replaces an earlier one of the same key (a rerun with a newer build)."""
-    groups = {}
-    for d in dirs:
-        found = 0
-        for p, kind, world, regime, seed, tag in part4_dirs([d], also_top=True):
-            groups.setdefault((kind, world, regime), {}).setdefault(tag, {})[seed] = run_info(p)
-            found += 1
-        if not found:
-            sys.exit(f"reproduce.py compare: no runs of part 4 in {d}")
-    return groups
-
-
-def compare_gap(per, auto, fixed, seeds, metric):
-    """mean(auto) / min over the fixed configurations of their means - 1, over SEEDS."""
-    a = mean([per[auto][s][metric] for s in seeds])
-    best = min(mean([per[c][s][metric] for s in seeds]) for c in fixed)
-    return a / best - 1
-
-
-def compare(dirs, resamples=10000):
-    """auto against the best fixed quorum, per (kind, world, regime) and metric, over the seeds
-    that every configuration of the group ran and reached the target in: the means, the gap
-    of auto's mean to the smallest fixed mean, its 95 % bootstrap interval (seeds drawn with
-    replacement, the best fixed quorum chosen again in every draw, 10,000 draws with a fixed
-    generator), and the paired gap: the geometric mean over the seeds of auto / the best fixed
-    quorum (chosen on all the seeds) of the same seed, with its bootstrap interval."""
-    rng = random.Random(1)
-    out = []
-    groups = compare_runs(dirs)
-    for key in sorted(groups):
-        per = groups[key]
-        fixed = sorted((c for c in per if not c.startswith("auto")), key=lambda c: int(c[1:]))
-        autos = sorted(c for c in per if c.startswith("auto"))
-        if not fixed or not autos:
+    """Every artefact of analyze is there and well formed (not whether the claims hold)."""
+    bad = []
+    for name in EXPECTED_PLOTS:
+        p = os.path.join(d, "plots", name + ".png")
+        if name == "validation" and os.path.exists(os.path.join(d, "validate", "skipped.txt")):
             continue
-        kind, world, regime = key
-        out.append(f"## {kind} {'W' if kind == 'real' else 'N+b'}={world} {regime}")
-        cfgs = fixed + autos
-        for metric, what in METRICS:
-            seeds = sorted(set.intersection(*(set(s for s, i in per[c].items()
-                                                   if i.get(metric) is not None)
-                                               for c in cfgs)))
-            if not seeds:
-                continue
-            means = {c: mean([per[c][s][metric] for s in seeds]) for c in cfgs}
-            best = min(fixed, key=lambda c: means[c])
-            out.append(f"{what}, {len(seeds)} seeds ({', '.join(map(str, seeds))}): "
-                       + ", ".join(f"{c} {means[c]:.3f}" for c in cfgs) + f"; best fixed {best}")
-            for a in autos:
-                gap = means[a] / means[best] - 1
-                draws, paired_draws = [], []
-                logs = [math.log(per[a][s][metric] / per[best][s][metric]) for s in seeds]
-                for _ in range(resamples):
-                    pick = [rng.randrange(len(seeds)) for _ in seeds]
-                    draws.append(compare_gap(per, a, fixed, [seeds[i] for i in pick], metric))
-                    paired_draws.append(math.exp(mean([logs[i] for i in pick])) - 1)
-                draws.sort()
-                paired_draws.sort()
-                lo, hi = draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
-                plo = paired_draws[int(0.025 * resamples)]
-                phi = paired_draws[int(0.975 * resamples) - 1]
-                paired = math.exp(mean(logs)) - 1
-                wins = sum(1 for v in logs if v <= 0)
-                out.append(f"  {a}: {gap * 100:+.1f} % [{lo * 100:+.1f}, {hi * 100:+.1f}] against "
-                           f"{best}; paired {paired * 100:+.1f} % [{plo * 100:+.1f}, "
-                           f"{phi * 100:+.1f}], at or before it in {wins} of {len(seeds)} seeds")
-    print("\n".join(out))
-    if not out:
-        sys.exit("reproduce.py compare: no group has both a fixed quorum and auto")
+        if not os.path.exists(p) or os.path.getsize(p) < 1000:
+            bad.append(f"plot {p}")
+    for name in EXPECTED_TABLES:
+        p = os.path.join(d, "tables", name + ".md")
+        if not os.path.exists(p) or "|" not in open(p).read():
+            bad.append(f"table {p}")
+    claims = read_json(os.path.join(d, "claims.json"))
+    for cid in ("P1", "P2", "P3a", "P3b", "P3c", "P4", "auto"):
+        if not any(c["id"] == cid for c in claims):
+            bad.append(f"claim row {cid}")
+    for c in claims:
+        if not c["number"] or c["number"] == "-" or not c["verdict"]:
+            bad.append(f"claim {c['id']} ({c['setup']}) without a number or verdict")
+    if bad:
+        sys.exit("check: missing or malformed:\n  " + "\n  ".join(bad))
+    print(f"check: {len(EXPECTED_PLOTS)} plots, {len(EXPECTED_TABLES)} tables, {len(claims)} claims: ok")
+
+
+def publish(d, docs=os.path.join(ROOT, "docs")):
+    """DIR's plots and tables into docs/reproduction/, its claim table and tables into the
+    blocks of docs/reproduction.md marked <!-- BEGIN name --> ... <!-- END name -->."""
+    import shutil
+    dst = os.path.join(docs, "reproduction")
+    os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
+    for p in glob.glob(os.path.join(d, "plots", "*.png")):
+        shutil.copy(p, dst)
+    for p in glob.glob(os.path.join(d, "tables", "*")) + [os.path.join(d, "claims.md"),
+                                                           os.path.join(d, "claims.json")]:
+        shutil.copy(p, os.path.join(dst, "tables"))
+    page = os.path.join(docs, "reproduction.md")
+    text = open(page).read()
+    # The page's claim table holds the paper's claims; the simulator's checks and the adaptive
+    # quorum's have their own sections (blocks validate and auto).
+    blocks = {"claims": claims_md(read_json(os.path.join(d, "claims.json")),
+                                  ("P1", "P2", "P3a", "P3b", "P3c", "P4"))}
+    for p in glob.glob(os.path.join(d, "tables", "*.md")):
+        blocks[os.path.basename(p)[:-3]] = open(p).read()
+    for name, body in blocks.items():
+        text = re.sub(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)",
+                      lambda m: m.group(1) + body + m.group(2), text, flags=re.S)
+    with open(page, "w") as f:
+        f.write(text)
+    print(f"publish: {d} -> {dst}, {page}")
+
+
+def fake_times(out, ranks, steps, seed):
+    """A made-up job trace for --smoke: lognormal per-rank times around 1000 ms."""
+    rng = random.Random(seed)
+    with open(out, "w") as f:
+        f.write(f"# made up (reproduce.py fake-times, seed {seed}): STEP RANK MS\n")
+        for s in range(steps):
+            for r in range(ranks):
+                f.write(f"{s} {r} {1000 * rng.lognormvariate(0, 0.2):.1f}\n")
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("calibrate", "trace", "regime-trace",
-                                                 "replay-trace", "analyze", "adaptive", "check",
-                                                 "compare"):
+    cmds = {"analyze": (1, lambda a: analyze(a[0])), "check": (1, lambda a: check(a[0])),
+            "publish": (1, lambda a: publish(a[0])),
+            "calibrate": (2, lambda a: calibrate(a[0], [x for x in a[1:] if not x.startswith("--min-bytes=")],
+                                                 min((int(x.split("=")[1]) for x in a[1:]
+                                                      if x.startswith("--min-bytes=")), default=0))),
+            "tune-async": (2, lambda a: tune_async(a[0], a[1])),
+            "step-cost": (1, lambda a: step_cost(a[0])),
+            "fake-times": (4, lambda a: fake_times(a[0], int(a[1]), int(a[2]), int(a[3])))}
+    if len(sys.argv) < 2 or sys.argv[1] not in cmds or len(sys.argv) - 2 < cmds[sys.argv[1]][0]:
         sys.exit(__doc__)
-    cmd, args = sys.argv[1], sys.argv[2:]
-    if cmd == "calibrate":
-        calibrate(args[0], args[1:])
-    elif cmd == "trace":
-        trace(args[0], args[1])
-    elif cmd == "regime-trace":
-        if len(args) not in (7, 8, 9):
-            sys.exit(__doc__)
-        out, workers, steps, mu, sigma, slow, factor = args[:7]
-        regime_trace(out, int(workers), int(steps), float(mu), float(sigma), int(slow),
-                     float(factor), int(args[7]) if len(args) >= 8 else None,
-                     int(args[8]) if len(args) == 9 else 42)
-    elif cmd == "replay-trace":
-        if len(args) not in (5, 6):
-            sys.exit(__doc__)
-        try:
-            workers, steps, base = int(args[2]), int(args[3]), float(args[4])
-            seed = int(args[5]) if len(args) == 6 else 42
-        except ValueError:
-            sys.exit("replay-trace: W, STEPS and SEED must be integers, BASE_MS a number")
-        replay_trace(args[0], args[1], workers, steps, base, seed)
-    elif cmd == "analyze":
-        analyze(args[0])
-    elif cmd == "adaptive":
-        adaptive(args[0])
-    elif cmd == "compare":
-        compare(args)
-    else:
-        check(args[0])
+    cmds[sys.argv[1]][1](sys.argv[2:])
 
 
 if __name__ == "__main__":

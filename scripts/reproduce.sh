@@ -1,86 +1,67 @@
 #!/usr/bin/env bash
-# Reproduces Chen et al., "Revisiting Distributed Synchronous SGD", on qring's own runs
-# (issue 16; docs/reproduction.md):
-#   1. calibration: qring-bench all-reduce and the quorum op's READY/DECIDE round trip,
-#      fitted into the simulator's cost model;
-#   2. real runs (qring-train, 4 and 8 ranks): full sync (Q = W), Q = W-1, Q = W-2 and
-#      async SGD under a lognormal and a shifted-exponential straggler model, under a real
-#      noisy neighbour (a CPU hog on the core of the last rank) and under a regime that
-#      changes mid-run (rank 1 turns 5x slower halfway), same seed throughout;
-#   3. qring-sim: the same runs simulated (validation of the step-time distribution), the
-#      order statistics against the shifted exponential's closed form, the b sweep at
-#      N+b = 100 and a coarser one at 1000 (with the adaptive quorum beside it), sync against
-#      async at 10, 50 and 100;
-#   4. the adaptive quorum (quorum.quorum=auto, issue 18) against every fixed quorum, each run
-#      to the same budget of gradients (train.budget=gradients), under the lognormal, the
-#      shifted-exponential and the changing regime, several seeds, interleaved: real runs at 4
-#      and 8 ranks (adaptive/real/) and the simulator at N+b = 100 (adaptive/sim/);
-#   5. scripts/reproduce.py analyze: tables, plots and the table "claim | measured | holds?".
+# Tests the claims of Chen et al., "Revisiting Distributed Synchronous SGD", on qring's own
+# runs (docs/reproduction.md). Parts, each into DIR/<part>/:
+#   kth       the k-th arrival curve at N+b = 100 and 1000 (qring-sim --arrivals-only) under
+#             every straggler regime below, and the shifted exponential's closed form
+#   bsweep    N+b = 100: every b of B100, quorum "auto" (the default: the linear value) and
+#             "auto-estimate" (the noise scale estimated in the run), the b sweep and the
+#             adaptive quorum's comparison at once: the real trace (SEEDS_TRACE seeds),
+#             the synthetic regimes (SEEDS seeds)
+#   bsweep1000  N+b = 1000, the real trace, every b of B1000
+#   async     full sync, sync with 4 % backups and async SGD at 10, 50, 100 simulated workers
+#             under the real trace; async tuned first (learning rate, warm-up, the staleness
+#             rule) on the held-out seed TUNE_SEED
+#   depth     "staleness hurts deeper models more": full sync against tuned async at W = 50
+#             for an MLP with one hidden layer and with four
+#   real      qring-train on 4 and 8 ranks under the real trace: full sync, one backup, async
+#             (tuned on TUNE_SEED as above)
+#   validate  the simulator's step times against qring-bench's on 4, 8 and 16 emulated hosts
+#             with rate-capped links (scripts/netns-cluster.sh, tbf; needs root), its network
+#             model fitted on 2 of them
+# then scripts/reproduce.py analyze DIR: DIR/tables/*.json, DIR/plots/*.png and the claim
+# table DIR/claims.md, every number from the runs' files; scripts/reproduce.py check DIR.
 #
-#   scripts/reproduce.sh [--quick | --smoke] [--only adaptive|adaptive-real|adaptive-sim]
-#                        [--out DIR]
+#   scripts/reproduce.sh [--quick | --smoke] [--only PART...] [--out DIR]
 #
-# Full: about two hours on the 2-core machine (one of them part 4's real runs); --quick: the
-# same experiments shorter (<= 15 min); --smoke: every experiment on synthetic data in a few
-# minutes, for scripts/test.sh (checks that every artefact is produced and well formed, not
-# the claims). --only adaptive runs part 4 alone (into DIR/adaptive, the rest of DIR kept;
-# adaptive-real or adaptive-sim: its real runs or its simulated ones, the other half kept)
-# and analyzes what DIR/adaptive holds (scripts/reproduce.py adaptive DIR). Results: DIR (default
-# runs/reproduce): calibration/, real/, sim/, adaptive/, tables/, plots/, claims.{json,md}.
-# Part 4's real runs take QRING_ADAPT_Q4 / QRING_ADAPT_Q8 (the fixed quorums at 4 and 8 ranks,
-# e.g. "1 2 3"), QRING_ADAPT_SEEDS (their seeds, e.g. "101 102") and QRING_ADAPT_NOISE_SCALE
-# (auto's quorum.noise_scale in samples, default 100: their model's, 784-10-10 batch 32), its
-# simulated runs QRING_ADAPT_SIM_NOISE_SCALE (default configs/reproduce.toml's, 600: the
-# simulator's 784-128-10 batch 8), from the environment, for experiments beside the
-# configured ones (docs/reproduction.md). scripts/reproduce.py compare DIR... puts auto against
-# the best fixed quorum over the runs of several such directories. QRING_ADAPT_FIXED_FORM=auto
-# runs part 4's fixed quorums with auto's momentum form (default pytorch: PyTorch's).
-# QRING_ADAPT_SIM_REGIMES: part 4's simulated regimes (default "lognormal shiftexp change";
-# heavyexp, a shifted exponential whose tail outweighs its shift, shiftexp:4:30, may be added),
-# QRING_ADAPT_SIM_SEEDS their seeds (default: the scale's).
+# Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
+# how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
+# values and steps; 11.5 minutes on 2 cores that other builds loaded to 10-20), regenerating
+# every table and plot the page cites; --smoke: every part on synthetic data and a made-up
+# job trace in a few minutes (what scripts/test.sh runs: the artefacts are produced and well
+# formed, not the claims). --only PART... reruns those parts (the others' runs in DIR are
+# kept) and the analysis. Straggler regimes:
+#   trace        the 32-rank job of ../shared/traces/llm-seqlen-imbalance-32ranks.txt,
+#                resampled to any world size (straggler model resample:SCALE:FILE: worker w
+#                replays a seeded permutation's column of the job from a seeded step offset;
+#                its time = the job rank's time / that job step's fastest x SCALE ms);
+#                QRING_TRACES names the folder (default ../shared/traces beside the checkout)
+#   slow-worker  the same for llm-slow-worker-4ranks.txt (one rank 2.35x slow: a quarter of
+#                the workers), in the k-th arrival curve
+#   lognormal    every worker, every step lognormal(2.7, 1.0) ms (median 15 ms)
+#   shiftexp     8 ms + an exponential of mean 15 ms (the paper's model)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 SCALE=full
 OUT=runs/reproduce
-ONLY=""
+PARTS_ALL="kth bsweep bsweep1000 async depth real validate"
+PARTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) SCALE=quick; shift ;;
     --smoke) SCALE=smoke; shift ;;
-    --out) OUT=$2; shift 2 ;;
+    --out) OUT=${2:?--out needs a directory}; shift 2 ;;
     --only)
-      case "${2:-}" in
-        adaptive | adaptive-real | adaptive-sim) ONLY=$2 ;;
-        *) echo "reproduce.sh: --only takes adaptive, adaptive-real or adaptive-sim" >&2; exit 2 ;;
-      esac
-      shift 2 ;;
-    *) echo "reproduce.sh: unknown argument $1 (use --quick, --smoke, --only PART, --out DIR)" >&2
+      shift
+      while [ $# -gt 0 ] && [[ " $PARTS_ALL " == *" $1 "* ]]; do PARTS="$PARTS $1"; shift; done
+      [ -n "$PARTS" ] || { echo "reproduce.sh: --only takes parts of: $PARTS_ALL" >&2; exit 2; } ;;
+    *) echo "reproduce.sh: unknown argument $1 (use --quick, --smoke, --only PART..., --out DIR)" >&2
        exit 2 ;;
   esac
 done
-# Part 4's fixed quorums' optimizer: "pytorch" (default: quorum.quorum=Q, PyTorch's momentum
-# form) or "auto" (auto's path with quorum.min = quorum.max = Q: the same quorum every step, the
-# rate inside the momentum buffer as under auto; docs/reproduction.md, "The momentum buffer's
-# form").
-ADAPT_FIXED_FORM=${QRING_ADAPT_FIXED_FORM:-pytorch}
-case $ADAPT_FIXED_FORM in
-  pytorch | auto) ;;
-  *) echo "reproduce.sh: QRING_ADAPT_FIXED_FORM must be pytorch or auto, got $ADAPT_FIXED_FORM" >&2; exit 2 ;;
-esac
-ADAPT_SIM_REGIMES=${QRING_ADAPT_SIM_REGIMES:-lognormal shiftexp change}
-[ -n "${ADAPT_SIM_REGIMES// /}" ] || { echo "reproduce.sh: QRING_ADAPT_SIM_REGIMES is empty" >&2; exit 2; }
-for regime in $ADAPT_SIM_REGIMES; do
-  case $regime in
-    lognormal | shiftexp | change | heavyexp) ;;
-    *) echo "reproduce.sh: QRING_ADAPT_SIM_REGIMES: unknown regime '$regime' (lognormal, shiftexp, change, heavyexp)" >&2
-       exit 2 ;;
-  esac
-done
-if [ -n "${QRING_ADAPT_SIM_SEEDS:-}" ]; then
-  for seed in $QRING_ADAPT_SIM_SEEDS; do
-    [[ $seed =~ ^[0-9]+$ ]] || { echo "reproduce.sh: QRING_ADAPT_SIM_SEEDS: '$seed' is not a seed" >&2; exit 2; }
-  done
-fi
+PARTS=${PARTS:-$PARTS_ALL}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+
 scripts/setup.sh
 BUILD=${QRING_BUILD:-build}
 QRING_TARGETS="qring-train qring-launch qring-bench qring-sim" scripts/build.sh "$BUILD" >/dev/null
@@ -91,285 +72,276 @@ BENCH=$BUILD/collectives/qring-bench
 CONFIG=configs/reproduce.toml
 # Debian's Python, which has python3-matplotlib (scripts/setup.sh), whatever python3 is first.
 PY=${QRING_PYTHON:-/usr/bin/python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 
-# Experiment sizes. LOGNORMAL and SHIFTEXP are the injected delays (ms) of the real runs and
-# of the simulator; the simulator's workers use batch SIM_BATCH each.
-LOGNORMAL=lognormal:2.7:1.0   # median 15 ms, mean 24 ms
-SHIFTEXP=shiftexp:8:15        # 8 ms + an exponential of mean 15 ms
-HEAVYEXP=shiftexp:4:30        # part 4's simulator only: 4 ms + an exponential of mean 30 ms
-TRAIN_SAMPLES=60000  # Fashion-MNIST's training set
-SIM_HIDDEN="[128]"   # the simulator's 100-1000 worker runs: 784-128-10
+# ---------------------------------------------------------------- the configuration
+# The simulator trains the MLP 784-128-10 (407 KB of gradient and loss), batch 8 per worker
+# (global 800 at N+b = 100; 2 per worker at 1000); the real runs the 784-10-10 of
+# configs/reproduce.toml, batch 32. Every sync run counts the same gradients
+# (train.budget = gradients: full sync's steps x W), so a run with backups takes more, smaller
+# steps; fixed quorums run on quorum "auto"'s path held at N (quorum.min = quorum.max = N: the
+# rate inside the momentum buffer, as auto's; at a constant rate the same as PyTorch's form),
+# so that auto is compared with fixed quorums in its own optimizer form.
+TRACE_SCALE=20         # ms: the fastest rank of a job step (sim), so steps of 20-45 ms
+REAL_TRACE_SCALE=12    # ms: the same for the real runs (their own compute is ~0.1 ms)
+LOGNORMAL=lognormal:2.7:1.0
+SHIFTEXP=shiftexp:8:15
+SIM_APPLY_MS=0.077     # one optimizer step of 784-128-10 on this machine (measured median)
+SIM_COMPUTE_MS=0.075   # one gradient of batch 8 (synthetic regimes; the traces are the whole time)
+MODEL100=("model.hidden=[128]")
+DEEP=("model.hidden=[128,128,128,128]")
+TUNE_SEED=99
 common=()
 case $SCALE in
   full)
-    REAL_STEPS=1000; REAL_EVAL=25; REAL_TARGET=0.81
-    SIM_BATCH=8; SIM_BATCH1000=2; SIM_EVAL=10; SIM_TARGET=0.865; SIM_TARGET1000=0.85
-    SWEEP100_STEPS=300; SWEEP100_B="0 1 2 4 8 16 20 32 48 64 80"
-    ADAPT_SEEDS="42 7"; ADAPT_Q4="4 3 2 1"; ADAPT_Q8="8 7 6 5 4 3 2"
-    ADAPT_SIM_SEEDS="42 7 3 11 5 13 17 23"; ADAPT_SIM_B="0 20 32 40 48 56 64 72 80"; ADAPT_SIM_EVAL=5
-    SWEEP1000_STEPS=150; SWEEP1000_B="0 50 200 500 800"; SWEEP1000_EVAL=10
-    SCALE_EPOCHS=3
-    CLOSED_STEPS=4000
-    BENCH_ITERS=60 ;;
+    SEEDS="1 2 3 4 5"; SEEDS_TRACE="1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16"
+    B100="0 2 4 8 16 32 64"; B1000="0 20 50 100 200 500"
+    STEPS100=300; EVAL100=10; TARGET100=0.865
+    STEPS1000=150; EVAL1000=10; TARGET1000=0.85; BATCH1000=2
+    KTH_STEPS=500
+    ASYNC_W="10 50 100"; EPOCHS=3; TUNE_LR="0.5 1 2"; TUNE_WARM="1 4"
+    DEPTH_W=50
+    REAL_STEPS=400; REAL_EVAL=20; REAL_TARGET=0.80; REAL_W="4 8"
+    VAL_HOSTS="4 8 16"; VAL_ITERS=60 ;;
   quick)
-    REAL_STEPS=150; REAL_EVAL=15; REAL_TARGET=0.76
-    SIM_BATCH=8; SIM_BATCH1000=2; SIM_EVAL=10; SIM_TARGET=0.83; SIM_TARGET1000=0.75
-    SWEEP100_STEPS=150; SWEEP100_B="0 4 20 48"
-    ADAPT_SEEDS="42"; ADAPT_Q4="4 3 2"; ADAPT_Q8="8 6 4 2"
-    ADAPT_SIM_SEEDS="42 7"; ADAPT_SIM_B="0 20 40 56 72"; ADAPT_SIM_EVAL=5
-    SWEEP1000_STEPS=30; SWEEP1000_B="0 200 800"; SWEEP1000_EVAL=5
-    SCALE_EPOCHS=1
-    CLOSED_STEPS=2000
-    BENCH_ITERS=20 ;;
+    SEEDS="1 2"; SEEDS_TRACE="1 2"
+    B100="0 4 16"; B1000="0 50 500"
+    STEPS100=150; EVAL100=10; TARGET100=0.84
+    STEPS1000=40; EVAL1000=10; TARGET1000=0.78; BATCH1000=2
+    KTH_STEPS=200
+    ASYNC_W="10 100"; EPOCHS=1; TUNE_LR="1 2"; TUNE_WARM="1"
+    DEPTH_W=50
+    REAL_STEPS=120; REAL_EVAL=20; REAL_TARGET=0.74; REAL_W="4"
+    VAL_HOSTS="4 8"; VAL_ITERS=20 ;;
   smoke)
-    REAL_STEPS=24; REAL_EVAL=8; REAL_TARGET=0.3
-    SIM_BATCH=4; SIM_BATCH1000=2; SIM_EVAL=4; SIM_TARGET=0.3; SIM_TARGET1000=0.3
-    SWEEP100_STEPS=8; SWEEP100_B="0 4 20"
-    ADAPT_SEEDS="42"; ADAPT_Q4="4 2"; ADAPT_Q8="8 2"
-    ADAPT_SIM_SEEDS="42"; ADAPT_SIM_B="0 20"; ADAPT_SIM_EVAL=2
-    SWEEP1000_STEPS=4; SWEEP1000_B="0 100"; SWEEP1000_EVAL=2
-    SCALE_EPOCHS=1
-    CLOSED_STEPS=200
-    BENCH_ITERS=4
-    LOGNORMAL=lognormal:0.5:1.0
-    SHIFTEXP=shiftexp:1:2
-    HEAVYEXP=shiftexp:0.5:4
-    TRAIN_SAMPLES=8192
-    SIM_HIDDEN="[16]"
+    SEEDS="1"; SEEDS_TRACE="1 2"
+    B100="0 20"; B1000="0 100"
+    STEPS100=8; EVAL100=4; TARGET100=0.3
+    STEPS1000=3; EVAL1000=3; TARGET1000=0.3; BATCH1000=2
+    KTH_STEPS=50
+    ASYNC_W="10"; EPOCHS=1; TUNE_LR="1"; TUNE_WARM="1"
+    DEPTH_W=10
+    REAL_STEPS=16; REAL_EVAL=8; REAL_TARGET=0.3; REAL_W="4"
+    VAL_HOSTS="4"; VAL_ITERS=10
+    TRACE_SCALE=1; REAL_TRACE_SCALE=0.5
+    LOGNORMAL=lognormal:0.5:1.0; SHIFTEXP=shiftexp:1:2
+    MODEL100=("model.hidden=[16]"); DEEP=("model.hidden=[16,16]")
     common=(data.dataset=synthetic data.synthetic_train=8192 data.synthetic_test=512
-            "model.hidden=[16]" train.target_accuracy=0.3 train.warmup_steps=4
-            train.checksum_every=10) ;;
+            train.warmup_steps=2 train.checksum_every=10) ;;
 esac
+SEEDS=${QRING_SEEDS:-$SEEDS}
+SEEDS_TRACE=${QRING_SEEDS_TRACE:-$SEEDS_TRACE}
 
-if [ -z "$ONLY" ]; then
-  rm -rf "$OUT"
-  mkdir -p "$OUT/calibration" "$OUT/real" "$OUT/sim"
+# The job traces: ../shared/traces beside the checkout (QRING_TRACES); at smoke scale a
+# made-up job (reproduce.py fake-times), so that scripts/test.sh needs nothing outside it.
+if [ "$SCALE" = smoke ]; then
+  TRACES=$OUT/traces
+  mkdir -p "$TRACES"
+  "$PY" scripts/reproduce.py fake-times "$TRACES/llm-seqlen-imbalance-32ranks.txt" 32 12 1 >/dev/null
+  "$PY" scripts/reproduce.py fake-times "$TRACES/llm-slow-worker-4ranks.txt" 4 12 2 >/dev/null
+else
+  TRACES=${QRING_TRACES:-$ROOT/../shared/traces}
 fi
-[ "$ONLY" = adaptive-sim ] || rm -rf "$OUT/adaptive/real"
-[ "$ONLY" = adaptive-real ] || rm -rf "$OUT/adaptive/sim"
-mkdir -p "$OUT/adaptive/real" "$OUT/adaptive/sim"
+SEQLEN=$TRACES/llm-seqlen-imbalance-32ranks.txt
+SLOW=$TRACES/llm-slow-worker-4ranks.txt
+for f in "$SEQLEN" "$SLOW"; do
+  [ -f "$f" ] || { echo "reproduce.sh: $f not found (set QRING_TRACES to the traces' folder)" >&2; exit 2; }
+done
+
 start=$(date +%s)
 log() { echo "[reproduce $(( $(date +%s) - start )) s] $*"; }
-log "scale $SCALE, output $OUT${ONLY:+ (only $ONLY)}, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+log "scale $SCALE, parts:$PARTS, output $OUT, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+cat >"$OUT/scale.json" <<EOF
+{"scale": "$SCALE", "seeds": "$SEEDS", "seeds_trace": "$SEEDS_TRACE", "tune_seed": $TUNE_SEED,
+ "b100": "$B100", "b1000": "$B1000", "steps100": $STEPS100, "target100": $TARGET100,
+ "steps1000": $STEPS1000, "target1000": $TARGET1000, "epochs": $EPOCHS,
+ "real_steps": $REAL_STEPS, "real_target": $REAL_TARGET, "trace_scale_ms": $TRACE_SCALE,
+ "real_trace_scale_ms": $REAL_TRACE_SCALE, "lognormal": "$LOGNORMAL", "shiftexp": "$SHIFTEXP",
+ "traces": "$TRACES", "commit": "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"}
+EOF
 
-# A real run (qring-train) or a simulated one (qring-sim), into DIR/NAME; the runs of parts 2
-# and 3 go to real/ and sim/, those of part 4 to adaptive/real/ and adaptive/sim/.
-real_in() {  # real_in DIR NAME WORLD KEY=VALUE...
-  local dir=$1 name=$2 w=$3
-  shift 3
-  log "qring-train ${dir#"$OUT"/}/$name"
-  "$LAUNCH" -n "$w" -- "$TRAIN" --config "$CONFIG" run.out_dir="$dir" run.name="$name" \
-    log.progress=false train.steps="$REAL_STEPS" train.eval_every="$REAL_EVAL" \
-    train.target_accuracy="$REAL_TARGET" "${common[@]}" "$@" \
-    >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
+# A regime's straggler model and the simulator's compute time under it.
+model_of() {  # model_of REGIME SCALE_MS
+  case $1 in
+    trace) echo "resample:$2:$SEQLEN" ;;
+    slow-worker) echo "resample:$2:$SLOW" ;;
+    lognormal) echo "$LOGNORMAL" ;;
+    shiftexp) echo "$SHIFTEXP" ;;
+  esac
 }
-real() { real_in "$OUT/real" "$@"; }
-sim_in() {  # sim_in DIR NAME --workers W ... [KEY=VALUE...]
+compute_of() { case $1 in trace | slow-worker) echo 0 ;; *) echo "$SIM_COMPUTE_MS" ;; esac; }
+
+# sim DIR NAME ARGS...: one qring-sim run into DIR/NAME (skipped when its summary exists: a
+# rerun of an interrupted part goes on where it stopped).
+sim() {
   local dir=$1 name=$2
   shift 2
-  log "qring-sim ${dir#"$OUT"/}/$name"
+  [ -f "$dir/$name/summary.json" ] && return 0
+  mkdir -p "$dir"
   "$SIM" --config "$CONFIG" run.out_dir="$dir" run.name="$name" "${common[@]}" "$@" \
     >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
 }
-sim() { sim_in "$OUT/sim" "$1" --calibration "$OUT/calibration/calibration.json" "${@:2}"; }
-# The regime that changes mid-run (issue 18): LOGNORMAL's delays from Python's generator,
-# rank 1's five times longer from step FROM on (default: the middle of STEPS).
-mu=${LOGNORMAL#lognormal:}
-sigma=${mu#*:}
-mu=${mu%%:*}
-change_trace() {  # change_trace WORKERS STEPS [FROM SEED] -> the trace file's path
-  local f="$OUT/change-$1x$2${3:+-from$3-seed$4}.txt"
-  [ -f "$f" ] || "$PY" scripts/reproduce.py regime-trace "$f" "$1" "$2" "$mu" "$sigma" 1 5 ${3:+"$3" "$4"} >/dev/null
-  echo "$f"
+# real DIR NAME WORLD ARGS...: one qring-train run under qring-launch.
+real() {
+  local dir=$1 name=$2 w=$3
+  shift 3
+  [ -f "$dir/$name/summary.json" ] && return 0
+  mkdir -p "$dir"
+  "$LAUNCH" -n "$w" -- "$TRAIN" --config "$CONFIG" run.out_dir="$dir" run.name="$name" \
+    log.progress=false "${common[@]}" "$@" \
+    >"$dir/$name.log" 2>&1 || { echo "reproduce.sh: $name failed:"; tail -20 "$dir/$name.log"; exit 1; }
 }
-
-if [ -z "$ONLY" ]; then
-# 1. Calibration (scripts/reproduce.py calibrate), over shm as the real runs (one host:
-# provider auto = shm):
-#  - back to back, the quorum op (quorum k - 1) against the plain all-reduce, 4 KiB to 1 MiB:
-#    the 2-rank rows fit the alpha-beta model (each rank has a core, as each simulated worker
-#    of the 100-1000 worker runs; 4 and 8 ranks are kept for the record);
-#  - in a training-like duty cycle (every rank sleeps CAL_IDLE ms before each step), the quorum
-#    op at the real runs' gradient size (32 KiB; theirs is 31.8 KB), at the real runs' world
-#    sizes and quorums: the time of a step beyond its contributors' arrival, by their count.
-log "calibration (qring-bench)"
-for k in 2 4 8; do
-  "$LAUNCH" -n "$k" -- "$BENCH" --op quorum --quorum $(( k - 1 )) --compare-allreduce -b 4K -e 1M \
-    -f 4 -n "$BENCH_ITERS" -w 5 --json "$OUT/calibration/quorum-$k.json" >"$OUT/calibration/quorum-$k.txt"
-done
-CAL_IDLE=15
-for w in 4 8; do
-  for q in $(( w - 1 )) $(( w - 2 )); do  # (--compare-full adds the Q = W rows)
-    "$LAUNCH" -n "$w" -- "$BENCH" --op quorum --quorum "$q" --compare-full -b 32K -e 32K \
-      -n "$BENCH_ITERS" -w 5 --straggler "shiftexp:$CAL_IDLE:0" \
-      --json "$OUT/calibration/duty-$w-$q.json" >"$OUT/calibration/duty-$w-$q.txt"
-  done
-done
-"$PY" scripts/reproduce.py calibrate "$OUT/calibration/calibration.json" \
-  "$OUT"/calibration/quorum-*.json "$OUT"/calibration/duty-*.json
-
-# 2. Real runs.
-HOG=""
-stop_hog() { if [ -n "$HOG" ]; then kill "$HOG" 2>/dev/null || true; wait "$HOG" 2>/dev/null || true; HOG=""; fi; }
-trap stop_hog EXIT
-for w in 4 8; do
-  for regime in lognormal shiftexp noisy change; do
-    case $regime in
-      lognormal) model=$LOGNORMAL ;;
-      shiftexp) model=$SHIFTEXP ;;
-      noisy) model=none ;;
-      change) model=trace:$(change_trace "$w" "$REAL_STEPS") ;;
-    esac
-    if [ "$regime" = noisy ]; then
-      # qring-launch puts rank r on the r-th of its CPUs (mod their number): the hog shares
-      # the last rank's core (and with it every rank on that core).
-      cpu=$("$PY" -c "import os; c = sorted(os.sched_getaffinity(0)); print(c[($w - 1) % len(c)])")
-      taskset -c "$cpu" bash -c 'while :; do :; done' &
-      HOG=$!
-      log "noisy neighbour: CPU hog (pid $HOG) on CPU $cpu"
-    fi
-    for q in $w $(( w - 1 )) $(( w - 2 )); do
-      real "W$w-$regime-q$q" "$w" straggler.model="$model" quorum.quorum="$q"
-    done
-    [ "$regime" = change ] || real "W$w-$regime-async" "$w" straggler.model="$model" train.mode=async
-    stop_hog
-  done
-done
-
-# 3. The simulator, with the calibrated cost model.
-median_compute() {  # the real run's median compute time of one gradient (rank 0's, ms)
-  "$PY" -c "
-import json, sys
-v = sorted(j['compute_ms'] for j in map(json.loads, open(sys.argv[1])) if j.get('type') == 'step' and j.get('compute_ms', 0) > 0)
-print(v[len(v) // 2])" "$OUT/real/$1/metrics.jsonl"
-}
-# Validation: every real sync run with injected delays, simulated with the same model,
-# workers, quorum, seed and steps; compute time = the real run's median.
-for w in 4 8; do
-  for regime in lognormal shiftexp; do
-    [ "$regime" = lognormal ] && model=$LOGNORMAL || model=$SHIFTEXP
-    for q in $w $(( w - 1 )) $(( w - 2 )); do
-      name="W$w-$regime-q$q"
-      sim "val-$name" --workers "$w" --backups $(( w - q )) --compute-ms "$(median_compute "$name")" \
-        straggler.model="$model" train.steps="$REAL_STEPS" train.eval_every="$REAL_STEPS"
-    done
-  done
-done
-# The order statistics of the shifted exponential (no training, no compute time).
-for n in 100 1000; do
-  sim "closedform-n$n" --workers "$n" --arrivals-only --compute-ms 0 --apply-ms 0 \
-    straggler.model="$SHIFTEXP" train.steps="$CLOSED_STEPS" train.batch_per_rank="$SIM_BATCH1000"
-done
-# The b sweeps (lognormal) at N+b = 100 and 1000, same steps for every b; the MLP 784-128-10,
-# batch SIM_BATCH per worker at 100 (global 800 at b = 0) and SIM_BATCH1000 at 1000 (global
-# 2000), the linear rule scaling the learning rate with N. The targets are near what full
-# sync reaches in those steps (an easy target favours ever more backups: few gradients a
-# step get there too, only sooner).
-simc=(straggler.model="$LOGNORMAL" train.target_accuracy="$SIM_TARGET" "model.hidden=$SIM_HIDDEN")
-for b in $SWEEP100_B; do
-  sim "bsweep100-b$b" --workers 100 --backups "$b" "${simc[@]}" \
-    train.batch_per_rank="$SIM_BATCH" train.steps="$SWEEP100_STEPS" train.eval_every="$SIM_EVAL"
-done
-for b in $SWEEP1000_B auto; do
-  args=(--backups "$b") tag="b$b"
-  [ "$b" = auto ] && args=(quorum.quorum=auto) && tag=auto
-  sim "bsweep1000-$tag" --workers 1000 "${args[@]}" "${simc[@]}" \
-    train.target_accuracy="$SIM_TARGET1000" train.batch_per_rank="$SIM_BATCH1000" \
-    train.steps="$SWEEP1000_STEPS" \
-    train.eval_every="$SWEEP1000_EVAL"
-done
-# Sync (full, and with 4 % backups as the paper's 96 + 4) against async at 10, 50, 100
-# workers: the same epochs, so the same number of gradients per worker.
-for w in 10 50 100; do
-  b=$(( (w * 4 + 99) / 100 ))
-  for mode in b0 "b$b" async; do
-    if [ "$mode" = async ]; then
-      args=(--mode async)
-    else
-      args=(--backups "${mode#b}")
-    fi
-    # Four evaluations per epoch.
-    sim "scale-W$w-$mode" --workers "$w" "${args[@]}" "${simc[@]}" \
-      train.batch_per_rank="$SIM_BATCH" train.steps=0 \
-      train.epochs="$SCALE_EPOCHS" train.eval_every=$(( TRAIN_SAMPLES / w / SIM_BATCH / 4 ))
-  done
-done
-
-fi  # [ -z "$ONLY" ]: parts 1-3
-
-# 4. The adaptive quorum (issue 18) against every fixed quorum. Each run counts the same
-# gradients (train.budget = "gradients": as many as full sync's steps make), so that what a
-# quorum reaches is not set by how many gradients it saw, and reads its schedule at the
-# gradients counted (docs/training.md). quorum.noise_scale (samples) is the rule's value of a
-# step: 100 for the real runs' model (measured: B_simple 83 before the target), the
-# configuration's 600 for the simulator's (docs/reproduction.md, "Twelve seeds ..."). Interleaved: every round (seed) runs each regime's quorums
-# one after the other. The changing regime's trace is drawn per seed (rank 1 slower from the
-# middle of full sync's run: the same step for every quorum) and long enough for a quorum of
-# 1 (real) or of ADAPT_SIM_MIN (sim, whose auto runs are bounded there).
-ADAPT_SIM_MIN=10
-ADAPT_Q4=${QRING_ADAPT_Q4:-$ADAPT_Q4}
-ADAPT_Q8=${QRING_ADAPT_Q8:-$ADAPT_Q8}
-ADAPT_SEEDS=${QRING_ADAPT_SEEDS:-$ADAPT_SEEDS}
-ADAPT_SIM_SEEDS=${QRING_ADAPT_SIM_SEEDS:-$ADAPT_SIM_SEEDS}
-ADAPT_NOISE_SCALE=${QRING_ADAPT_NOISE_SCALE:-100}
-ADAPT_SIM_NOISE=()
-[ -z "${QRING_ADAPT_SIM_NOISE_SCALE:-}" ] || ADAPT_SIM_NOISE=(quorum.noise_scale="$QRING_ADAPT_SIM_NOISE_SCALE")
-# A fixed quorum of N in auto's momentum form (QRING_ADAPT_FIXED_FORM=auto): auto's path held
-# at N every step.
-auto_form_args() { args=(quorum.quorum=auto quorum.min="$1" quorum.max="$1"); }
-adaptive_model() {  # adaptive_model REGIME WORKERS STEPS MIN SEED
-  case $1 in
-    lognormal) echo "$LOGNORMAL" ;;
-    shiftexp) echo "$SHIFTEXP" ;;
-    heavyexp) echo "$HEAVYEXP" ;;
-    change) echo "trace:$(change_trace "$2" $(( $3 * $2 / $4 )) $(( $3 / 2 )) "$5")" ;;
+# The arguments of a sync run at N+b = W: "auto" (the default, the linear value),
+# "auto-estimate" (the noise scale estimated in the run), or b (auto's path held at N).
+quorum_args() {  # quorum_args W B
+  case $2 in
+    auto) echo "quorum.quorum=auto quorum.min=1" ;;
+    auto-estimate) echo "quorum.quorum=auto quorum.min=1 quorum.noise_scale=estimate" ;;
+    *) echo "quorum.quorum=auto quorum.min=$(( $1 - $2 )) quorum.max=$(( $1 - $2 ))" ;;
   esac
 }
-for seed in $ADAPT_SEEDS; do
-  [ "$ONLY" = adaptive-sim ] && break
-  for regime in lognormal shiftexp change; do
-    for w in 4 8; do
-      model=$(adaptive_model "$regime" "$w" "$REAL_STEPS" 1 "$seed")
-      [ "$w" = 4 ] && qs=$ADAPT_Q4 || qs=$ADAPT_Q8
-      for q in auto $qs; do
-        if [ "$q" = auto ]; then
-          args=(quorum.quorum=auto quorum.noise_scale="$ADAPT_NOISE_SCALE"); tag=auto
-        elif [ "$ADAPT_FIXED_FORM" = auto ]; then auto_form_args "$q"; tag=q$q
-        else args=(quorum.quorum="$q"); tag=q$q; fi
-        real_in "$OUT/adaptive/real" "W$w-$regime-s$seed-$tag" "$w" straggler.model="$model" \
-          run.seed="$seed" train.budget=gradients "${args[@]}"
+sim100=(--apply-ms "$SIM_APPLY_MS" "${MODEL100[@]}" train.batch_per_rank=8)
+
+if want kth; then
+  log "kth: the k-th arrival curve"
+  for n in 100 1000; do
+    for regime in trace slow-worker lognormal shiftexp; do
+      for seed in $SEEDS; do
+        sim "$OUT/kth" "$regime-n$n-s$seed" --workers "$n" --arrivals-only --compute-ms "$(compute_of "$regime")" \
+          --apply-ms 0 straggler.model="$(model_of "$regime" "$TRACE_SCALE")" run.seed="$seed" \
+          train.steps="$KTH_STEPS" train.batch_per_rank=2
       done
     done
   done
-done
-# The simulator at N+b = 100, every b of ADAPT_SIM_B and auto, ADAPT_SIM_SEEDS seeds; the
-# b sweep's model and target, compute and update times fixed (the medians measured on this
-# machine) so that a run is deterministic, the simulator's default network costs.
-for seed in $ADAPT_SIM_SEEDS; do
-  [ "$ONLY" = adaptive-real ] && break
-  for regime in $ADAPT_SIM_REGIMES; do
-    model=$(adaptive_model "$regime" 100 "$SWEEP100_STEPS" "$ADAPT_SIM_MIN" "$seed")
-    for b in auto $ADAPT_SIM_B; do
-      if [ "$b" = auto ]; then args=(quorum.quorum=auto quorum.min="$ADAPT_SIM_MIN" "${ADAPT_SIM_NOISE[@]}")
-      elif [ "$ADAPT_FIXED_FORM" = auto ]; then auto_form_args $(( 100 - b ))
-      else args=(--backups "$b"); fi
-      sim_in "$OUT/adaptive/sim" "N100-$regime-s$seed-b$b" --workers 100 "${args[@]}" \
-        --compute-ms 0.075 --apply-ms 0.077 straggler.model="$model" run.seed="$seed" \
-        train.budget=gradients train.target_accuracy="$SIM_TARGET" "model.hidden=$SIM_HIDDEN" \
-        train.batch_per_rank="$SIM_BATCH" train.steps="$SWEEP100_STEPS" train.eval_every="$ADAPT_SIM_EVAL"
+fi
+
+if want bsweep; then
+  for regime in trace lognormal shiftexp; do
+    [ "$regime" = trace ] && seeds=$SEEDS_TRACE || seeds=$SEEDS
+    log "bsweep: N+b = 100, $regime, seeds $seeds"
+    for seed in $seeds; do  # interleaved: each seed a round of every configuration
+      for b in auto auto-estimate $B100; do
+        # shellcheck disable=SC2046
+        sim "$OUT/bsweep" "$regime-s$seed-b$b" --workers 100 $(quorum_args 100 "$b") "${sim100[@]}" \
+          --compute-ms "$(compute_of "$regime")" straggler.model="$(model_of "$regime" "$TRACE_SCALE")" \
+          run.seed="$seed" train.budget=gradients train.steps="$STEPS100" \
+          train.eval_every="$EVAL100" train.target_accuracy="$TARGET100"
+      done
     done
   done
-done
-
-# 5. Tables, plots and the claim table.
-log "analysis"
-if [ -n "$ONLY" ]; then
-  "$PY" scripts/reproduce.py adaptive "$OUT"
-else
-  "$PY" scripts/reproduce.py analyze "$OUT"
 fi
-# auto against the best fixed quorum with bootstrap intervals over the seeds (also for the
-# runs of several --out directories: scripts/reproduce.py compare DIR...).
-"$PY" scripts/reproduce.py compare "$OUT" >"$OUT/adaptive/compare.txt"
-[ -n "$ONLY" ] || "$PY" scripts/reproduce.py check "$OUT"
+
+if want bsweep1000; then
+  log "bsweep1000: N+b = 1000, trace, seeds $SEEDS"
+  for seed in $SEEDS; do
+    for b in $B1000; do
+      # shellcheck disable=SC2046
+      sim "$OUT/bsweep1000" "trace-s$seed-b$b" --workers 1000 $(quorum_args 1000 "$b") \
+        --apply-ms "$SIM_APPLY_MS" "${MODEL100[@]}" train.batch_per_rank="$BATCH1000" --compute-ms 0 \
+        straggler.model="$(model_of trace "$TRACE_SCALE")" run.seed="$seed" train.budget=gradients \
+        train.steps="$STEPS1000" train.eval_every="$EVAL1000" train.target_accuracy="$TARGET1000"
+    done
+  done
+fi
+
+# Async, tuned on TUNE_SEED: the learning rate (x TUNE_LR of the configured one), the warm-up
+# (x TUNE_WARM) and the staleness rule (none; divide, whose rate is also multiplied by W - 1,
+# the typical staleness, so that both rules start from the same step size). The best by time
+# to the target (then final accuracy) is reproduce.py's choice (tune-async), run on SEEDS.
+tune_async() {  # tune_async DIR W TAG RUN... -> DIR/tune-TAG-*, the best's args in DIR/tune-TAG.best
+  local dir=$1 w=$2 tag=$3
+  shift 3
+  local lr0 warm0 lr warm rule m
+  lr0=$(sed -n 's/^lr *= *\([0-9.eE+-]*\).*/\1/p' "$CONFIG")
+  warm0=$(sed -n 's/^warmup_steps *= *\([0-9]*\).*/\1/p' "$CONFIG")
+  [ "$SCALE" = smoke ] && warm0=2
+  for rule in none divide; do
+    for m in $TUNE_LR; do
+      for k in $TUNE_WARM; do
+        lr=$("$PY" -c "print('%g' % ($lr0 * $m * ($w - 1 if '$rule' == 'divide' else 1)))")
+        warm=$(( warm0 * k ))
+        "$@" "$dir" "tune-$tag-$rule-lr$m-w$k" train.mode=async train.async_staleness="$rule" \
+          train.lr="$lr" train.warmup_steps="$warm" run.seed="$TUNE_SEED"
+      done
+    done
+  done
+  "$PY" scripts/reproduce.py tune-async "$dir" "tune-$tag" >"$dir/tune-$tag.best"
+}
+sim_async() {  # sim_async DIR NAME KEY=VALUE... (the async experiment's settings)
+  local dir=$1 name=$2
+  shift 2
+  sim "$dir" "$name" --workers "$W" "${sim_args[@]}" "$@"
+}
+
+if want async; then
+  for W in $ASYNC_W; do
+    log "async: W = $W"
+    b=$(( (W * 4 + 99) / 100 ))
+    sim_args=("${sim100[@]}" --compute-ms 0 straggler.model="$(model_of trace "$TRACE_SCALE")"
+              train.steps=0 train.epochs="$EPOCHS" train.target_accuracy="$TARGET100"
+              train.eval_every=$(( 60000 / W / 8 / 4 > 0 ? 60000 / W / 8 / 4 : 1 )))
+    [ "$SCALE" = smoke ] && sim_args+=(train.eval_every=2)
+    tune_async "$OUT/async" "$W" "W$W" sim_async
+    read -r -a best <"$OUT/async/tune-W$W.best"
+    for seed in $SEEDS; do
+      # shellcheck disable=SC2046
+      sim_async "$OUT/async" "W$W-s$seed-full" $(quorum_args "$W" 0) train.budget=gradients \
+        run.seed="$seed"
+      # shellcheck disable=SC2046
+      sim_async "$OUT/async" "W$W-s$seed-b$b" $(quorum_args "$W" "$b") train.budget=gradients \
+        run.seed="$seed"
+      sim_async "$OUT/async" "W$W-s$seed-async" train.mode=async "${best[@]}" run.seed="$seed"
+    done
+  done
+fi
+
+if want depth; then
+  W=$DEPTH_W
+  for depth in 1 4; do
+    log "depth: W = $W, $depth hidden layers"
+    [ "$depth" = 1 ] && model=("${MODEL100[@]}") || model=("${DEEP[@]}")
+    sim_args=(--apply-ms "$SIM_APPLY_MS" "${model[@]}" train.batch_per_rank=8 --compute-ms 0
+              straggler.model="$(model_of trace "$TRACE_SCALE")" train.steps=0
+              train.epochs="$EPOCHS" train.target_accuracy="$TARGET100"
+              train.eval_every=$(( 60000 / W / 8 / 4 > 0 ? 60000 / W / 8 / 4 : 1 )))
+    tune_async "$OUT/depth" "$W" "d$depth" sim_async
+    read -r -a best <"$OUT/depth/tune-d$depth.best"
+    for seed in $SEEDS; do
+      # shellcheck disable=SC2046
+      sim_async "$OUT/depth" "d$depth-s$seed-full" $(quorum_args "$W" 0) train.budget=gradients \
+        run.seed="$seed"
+      sim_async "$OUT/depth" "d$depth-s$seed-async" train.mode=async "${best[@]}" run.seed="$seed"
+    done
+  done
+fi
+
+if want real; then
+  real_run() {  # real_run DIR NAME KEY=VALUE...
+    local dir=$1 name=$2
+    shift 2
+    real "$dir" "$name" "$W" straggler.model="$(model_of trace "$REAL_TRACE_SCALE")" \
+      train.steps="$REAL_STEPS" train.eval_every="$REAL_EVAL" train.target_accuracy="$REAL_TARGET" "$@"
+  }
+  for W in $REAL_W; do
+    log "real: W = $W (qring-train)"
+    tune_async "$OUT/real" "$W" "W$W" real_run
+    read -r -a best <"$OUT/real/tune-W$W.best"
+    for seed in $SEEDS; do  # interleaved: the machine is shared, its load drifts
+      real_run "$OUT/real" "W$W-s$seed-full" quorum.quorum="$W" run.seed="$seed"
+      real_run "$OUT/real" "W$W-s$seed-b1" quorum.quorum=$(( W - 1 )) run.seed="$seed"
+      real_run "$OUT/real" "W$W-s$seed-async" train.mode=async "${best[@]}" run.seed="$seed"
+    done
+  done
+fi
+
+if want validate; then
+  log "validate: emulated hosts"
+  VAL_SCALE=$SCALE VAL_HOSTS=$VAL_HOSTS VAL_ITERS=$VAL_ITERS BENCH=$BENCH SIM=$SIM TRAIN=$TRAIN \
+    PY=$PY CONFIG=$CONFIG SEQLEN=$SEQLEN scripts/validate_sim.sh "$OUT/validate" "${MODEL100[@]}"
+fi
+
+log "analysis"
+"$PY" scripts/reproduce.py analyze "$OUT"
+"$PY" scripts/reproduce.py check "$OUT"
 log "done in $(( $(date +%s) - start )) s; load average $(cut -d' ' -f1-3 /proc/loadavg)"

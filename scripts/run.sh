@@ -14,7 +14,9 @@ QRING_TARGETS="qring-train qring-launch" scripts/build.sh build
 NAME=fmnist-mlp-backup
 STRAGGLER=${QRING_STRAGGLER:-lognormal:2.5:1.0}
 echo "== qring-train: 4 ranks, quorum 3, straggler $STRAGGLER"
-build/net/qring-launch -n 4 -- build/train/qring-train --config configs/fmnist-mlp.toml \
+# --force: a second run of this script starts the run over (without it, qring-train refuses
+# the checkpoints the first one left in runs/$NAME/).
+build/net/qring-launch -n 4 -- build/train/qring-train --config configs/fmnist-mlp.toml --force \
   run.name=$NAME quorum.quorum=3 straggler.model="$STRAGGLER" "$@"
 
 python3 - "runs/$NAME/summary.json" <<'PY'

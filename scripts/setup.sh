@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages qring needs to build, test and run. Idempotent: packages
 # already present are not reinstalled and `apt-get update` runs at most once per machine boot.
-#   QRING_SETUP_TORCH=1 scripts/setup.sh   also installs PyTorch for scripts/bench_vs_torch.sh
+#   QRING_SETUP_TORCH=1 scripts/setup.sh   also installs PyTorch and pytest: the Python tests
+#                                          (scripts/test.sh), scripts/bench_torch.sh,
+#                                          scripts/bench_vs_torch.sh. scripts/run.sh needs neither.
 set -euo pipefail
 
 PKGS=(
@@ -15,9 +17,10 @@ PKGS=(
   procps time
   iproute2 util-linux
   clang libclang-rt-14-dev
+  pybind11-dev python3-dev python3-numpy
 )
 # PyTorch 1.13 (oneDNN convolutions; OpenBLAS through libopenblas0-pthread above).
-[ "${QRING_SETUP_TORCH:-0}" = 1 ] && PKGS+=(python3-torch python3-numpy)
+[ "${QRING_SETUP_TORCH:-0}" = 1 ] && PKGS+=(python3-torch python3-pytest)
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what it needs, builds, and runs every test.
-#   1. Release build, every GoogleTest suite through ctest
+#   1. Release build, every GoogleTest suite through ctest; the Python tests (pytest:
+#      python/tests, needs PyTorch: scripts/setup.sh installs it here); a C++ program built
+#      against the installed library (tests/consumer/run.sh: CMake package and pkg-config)
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
 #      tests (label "sanitize"), run through ctest
 #   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
@@ -9,11 +11,12 @@
 #   6. the fuzz targets, a fixed time each (scripts/fuzz.sh; QRING_FUZZ_SECONDS, default 10)
 #   7. the paper reproduction at smoke scale (scripts/reproduce.sh --smoke: every experiment
 #      on synthetic data; checks that every artefact is produced and well formed)
-# Exits non-zero on any failure. QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 /
-# QRING_SKIP_NETNS=1 / QRING_SKIP_TSAN=1 / QRING_SKIP_FUZZ=1 / QRING_SKIP_REPRODUCE=1 skip
-# 2 / 3 / 4 / 5 / 6 / 7.
+# Exits non-zero on any failure. QRING_SKIP_PYTHON=1 skips the Python tests.
+# QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 / QRING_SKIP_NETNS=1 / QRING_SKIP_TSAN=1 /
+# QRING_SKIP_FUZZ=1 / QRING_SKIP_REPRODUCE=1 skip 2 / 3 / 4 / 5 / 6 / 7.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ "${QRING_SKIP_PYTHON:-0}" = 1 ] || export QRING_SETUP_TORCH=1  # PyTorch, pytest
 scripts/setup.sh
 start=$(date +%s)
 section() { echo "== $1 (at $(( $(date +%s) - start )) s)"; }
@@ -22,6 +25,13 @@ section "build (Release)"
 scripts/build.sh build -DQRING_BUILD_TESTS=ON
 section "tests (Release)"
 (cd build && ctest --output-on-failure --no-tests=error --timeout 300 -j 2)
+
+if [ "${QRING_SKIP_PYTHON:-0}" != 1 ]; then
+  section "Python tests (pytest: python/tests)"
+  QRING_BUILD=build /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
+fi
+section "C++ program against the installed library (tests/consumer)"
+tests/consumer/run.sh build
 
 if [ "${QRING_SKIP_SANITIZE:-0}" != 1 ]; then
   section "build (address,undefined sanitizers: net and collectives tests)"

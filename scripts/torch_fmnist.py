@@ -16,43 +16,22 @@ Prints one JSON line (and writes it to --summary): samples_per_s over the step l
 and the final evaluation excluded), test_accuracy after the last step, steps, world.
 """
 import argparse
-import gzip
 import json
 import math
 import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def read_idx(path):
-    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
-def load(dirname):
-    def split(prefix):
-        def pick(base):
-            p = os.path.join(dirname, base)
-            return p + ".gz" if os.path.exists(p + ".gz") else p
-        x = read_idx(pick(prefix + "-images-idx3-ubyte")).astype(np.float32) / 255.0
-        y = read_idx(pick(prefix + "-labels-idx1-ubyte")).astype(np.int64)
-        return x, y
-    xtr, ytr = split("train")
-    xte, yte = split("t10k")
-    mean = float(xtr.astype(np.float64).mean())
-    std = float(xtr.astype(np.float64).std())
-    norm = lambda x: torch.from_numpy((x - mean) / std).float().reshape(-1, 1, 28, 28)
-    return norm(xtr), torch.from_numpy(ytr), norm(xte), torch.from_numpy(yte)
+# The data and PyTorch's CNN as the qring.torch example has them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
+                                "examples"))
+from fashion_mnist import Cnn, load_fashion_mnist as load  # noqa: E402
 
 
 class Mlp(nn.Module):
@@ -63,18 +42,6 @@ class Mlp(nn.Module):
     def forward(self, x):
         x = x.flatten(1)
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-class Cnn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 32, 5), nn.Conv2d(32, 64, 5)
-        self.fc1, self.fc2 = nn.Linear(1024, 128), nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
 def run(rank, args):

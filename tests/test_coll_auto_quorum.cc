@@ -1,15 +1,21 @@
 // The adaptive quorum's rule (collectives/quorum/auto_quorum.h): a pure function of the window of
-// recent arrivals, tested with synthetic arrivals.
+// recent arrivals, tested with synthetic arrivals; and the run's own estimate of the
+// gradient-noise scale that values its steps (collectives/quorum/noise_scale.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "coll_harness.h"
 #include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/noise_scale.h"
 #include "collectives/quorum/quorum.h"
 #include "collectives/quorum/coordinator.h"
 
@@ -411,6 +417,77 @@ TEST(AutoQuorum, CoordinatorChoosesEachStepsQuorumAndDecideCarriesIt) {
   EXPECT_GE(three, 18);
 }
 
+// quorum "auto" with the noise scale estimated in the run: the contributors' squared norms
+// travel with READY, the previous step's result's with the next READY. Contributions of
+// per-contribution variance V around a gradient of norm 1 (|g_i|^2 = 1 + V, |mean|^2 = 1 + V /
+// n) give the estimate V whatever n is; a coordinator given them values steps with it (V = 2:
+// a smaller quorum than the linear value's), and one given no norms keeps its configured
+// value; both choose alike until the first estimate.
+TEST(AutoQuorum, CoordinatorEstimatesTheNoiseScaleFromTheNormsReadyCarries) {
+  using namespace qproto;
+  const int W = 8;
+  const double V = 2;
+  Config cfg;
+  cfg.world = W;
+  cfg.quorum = 1;
+  cfg.adaptive = true;
+  cfg.count = 8;
+  cfg.evict = std::chrono::milliseconds(60000);
+  cfg.deadline = std::chrono::milliseconds(60000);
+  auto run = [&](bool estimate, bool send_norms, std::optional<double>* est) {
+    Config c = cfg;
+    c.auto_estimate = estimate;
+    Time now = Time{} + std::chrono::hours(1);
+    Coordinator co(c, now);
+    std::vector<int> quorums;
+    int prev_n = 0;
+    for (uint64_t t = 0; t < 30; ++t) {
+      std::optional<Decision> d;
+      for (int r = 0; r < W && !d; ++r) {  // rank r arrives r ms after the first
+        Event e;
+        e.kind = Event::Kind::kReady;
+        e.from = r;
+        e.step = t;
+        e.count = 8;
+        if (send_norms) {
+          e.grad_sq = 1 + V;
+          if (t > 0) e.prev_mean_sq = 1 + V / prev_n;
+        }
+        for (const auto& a : co.handle(e, now))
+          if (a.kind == Down::Kind::kDecide) d = a.decide;
+        if (!d) now += std::chrono::milliseconds(1);
+      }
+      EXPECT_TRUE(d) << "step " << t;
+      if (!d) return quorums;
+      quorums.push_back(d->quorum);
+      prev_n = int(d->contributors.size());
+      now += std::chrono::milliseconds(10);  // the reduction, the update, the next gradient
+    }
+    *est = co.noise_scale();
+    return quorums;
+  };
+  std::optional<double> est, none, silent;
+  const auto estimated = run(true, true, &est);
+  const auto linear = run(false, true, &none);
+  const auto no_norms = run(true, false, &silent);
+  ASSERT_TRUE(est);
+  EXPECT_NEAR(*est, V, 1e-9);
+  EXPECT_FALSE(none);    // not estimating: the norms are ignored
+  EXPECT_FALSE(silent);  // estimating without norms: nothing to go on
+  EXPECT_EQ(no_norms, linear);
+  ASSERT_EQ(estimated.size(), 30u);
+  // Step 0 is chosen before any estimate; step 1's first READY brings step 0's result norm,
+  // and its quorum already uses it.
+  EXPECT_EQ(estimated[0], linear[0]);
+  for (size_t t = 10; t < 30; ++t) {
+    EXPECT_LT(estimated[t], linear[t]) << "step " << t;
+    // The value of k with the noise scale V: k / (1 + k / V) saturates at V; the rule picks
+    // a quorum of a few where the linear value waits for (nearly) every rank.
+    EXPECT_LE(estimated[t], 5) << "step " << t;
+  }
+  EXPECT_GE(linear.back(), 7);
+}
+
 // The quorum all-reduce with quorum "auto" over the in-process endpoint: every rank gets the
 // same contributor set and the same Q(t) every step, |S(t)| >= Q(t), and the bit-exact sum of
 // exactly S(t)'s contributions; rank 2 is slow every step and ends up left out.
@@ -459,6 +536,46 @@ TEST(AutoQuorum, QuorumAllreduceKeepsItsContractUnderAuto) {
   for (int t = steps / 2; t < steps; ++t)
     without2 += (seen[0][size_t(t)].first[0] >> 2 & 1) == 0;
   EXPECT_GE(without2, steps / 2 - 3);
+}
+
+// The two-batch estimate of the gradient-noise scale: gradients g_i = G + noise of variance
+// sigma^2 / b per coordinate (a batch of b samples, each of variance sigma^2), P coordinates:
+// B_simple = tr(S) / |G|^2 = P sigma^2 / |G|^2 samples, P sigma^2 / (b |G|^2) contributions,
+// whatever N and b are.
+TEST(NoiseScale, EstimateRecoversTraceOverGradientNorm) {
+  const size_t P = 2000;
+  const double sigma2 = 0.25, g_norm2 = 1.0;
+  const double expect = double(P) * sigma2 / g_norm2;  // 500 samples
+  std::mt19937 rng(11);
+  for (auto [n, b] : {std::pair{8, 16}, std::pair{32, 4}}) {
+    NoiseScaleEstimate est(0.05);
+    EXPECT_FALSE(est.value().has_value());
+    std::normal_distribution<double> noise(0, std::sqrt(sigma2 / b));
+    std::vector<double> G(P, std::sqrt(g_norm2 / double(P))), mean(P);
+    for (int step = 0; step < 400; ++step) {
+      std::fill(mean.begin(), mean.end(), 0.0);
+      double sq = 0;
+      for (int i = 0; i < n; ++i) {
+        for (size_t p = 0; p < P; ++p) {
+          const double g = G[p] + noise(rng);
+          sq += g * g;
+          mean[p] += g / n;
+        }
+      }
+      double msq = 0;
+      for (double m : mean) msq += m * m;
+      est.add(n, sq / n, msq);
+    }
+    ASSERT_TRUE(est.value().has_value());
+    EXPECT_NEAR(*est.value() * b, expect, 0.1 * expect) << "N " << n << " b " << b;
+  }
+  // A step of one gradient says nothing about the noise.
+  NoiseScaleEstimate one;
+  one.add(1, 2.0, 2.0);
+  EXPECT_FALSE(one.value().has_value());
+  one.add(4, std::nan(""), 1.0);  // nor does a norm that is not a number
+  one.add(4, 1.0, -1.0);
+  EXPECT_FALSE(one.value().has_value());
 }
 
 }  // namespace

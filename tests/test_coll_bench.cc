@@ -6,10 +6,12 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <string>
 
 #include "cli_harness.h"
+#include "net/base/build_info.h"
 
 namespace {
 
@@ -66,6 +68,73 @@ TEST_F(BenchCli, AllreduceRowsCarryTheKeysScriptsUse) {
     seen.insert({uint64_t(row["bytes"]), bool(row["in_place"])});
   }
   EXPECT_EQ(seen.size(), 8u);
+}
+
+// nccl-tests' habits: a provenance line and a line per rank (pid, host) before the table, the
+// algorithm as the last column, the footer with the #wrong total and the mean bus bandwidth,
+// the time averaged over ranks unless -a says otherwise; JSON rows with the algorithm, the
+// build and the hosts. Under qring-launch --prefix others rank 0's lines come unprefixed.
+TEST_F(BenchCli, TableFollowsNcclTestsConventions) {
+  auto j = (dir_ / "n.json").string();
+  CmdResult r = sh(kBuild + "/net/qring-launch -n 2 --provider shm --prefix others -- " + kBuild +
+                   "/collectives/qring-bench --op allreduce -b 1K -e 4M -f 64 -n 2 -w 1 --json " +
+                   j + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  const std::string provenance =
+      "# qring-bench " + std::string(qring::build::version()) + " (commit ";
+  EXPECT_TRUE(r.output.rfind(provenance, 0) == 0 ||
+              r.output.find("\n" + provenance) != std::string::npos)
+      << r.output;
+  for (int rank : {0, 1})
+    EXPECT_NE(r.output.find("#  Rank  " + std::to_string(rank) + " Pid "), std::string::npos)
+        << r.output;
+  EXPECT_NE(r.output.find("time the mean over ranks"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("#wrong  algo"), std::string::npos) << r.output;
+  // 1 KiB: recursive doubling; 64 KiB: halving-doubling (2 ranks); 4 MiB: the ring.
+  for (const auto& [size, algo] : {std::pair<std::string, std::string>{"1024", "rd"},
+                                   {"65536", "hd"},
+                                   {"4194304", "ring"}})
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("\n +" + size + " [^\n]* " + algo + "\n")))
+        << size << " should run " << algo << ": " << r.output;
+  EXPECT_NE(r.output.find("# Out of bounds values : 0 OK\n# Avg bus bandwidth    : "),
+            std::string::npos)
+      << r.output;
+  auto rs = rows("n.json");
+  ASSERT_EQ(rs.size(), 6u) << rs.dump();
+  double bw = 0;
+  for (const auto& row : rs) {
+    EXPECT_TRUE(row["algorithm"] == "rd" || row["algorithm"] == "hd" || row["algorithm"] == "ring")
+        << row.dump();
+    EXPECT_EQ(row["time_across_ranks"], "mean");
+    EXPECT_EQ(row["build"]["commit"], qring::build::commit());
+    EXPECT_EQ(row["hosts"].size(), 2u);
+    bw += double(row["busbw_gbps"]);
+  }
+  const size_t avg = r.output.find("# Avg bus bandwidth    : ");
+  EXPECT_NEAR(std::stod(r.output.substr(avg + 25)), bw / 6, 1e-3 * bw) << r.output;
+  // -a 3: the slowest rank's time, as before nccl-tests' default.
+  CmdResult m = sh(bench(2, "shm", "-b 1K -e 1K -n 2 -w 1 -a 3"));
+  ASSERT_EQ(m.status, 0) << m.output;
+  EXPECT_NE(m.output.find("time the maximum over ranks"), std::string::npos) << m.output;
+}
+
+// A --json path that cannot be written fails at once (exit 2, before any row), not after the
+// sweep; --help lists the exit statuses.
+TEST_F(BenchCli, UnwritableOutputFailsBeforeTheSweep) {
+  CmdResult r = sh(bench(2, "shm", "-b 1K -e 1K -n 2 --json /nonexistent/dir/x.json"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--json: cannot write '/nonexistent/dir/x.json'"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("algbw"), std::string::npos) << r.output;
+  CmdResult d = sh(kBuild + "/collectives/qring-decide-bench --members 4 --json /nonexistent/x");
+  EXPECT_EQ(d.status, 2) << d.output;
+  EXPECT_EQ(d.output.find("decision_us"), std::string::npos) << d.output;
+  CmdResult h = sh(kBuild + "/collectives/qring-bench --help");
+  EXPECT_EQ(h.status, 0);
+  EXPECT_NE(h.output.find("Exit status: 0 every result correct; 1 wrong results; 2 bad"),
+            std::string::npos)
+      << h.output;
 }
 
 // Rank 1 is 300 ms late every step; quorum 2 of 3 with a 1 ms grace drops it every step,
@@ -254,8 +323,29 @@ TEST_F(BenchCli, DecideBenchTimesTheAdaptiveQuorumsDecisionPerMemberCount) {
     EXPECT_LE(row["quorum"].get<int>(), members[i]) << row.dump();
   }
   CmdResult bad = sh(kBuild + "/collectives/qring-decide-bench --members 4,0");
-  EXPECT_NE(bad.status, 0) << bad.output;
-  EXPECT_NE(bad.output.find("--members"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("qring-decide-bench: --members expects an integer"), std::string::npos)
+      << bad.output;
+}
+
+// Issue 44: per-rank settings that change the result -- a --quorum or --deadline-ms given to
+// one node only -- stop every rank at the start (exit 2), naming the setting, both values and
+// the rank (a different deadline went unnoticed; a different quorum failed at step 3).
+TEST_F(BenchCli, RanksWithDifferentQuorumOrDeadlineStopAtTheStart) {
+  const std::string script = (dir_ / "per_rank.sh").string();
+  std::ofstream(script) << "#!/bin/sh\n"
+                        << "if [ \"$QRING_RANK\" = 1 ]; then Q=3; D=1000; else Q=2; D=30000; fi\n"
+                        << "exec " << kBuild << "/collectives/qring-bench --op quorum -b 4K -e 4K "
+                        << "-n 3 -w 1 --quorum $Q --deadline-ms $D\n";
+  fs::permissions(script, fs::perms::owner_all);
+  CmdResult r = sh(kBuild + "/net/qring-launch -n 3 --provider shm -- " + script);
+  EXPECT_EQ(r.status, 2) << r.output;
+  // (The launcher stops the other ranks at the first failure; which one that is varies.)
+  EXPECT_NE(r.output.find("the ranks' settings differ: --quorum is '3' on "
+                          "rank 1 and '2' on rank 0; --deadline-ms is '1000' on rank 1 and "
+                          "'30000' on rank 0"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "collectives/quorum/quorum.h"
 #include "collectives/quorum/coordinator.h"
@@ -757,6 +758,33 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
   EXPECT_EQ(type, Up::Kind::kReady);
   ASSERT_TRUE(back.digest);
   EXPECT_EQ(*back.digest, 0xfedcba9876543210ull);
+
+  // quorum "auto" estimating the noise scale: + 16 bytes of norms, after the digest if any
+  // (none for the first step's result: NaN on the wire).
+  e.grad_sq = 2.5;
+  e.prev_mean_sq = 0.75;
+  auto both = encode_as(world, Up::Kind::kReady, e);
+  ASSERT_EQ(both.size(), wire::kUpBytes + 24);
+  ASSERT_LE(both.size(), wire::up_capacity(world));
+  back = decode_as(both.data(), both.size(), world, 4, &type);
+  ASSERT_TRUE(back.digest && back.grad_sq && back.prev_mean_sq);
+  EXPECT_EQ(*back.digest, 0xfedcba9876543210ull);
+  EXPECT_EQ(*back.grad_sq, 2.5);
+  EXPECT_EQ(*back.prev_mean_sq, 0.75);
+  e.digest.reset();
+  e.prev_mean_sq.reset();
+  auto norms = encode_as(world, Up::Kind::kReady, e);
+  ASSERT_EQ(norms.size(), wire::kUpBytes + 16);
+  back = decode_as(norms.data(), norms.size(), world, 4, &type);
+  EXPECT_FALSE(back.digest);
+  ASSERT_TRUE(back.grad_sq);
+  EXPECT_EQ(*back.grad_sq, 2.5);
+  EXPECT_FALSE(back.prev_mean_sq);
+  for (double bad : {-1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    e.grad_sq = bad;
+    auto b = encode_as(world, Up::Kind::kReady, e);
+    EXPECT_THROW(decode_as(b.data(), b.size(), world, 4, &type), ProtocolError) << bad;
+  }
 
   Event sh;
   sh.from = 4;

@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "collectives/straggler.h"
 #include "net/base/error.h"
@@ -94,6 +97,85 @@ TEST(Straggler, TraceFile) {
     EXPECT_NE(std::string(e.what()).find(":2:"), std::string::npos) << e.what();
   }
   EXPECT_THROW(StragglerModel::parse("trace:/nonexistent/file"), ConfigError);
+}
+
+// resample: a job of S = 3 steps x R = 4 ranks replayed by any number of workers. Every
+// delay is that rank's time / the fastest of its job step x scale; a worker keeps one
+// column and walks the job's steps in order from its offset, wrapping; each block of R
+// workers uses every column once; the draw depends on the seed.
+TEST(Straggler, ResampleReplaysColumnsOfARealJobFromSeededOffsets) {
+  const double times[3][4] = {{100, 110, 150, 120}, {200, 260, 210, 250}, {90, 90, 135, 180}};
+  const std::string path = ::testing::TempDir() + "/times.txt";
+  {
+    std::ofstream f(path);
+    f << "# STEP RANK MS\n";
+    for (int st = 0; st < 3; ++st)
+      for (int r = 0; r < 4; ++r) f << st << " " << r << " " << times[st][r] << "\n";
+  }
+  auto m = StragglerModel::parse("resample:10:" + path);
+  EXPECT_EQ(m.kind(), StragglerModel::Kind::kResample);
+  // delay in ms of (column c, job step s), as the model must produce it.
+  auto expect = [&](int c, int st) {
+    double fastest = 1e300;
+    for (double v : times[st]) fastest = std::min(fastest, v);
+    return times[st][c] / fastest * 10;
+  };
+  for (uint64_t seed : {1, 2, 3}) {
+    const int W = 10;
+    std::vector<int> col(W), off(W);
+    for (int w = 0; w < W; ++w) {
+      // The (column, offset) that explains 7 steps of this worker's delays.
+      int found = 0;
+      for (int c = 0; c < 4; ++c)
+        for (int o = 0; o < 3; ++o) {
+          bool ok = true;
+          for (uint64_t k = 0; k < 7 && ok; ++k)
+            ok = std::abs(double(m.delay(seed, w, k).count()) / 1000 -
+                          expect(c, int((k + uint64_t(o)) % 3))) < 1e-3;
+          if (ok) {
+            col[size_t(w)] = c;
+            off[size_t(w)] = o;
+            ++found;
+          }
+        }
+      // Columns 0 and 1 tie in job step 2 only, so a column is identified by 7 steps.
+      ASSERT_GE(found, 1) << "seed " << seed << " worker " << w;
+    }
+    for (int b = 0; b < 2; ++b) {  // blocks of 4 workers: a permutation of the columns
+      std::vector<int> c(col.begin() + 4 * b, col.begin() + 4 * b + 4);
+      std::sort(c.begin(), c.end());
+      EXPECT_EQ(c, (std::vector<int>{0, 1, 2, 3})) << "seed " << seed << " block " << b;
+    }
+  }
+  // Another seed draws other columns or offsets for some worker.
+  bool differs = false;
+  for (int w = 0; w < 8 && !differs; ++w)
+    for (uint64_t k = 0; k < 3; ++k) differs = differs || m.delay(1, w, k) != m.delay(2, w, k);
+  EXPECT_TRUE(differs);
+  // The fastest rank of a job step takes the scale; the slowest delay is the job's largest
+  // ratio times it.
+  double least = 1e300, most = 0;
+  for (int w = 0; w < 40; ++w)
+    for (uint64_t k = 0; k < 3; ++k) {
+      least = std::min(least, double(m.delay(5, w, k).count()) / 1000);
+      most = std::max(most, double(m.delay(5, w, k).count()) / 1000);
+    }
+  EXPECT_NEAR(least, 10, 1e-3);
+  EXPECT_NEAR(most, 180.0 / 90 * 10, 1e-3);
+  for (const std::string& bad :
+       std::vector<std::string>{"resample:10", "resample:x:" + path, "resample:-1:" + path,
+                                "resample:10:/nonexistent"})
+    EXPECT_THROW(StragglerModel::parse(bad), ConfigError) << bad;
+  {
+    std::ofstream f(path);
+    f << "0 0 10\n0 1 12\n1 0 11\n";  // step 1 lacks rank 1
+  }
+  EXPECT_THROW(StragglerModel::parse("resample:10:" + path), ConfigError);
+  {
+    std::ofstream f(path);
+    f << "0 0 10\n0 1 0\n";  // a time must be > 0
+  }
+  EXPECT_THROW(StragglerModel::parse("resample:10:" + path), ConfigError);
 }
 
 TEST(Straggler, BadSpecsAreErrors) {

@@ -84,13 +84,139 @@ TEST(DetectBootstrap, ExplicitEnvWinsOverSlurmAndMpi) {
                    {"OMPI_COMM_WORLD_RANK", "3"}});
   EXPECT_EQ(b.source, "env");
   EXPECT_EQ(b.rank, 1);
+  // srun started the ranks and the MPI variables say the same: Slurm's launch.
   b = detect({{"SLURM_PROCID", "1"},
               {"SLURM_NTASKS", "2"},
               {"SLURM_JOB_NODELIST", "n1"},
               {"SLURM_JOB_ID", "5"},
-              {"OMPI_COMM_WORLD_RANK", "0"},
+              {"PMI_RANK", "1"},
+              {"PMI_SIZE", "2"},
+              {"OMPI_COMM_WORLD_RANK", "1"},
               {"OMPI_COMM_WORLD_SIZE", "2"}});
   EXPECT_EQ(b.source, "slurm");
+  EXPECT_EQ(b.rank, 1);
+}
+
+// mpirun or torchrun inside a Slurm allocation: their daemons or agents were started by srun
+// (SLURM_PROCID is the node), so the inner launcher's rank is this process's.
+TEST(DetectBootstrap, InnermostLauncherWins) {
+  Vars alloc{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "n[1-2]"},
+             {"SLURM_JOB_ID", "5"}};
+  Vars v = alloc;
+  v.insert({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+            {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+            {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "4000"}});
+  auto b = detect(v);
+  EXPECT_EQ(b.source, "mpi");
+  EXPECT_EQ(b.rank, 3);
+  EXPECT_EQ(b.world_size, 8);
+  v = alloc;
+  v.insert({{"PMI_RANK", "5"}, {"PMI_SIZE", "8"}, {"QRING_STORE", "n1:4000"}});
+  b = detect(v);
+  EXPECT_EQ(b.source, "mpi");
+  EXPECT_EQ(b.rank, 5);
+  v = alloc;
+  v.insert({{"RANK", "6"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "4"},
+            {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "29500"}, {"OMPI_COMM_WORLD_RANK", "1"},
+            {"OMPI_COMM_WORLD_SIZE", "2"}});
+  b = detect(v);
+  EXPECT_EQ(b.source, "torchrun");
+  EXPECT_EQ(b.rank, 6);
+  EXPECT_EQ(b.local_rank, 2);
+  EXPECT_EQ(b.local_size, 4);
+}
+
+// torchrun's environment (issue 43): rank and world from RANK/WORLD_SIZE, the store beside
+// torchrun's own on MASTER_ADDR, port MASTER_PORT + 1.
+TEST(DetectBootstrap, Torchrun) {
+  Vars v{{"RANK", "2"},          {"WORLD_SIZE", "4"},          {"LOCAL_RANK", "0"},
+         {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29500"},
+         {"TORCHELASTIC_RUN_ID", "job7"}};
+  auto b = detect(v);
+  EXPECT_EQ(b.source, "torchrun");
+  EXPECT_EQ(b.rank, 2);
+  EXPECT_EQ(b.world_size, 4);
+  EXPECT_EQ(b.local_rank, 0);
+  EXPECT_EQ(b.local_size, 2);
+  EXPECT_EQ(b.store_host, "10.1.2.3");
+  EXPECT_EQ(b.store_port, 29501);
+  EXPECT_EQ(b.job_id, "torchrun-job7");
+  v["QRING_STORE_PORT"] = "7000";
+  EXPECT_EQ(detect(v).store_port, 7000);
+  v["QRING_STORE"] = "other:8000";
+  b = detect(v);
+  EXPECT_EQ(b.store_host, "other");
+  EXPECT_EQ(b.store_port, 8000);
+  // One host, no LOCAL_*: every rank local; one rank needs no store.
+  b = detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+              {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(b.local_rank, 1);
+  EXPECT_EQ(b.local_size, 2);
+  EXPECT_EQ(b.job_id, "torchrun");
+  b = detect({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_EQ(b.world_size, 1);
+  EXPECT_EQ(b.store_port, 0);
+  // QRING_* (qring-launch inside) wins over torchrun's.
+  b = detect({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"QRING_RANK", "0"}, {"QRING_WORLD_SIZE", "1"}});
+  EXPECT_EQ(b.source, "env");
+}
+
+// A partial or contradictory environment names the variables, never runs as one process.
+TEST(DetectBootstrap, PartialOrContradictoryEnvironmentsNameTheVariables) {
+  Vars ok{{"RANK", "1"},        {"WORLD_SIZE", "4"},       {"LOCAL_RANK", "1"},
+          {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}};
+  auto without = [&](const std::string& k) {
+    Vars x = ok;
+    x.erase(k);
+    return x;
+  };
+  auto with = [&](const std::string& k, const std::string& val) {
+    Vars x = ok;
+    x[k] = val;
+    return x;
+  };
+  EXPECT_EQ(error_of(ok), "(no error)");
+  EXPECT_THAT(error_of(without("WORLD_SIZE")), HasSubstr("RANK is set but WORLD_SIZE is not"));
+  EXPECT_THAT(error_of(without("RANK")), HasSubstr("WORLD_SIZE is set but RANK is not"));
+  EXPECT_THAT(error_of(without("LOCAL_WORLD_SIZE")),
+              HasSubstr("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not"));
+  EXPECT_THAT(error_of(without("MASTER_PORT")),
+              HasSubstr("MASTER_ADDR is set but MASTER_PORT is not"));
+  EXPECT_THAT(error_of(without("MASTER_ADDR")),
+              HasSubstr("MASTER_PORT is set but MASTER_ADDR is not"));
+  Vars none = ok;
+  none.erase("MASTER_ADDR");
+  none.erase("MASTER_PORT");
+  EXPECT_THAT(error_of(none), HasSubstr("MASTER_ADDR and MASTER_PORT are not"));
+  EXPECT_THAT(error_of(with("RANK", "4")), HasSubstr("RANK=4 is not below WORLD_SIZE=4"));
+  EXPECT_THAT(error_of(with("LOCAL_WORLD_SIZE", "5")),
+              HasSubstr("LOCAL_WORLD_SIZE=5 exceeds the world size 4"));
+  Vars one_host = with("LOCAL_WORLD_SIZE", "4");
+  one_host["LOCAL_RANK"] = "3";
+  EXPECT_THAT(error_of(one_host), HasSubstr("LOCAL_RANK=3 contradicts RANK=1"));
+  EXPECT_THAT(error_of(one_host), HasSubstr("LOCAL_WORLD_SIZE=4 = WORLD_SIZE"));
+  one_host["LOCAL_RANK"] = "1";
+  EXPECT_EQ(error_of(one_host), "(no error)");
+  EXPECT_THAT(error_of(with("MASTER_PORT", "65535")), HasSubstr("QRING_STORE_PORT"));
+  EXPECT_THAT(error_of(with("MASTER_PORT", "http")), HasSubstr("MASTER_PORT='http'"));
+  // Only a torchrun variable, no launcher's rank: not a single process.
+  for (const char* var : {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+    EXPECT_THAT(error_of({{var, "1"}}),
+                HasSubstr(std::string(var) + " is set but RANK and WORLD_SIZE are not"));
+  // Open MPI's and PMI's pairs.
+  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_SIZE", "2"}, {"QRING_STORE", "h:1"}}),
+              HasSubstr("OMPI_COMM_WORLD_SIZE is set but OMPI_COMM_WORLD_RANK is not"));
+  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                        {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"QRING_STORE", "h:1"}}),
+              HasSubstr("OMPI_COMM_WORLD_LOCAL_RANK is set but OMPI_COMM_WORLD_LOCAL_SIZE"));
+  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                        {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                        {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"QRING_STORE", "h:1"}}),
+              HasSubstr("OMPI_COMM_WORLD_LOCAL_RANK=0 contradicts OMPI_COMM_WORLD_RANK=1"));
+  EXPECT_THAT(error_of({{"PMI_SIZE", "2"}}), HasSubstr("PMI_SIZE is set but PMI_RANK is not"));
+  EXPECT_THAT(error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "h"}}),
+              HasSubstr("MASTER_ADDR is set but MASTER_PORT is not"));
 }
 
 TEST(DetectBootstrap, ExplicitEnvErrorsNameTheVariable) {
@@ -242,10 +368,22 @@ TEST(DetectBootstrap, MpiAndPmi) {
 TEST(DetectBootstrap, JobSecretAndJobIdentity) {
   Vars env{{"QRING_RANK", "1"}, {"QRING_WORLD_SIZE", "2"}, {"QRING_STORE", "h:9"}};
   EXPECT_EQ(detect(env).job_secret, "");
-  env["QRING_JOB_SECRET"] = "0123456789abcdef0123";
-  EXPECT_EQ(detect(env).job_secret, "0123456789abcdef0123");
+  env["QRING_JOB_SECRET"] = "7f3a9c0e5b21d8a4c6e1";
+  EXPECT_EQ(detect(env).job_secret, "7f3a9c0e5b21d8a4c6e1");
   env["QRING_JOB_SECRET"] = "short";
   EXPECT_THAT(error_of(env), HasSubstr("QRING_JOB_SECRET has 5 characters, fewer than 16"));
+  // Issue 44: long enough is not enough (16 x 'a' was accepted).
+  const std::pair<const char*, const char*> weak[] = {
+      {"aaaaaaaaaaaaaaaa", "uses only 1 different characters"},
+      {"abababababababababab", "uses only 2 different characters"},
+      {"abcdefabcdefabcdefab", "repeats its first 6 characters"},
+      {"0123456789abcdef0123", "contains the sequence '01234567"},
+      {"x-zyxwvutsrq-42-secret", "contains the sequence 'zyxwvuts"},
+  };
+  for (const auto& [secret, why] : weak) {
+    env["QRING_JOB_SECRET"] = secret;
+    EXPECT_THAT(error_of(env), HasSubstr(std::string("QRING_JOB_SECRET ") + why)) << secret;
+  }
 
   Vars slurm{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},  {"SLURM_JOB_ID", "77"},
              {"SLURM_STEP_ID", "3"}, {"SLURM_NODELIST", "n1"}, {"SLURM_JOB_NODELIST", "n1"},

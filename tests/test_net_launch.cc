@@ -152,6 +152,16 @@ class TempDir {
   std::string path;
 };
 
+// Reads the launcher's output until ranks 0 and 1 have both printed "ready" (at most 5 s).
+bool both_ranks_ready(LaunchRun& run) {
+  return run.read_until(
+      [&] {
+        return run.out.find("[rank 0] ready") != std::string::npos &&
+               run.out.find("[rank 1] ready") != std::string::npos;
+      },
+      5s);
+}
+
 TEST(Launch, FailingRankStopsTheOthers) {
   LaunchRun run({"-n", "3", "--", "sh", "-c", "if [ $QRING_RANK = 1 ]; then exit 3; fi; sleep 30"});
   int code = run.finish();
@@ -289,19 +299,101 @@ TEST(Launch, SetsTheBootstrapEnvironment) {
 TEST(Launch, ForwardsSigterm) {
   LaunchRun run({"-n", "2", "--", "sh", "-c",
                  "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.05; done"});
-  ASSERT_TRUE(run.read_until(
-      [&] {
-        return run.out.find("[rank 0] ready") != std::string::npos &&
-               run.out.find("[rank 1] ready") != std::string::npos;
-      },
-      5s))
-      << run.out << run.err;
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
   kill(run.pid(), SIGTERM);
   EXPECT_EQ(run.finish(), 128 + SIGTERM);
   EXPECT_LT(run.elapsed, 5s);
   EXPECT_THAT(run.out, HasSubstr("[rank 0] got-term"));
   EXPECT_THAT(run.out, HasSubstr("[rank 1] got-term"));
   EXPECT_THAT(run.err, HasSubstr("received SIGTERM"));
+}
+
+// Preemption: a forwarded SIGTERM that every rank answers by checkpointing and exiting 76
+// (qring-train) ends the launcher with 76 too, so that a batch script knows to requeue.
+TEST(Launch, RanksThatStopAfterCheckpointingOnSigtermMakeItExit76) {
+  LaunchRun run({"-n", "2", "--", "sh", "-c",
+                 "trap 'sleep 0.2; exit 76' TERM; echo ready; while :; do sleep 0.05; done"});
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.finish(), 76) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("the ranks stopped after checkpointing (exit status 76)"));
+}
+
+// SIGUSR1 (Slurm's --signal ahead of a time limit) is forwarded like SIGTERM, and the ranks
+// get --stop-grace-s to end before SIGKILL.
+TEST(Launch, ForwardsSigusr1AndGivesTheRanksTheirGrace) {
+  LaunchRun run({"-n", "2", "--stop-grace-s", "5", "--", "sh", "-c",
+                 "trap 'sleep 1; echo saved; exit 76' USR1; echo ready; "
+                 "while :; do sleep 0.05; done"});
+  ASSERT_TRUE(both_ranks_ready(run)) << run.out << run.err;
+  kill(run.pid(), SIGUSR1);
+  EXPECT_EQ(run.finish(), 76) << run.err;
+  EXPECT_THAT(run.err, HasSubstr("received SIGUSR1; forwarding it to all ranks"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 0] saved"));
+  EXPECT_THAT(run.out, HasSubstr("[rank 1] saved"));
+  EXPECT_THAT(run.err, Not(HasSubstr("SIGKILL")));
+}
+
+// --prefix others: rank 0's lines pass through as they are, the others keep "[rank R] ".
+TEST(Launch, PrefixOthersLeavesRankZerosLinesBare) {
+  LaunchRun run({"-n", "2", "--prefix", "others", "--", "sh", "-c", "echo line-$QRING_RANK"});
+  EXPECT_EQ(run.finish(), 0) << run.err;
+  EXPECT_THAT(run.out, HasSubstr("line-0\n"));
+  EXPECT_THAT(run.out, Not(HasSubstr("[rank 0]")));
+  EXPECT_THAT(run.out, HasSubstr("[rank 1] line-1\n"));
+  LaunchRun none({"-n", "2", "--prefix", "none", "--", "sh", "-c", "echo line-$QRING_RANK"});
+  EXPECT_EQ(none.finish(), 0) << none.err;
+  EXPECT_THAT(none.out, Not(HasSubstr("[rank ")));
+  LaunchRun bad({"-n", "2", "--prefix", "some", "--", "true"});
+  EXPECT_EQ(bad.finish(), 2);
+  EXPECT_THAT(bad.err, HasSubstr("--prefix expects 'all', 'others' or 'none', got 'some'"));
+}
+
+// Across hosts (torchrun's shape): two launchers, here both on loopback, form one job of
+// 2 x 2 ranks: global ranks, the world, local ranks, node 0's store for everyone.
+TEST(Launch, TwoLaunchersFormOneJob) {
+  const int port = 20000 + int(getpid() % 20000);
+  const std::string master = fmt::format("127.0.0.1:{}", port);
+  const std::vector<std::string> cmd{
+      "--", "sh", "-c",
+      "echo rank=$QRING_RANK world=$QRING_WORLD_SIZE local=$QRING_LOCAL_RANK/$QRING_LOCAL_SIZE "
+      "node=$QRING_NODE_RANK/$QRING_NNODES store=$QRING_STORE hosted=$QRING_STORE_HOSTED"};
+  auto args = [&](int node) {
+    std::vector<std::string> a{"--nnodes", "2", "--node-rank", std::to_string(node), "--master",
+                               master, "-n", "2"};
+    a.insert(a.end(), cmd.begin(), cmd.end());
+    return a;
+  };
+  LaunchRun n0(args(0));
+  LaunchRun n1(args(1));
+  EXPECT_EQ(n0.finish(), 0) << n0.err;
+  EXPECT_EQ(n1.finish(), 0) << n1.err;
+  for (int r = 0; r < 4; ++r) {
+    const LaunchRun& n = r < 2 ? n0 : n1;
+    EXPECT_THAT(n.out, HasSubstr(fmt::format("[rank {}] rank={} world=4 local={}/2 node={}/2 "
+                                             "store={} hosted=1\n",
+                                             r, r, r % 2, r / 2, master)))
+        << n.out;
+  }
+}
+
+TEST(Launch, AcrossHostsUsageErrors) {
+  LaunchRun no_master({"--nnodes", "2", "-n", "1", "--", "true"});
+  EXPECT_EQ(no_master.finish(), 2);
+  EXPECT_THAT(no_master.err, HasSubstr("--nnodes 2 needs --master HOST:PORT"));
+  LaunchRun no_secret(
+      {"--nnodes", "2", "--node-rank", "1", "--master", "10.213.9.9:29500", "-n", "1", "--",
+       "true"},
+      "QRING_JOB_SECRET=");
+  EXPECT_EQ(no_secret.finish(), 2);
+  EXPECT_THAT(no_secret.err, HasSubstr("needs the job secret: export QRING_JOB_SECRET"));
+  LaunchRun bad_rank({"--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29500", "-n",
+                      "1", "--", "true"});
+  EXPECT_EQ(bad_rank.finish(), 2);
+  EXPECT_THAT(bad_rank.err, HasSubstr("--node-rank 2 is not below --nnodes 2"));
+  LaunchRun bad_master({"--nnodes", "2", "--master", "nohostport", "-n", "1", "--", "true"});
+  EXPECT_EQ(bad_master.finish(), 2);
+  EXPECT_THAT(bad_master.err, HasSubstr("--master expects HOST:PORT, got 'nohostport'"));
 }
 
 TEST(Launch, RankKilledBySignal) {

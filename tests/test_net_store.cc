@@ -23,6 +23,9 @@
 #include <sstream>
 #include <thread>
 
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "net/base/error.h"
 #include "net/rendezvous/store.h"
 
@@ -330,6 +333,22 @@ bool raw_join(RawConn& c, int rank, int world, const std::string& job) {
   return r.size() == kJoinReplyBytes && static_cast<uint8_t>(r[6]) == 0x80;
 }
 
+// A socket listening on a free loopback port (a fake server's), and that port.
+int loopback_listener(int backlog, int& port, bool reuse_addr = false) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  if (reuse_addr) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(listen(fd, backlog), 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
 TEST(TcpStore, JoinRejections) {
   TcpStoreServer server("127.0.0.1", 0, 3, "job-1", with_secret());
   JoinInfo ok = join_info(1, 3, "job-1");
@@ -452,14 +471,8 @@ TEST(TcpStore, UnauthenticatedClientCannotJoinReadOrWrite) {
 // The client checks the server's proof: a store that does not know the secret (here one
 // that accepts any JOIN) gets no further than the JOIN, so a rank never publishes to it.
 TEST(TcpStore, ClientRejectsAStoreThatCannotProveTheSecret) {
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = 0;
+  const int lfd = loopback_listener(4, port);
   std::thread fake([lfd] {
     int c = accept(lfd, nullptr, nullptr);
     std::string p;
@@ -480,7 +493,7 @@ TEST(TcpStore, ClientRejectsAStoreThatCannotProveTheSecret) {
     close(c);
   });
   try {
-    TcpStore c("127.0.0.1", ntohs(a.sin_port), join_info(0), deadline_in(3s));
+    TcpStore c("127.0.0.1", port, join_info(0), deadline_in(3s));
     ADD_FAILURE() << "joined a store that does not know the secret";
   } catch (const ProtocolError& e) {
     EXPECT_THAT(e.what(), HasSubstr("cannot prove the job secret"));
@@ -644,31 +657,199 @@ TEST(TcpStore, SlowAndIdleHandshakesAreDropped) {
   EXPECT_EQ(rank0.get("k", deadline_in(1s)), "v");
 }
 
-// Issue 15 item 3: connections that have not joined are capped; past the cap new ones are
-// closed at once, and once the flood ends a rank joins (its client retries until its deadline).
-TEST(TcpStore, ConnectionFloodIsCapped) {
+// Issue 44, N1: connections that have not joined are capped, and past the cap the oldest one
+// goes, not the new one: every newcomer gets its CHALLENGE, and a rank joins at once while a
+// flood holds every slot. (Before, new connections were closed at once and the rank waited
+// until the flood ended.)
+TEST(TcpStore, ConnectionFloodDropsTheOldestNotTheNewcomer) {
   StoreServerOptions o = with_secret();
   o.max_handshakes = 4;  // world size 2 + 4 connections may be joining
   TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
   std::vector<std::unique_ptr<RawConn>> flood;
-  for (int i = 0; i < 30; ++i) flood.push_back(std::make_unique<RawConn>(server.port()));
-  int closed = 0;
-  for (auto& c : flood) {
-    auto [bytes, eof] = c->read_until_eof(100ms);
-    if (eof && bytes.empty()) ++closed;  // closed before its CHALLENGE
+  for (int i = 0; i < 30; ++i) {
+    flood.push_back(std::make_unique<RawConn>(server.port()));
+    EXPECT_FALSE(flood.back()->challenge().empty()) << "newcomer " << i << " got no CHALLENGE";
   }
-  EXPECT_GE(closed, 24);
-  // While the flood holds its slots a rank cannot join; when it ends, the rank gets in.
-  std::thread ender([&] {
-    std::this_thread::sleep_for(300ms);
-    flood.clear();
-  });
+  int closed = 0;
+  for (auto& c : flood) closed += c->read_until_eof(50ms).second ? 1 : 0;
+  EXPECT_EQ(closed, 24) << "the 6 newest connections stay, the older ones go";
+  EXPECT_EQ(server.rejections(StoreRejection::kDroppedForNewer), 24u);
   auto t0 = Clock::now();
   TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(5s));
-  EXPECT_GE(ms_since(t0), 200);
-  ender.join();
+  EXPECT_LT(ms_since(t0), 500) << "a rank waited for the flood";
   rank0.set("k", "v");
   EXPECT_EQ(rank0.get("k", deadline_in(1s)), "v");
+}
+
+// Issue 44, N1: one address may hold at most max_handshakes_per_source connections that have
+// not joined; past it, its own oldest goes, never another address's.
+TEST(TcpStore, PerSourceCapDropsThatSourcesOldest) {
+  StoreServerOptions o = with_secret();
+  o.max_handshakes_per_source = 4;
+  TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
+  auto connect_from = [&](const char* source) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, source, &a.sin_addr);
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    a.sin_port = htons(static_cast<uint16_t>(server.port()));
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+  };
+  auto closed = [](int fd) {  // after its CHALLENGE (48 bytes), EOF within 200 ms
+    char buf[256];
+    size_t got = 0;
+    for (auto t0 = Clock::now(); ms_since(t0) < 200;) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      ssize_t r = recv(fd, buf, sizeof(buf), 0);
+      if (r <= 0) return got == kFrameHeaderBytes + 4 + kNonceBytes;
+      got += size_t(r);
+    }
+    return false;
+  };
+  std::vector<int> others, flood;
+  for (int i = 0; i < 3; ++i) others.push_back(connect_from("127.0.0.1"));
+  for (int i = 0; i < 20; ++i) flood.push_back(connect_from("127.0.0.2"));
+  std::this_thread::sleep_for(100ms);
+  int flood_closed = 0, others_closed = 0;
+  for (int fd : flood) flood_closed += closed(fd) ? 1 : 0;
+  for (int fd : others) others_closed += closed(fd) ? 1 : 0;
+  EXPECT_EQ(flood_closed, 16);
+  EXPECT_EQ(others_closed, 0);
+  for (int fd : flood) close(fd);
+  for (int fd : others) close(fd);
+}
+
+// Issue 44, N1 and the acceptance: an unauthenticated client holding and reopening 1000
+// connections (no key, no bandwidth) neither keeps a job's ranks from joining at their normal
+// pace nor a restarted rank from joining again, and the server's log stays short. (Before, 68
+// idle connections made every rank fail after its 30 s deadline.)
+TEST(TcpStore, HeldConnectionsBlockNeitherAJobNorARejoin) {
+  TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
+  std::atomic<bool> stop{false};
+  std::atomic<int> opened{0};
+  std::thread attacker([&] {
+    std::vector<int> held;
+    auto open_one = [&] {
+      int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(server.port()));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+      ++opened;
+      return fd;
+    };
+    for (int i = 0; i < 1000; ++i) held.push_back(open_one());
+    for (auto t0 = Clock::now(); !stop && ms_since(t0) < 30000;) {  // reopen what was closed
+      for (int& fd : held) {
+        char buf[256];
+        ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+          close(fd);
+          fd = open_one();
+        }
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    for (int fd : held) close(fd);
+  });
+  while (opened < 1000) std::this_thread::sleep_for(1ms);
+  auto t0 = Clock::now();
+  std::vector<std::unique_ptr<TcpStore>> ranks(4);
+  std::vector<std::thread> joiners;
+  for (int r = 0; r < 4; ++r)
+    joiners.emplace_back([&, r] {
+      ranks[size_t(r)] =
+          std::make_unique<TcpStore>("127.0.0.1", server.port(), join_info(r), deadline_in(10s));
+    });
+  for (auto& j : joiners) j.join();
+  const int64_t join_ms = ms_since(t0);
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(ranks[size_t(r)]) << "rank " << r;
+  EXPECT_LT(join_ms, 2000) << "4 ranks took " << join_ms << " ms to join under the attack";
+  // Rank 2 dies (its connection closes) and a new incarnation joins under the same attack.
+  ranks[2].reset();
+  std::this_thread::sleep_for(50ms);
+  t0 = Clock::now();
+  TcpStore again("127.0.0.1", server.port(), join_info(2), deadline_in(10s));
+  EXPECT_LT(ms_since(t0), 2000);
+  again.set("exit/2", "0");
+  EXPECT_EQ(ranks[0]->get("exit/2", deadline_in(2s)), "0");
+  stop = true;
+  attacker.join();
+  EXPECT_GT(server.rejections(StoreRejection::kDroppedForNewer) +
+                server.rejections(StoreRejection::kJoinDeadline),
+            0u);
+}
+
+// Issue 44, N3: rejections are counted and logged through a rate-limited warning: 2000
+// connections with a bad frame give a line or two, not 2000.
+TEST(TcpStore, RejectionsAreCountedAndTheirLogIsRateLimited) {
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  spdlog::default_logger()->sinks().push_back(sink);
+  {
+    TcpStoreServer server("127.0.0.1", 0, 2, "job", with_secret());
+    for (int i = 0; i < 2000; ++i) {
+      RawConn c(server.port());
+      c.send_bytes(frame(StoreMsg::kJoin, "x", 0, 0xdeadbeef));
+    }
+    TcpStore rank0("127.0.0.1", server.port(), join_info(0, 2), deadline_in(5s));
+    rank0.set("k", "v");  // the server has read every connection before this one
+    for (auto t0 = Clock::now();
+         server.rejections(StoreRejection::kBadFrame) < 2000 && ms_since(t0) < 5000;)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(server.rejections(StoreRejection::kBadFrame), 2000u);
+    EXPECT_EQ(server.rejections(StoreRejection::kJoinRejected), 0u);
+  }
+  spdlog::default_logger()->sinks().pop_back();
+  const std::string text = log.str();
+  const auto lines = std::count(text.begin(), text.end(), '\n');
+  EXPECT_LE(lines, 3) << text.substr(0, 2000);
+  EXPECT_THAT(text, HasSubstr("bad frame magic 0xdeadbeef"));
+}
+
+// Issue 44, N2: a connection the kernel accepted but nobody serves (here: a listener that
+// accepts and stays silent, then hands the port to the real store) is given up after the
+// attempt's timeout and the client connects again, instead of waiting out its whole deadline
+// and blaming the protocol.
+TEST(TcpStore, ClientRetriesAConnectionThatGetsNoChallenge) {
+  int port = 0;
+  const int lfd = loopback_listener(4, port, /*reuse_addr=*/true);
+  int silent = -1;
+  std::unique_ptr<TcpStoreServer> server;
+  std::thread fake([&] {
+    silent = accept(lfd, nullptr, nullptr);  // held open, never served
+    close(lfd);
+    server = std::make_unique<TcpStoreServer>("127.0.0.1", port, 2, "job", with_secret());
+  });
+  auto t0 = Clock::now();
+  TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(10s));
+  EXPECT_LT(ms_since(t0), 3000);
+  fake.join();
+  c.set("k", "v");
+  EXPECT_EQ(c.get("k", deadline_in(1s)), "v");
+  close(silent);
+}
+
+// ... and when no attempt is ever served, the final error says so: how many attempts, and
+// what each met.
+TEST(TcpStore, ClientNamesWhatItsAttemptsMet) {
+  int port = 0;
+  const int lfd = loopback_listener(16, port);  // the kernel accepts; nobody speaks
+  try {
+    TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(2500ms));
+    ADD_FAILURE() << "joined a silent server";
+  } catch (const TimeoutError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank 1"));
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("127.0.0.1:{}", port)));
+    EXPECT_THAT(e.what(), testing::ContainsRegex("[2-9] attempts: [2-9] got no CHALLENGE"));
+    EXPECT_THAT(e.what(), HasSubstr("never speaks"));
+  }
+  close(lfd);
 }
 
 // Issue 15 item 4: past the descriptor limit accept() fails with EMFILE; the server must not
@@ -842,15 +1023,8 @@ TEST(TcpStore, RandomGarbageNeverBreaksTheServer) {
 
 TEST(TcpStore, MalformedReplyRaisesProtocolError) {
   // A fake server that answers the JOIN with garbage.
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(lfd, 4), 0);
-  socklen_t len = sizeof(a);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
+  int port = 0;
+  const int lfd = loopback_listener(4, port);
   std::thread fake([lfd] {
     int c = accept(lfd, nullptr, nullptr);  // garbage instead of a CHALLENGE
     std::string garbage(16, '\x11');

@@ -40,10 +40,20 @@ TEST(AutoQuorumConfig, AutoAndItsBoundsParseAndAreChecked) {
   EXPECT_THROW(smoke("cfg", {"quorum.quorum=auto", "quorum.min=5"}).validate(4), ConfigError);
   // A count again clears "auto".
   EXPECT_FALSE(smoke("cfg", {"quorum.quorum=auto", "quorum.quorum=3"}).quorum.quorum_auto);
-  // The rule's noise scale: samples, >= 0 (0, the default, is the linear value).
+  // The rule's noise scale: samples >= 0 (0, the default, is the linear value), or
+  // "estimate" (the run's own); both survive the round trip through TOML.
+  EXPECT_FALSE(smoke("cfg").quorum.noise_scale_estimated());
   EXPECT_EQ(smoke("cfg").quorum.noise_scale, 0);
   auto ns = smoke("cfg", {"quorum.quorum=auto", "quorum.noise_scale=400"});
+  EXPECT_FALSE(ns.quorum.noise_scale_estimated());
   EXPECT_EQ(TrainConfig::from_string(ns.to_toml()).quorum.noise_scale, 400);
+  EXPECT_FALSE(TrainConfig::from_string(ns.to_toml()).quorum.noise_scale_estimated());
+  auto est = smoke("cfg", {"quorum.quorum=auto", "quorum.noise_scale=400",
+                           "quorum.noise_scale=\"estimate\""});
+  EXPECT_TRUE(est.quorum.noise_scale_estimated());
+  EXPECT_TRUE(TrainConfig::from_string(est.to_toml()).quorum.noise_scale_estimated());
+  EXPECT_FALSE(smoke("cfg", {"quorum.noise_scale=0"}).quorum.noise_scale_estimated());
+  EXPECT_TRUE(smoke("cfg", {"quorum.noise_scale=estimate"}).quorum.noise_scale_estimated());
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=-1"}).validate(4), ConfigError);
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=nan"}).validate(4), ConfigError);
   EXPECT_THROW(smoke("cfg", {"quorum.noise_scale=\"big\""}), ConfigError);
@@ -62,7 +72,10 @@ TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
   CommOptions co;
   co.timeout = std::chrono::seconds(30);
   std::vector<train::RunSummary> out(W);
-  run_ranks(W, co, [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm); });
+  train::TrainerOptions opts;
+  opts.force = true;  // the suite's directory is shared across test runs: start over
+  run_ranks(W, co,
+            [&](Communicator& comm) { out[size_t(comm.rank())] = train::train(cfg, comm, opts); });
   const fs::path dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   std::ifstream in(dir / "metrics.jsonl");
   std::string line;
@@ -93,11 +106,9 @@ TEST(AutoQuorumTrain, StepsCarryTheirQuorumAndTheSlowRankIsLeftOut) {
   for (int r = 1; r < W; ++r) EXPECT_EQ(out[size_t(r)].params_checksum, out[0].params_checksum);
 }
 
-// qring-sim's auto mode calls the same rule on its virtual clock: with one worker 100 ms
-// behind, N settles at W - 1; the histogram counts every step.
-TEST(AutoQuorumSim, TheSimulatorUsesTheSameRule) {
-  omp_set_num_threads(1);
-  auto cfg = TrainConfig::from_string(R"(
+// 8-16 simulated workers of a small model, 60 steps, quorum "auto", under `straggler`.
+TrainConfig sim_config(const std::string& straggler) {
+  return TrainConfig::from_string(R"(
 [data]
 dataset = "synthetic"
 synthetic_train = 2048
@@ -110,12 +121,19 @@ steps = 60
 eval_every = 30
 [quorum]
 quorum = "auto"
-[straggler]
-model = "fixed:5:100"
-)");
+)",
+                                  {"straggler.model=" + straggler});
+}
+
+// qring-sim's auto mode calls the same rule on its virtual clock: with one worker 100 ms
+// behind, N settles at W - 1; the histogram counts every step.
+TEST(AutoQuorumSim, TheSimulatorUsesTheSameRule) {
+  omp_set_num_threads(1);
+  auto cfg = sim_config("fixed:5:100");
   train::SimOptions o;
   o.workers = 8;
   o.adaptive = true;
+  o.auto_kappa = 0;  // the linear value
   o.compute_ms = 2;
   o.apply_ms = 0.1;
   auto r = train::simulate(cfg, train::load_datasets(cfg.data, 42), o);
@@ -134,6 +152,43 @@ model = "fixed:5:100"
   train::SimOptions bad = o;
   bad.backups = 1;
   EXPECT_THROW(train::simulate(cfg, train::load_datasets(cfg.data, 42), bad), ConfigError);
+}
+
+// Without quorum.noise_scale the simulator values each step with the run's own estimate of
+// the gradient-noise scale (as the coordinator does from the norms READY carries): every step
+// of N >= 2 records it, the first step (no estimate yet) is chosen as under the linear value,
+// and where the estimate is a few contributions the quorums are smaller than the linear
+// value's. A huge fixed noise scale is the linear value.
+TEST(AutoQuorumSim, WithoutANoiseScaleTheRunsEstimateValuesItsSteps) {
+  omp_set_num_threads(1);
+  auto cfg = sim_config("shiftexp:1:2");
+  const auto data = train::load_datasets(cfg.data, 42);
+  train::SimOptions o;
+  o.workers = 16;
+  o.adaptive = true;
+  o.compute_ms = 2;
+  o.apply_ms = 0.1;
+  auto est = train::simulate(cfg, data, o);
+  o.auto_kappa = 0;
+  auto linear = train::simulate(cfg, data, o);
+  o.auto_kappa = 1e12;
+  auto huge = train::simulate(cfg, data, o);
+  ASSERT_EQ(est.steps.size(), 60u);
+  ASSERT_EQ(linear.steps.size(), 60u);
+  EXPECT_EQ(est.steps[0].quorum, linear.steps[0].quorum);
+  double q_est = 0, q_lin = 0;
+  for (size_t t = 0; t < 60; ++t) {
+    EXPECT_TRUE(est.steps[t].noise_scale) << "step " << t;
+    EXPECT_EQ(huge.steps[t].quorum, linear.steps[t].quorum) << "step " << t;
+    if (t >= 10) {
+      q_est += est.steps[t].quorum;
+      q_lin += linear.steps[t].quorum;
+    }
+  }
+  ASSERT_TRUE(est.noise_scale_mean);
+  const double kappa = *est.noise_scale_mean / 16;  // in contributions
+  EXPECT_LT(kappa, 8) << "this model's noise scale is a few contributions";
+  EXPECT_LT(q_est, 0.8 * q_lin) << "estimated " << q_est / 50 << ", linear " << q_lin / 50;
 }
 
 }  // namespace

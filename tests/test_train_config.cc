@@ -7,20 +7,24 @@
 
 #include "net/base/error.h"
 #include "train/config.h"
+#include "train/config_limits.h"
 
 namespace qring::train {
 namespace {
 
 using ::testing::HasSubstr;
 
-// Expects ConfigError whose message names `key` (and contains `detail` when given).
+// Expects ConfigError whose message names `key` (unless empty) and contains `detail` (when
+// given).
 template <class F>
 void expect_config_error(F&& f, const std::string& key, const std::string& detail = "") {
   try {
     f();
-    ADD_FAILURE() << "no ConfigError for " << key;
+    ADD_FAILURE() << "no ConfigError for " << key << detail;
   } catch (const ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("'" + key + "'"));
+    if (!key.empty()) {
+      EXPECT_THAT(e.what(), HasSubstr("'" + key + "'"));
+    }
     if (!detail.empty()) {
       EXPECT_THAT(e.what(), HasSubstr(detail));
     }
@@ -117,6 +121,35 @@ TEST(TrainConfig, UnknownKeysNameTheKey) {
   expect_config_error([] { parse("lr = 0.1\n"); }, "lr", "unknown key");
   expect_config_error([] { parse("", {"train.nope=1"}); }, "train.nope", "unknown key");
   expect_config_error([] { parse("[train.sub]\nx = 1\n"); }, "train.sub");
+}
+
+// A typo or a key in the wrong section gets the key it probably meant; nothing close, none.
+TEST(TrainConfig, UnknownKeysSuggestTheClosestKnownOne) {
+  expect_config_error([] { parse("[train]\nbatch_per_rnak = 8\n"); }, "train.batch_per_rnak",
+                      "did you mean 'train.batch_per_rank'?");
+  expect_config_error([] { parse("", {"quorum.evict_sm=10"}); }, "quorum.evict_sm",
+                      "did you mean 'quorum.evict_ms'?");
+  expect_config_error([] { parse("[quorum]\nlr = 0.1\n"); }, "quorum.lr",
+                      "did you mean 'train.lr'?");
+  expect_config_error([] { parse("lr = 0.1\n"); }, "lr", "did you mean 'train.lr'?");
+  try {
+    parse("", {"train.zzzzzz=1"});
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("did you mean")));
+  }
+}
+
+// A value that does not parse, or has the wrong type, names the type the key takes.
+TEST(TrainConfig, ParseErrorsNameTheExpectedType) {
+  expect_config_error([] { parse("", {"train.steps=ten"}); }, "train.steps",
+                      "cannot parse value 'ten': expected an integer");
+  expect_config_error([] { parse("", {"model.hidden=[1,"}); }, "model.hidden",
+                      "expected an array of integers");
+  expect_config_error([] { parse("", {"log.progress=maybe"}); }, "log.progress",
+                      "expected true or false");
+  expect_config_error([] { parse("[train]\nsteps = 1.5\n"); }, "train.steps",
+                      "expected an integer, got a float");
 }
 
 // TOML is UTF-8. Invalid UTF-8 inside a string made toml11 3.7 read out of bounds while it
@@ -310,9 +343,11 @@ TEST(TrainConfig, ParameterChecksumsAreOnByDefault) {
 // Issue 15, item 9: the per-key digests the trainer compares across ranks at start.
 TEST(TrainConfig, RanksMustAgreeOnTheirConfig) {
   const auto keys = TrainConfig::agreed_keys();
-  for (const char* local : {"run.out_dir", "data.path", "net.provider", "log.level"})
+  const char* const locals[] = {"run.out_dir",   "run.umask", "data.path",   "data.max_bytes",
+                                "net.provider", "log.level", "log.progress"};
+  for (const char* local : locals)
     EXPECT_EQ(std::count(keys.begin(), keys.end(), local), 0) << local;
-  EXPECT_EQ(keys.size() + 5, TrainConfig::keys().size());
+  EXPECT_EQ(keys.size() + std::size(locals), TrainConfig::keys().size());
   auto gather = [](const std::vector<TrainConfig>& cs) {
     std::vector<uint64_t> all;
     for (const auto& c : cs) {
@@ -371,6 +406,46 @@ TEST(TrainConfig, RanksMustAgreeOnExtraValuesSuchAsTheKernels) {
   EXPECT_NE(TrainConfig::digest("a"), TrainConfig::digest("b"));
   // Without the extra key name the sizes do not match.
   EXPECT_THROW(TrainConfig::check_ranks_agree(gather({a, b}), 2), UsageError);
+}
+
+// Issue 44, N6: the limits checked before the TOML parser count only what the parser would
+// recurse on: brackets and dots inside strings and comments are text, and a configuration at
+// the limit parses.
+TEST(ConfigLimits, CountOnlyStructureOutsideStringsAndComments) {
+  const std::string deep(40, '[');
+  EXPECT_NO_THROW(check_toml_limits(
+      "name = \"" + deep + ".a.b.c\" # " + deep + "\n" +
+      "x = '" + deep + "'\n" +
+      "y = \"\"\"\n" + deep + "\n\"\"\"\n" +
+      "z = '''" + deep + "'''\n" +
+      "w = \"\\\"" + deep + "\"\n" +
+      "f = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 9.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5,"
+      " 8.5, 9.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 9.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5]\n",
+      "ok.toml"));
+  EXPECT_NO_THROW(check_toml_limits(std::string(32, '[') + std::string(32, ']'), "32"));
+  expect_config_error([] { check_toml_limits(std::string(33, '['), "deep.toml"); }, "",
+                      "deep.toml: arrays or inline tables nested deeper than 32 levels at line 1, "
+                      "column 33");
+  std::string key = "a";
+  for (int i = 0; i < 31; ++i) key += ".b";
+  EXPECT_NO_THROW(check_toml_limits(key + " = 1", "32 parts"));
+  expect_config_error([&] { check_toml_limits("\n" + key + ".c = 1", "dots.toml"); }, "",
+                      "dots.toml: a dotted key of more than 32 parts at line 2");
+  // Deep values through an override name the key.
+  TrainConfig c;
+  expect_config_error([&] { c.apply_override("model.hidden=" + deep); }, "model.hidden",
+                      "nested deeper than 32 levels");
+  // run.name, run.umask and train.nonfinite.
+  expect_config_error([] { parse("", {"run.name=../x"}); }, "run.name", "not a name inside");
+  expect_config_error([] { parse("", {"run.umask=0777"}); }, "run.umask", "3 octal digits");
+  expect_config_error([] { parse("", {"run.umask=08x"}); }, "run.umask", "3 octal digits");
+  expect_config_error([] { parse("", {"train.nonfinite=ignore"}); }, "train.nonfinite",
+                      "one of: fail, skip");
+  EXPECT_EQ(parse("", {"train.nonfinite=skip", "run.umask=022"}).train.nonfinite, "skip");
+  // Local keys: data.max_bytes and run.umask may differ between ranks, and a checkpoint
+  // resumes with another data.max_bytes.
+  EXPECT_EQ(parse("", {"data.max_bytes=1000"}).agreed_digests(), parse("").agreed_digests());
+  EXPECT_EQ(parse("", {"data.max_bytes=1000"}).fingerprint(), parse("").fingerprint());
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "net/base/error.h"
+#include "train/config.h"
 #include "temp_dir.h"
 #include "train/dataset.h"
 #include "train/idx.h"
@@ -307,6 +308,44 @@ TEST(Dataset, GatherBatch) {
   EXPECT_EQ(y[1], d.train.labels[2]);
   EXPECT_TRUE(std::equal(x.begin() + 784, x.end(), d.train.image(2)));
   EXPECT_THROW(gather_batch(d.train, {50}, x.data(), y.data()), UsageError);
+}
+
+// Issue 44, N5: every header before any data, and the memory the counts imply against the
+// budget; the digest tells the files apart by content, not by compression.
+TEST(Dataset, HeadersAreCheckedAgainstEachOtherAndTheBudgetFirst) {
+  TempDir dir("qring-data");
+  write_split(dir, "train", 20, 20);
+  write_split(dir, "t10k", 10, 10);
+  MemoryBudget tight;
+  tight.bytes = 30 * 3141 - 1;  // one byte short of 20 + 10 images and labels
+  tight.source = "the test's budget";
+  expect_data_error([&] { load_fashion_mnist(dir.path(), tight); }, "train-images-idx3-ubyte.gz",
+                    "20 training and 10 test images of 28x28 need 94230 bytes (0.00 GiB) in "
+                    "memory, more than the limit of 94229 bytes: the test's budget");
+  tight.bytes += 1;
+  const DatasetPair a = load_fashion_mnist(dir.path(), tight);
+  EXPECT_NE(a.digest, 0u);
+  // The same content uncompressed: the same digest; one pixel else: another.
+  TempDir plain("qring-data");
+  for (const char* f : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
+    IdxArray x = read_idx(dir.file(std::string(f) + ".gz"));
+    write_idx(plain.file(f), x.dims, x.data, false);
+  }
+  EXPECT_EQ(load_fashion_mnist(plain.path()).digest, a.digest);
+  IdxArray img = read_idx(plain.file("t10k-images-idx3-ubyte"));
+  img.data[5] ^= 1;
+  write_idx(plain.file("t10k-images-idx3-ubyte"), img.dims, img.data, false);
+  EXPECT_NE(load_fashion_mnist(plain.path()).digest, a.digest);
+  // A test set whose labels disagree is found before the training images are read.
+  write_split(dir, "t10k", 10, 9);
+  expect_data_error([&] { load_fashion_mnist(dir.path()); }, "t10k-labels-idx1-ubyte.gz",
+                    "9 labels, but");
+  DataSection cfg;
+  cfg.max_bytes = 12345;
+  const MemoryBudget b = data_budget(cfg, 4);
+  EXPECT_EQ(b.bytes, 12345u);
+  EXPECT_EQ(b.source, "data.max_bytes = 12345");
 }
 
 }  // namespace

@@ -2,10 +2,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
+#include <signal.h>
+
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "coll_harness.h"
 #include "collectives/quorum/quorum.h"
@@ -28,8 +34,16 @@ TrainConfig smoke(const std::string& name, std::vector<std::string> extra = {}) 
   return TrainConfig::from_file(std::string(QRING_SOURCE_DIR) + "/configs/smoke.toml", ov);
 }
 
+// The suite's runs share one directory across test runs: a fresh run there starts over
+// (--force) instead of refusing the checkpoints an earlier test run left.
+train::TrainerOptions fresh_or_resume(train::TrainerOptions opts) {
+  if (!opts.resume) opts.force = true;
+  return opts;
+}
+
 std::vector<RunSummary> run_training(int world, const TrainConfig& cfg,
                                      train::TrainerOptions opts = {}) {
+  opts = fresh_or_resume(opts);
   std::vector<RunSummary> out(static_cast<size_t>(world));
   CommOptions co;
   co.timeout = std::chrono::seconds(30);
@@ -43,6 +57,7 @@ std::vector<RunSummary> run_training(int world, const TrainConfig& cfg,
 std::vector<std::string> run_each(const std::vector<TrainConfig>& cfgs,
                                   train::TrainerOptions opts = {},
                                   std::vector<RunSummary>* sums = nullptr) {
+  opts = fresh_or_resume(opts);
   const int world = int(cfgs.size());
   std::vector<std::string> err(cfgs.size());
   if (sums) sums->assign(cfgs.size(), RunSummary{});
@@ -113,6 +128,57 @@ TEST(TrainLoop, ResumeIsBitIdenticalToAStraightRun) {
   EXPECT_EQ(resumed[0].steps, 40);
   EXPECT_EQ(resumed[0].params_checksum, straight[0].params_checksum);
   EXPECT_EQ(resumed[1].params_checksum, straight[1].params_checksum);
+}
+
+// A stop request (SIGTERM/SIGUSR1 in qring-train) on one rank only: the
+// flag travels with that rank's gradient, and every rank stops after the first step that
+// counted it -- the same step everywhere -- with a checkpoint there; resuming ends where a
+// straight run ends.
+TEST(TrainLoop, AStopOnOneRankStopsEveryRankAfterTheSameStep) {
+  auto straight = run_training(3, smoke("stop-straight", {"train.steps=200"}));
+  auto cfg = smoke("stopped", {"train.steps=200"});
+  const fs::path dir = fs::path(cfg.run.out_dir) / cfg.run.name;
+  fs::remove_all(dir);
+  // Rank 1 is asked to stop once 10 steps are in the metrics.
+  std::atomic<int> stop_rank1{0};
+  std::atomic<bool> done{false};
+  std::thread asker([&] {
+    while (!done && !stop_rank1) {
+      std::ifstream m(dir / "metrics.jsonl");
+      int steps = 0;
+      for (std::string l; std::getline(m, l);) steps += l.find("\"type\":\"step\"") != l.npos;
+      if (steps >= 10) stop_rank1 = SIGTERM;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  std::vector<RunSummary> sums(3);
+  CommOptions co;
+  co.timeout = std::chrono::seconds(30);
+  run_ranks(3, co, [&](Communicator& comm) {
+    train::TrainerOptions o;
+    if (comm.rank() == 1) o.stop = &stop_rank1;
+    sums[size_t(comm.rank())] = train::train(cfg, comm, o);
+  });
+  done = true;
+  asker.join();
+  const int64_t step = sums[0].steps;
+  EXPECT_GE(step, 10);
+  EXPECT_LT(step, 200);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(sums[size_t(r)].preempted) << "rank " << r;
+    EXPECT_EQ(sums[size_t(r)].stop_signal, r == 1 ? SIGTERM : 0) << "rank " << r;
+    EXPECT_EQ(sums[size_t(r)].steps, step) << "rank " << r;
+    EXPECT_EQ(sums[size_t(r)].params_checksum, sums[0].params_checksum) << "rank " << r;
+    EXPECT_TRUE(fs::exists(dir / "checkpoints" / ("rank-" + std::to_string(r)) /
+                           fmt::format("ckpt-{:012}.qck", step)))
+        << "rank " << r;
+  }
+  train::TrainerOptions again;
+  again.resume = true;
+  auto resumed = run_training(3, cfg, again);
+  EXPECT_FALSE(resumed[0].preempted);
+  EXPECT_EQ(resumed[0].steps, 200);
+  EXPECT_EQ(resumed[0].params_checksum, straight[0].params_checksum);
 }
 
 // The same with a CNN, whose convolutions run in the direct kernels on AVX-512 builds

@@ -111,6 +111,13 @@ TEST(Sgd, RateInsideTheBufferMovesEveryCountedGradientByTheSameAmount) {
   }
 }
 
+TEST(Sgd, StalenessRuleDividesTheRateByTheStaleness) {
+  EXPECT_EQ(staleness_lr_scale(false, 7), 1.0);
+  EXPECT_EQ(staleness_lr_scale(true, 0), 1.0);
+  EXPECT_EQ(staleness_lr_scale(true, 1), 1.0);
+  EXPECT_EQ(staleness_lr_scale(true, 4), 0.25);
+}
+
 TEST(Schedule, WarmupThenConstant) {
   LrSchedule s{0.4, 4, ScheduleKind::kConstant, 100, 10, 0.1};
   EXPECT_DOUBLE_EQ(s.at(0), 0.1);

@@ -1,14 +1,18 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "collectives/quorum/coordinator.h"
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 #include "train/config.h"
@@ -196,6 +200,73 @@ TEST(Sim, GraceCountsTheArrivalsWithinItAfterTheQuorum) {
   EXPECT_DOUBLE_EQ(d.at_ms, 9.0);
 }
 
+// sim_decide is the coordinator's decision: the same arrivals fed to a qproto::Coordinator as
+// READYs on its clock (a 0.25 ms grid, ticks at every point of it) give the same contributors
+// at the same instant, for quorums with and without a grace.
+TEST(Sim, DecidesAsTheCoordinatorDoes) {
+  using namespace collectives::qproto;
+  const auto m = collectives::StragglerModel::parse("lognormal:1.5:1.0");
+  const auto grid = std::chrono::microseconds(250);
+  int checked = 0;
+  for (int W : {4, 9}) {
+    for (int n : {1, W / 2, W - 1, W}) {
+      for (int grace : {0, 1, 3, 20}) {
+        for (uint64_t step = 0; step < 6; ++step) {
+          auto arr = sim_arrivals(m, 11, W, step, 0.0);
+          for (auto& a : arr) a.ms = std::round(a.ms * 4) / 4;  // onto the grid
+          std::stable_sort(arr.begin(), arr.end(), [](const SimArrival& x, const SimArrival& y) {
+            return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
+          });
+          const SimDecision d = sim_decide(arr, n, double(grace));
+
+          Config cfg;
+          cfg.world = W;
+          cfg.quorum = n;
+          cfg.count = 8;
+          cfg.grace = Ms(grace);
+          const Time t0 = Time{} + std::chrono::hours(1);
+          Coordinator c(cfg, t0);
+          std::optional<Decision> got;
+          double got_ms = -1;
+          size_t next = 0;
+          for (Time now = t0; !got && now < t0 + std::chrono::seconds(2); now += grid) {
+            std::vector<Down> out;
+            for (; next < arr.size() && t0 + std::chrono::microseconds(std::llround(
+                                                 arr[next].ms * 1000)) <= now;
+                 ++next) {
+              Event e;
+              e.kind = Event::Kind::kReady;
+              e.from = arr[next].rank;
+              e.step = 0;
+              e.count = 8;
+              auto a = c.handle(e, now);
+              out.insert(out.end(), a.begin(), a.end());
+            }
+            auto a = c.handle(Event{}, now);
+            out.insert(out.end(), a.begin(), a.end());
+            for (auto& act : out)
+              if (act.kind == Down::Kind::kDecide && !got) {
+                got = act.decide;
+                got_ms = std::chrono::duration<double, std::milli>(now - t0).count();
+              }
+          }
+          ASSERT_TRUE(got) << "W " << W << " n " << n << " grace " << grace;
+          EXPECT_EQ(int(got->contributors.size()), d.count)
+              << "W " << W << " n " << n << " grace " << grace << " step " << step;
+          EXPECT_DOUBLE_EQ(got_ms, d.at_ms)
+              << "W " << W << " n " << n << " grace " << grace << " step " << step;
+          std::vector<int> ranks;
+          for (int i = 0; i < d.count; ++i) ranks.push_back(arr[size_t(i)].rank);
+          std::sort(ranks.begin(), ranks.end());
+          EXPECT_EQ(got->contributors, ranks);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 4 * 4 * 6);
+}
+
 // A run with a grace: every step averages sim_decide's arrivals (more than the quorum on some
 // steps), ends at the decision plus communication among them, and records the quorum in force.
 TEST(Sim, SyncWithGraceAveragesTheArrivalsWithinTheGrace) {
@@ -325,40 +396,24 @@ TEST(Sim, AsyncStalenessIsAboutTheNumberOfWorkers) {
   EXPECT_GT(s.staleness_max, W - 1);
 }
 
-// The two-batch estimate of the gradient-noise scale: gradients g_i = G + noise of variance
-// sigma^2 / b per coordinate (a batch of b samples, each of variance sigma^2), P coordinates:
-// B_simple = tr(S) / |G|^2 = P sigma^2 / |G|^2, whatever N and b are.
-TEST(Sim, NoiseScaleEstimateRecoversTraceOverGradientNorm) {
-  const size_t P = 2000;
-  const double sigma2 = 0.25, g_norm2 = 1.0;
-  const double expect = double(P) * sigma2 / g_norm2;  // 500 samples
-  std::mt19937 rng(11);
-  for (auto [n, b] : {std::pair{8, 16}, std::pair{32, 4}}) {
-    NoiseScaleEstimate est(0.05);
-    EXPECT_FALSE(est.value().has_value());
-    std::normal_distribution<double> noise(0, std::sqrt(sigma2 / b));
-    std::vector<double> G(P, std::sqrt(g_norm2 / double(P))), mean(P);
-    for (int step = 0; step < 400; ++step) {
-      std::fill(mean.begin(), mean.end(), 0.0);
-      double sq = 0;
-      for (int i = 0; i < n; ++i) {
-        for (size_t p = 0; p < P; ++p) {
-          const double g = G[p] + noise(rng);
-          sq += g * g;
-          mean[p] += g / n;
-        }
-      }
-      double msq = 0;
-      for (double m : mean) msq += m * m;
-      est.add(sq / n, msq, n, b);
-    }
-    ASSERT_TRUE(est.value().has_value());
-    EXPECT_NEAR(*est.value(), expect, 0.1 * expect) << "N " << n << " b " << b;
+// train.async_staleness = "divide": an update s updates stale takes the schedule's rate / s
+// (s >= 1). Without stragglers every update after the first round is W - 1 stale, so each
+// round's first update runs at the rate of the plain run / (W - 1), and the runs differ.
+TEST(Sim, AsyncDivideRuleScalesEachUpdatesRateByItsStaleness) {
+  const int W = 4;
+  SimOptions o = sync_opts(W, 0);
+  o.mode = SimMode::kAsync;
+  SimResult plain = simulate(config({"straggler.model=none", "train.steps=10"}), data(), o);
+  SimResult divide = simulate(
+      config({"straggler.model=none", "train.steps=10", "train.async_staleness=divide"}), data(), o);
+  ASSERT_EQ(plain.steps.size(), divide.steps.size());
+  EXPECT_EQ(divide.steps[0].lr, plain.steps[0].lr);  // staleness 0: unchanged
+  for (size_t i = 1; i < plain.steps.size(); ++i) {
+    EXPECT_EQ(divide.steps[i].staleness_max, W - 1);
+    EXPECT_NEAR(divide.steps[i].lr, plain.steps[i].lr / (W - 1), 1e-15) << "round " << i;
   }
-  // A step of one gradient says nothing about the noise.
-  NoiseScaleEstimate one;
-  one.add(2.0, 2.0, 1, 16);
-  EXPECT_FALSE(one.value().has_value());
+  EXPECT_NE(divide.params_checksum, plain.params_checksum);
+  EXPECT_THROW(config({"train.async_staleness=halve"}).validate(), ConfigError);
 }
 
 TEST(Sim, WritesMetricsAndSummary) {

@@ -96,9 +96,23 @@ ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives:
     const auto got = Clock::now();
     const double wait_ms = std::chrono::duration<double, std::milli>(got - w0).count();
     const int64_t stale = u - int64_t(p->version);
-    const double lr = core.lr();
+    const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
+    const double lr = core.lr() * scale;
     const double loss = double(p->data[P]);
-    core.apply_gradient(p->data);
+    const bool skip = cfg.train.nonfinite == "skip";
+    std::string bad = nonfinite_text(p->data, P);
+    if (bad.empty() && !core.apply_gradient_finite(p->data, scale, 0, skip))
+      bad = "a parameter after the update";
+    if (!bad.empty()) {
+      if (!skip)
+        throw Error(fmt::format("async SGD server: update {} (worker {}'s push {}): {} is not "
+                                "finite: the run diverged (train.lr = {}); train.nonfinite = "
+                                "\"skip\" leaves such pushes out instead",
+                                u, p->rank, p->index, bad, cfg.train.lr));
+      if (sum.nonfinite_steps++ % 100 == 0)
+        spdlog::warn("update {}: worker {}'s push left out: {} is not finite ({} so far)", u,
+                     p->rank, bad, sum.nonfinite_steps);
+    }
     ps.reply(*p, core.params(), uint64_t(u + 1));
     const double it_ms =
         std::chrono::duration<double, std::milli>(got - last_push[size_t(p->rank)]).count();
@@ -201,7 +215,8 @@ RunSummary train_async(const TrainConfig& cfg, collectives::Communicator& comm,
   check_async_options(cfg, opts);
   const uint64_t seed = uint64_t(cfg.run.seed);
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
-  DatasetPair data = load_datasets(cfg.data, seed);
+  DatasetPair data = load_datasets(cfg.data, seed, opts.local_ranks);
+  if (world > 1) check_data_agrees(cfg, data, comm);
   TrainerCore core(cfg, data, rank, world, 1);
   const size_t P = core.num_params();
   const int64_t spe = core.steps_per_epoch();

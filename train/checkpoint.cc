@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -111,6 +112,25 @@ class Fd {
   int fd_;
 };
 
+// The checks of the 24-byte header against a file (or buffer) of `size` bytes: magic, version,
+// payload length. Returns the payload length.
+uint64_t check_header(const uint8_t* head, uint64_t size, const std::string& path) {
+  if (std::memcmp(head, kMagic, sizeof(kMagic)) != 0)
+    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
+  uint32_t version;
+  uint64_t payload;
+  std::memcpy(&version, head + 8, 4);
+  std::memcpy(&payload, head + 16, 8);
+  if (version != kVersion)
+    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
+                                version, kVersion));
+  if (payload != size - kHeader - 4)
+    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
+                                path, payload > size - kHeader - 4 ? "truncated" : "corrupt",
+                                payload, size - kHeader - 4));
+  return payload;
+}
+
 }  // namespace
 
 CheckpointView view_of(const CheckpointState& s) {
@@ -197,7 +217,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& s,
                      const std::function<void()>& before_rename) {
   const std::vector<uint8_t> bytes = encode_checkpoint(s);
   const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));  // the umask decides (qring-train: run.umask)
   if (fd.get() < 0) sys_fail("open " + tmp, path);
   size_t done = 0;
   while (done < bytes.size()) {
@@ -222,12 +242,48 @@ void save_checkpoint(const std::string& path, const CheckpointState& s,
   if (::fsync(dfd.get()) != 0) sys_fail("fsync directory " + dir, path);
 }
 
-CheckpointState load_checkpoint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+uint64_t max_checkpoint_bytes(size_t n_params) {
+  return kHeader + 4 + 3 * 8 + 8 + 2 * 4 + 5 * 8 + 3 * 4 * uint64_t(n_params) + 2 * (1u << 20);
+}
+
+CheckpointState load_checkpoint(const std::string& path, uint64_t max_bytes) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (fd.get() < 0)
     throw DataError(fmt::format("{}: cannot open checkpoint: {}", path, std::strerror(errno)));
-  std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw DataError(fmt::format("{}: read error", path));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0)
+    throw DataError(fmt::format("{}: cannot stat checkpoint: {}", path, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode))
+    throw DataError(fmt::format("{}: not a regular file", path));
+  const uint64_t size = uint64_t(st.st_size);
+  if (max_bytes > 0 && size > max_bytes)
+    throw DataError(fmt::format("{}: {} bytes, more than the limit of {} bytes that a "
+                                "checkpoint of this model can have",
+                                path, size, max_bytes));
+  auto read_all = [&](uint8_t* p, size_t n, const char* what) {
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::read(fd.get(), p + got, n - got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0)
+        throw DataError(fmt::format("{}: read error in the {}: {}", path, what,
+                                    std::strerror(errno)));
+      if (r == 0) break;
+      got += size_t(r);
+    }
+    if (got < n)
+      throw DataError(fmt::format("{}: truncated checkpoint: the file ended in the {}", path,
+                                  what));
+  };
+  if (size < kHeader + 4)
+    throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
+                                size, kHeader + 4));
+  // The header first: a wrong one costs 24 bytes of reading, whatever the file's size.
+  std::vector<uint8_t> buf(kHeader);
+  read_all(buf.data(), kHeader, "header");
+  check_header(buf.data(), size, path);
+  buf.resize(size_t(size));
+  read_all(buf.data() + kHeader, size_t(size) - kHeader, "body");
   return decode_checkpoint(buf, path);
 }
 
@@ -238,21 +294,7 @@ CheckpointView decode_checkpoint_view(std::span<const uint8_t> buf, const std::s
     throw DataError(fmt::format("{}: truncated checkpoint ({} bytes, header alone is {})", path,
                                 buf.size(), kHeader + 4));
   }
-  if (std::memcmp(buf.data(), kMagic, sizeof(kMagic)) != 0)
-    throw DataError(fmt::format("{}: not a qring checkpoint (bad magic)", path));
-  uint32_t version;
-  uint64_t payload;
-  std::memcpy(&version, buf.data() + 8, 4);
-  std::memcpy(&payload, buf.data() + 16, 8);
-  if (version != kVersion) {
-    throw DataError(fmt::format("{}: unsupported checkpoint version {} (this build reads {})", path,
-                                version, kVersion));
-  }
-  if (payload != buf.size() - kHeader - 4) {
-    throw DataError(fmt::format("{}: {} checkpoint: header says {} payload bytes, file has {}",
-                                path, payload > buf.size() - kHeader - 4 ? "truncated" : "corrupt",
-                                payload, buf.size() - kHeader - 4));
-  }
+  const uint64_t payload = check_header(buf.data(), buf.size(), path);
   uint32_t stored;
   std::memcpy(&stored, buf.data() + kHeader + payload, 4);
   const uint32_t actual = crc(buf.data(), kHeader + payload);

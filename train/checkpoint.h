@@ -48,9 +48,16 @@ struct CheckpointState {
 void save_checkpoint(const std::string& path, const CheckpointState& state,
                      const std::function<void()>& before_rename = {});
 
-// Throws qring::DataError naming the file and the problem (missing, truncated, bad magic,
-// unsupported version, CRC mismatch, inconsistent lengths).
-CheckpointState load_checkpoint(const std::string& path);
+// Throws qring::DataError naming the file and the problem (missing, not a regular file,
+// truncated, bad magic, unsupported version, CRC mismatch, inconsistent lengths). The size
+// and the header are checked before the body is read: a file larger than `max_bytes` (0: no
+// limit) or whose header disagrees with its size costs neither the time nor the memory of
+// reading it (issue 44: a 1 GiB sparse file had been read whole first, 10 s and 1.1 GB).
+CheckpointState load_checkpoint(const std::string& path, uint64_t max_bytes = 0);
+
+// The largest file a checkpoint of a model of `n_params` parameters can be: parameters,
+// momentum and carry, an RNG state and metadata of up to 1 MiB each.
+uint64_t max_checkpoint_bytes(size_t n_params);
 
 // The file's bytes without the file: the state a live member sends to a rank that rejoins.
 // decode_checkpoint checks them as load_checkpoint does, naming `what` in its errors.

@@ -13,6 +13,7 @@
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 #include "net/base/fnv1a.h"
+#include "train/config_limits.h"
 
 namespace qring::train {
 namespace {
@@ -116,10 +117,12 @@ std::vector<Field> fields() {
   f.push_back(string_field("run.name", QRING_ACC(run.name)));
   f.push_back(string_field("run.out_dir", QRING_ACC(run.out_dir)));
   f.push_back(int_field("run.seed", QRING_ACC(run.seed)));
+  f.push_back(string_field("run.umask", QRING_ACC(run.umask)));
   f.push_back(string_field("data.path", QRING_ACC(data.path)));
   f.push_back(string_field("data.dataset", QRING_ACC(data.dataset)));
   f.push_back(int_field("data.synthetic_train", QRING_ACC(data.synthetic_train)));
   f.push_back(int_field("data.synthetic_test", QRING_ACC(data.synthetic_test)));
+  f.push_back(int_field("data.max_bytes", QRING_ACC(data.max_bytes)));
   f.push_back(string_field("model.type", QRING_ACC(model.type)));
   f.push_back(int_list_field("model.hidden", QRING_ACC(model.hidden)));
   f.push_back(int_list_field("model.conv_channels", QRING_ACC(model.conv_channels)));
@@ -130,6 +133,7 @@ std::vector<Field> fields() {
   f.push_back(int_field("train.epochs", QRING_ACC(train.epochs)));
   f.push_back(int_field("train.steps", QRING_ACC(train.steps)));
   f.push_back(string_field("train.budget", QRING_ACC(train.budget)));
+  f.push_back(string_field("train.async_staleness", QRING_ACC(train.async_staleness)));
   f.push_back(float_field("train.lr", QRING_ACC(train.lr)));
   f.push_back(float_field("train.momentum", QRING_ACC(train.momentum)));
   f.push_back(bool_field("train.nesterov", QRING_ACC(train.nesterov)));
@@ -145,6 +149,7 @@ std::vector<Field> fields() {
   f.push_back(float_field("train.target_accuracy", QRING_ACC(train.target_accuracy)));
   f.push_back(int_field("train.checkpoint_every", QRING_ACC(train.checkpoint_every)));
   f.push_back(int_field("train.checksum_every", QRING_ACC(train.checksum_every)));
+  f.push_back(string_field("train.nonfinite", QRING_ACC(train.nonfinite)));
   f.push_back({"quorum.quorum", Kind::kQuorum,
                [](TrainConfig& c, const toml::value& v) {
                  c.quorum.quorum_auto = false;
@@ -172,7 +177,22 @@ std::vector<Field> fields() {
                }});
   f.push_back(int_field("quorum.min", QRING_ACC(quorum.min)));
   f.push_back(int_field("quorum.max", QRING_ACC(quorum.max)));
-  f.push_back(float_field("quorum.noise_scale", QRING_ACC(quorum.noise_scale)));
+  f.push_back({"quorum.noise_scale", Kind::kFloat,
+               [](TrainConfig& c, const toml::value& v) {
+                 c.quorum.noise_scale_estimate = v.is_string() && v.as_string().str == "estimate";
+                 if (c.quorum.noise_scale_estimate)
+                   c.quorum.noise_scale = 0;
+                 else if (v.is_integer() || v.is_floating())
+                   c.quorum.noise_scale = to_float("quorum.noise_scale", v);
+                 else
+                   fail("quorum.noise_scale",
+                        fmt::format("expected a number of samples or \"estimate\", got a {}",
+                                    type_name(v)));
+               },
+               [](const TrainConfig& c) {
+                 return c.quorum.noise_scale_estimated() ? nlohmann::json("estimate")
+                                                         : nlohmann::json(c.quorum.noise_scale);
+               }});
   f.push_back(int_field("quorum.grace_ms", QRING_ACC(quorum.grace_ms)));
   f.push_back(int_field("quorum.deadline_ms", QRING_ACC(quorum.deadline_ms)));
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
@@ -194,6 +214,67 @@ const Field* find_field(const std::vector<Field>& fs, const std::string& key) {
   return nullptr;
 }
 
+// Edit distance (insertions, deletions, substitutions, transpositions of neighbours).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "did you mean 'train.lr'?" when a known key is close to `key` (a typo, or the right name in
+// another section), else "".
+std::string did_you_mean(const std::vector<Field>& fs, const std::string& key) {
+  if (key.size() > 64) return "";  // no key is that long; and the distances cost |key| each
+  const std::string name = key.substr(key.rfind('.') + 1);
+  const Field* best = nullptr;
+  size_t best_d = 0;
+  for (const auto& f : fs) {
+    const std::string fname = f.key.substr(f.key.find('.') + 1);
+    // The whole key, or the name alone (a key put into the wrong section).
+    const size_t d =
+        std::min(edit_distance(key, f.key), name == fname ? 1 : edit_distance(name, fname) + 1);
+    if (best == nullptr || d < best_d) {
+      best = &f;
+      best_d = d;
+    }
+  }
+  const size_t limit = std::max<size_t>(2, key.size() / 4);
+  if (best == nullptr || best_d > limit) return "";
+  return fmt::format("did you mean '{}'?", best->key);
+}
+
+std::string unknown_key(const std::vector<Field>& fs, const std::string& key) {
+  const std::string hint = did_you_mean(fs, key);
+  return hint.empty() ? "unknown key (docs/training.md lists every key)" : "unknown key; " + hint;
+}
+
+// What a key of this kind takes, for parse errors.
+const char* expected_type(Kind kind) {
+  switch (kind) {
+    case Kind::kInt:
+      return "an integer";
+    case Kind::kFloat:
+      return "a number";
+    case Kind::kBool:
+      return "true or false";
+    case Kind::kString:
+      return "a string";
+    case Kind::kIntList:
+      return "an array of integers, e.g. [512, 256]";
+    case Kind::kQuorum:
+      return "an integer count, a float fraction in (0, 1] or \"auto\"";
+  }
+  return "a value";
+}
+
 // Walks a parsed TOML document: every leaf must be a known key.
 void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value& v,
                  const std::string& prefix) {
@@ -208,8 +289,10 @@ void apply_table(TrainConfig& c, const std::vector<Field>& fs, const toml::value
     }
     const Field* f = find_field(fs, key);
     if (f == nullptr) {
-      if (prefix.empty()) fail(key, "unknown key (keys belong to a [section])");
-      fail(key, "unknown key");
+      const std::string hint = did_you_mean(fs, key);
+      if (prefix.empty())
+        fail(key, "unknown key (keys belong to a [section])" + (hint.empty() ? "" : "; " + hint));
+      fail(key, unknown_key(fs, key));
     }
     f->set(c, child);
   }
@@ -251,6 +334,7 @@ size_t invalid_utf8(const std::string& text) {
 }
 
 toml::value parse_toml(const std::string& text, const std::string& name) {
+  check_toml_limits(text, name);
   if (const size_t bad = invalid_utf8(text); bad != std::string::npos) {
     const size_t line = 1 + size_t(std::count(text.begin(), text.begin() + long(bad), '\n'));
     throw ConfigError(
@@ -333,11 +417,7 @@ std::string toml_value_text(const nlohmann::json& j) {
 
 TrainConfig TrainConfig::from_file(const std::string& path,
                                    const std::vector<std::string>& overrides) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("config file '{}': cannot open", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return from_string(ss.str(), overrides, path);
+  return from_string(read_config_file(path), overrides, path);
 }
 
 TrainConfig TrainConfig::from_string(const std::string& toml_text,
@@ -365,31 +445,47 @@ void TrainConfig::apply_override(const std::string& assignment) {
   const std::string text = trim(assignment.substr(eq + 1));
   const auto fs = fields();
   const Field* f = find_field(fs, key);
-  if (f == nullptr) fail(key, "unknown key");
-  if ((f->kind == Kind::kString || (f->kind == Kind::kQuorum && text == "auto")) &&
+  if (f == nullptr) fail(key, unknown_key(fs, key));
+  // Bare text for string keys and for the named values of number keys ("auto", "estimate").
+  const bool named = (f->kind == Kind::kQuorum && text == "auto") ||
+                     (f->key == "quorum.noise_scale" && text == "estimate");
+  if ((f->kind == Kind::kString || named) &&
       (text.empty() || (text[0] != '"' && text[0] != '\''))) {
-    f->set(*this, toml::value(text));  // bare text for string keys
+    f->set(*this, toml::value(text));
     return;
   }
   if (invalid_utf8(text) != std::string::npos) fail(key, "the value is not valid UTF-8");
+  try {
+    check_toml_limits(text, "the value");
+  } catch (const ConfigError& e) {
+    fail(key, e.what());
+  }
   toml::value v;
   try {
     std::istringstream is("v = " + text);
     v = toml::parse(is, "override").as_table().at("v");
   } catch (const std::exception&) {
-    fail(key, fmt::format("cannot parse value '{}'", text));
+    fail(key, fmt::format("cannot parse value '{}': expected {}", text, expected_type(f->kind)));
   }
   f->set(*this, v);
 }
 
 void TrainConfig::validate(int world) const {
   if (run.name.empty()) fail("run.name", "must not be empty");
+  if (run.name == "." || run.name == ".." || run.name.find('/') != std::string::npos ||
+      run.name.find('\0') != std::string::npos)
+    fail("run.name", fmt::format("'{}' is not a name inside run.out_dir (no '/', not '.' or "
+                                 "'..'); put the directory in run.out_dir",
+                                 run.name));
+  if (run.umask.size() != 3 || run.umask.find_first_not_of("01234567") != std::string::npos)
+    fail("run.umask", fmt::format("expected 3 octal digits such as \"077\", got '{}'", run.umask));
   if (run.out_dir.empty()) fail("run.out_dir", "must not be empty");
   check_min("run.seed", run.seed, 0);
   check_one_of("data.dataset", data.dataset, {"fashion-mnist", "synthetic"});
   if (data.dataset == "fashion-mnist" && data.path.empty()) fail("data.path", "must not be empty");
   check_min("data.synthetic_train", data.synthetic_train, 1);
   check_min("data.synthetic_test", data.synthetic_test, 1);
+  check_min("data.max_bytes", data.max_bytes, 0);
   check_one_of("model.type", model.type, {"mlp", "cnn"});
   if (model.type == "mlp" && model.hidden.empty())
     fail("model.hidden", "an MLP needs at least one hidden layer");
@@ -415,6 +511,7 @@ void TrainConfig::validate(int world) const {
   if (train.epochs == 0 && train.steps == 0)
     fail("train.epochs", "train.epochs or train.steps must be > 0");
   check_one_of("train.budget", train.budget, {"steps", "gradients"});
+  check_one_of("train.async_staleness", train.async_staleness, {"none", "divide"});
   if (train.budget == "gradients" && train.mode != "sync")
     fail("train.budget", "\"gradients\" needs train.mode = \"sync\" (async counts no quorum)");
   if (!(train.lr > 0)) fail("train.lr", fmt::format("must be > 0, got {}", train.lr));
@@ -437,6 +534,7 @@ void TrainConfig::validate(int world) const {
     fail("train.target_accuracy", fmt::format("must be in [0, 1], got {}", train.target_accuracy));
   check_min("train.checkpoint_every", train.checkpoint_every, 0);
   check_min("train.checksum_every", train.checksum_every, 0);
+  check_one_of("train.nonfinite", train.nonfinite, {"fail", "skip"});
   if (quorum.quorum_auto) {
     // (the count and fraction checks do not apply)
   } else if (quorum.quorum_is_fraction) {
@@ -450,9 +548,11 @@ void TrainConfig::validate(int world) const {
   if (quorum.max > 0 && quorum.max < quorum.min)
     fail("quorum.max", fmt::format("must be 0 or >= quorum.min ({}), got {}", quorum.min,
                                    quorum.max));
-  if (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale))
-    fail("quorum.noise_scale",
-         fmt::format("must be a number of samples >= 0 (0 = none), got {}", quorum.noise_scale));
+  if (!quorum.noise_scale_estimated() &&
+      (!(quorum.noise_scale >= 0) || !std::isfinite(quorum.noise_scale)))
+    fail("quorum.noise_scale", fmt::format("must be \"estimate\" or a number of samples >= 0 "
+                                           "(0 = none), got {}",
+                                           quorum.noise_scale));
   if (world > 0 && quorum.quorum_auto && quorum.min > world)
     fail("quorum.min", fmt::format("{} is more than the {} ranks of this job", quorum.min, world));
   if (world > 0 && quorum.quorum_auto && quorum.max > world)
@@ -525,7 +625,8 @@ uint64_t TrainConfig::fingerprint() const {
   std::string text;
   for (const auto& f : fields()) {
     const bool relevant = f.key == "run.seed" ||
-                          (f.key.rfind("data.", 0) == 0 && f.key != "data.path") ||
+                          (f.key.rfind("data.", 0) == 0 && f.key != "data.path" &&
+                           f.key != "data.max_bytes") ||
                           f.key.rfind("model.", 0) == 0 || f.key == "train.batch_per_rank";
     if (relevant) text += f.key + "=" + f.get(*this).dump() + "\n";
   }
@@ -541,7 +642,8 @@ std::vector<std::string> TrainConfig::keys() {
 std::vector<std::string> TrainConfig::agreed_keys() {
   std::vector<std::string> out;
   for (const auto& f : fields()) {
-    const bool local = f.key == "run.out_dir" || f.key == "data.path" || f.key == "net.provider" ||
+    const bool local = f.key == "run.out_dir" || f.key == "run.umask" || f.key == "data.path" ||
+                       f.key == "data.max_bytes" || f.key == "net.provider" ||
                        f.key.rfind("log.", 0) == 0;
     if (!local) out.push_back(f.key);
   }

@@ -15,9 +15,12 @@
 namespace qring::train {
 
 struct RunSection {
-  std::string name = "qring";
+  std::string name = "qring";  // one name inside out_dir: no '/', not "." or ".."
   std::string out_dir = "runs";
   int64_t seed = 42;
+  // The umask of the run's outputs (checkpoints, metrics, summary), 3 octal digits: "077"
+  // keeps them to their owner (files 0600, directories 0700).
+  std::string umask = "077";
 };
 
 struct DataSection {
@@ -25,6 +28,11 @@ struct DataSection {
   std::string dataset = "fashion-mnist";  // fashion-mnist | synthetic
   int64_t synthetic_train = 8192;
   int64_t synthetic_test = 2048;
+  // The memory the datasets may take, in bytes (images as floats and labels, training and
+  // test sets); 0 = no limit but the available memory, which bounds it in any case (shared
+  // by the ranks of a host). Both files' headers are checked against it before anything is
+  // allocated.
+  int64_t max_bytes = int64_t{2} << 30;
 };
 
 struct ModelSection {
@@ -46,6 +54,10 @@ struct TrainSection {
   // counted steps x world gradients, as many as full sync would; with backups it runs more
   // steps of fewer gradients, its schedule read at counted gradients / the schedule's quorum.
   std::string budget = "steps";
+  // async: the learning rate of an update whose gradient is `s` updates stale: the schedule's
+  // ("none") or the schedule's / max(1, s) ("divide": the staleness-aware rule of Zhang, Gupta,
+  // Lian and Liu, "Staleness-aware Async-SGD", 2016; train/optim.h, staleness_lr_scale).
+  std::string async_staleness = "none";
   double lr = 0.05;     // base learning rate, before lr_scaling
   double momentum = 0.9;
   bool nesterov = false;
@@ -61,6 +73,10 @@ struct TrainSection {
   double target_accuracy = 0.0;  // 0 = none; else time-to-accuracy is reported
   int64_t checkpoint_every = 0;  // steps; 0 = off
   int64_t checksum_every = 100;  // steps; 0 = off (cost: docs/benchmarks.md)
+  // A step whose mean loss or gradient is not finite (NaN, inf): "fail" stops the job on
+  // every rank naming the step; "skip" leaves the parameters and momentum as they were,
+  // counts the step (summary: nonfinite_steps) and goes on.
+  std::string nonfinite = "fail";
 };
 
 struct QuorumSection {
@@ -71,10 +87,15 @@ struct QuorumSection {
   bool quorum_auto = false;
   int64_t min = 1;  // quorum "auto": bounds of Q(t); max 0 = the world
   int64_t max = 0;
-  // quorum "auto": the gradient-noise scale in samples (0 = none): the value of a step that
-  // averages k workers' batches of b samples is taken as k / (1 + k b / noise_scale) instead
-  // of k (collectives/quorum/auto_quorum.h).
+  // quorum "auto": the gradient-noise scale B in samples: the value of a step that averages k
+  // workers' batches of b samples is taken as k / (1 + k b / B) instead of k
+  // (collectives/quorum/auto_quorum.h). 0 (the default): none, the linear value k, which
+  // fits qring's linear learning-rate rule (docs/reproduction.md, "The adaptive quorum");
+  // "estimate" (noise_scale_estimate): B is the run's own estimate from its steps
+  // (collectives/quorum/noise_scale.h); a number > 0 fixes it.
   double noise_scale = 0;
+  bool noise_scale_estimate = false;
+  bool noise_scale_estimated() const { return noise_scale_estimate; }
   int64_t grace_ms = 0;
   int64_t deadline_ms = 30000;
   std::string late_policy = "drop";  // drop | carry
@@ -133,14 +154,15 @@ struct TrainConfig {
   nlohmann::json to_json() const;
 
   // FNV-1a 64 over the keys a checkpoint must agree on to resume exactly: run.seed, data.*
-  // except data.path, model.*, train.batch_per_rank.
+  // except data.path and data.max_bytes, model.*, train.batch_per_rank.
   uint64_t fingerprint() const;
 
   // All dotted key names, in to_toml order.
   static std::vector<std::string> keys();
 
-  // The keys every rank of a job must agree on: all but where this rank's files are and how
-  // it logs (run.out_dir, data.path, net.provider, log.*), which may differ between nodes.
+  // The keys every rank of a job must agree on: all but where this rank's files are, how it
+  // logs and what its host allows (run.out_dir, run.umask, data.path, data.max_bytes,
+  // net.provider, log.*), which may differ between nodes.
   static std::vector<std::string> agreed_keys();
   // Per agreed_keys() entry, in that order, a 64-bit hash (FNV-1a) of its value: what the
   // trainer compares across ranks at start.

@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "net/base/error.h"
+#include "net/base/fnv1a.h"
 #include "train/config.h"
 #include "train/idx.h"
 #include "train/rng.h"
@@ -27,10 +29,8 @@ std::string pick(const std::string& dir, const std::string& base) {
 }
 
 // The pixels of an images file as floats, pixel / 255, converted as they are inflated (the
-// bytes are never held whole). Returns the number of images.
-size_t read_images(const std::string& path, DataVector<float>& out) {
-  IdxReader in(path);
-  check_idx_image_dims(path, in.dims());
+// bytes are never held whole).
+void read_images(IdxReader& in, DataVector<float>& out) {
   out.resize(in.first_block());
   std::vector<uint8_t> piece(size_t{1} << 20);
   size_t at = 0;
@@ -42,23 +42,64 @@ size_t read_images(const std::string& path, DataVector<float>& out) {
     at += n;
   }
   in.finish();
-  return in.dims()[0];
 }
 
-Dataset load_split(const std::string& dir, const std::string& prefix) {
-  const std::string ipath = pick(dir, prefix + "-images-idx3-ubyte");
-  const std::string lpath = pick(dir, prefix + "-labels-idx1-ubyte");
+// One split's files, their headers read and checked against each other.
+struct SplitFiles {
+  IdxReader images, labels;
+  SplitFiles(const std::string& dir, const std::string& prefix)
+      : images(pick(dir, prefix + "-images-idx3-ubyte")),
+        labels(pick(dir, prefix + "-labels-idx1-ubyte")) {
+    check_idx_image_dims(images.path(), images.dims());
+    if (labels.dims().size() != 1)
+      throw DataError(fmt::format("{}: a labels file needs 1 dimension, has {}", labels.path(),
+                                  labels.dims().size()));
+    if (labels.dims()[0] != images.dims()[0])
+      throw DataError(fmt::format("{}: {} labels, but {} has {} images", labels.path(),
+                                  labels.dims()[0], images.path(), images.dims()[0]));
+    if (count() == 0) throw DataError(fmt::format("{}: no images", images.path()));
+  }
+  size_t count() const { return images.dims()[0]; }
+  // What loading it holds at once: the images as floats, the labels as bytes and as int32.
+  uint64_t bytes() const { return uint64_t(images.total()) * 4 + uint64_t(count()) * 5; }
+};
+
+Dataset load_split(SplitFiles& f) {
   Dataset d;
   d.dim = 784;
-  const size_t n_images = read_images(ipath, d.images);
-  IdxArray labels = read_idx_labels(lpath, 10);
-  if (n_images != labels.dims[0]) {
-    throw DataError(
-        fmt::format("{}: {} labels, but {} has {} images", lpath, labels.dims[0], ipath, n_images));
-  }
-  if (n_images == 0) throw DataError(fmt::format("{}: no images", ipath));
-  d.labels.assign(labels.data.begin(), labels.data.end());
+  read_images(f.images, d.images);
+  std::vector<uint8_t> labels(f.count());
+  f.labels.read(labels.data(), labels.size());
+  f.labels.finish();
+  for (size_t i = 0; i < labels.size(); ++i)
+    if (labels[i] >= 10)
+      throw DataError(fmt::format("{}: label {} at index {} is out of range 0..9",
+                                  f.labels.path(), labels[i], i));
+  d.labels.assign(labels.begin(), labels.end());
   return d;
+}
+
+uint64_t split_digest(uint64_t h, const SplitFiles& f) {
+  for (const IdxReader* r : {&f.images, &f.labels}) {
+    for (uint32_t d : r->dims()) h = fnv1a64(&d, sizeof(d), h);
+    const uint32_t crc = r->crc();
+    h = fnv1a64(&crc, sizeof(crc), h);
+  }
+  return h;
+}
+
+uint64_t mem_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return UINT64_MAX;
+}
+
+std::string gib(uint64_t bytes) {
+  return fmt::format("{:.2f} GiB", double(bytes) / double(uint64_t{1} << 30));
 }
 
 void normalize(Dataset& d, double mean, double std) {
@@ -69,10 +110,39 @@ void normalize(Dataset& d, double mean, double std) {
 
 }  // namespace
 
-DatasetPair load_fashion_mnist(const std::string& dir) {
+MemoryBudget data_budget(const DataSection& cfg, int local_ranks) {
+  MemoryBudget b;
+  const uint64_t avail = mem_available_bytes();
+  if (avail != UINT64_MAX) {
+    const int ranks = std::max(1, local_ranks);
+    b.bytes = avail / uint64_t(ranks);
+    b.source = ranks > 1 ? fmt::format("the available memory of this host ({}) over its {} "
+                                       "ranks",
+                                       gib(avail), ranks)
+                         : fmt::format("the available memory ({})", gib(avail));
+  }
+  if (cfg.max_bytes > 0 && uint64_t(cfg.max_bytes) < b.bytes) {
+    b.bytes = uint64_t(cfg.max_bytes);
+    b.source = fmt::format("data.max_bytes = {}", cfg.max_bytes);
+  }
+  return b;
+}
+
+DatasetPair load_fashion_mnist(const std::string& dir, const MemoryBudget& budget) {
+  // Every header before any data: a count that disagrees, or more than the budget, costs
+  // nothing to find.
+  SplitFiles train_files(dir, "train"), test_files(dir, "t10k");
+  const uint64_t need = train_files.bytes() + test_files.bytes();
+  if (need > budget.bytes)
+    throw DataError(fmt::format(
+        "{}: {} training and {} test images of 28x28 need {} bytes ({}) in memory, more than "
+        "the limit of {} bytes: {} (set data.max_bytes to allow more)",
+        train_files.images.path(), train_files.count(), test_files.count(), need, gib(need),
+        budget.bytes, budget.source));
   DatasetPair p;
-  p.train = load_split(dir, "train");
-  p.test = load_split(dir, "t10k");
+  p.train = load_split(train_files);
+  p.test = load_split(test_files);
+  p.digest = split_digest(split_digest(kFnv1aOffset, train_files), test_files);
   double sum = 0, sq = 0;
   for (float x : p.train.images) {
     sum += x;
@@ -123,10 +193,20 @@ DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
   return pair;
 }
 
-DatasetPair load_datasets(const DataSection& cfg, uint64_t seed) {
-  if (cfg.dataset == "fashion-mnist") return load_fashion_mnist(cfg.path);
-  if (cfg.dataset == "synthetic")
+DatasetPair load_datasets(const DataSection& cfg, uint64_t seed, int local_ranks) {
+  const MemoryBudget budget = data_budget(cfg, local_ranks);
+  if (cfg.dataset == "fashion-mnist") return load_fashion_mnist(cfg.path, budget);
+  if (cfg.dataset == "synthetic") {
+    const uint64_t need = (uint64_t(cfg.synthetic_train) + uint64_t(cfg.synthetic_test)) *
+                          (784 * sizeof(float) + sizeof(int32_t));
+    if (cfg.synthetic_train > (int64_t{1} << 40) || cfg.synthetic_test > (int64_t{1} << 40) ||
+        need > budget.bytes)
+      throw ConfigError(fmt::format(
+          "config keys 'data.synthetic_train' and 'data.synthetic_test': {} + {} samples need "
+          "{} bytes in memory, more than the limit of {} bytes: {}",
+          cfg.synthetic_train, cfg.synthetic_test, need, budget.bytes, budget.source));
     return make_synthetic(cfg.synthetic_train, cfg.synthetic_test, seed);
+  }
   throw ConfigError(fmt::format("config key 'data.dataset': unknown value '{}'", cfg.dataset));
 }
 

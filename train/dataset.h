@@ -32,23 +32,38 @@ struct Dataset {
 struct DatasetPair {
   Dataset train;
   Dataset test;
+  // What the ranks compare to know they train on the same data: a 64-bit digest of the four
+  // IDX files' dimensions and contents (0 for synthetic data, which the configuration fixes).
+  uint64_t digest = 0;
   // Normalization applied to both: x = (pixel / 255 - mean) / std, mean and std over every
   // pixel of the training set (so all ranks, which load the whole set, agree bit for bit).
   double mean = 0.0;
   double std = 1.0;
 };
 
+// How much memory the datasets may take (issue 44, N5): data.max_bytes, and the memory
+// available on this host shared by its ranks, whichever is less.
+struct MemoryBudget {
+  uint64_t bytes = UINT64_MAX;
+  std::string source = "no limit";  // names the limit in errors
+};
+// data.max_bytes (0: none) and MemAvailable (/proc/meminfo) / local_ranks.
+MemoryBudget data_budget(const DataSection& cfg, int local_ranks);
+
 // Reads <dir>/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz (also without .gz), checks image
-// and label counts agree, and normalizes. Throws DataError naming the file on any problem.
-DatasetPair load_fashion_mnist(const std::string& dir);
+// and label counts agree, and normalizes. All four headers are read and checked first --
+// counts against each other, and the memory they imply (images as floats, labels) against
+// `budget` -- before anything is allocated. Throws DataError naming the file on any problem.
+DatasetPair load_fashion_mnist(const std::string& dir, const MemoryBudget& budget = {});
 
 // Deterministic learnable data: 10 smooth class prototypes (7x7 noise upsampled to 28x28), each
 // sample a prototype times a random contrast plus pixel noise; labels balanced round-robin then
 // shuffled. Already roughly zero-mean, unit-variance.
 DatasetPair make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed);
 
-// data.dataset = fashion-mnist | synthetic, with data.path / data.synthetic_* and the seed.
-DatasetPair load_datasets(const DataSection& cfg, uint64_t seed);
+// data.dataset = fashion-mnist | synthetic, with data.path / data.synthetic_* and the seed,
+// within data_budget(cfg, local_ranks) (synthetic data too: ConfigError naming the keys).
+DatasetPair load_datasets(const DataSection& cfg, uint64_t seed, int local_ranks = 1);
 
 // Where a rank is in its stream of minibatches: `index` batches of epoch `epoch` are done.
 struct DataPosition {

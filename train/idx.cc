@@ -146,6 +146,7 @@ size_t IdxReader::read(uint8_t* p, size_t n) {
     throw DataError(fmt::format("{}: truncated IDX data: dimensions need {} bytes, file has {}",
                                 path_, total_, done_ + got));
   }
+  crc_ = static_cast<uint32_t>(crc32_z(crc_, p, n));
   done_ += n;
   return n;
 }

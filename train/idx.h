@@ -43,12 +43,16 @@ class IdxReader {
   size_t read(uint8_t* p, size_t n);
   // After the data: throws DataError if anything trails it.
   void finish();
+  const std::string& path() const { return path_; }
+  // CRC-32 (zlib) of the data read so far: with dims(), what tells two files apart.
+  uint32_t crc() const { return crc_; }
 
  private:
   std::string path_;
   std::unique_ptr<IdxStream> in_;
   std::vector<uint32_t> dims_;
   size_t total_ = 0, done_ = 0, first_block_ = 0;
+  uint32_t crc_ = 0;
 };
 
 // Writes an IDX file of unsigned bytes (gzip-compressed if gzip is true). For tests and tools.

@@ -4,28 +4,54 @@
 //   srun qring-train --config configs/fmnist-mlp.toml quorum.quorum=3
 //
 // Exit status: 0 done, 1 runtime failure (the job lost more ranks than its quorum allows, a
-// deadline passed, drift...), 2 bad command line, configuration or data, 75 this rank was
-// evicted while alive (paused or too slow; the others went on without it).
+// deadline passed, drift, a diverged run, out of memory...), 2 bad command line,
+// configuration or data (a fresh run into a run directory that holds checkpoints included),
+// 75 this rank was evicted while alive (paused or too slow; the others went on without it),
+// 76 stopped by SIGTERM/SIGUSR1 after writing the checkpoint of the step every rank stopped
+// after (train/stop_signals.h; go on with --resume).
 #include <fmt/format.h>
 #include <omp.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <string>
 #include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 
 #include "collectives/communicator.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "net/rendezvous/bootstrap.h"
+#include "net/base/build_info.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
-#include "net/transport/fabric_endpoint.h"
+#include "net/base/out_of_memory.h"
 #include "train/config.h"
+#include "train/stop_signals.h"
 #include "train/trainer.h"
+
+// Every allocation of this program that fails says how much it asked for and for what
+// (AllocationFailed, net/base/out_of_memory.h), instead of a bare std::bad_alloc. The
+// library's operator delete frees with free(), which pairs with the malloc here.
+void* operator new(std::size_t n) {
+  while (true) {
+    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+    std::new_handler h = std::get_new_handler();
+    if (h == nullptr) throw qring::AllocationFailed(n);
+    h();
+  }
+}
+void* operator new[](std::size_t n) {
+  return ::operator new(n);
+}
 
 namespace {
 
@@ -34,6 +60,8 @@ constexpr int kExitEvicted = 75;  // qring-launch --tolerate-failures counts it 
 struct Args {
   std::string config_path;
   bool resume = false;
+  bool force = false;
+  bool print_config = false;
   std::vector<std::string> overrides;
 };
 
@@ -48,13 +76,22 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   app.add_option("--config", a.config_path,
                  "TOML run configuration (see configs/ and docs/training.md); required");
   app.add_flag("--resume", a.resume, "continue from the newest checkpoint every rank has");
-  app.add_option("overrides", a.overrides,
-                 "key=value: override any configuration key, e.g. quorum.quorum=3 "
-                 "straggler.model=fixed:2:200 train.epochs=1 net.provider=tcp")
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_flag("--force", a.force,
+               "a fresh run deletes the checkpoints an earlier run left under its run directory "
+               "(without it, it refuses to start)");
+  app.add_flag("--print-config", a.print_config,
+               "print the resolved configuration (file, overrides, defaults) as TOML and exit");
+  qring::cli::add_overrides(app, a.overrides,
+                            "quorum.quorum=3 straggler.model=fixed:2:200 train.epochs=1 "
+                            "net.provider=tcp");
   app.footer(
       "Rank and world come from qring-launch, Slurm (srun), mpirun/PMI or QRING_RANK,\n"
       "QRING_WORLD_SIZE and QRING_STORE; without them it runs as a single process.\n"
+      "SIGTERM or SIGUSR1: every rank finishes the same step, writes its checkpoint and exits\n"
+      "76 (a second signal ends it at once); go on with --resume. Exit status: 0 done; 1 a\n"
+      "runtime failure; 2 bad command line, configuration or data, or a run directory with an\n"
+      "earlier run's checkpoints (--resume or --force); 75 this rank was evicted; 76 stopped\n"
+      "by SIGTERM/SIGUSR1 after checkpointing.\n"
       "QRING_FAULT=kill:RANK:STEP[:PHASE] | kill-locked:RANK:STEP[:PHASE] |\n"
       "stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
       "(fault tests; collectives/fault_inject.h).");
@@ -68,6 +105,10 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
       return 2;
     }
   }
+  if (a.resume && a.force) {
+    fmt::print(stderr, "qring-train: --resume and --force exclude each other (see --help)\n");
+    return 2;
+  }
   if (a.config_path.empty()) {
     fmt::print(stderr, "qring-train: --config FILE is required (see --help)\n");
     return 2;
@@ -75,32 +116,58 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
   return a;
 }
 
-// One incarnation of this rank: rendezvous, connect, train, and state the result.
+// "qhost1 (2 ranks), qhost2 (2 ranks)": the hosts of the job in rank order.
+std::string hosts_text(const std::vector<std::string>& hosts) {
+  std::vector<std::pair<std::string, int>> runs;
+  for (const auto& h : hosts) {
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const auto& r) { return r.first == h; });
+    if (it == runs.end())
+      runs.emplace_back(h, 1);
+    else
+      ++it->second;
+  }
+  std::string s;
+  for (const auto& [h, n] : runs)
+    s += fmt::format("{}{} ({} rank{})", s.empty() ? "" : ", ", h, n, n == 1 ? "" : "s");
+  return s;
+}
+
+// One incarnation of this rank: rendezvous, connect, train (its summary into `s`), and state
+// the result.
 void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::TrainConfig& cfg,
-                     bool resume, std::chrono::steady_clock::time_point process_start) {
-  auto deadline = qring::net::deadline_in(
-      std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms)));
-  qring::net::Rendezvous rdv(info, deadline);
-  qring::net::FabricOptions fo;
-  fo.provider = cfg.net.provider;
-  fo.incarnation = rdv.incarnation();
-  fo.join = rdv.incarnation() > 0;
-  auto ep = qring::net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                             rdv.single_host(), deadline);
-  qring::collectives::CommOptions co;
-  co.local_size = info.local_size;
-  co.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
-  qring::collectives::Communicator comm(std::move(ep), co);
+                     const Args& args, const std::atomic<int>* stop,
+                     std::chrono::steady_clock::time_point process_start,
+                     qring::train::RunSummary& s) {
+  qring::collectives::SessionOptions so;
+  so.provider = cfg.net.provider;
+  so.setup_timeout = std::chrono::milliseconds(std::max<int64_t>(30000, cfg.quorum.deadline_ms));
+  so.comm.timeout = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  qring::collectives::Session session(info, so);
+  qring::collectives::Communicator& comm = session.comm();
+  const std::vector<std::string>& hosts = session.rendezvous().hostnames();
+  // The first line of rank 0's log: what runs, where, over what.
+  if (info.rank == 0 && session.incarnation() == 0)
+    spdlog::info("{}; {} rank{} on {}; provider {}", qring::build::version_text("qring-train"),
+                 info.world_size, info.world_size == 1 ? "" : "s", hosts_text(hosts),
+                 comm.provider());
   qring::train::TrainerOptions topts;
-  topts.resume = resume;
-  topts.store = info.world_size > 1 ? &rdv.store() : nullptr;
-  topts.incarnation = rdv.incarnation();
+  topts.resume = args.resume && session.incarnation() == 0;
+  topts.force = args.force;
+  topts.stop = stop;
+  topts.hosts = hosts;
+  topts.store = session.store();
+  topts.incarnation = session.incarnation();
+  topts.local_ranks = info.local_size;
   topts.process_start = process_start;
-  if (const char* f = std::getenv("QRING_FAULT"); f && rdv.incarnation() == 0)
+  if (const char* f = std::getenv("QRING_FAULT"); f && session.incarnation() == 0)
     topts.faults = qring::collectives::FaultSpec::parse_list(f);
-  auto s = qring::train::train(cfg, comm, topts);
-  rdv.lost(s.evicted_ranks);
-  if (info.rank == 0 && rdv.incarnation() == 0) {
+  s = qring::train::train(cfg, comm, topts);
+  session.lost(s.evicted_ranks);
+  if (s.preempted) {
+    // Every rank stopped after the same step and checkpointed it.
+    fmt::print("rank {} stopped after step {} params_checksum {:016x}\n", info.rank, s.steps,
+               s.params_checksum);
+  } else if (info.rank == 0 && session.incarnation() == 0) {
     fmt::print(
         "test_accuracy {:.4f} best {:.4f} wall_s {:.1f} steps {} samples_per_s {:.0f} "
         "mean_contributors {:.2f} dropped_gradients {} backup_saved_s {:.1f} "
@@ -119,22 +186,32 @@ void run_incarnation(const qring::net::BootstrapInfo& info, const qring::train::
 int main(int argc, char** argv) {
   auto parsed = parse_args(argc, argv);
   if (const int* rc = std::get_if<int>(&parsed)) return *rc;
-  const std::string config_path = std::get<Args>(parsed).config_path;
-  bool resume = std::get<Args>(parsed).resume;
-  const std::vector<std::string> overrides = std::get<Args>(parsed).overrides;
+  Args args = std::get<Args>(parsed);
+  const std::string& config_path = args.config_path;
+  const std::vector<std::string>& overrides = args.overrides;
+  // Set by SIGTERM/SIGUSR1 once the configuration is read, before anything that takes time
+  // (sync mode; async mode has no checkpoints, so there the signals keep their default action).
+  const std::atomic<int>* stop = nullptr;
 
   qring::net::BootstrapInfo info;
   qring::train::TrainConfig cfg;
   try {
-    info = qring::net::detect_bootstrap();
     cfg = qring::train::TrainConfig::from_file(config_path, overrides);
-    if (const char* p = std::getenv("QRING_PROVIDER"); p && cfg.net.provider == "auto")
-      cfg.net.provider = p;
+    cfg.net.provider = qring::collectives::provider_setting(cfg.net.provider);
+    if (args.print_config) {
+      fmt::print("{}", cfg.to_toml());
+      return 0;
+    }
+    info = qring::net::detect_bootstrap();
     cfg.validate(info.world_size);
   } catch (const qring::Error& e) {
     fmt::print(stderr, "qring-train: rank {}: {}\n", info.rank, e.what());
     return 2;
   }
+  if (cfg.train.mode == "sync") stop = &qring::train::install_stop_signals();
+
+  // The run's outputs (checkpoints, metrics) are its owner's unless run.umask says otherwise.
+  ::umask(static_cast<mode_t>(std::stoi(cfg.run.umask, nullptr, 8)));
 
   auto level = spdlog::level::from_str(cfg.log.level);
   spdlog::set_level(info.rank == 0 ? level : std::max(level, spdlog::level::warn));
@@ -151,16 +228,16 @@ int main(int argc, char** argv) {
   // incarnation when the store outlives the ranks (QRING_STORE_HOSTED: qring-launch, or
   // qring-store under Slurm), at most kMaxRejoins times; otherwise it leaves with status 75.
   constexpr int kMaxRejoins = 8;
+  qring::train::RunSummary summary;
   for (int attempt = 0;; ++attempt) {
     try {
-      run_incarnation(info, cfg, resume, process_start);
+      run_incarnation(info, cfg, args, stop, process_start, summary);
     } catch (const qring::collectives::Evicted& e) {
       // Alive, but the others went on without this rank: come back, or leave with the status
       // qring-launch counts as a lost rank (--tolerate-failures).
       spdlog::error("{}", e.what());
       if (info.store_hosted && info.world_size > 1 && attempt < kMaxRejoins) {
         spdlog::warn("rank {}: rejoining the job as a new incarnation", info.rank);
-        resume = false;
         continue;
       }
       return kExitEvicted;
@@ -174,11 +251,14 @@ int main(int argc, char** argv) {
     } catch (const qring::DataError& e) {
       spdlog::error("{}", e.what());
       return 2;
+    } catch (const std::bad_alloc& e) {
+      spdlog::error("rank {}: {}", info.rank, qring::out_of_memory_message(e));
+      return 1;
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
       return 1;
     }
     break;
   }
-  return 0;
+  return summary.preempted ? qring::train::kExitPreempted : 0;
 }

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "net/base/error.h"
+#include "net/base/out_of_memory.h"
 #include "train/conv_direct.h"
 #include "train/kernels.h"
 
@@ -502,10 +503,14 @@ void Network<T>::finalize() {
   }
   size_t total = 0;
   for (const auto& l : layers_) total += l->num_params();
-  params_.assign(total, T(0));
-  // One spare element after the gradients: the trainer puts the batch loss there so that the
-  // gradient and the loss travel in one all-reduce without a copy.
-  grads_.assign(total + 1, T(0));
+  allocating(fmt::format("the model's {} parameters and their gradients", total),
+             (2 * total + kSpareGrads) * sizeof(T), [&] {
+               params_.assign(total, T(0));
+               // Two spare elements after the gradients: the trainer puts the batch loss and
+               // its stop flag there, so that they travel with the gradient in one all-reduce
+               // without a copy.
+               grads_.assign(total + kSpareGrads, T(0));
+             });
   size_t off = 0;
   for (auto& l : layers_) {
     l->bind(params_.data() + off, grads_.data() + off);

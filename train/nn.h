@@ -217,7 +217,8 @@ class Network {
   size_t num_params() const { return params_.size(); }
   T* params() { return params_.data(); }
   const T* params() const { return params_.data(); }
-  // num_params() gradients, followed by one spare element the caller may use.
+  // num_params() gradients, followed by kSpareGrads spare elements the caller may use.
+  static constexpr size_t kSpareGrads = 2;
   T* grads() { return grads_.data(); }
   const T* grads() const { return grads_.data(); }
   const std::vector<std::unique_ptr<Layer<T>>>& layers() const { return layers_; }

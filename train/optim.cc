@@ -107,4 +107,8 @@ SgdOptions sgd_options(const TrainConfig& cfg) {
   return {cfg.train.momentum, cfg.train.weight_decay, cfg.train.nesterov, cfg.quorum.quorum_auto};
 }
 
+double staleness_lr_scale(bool divide, int64_t staleness) {
+  return divide && staleness > 1 ? 1.0 / double(staleness) : 1.0;
+}
+
 }  // namespace qring::train

@@ -43,6 +43,10 @@ struct SgdOptions {
   bool lr_in_velocity = false;  // the buffer holds lr-scaled steps (above)
 };
 
+// Async SGD (train.async_staleness): the factor on the scheduled learning rate of an update
+// whose gradient is `staleness` updates old: 1, or 1 / max(1, staleness) with `divide`.
+double staleness_lr_scale(bool divide, int64_t staleness);
+
 class Sgd {
  public:
   Sgd(size_t num_params, SgdOptions opts);

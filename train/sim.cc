@@ -12,6 +12,8 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/decide_rule.h"
+#include "collectives/quorum/noise_scale.h"
 #include "net/base/error.h"
 #include "train/model.h"
 #include "train/trainer.h"
@@ -129,6 +131,36 @@ class SimRun {
     return core_.model().forward_backward(x_.data(), y_.data(), int(y_.size()));
   }
   void skip(int w) { sharders_[size_t(w)].next_batch(); }
+
+  // A sync step's update: the mean of the gradients of arr's first n workers (summed in
+  // arrival order) into `mean`, their ranks appended to `ranks`; the others' batches are
+  // skipped. Returns the mean loss; local_sq = the mean over them of |g_i|^2, mean_sq =
+  // |mean|^2 (the noise scale's inputs, as READY carries them in qring-train).
+  double average_first(const std::vector<SimArrival>& arr, int n, std::vector<float>& mean,
+                       std::vector<int>& ranks, double& local_sq, double& mean_sq) {
+    const size_t P = mean.size();
+    std::fill(mean.begin(), mean.end(), 0.0f);
+    double loss = 0, sq = 0;
+    for (int i = 0; i < n; ++i) {
+      const int w = arr[size_t(i)].rank;
+      loss += gradient(w);
+      const float* g = core_.gradient();
+      for (size_t p = 0; p < P; ++p) {
+        mean[p] += g[p];
+        sq += double(g[p]) * double(g[p]);
+      }
+      ranks.push_back(w);
+    }
+    for (size_t i = size_t(n); i < arr.size(); ++i) skip(arr[i].rank);
+    const float inv = 1.0f / float(n);
+    mean_sq = 0;
+    for (size_t p = 0; p < P; ++p) {
+      mean[p] *= inv;
+      mean_sq += double(mean[p]) * double(mean[p]);
+    }
+    local_sq = sq / n;
+    return loss / n;
+  }
 
   // Every worker's arrival in ms after the step's first, by rank (qring-train's format).
   void record_arrivals(int64_t step, const std::vector<SimArrival>& arr) {
@@ -257,6 +289,26 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
   run.finish(vt);
 }
 
+// A decided step as the coordinator's window keeps it (auto_quorum.h): the arrivals counted,
+// and any at the same instant as the decision (not counted here, but observed: not
+// censored), after the step's first; the others had not arrived.
+collectives::StepArrivals seen_by_coordinator(const std::vector<SimArrival>& arr,
+                                              const SimDecision& dec) {
+  collectives::StepArrivals a;
+  a.offset_ms.assign(arr.size(), collectives::StepArrivals::kNotArrived);
+  for (size_t i = 0; i < arr.size() && (int(i) < dec.count || arr[i].ms <= dec.at_ms); ++i)
+    a.offset_ms[size_t(arr[i].rank)] = arr[i].ms - arr.front().ms;
+  a.decided_ms = dec.at_ms - arr.front().ms;
+  return a;
+}
+
+std::optional<double> mean_of(const std::vector<double>& v) {
+  if (v.empty()) return std::nullopt;
+  double s = 0;
+  for (double x : v) s += x;
+  return s / double(v.size());
+}
+
 void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
               SimResult& res) {
   const int W = opts.workers;
@@ -282,7 +334,7 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   std::vector<int> members(static_cast<size_t>(W));
   for (int w = 0; w < W; ++w) members[size_t(w)] = w;
   collectives::AutoQuorumWindow window;
-  NoiseScaleEstimate noise;
+  collectives::NoiseScaleEstimate noise;
   std::vector<double> noise_all, noise_before_target;
   double since_first = -1;  // from the previous step's first arrival to its end
   double vt = 0;
@@ -297,36 +349,22 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     if (opts.adaptive) {
       // The coordinator's view of it: this step opens at its first arrival.
       if (since_first >= 0) window.opened(uint64_t(t), since_first + arr.front().ms);
+      // The step's value: the configured noise scale, or the run's estimate so far (none yet:
+      // the linear value), in contributions.
+      const double kappa = opts.auto_kappa ? *opts.auto_kappa : noise.value().value_or(0.0);
       Q = collectives::choose_quorum(window.samples(), members, opts.auto_min, opts.auto_max,
-                                     opts.auto_kappa)
+                                     kappa)
               .quorum;
     }
     // The first N arrivals count: the quorum, and with a grace those within it.
     const SimDecision dec = sim_decide(arr, Q, opts.grace_ms);
     const int N = dec.count;
-    std::fill(sum.begin(), sum.end(), 0.0f);
-    double loss = 0, sq = 0;
     SimStepRecord r;
     r.step = t;
-    for (int i = 0; i < N; ++i) {
-      const int w = arr[size_t(i)].rank;
-      loss += run.gradient(w);
-      const float* g = core.gradient();
-      for (size_t p = 0; p < P; ++p) {
-        sum[p] += g[p];
-        sq += double(g[p]) * double(g[p]);
-      }
-      r.ranks.push_back(w);
-    }
-    for (int i = N; i < W; ++i) run.skip(arr[size_t(i)].rank);
-    const float inv = 1.0f / float(N);
-    double mean_sq = 0;
-    for (size_t p = 0; p < P; ++p) {
-      sum[p] *= inv;
-      mean_sq += double(sum[p]) * double(sum[p]);
-    }
-    noise.add(sq / N, mean_sq, N, int(cfg.train.batch_per_rank));
-    r.noise_scale = noise.value();
+    double local_sq = 0, mean_sq = 0;
+    const double loss = run.average_first(arr, N, sum, r.ranks, local_sq, mean_sq);
+    noise.add(N, local_sq, mean_sq);
+    if (auto v = noise.value()) r.noise_scale = *v * double(cfg.train.batch_per_rank);
     if (r.noise_scale) {
       noise_all.push_back(*r.noise_scale);
       if (!res.time_to_target_s) noise_before_target.push_back(*r.noise_scale);
@@ -339,19 +377,12 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
     r.step_ms = dec.at_ms +
                 sim_step_comm_ms(opts, N, !opts.adaptive && opts.backups == 0, bytes, res.apply_ms);
     if (opts.adaptive) {
-      collectives::StepArrivals a;
-      a.offset_ms.assign(size_t(W), collectives::StepArrivals::kNotArrived);
-      // What the coordinator has seen by its decision: the N counted, and any arrival at the
-      // same instant as the decision (not counted here, but observed: not censored).
-      for (int i = 0; i < W && (i < N || arr[size_t(i)].ms <= dec.at_ms); ++i)
-        a.offset_ms[size_t(arr[size_t(i)].rank)] = arr[size_t(i)].ms - arr.front().ms;
-      a.decided_ms = dec.at_ms - arr.front().ms;
-      window.decided(uint64_t(t), std::move(a));
+      window.decided(uint64_t(t), seen_by_coordinator(arr, dec));
       since_first = r.step_ms - arr.front().ms;
     }
     vt += r.step_ms / 1000.0;
     r.virtual_s = vt;
-    r.loss = loss / N;
+    r.loss = loss;
     r.contributors = N;
     r.quorum = Q;
     ++res.quorum_hist[Q];
@@ -365,12 +396,6 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   run.evaluate(t, vt);
   res.step_p50_ms = quantile(step_ms, 0.5);
   res.step_p90_ms = quantile(step_ms, 0.9);
-  auto mean_of = [](const std::vector<double>& v) -> std::optional<double> {
-    if (v.empty()) return std::nullopt;
-    double s = 0;
-    for (double x : v) s += x;
-    return s / double(v.size());
-  };
   res.noise_scale_mean = mean_of(noise_all);
   res.noise_scale_to_target = mean_of(noise_before_target);
   run.finish(vt);
@@ -456,8 +481,9 @@ void run_async(const TrainConfig& cfg_in, const DatasetPair& data, const SimOpti
     const double applied = std::max(arrive, server_free) + serve_ms;
     server_free = applied;
     const int64_t stale = version - pulled[size_t(w)];
-    if (r.contributors == 0) r.lr = core.lr();
-    core.apply_gradient(grad[size_t(w)].data());
+    const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
+    if (r.contributors == 0) r.lr = core.lr() * scale;
+    core.apply_gradient(grad[size_t(w)].data(), scale);
     ++version;
     count_staleness(res, stale);
     const double pull_done = applied + hop_ms;
@@ -523,15 +549,23 @@ double sim_allreduce_ms(int k, double bytes, double alpha_us, double beta_ns_per
 }
 
 SimDecision sim_decide(const std::vector<SimArrival>& arr, int n, double grace_ms) {
-  SimDecision d;
-  d.count = n;
-  d.at_ms = arr[size_t(n - 1)].ms;
-  if (grace_ms > 0 && n < int(arr.size())) {
-    const double until = d.at_ms + grace_ms;
-    while (d.count < int(arr.size()) && arr[size_t(d.count)].ms <= until) ++d.count;
-    d.at_ms = d.count == int(arr.size()) ? arr.back().ms : until;
+  // The coordinator's rule (collectives/quorum/decide_rule.h) on the virtual clock: the
+  // arrivals taken in one at a time, and between two of them the instant the grace runs out.
+  using collectives::qproto::RuleMs;
+  const int all = int(arr.size());
+  const RuleMs grace(grace_ms);
+  std::optional<double> quorum_at;
+  for (int i = 0; i < all; ++i) {
+    const double now = arr[size_t(i)].ms;
+    // The grace runs out before this arrival: the rule, asked at that instant, decides.
+    if (quorum_at && *quorum_at + grace_ms < now &&
+        collectives::qproto::step_due(i, all, grace, grace))
+      return {i, *quorum_at + grace_ms};
+    if (i + 1 >= n && !quorum_at) quorum_at = now;
+    const auto since = quorum_at ? std::optional<RuleMs>(RuleMs(now - *quorum_at)) : std::nullopt;
+    if (collectives::qproto::step_due(i + 1, all, since, grace)) return {i + 1, now};
   }
-  return d;
+  return {all, all > 0 ? arr.back().ms : 0.0};
 }
 
 double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double bytes,
@@ -544,26 +578,6 @@ double sim_step_comm_ms(const SimOptions& o, int n, bool speculative, double byt
 
 double sim_sync_comm_ms(const SimOptions& o, int n, double bytes, double apply_ms) {
   return sim_step_comm_ms(o, n, o.backups == 0, bytes, apply_ms);
-}
-
-void NoiseScaleEstimate::add(double mean_sq, double mean_grad_sq, int n, int batch) {
-  if (n < 2 || batch < 1) return;
-  const double k = double(n);
-  const double g2 = (k * mean_grad_sq - mean_sq) / (k - 1);
-  const double trace = double(batch) * k * (mean_sq - mean_grad_sq) / (k - 1);
-  if (!any_) {
-    g2_ = g2;
-    trace_ = trace;
-    any_ = true;
-  } else {
-    g2_ += alpha_ * (g2 - g2_);
-    trace_ += alpha_ * (trace - trace_);
-  }
-}
-
-std::optional<double> NoiseScaleEstimate::value() const {
-  if (!any_ || !(g2_ > 0)) return std::nullopt;
-  return trace_ / g2_;
 }
 
 nlohmann::json SimResult::to_json() const {

@@ -93,7 +93,9 @@ struct SimOptions {
   // trip charged every step (no speculation), as qring-train.
   bool adaptive = false;
   int auto_min = 1, auto_max = 0;
-  double auto_kappa = 0;  // the rule's noise scale in workers' batches (0 = linear value)
+  // The rule's noise scale in workers' batches (0: the linear value); none: the run's own
+  // estimate (collectives/quorum/noise_scale.h) from the steps so far, as the coordinator's.
+  std::optional<double> auto_kappa;
   // Sync: quorum.grace_ms, as the coordinator applies it: once N have arrived, every arrival
   // within the grace counts too; the step is decided at the N-th arrival + grace, or at the
   // last arrival if all W came sooner (sim_decide).
@@ -113,26 +115,6 @@ struct SimStepRecord {
   double staleness_mean = 0;       // async
   int64_t staleness_max = 0;       // async
   std::optional<double> noise_scale;  // sync: the gradient-noise estimate after this step
-};
-
-// The gradient-noise scale B_simple = tr(S) / |G|^2, in samples (McCandlish, Kaplan, Amodei,
-// "An Empirical Model of Large-Batch Training", 2018, appendix A: the unbiased two-batch
-// estimates): from a step's N >= 2 worker gradients g_i of b samples each and their mean g,
-//   |G|^2 ~ (N |g|^2 - mean |g_i|^2) / (N - 1),   tr(S) ~ b N (mean |g_i|^2 - |g|^2) / (N - 1),
-// each averaged over steps (an exponential moving average, weight `alpha` for the newest),
-// the estimate their ratio. quorum.noise_scale is this number (docs/design.md).
-class NoiseScaleEstimate {
- public:
-  explicit NoiseScaleEstimate(double alpha = 0.05) : alpha_(alpha) {}
-  // mean_sq: the mean over the N gradients of |g_i|^2; mean_grad_sq: |mean of the g_i|^2.
-  void add(double mean_sq, double mean_grad_sq, int n, int batch);
-  // None before a step of N >= 2, or while the |G|^2 average is not positive.
-  std::optional<double> value() const;
-
- private:
-  double alpha_;
-  bool any_ = false;
-  double g2_ = 0, trace_ = 0;
 };
 
 struct SimEval {
@@ -177,9 +159,9 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
 
 // A sync step's decision among `arr` (sorted as sim_arrivals) with quorum n and a grace (ms):
 // the contributors are the first `count` arrivals, decided at `at_ms` (the n-th arrival
-// without a grace, else min(n-th + grace, the last arrival when all came within it)), the
-// coordinator's rule (quorum_coordinator.h: all live members arrived, or the quorum and the
-// grace passed).
+// without a grace, else min(n-th + grace, the last arrival when all came within it)): the
+// coordinator's own rule (collectives/quorum/decide_rule.h) asked at every arrival and at
+// the instant the grace runs out.
 struct SimDecision {
   int count = 0;
   double at_ms = 0;

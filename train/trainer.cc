@@ -21,16 +21,20 @@
 #include "collectives/engine.h"
 #include "collectives/quorum/quorum.h"
 #include "collectives/straggler.h"
+#include "net/base/build_info.h"
 #include "net/base/error.h"
 #include "net/base/fnv1a.h"
 #include "net/base/large_buffer.h"
+#include "net/base/out_of_memory.h"
 #include "train/async_sgd.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
+#include "train/full_sync.h"
 #include "train/kernels.h"
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
+#include "train/stop_signals.h"
 #include "train/trainer_core.h"
 
 namespace qring::train {
@@ -41,6 +45,10 @@ using collectives::RedOp;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// After each gradient, in the same all-reduce: the batch loss and the stop flag.
+constexpr size_t kSpare = Model::kSpareGrads;
+static_assert(kSpare == 2, "the trainer uses two spare slots: loss, stop flag");
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -170,9 +178,12 @@ nlohmann::json RunSummary::to_json() const {
   j["failures_survived"] = failures_survived;
   j["evicted_ranks"] = evicted_ranks;
   j["skipped_steps"] = skipped_steps;
+  j["nonfinite_steps"] = nonfinite_steps;
   j["recovery_s"] = recovery_s;
   j["rejoins"] = rejoins;
   j["heal_s"] = heal_s;
+  j["preempted"] = preempted;
+  j["stop_signal"] = preempted ? nlohmann::json(signal_name(stop_signal)) : nlohmann::json();
   return j;
 }
 
@@ -196,15 +207,46 @@ void check_config_agrees(const TrainConfig& cfg, collectives::Communicator& comm
   }
 }
 
-// A fresh run owns its checkpoint directory: checkpoints of an earlier run would mislead
-// --resume.
-void clear_earlier_checkpoints(const fs::path& ckpt_dir, int rank) {
+// A fresh run never deletes an earlier run's checkpoints (they would mislead --resume if kept,
+// and may be all that is left of a long run): when any rank finds some in its directory, every
+// rank stops with the same error (a collective of the whole world) -- unless --force, which
+// deletes them.
+void guard_earlier_checkpoints(const fs::path& run_dir, const fs::path& ckpt_dir,
+                               collectives::Communicator& comm, bool force) {
+  const std::vector<uint64_t> steps = checkpoint_steps(ckpt_dir.string());
+  const int64_t mine = steps.empty() ? -1 : int64_t(steps.front());  // newest first
+  int64_t newest = -1;
+  comm.allreduce(&mine, &newest, 1, DataType::kInt64, RedOp::kMax);
+  if (newest < 0) return;
+  if (!force)
+    throw ConfigError(fmt::format(
+        "{} holds the checkpoints of an earlier run (the newest at step {}): continue that run "
+        "with --resume, start it over with --force (deletes them), or choose another run.name",
+        run_dir.string(), newest));
   size_t removed = 0;
   for (auto& e : fs::directory_iterator(ckpt_dir))
     if (e.path().extension() == ".qck") removed += fs::remove(e.path()) ? 1 : 0;
-  if (removed && rank == 0)
-    spdlog::warn("fresh run: removed {} checkpoint(s) of an earlier run in {}", removed,
-                 ckpt_dir.parent_path().string());
+  if (comm.rank() == 0)
+    spdlog::warn("--force: removed the checkpoints of an earlier run in {} (the newest at step {})",
+                 run_dir.string(), newest);
+}
+
+// After a stop (SIGTERM/SIGUSR1): no rank leaves before every live member has written its
+// checkpoint (and the coordinator summary.json), so that a launcher or srun that ends the job
+// at the first exit (srun --kill-on-bad-exit) cuts no write short. Bounded: a member that died
+// meanwhile is waited for until `limit`, then this rank leaves anyway, its own state saved.
+void wait_for_stopped_members(net::Store& store, const std::vector<int>& members, int rank,
+                              int64_t step, std::chrono::milliseconds limit) {
+  store.set(fmt::format("stopped/{}/{}", step, rank), "1");
+  std::vector<std::string> keys;
+  for (int m : members) keys.push_back(fmt::format("stopped/{}/{}", step, m));
+  try {
+    store.wait(keys, net::deadline_in(limit));
+  } catch (const Error& e) {
+    spdlog::warn("rank {}: stopped after step {}, but not every member said it saved its state "
+                 "within {} ms: {}",
+                 rank, step, limit.count(), e.what());
+  }
 }
 
 // The quorum all-reduce of the trainer's gradients, as the configuration sets it.
@@ -223,7 +265,9 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
   qo.min_world = int(cfg.quorum.min_world);
   qo.adaptive = cfg.quorum.quorum_auto;
   qo.auto_max = int(cfg.quorum.max);
-  qo.auto_kappa = cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
+  qo.auto_estimate = cfg.quorum.noise_scale_estimated();
+  qo.auto_kappa =
+      qo.auto_estimate ? 0.0 : cfg.quorum.noise_scale / double(cfg.train.batch_per_rank);
   qo.store = opts.store;
   qo.join = joining;
   // What ranks compare at start (the allgather above), for a rank that comes back to compare
@@ -336,8 +380,19 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
     for (; next < steps.size() && fatal.empty(); ++next) {
       if (int64_t(steps[next]) > candidate) continue;
       const std::string path = checkpoint_path(ckpt_dir.string(), steps[next]);
+      // Larger than any checkpoint of this model: not a torn file of this run (those are
+      // shorter), so every rank stops rather than reading it (issue 44).
+      std::error_code ec;
+      const uint64_t size = fs::file_size(path, ec);
+      if (!ec && size > max_checkpoint_bytes(n_params)) {
+        fatal = fmt::format("--resume: rank {}: {}: {} bytes, more than the limit of {} bytes "
+                            "that a checkpoint of this model ({} parameters) can have",
+                            rank, path, size, max_checkpoint_bytes(n_params), n_params);
+        break;
+      }
       try {
-        CheckpointState s = load_checkpoint(path);
+        AllocationScope scope("checkpoint " + path);
+        CheckpointState s = load_checkpoint(path, max_checkpoint_bytes(n_params));
         if (s.step != steps[next])
           throw DataError(fmt::format("{}: holds step {}, not the step of its name", path, s.step));
         if (std::string why = mismatch(s); !why.empty()) {
@@ -446,10 +501,17 @@ struct Work {
 // coordinates: rank 0, or after it was lost the rank that took over, which appends to the
 // same files. Each line is one write, flushed at once: a deposed coordinator never
 // overwrites its lines, and one killed mid-run leaves every line it wrote.
+// The coordinator also counts each step, once its arrivals are final, into the estimate of
+// what waiting for every rank would have cost (train/full_sync.h).
 class MetricsWriter {
  public:
-  MetricsWriter(fs::path run_dir, collectives::QuorumAllreduce& q, int rank, int64_t start)
-      : dir_(std::move(run_dir)), q_(q), rank_(rank), arrivals_next_(start) {}
+  MetricsWriter(fs::path run_dir, collectives::QuorumAllreduce& q, int rank, int64_t start,
+                FullSyncEstimate& full_sync)
+      : dir_(std::move(run_dir)),
+        q_(q),
+        rank_(rank),
+        arrivals_next_(start),
+        full_sync_(full_sync) {}
 
   // Rank 0 of a job that starts or resumes (not a rank that rejoins): the configuration, and
   // the metrics and arrivals of the steps before `start` (a fresh run: none).
@@ -477,6 +539,7 @@ class MetricsWriter {
   void step(int64_t t, int64_t epoch, double wall_s, double loss, double lr, const Work& work,
             double wait_ms, const collectives::QuorumResult& r) {
     if (!lead()) return;
+    if (!r.skipped) decided_[t] = {r.decide_ms, q_.membership().members()};
     write({{"type", "step"},
            {"step", t},
            {"epoch", epoch},
@@ -505,11 +568,13 @@ class MetricsWriter {
     if (done % kArrivalsEvery == 0 && done > kArrivalsLag) write_arrivals(done - kArrivalsLag);
   }
 
-  // summary.json, then the arrivals not written yet; the caller leads.
+  // The arrivals not written yet (every step is final now); the caller leads.
+  void flush_arrivals() { write_arrivals(std::numeric_limits<int64_t>::max()); }
+
+  // summary.json; the caller leads.
   void finish(const nlohmann::json& summary) {
     metrics_.close();
     std::ofstream(dir_ / "summary.json") << summary.dump(2) << '\n';
-    write_arrivals(std::numeric_limits<int64_t>::max());
   }
 
  private:
@@ -522,14 +587,24 @@ class MetricsWriter {
       if (int64_t(step) < arrivals_next_ || int64_t(step) >= before) continue;
       arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
       arrivals_next_ = int64_t(step) + 1;
+      if (auto d = decided_.find(int64_t(step)); d != decided_.end())
+        full_sync_.add(step, offs, d->second.decide_ms, d->second.members);
     }
+    decided_.erase(decided_.begin(), decided_.lower_bound(arrivals_next_));
   }
+
+  struct Decided {
+    double decide_ms;
+    std::vector<int> members;
+  };
 
   fs::path dir_;
   collectives::QuorumAllreduce& q_;
   int rank_;
   std::ofstream metrics_;
   int64_t arrivals_next_;  // the first step not yet written by this rank
+  FullSyncEstimate& full_sync_;
+  std::map<int64_t, Decided> decided_;  // steps this rank decided, arrivals not written yet
 };
 
 // The test-set evaluation after a step, sharded over the live members, with the result at
@@ -558,6 +633,7 @@ class Evaluator {
     const EvalOut& e = *got;
     double wall = seconds_since(t_start_);
     last_accuracy_ = e.accuracy;
+    last_step_ = step;
     sum.test_accuracy = e.accuracy;
     sum.test_loss = e.loss;
     sum.best_test_accuracy = std::max(sum.best_test_accuracy, e.accuracy);
@@ -578,6 +654,7 @@ class Evaluator {
   }
 
   double last_accuracy() const { return last_accuracy_; }  // -1: no evaluation yet
+  int64_t last_step() const { return last_step_; }          // the step it was made after
 
  private:
   const TrainConfig& cfg_;
@@ -591,6 +668,7 @@ class Evaluator {
   bool tty_;
   int64_t steps_per_epoch_;
   double last_accuracy_ = -1;
+  int64_t last_step_ = 0;
 };
 
 // This rank's checkpoints: the trainer's state and the quorum's pending carry, of which the
@@ -661,24 +739,14 @@ void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, in
                  parts.size() + 1, k);
 }
 
-// The step timer: what each step took and counted, for the summary (throughput, mean
-// contributors, the backup workers' saving, the quorum histogram) and the progress line.
+// The step counter: what each step counted, for the summary (throughput, mean contributors,
+// the quorum histogram) and the progress line.
 class StepTimer {
  public:
   StepTimer(int world, int64_t batch_per_rank) : world_(world), batch_per_rank_(batch_per_rank) {}
 
-  void computed(double ms) {
-    compute_total_ += ms;
-    ++compute_n_;
-  }
-
-  void record(const Work& w, const collectives::QuorumResult& r) {
+  void record(const collectives::QuorumResult& r) {
     ++quorum_hist_[r.quorum];
-    // An abandoned step's compute time: this rank's mean, for the full-sync estimate.
-    ready_after_.push_back(float(
-        w.abandoned ? (compute_n_ ? compute_total_ / double(compute_n_) : 0.0) : w.compute_ms));
-    step_ms_.push_back(float(ms_since(w.start)));
-    reduce_ms_.push_back(float(r.reduce_ms));
     counted_ += double(r.count) * double(batch_per_rank_);
     computed_ += double(world_) * double(batch_per_rank_);
     contributors_ += r.count;
@@ -688,29 +756,13 @@ class StepTimer {
   double counted() const { return counted_; }  // samples whose gradients were counted
   double contributors() const { return contributors_; }  // summed over the steps
 
-  // The summary's throughput over the step loop (`loop_s` for `ran` steps from `start`),
-  // contributors and backup workers' saving. That saving comes from the recorded timings:
-  // had every step waited for its slowest rank, it would have taken max over ranks of (delay
-  // + compute) + the reduction. Every rank's straggler delay is a pure function of (seed,
-  // rank, step), so the estimate needs no exchange with the others (which a lost rank could
-  // not answer): the slowest rank's delay plus this rank's compute time and reduction.
-  void summarize(RunSummary& sum, double loop_s, int64_t ran,
-                 const collectives::StragglerModel& straggler, uint64_t seed,
-                 int64_t start) const {
+  // The summary's throughput over the step loop (`loop_s` for `ran` steps) and contributors
+  // (the backup workers' saving comes from the coordinator's arrivals: train/full_sync.h).
+  void summarize(RunSummary& sum, double loop_s, int64_t ran) const {
     sum.dropped_gradients = dropped_;
     sum.samples_per_s = loop_s > 0 ? counted_ / loop_s : 0;
     sum.computed_samples_per_s = loop_s > 0 ? computed_ / loop_s : 0;
     sum.mean_contributors = ran > 0 ? contributors_ / double(ran) : 0;
-    double full = 0, actual = 0;
-    for (size_t s = 0; s < ready_after_.size(); ++s) {
-      double mx = 0;
-      for (int p = 0; p < world_; ++p)
-        mx = std::max(mx, double(straggler.delay(seed, p, uint64_t(start) + s).count()) / 1000.0);
-      full += mx + double(ready_after_[s]) + double(reduce_ms_[s]);
-      actual += double(step_ms_[s]);
-    }
-    sum.full_sync_estimate_s = full / 1000.0;
-    sum.backup_saved_s = (full - actual) / 1000.0;
   }
 
   nlohmann::json quorum_histogram() const {  // steps decided with each quorum
@@ -724,16 +776,14 @@ class StepTimer {
   int64_t batch_per_rank_;
   double counted_ = 0, computed_ = 0, contributors_ = 0;
   int64_t dropped_ = 0;
-  double compute_total_ = 0;
-  int64_t compute_n_ = 0;
-  std::vector<float> ready_after_;  // per step: compute time, for the full-sync estimate
-  std::vector<float> step_ms_, reduce_ms_;
   std::map<int, int64_t> quorum_hist_;
 };
 
 // Batch, compute, contribute. The straggler model's delay comes first, cut short when the
 // step is decided without this rank; then the gradient of this rank's batch, with the batch's
-// loss in the spare slot after it, goes to the quorum all-reduce. Every train.checksum_every
+// loss and this rank's stop flag in the two spare slots after it (kSpare), goes to the quorum
+// all-reduce: the step's mean of the flags is > 0 on every rank alike when a contributor
+// wants to stop. Every train.checksum_every
 // steps the READY carries a checksum of the parameters (after t steps); the coordinator stops
 // the job if two members' differ. A step decided without this rank abandons the work: the
 // batch is skipped, so that the data stream stays aligned across ranks.
@@ -750,7 +800,8 @@ class Worker {
         grad_(core.gradient()),
         n_params_(core.num_params()) {}
 
-  Work compute_and_contribute(int64_t t, StepTimer& timer) {
+  // `stop`: this rank was asked to stop (TrainerOptions::stop); the flag goes with the gradient.
+  Work compute_and_contribute(int64_t t, bool stop) {
     Work w;
     w.start = Clock::now();
     w.delay = straggler_.delay(uint64_t(cfg_.run.seed), rank_, uint64_t(t));
@@ -758,12 +809,14 @@ class Worker {
     if (!w.abandoned && !q_.excluded(uint64_t(t))) {
       auto c0 = Clock::now();
       grad_[n_params_] = float(core_.compute_gradient());
+      grad_[n_params_ + 1] = stop ? 1.0f : 0.0f;
       w.compute_ms = ms_since(c0);
-      timer.computed(w.compute_ms);
       std::optional<uint64_t> digest;
       if (cfg_.train.checksum_every > 0 && t > 0 && t % cfg_.train.checksum_every == 0)
         digest = checksum(core_.params(), n_params_);
-      q_.contribute(uint64_t(t), grad_, n_params_ + 1, digest);
+      std::optional<collectives::QuorumAllreduce::Norms> norms;
+      if (estimate_noise_) norms = collectives::QuorumAllreduce::Norms{sq_norm(grad_), prev_sq_};
+      q_.contribute(uint64_t(t), grad_, n_params_ + kSpare, digest, norms);
       faults_(t, "ready");
     } else {
       w.abandoned = true;
@@ -772,7 +825,19 @@ class Worker {
     return w;
   }
 
+  // The step's mean gradient (null: the step was skipped): its squared norm goes with the
+  // next READY (quorum "auto" estimating the noise scale).
+  void took_result(const float* mean) {
+    if (estimate_noise_) prev_sq_ = mean ? std::optional<double>(sq_norm(mean)) : std::nullopt;
+  }
+
  private:
+  double sq_norm(const float* g) const {  // the gradient's, without the spare slots after it
+    double s = 0;
+    for (size_t i = 0; i < n_params_; ++i) s += double(g[i]) * double(g[i]);
+    return s;
+  }
+
   const TrainConfig& cfg_;
   TrainerCore& core_;
   collectives::QuorumAllreduce& q_;
@@ -781,6 +846,8 @@ class Worker {
   FaultInjector faults_;
   float* grad_;
   size_t n_params_;
+  const bool estimate_noise_ = cfg_.quorum.quorum_auto && cfg_.quorum.noise_scale_estimated();
+  std::optional<double> prev_sq_;
 };
 
 // The membership as the steps see it. A rank that rejoined at a step gets the state before
@@ -955,7 +1022,8 @@ class Progress {
         t_start_(t_start),
         tty_(tty) {}
 
-  void after_step(int64_t t, double loss, double accuracy, const StepTimer& timer,
+  // `evaluation`: the newest test-set evaluation (its accuracy and step).
+  void after_step(int64_t t, double loss, const Evaluator& evaluation, const StepTimer& timer,
                   const RunSummary& sum) {
     if (!on_ || !out_.lead()) return;
     const int64_t done = t + 1;
@@ -981,10 +1049,14 @@ class Progress {
       where = fmt::format("epoch {}/{} step {}/{}", t / steps_per_epoch_ + 1,
                           (total_ + steps_per_epoch_ - 1) / steps_per_epoch_, done, total_);
     }
+    // train_loss: the step's mean batch loss; test_acc: the newest evaluation, at its step.
+    const double accuracy = evaluation.last_accuracy();
     std::string line = fmt::format(
-        "{} loss {:.4f} acc {} {:.0f} samples/s contributors {:.2f} ETA {}{}", where, loss,
-        accuracy < 0 ? std::string("-") : fmt::format("{:.2f}%", 100 * accuracy), sps,
-        timer.contributors() / double(done - start_), hms(eta),
+        "{} train_loss {:.4f} test_acc {} {:.0f} samples/s contributors {:.2f}/{} ETA {}{}", where,
+        loss,
+        accuracy < 0 ? std::string("-")
+                     : fmt::format("{:.2f}% (step {})", 100 * accuracy, evaluation.last_step()),
+        sps, timer.contributors() / double(done - start_), world_, hms(eta),
         sum.evicted_ranks.empty()
             ? std::string()
             : fmt::format(" live {}/{} (lost {}{})", q_.membership().members().size(), world_,
@@ -1022,8 +1094,10 @@ namespace {
 nlohmann::json summary_json(const RunSummary& sum, const TrainConfig& cfg, int world, int quorum,
                             const StepTimer& timer, const std::string& provider,
                             const collectives::StragglerModel& straggler, bool finished,
-                            int64_t counted_gradients) {
+                            int64_t counted_gradients, const std::vector<std::string>& hosts) {
   nlohmann::json j = sum.to_json();
+  j["build"] = build::fields();  // the binary (net/base/build_info.h)
+  j["hosts"] = hosts;            // rank r ran on hosts[r]
   j["budget"] = cfg.train.budget;
   j["counted_gradients"] = counted_gradients;
   j["world"] = world;
@@ -1054,12 +1128,16 @@ struct SyncStep {
   const int sched_quorum;
   const int64_t steps_per_epoch, eval_every;
   const Clock::time_point t_start;
+  const std::atomic<int>* stop;  // TrainerOptions::stop
 
-  void operator()(int64_t t, collectives::QuorumAllreduce::View& result, double& last_loss,
+  // Returns true when the ranks agreed to stop after this step (a contributor's stop flag
+  // was counted): the caller checkpoints it and ends the loop.
+  bool operator()(int64_t t, collectives::QuorumAllreduce::View& result, double& last_loss,
                   RunSummary& sum) {
     maybe_fault(t, "step");
     const DataPosition position = core.position();  // before this step's batch
-    const Work work = worker.compute_and_contribute(t, timer);
+    const bool stop_here = stop != nullptr && stop->load(std::memory_order_relaxed) != 0;
+    const Work work = worker.compute_and_contribute(t, stop_here);
     const auto w0 = Clock::now();
     // Zero-copy: the mean gradient is read where the reduction left it (in a job that can
     // lose ranks, the all-reduce's kept buffer), held until the next step's wait.
@@ -1068,6 +1146,7 @@ struct SyncStep {
     membership.decided(t, r, position);
     const double lr_scale = cfg.quorum.quorum_auto ? double(r.count) / sched_quorum : 1.0;
     const double lr = core.lr() * lr_scale;
+    bool agreed_stop = false;
     if (r.skipped) {
       // A member was lost mid-step and too few contributors survived: no rank updates.
       ++sum.skipped_steps;
@@ -1075,19 +1154,87 @@ struct SyncStep {
     } else {
       const float* mean = static_cast<const float*>(result.data);
       last_loss = mean[n_params];
-      core.apply_gradient(mean, lr_scale, r.count);
+      agreed_stop = mean[n_params + 1] > 0;  // bit-identical on every rank
+      worker.took_result(mean);
+      // Every rank holds the same mean and parameters, so every rank decides the same here.
+      const bool skip = cfg.train.nonfinite == "skip";
+      std::string bad = nonfinite_text(mean, n_params);
+      if (bad.empty() && !core.apply_gradient_finite(mean, lr_scale, r.count, skip))
+        bad = "a parameter after the step's update";
+      if (!bad.empty()) {
+        if (!skip)
+          throw Error(fmt::format(
+              "step {} ({} contributor(s)): {} is not finite: the run diverged (train.lr = "
+              "{}, {} at this step); train.nonfinite = \"skip\" leaves such steps out instead",
+              t, r.count, bad, cfg.train.lr, lr));
+        if (sum.nonfinite_steps++ % 100 == 0)
+          spdlog::warn("step {} left out on every rank: {} is not finite ({} such step(s) so "
+                       "far)",
+                       t, bad, sum.nonfinite_steps);
+      }
     }
+    if (r.skipped) worker.took_result(nullptr);
     membership.after_step(t, r, sum);
-    timer.record(work, r);
+    timer.record(r);
     out.step(t, t / steps_per_epoch, seconds_since(t_start), last_loss, lr, work, wait_ms, r);
     const int64_t done = t + 1;
     out.after_step(done);
+    if (agreed_stop) return true;  // the caller checkpoints `done`
     if (done % eval_every == 0 && !core.budget_spent(done)) evaluate(done, sum);
     if (cfg.train.checkpoint_every > 0 && done % cfg.train.checkpoint_every == 0)
       checkpoints.save(done);
-    progress.after_step(t, last_loss, evaluate.last_accuracy(), timer, sum);
+    progress.after_step(t, last_loss, evaluate, timer, sum);
+    return false;
   }
 };
+
+// The step loop from `start`: until the budget is spent, `stop_after` steps ran (> 0), or the
+// ranks agreed to stop. Returns the first step not run and whether they stopped.
+std::pair<int64_t, bool> run_steps(SyncStep& step, TrainerCore& core, int64_t start,
+                                   int64_t stop_after, RunSummary& sum) {
+  collectives::QuorumAllreduce::View result;  // the current step's mean gradient
+  double last_loss = 0;
+  int64_t t = start;
+  for (; !core.budget_spent(t); ++t) {
+    if (stop_after > 0 && t - start >= stop_after) break;
+    if (step(t, result, last_loss, sum)) return {t + 1, true};
+  }
+  return {t, false};
+}
+
+// After the ranks stopped at step t (SIGTERM/SIGUSR1) and saved it: rank 0 says how to go on,
+// and no rank leaves before every live member has saved (wait_for_stopped_members).
+void after_stop(const TrainConfig& cfg, const TrainerOptions& opts,
+                const std::vector<int>& members, int rank, int64_t t, const fs::path& run_dir) {
+  if (rank == 0)
+    spdlog::warn("stopped by a signal after step {} (every rank after the same step): checkpoint "
+                 "written to {}; run the same command with --resume to go on",
+                 t, (run_dir / "checkpoints").string());
+  const auto limit = std::chrono::milliseconds(std::max<int64_t>(60000, cfg.quorum.deadline_ms));
+  if (opts.store) wait_for_stopped_members(*opts.store, members, rank, t, limit);
+}
+
+// Rank 0's lines at the start of a run: its shape, and where it writes.
+void announce_start(const TrainConfig& cfg, const TrainerCore& core, int world, int quorum,
+                    const std::string& provider, const collectives::StragglerModel& straggler,
+                    const fs::path& run_dir) {
+  const size_t n_params = core.num_params();
+  const int64_t total = core.total_steps(), steps_per_epoch = core.steps_per_epoch();
+  spdlog::info(
+      "training {} ({} parameters) on {} ranks, quorum {}, {} ({} steps per epoch), "
+      "provider {}, straggler {}",
+      cfg.model.type, n_params, world, quorum,
+      core.budget_gradients() > 0
+          ? fmt::format("until {} gradients are counted ({} steps of full sync)",
+                        core.budget_gradients(), total)
+          : fmt::format("{} steps", total),
+      steps_per_epoch, provider, straggler.spec());
+  spdlog::info("run directory {}: metrics.jsonl, summary.json; checkpoints {}",
+               fs::absolute(run_dir).string(),
+               cfg.train.checkpoint_every > 0
+                   ? fmt::format("every {} steps", cfg.train.checkpoint_every)
+                   : std::string("at the end and when stopped by SIGTERM/SIGUSR1"));
+}
 
 // The synchronous trainer (train.mode "sync"): each step, every rank computes the gradient
 // of its batch and contributes it to the quorum all-reduce, waits for the step's decision
@@ -1102,9 +1249,15 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   const fs::path run_dir = fs::path(cfg.run.out_dir) / cfg.run.name;
   const fs::path ckpt_dir = run_dir / "checkpoints" / fmt::format("rank-{}", rank);
   fs::create_directories(ckpt_dir);
-  if (!opts.resume && !joining) clear_earlier_checkpoints(ckpt_dir, rank);
+  if (!opts.resume && !joining) guard_earlier_checkpoints(run_dir, ckpt_dir, comm, opts.force);
 
-  DatasetPair data = load_datasets(cfg.data, seed);
+  DatasetPair data = allocating(
+      fmt::format("the datasets ({})",
+                  cfg.data.dataset == "synthetic" ? "synthetic" : "data.path " + cfg.data.path),
+      0, [&] { return load_datasets(cfg.data, seed, opts.local_ranks); });
+  if (world > 1 && !joining) check_data_agrees(cfg, data, comm);
+  const AllocationScope model_scope(
+      fmt::format("the model ({}) and its training state", cfg.model.type));
   // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by
   // its contributors over that (the linear rule, step by step).
   const int sched_quorum =
@@ -1125,10 +1278,10 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   collectives::QuorumOptions qo = quorum_options(cfg, opts, quorum, joining);
   const FaultInjector maybe_fault(opts.faults, rank, comm.engine());
   qo.on_phase = maybe_fault.ring_phase_hook();
-  // The gradient plus the spare slot after it for the loss (Network::grads()): the step's
-  // mean loss comes with the reduction, and the reduction happens in place, without copies.
-  collectives::QuorumAllreduce q(comm, n_params + 1, qo);
-  comm.register_buffer(core.gradient(), (n_params + 1) * sizeof(float));
+  // The gradient plus the spare slots for the loss and the stop flag (Network::grads()): they
+  // come with the reduction, which happens in place, without copies.
+  collectives::QuorumAllreduce q(comm, n_params + kSpare, qo);
+  comm.register_buffer(core.gradient(), (n_params + kSpare) * sizeof(float));
 
   int64_t start = 0;
   std::optional<collectives::JoinInfo> joined;
@@ -1139,18 +1292,13 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
     start = resume_from_checkpoints(cfg, comm, core, q, ckpt_dir);
   }
 
-  MetricsWriter out(run_dir, q, rank, start);
+  FullSyncEstimate full_sync([&straggler, seed](int r, uint64_t step) {
+    return double(straggler.delay(seed, r, step).count()) / 1000.0;
+  });
+  MetricsWriter out(run_dir, q, rank, start, full_sync);
   if (rank == 0 && !joining) {
     out.create(cfg, opts.resume, start);
-    spdlog::info(
-        "training {} ({} parameters) on {} ranks, quorum {}, {} ({} steps per epoch), "
-        "provider {}, straggler {}",
-        cfg.model.type, n_params, world, quorum,
-        core.budget_gradients() > 0
-            ? fmt::format("until {} gradients are counted ({} steps of full sync)",
-                          core.budget_gradients(), total)
-            : fmt::format("{} steps", total),
-        steps_per_epoch, comm.provider(), straggler.spec());
+    announce_start(cfg, core, world, quorum, comm.provider(), straggler, run_dir);
   }
   if (!joining) comm.barrier();
 
@@ -1165,36 +1313,61 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   Checkpointer checkpoints(cfg, core, q, ckpt_dir, quorum, maybe_fault);
   Progress progress(cfg, core, q, out, world, start, total, steps_per_epoch, t_start, tty);
 
-  SyncStep step{
-      cfg,        core,     q,           maybe_fault, worker,   timer,        membership,
-      out,        evaluate, checkpoints, progress,    n_params, sched_quorum, steps_per_epoch,
-      eval_every, t_start};
-  collectives::QuorumAllreduce::View result;  // the current step's mean gradient
-  double last_loss = 0;
-  int64_t t = start;
-  for (; !core.budget_spent(t); ++t) {
-    if (opts.stop_after > 0 && t - start >= opts.stop_after) break;
-    step(t, result, last_loss, sum);
-  }
+  SyncStep step{cfg,      core,     q,           maybe_fault, worker,   timer,
+                membership, out,     evaluate,    checkpoints, progress, n_params,
+                sched_quorum, steps_per_epoch, eval_every, t_start, opts.stop};
+  const auto [t, stopped] = run_steps(step, core, start, opts.stop_after, sum);
   progress.end();
   const double loop_s = seconds_since(t_start);
   const bool finished = core.budget_spent(t);
+  sum.preempted = stopped && !finished;
+  if (sum.preempted && opts.stop) sum.stop_signal = opts.stop->load();
   if (finished) evaluate(t, sum);
   if (finished && cfg.train.checksum_every > 0) check_final_replicas(core, q, rank, t);
-  if (cfg.train.checkpoint_every > 0 || finished) checkpoints.save(t);
+  if (cfg.train.checkpoint_every > 0 || finished || sum.preempted) checkpoints.save(t);
 
   sum.wall_s = seconds_since(t_start);
   sum.steps = t;
   // Throughput over the step loop (evaluations inside it included, the final one not).
-  timer.summarize(sum, loop_s, t - start, straggler, seed, start);
+  timer.summarize(sum, loop_s, t - start);
   sum.params_checksum = checksum(core.params(), n_params);
-  if (out.lead())
+  if (out.lead()) {
+    out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
+    sum.backup_saved_s = full_sync.saved_ms() / 1000.0;
+    sum.full_sync_estimate_s = loop_s + sum.backup_saved_s;
     out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished,
-                            core.counted_gradients()));
+                            core.counted_gradients(), opts.hosts));
+  }
+  if (sum.preempted) after_stop(cfg, opts, q.membership().members(), rank, t, run_dir);
   return sum;
 }
 
 }  // namespace
+
+// A node whose dataset files differ (another version, a partial copy) would not be noticed by
+// the configuration check, which leaves data.path out (issue 44).
+void check_data_agrees(const TrainConfig& cfg, const DatasetPair& data,
+                       collectives::Communicator& comm) {
+  const int world = comm.size();
+  const uint64_t mine = data.digest;
+  std::vector<uint64_t> all(size_t(world), 0);
+  comm.allgather(&mine, all.data(), 1, DataType::kInt64);
+  std::map<uint64_t, int> votes;
+  for (uint64_t d : all) ++votes[d];
+  if (votes.size() == 1) return;
+  uint64_t ref = all[0];
+  for (const auto& [d, n] : votes)
+    if (n > votes[ref]) ref = d;
+  std::vector<std::string> odd;
+  for (int r = 0; r < world; ++r)
+    if (all[size_t(r)] != ref) odd.push_back(fmt::format("{} ({:016x})", r, all[size_t(r)]));
+  int first = 0;
+  while (all[size_t(first)] != ref) ++first;
+  throw DataError(fmt::format(
+      "the ranks' training data differ: the dataset files of rank(s) {} are not those of rank "
+      "{} ({:016x}); rank {} read data.path '{}' ({:016x}); every rank needs the same files",
+      fmt::join(odd, ", "), first, ref, comm.rank(), cfg.data.path, mine));
+}
 
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts) {

@@ -2,6 +2,7 @@
 // quorum all-reduce (docs/training.md, "The training loop").
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "collectives/fault_inject.h"
 #include "net/rendezvous/store.h"
 #include "train/config.h"
+#include "train/dataset.h"
 
 namespace qring::train {
 
@@ -27,8 +29,16 @@ struct RunSummary {
   double samples_per_s = 0;           // samples whose gradients were counted, per second
   double computed_samples_per_s = 0;  // samples every rank computed, per second
   double mean_contributors = 0;
-  double full_sync_estimate_s = 0;  // estimated wall time had every step waited for all ranks
-  double backup_saved_s = 0;        // full_sync_estimate_s - the measured step time
+  // The backup workers' saving (train/full_sync.h): what waiting for every rank at every step
+  // would have added to the step loop's measured time, from the arrivals that happened;
+  // full_sync_estimate_s = the loop's time + backup_saved_s. From the coordinator (0 on the
+  // other ranks).
+  double full_sync_estimate_s = 0;
+  double backup_saved_s = 0;
+  // Stopped by SIGTERM/SIGUSR1 (TrainerOptions::stop) after step `steps`, checkpointed there;
+  // the signal this rank got (0: it stopped because another rank asked).
+  bool preempted = false;
+  int stop_signal = 0;
   uint64_t params_checksum = 0;
   // Membership: ranks lost and survived, steps skipped on every rank because a member was
   // lost mid-step with too few contributors left, and the longest recovery (from the lost
@@ -36,6 +46,8 @@ struct RunSummary {
   int64_t failures_survived = 0;
   std::vector<int> evicted_ranks;
   int64_t skipped_steps = 0;
+  // Steps whose mean loss or gradient was not finite, left out (train.nonfinite = "skip").
+  int64_t nonfinite_steps = 0;
   double recovery_s = 0;
   // Rejoins (docs/design.md, "Rejoin"): ranks that came back, and the longest healing (from
   // the view without the lost rank to the first step that counted its new incarnation).
@@ -46,6 +58,15 @@ struct RunSummary {
 
 struct TrainerOptions {
   bool resume = false;
+  // A fresh run deletes the checkpoints an earlier run left in its run directory instead of
+  // refusing to start (qring-train --force).
+  bool force = false;
+  // Set (by a signal handler: train/stop_signals.h) to the signal's number when this rank
+  // should stop: every rank stops after the first step whose decision counted a rank with it
+  // set, checkpoints that step and returns with RunSummary::preempted. nullptr: never.
+  const std::atomic<int>* stop = nullptr;
+  // Every rank's host (net::Rendezvous::hostnames), for summary.json.
+  std::vector<std::string> hosts;
   // Stop after this many steps of this invocation (0 = run to the end); tests use it to
   // simulate a run killed part-way.
   int64_t stop_after = 0;
@@ -57,6 +78,9 @@ struct TrainerOptions {
   // This process's incarnation of its rank (net::Rendezvous::incarnation): > 0 joins the
   // running job with the state of a live member instead of starting (or resuming) it.
   uint32_t incarnation = 0;
+  // Ranks on this host (net::BootstrapInfo::local_size): they share its memory, which bounds
+  // the datasets each may load (data.max_bytes, train/dataset.h).
+  int local_ranks = 1;
   // When this process started (the joiner reports its time to the first counted step).
   std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();
 };
@@ -66,6 +90,12 @@ struct TrainerOptions {
 // every rank writes its checkpoints under runs/<run.name>/checkpoints/rank-<r>/.
 RunSummary train(const TrainConfig& cfg, collectives::Communicator& comm,
                  const TrainerOptions& opts = {});
+
+// Every rank of `comm` trains on the same data: the DatasetPair::digest of every rank is
+// gathered (a collective with the communicator's deadline), and a rank whose files differ
+// from the most common ones (rank 0's on a tie) stops every rank with a DataError naming it.
+void check_data_agrees(const TrainConfig& cfg, const DatasetPair& data,
+                       collectives::Communicator& comm);
 
 // FNV-1a 64 of a float buffer's bytes (replica checksums).
 uint64_t checksum(const float* p, size_t n);

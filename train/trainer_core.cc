@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "net/base/error.h"
@@ -41,6 +43,25 @@ TrainerCore::TrainerCore(const TrainConfig& cfg, const DatasetPair& data, int ra
   y_.resize(static_cast<size_t>(cfg.train.batch_per_rank));
 }
 
+bool all_finite(const float* p, size_t n) {
+  // NaN and the infinities have every exponent bit set; OR-ing a mask over the words
+  // vectorizes (std::isfinite per element does not at -O2).
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto w = std::bit_cast<uint32_t>(p[i]);
+    bad |= uint32_t((w & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+std::string nonfinite_text(const float* mean, size_t n_params) {
+  if (all_finite(mean, n_params + 1)) return {};
+  if (!std::isfinite(mean[n_params])) return fmt::format("the mean loss ({})", mean[n_params]);
+  size_t bad = 0;
+  for (size_t i = 0; i < n_params; ++i) bad += std::isfinite(mean[i]) ? 0 : 1;
+  return fmt::format("the mean gradient ({} of its {} values)", bad, n_params);
+}
+
 double TrainerCore::compute_gradient() {
   gather_batch(data_.train, sharder_.next_batch(), x_.data(), y_.data());
   return model_->forward_backward(x_.data(), y_.data(), static_cast<int>(y_.size()));
@@ -54,6 +75,25 @@ void TrainerCore::apply_gradient(const float* grad, double lr_scale, int contrib
   opt_.step(model_->params(), grad, lr() * lr_scale);
   ++step_;
   counted_ += contributors > 0 ? contributors : sched_quorum_;
+}
+
+bool TrainerCore::apply_gradient_finite(const float* grad, double lr_scale, int contributors,
+                                        bool undo) {
+  const size_t n = num_params();
+  const int64_t step = step_, counted = counted_;
+  if (undo) {
+    undo_params_.assign(params(), params() + n);
+    undo_velocity_ = opt_.velocity();
+  }
+  apply_gradient(grad, lr_scale, contributors);
+  if (all_finite(params(), n)) return true;
+  if (undo) {
+    std::copy(undo_params_.begin(), undo_params_.end(), params());
+    opt_.velocity() = undo_velocity_;
+    step_ = step;
+    counted_ = counted;
+  }
+  return false;
 }
 
 EvalResult TrainerCore::evaluate_test() {

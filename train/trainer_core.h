@@ -28,6 +28,14 @@
 
 namespace qring::train {
 
+// Whether the n floats at p are all finite (no NaN, no infinity).
+bool all_finite(const float* p, size_t n);
+
+// The check of a step's mean gradient (n_params floats, then the mean loss): an empty string
+// when every value is finite, else what is not ("the mean loss (nan)", "the mean gradient
+// (12 of its 535818 values)").
+std::string nonfinite_text(const float* mean, size_t n_params);
+
 class TrainerCore {
  public:
   // data must outlive the core. quorum = Q (for the LR scaling rule). Total steps =
@@ -77,6 +85,11 @@ class TrainerCore {
   // quorum). The scheduled learning rate is multiplied by lr_scale (the adaptive quorum:
   // contributors of the step over the quorum the schedule was built for).
   void apply_gradient(const float* grad, double lr_scale = 1.0, int contributors = 0);
+  // apply_gradient, then whether the parameters are still all finite (a finite gradient
+  // times a huge learning rate overflows them). With `undo` the parameters, momentum, step and
+  // counted gradients are put back as they were when they are not (train.nonfinite = "skip";
+  // costs a copy of parameters and momentum per step).
+  bool apply_gradient_finite(const float* grad, double lr_scale, int contributors, bool undo);
 
   // Accuracy and mean loss on the test set (or the train set), batches of train.eval_batch.
   EvalResult evaluate_test();
@@ -118,6 +131,7 @@ class TrainerCore {
   mutable std::string meta_;  // checkpoint_view's meta
   AlignedVector<float> x_;
   std::vector<int32_t> y_;
+  std::vector<float> undo_params_, undo_velocity_;  // apply_gradient_finite's copies
 };
 
 }  // namespace qring::train

@@ -6,12 +6,18 @@
 // Conventions (nccl-tests, doc/PERFORMANCE.md):
 //   size  = bytes of the largest buffer of the operation (all-gather: the gathered buffer,
 //           reduce-scatter: the input buffer), count = size / element size;
-//   time  = the slowest rank's average time per iteration, in microseconds;
+//   time  = per rank the average time per iteration, in microseconds, then across ranks as
+//           -a says: 1 (default) the mean, 3 the maximum, 2 the minimum, 0 rank 0's;
 //   algbw = size / time (GB/s, GB = 1e9 bytes); busbw = algbw x factor, factor 2(n-1)/n for
 //           all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast and
 //           send/receive;
 //   #wrong = elements that differ from the locally computed expectation, summed over ranks,
-//           checked once after the timed loop on freshly initialized data.
+//           checked once after the timed loop on freshly initialized data;
+//   algo  = the algorithm that ran (all-reduce: recursive doubling "rd", halving-doubling "hd"
+//           or "ring", by size; qring-mpi-bench: "mpi"), the last column.
+// Before the table, a line per rank: "#  Rank  R Pid P on HOST"; after it the footer
+// "# Out of bounds values : N OK|FAILED" and "# Avg bus bandwidth    : X" (the mean busbw of
+// every row, in-place and out-of-place).
 //
 // Data: collectives/verifiable.h (the pattern and checks the collective tests use too).
 #pragma once
@@ -39,6 +45,7 @@
 #include "collectives/bench/ops.h"
 #include "collectives/types.h"
 #include "collectives/verifiable.h"
+#include "net/base/build_info.h"
 #include "net/base/cli.h"
 #include "net/base/error.h"
 
@@ -97,6 +104,7 @@ struct Options {
   DataType dtype = DataType::kFloat32;
   RedOp redop = RedOp::kSum;
   int root = 0;
+  int average = 1;           // -a: time across ranks, 0 rank 0, 1 mean, 2 minimum, 3 maximum
   std::string provider;      // qring: empty = $QRING_PROVIDER or "auto"
   size_t segment_bytes = 0;  // qring: 0 = library default
   int inflight = 0;          // qring: 0 = library default
@@ -126,8 +134,15 @@ struct Options {
 // The prose of --help below the flags.
 inline std::string help_footer(bool mpi) {
   std::string s =
-      "Sizes take K/M/G suffixes (powers of 2). Columns as nccl-tests: time is the slowest "
-      "rank's\naverage, algbw = size / time, busbw = algbw x the operation's bus factor.\n";
+      "Sizes take K/M/G suffixes (powers of 2). Columns as nccl-tests: time is each rank's\n"
+      "average per iteration, then the mean over ranks (-a 3: the slowest rank's), algbw =\n"
+      "size / time, busbw = algbw x the operation's bus factor, #wrong = elements that differ\n"
+      "from the expected result; algo = the algorithm that ran. A line per rank (pid, host)\n"
+      "before the table; after it \"# Out of bounds values\" (the #wrong total) and\n"
+      "\"# Avg bus bandwidth\" (the mean busbw of all rows). --json is checked before the sweep.\n"
+      "Exit status: 0 every result correct; 1 wrong results; 2 bad command line or --json\n"
+      "path; 3 a runtime failure (a rank lost, a deadline passed)" +
+      std::string(mpi ? ".\n" : "; 75 this rank was evicted\n(--op quorum --fault stop).\n");
   if (mpi) return s;
   return s +
          "sendrecv measures ping-pong between ranks 2i and 2i+1: time = round trip / 2 (as\n"
@@ -205,6 +220,10 @@ inline void add_common_flags(CLI::App& app, Options& o, bool mpi) {
   });
   cli::add_value(app, "--root", "broadcast root (default 0)")
       ->each(int_in(o.root, "--root", 0, 1 << 24));
+  cli::add_value(app, "-a,--average",
+                 "time across ranks, as nccl-tests: 0 rank 0's, 1 the mean (default), 2 the "
+                 "minimum, 3 the maximum (the slowest rank)")
+      ->each(int_in(o.average, "--average", 0, 3));
   cli::add_value(app, "--auto-iters",
                  "S: per size, run as many timed iterations (at most -n, at least 1) as fit in "
                  "about S seconds, judged from one probe iteration; warmup becomes min(-w, "
@@ -375,16 +394,88 @@ struct RowKey {
   size_t count = 0;           // total elements (size / element size)
   size_t count_per_rank = 0;  // elements each rank passes to the call
   int root = -1;
+  std::string algo;           // the algorithm that ran (the last column)
 };
+
+// Who ran a benchmark: a rank, its process and its host (the block before the table).
+struct RankInfo {
+  int rank = 0;
+  long pid = 0;
+  std::string host;
+};
+
+// -a's name for the header line.
+inline const char* average_name(int average) {
+  switch (average) {
+    case 0:
+      return "rank 0's";
+    case 2:
+      return "the minimum over ranks";
+    case 3:
+      return "the maximum over ranks";
+    default:
+      return "the mean over ranks";
+  }
+}
+
+// -a's name in the JSON rows (time_across_ranks).
+inline const char* average_key(int average) {
+  static const char* const names[] = {"rank0", "mean", "min", "max"};
+  return names[average >= 0 && average <= 3 ? average : 1];
+}
+
+// The time a row reports from every rank's average per iteration (`per_rank`), as -a says.
+inline double combine_times(const std::vector<double>& per_rank, int average) {
+  if (per_rank.empty()) return 0;
+  switch (average) {
+    case 0:
+      return per_rank.front();
+    case 2:
+      return *std::min_element(per_rank.begin(), per_rank.end());
+    case 3:
+      return *std::max_element(per_rank.begin(), per_rank.end());
+    default: {
+      double sum = 0;
+      for (double t : per_rank) sum += t;
+      return sum / double(per_rank.size());
+    }
+  }
+}
+
+// The provenance line and the rank block: "# PROGRAM VERSION (commit ...)" and, per rank,
+// "#  Rank  R Pid P on HOST" (nccl-tests' block, without devices).
+inline std::string rank_block(const std::string& program, const std::vector<RankInfo>& ranks) {
+  std::string s = "# " + build::version_text(program) + "\n";
+  for (const RankInfo& r : ranks)
+    s += fmt::format("#  Rank {:>2} Pid {:>7} on {:>10}\n", r.rank, r.pid, r.host);
+  return s;
+}
+
+// The footer after the table, nccl-tests' words: the #wrong total, and the mean busbw over
+// `bw_rows` rows whose busbw sum is `bw_sum`.
+inline std::string table_footer(int64_t wrong, double bw_sum, int bw_rows) {
+  return fmt::format("# Out of bounds values : {} {}\n# Avg bus bandwidth    : {:.6g} \n#\n", wrong,
+                     wrong == 0 ? "OK" : "FAILED", bw_rows > 0 ? bw_sum / bw_rows : 0.0);
+}
+
+// Every JSON row gets the binary's provenance (net/base/build_info.h) and the ranks' hosts.
+inline void add_provenance(std::vector<nlohmann::json>& rows, const std::vector<RankInfo>& ranks) {
+  nlohmann::json hosts = nlohmann::json::array();
+  for (const RankInfo& r : ranks) hosts.push_back(r.host);
+  for (auto& j : rows) {
+    j["build"] = build::fields();
+    j["hosts"] = hosts;
+  }
+}
 
 inline std::string table_header(BenchOp op, const Options& o, int ranks,
                                 const std::string& provider) {
   std::string s;
   s += fmt::format(
-      "# {}: {} ranks, provider {}, dtype {}, redop {}, iters {}, warmup {}, check {}\n",
+      "# {}: {} ranks, provider {}, dtype {}, redop {}, iters {}, warmup {}, check {}, time {}\n",
       op_name(op), ranks, provider, dtype_name(o.dtype),
       op_desc(op).reduces ? redop_name(o.redop) : std::string_view("none"), o.iters, o.warmup,
-      o.check ? 1 : 0);
+      o.check ? 1 : 0, average_name(o.average));
   if (op == BenchOp::kSendRecv)
     s += "# ping-pong between ranks 2i and 2i+1: time = round trip / 2 (fi_pingpong's "
          "usec/xfer), algbw = size / time\n";
@@ -393,9 +484,9 @@ inline std::string table_header(BenchOp op, const Options& o, int ranks,
                    "out-of-place", "in-place");
   s += fmt::format(
       "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
-      "{:>7} {:>6}\n",
+      "{:>7} {:>6}  {}\n",
       "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw",
-      "busbw", "#wrong");
+      "busbw", "#wrong", "algo");
   s += fmt::format(
       "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} "
       "{:>7} {:>6}\n",
@@ -413,8 +504,9 @@ inline std::string format_measurement(const std::optional<Measurement>& m) {
 inline std::string format_row(const RowKey& k, std::string_view type, std::string_view redop,
                               const std::optional<Measurement>& oop,
                               const std::optional<Measurement>& ip) {
-  return fmt::format("  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {}  {}\n", k.bytes, k.count, type,
-                     redop, k.root, format_measurement(oop), format_measurement(ip));
+  return fmt::format("  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {}  {}  {}\n", k.bytes, k.count, type,
+                     redop, k.root, format_measurement(oop), format_measurement(ip),
+                     k.algo.empty() ? "-" : k.algo);
 }
 
 struct JsonContext {
@@ -425,6 +517,7 @@ struct JsonContext {
   std::string provider;
   int iters = 0;
   int warmup = 0;
+  std::string average;  // -a, as the header says it
 };
 
 inline nlohmann::json json_row(const JsonContext& c, const RowKey& k, const Measurement& m) {
@@ -448,6 +541,8 @@ inline nlohmann::json json_row(const JsonContext& c, const RowKey& k, const Meas
     j["wrong"] = m.wrong;
   j["iters"] = m.iters ? m.iters : c.iters;
   j["warmup"] = c.warmup;
+  j["algorithm"] = k.algo;
+  j["time_across_ranks"] = c.average;
   return j;
 }
 
@@ -483,7 +578,9 @@ inline std::vector<size_t> sweep_sizes(const Options& o) {
 //
 //   int rank(); int size(); std::string provider();
 //   void barrier();
-//   double max_over_ranks(double);  int64_t sum_over_ranks(int64_t);
+//   double reduce_over_ranks(double, RedOp);  int64_t sum_over_ranks(int64_t);
+//   std::vector<RankInfo> rank_infos();  (every rank calls it; rank 0 gets the list)
+//   std::string algorithm(BenchOp op, size_t bytes);  (the algo column)
 //   void run(BenchOp op, const void* send, void* recv, size_t count, bool in_place);
 //     in place: allreduce send == recv; broadcast buf == recv; all-gather input at
 //     recv + rank*count; reduce-scatter input is the whole recv buffer, the result is at
@@ -495,8 +592,9 @@ class Sweep {
  public:
   Sweep(Backend& be, const Options& o) : be_(be), o_(o), desc_(op_desc(o.op)) {}
 
-  // Runs every size; rank 0 prints the table to stdout. Returns the total #wrong.
-  int64_t run() {
+  // Runs every size; rank 0 prints the rank block, the table and its footer to stdout
+  // (`program` names the binary in the block). Returns the total #wrong.
+  int64_t run(const std::string& program) {
     const int n = be_.size();
     const bool print = be_.rank() == 0;
     if (desc_.rooted && (o_.root < 0 || o_.root >= n))
@@ -507,12 +605,30 @@ class Sweep {
                        n,
                        be_.provider(),
                        o_.iters,
-                       o_.warmup};
-    if (print) std::fputs(table_header(o_.op, o_, n, be_.provider()).c_str(), stdout);
+                       o_.warmup,
+                       average_key(o_.average)};
+    ranks_ = be_.rank_infos();
+    if (print) {
+      std::fputs(rank_block(program, ranks_).c_str(), stdout);
+      std::fputs(table_header(o_.op, o_, n, be_.provider()).c_str(), stdout);
+    }
+    const int64_t wrong = run_sizes();
+    if (print) std::fputs(table_footer(wrong, bw_sum_, bw_rows_).c_str(), stdout);
+    std::fflush(stdout);
+    return wrong;
+  }
 
+  const std::vector<nlohmann::json>& rows() const { return rows_; }
+  const std::vector<RankInfo>& ranks() const { return ranks_; }
+
+ private:
+  int64_t run_sizes() {
+    const int n = be_.size();
+    const bool print = be_.rank() == 0;
     const size_t ts = dtype_bytes(o_.dtype);
     if (!desc_.sized) {
       RowKey k;
+      k.algo = be_.algorithm(o_.op, 0);
       Measurement m = time_op(0, 0, false, nullptr, nullptr);
       emit(k, "none", "none", m, std::nullopt);
       return 0;
@@ -528,6 +644,7 @@ class Sweep {
       k.count = desc_.split ? k.count_per_rank * size_t(n) : k.count_per_rank;
       k.bytes = k.count * ts;
       k.root = desc_.rooted ? o_.root : -1;
+      k.algo = be_.algorithm(o_.op, k.bytes);
       if (k.count_per_rank == 0) {
         if (print) std::printf("# %zu bytes: fewer than one element per rank, skipped\n", bytes);
         continue;
@@ -544,16 +661,17 @@ class Sweep {
     return total_wrong;
   }
 
-  const std::vector<nlohmann::json>& rows() const { return rows_; }
-
- private:
   void emit(const RowKey& k, std::string_view type, std::string_view redop,
             const std::optional<Measurement>& oop, const std::optional<Measurement>& ip) {
     if (be_.rank() != 0) return;
     std::fputs(format_row(k, type, redop, oop, ip).c_str(), stdout);
     std::fflush(stdout);
-    if (oop) rows_.push_back(json_row(ctx_, k, *oop));
-    if (ip) rows_.push_back(json_row(ctx_, k, *ip));
+    for (const auto* m : {&oop, &ip}) {
+      if (!*m) continue;
+      rows_.push_back(json_row(ctx_, k, **m));
+      bw_sum_ += (*m)->busbw;
+      ++bw_rows_;
+    }
   }
 
   // The call the sweep makes for row k, as the operation's init and check see it.
@@ -588,8 +706,9 @@ class Sweep {
       be_.barrier();
       auto p0 = std::chrono::steady_clock::now();
       be_.run(o_.op, s, r, count, in_place);
-      double probe = be_.max_over_ranks(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count());
+      double probe = be_.reduce_over_ranks(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count(),
+          RedOp::kMax);
       double fit = probe > 0 ? o_.auto_seconds / probe : double(o_.iters);
       iters = int(std::clamp(fit, 1.0, double(o_.iters)));
       warmup = std::min(o_.warmup, iters / 4);
@@ -603,10 +722,24 @@ class Sweep {
     Measurement m;
     m.in_place = in_place;
     m.iters = iters;
-    m.time_us = be_.max_over_ranks(local_us);
+    m.time_us = across_ranks(local_us);
     m.algbw = m.time_us > 0 ? double(bytes) / (m.time_us * 1e-6) / 1e9 : 0.0;
     m.busbw = m.algbw * bus_factor(o_.op, be_.size());
     return m;
+  }
+
+  // A rank's time as the row reports it (-a): every rank calls this with its own.
+  double across_ranks(double local_us) {
+    switch (o_.average) {
+      case 0:
+        return be_.reduce_over_ranks(be_.rank() == 0 ? local_us : 0.0, RedOp::kSum);
+      case 2:
+        return be_.reduce_over_ranks(local_us, RedOp::kMin);
+      case 3:
+        return be_.reduce_over_ranks(local_us, RedOp::kMax);
+      default:
+        return be_.reduce_over_ranks(local_us, RedOp::kSum) / double(be_.size());
+    }
   }
 
   Measurement measure(const RowKey& k, bool in_place, unsigned char* s, unsigned char* r) {
@@ -627,6 +760,9 @@ class Sweep {
   const OpDesc& desc_;
   JsonContext ctx_;
   std::vector<nlohmann::json> rows_;
+  std::vector<RankInfo> ranks_;
+  double bw_sum_ = 0;  // busbw of the rows printed, for the footer
+  int bw_rows_ = 0;
 };
 
 }  // namespace qring::bench

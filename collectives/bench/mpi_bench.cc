@@ -6,8 +6,10 @@
 //
 // MPI has no average: --redop avg runs MPI_SUM and divides locally, inside the timed loop.
 #include <mpi.h>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -92,11 +94,33 @@ class MpiBackend {
   int size() const { return size_; }
   std::string provider() const { return "openmpi"; }
   void barrier() { check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
-  double max_over_ranks(double v) {
+  double reduce_over_ranks(double v, RedOp op) {
     double out = 0;
-    check_mpi(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD), "MPI_Allreduce");
+    check_mpi(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, mpi_op(op), MPI_COMM_WORLD), "MPI_Allreduce");
     return out;
   }
+  // Every rank's pid and processor name, gathered at rank 0.
+  std::vector<RankInfo> rank_infos() {
+    char name[MPI_MAX_PROCESSOR_NAME] = {};
+    int len = 0;
+    MPI_Get_processor_name(name, &len);
+    std::vector<char> names(rank_ == 0 ? size_t(size_) * MPI_MAX_PROCESSOR_NAME : 1);
+    std::vector<long> pids(rank_ == 0 ? size_t(size_) : 1);
+    long pid = long(getpid());
+    check_mpi(MPI_Gather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(),
+                         MPI_MAX_PROCESSOR_NAME, MPI_CHAR, 0, MPI_COMM_WORLD),
+              "MPI_Gather");
+    check_mpi(MPI_Gather(&pid, 1, MPI_LONG, pids.data(), 1, MPI_LONG, 0, MPI_COMM_WORLD),
+              "MPI_Gather");
+    std::vector<RankInfo> out;
+    if (rank_ != 0) return out;
+    for (int r = 0; r < size_; ++r) {
+      const char* n = names.data() + size_t(r) * MPI_MAX_PROCESSOR_NAME;
+      out.push_back({r, pids[size_t(r)], std::string(n, strnlen(n, MPI_MAX_PROCESSOR_NAME))});
+    }
+    return out;
+  }
+  std::string algorithm(BenchOp, size_t) const { return "mpi"; }
   int64_t sum_over_ranks(int64_t v) {
     int64_t out = 0;
     check_mpi(MPI_Allreduce(&v, &out, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce");
@@ -153,19 +177,37 @@ class MpiBackend {
 int bench_main(int argc, char** argv, int rank) {
   Options o;
   if (auto rc = parse_args(argc, argv, /*mpi=*/true, o, /*report=*/rank == 0)) return *rc;
+  // Rank 0 writes --json: it checks it can before the sweep, and every rank learns the answer.
+  int bad_path = 0;
+  if (rank == 0 && !o.json_path.empty()) {
+    try {
+      cli::check_output_path("--json", o.json_path);
+    } catch (const ConfigError& e) {
+      std::fprintf(stderr, "qring-mpi-bench: %s\n", e.what());
+      bad_path = 1;
+    }
+  }
+  check_mpi(MPI_Bcast(&bad_path, 1, MPI_INT, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  if (bad_path) return 2;
   MpiBackend be(o);
   Sweep<MpiBackend> sweep(be, o);
   int64_t wrong = 0;
+  auto write = [&] {
+    if (rank != 0 || o.json_path.empty()) return;
+    std::vector<nlohmann::json> rows = sweep.rows();
+    add_provenance(rows, sweep.ranks());
+    write_json(o.json_path, rows);
+  };
   try {
-    wrong = sweep.run();
+    wrong = sweep.run("qring-mpi-bench");
   } catch (const ConfigError& e) {
     if (rank == 0) std::fprintf(stderr, "qring-mpi-bench: %s\n", e.what());
     return 2;
   } catch (...) {
-    if (rank == 0 && !o.json_path.empty()) write_json(o.json_path, sweep.rows());
+    write();
     throw;
   }
-  if (rank == 0 && !o.json_path.empty()) write_json(o.json_path, sweep.rows());
+  write();
   if (wrong > 0) {
     if (rank == 0)
       std::fprintf(stderr, "qring-mpi-bench: %lld wrong elements\n", static_cast<long long>(wrong));

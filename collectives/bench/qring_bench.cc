@@ -17,12 +17,14 @@
 // meanwhile exits 75 (qring-launch --tolerate-failures K then exits 100 + lost ranks).
 #include <fmt/ranges.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -31,16 +33,17 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/algorithms.h"
 #include "collectives/bench/bench_common.h"
 #include "collectives/bench/quorum_bench.h"
 #include "collectives/communicator.h"
 #include "collectives/engine.h"
 #include "collectives/fault_inject.h"
 #include "collectives/quorum/quorum.h"
+#include "collectives/session.h"
 #include "collectives/straggler.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/transport/endpoint.h"
-#include "net/transport/fabric_endpoint.h"
 
 namespace qring::bench {
 namespace {
@@ -56,15 +59,29 @@ using net::RequestPtr;
 
 class QringBackend {
  public:
-  QringBackend(collectives::Communicator& comm, const Options& o) : comm_(comm), o_(o) {}
+  QringBackend(collectives::Communicator& comm, const Options& o, std::vector<RankInfo> ranks)
+      : comm_(comm), o_(o), ranks_(std::move(ranks)) {}
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   std::string provider() const { return comm_.provider(); }
   void barrier() { comm_.barrier(); }
-  double max_over_ranks(double v) {
+  double reduce_over_ranks(double v, RedOp op) {
     double out = 0;
-    comm_.allreduce(&v, &out, 1, DataType::kFloat64, RedOp::kMax);
+    comm_.allreduce(&v, &out, 1, DataType::kFloat64, op);
     return out;
+  }
+  std::vector<RankInfo> rank_infos() const { return ranks_; }
+  std::string algorithm(BenchOp op, size_t bytes) const {
+    switch (op) {
+      case BenchOp::kAllreduce:
+        return collectives::allreduce_algorithm(comm_.options(), bytes, size_t(size()));
+      case BenchOp::kBroadcast:
+        return "chain";  // pipelined from the root along the ring
+      case BenchOp::kBarrier:
+        return "dissem";
+      default:
+        return "ring";
+    }
   }
   int64_t sum_over_ranks(int64_t v) {
     int64_t out = 0;
@@ -106,6 +123,7 @@ class QringBackend {
  private:
   collectives::Communicator& comm_;
   const Options& o_;
+  std::vector<RankInfo> ranks_;
 };
 
 // ------------------------------------------------------------------ endpoint-only helpers
@@ -228,7 +246,8 @@ class PingPong {
   uint64_t seq_ = 0;
 };
 
-int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>& rows) {
+int64_t run_sendrecv(Endpoint& ep, const Options& o, const std::vector<RankInfo>& ranks,
+                     std::vector<nlohmann::json>& rows) {
   const int n = ep.world_size();
   const int rank = ep.rank();
   if (n < 2) throw ConfigError("--op sendrecv needs at least 2 ranks");
@@ -236,6 +255,7 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
   const bool initiator = rank % 2 == 0;
   const size_t ts = dtype_bytes(o.dtype);
   if (rank == 0) {
+    std::fputs(rank_block("qring-bench", ranks).c_str(), stdout);
     std::fputs(table_header(BenchOp::kSendRecv, o, n, ep.provider()).c_str(), stdout);
     if (n % 2) std::printf("# rank %d has no partner and only takes part in the reports\n", n - 1);
   }
@@ -243,14 +263,17 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
   ep.register_memory(sbuf.data(), sbuf.size);
   ep.register_memory(rbuf.data(), rbuf.size);
   JsonContext ctx{"sendrecv", std::string(dtype_name(o.dtype)), "none", n, ep.provider(), o.iters,
-                  o.warmup};
+                  o.warmup, average_key(o.average)};
   PingPong pp(ep, o);
   int64_t total_wrong = 0;
+  double bw_sum = 0;
+  int bw_rows = 0;
   uint64_t row = 0;
   for (size_t bytes : sweep_sizes(o)) {
     RowKey k;
     k.count = k.count_per_rank = bytes / ts;
     k.bytes = k.count * ts;
+    k.algo = "pingpong";
     if (k.count == 0) {
       if (rank == 0) std::printf("# %zu bytes: less than one element, skipped\n", bytes);
       continue;
@@ -275,12 +298,16 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
     m.in_place = false;
     m.wrong = o.check ? 0 : -1;
     m.iters = o.iters;
-    for (const Report& r : all) {
-      m.time_us = std::max(m.time_us, r.value);
-      if (o.check) m.wrong += r.wrong;
+    std::vector<double> times;  // of the ranks with a partner
+    for (size_t r = 0; r < all.size(); ++r) {
+      if ((int(r) ^ 1) < n) times.push_back(all[r].value);
+      if (o.check) m.wrong += all[r].wrong;
     }
+    m.time_us = combine_times(times, o.average);
     m.algbw = m.time_us > 0 ? double(k.bytes) / (m.time_us * 1e-6) / 1e9 : 0.0;
     m.busbw = m.algbw;
+    bw_sum += m.busbw;
+    ++bw_rows;
     total_wrong += std::max<int64_t>(0, m.wrong);
     std::fputs(format_row(k, dtype_name(o.dtype), "none", m, std::nullopt).c_str(), stdout);
     std::fflush(stdout);
@@ -288,6 +315,8 @@ int64_t run_sendrecv(Endpoint& ep, const Options& o, std::vector<nlohmann::json>
     j["method"] = "pingpong_half_round_trip";
     rows.push_back(std::move(j));
   }
+  if (rank == 0) std::fputs(table_footer(total_wrong, bw_sum, bw_rows).c_str(), stdout);
+  std::fflush(stdout);
   return total_wrong;
 }
 
@@ -412,41 +441,137 @@ void run_idle_engine(collectives::Communicator& comm, const Options& o,
 
 // ------------------------------------------------------------------ main
 
-std::string provider_setting(const Options& o) {
-  if (!o.provider.empty()) return o.provider;
-  if (auto v = net::process_env("QRING_PROVIDER"); v && !v->empty()) return *v;
-  return "auto";
+// The settings that decide what every rank computes and how long it waits (issue 44): ranks
+// that disagree on them -- a --quorum or --deadline-ms given to one node only -- would
+// measure something other than asked, or fail at a deadline. The provider is compared when
+// the endpoints connect, the communicator's own settings when it forms; --json, --timeout-ms
+// and the pacing of a rank's own traffic may differ.
+std::vector<std::pair<std::string, std::string>> agreed_settings(const Options& o) {
+  return {{"--op", std::string(op_name(o.op))},
+          {"--minbytes", std::to_string(o.min_bytes)},
+          {"--maxbytes", std::to_string(o.max_bytes)},
+          {"--stepfactor", std::to_string(o.factor)},
+          {"--iters", std::to_string(o.iters)},
+          {"--warmup_iters", std::to_string(o.warmup)},
+          {"--auto-iters", fmt::format("{}", o.auto_seconds)},
+          {"--check", o.check ? "1" : "0"},
+          {"--dtype", std::string(dtype_name(o.dtype))},
+          {"--redop", std::string(redop_name(o.redop))},
+          {"--root", std::to_string(o.root)},
+          {"--seconds", fmt::format("{}", o.seconds)},
+          {"--quorum", o.quorum.empty() ? "(the world)" : o.quorum},
+          {"--grace-ms", std::to_string(o.grace_ms)},
+          {"--deadline-ms", std::to_string(o.deadline_ms)},
+          {"--evict-ms", std::to_string(o.evict_ms)},
+          {"--straggler", o.straggler},
+          {"--seed", std::to_string(o.seed)},
+          {"--compare-full", o.compare_full ? "1" : "0"},
+          {"--compare-allreduce", o.compare_allreduce ? "1" : "0"},
+          {"--fault", o.fault.empty() ? "(none)" : o.fault}};
+}
+
+// Every rank's agreed_settings(), gathered; a ConfigError on every rank naming each setting
+// that differs from rank 0's, with both values.
+void check_settings_agree(collectives::Communicator& comm, const Options& o) {
+  std::string text;
+  for (const auto& [k, v] : agreed_settings(o)) text += k + "=" + v + "\n";
+  const int world = comm.size();
+  const int64_t mine = int64_t(text.size());
+  std::vector<int64_t> sizes(static_cast<size_t>(world));
+  comm.allgather(&mine, sizes.data(), 1, DataType::kInt64);
+  const size_t words = size_t(*std::max_element(sizes.begin(), sizes.end()) + 7) / 8;
+  std::vector<int64_t> packed(words, 0), all(words * size_t(world));
+  std::memcpy(packed.data(), text.data(), text.size());
+  comm.allgather(packed.data(), all.data(), words, DataType::kInt64);
+  auto text_of = [&](int r) {
+    const char* p = reinterpret_cast<const char*>(all.data() + size_t(r) * words);
+    return std::string(p, size_t(sizes[size_t(r)]));
+  };
+  auto lines = [](const std::string& t) {
+    std::vector<std::string> out;
+    for (size_t at = 0, nl; (nl = t.find('\n', at)) != std::string::npos; at = nl + 1)
+      out.push_back(t.substr(at, nl - at));
+    return out;
+  };
+  const auto ref = lines(text_of(0));
+  std::vector<std::string> diffs;
+  for (int r = 1; r < world; ++r) {
+    const auto theirs = lines(text_of(r));
+    for (size_t i = 0; i < std::min(ref.size(), theirs.size()); ++i) {
+      if (ref[i] == theirs[i]) continue;
+      const size_t eq = ref[i].find('=');
+      diffs.push_back(fmt::format("{} is '{}' on rank {} and '{}' on rank 0", ref[i].substr(0, eq),
+                                  theirs[i].substr(eq + 1), r, ref[i].substr(eq + 1)));
+    }
+  }
+  if (!diffs.empty())
+    throw ConfigError(fmt::format("rank {}: the ranks' settings differ: {} (every rank needs the "
+                                  "same qring-bench arguments)",
+                                  comm.rank(), fmt::join(diffs, "; ")));
+}
+
+// Every rank's pid and host, at rank 0 (empty elsewhere): each rank publishes its pid in the
+// rendezvous store; the hosts are the rendezvous'.
+std::vector<RankInfo> gather_rank_infos(net::Rendezvous& rdv, const net::BootstrapInfo& info,
+                                        net::Deadline deadline) {
+  rdv.store().set(fmt::format("bench/pid/{}", info.rank), std::to_string(getpid()));
+  std::vector<RankInfo> ranks;
+  if (info.rank != 0) return ranks;
+  for (int r = 0; r < info.world_size; ++r) {
+    RankInfo ri;
+    ri.rank = r;
+    ri.pid = std::stol(rdv.store().get(fmt::format("bench/pid/{}", r), deadline));
+    ri.host = rdv.hostnames()[size_t(r)];
+    ranks.push_back(std::move(ri));
+  }
+  return ranks;
 }
 
 int bench_main(const Options& o) {
-  auto info = net::detect_bootstrap();
-  const auto setup = std::chrono::seconds(30);
-  net::Rendezvous rdv(info, net::deadline_in(setup));
-  net::FabricOptions fo;
-  fo.provider = provider_setting(o);
-  auto ep = net::make_fabric_endpoint(fo, info.rank, info.world_size, rdv.store(),
-                                      rdv.single_host(), net::deadline_in(setup));
+  const net::BootstrapInfo launch = net::detect_bootstrap();
+  // The rank that writes --json checks it can before anything runs (with --fault the
+  // coordinator at the end writes, which may be any rank).
+  if (!o.json_path.empty() && (launch.rank == 0 || !o.fault.empty()))
+    cli::check_output_path("--json", o.json_path);
+  // One call from the environment to the endpoint and communicator (collectives/session.h);
+  // sendrecv and idle-through-the-endpoint drive the endpoint alone.
+  collectives::SessionOptions so;
+  so.provider = o.provider.empty() ? "auto" : o.provider;
+  so.setup_timeout = std::chrono::seconds(30);
+  so.communicator =
+      !(o.op == BenchOp::kSendRecv || (o.op == BenchOp::kIdle && o.idle_via_endpoint));
+  so.comm.timeout = std::chrono::milliseconds(o.timeout_ms);
+  if (o.segment_bytes) so.comm.segment_bytes = o.segment_bytes;
+  if (o.inflight) so.comm.segments_in_flight = o.inflight;
+  if (o.sends_inflight) so.comm.sends_in_flight = o.sends_inflight;
+  if (o.small_bytes) so.comm.small_allreduce_bytes = *o.small_bytes;
+  if (o.hd_bytes) so.comm.halving_doubling_bytes = *o.hd_bytes;
+  collectives::Session session(launch, so);
+  const net::BootstrapInfo& info = session.info();
+  const std::vector<RankInfo> ranks = gather_rank_infos(
+      session.rendezvous(), info, net::deadline_in(std::chrono::seconds(30)));
   const bool print = info.rank == 0;
   std::vector<nlohmann::json> rows;
   int64_t wrong = 0;
-  auto write = [&] {
-    if (print && !o.json_path.empty()) write_json(o.json_path, rows);
+  std::vector<RankInfo> all_hosts;  // every rank's host, for the JSON rows
+  for (int r = 0; r < info.world_size; ++r)
+    all_hosts.push_back({r, 0, session.rendezvous().hostnames()[size_t(r)]});
+  auto stamp_and_write = [&](bool writer) {
+    if (!writer || o.json_path.empty()) return;
+    add_provenance(rows, all_hosts);
+    write_json(o.json_path, rows);
   };
+  auto write = [&] { stamp_and_write(print); };
+  if (print && (o.op == BenchOp::kIdle || o.op == BenchOp::kQuorum))
+    std::fputs(rank_block("qring-bench", ranks).c_str(), stdout);
   try {
     if (o.op == BenchOp::kSendRecv) {
-      wrong = run_sendrecv(*ep, o, rows);
+      wrong = run_sendrecv(*session.take_endpoint(), o, ranks, rows);
     } else if (o.op == BenchOp::kIdle && o.idle_via_endpoint) {
-      run_idle_endpoint(*ep, o, rows);
+      run_idle_endpoint(*session.take_endpoint(), o, rows);
     } else {
-      collectives::CommOptions co;
-      co.local_size = info.local_size;
-      co.timeout = std::chrono::milliseconds(o.timeout_ms);
-      if (o.segment_bytes) co.segment_bytes = o.segment_bytes;
-      if (o.inflight) co.segments_in_flight = o.inflight;
-      if (o.sends_inflight) co.sends_in_flight = o.sends_inflight;
-      if (o.small_bytes) co.small_allreduce_bytes = *o.small_bytes;
-      if (o.hd_bytes) co.halving_doubling_bytes = *o.hd_bytes;
-      collectives::Communicator comm(std::move(ep), co);
+      collectives::Communicator& comm = session.comm();
+      check_settings_agree(comm, o);
       if (o.op == BenchOp::kIdle) {
         run_idle_engine(comm, o, rows);
         write();
@@ -456,17 +581,17 @@ int bench_main(const Options& o) {
         // With --fault the rows come from the coordinator at the end (rank 0 may be lost),
         // and the final barrier of the rendezvous does not wait for the lost ranks.
         QuorumOutcome out = run_quorum(comm, o, rows);
-        rdv.lost(out.lost);
-        if (out.writer && !o.json_path.empty()) write_json(o.json_path, rows);
+        session.lost(out.lost);
+        stamp_and_write(out.writer);
         if (out.wrong > 0 && out.writer)
           std::fprintf(stderr, "qring-bench: %lld wrong elements\n",
                        static_cast<long long>(out.wrong));
         return out.wrong > 0 ? 1 : 0;
       }
-      QringBackend be(comm, o);
+      QringBackend be(comm, o, ranks);
       Sweep<QringBackend> sweep(be, o);
       try {
-        wrong = sweep.run();
+        wrong = sweep.run("qring-bench");
       } catch (...) {
         rows = sweep.rows();
         throw;

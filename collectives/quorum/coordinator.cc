@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "collectives/quorum/decide_rule.h"
+
 namespace qring::collectives::qproto {
 
 namespace {
@@ -158,7 +160,11 @@ std::vector<Down> Coordinator::handle(const Event& e, Time now, bool more) {
           check_digest(r, e.step, *e.digest, out);
           if (stopped_) return out;
         }
+        // The result norm of step - 1 first: step's quorum, chosen as it opens, values the
+        // step with the estimate through step - 1 (as qring-sim does).
+        if (cfg_.auto_estimate) take_result_norm(e);
         on_ready(r, e.step, e.count, e.layout, now);
+        if (cfg_.auto_estimate) take_grad_norm(r, e);
         break;
       case Event::Kind::kReport: {
         auto it = unsettled_.find(e.step);
@@ -233,8 +239,7 @@ void Coordinator::on_ready(int from, uint64_t step, uint64_t count, uint32_t lay
       for (int r : view_.members)
         if (!catching_up_[size_t(r)]) computing.push_back(r);
       o.quorum =
-          choose_quorum(window_.samples(), computing, cfg_.quorum, cfg_.auto_max, cfg_.auto_kappa)
-              .quorum;
+          choose_quorum(window_.samples(), computing, cfg_.quorum, cfg_.auto_max, kappa()).quorum;
     }
   }
   if (o.arrived[size_t(from)]) return;  // duplicate READY
@@ -454,6 +459,7 @@ void Coordinator::resolve_recoveries(std::vector<Down>& out) {
       // A rank may be both (after a takeover it sends its READY again): count it once.
       std::sort(survivors.begin(), survivors.end());
       survivors.erase(std::unique(survivors.begin(), survivors.end()), survivors.end());
+      step_norms_.erase(t);  // decided again: its first contributors' norms do not apply
       if (int(survivors.size()) >= d.quorum && !survivors.empty()) {
         d.contributors = survivors;
         u.contributors = survivors;
@@ -487,7 +493,9 @@ void Coordinator::decide_open(Time now, std::vector<Down>& out) {
     Status st;
     if (o.mismatch)
       st = Status::kMismatch;
-    else if (o.n >= eligible || (o.quorum_time && now >= *o.quorum_time + cfg_.grace))
+    else if (step_due(o.n, eligible,
+                      o.quorum_time ? std::optional<RuleMs>(now - *o.quorum_time) : std::nullopt,
+                      cfg_.grace))
       st = Status::kOk;
     else if (now >= o.first + cfg_.deadline)
       st = Status::kTimeout;
@@ -530,6 +538,7 @@ void Coordinator::decide_open(Time now, std::vector<Down>& out) {
                                                         : StepArrivals::kNotArrived;
         a.decided_ms = ms_between(o.first, now);
         window_.decided(t, std::move(a));
+        if (cfg_.auto_estimate) keep_norms(t, o, d.contributors);
       }
     } else {
       stopped_ = true;  // every rank fails the step: the job ends
@@ -546,6 +555,39 @@ void Coordinator::decide_open(Time now, std::vector<Down>& out) {
     out.push_back(std::move(a));
     if (stopped_) return;
   }
+}
+
+double Coordinator::kappa() const {
+  if (!cfg_.auto_estimate) return cfg_.auto_kappa;
+  return noise_.value().value_or(cfg_.auto_kappa);
+}
+
+void Coordinator::take_result_norm(const Event& e) {
+  // The result of step - 1 (every rank has the same): with its contributors' norms, kept at
+  // its decision, one step of the estimate.
+  if (!e.prev_mean_sq || e.step == 0) return;
+  auto it = step_norms_.find(e.step - 1);
+  if (it == step_norms_.end()) return;
+  noise_.add(it->second.first, it->second.second, *e.prev_mean_sq);
+  step_norms_.erase(it);
+}
+
+void Coordinator::take_grad_norm(int from, const Event& e) {
+  auto o = open_.find(e.step);
+  if (o == open_.end() || !e.grad_sq) return;
+  if (o->second.grad_sq.empty()) o->second.grad_sq.assign(size_t(cfg_.world), -1.0);
+  o->second.grad_sq[size_t(from)] = *e.grad_sq;
+}
+
+void Coordinator::keep_norms(uint64_t t, const Open& o, const std::vector<int>& contributors) {
+  double sum = 0;
+  for (int r : contributors) {
+    if (o.grad_sq.empty() || o.grad_sq[size_t(r)] < 0) return;  // a contributor sent none
+    sum += o.grad_sq[size_t(r)];
+  }
+  if (contributors.size() < 2) return;
+  step_norms_[t] = {int(contributors.size()), sum / double(contributors.size())};
+  while (step_norms_.size() > 8) step_norms_.erase(step_norms_.begin());
 }
 
 void Coordinator::settle() {

@@ -38,6 +38,7 @@
 
 #include "collectives/quorum/auto_quorum.h"
 #include "collectives/quorum/messages.h"
+#include "collectives/quorum/noise_scale.h"
 
 namespace qring::collectives::qproto {
 
@@ -62,6 +63,9 @@ struct Config {
   bool adaptive = false;
   int auto_max = 0;
   double auto_kappa = 0;   // the rule's noise scale in contributions (0 = linear value)
+  // The noise scale estimated in the run instead (noise_scale.h), from the norms READYs carry
+  // (Up::grad_sq, prev_mean_sq); auto_kappa until the first estimate.
+  bool auto_estimate = false;
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
@@ -101,6 +105,8 @@ class Coordinator {
   const Config& config() const { return cfg_; }
   // Every arrival (late ones included), as (step, rank, ms after the step's first arrival).
   void on_arrival(std::function<void(uint64_t, int, double)> cb) { on_arrival_ = std::move(cb); }
+  // auto_estimate: the run's estimate of the gradient-noise scale so far, in contributions.
+  std::optional<double> noise_scale() const { return noise_.value(); }
   // Steps decided but not yet completed by every live member.
   size_t unsettled() const { return unsettled_.size(); }
   // The next step to be decided (a rank admitted now is a member from it on).
@@ -119,6 +125,7 @@ class Coordinator {
   struct Open {
     Time first{};
     std::vector<std::optional<Time>> arrived;
+    std::vector<double> grad_sq;  // auto_estimate: per rank, its contribution's (-1: none)
     int quorum = 0;  // adaptive: Q(t), chosen when the step opened
     int n = 0;
     std::optional<Time> quorum_time;
@@ -145,6 +152,9 @@ class Coordinator {
   void resolve_recoveries(std::vector<Down>& out);
   void decide_open(Time now, std::vector<Down>& out);
   void settle();
+  void take_result_norm(const Up& e);
+  void take_grad_norm(int from, const Up& e);
+  void keep_norms(uint64_t t, const Open& o, const std::vector<int>& contributors);
   void recount(Open& o, Time now) const;
   int quorum_of(const Open& o) const;
   void on_join(int r, uint32_t inc, Time now, std::vector<Down>& out);
@@ -181,6 +191,11 @@ class Coordinator {
   std::map<int, Join> joins_;
   std::function<void(uint64_t, int, double)> on_arrival_;
   AutoQuorumWindow window_;  // adaptive: the recent steps' arrivals
+  // auto_estimate: per decided step, its contributors' count and mean squared norm, until a
+  // READY of the next step brings the result's norm; and the estimate.
+  std::map<uint64_t, std::pair<int, double>> step_norms_;
+  NoiseScaleEstimate noise_;
+  double kappa() const;
 };
 
 }  // namespace qring::collectives::qproto

@@ -30,6 +30,7 @@ qproto::Config config_of(const QuorumOptions& o, int world, size_t count) {
   c.adaptive = o.adaptive;
   c.auto_max = o.auto_max;
   c.auto_kappa = o.auto_kappa;
+  c.auto_estimate = o.auto_estimate;
   c.layout = qproto::layout_of(uint8_t(o.type), o.mean);
   return c;
 }
@@ -382,6 +383,7 @@ void QuorumMember::apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
   if (d.attempt == 0) {
     awaiting_decide_.erase(t);
     digests_.erase(t);
+    norms_.erase(t);
   }
 }
 
@@ -408,6 +410,7 @@ bool QuorumMember::take_contributions(net::Endpoint& ep) {
     for (uint64_t t : steps) {
       auto it = st.steps.find(t);
       if (it != st.steps.end() && it->second.digest) digests_[t] = *it->second.digest;
+      if (it != st.steps.end() && it->second.norms) norms_[t] = *it->second.norms;
     }
   }
   for (uint64_t t : steps) {
@@ -439,6 +442,10 @@ qproto::Up QuorumMember::ready_of(uint64_t t) const {
   m.layout = cfg_.layout;
   auto d = digests_.find(t);
   if (d != digests_.end()) m.digest = d->second;
+  if (auto n = norms_.find(t); n != norms_.end()) {
+    m.grad_sq = n->second.contribution_sq;
+    m.prev_mean_sq = n->second.prev_result_sq;
+  }
   return m;
 }
 

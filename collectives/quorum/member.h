@@ -107,6 +107,7 @@ class QuorumMember final : public EngineOp {
   std::map<uint64_t, qproto::Known> decisions_;  // decisions not yet settled everywhere
   std::set<uint64_t> awaiting_decide_;           // steps this rank contributed to, undecided
   std::map<uint64_t, uint64_t> digests_;         // their READYs' digests
+  std::map<uint64_t, QuorumAllreduce::Norms> norms_;  // their READYs' norms
   bool finished_ = false, dead_ = false, bye_sent_ = false;
   std::exception_ptr error_;  // why the service died (told to the callers once)
   bool told_ = false;

@@ -107,6 +107,10 @@ struct Up {
   // kReady: a digest of the sender's replicated state before the step (a parameter checksum);
   // the coordinator stops the job when two ranks' digests of one step differ.
   std::optional<uint64_t> digest;
+  // kReady, quorum "auto" with the noise scale estimated (Config::auto_estimate): the squared
+  // norm of the sender's contribution to `step`, and of the result of step - 1 as it received
+  // it (the same on every rank). They feed the estimate (noise_scale.h).
+  std::optional<double> grad_sq, prev_mean_sq;
   std::vector<double> values;  // kShard (kept by the member host, not by the coordinator)
 };
 // What the coordinator's state machine takes: the Ups and its local events.

@@ -235,13 +235,18 @@ void QuorumAllreduce::restore_carry(const std::vector<char>& bytes) {
 }
 
 void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
-                                 std::optional<uint64_t> digest) {
+                                 std::optional<uint64_t> digest, std::optional<Norms> norms) {
   if (count != count_)
     throw UsageError(
         fmt::format("rank {}: quorum step {}: contribution of {} elements, this "
                     "all-reduce was set up for {}",
                     comm_.rank(), step, count, count_));
   if (!buf && count) throw UsageError("quorum contribute: null buffer");
+  // Norms that are no squared norms (a diverged gradient) say nothing: not sent.
+  auto sq_ok = [](double v) { return std::isfinite(v) && v >= 0; };
+  if (norms && (!sq_ok(norms->contribution_sq) ||
+                (norms->prev_result_sq && !sq_ok(*norms->prev_result_sq))))
+    norms.reset();
   if (have_next_ && step != next_step_)
     throw UsageError(fmt::format("rank {}: contribution for step {}, but step {} is next",
                                  comm_.rank(), step, next_step_));
@@ -264,6 +269,7 @@ void QuorumAllreduce::contribute(uint64_t step, void* buf, size_t count,
     StepLocal& s = steps_->steps[step];
     s.buf = buf;
     s.digest = digest;
+    s.norms = norms;
     s.contributed = true;
     s.contrib_time = comm_.engine().now();
     steps_->contributed.push_back(step);

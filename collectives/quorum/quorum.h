@@ -73,6 +73,9 @@ struct QuorumOptions {
   // The rule's gradient-noise scale in contributions (0 = a step's value is linear in its
   // contributions; auto_quorum.h).
   double auto_kappa = 0;
+  // The noise scale estimated in the run instead (noise_scale.h), from the norms the callers
+  // pass to contribute() (auto_kappa until the first estimate).
+  bool auto_estimate = false;
   // Rejoin (docs/design.md, "Rejoin"): the rendezvous store through which a rank that comes
   // back (a new incarnation: restarted, or evicted while alive) is found and connected. It
   // must outlive the all-reduce. nullptr: a rank that left stays out.
@@ -146,8 +149,16 @@ class QuorumAllreduce {
   // `digest`: a digest of this rank's replicated state before the step (a parameter checksum),
   // sent with the READY; two ranks with different digests for one step stop the job on every
   // rank (QuorumLost, "replicas drifted", naming both).
+  // `norms` (adaptive with auto_estimate): the squared norm of this contribution and that of
+  // the previous step's result as a mean over its contributors (none for the first step),
+  // sent with the READY to the coordinator's estimate of the gradient-noise scale.
+  struct Norms {
+    double contribution_sq = 0;
+    std::optional<double> prev_result_sq;
+  };
   void contribute(uint64_t step, void* buf, size_t count,
-                  std::optional<uint64_t> digest = std::nullopt);
+                  std::optional<uint64_t> digest = std::nullopt,
+                  std::optional<Norms> norms = std::nullopt);
   // Blocks until step's result is known and writes it to `out` (count elements; may be the
   // contributed buffer). Allowed without contribute() for a step this rank abandons.
   QuorumResult wait(uint64_t step, void* out);

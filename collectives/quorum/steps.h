@@ -27,6 +27,7 @@ struct StepLocal {
   void* buf = nullptr;
   std::vector<Rejoined> joined;    // ranks that entered the view at this step
   std::optional<uint64_t> digest;  // sent with the READY
+  std::optional<QuorumAllreduce::Norms> norms;  // sent with the READY
   bool contributed = false;
   Clock::time_point contrib_time{};
   bool decided = false;

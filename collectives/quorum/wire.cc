@@ -133,6 +133,12 @@ std::vector<char> encode_up(int world, const Up& e) {
     out.resize(sizeof(w) + 8);
     std::memcpy(out.data() + sizeof(w), &*e.digest, 8);
   }
+  if (type == UpKind::kReady && e.grad_sq) {  // + 16 bytes: the norms (NaN: no previous step's)
+    const double norms[2] = {*e.grad_sq, e.prev_mean_sq ? *e.prev_mean_sq : std::nan("")};
+    const size_t at = out.size();
+    out.resize(at + sizeof(norms));
+    std::memcpy(out.data() + at, norms, sizeof(norms));
+  }
   if (type == UpKind::kShard) {
     const size_t n = std::min(e.values.size(), kMaxShardValues);
     out.resize(sizeof(w) + 8 * n);
@@ -160,7 +166,7 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
   if (w.type == uint8_t(UpKind::kAck))
     bad_len = extra % entry != 0 || extra / entry > kMaxKnown;
   else if (w.type == uint8_t(UpKind::kReady))
-    bad_len = extra != 0 && extra != 8;
+    bad_len = extra != 0 && extra != 8 && extra != 16 && extra != 24;
   else if (w.type == uint8_t(UpKind::kShard))
     bad_len = extra == 0 || extra % 8 != 0 || extra / 8 > kMaxShardValues;
   else
@@ -229,10 +235,21 @@ Up decode_up(const void* buf, size_t len, int world, int from) {
   e.absent = w.have == 2;
   e.suspect = w.suspect;
   const char* extra_at = static_cast<const char*>(buf) + sizeof(UpWire);
-  if (type == UpKind::kReady && extra == 8) {
+  if (type == UpKind::kReady && (extra == 8 || extra == 24)) {
     uint64_t d;
     std::memcpy(&d, extra_at, 8);
     e.digest = d;
+  }
+  if (type == UpKind::kReady && extra >= 16) {
+    double norms[2];
+    std::memcpy(norms, extra_at + extra - 16, 16);
+    auto bad = [](double v) { return !std::isfinite(v) || v < 0; };
+    if (bad(norms[0]) || (!std::isnan(norms[1]) && bad(norms[1])))
+      throw ProtocolError(fmt::format(
+          "quorum: rank {} sends gradient norms {} and {} with step {}", from, norms[0], norms[1],
+          w.step));
+    e.grad_sq = norms[0];
+    if (!std::isnan(norms[1])) e.prev_mean_sq = norms[1];
   }
   if (type == UpKind::kShard) {
     e.values.resize(extra / 8);

@@ -1,7 +1,9 @@
 // Wire format of the quorum all-reduce's control messages (messages.h; version 4).
 //
 // Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
-// + 8 bytes: the sender's parameter digest, when it sends one), HEARTBEAT, REPORT
+// + 8 bytes: the sender's parameter digest, when it sends one; then + 16 bytes, when it sends
+// them: two float64, its contribution's squared norm and the squared norm of the previous
+// step's result, NaN if none: quorum "auto" estimating the noise scale), HEARTBEAT, REPORT
 // (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
 // float64: a part of a sum gathered at the coordinator), HELLO (a rank that rejoins has
 // connected to every member), ACCEPT (a member reconnected to it).

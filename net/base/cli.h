@@ -1,6 +1,8 @@
 // Command lines of qring's programs (qring-launch, qring-store, qring-bench, qring-mpi-bench,
 // qring-train), all through CLI11, so that they share one syntax and one behaviour:
 //   --flag value, --flag=value and -f value; -h/--help prints the help to stdout and exits 0;
+//   --version prints one line (version, commit, build type, ISA: net/base/build_info.h) to
+//   stdout and exits 0;
 //   a flag given twice keeps the last value; an unknown flag, a missing value or a bad value is
 //   one line "PROG: what is wrong" on stderr and exit status 2 (the ConfigError policy of
 //   docs/design.md). Values are converted by the functions below, whose messages name the
@@ -16,26 +18,31 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "net/base/build_info.h"
 #include "net/base/error.h"
 
 namespace qring::cli {
 
 // The shared conventions, for an app made as CLI::App app{description, prog}: help flag
-// -h/--help, the last of repeated values wins, unknown arguments are collected (parse()
-// reports the first one in qring's words).
+// -h/--help, --version, the last of repeated values wins, unknown arguments are collected
+// (parse() reports the first one in qring's words).
 inline void init(CLI::App& app) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.allow_extras();
+  app.set_version_flag("--version", build::version_text(app.get_name()),
+                       "print the version, commit, build type and ISA, and exit");
 }
 
 // An option whose value goes to the callback given to ->each() (qring's conversions and
@@ -43,6 +50,20 @@ inline void init(CLI::App& app) {
 inline CLI::Option* add_value(CLI::App& app, const std::string& name,
                               const std::string& description) {
   return app.add_option(name)->description(description);
+}
+
+// The positional "section.key=value" configuration overrides of qring-train and qring-sim
+// (`examples`: a few, for the help); check_overrides() finds one without its '='.
+inline CLI::Option* add_overrides(CLI::App& app, std::vector<std::string>& out,
+                                  const std::string& examples) {
+  return app
+      .add_option("overrides", out, "key=value: override any configuration key, e.g. " + examples)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+inline void check_overrides(const std::vector<std::string>& overrides) {
+  for (const std::string& o : overrides)
+    if (o.find('=') == std::string::npos)
+      throw ConfigError(fmt::format("unknown argument '{}' (overrides are key=value; see --help)", o));
 }
 
 struct ParseOptions {
@@ -55,7 +76,7 @@ struct ParseOptions {
 };
 
 // Parses `args` (the program's arguments, without argv[0]). Returns -1 when the program goes
-// on, else the exit status it ends with: 0 after printing --help, 2 after printing the
+// on, else the exit status it ends with: 0 after printing --help or --version, 2 after printing the
 // problem (a CLI11 parse error, a ConfigError from a conversion or from `check`, an unknown
 // argument).
 inline int parse(CLI::App& app, std::vector<std::string> args, const ParseOptions& po = {}) {
@@ -69,6 +90,9 @@ inline int parse(CLI::App& app, std::vector<std::string> args, const ParseOption
     if (po.check) po.check();
   } catch (const CLI::CallForHelp&) {
     if (po.report) std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::CallForVersion& e) {
+    if (po.report) std::printf("%s\n", e.what());
     return 0;
   } catch (const CLI::ParseError& e) {
     // CLI11 says "--op: 1 required  missing" for a flag without its value: qring's words.
@@ -86,6 +110,19 @@ inline int parse(CLI::App& app, std::vector<std::string> args, const ParseOption
   return -1;
 }
 
+// Checks before the work starts that `path` (the value of `flag`, e.g. --json) can be written:
+// opens it for appending, creating it, and removes it again if it did not exist. A ConfigError
+// naming the flag, the path and the reason otherwise (a run must not fail at its end).
+inline void check_output_path(const std::string& flag, const std::string& path) {
+  const bool existed = ::access(path.c_str(), F_OK) == 0;
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr)
+    throw ConfigError(
+        fmt::format("{}: cannot write '{}': {}", flag, path, std::strerror(errno)));
+  std::fclose(f);
+  if (!existed) std::remove(path.c_str());
+}
+
 inline std::vector<std::string> args_of(int argc, char** argv) {
   return std::vector<std::string>(argv + (argc > 0 ? 1 : 0), argv + argc);
 }
@@ -97,6 +134,15 @@ inline long to_int(const std::string& flag, const std::string& v, long lo, long 
   const long x = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
     throw ConfigError(fmt::format("{} expects an integer in [{}, {}], got '{}'", flag, lo, hi, v));
+  return x;
+}
+
+// A finite number in [lo, hi], or a ConfigError naming `flag`.
+inline double to_number(const std::string& flag, const std::string& v, double lo, double hi) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !(x >= lo && x <= hi))
+    throw ConfigError(fmt::format("{} expects a number in [{}, {}], got '{}'", flag, lo, hi, v));
   return x;
 }
 

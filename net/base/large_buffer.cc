@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "net/base/out_of_memory.h"
+
 // Linux 5.14: fault in a whole range in one call. Older kernels refuse it (EINVAL), and the
 // pages then fault in one by one as they are first written.
 #ifndef MADV_POPULATE_WRITE
@@ -27,7 +29,7 @@ size_t mapped_size(size_t bytes) {
 void* alloc_large(size_t bytes) {
   if (bytes < kMapped) {
     void* p = std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 1), 64));
-    if (p == nullptr) throw std::bad_alloc();
+    if (p == nullptr) throw AllocationFailed(bytes);
     return p;
   }
   const size_t size = mapped_size(bytes);
@@ -36,7 +38,7 @@ void* alloc_large(size_t bytes) {
     // One huge page more than needed, trimmed to a 2 MiB boundary on both sides.
     void* m =
         mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) throw std::bad_alloc();
+    if (m == MAP_FAILED) throw AllocationFailed(bytes);
     auto* base = static_cast<char*>(m);
     p = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(base), kHugePage));
     if (p > base) munmap(base, size_t(p - base));
@@ -44,7 +46,7 @@ void* alloc_large(size_t bytes) {
       munmap(p + size, size_t(end - (p + size)));
   } else {
     void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) throw std::bad_alloc();
+    if (m == MAP_FAILED) throw AllocationFailed(bytes);
     p = static_cast<char*>(m);
   }
   // Every page now, in one call, rather than a fault per page as it is first written (a

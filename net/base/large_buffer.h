@@ -5,7 +5,9 @@
 // every step. So blocks of 64 KiB or more get a mapping of their own, populated in one call
 // (MADV_POPULATE_WRITE); from 2 MiB on it is 2 MiB-aligned and advised as huge pages
 // (MADV_HUGEPAGE). Smaller blocks come from the heap, 64-byte aligned. Where the kernel
-// refuses the advice the memory works the same, faulted in page by page.
+// refuses the advice the memory works the same, faulted in page by page. A failed
+// allocation throws AllocationFailed (net/base/out_of_memory.h), a std::bad_alloc naming the
+// size and the current AllocationScope.
 #pragma once
 
 #include <cstddef>

@@ -29,7 +29,6 @@ std::optional<std::string> process_env(const std::string& name) {
 namespace {
 
 constexpr auto kExitBarrierTimeout = std::chrono::seconds(10);
-constexpr size_t kMinSecretChars = 16;
 
 int64_t parse_int(const std::string& name, const std::string& value, int64_t min, int64_t max) {
   int64_t v = 0;
@@ -87,6 +86,25 @@ void check_local(const BootstrapInfo& b, const std::string& rank_var, const std:
   if (b.local_size > b.world_size)
     throw ConfigError(
         fmt::format("{}={} exceeds the world size {}", size_var, b.local_size, b.world_size));
+}
+
+// A launcher sets its variables in pairs: one without the other is a partial environment.
+void require_both(const Env& env, const std::string& a, const std::string& b) {
+  for (const auto& [set, unset] : {std::pair{a, b}, std::pair{b, a}})
+    if (env.has(set) && !env.has(unset))
+      throw ConfigError(fmt::format("{} is set but {} is not; set both (a partial environment)",
+                                    set, unset));
+}
+
+// With every rank on one host (local size = world size), the local rank is the rank.
+void check_one_host(const BootstrapInfo& b, const std::string& rank_var,
+                    const std::string& size_var, const std::string& lrank_var,
+                    const std::string& lsize_var) {
+  if (b.local_size == b.world_size && b.local_rank != b.rank)
+    throw ConfigError(fmt::format(
+        "{}={} contradicts {}={}: with {}={} = {} every rank is on this host, so the two "
+        "must be equal",
+        lrank_var, b.local_rank, rank_var, b.rank, lsize_var, b.local_size, size_var));
 }
 
 // Slurm's tasks-per-node format "2(x3),1" -> {2,2,2,1}.
@@ -214,14 +232,17 @@ BootstrapInfo from_mpi(const Env& env, bool ompi) {
   b.source = "mpi";
   const std::string rank_var = ompi ? "OMPI_COMM_WORLD_RANK" : "PMI_RANK";
   const std::string size_var = ompi ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE";
-  b.world_size = env.required(size_var, 1, rank_var + " is set");
+  require_both(env, rank_var, size_var);
+  b.world_size = *env.integer(size_var, 1);
   b.rank = *env.integer(rank_var, 0);
   check_rank(b, rank_var, size_var);
   const std::string lrank_var = ompi ? "OMPI_COMM_WORLD_LOCAL_RANK" : "MPI_LOCALRANKID";
   const std::string lsize_var = ompi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS";
+  require_both(env, lrank_var, lsize_var);
   b.local_rank = env.integer(lrank_var, 0).value_or(b.rank);
   b.local_size = env.integer(lsize_var, 1).value_or(b.world_size);
   check_local(b, lrank_var, lsize_var);
+  check_one_host(b, rank_var, size_var, lrank_var, lsize_var);
   // The launcher's job namespace tells two mpirun jobs apart (Open MPI / PMIx).
   b.job_id = "mpi";
   for (const char* var : {"QRING_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"}) {
@@ -230,9 +251,10 @@ BootstrapInfo from_mpi(const Env& env, bool ompi) {
       break;
     }
   }
+  require_both(env, "MASTER_ADDR", "MASTER_PORT");
   if (auto s = env.str("QRING_STORE")) {
     std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
-  } else if (env.has("MASTER_ADDR") && env.has("MASTER_PORT")) {
+  } else if (env.has("MASTER_ADDR")) {
     b.store_host = *env.str("MASTER_ADDR");
     b.store_port = *env.integer("MASTER_PORT", 1, 65535);
   } else if (b.world_size > 1) {
@@ -245,6 +267,60 @@ BootstrapInfo from_mpi(const Env& env, bool ompi) {
   return b;
 }
 
+// torchrun (torch.distributed.run): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT. MASTER_PORT itself is taken (torchrun's agent serves its own
+// store there, or torch.distributed's process group does), so qring's store listens on the
+// next port, MASTER_PORT + 1, unless QRING_STORE_PORT or QRING_STORE says otherwise.
+BootstrapInfo from_torchrun(const Env& env) {
+  BootstrapInfo b;
+  b.source = "torchrun";
+  require_both(env, "RANK", "WORLD_SIZE");
+  b.world_size = *env.integer("WORLD_SIZE", 1);
+  b.rank = *env.integer("RANK", 0);
+  check_rank(b, "RANK", "WORLD_SIZE");
+  require_both(env, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  b.local_rank = env.integer("LOCAL_RANK", 0).value_or(b.rank);
+  b.local_size = env.integer("LOCAL_WORLD_SIZE", 1).value_or(b.world_size);
+  check_local(b, "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  check_one_host(b, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
+  b.job_id = "torchrun";
+  if (auto id = env.str("QRING_JOB_ID")) {
+    b.job_id = *id;
+  } else if (auto run = env.str("TORCHELASTIC_RUN_ID")) {
+    b.job_id = "torchrun-" + *run;
+  }
+  require_both(env, "MASTER_ADDR", "MASTER_PORT");
+  if (auto s = env.str("QRING_STORE")) {
+    std::tie(b.store_host, b.store_port) = parse_store("QRING_STORE", *s);
+  } else if (env.has("MASTER_ADDR")) {
+    b.store_host = *env.str("MASTER_ADDR");
+    if (auto port = env.integer("QRING_STORE_PORT", 1, 65535)) {
+      b.store_port = *port;
+    } else {
+      const int master = *env.integer("MASTER_PORT", 1, 65535);
+      if (master == 65535)
+        throw ConfigError(
+            "MASTER_PORT=65535 leaves no next port for qring's store (MASTER_PORT + 1); set "
+            "QRING_STORE_PORT");
+      b.store_port = master + 1;
+    }
+  } else if (b.world_size > 1) {
+    throw ConfigError(fmt::format(
+        "torchrun's RANK and WORLD_SIZE are set (world size {}) but MASTER_ADDR and "
+        "MASTER_PORT are not; set them (torchrun does), or QRING_STORE=host:port",
+        b.world_size));
+  }
+  return b;
+}
+
+// Whether an MPI launcher's rank and world are Slurm's own (srun started the ranks and both
+// see them) rather than those of an mpirun nested in a Slurm allocation, whose daemons srun
+// started (their SLURM_PROCID is the node, not the rank).
+bool same_launch_as_slurm(const Env& env, const std::string& rank_var,
+                          const std::string& size_var) {
+  return env.str(rank_var) == env.str("SLURM_PROCID") &&
+         env.str(size_var) == env.str("SLURM_NTASKS");
+}
 
 std::string this_hostname() {
   char buf[256] = {};
@@ -257,15 +333,32 @@ std::string this_hostname() {
 BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
   Env env(lookup);
   BootstrapInfo b;
+  // The innermost launcher wins: qring-launch (or QRING_* by hand) > torchrun > mpirun/PMI >
+  // Slurm, whose allocation may hold any of the others (an MPI launch whose rank and size
+  // are Slurm's own is Slurm's).
+  const bool ompi = env.has("OMPI_COMM_WORLD_RANK") || env.has("OMPI_COMM_WORLD_SIZE");
+  const bool pmi = env.has("PMI_RANK") || env.has("PMI_SIZE");
+  const bool slurm = env.has("SLURM_PROCID");
   if (env.has("QRING_RANK") || env.has("QRING_WORLD_SIZE")) {
     b = from_qring_env(env);
-  } else if (env.has("SLURM_PROCID")) {
-    b = from_slurm(env);
-  } else if (env.has("OMPI_COMM_WORLD_RANK")) {
+  } else if (env.has("RANK") || env.has("WORLD_SIZE")) {
+    b = from_torchrun(env);
+  } else if (ompi && !(slurm && same_launch_as_slurm(env, "OMPI_COMM_WORLD_RANK",
+                                                     "OMPI_COMM_WORLD_SIZE"))) {
     b = from_mpi(env, true);
-  } else if (env.has("PMI_RANK")) {
+  } else if (pmi && !(slurm && same_launch_as_slurm(env, "PMI_RANK", "PMI_SIZE"))) {
     b = from_mpi(env, false);
+  } else if (slurm) {
+    b = from_slurm(env);
   } else {
+    // No rank from any launcher: a torchrun variable alone is a partial environment, not a
+    // single process.
+    for (const char* var : {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+      if (env.has(var))
+        throw ConfigError(fmt::format(
+            "{} is set but RANK and WORLD_SIZE are not (a partial torchrun environment); "
+            "unset it to run one process, or set RANK and WORLD_SIZE",
+            var));
     return b;  // single process
   }
   if (b.world_size == 1 && !env.has("QRING_STORE")) b.store_port = 0;
@@ -275,11 +368,11 @@ BootstrapInfo detect_bootstrap(const EnvLookup& lookup) {
     b.store_hosted = *h == "1";
   }
   if (auto secret = env.str("QRING_JOB_SECRET")) {
-    if (secret->size() < kMinSecretChars)
+    if (const std::string weak = secret_weakness(*secret); !weak.empty())
       throw ConfigError(fmt::format(
-          "QRING_JOB_SECRET has {} characters, fewer than {}; use a random one, e.g. "
+          "QRING_JOB_SECRET {}: whoever guesses it can join the job; use a random one, e.g. "
           "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-          secret->size(), kMinSecretChars));
+          weak));
     b.job_secret = *secret;
   }
   return b;

@@ -1,6 +1,6 @@
 // Where a process learns its rank, the world size and where the rendezvous store is:
-// Slurm, mpirun/PMI, explicit QRING_* variables (also set by qring-launch), or a single
-// process when none is present.
+// explicit QRING_* variables (also set by qring-launch), torchrun, mpirun/PMI, Slurm, or a
+// single process when none is present.
 #pragma once
 
 #include <functional>
@@ -25,7 +25,7 @@ struct BootstrapInfo {
   // QRING_JOB_SECRET: proven by every rank to the store (net/rendezvous/store.h). Empty: the store may
   // only listen on loopback, and any local user could join it.
   std::string job_secret;
-  std::string source = "single";   // "env", "slurm", "mpi", "single"
+  std::string source = "single";   // "env", "torchrun", "slurm", "mpi", "single"
   std::vector<std::string> nodes;  // expanded node list when the launcher gives one
   // QRING_STORE_HOSTED=1: the store runs outside the ranks (qring-launch, qring-store under
   // Slurm), so rank 0 does not serve it and any rank, rank 0 included, can come back
@@ -36,13 +36,20 @@ struct BootstrapInfo {
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 std::optional<std::string> process_env(const std::string& name);
 
-// Precedence: QRING_RANK/QRING_WORLD_SIZE/QRING_STORE (explicit, and qring-launch) >
+// The innermost launcher wins (docs/bootstrap.md has the table):
+// QRING_RANK/QRING_WORLD_SIZE/QRING_STORE (explicit, and qring-launch) >
+// torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; store on MASTER_ADDR, port
+// QRING_STORE_PORT or MASTER_PORT + 1) >
+// mpirun/PMI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE, PMI_RANK/PMI_SIZE; store from
+// QRING_STORE or MASTER_ADDR/MASTER_PORT), unless their rank and size are Slurm's own >
 // Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_NODELIST|SLURM_JOB_NODELIST,
 // SLURM_JOB_ID; store on the first node, port QRING_STORE_PORT or derived from the job id) >
-// mpirun/PMI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK, PMI_RANK/PMI_SIZE; store from
-// QRING_STORE or MASTER_ADDR/MASTER_PORT) > single process. Throws ConfigError on
-// malformed or inconsistent values (rank >= world size, bad host:port ...).
-// The job id: QRING_JOB_ID; else Slurm's "<job>.<step>"; under mpirun/PMI the launcher's
+// single process. Throws ConfigError naming the variables on malformed, partial (RANK
+// without WORLD_SIZE, MASTER_ADDR without MASTER_PORT or without RANK, ...) or
+// contradictory values (rank >= world size, a local rank that is not the rank on one host,
+// bad host:port ...): never a silent single process.
+// The job id: QRING_JOB_ID; else Slurm's "<job>.<step>"; torchrun's
+// "torchrun-$TORCHELASTIC_RUN_ID"; under mpirun/PMI the launcher's
 // job namespace (PMIX_NAMESPACE, OMPI_MCA_ess_base_jobid); else "env" / "mpi". The job secret:
 // QRING_JOB_SECRET (at least 16 characters; qring-launch and scripts/slurm set a random one).
 // A store that is not on loopback needs one (Rendezvous throws ConfigError without).

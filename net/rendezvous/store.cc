@@ -68,6 +68,33 @@ std::string random_hex(size_t n) {
   return out;
 }
 
+std::string secret_weakness(std::string_view secret) {
+  const size_t n = secret.size();
+  if (n < 16) return fmt::format("has {} characters, fewer than 16", n);
+  bool seen[256] = {};
+  size_t distinct = 0;
+  for (unsigned char c : secret) distinct += seen[c] ? 0 : 1, seen[c] = true;
+  if (distinct < 6) return fmt::format("uses only {} different characters", distinct);
+  for (size_t period = 1; period <= n / 2; ++period) {
+    if (secret.substr(period) == secret.substr(0, n - period))
+      return fmt::format("repeats its first {} characters", period);
+  }
+  size_t run = 1;
+  for (size_t i = 1; i < n; ++i) {
+    const int step = int(static_cast<unsigned char>(secret[i])) -
+                     int(static_cast<unsigned char>(secret[i - 1]));
+    const int prev = i >= 2 ? int(static_cast<unsigned char>(secret[i - 1])) -
+                                  int(static_cast<unsigned char>(secret[i - 2]))
+                            : 0;
+    if (step == 1 || step == -1)
+      run = run > 1 && step == prev ? run + 1 : 2;
+    else
+      run = 1;
+    if (run >= 8) return fmt::format("contains the sequence '{}'", secret.substr(i + 1 - run, run));
+  }
+  return {};
+}
+
 bool is_loopback_host(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0;
 }

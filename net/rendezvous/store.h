@@ -116,6 +116,12 @@ std::string join_proof(std::string_view secret, std::string_view server_nonce,
                        std::string_view join_fields);
 std::string server_proof(std::string_view secret, std::string_view server_nonce,
                          std::string_view join_fields);
+// Why `secret` is too weak to be a job secret, or "" when it is not: fewer than 16 characters,
+// fewer than 6 different ones ("aaaa...", "abababab..."), a repetition of a shorter part
+// ("abcdefabcdefabcd"), or a run of 8 consecutive characters ("01234567", "hgfedcba"). A
+// random hex string of 16 characters fails one of these with a probability of 2e-5.
+std::string secret_weakness(std::string_view secret);
+
 // True for the addresses and names of this host's loopback interface (127.0.0.0/8,
 // "localhost").
 bool is_loopback_host(const std::string& host);
@@ -133,11 +139,34 @@ struct StoreServerOptions {
   // The job secret every JOIN must prove. Empty: no proof is needed (anyone who can reach
   // the port can join), so the server then binds only a loopback address.
   std::string secret;
-  // Connections that have not joined yet: at most world size + this many at a time (more
-  // are closed at once), each dropped when it has not joined within handshake_timeout.
-  int max_handshakes = 64;
-  std::chrono::milliseconds handshake_timeout{10000};
+  // Connections that have not joined yet (issue 44, N1): at most world size + max_handshakes
+  // at a time (and at most a quarter of the process's descriptor limit, RLIMIT_NOFILE: the
+  // store may share its process with a rank), and max_handshakes_per_source from one
+  // address. A new connection is always
+  // served: past either cap the oldest connection that has not joined (of that address, else
+  // of all) is dropped instead, so that holding connections open cannot lock ranks out. A
+  // rank sends its JOIN as soon as the CHALLENGE arrives, so a connection is dropped when its
+  // complete JOIN has not arrived within handshake_timeout of the CHALLENGE.
+  int max_handshakes = 1024;
+  int max_handshakes_per_source = 256;
+  std::chrono::milliseconds handshake_timeout{2000};
 };
+
+// Why the server dropped or refused a connection that had not joined, or closed one: each is
+// counted, and logged through a rate-limited warning per reason (at most one line per reason
+// every 10 s, with the number of occurrences since the last line).
+enum class StoreRejection : int {
+  kJoinRejected,     // a JOIN that failed validation (wrong proof, world, job, rank...)
+  kNotJoin,          // the first message was not a JOIN, or of another protocol version
+  kBadFrame,         // bad magic, a frame over the limit, a malformed or unknown message
+  kTruncatedFrame,   // closed inside a frame
+  kJoinDeadline,     // no complete JOIN within handshake_timeout of the CHALLENGE
+  kDroppedForNewer,  // the oldest connection that had not joined, dropped for a new one
+  kConnectionError,  // a receive failed (a reset connection)
+  kCount
+};
+// "join rejected", "not a join", ... (the log's and the counters' names).
+const char* store_rejection_name(StoreRejection r);
 
 // The TCP key-value store server that rank 0 runs (one thread, poll()-based). It knows the
 // world it serves and rejects (ERROR "rejected" to the client, the reason in its log): a JOIN
@@ -156,6 +185,11 @@ class TcpStoreServer {
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
   int port() const;
+  // How many connections were dropped or refused for each reason so far (thread-safe).
+  uint64_t rejections(StoreRejection why) const;
+  // Ranks whose joined connection is open now (a launcher that serves the store waits for
+  // the ranks of other hosts to close theirs before it stops it).
+  int connected_ranks() const;
 
  private:
   friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);
@@ -163,10 +197,13 @@ class TcpStoreServer {
   std::unique_ptr<Impl> impl_;
 };
 
-// Client of TcpStoreServer. Connects (retrying until `deadline`, also when the server closes
-// the connection before its CHALLENGE, then TimeoutError naming host:port) and joins with
-// `join` (ProtocolError on rejection, or when the server cannot prove the job secret).
-// A wait() that times out names only the keys still missing.
+// Client of TcpStoreServer. Connects and joins with `join`, in attempts until `deadline`: an
+// attempt whose connection is refused, closed before the JOIN is answered, or gets no
+// CHALLENGE within a per-attempt timeout (500 ms, doubling to 4 s: a connection the kernel
+// accepted but the server did not serve) is retried on a new connection; at the deadline a
+// TimeoutError names host:port and what happened on how many attempts. ProtocolError when
+// the store rejects the JOIN, or cannot prove the job secret. A wait() that times out names
+// only the keys still missing.
 class TcpStore : public Store {
  public:
   TcpStore(const std::string& host, int port, const JoinInfo& join, Deadline deadline);

@@ -9,15 +9,19 @@
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -36,6 +40,12 @@ constexpr size_t kMaxQueuedBytes = size_t{256} << 20;
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 // Warnings an attacker or a resource shortage can repeat are logged at most this often.
 constexpr auto kWarnInterval = std::chrono::seconds(5);
+// Rejected connections: at most one line per reason this often (issue 44, N3: one client
+// had made the server write 77 MB of log in 40 s).
+constexpr auto kRejectionLogInterval = std::chrono::seconds(10);
+// New connections accepted per turn of the server's loop, after the input of the connections
+// it has: a JOIN already sent is read before a burst of newcomers can push its connection out.
+constexpr int kAcceptBatch = 16;
 
 std::string errno_text(int err) {
   return fmt::format("{} (errno {})", std::strerror(err), err);
@@ -239,7 +249,62 @@ class RateLimitedWarning {
   uint64_t suppressed_ = 0;
 };
 
+// The server's rejections (StoreRejection): a counter per reason, and a warning per reason
+// rate-limited to one line per kRejectionLogInterval, with the count suppressed since.
+class Rejections {
+ public:
+  template <class... Args>
+  void operator()(StoreRejection why, fmt::format_string<Args...> f, Args&&... args) {
+    const auto i = static_cast<size_t>(why);
+    const uint64_t total = counts_[i].fetch_add(1, std::memory_order_relaxed) + 1;
+    Slot& s = slots_[i];
+    const auto now = Clock::now();
+    if (s.logged && now - s.last < kRejectionLogInterval) {
+      ++s.suppressed;
+      return;
+    }
+    std::string msg = fmt::format(f, std::forward<Args>(args)...);
+    if (s.suppressed > 0)
+      msg += fmt::format(" ({} more '{}' since the last report, {} in all)", s.suppressed,
+                         store_rejection_name(why), total);
+    spdlog::warn("store server: {}", msg);
+    s.logged = true;
+    s.last = now;
+    s.suppressed = 0;
+  }
+  uint64_t count(StoreRejection why) const {
+    return counts_[static_cast<size_t>(why)].load(std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr size_t kReasons = static_cast<size_t>(StoreRejection::kCount);
+  struct Slot {
+    bool logged = false;
+    Clock::time_point last;
+    uint64_t suppressed = 0;
+  };
+  std::array<Slot, kReasons> slots_{};
+  std::array<std::atomic<uint64_t>, kReasons> counts_{};
+};
+
+// The IPv4 address of a connection's peer (0 when unknown): what the per-source cap counts.
+uint32_t peer_address(int fd) {
+  sockaddr_in a{};
+  socklen_t len = sizeof(a);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return 0;
+  return a.sin_addr.s_addr;
+}
+
 }  // namespace
+
+const char* store_rejection_name(StoreRejection r) {
+  static constexpr const char* kNames[] = {
+      "join rejected",  "not a join",          "bad frame", "truncated frame", "join deadline",
+      "dropped for a newer connection", "connection error"};
+  static_assert(std::size(kNames) == size_t(StoreRejection::kCount));
+  const auto i = static_cast<size_t>(r);
+  return i < std::size(kNames) ? kNames[i] : "?";
+}
 
 std::string encode_join_fields(const JoinInfo& join, std::string_view client_nonce) {
   std::string p;
@@ -281,6 +346,8 @@ struct TcpStoreServer::Impl {
     bool closing = false;  // an error reply is queued; then the write side is shut down
     bool shut = false;     // and input is discarded until the client closes
     int rank = -1;
+    uint32_t source = 0;          // the peer's address (the per-source cap)
+    Clock::time_point since;      // accepted (its CHALLENGE queued) at
     std::string nonce;  // of this connection's CHALLENGE
     // Dropped at this time unless it has joined (then: never, until it is closing).
     Clock::time_point expires = Clock::time_point::max();
@@ -300,18 +367,28 @@ struct TcpStoreServer::Impl {
   Fd reserve_fd;  // a spare descriptor: lets accept() shed a connection when none are left
   Clock::time_point accept_paused_until;
   RateLimitedWarning accept_warning;
-  RateLimitedWarning refuse_warning;
-  RateLimitedWarning handshake_warning;
+  Rejections rejections;
   int port = 0;
   std::map<uint64_t, Conn> conns;
   uint64_t next_conn = 1;
+  // The connections that have not joined, oldest (lowest id) first: all of them, and by
+  // source address. Past a cap the first of these is dropped for a newcomer.
+  std::set<uint64_t> unjoined;
+  std::unordered_map<uint32_t, std::set<uint64_t>> unjoined_by_source;
+  // world + max_handshakes, but at most a quarter of the process's descriptors (the store
+  // may share its process with a rank, whose fabric needs descriptors too).
+  size_t max_unjoined = 0;
   std::vector<Parked> parked;
   std::unordered_map<std::string, std::string> data;
   std::map<int, uint64_t> rank_conn;
+  std::atomic<int> connected{0};  // rank_conn.size(), for connected_ranks()
   std::thread thread;
 
   void run();
   void accept_all();
+  void admit(int fd);
+  bool drop_oldest_unjoined(uint32_t source, bool at_fd_limit);
+  void forget_unjoined(uint64_t cid, uint32_t source);
   bool read_conn(Conn& c);
   bool process(uint64_t cid, Conn& c);
   bool handle(uint64_t cid, Conn& c, const Header& h, std::string_view payload);
@@ -334,16 +411,13 @@ struct TcpStoreServer::Impl {
     c.expires = std::min(c.expires, Clock::now() + options.handshake_timeout);
   }
   // A failed handshake: the client learns only that it was rejected, the log says why.
-  void reject_join(Conn& c, uint32_t id, const std::string& why) {
-    spdlog::warn("store server: rejected JOIN from {}: {}", c.peer, why);
+  void reject_join(Conn& c, uint32_t id, const std::string& why,
+                   StoreRejection reason = StoreRejection::kJoinRejected) {
+    rejections(reason, "rejected JOIN from {}: {}", c.peer, why);
     reject(c, id, "rejected");
   }
   static size_t frame_limit(const Conn& c) {
     return c.joined ? kMaxFrameBytes : kMaxHandshakeFrameBytes;
-  }
-  size_t handshakes() const {
-    return static_cast<size_t>(std::count_if(conns.begin(), conns.end(),
-                                             [](const auto& kv) { return !kv.second.joined; }));
   }
   void expire_connections();
   int poll_timeout_ms() const;
@@ -370,12 +444,19 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
         "could join the job; set QRING_JOB_SECRET (the same on every rank), or keep the store "
         "on loopback",
         bind_host));
-  if (options.max_handshakes < 1 || options.handshake_timeout <= milliseconds(0))
-    throw UsageError("store server: max_handshakes and handshake_timeout must be positive");
+  if (options.max_handshakes < 1 || options.max_handshakes_per_source < 1 ||
+      options.handshake_timeout <= milliseconds(0))
+    throw UsageError(
+        "store server: max_handshakes, max_handshakes_per_source and handshake_timeout must "
+        "be positive");
   auto& s = *impl_;
   s.world_size = world_size;
   s.job_id = std::move(job_id);
   s.options = std::move(options);
+  s.max_unjoined = size_t(world_size) + size_t(s.options.max_handshakes);
+  if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+    s.max_unjoined = std::min(s.max_unjoined,
+                              std::max(size_t(world_size) + 16, size_t(lim.rlim_cur / 4)));
   sockaddr_in addr{};
   std::string err;
   if (!resolve_ipv4(bind_host, port, addr, err))
@@ -395,7 +476,9 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
     throw IoError(fmt::format("store server: cannot bind {}:{}: {}{}", bind_host, port,
                               errno_text(err), hint));
   }
-  if (listen(s.listen_fd.get(), 256) != 0)
+  // A long queue of completed connections: a flood must not make the kernel drop a rank's
+  // connection attempt (its SYN is only sent again after 1 s, then 3 s).
+  if (listen(s.listen_fd.get(), SOMAXCONN) != 0)
     throw IoError("store server: listen(): " + errno_text(errno));
   socklen_t len = sizeof(addr);
   getsockname(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
@@ -426,6 +509,14 @@ int TcpStoreServer::port() const {
   return impl_->port;
 }
 
+uint64_t TcpStoreServer::rejections(StoreRejection why) const {
+  return impl_->rejections.count(why);
+}
+
+int TcpStoreServer::connected_ranks() const {
+  return impl_->connected.load(std::memory_order_relaxed);
+}
+
 void TcpStoreServer::Impl::run() {
   std::vector<pollfd> pfds;
   std::vector<uint64_t> ids;
@@ -450,7 +541,6 @@ void TcpStoreServer::Impl::run() {
       continue;
     }
     if (pfds[0].revents) return;
-    if (pfds[1].revents & POLLIN) accept_all();
     for (size_t i = 0; i < ids.size(); ++i) {
       short rev = pfds[i + 2].revents;
       auto it = conns.find(ids[i]);
@@ -462,6 +552,8 @@ void TcpStoreServer::Impl::run() {
       if (ok) ok = flush(c);
       if (!ok) close_conn(ids[i]);
     }
+    // Newcomers after the input of the connections there are (kAcceptBatch).
+    if (pfds[1].revents & POLLIN) accept_all();
     // Replies to parked requests (and CHALLENGEs) may have been queued on any connection.
     for (auto it = conns.begin(); it != conns.end();) {
       auto cur = it++;
@@ -485,19 +577,29 @@ void TcpStoreServer::Impl::expire_connections() {
     auto cur = it++;
     if (cur->second.expires > now) continue;
     if (!cur->second.closing)
-      handshake_warning("store server: {} did not join within {} ms; dropping it",
-                        cur->second.peer, options.handshake_timeout.count());
+      rejections(StoreRejection::kJoinDeadline,
+                 "{} sent no complete JOIN within {} ms of its CHALLENGE; dropping it",
+                 cur->second.peer, options.handshake_timeout.count());
     close_conn(cur->first);
   }
 }
 
 void TcpStoreServer::Impl::accept_all() {
-  while (true) {
+  for (int accepted = 0; accepted < kAcceptBatch;) {
     int fd = accept4(listen_fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
       if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // Out of descriptors: a connection that has not joined makes room for the newcomer,
+      // as past the caps (an attacker's connections hold descriptors, not ranks out).
+      if ((err == EMFILE || err == ENFILE) && drop_oldest_unjoined(0, true)) {
+        accept_warning(
+            "store server on port {}: accept(): {}; dropping the oldest connection that has "
+            "not joined for each new one (ulimit -n)",
+            port, errno_text(err));
+        continue;
+      }
       // Out of descriptors (EMFILE, ENFILE) or memory: the pending connection keeps the
       // listening socket readable, so poll() would return at once, forever. Shed it with the
       // reserved descriptor (its client retries) and stop accepting for a while.
@@ -514,25 +616,68 @@ void TcpStoreServer::Impl::accept_all() {
       accept_paused_until = Clock::now() + kAcceptBackoff;
       return;
     }
-    if (handshakes() >= static_cast<size_t>(world_size + options.max_handshakes)) {
-      refuse_warning(
-          "store server on port {}: {} connections are already joining; closing a new one "
-          "from {}",
-          port, world_size + options.max_handshakes, peer_name(fd));
-      ::close(fd);
-      continue;
-    }
-    set_nodelay(fd);
-    Conn c;
-    c.fd = Fd(fd);
-    c.peer = peer_name(fd);
-    c.nonce = random_bytes(kNonceBytes);
-    c.expires = Clock::now() + options.handshake_timeout;
-    std::string p;
-    put_str(p, c.nonce);
-    reply(c, 0, StoreMsg::kChallenge, p);
-    conns.emplace(next_conn++, std::move(c));
+    admit(fd);
+    ++accepted;
   }
+}
+
+// Serves a new connection (its CHALLENGE), first making room past the caps.
+void TcpStoreServer::Impl::admit(int fd) {
+  const uint32_t source = peer_address(fd);
+  while (drop_oldest_unjoined(source, false)) {
+  }
+  set_nodelay(fd);
+  Conn c;
+  c.fd = Fd(fd);
+  c.peer = peer_name(fd);
+  c.source = source;
+  c.since = Clock::now();
+  c.nonce = random_bytes(kNonceBytes);
+  c.expires = c.since + options.handshake_timeout;
+  std::string p;
+  put_str(p, c.nonce);
+  reply(c, 0, StoreMsg::kChallenge, p);
+  const uint64_t cid = next_conn++;
+  conns.emplace(cid, std::move(c));
+  unjoined.insert(cid);
+  unjoined_by_source[source].insert(cid);
+}
+
+// Drops the oldest connection that has not joined: of `source` when it holds its cap, else of
+// all when they hold theirs (or, at_fd_limit, in any case). False when there is none to drop.
+bool TcpStoreServer::Impl::drop_oldest_unjoined(uint32_t source, bool at_fd_limit) {
+  uint64_t victim = 0;
+  std::string cap;
+  auto mine = unjoined_by_source.find(source);
+  if (at_fd_limit && !unjoined.empty()) {
+    victim = *unjoined.begin();
+    cap = "descriptors ran out";
+  } else if (mine != unjoined_by_source.end() &&
+             mine->second.size() >= std::min(size_t(options.max_handshakes_per_source),
+                                             max_unjoined)) {
+    victim = *mine->second.begin();
+    cap = fmt::format("{} connections from its address have not joined",
+                      mine->second.size());
+  } else if (unjoined.size() >= max_unjoined) {
+    victim = *unjoined.begin();
+    cap = fmt::format("{} connections have not joined", unjoined.size());
+  }
+  if (victim == 0) return false;
+  const Conn& v = conns.at(victim);
+  if (!v.closing)
+    rejections(StoreRejection::kDroppedForNewer,
+               "{}; dropping the oldest, from {} ({} ms old), for a new one", cap, v.peer,
+               std::chrono::duration_cast<milliseconds>(Clock::now() - v.since).count());
+  close_conn(victim);
+  return true;
+}
+
+void TcpStoreServer::Impl::forget_unjoined(uint64_t cid, uint32_t source) {
+  unjoined.erase(cid);
+  auto it = unjoined_by_source.find(source);
+  if (it == unjoined_by_source.end()) return;
+  it->second.erase(cid);
+  if (it->second.empty()) unjoined_by_source.erase(it);
 }
 
 bool TcpStoreServer::Impl::read_conn(Conn& c) {
@@ -559,17 +704,18 @@ bool TcpStoreServer::Impl::read_conn(Conn& c) {
     }
     if (r == 0) {
       if (!c.in.empty() && !c.closing)
-        spdlog::error(
-            "store server: connection from {} closed inside a frame ({} bytes of a "
-            "truncated frame); dropping it",
-            c.peer, c.in.size());
+        rejections(StoreRejection::kTruncatedFrame,
+                   "connection from {} closed inside a frame ({} bytes of a truncated frame); "
+                   "dropping it",
+                   c.peer, c.in.size());
       else
         spdlog::debug("store server: {} (rank {}) disconnected", c.peer, c.rank);
       return false;
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
     if (errno == EINTR) continue;
-    spdlog::warn("store server: recv from {}: {}", c.peer, errno_text(errno));
+    rejections(StoreRejection::kConnectionError, "recv from {}{}: {}", c.peer,
+               c.joined ? fmt::format(" (rank {})", c.rank) : "", errno_text(errno));
     return false;
   }
 }
@@ -580,18 +726,17 @@ bool TcpStoreServer::Impl::process(uint64_t cid, Conn& c) {
   while (!c.closing && c.in.size() - pos >= kFrameHeaderBytes) {
     Header h = decode_header(c.in.data() + pos);
     if (h.magic != kStoreMagic) {
-      spdlog::error(
-          "store server: bad frame magic {:#010x} from {} (expected {:#010x}); "
-          "closing the connection",
-          h.magic, c.peer, kStoreMagic);
+      rejections(StoreRejection::kBadFrame,
+                 "bad frame magic {:#010x} from {} (expected {:#010x}); closing the connection",
+                 h.magic, c.peer, kStoreMagic);
       ok = false;
       break;
     }
     if (h.len > frame_limit(c)) {
-      spdlog::error(
-          "store server: frame of {} bytes from {} exceeds the limit of {} bytes{}; "
-          "closing the connection",
-          h.len, c.peer, frame_limit(c), c.joined ? "" : " before JOIN");
+      rejections(StoreRejection::kBadFrame,
+                 "frame of {} bytes from {} exceeds the limit of {} bytes{}; closing the "
+                 "connection",
+                 h.len, c.peer, frame_limit(c), c.joined ? "" : " before JOIN");
       ok = false;
       break;
     }
@@ -616,12 +761,13 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     if (c.joined)
       reject(c, h.id, why);
     else
-      reject_join(c, h.id, why);
+      reject_join(c, h.id, why, StoreRejection::kNotJoin);
     return true;
   }
   auto type = static_cast<StoreMsg>(h.type);
   if (!c.joined && type != StoreMsg::kJoin) {
-    reject_join(c, h.id, fmt::format("the first message was of type {:#x}, not JOIN", h.type));
+    reject_join(c, h.id, fmt::format("the first message was of type {:#x}, not JOIN", h.type),
+                StoreRejection::kNotJoin);
     return true;
   }
   PayloadReader r(payload);
@@ -675,8 +821,8 @@ bool TcpStoreServer::Impl::handle(uint64_t cid, Conn& c, const Header& h,
     case StoreMsg::kAdd:
       return handle_add(c, h, payload, r);
     default:
-      spdlog::error("store server: unknown message type {:#x} from {}; closing the connection",
-                    h.type, c.peer);
+      rejections(StoreRejection::kBadFrame,
+                 "unknown message type {:#x} from {}; closing the connection", h.type, c.peer);
       return false;
   }
 }
@@ -724,7 +870,9 @@ bool TcpStoreServer::Impl::handle_join(uint64_t cid, Conn& c, const Header& h,
     c.joined = true;
     c.rank = static_cast<int>(rank);
     c.expires = Clock::time_point::max();
+    forget_unjoined(cid, c.source);
     rank_conn[c.rank] = cid;
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
     spdlog::debug("store server: rank {} ({}) joined from {}", rank, printable(host), c.peer);
     std::string out;
     put_str(out, server_proof(options.secret, c.nonce, fields));
@@ -766,8 +914,9 @@ bool TcpStoreServer::Impl::handle_add(Conn& c, const Header& h, std::string_view
 }
 
 bool TcpStoreServer::Impl::malformed(const Conn& c, std::string_view payload, const char* what) {
-  spdlog::error("store server: malformed {} message ({} bytes) from {}; closing the connection",
-                what, payload.size(), c.peer);
+  rejections(StoreRejection::kBadFrame,
+             "malformed {} message ({} bytes) from {}; closing the connection", what,
+             payload.size(), c.peer);
   return false;
 }
 
@@ -838,6 +987,9 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
+    connected.store(int(rank_conn.size()), std::memory_order_relaxed);
+  } else {
+    forget_unjoined(cid, it->second.source);
   }
   std::erase_if(parked, [&](const Parked& p) { return p.conn == cid; });
   Conn& c = it->second;
@@ -895,10 +1047,20 @@ struct TcpStore::Impl {
   std::unordered_map<uint32_t, Reply*> pending;
   std::string in;  // touched only by the reading thread
 
+  // What the attempts to join met (the final error names it).
+  struct Attempts {
+    int total = 0, unreachable = 0, closed_before_challenge = 0, no_challenge = 0,
+        closed_before_reply = 0, no_reply = 0;
+    std::string last_error;
+    std::string describe() const;
+  };
+  enum class Attempt { kJoined, kRetry };
   bool try_connect(const std::string& host, int port, Deadline deadline, std::string& err);
-  // Reads the server's CHALLENGE into `nonce`; false (with `err`) when the connection closes
-  // first, as when the server is out of descriptors or connection slots: then retry.
-  bool read_challenge(Deadline deadline, std::string& nonce, std::string& err);
+  // One connection: CHALLENGE, JOIN, the server's proof. kRetry (counted in `a`) when the
+  // connection fails, closes or stays silent past `attempt_deadline`; throws ProtocolError
+  // when the server rejects the JOIN or is not this job's store.
+  Attempt try_join(const std::string& host, int port, Deadline deadline,
+                   Deadline attempt_deadline, Attempts& a);
   // The keys of `keys` the store does not have (for a timeout message).
   std::vector<std::string> missing(const std::vector<std::string>& keys);
   bool send_all(const std::string& frame, Deadline deadline, std::string& err);
@@ -963,25 +1125,95 @@ bool TcpStore::Impl::try_connect(const std::string& host, int port, Deadline dea
   return true;
 }
 
-bool TcpStore::Impl::read_challenge(Deadline deadline, std::string& nonce, std::string& err) {
+std::string TcpStore::Impl::Attempts::describe() const {
+  std::vector<std::string> parts;
+  auto add = [&](int n, const char* what) {
+    if (n > 0) parts.push_back(fmt::format("{} {}", n, what));
+  };
+  add(unreachable, "found the store unreachable");
+  add(closed_before_challenge, "were closed by the store before its CHALLENGE");
+  add(no_challenge, "got no CHALLENGE within the attempt's timeout");
+  add(closed_before_reply, "were closed before the JOIN was answered");
+  add(no_reply, "got no answer to the JOIN within the attempt's timeout");
+  std::string out = fmt::format("{} attempt{}", total, total == 1 ? "" : "s");
+  for (size_t i = 0; i < parts.size(); ++i) out += (i == 0 ? ": " : ", ") + parts[i];
+  return out;
+}
+
+TcpStore::Impl::Attempt TcpStore::Impl::try_join(const std::string& host, int port,
+                                                 Deadline deadline, Deadline attempt_deadline,
+                                                 Attempts& a) {
+  ++a.total;
+  fd.reset();
+  in.clear();
+  std::string err;
+  if (!try_connect(host, port, attempt_deadline, err)) {
+    ++a.unreachable;
+    a.last_error = err;
+    return Attempt::kRetry;
+  }
   Header h;
   std::string payload;
-  ReadResult rr = read_frame(deadline, h, payload, err);
-  if (rr == ReadResult::kTimeout)
-    throw TimeoutError(fmt::format(
-        "rank {}: store {} accepted the connection but sent no CHALLENGE before the deadline "
-        "(not a qring store of protocol version {}?)",
-        join.rank, where, kProtocolVersion));
+  ReadResult rr = read_frame(attempt_deadline, h, payload, err);
   if (rr == ReadResult::kMalformed) throw ProtocolError(err);
-  if (rr == ReadResult::kError) return false;
+  if (rr != ReadResult::kFrame) {
+    (rr == ReadResult::kTimeout ? a.no_challenge : a.closed_before_challenge) += 1;
+    a.last_error = rr == ReadResult::kTimeout ? "no CHALLENGE" : err;
+    return Attempt::kRetry;
+  }
   PayloadReader pr(payload);
+  std::string server_nonce;
   if (h.type != static_cast<uint16_t>(StoreMsg::kChallenge) || h.version != kProtocolVersion ||
-      !pr.str(nonce) || !pr.at_end() || nonce.size() != kNonceBytes)
+      !pr.str(server_nonce) || !pr.at_end() || server_nonce.size() != kNonceBytes)
     throw ProtocolError(fmt::format(
         "malformed reply from store {}: expected a CHALLENGE of protocol version {}, got type "
         "{:#x}, version {}, {} bytes",
         where, kProtocolVersion, h.type, h.version, payload.size()));
-  return true;
+  const std::string fields = encode_join_fields(join, random_bytes(kNonceBytes));
+  std::string p = fields;
+  put_str(p, join_proof(join.secret, server_nonce, fields));
+  const uint32_t id = next_id++;
+  // The reply is due at once; the whole deadline is left for a server that is slow only.
+  const Deadline reply_deadline = std::max(attempt_deadline, std::min(deadline, Clock::now() +
+                                                                          milliseconds(500)));
+  if (!send_all(encode_frame(StoreMsg::kJoin, id, p), reply_deadline, err)) {
+    ++a.closed_before_reply;
+    a.last_error = err;
+    return Attempt::kRetry;
+  }
+  rr = read_frame(reply_deadline, h, payload, err);
+  if (rr == ReadResult::kMalformed) throw ProtocolError(err);
+  if (rr != ReadResult::kFrame) {
+    (rr == ReadResult::kTimeout ? a.no_reply : a.closed_before_reply) += 1;
+    a.last_error = rr == ReadResult::kTimeout ? "no answer to JOIN" : err;
+    return Attempt::kRetry;
+  }
+  if (h.id != id || h.version != kProtocolVersion)
+    throw ProtocolError(fmt::format("malformed reply from store {} to JOIN of rank {}: id {}, "
+                                    "version {}",
+                                    where, join.rank, h.id, h.version));
+  if (h.type == static_cast<uint16_t>(StoreMsg::kError))
+    throw ProtocolError(fmt::format(
+        "store {} rejected JOIN of rank {} (world size {}, job '{}'): the store's log on rank 0 "
+        "says why (a different QRING_JOB_SECRET, job id, world size or protocol version, or "
+        "the rank already joined)",
+        where, join.rank, join.world_size, join.job_id));
+  Reply r;
+  r.h = h;
+  r.payload = std::move(payload);
+  expect_ok<ProtocolError>(r, "JOIN");
+  PayloadReader proof_reader(r.payload);
+  std::string proof;
+  if (!proof_reader.str(proof) || !proof_reader.at_end())
+    malformed("JOIN", "bad server proof encoding");
+  const std::string expected = server_proof(join.secret, server_nonce, fields);
+  if (proof.size() != expected.size() ||
+      CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0)
+    throw ProtocolError(fmt::format(
+        "store {} accepted JOIN of rank {} but cannot prove the job secret: not this job's "
+        "store (check QRING_STORE and QRING_JOB_SECRET)",
+        where, join.rank));
+  return Attempt::kJoined;
 }
 
 std::vector<std::string> TcpStore::Impl::missing(const std::vector<std::string>& keys) {
@@ -1129,48 +1361,32 @@ TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Dead
   s.join = join;
   if (port <= 0 || port > 65535)
     throw ConfigError(fmt::format("store address {}: port out of range", s.where));
-  auto start = Clock::now();
-  std::string err;
-  std::string server_nonce;
-  int attempts = 0;
+  const auto start = Clock::now();
+  Impl::Attempts attempts;
+  // Per attempt: 500 ms for the CHALLENGE, doubling to 4 s (a loaded server is slow, not
+  // gone); a refused connection is retried after 50 ms.
+  auto timeout = milliseconds(500);
   while (true) {
-    ++attempts;
-    if (s.try_connect(host, port, deadline, err)) {
-      if (s.read_challenge(deadline, server_nonce, err)) break;
-      s.fd.reset();
-      s.in.clear();
-    }
+    const auto t0 = Clock::now();
+    if (s.try_join(host, port, deadline, std::min(deadline, t0 + timeout), attempts) ==
+        Impl::Attempt::kJoined)
+      return;
+    s.fd.reset();
+    if (Clock::now() - t0 >= timeout) timeout = std::min(2 * timeout, milliseconds(4000));
     if (Clock::now() >= deadline) {
-      auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
-      throw TimeoutError(
-          fmt::format("rank {}: store {} unreachable after {} ms ({} attempts, "
-                      "last error: {})",
-                      join.rank, s.where, ms, attempts, err));
+      const auto ms = std::chrono::duration_cast<milliseconds>(Clock::now() - start).count();
+      const bool silent = attempts.no_challenge == attempts.total;
+      throw TimeoutError(fmt::format(
+          "rank {}: store {} unreachable: could not join within {} ms; {} (last: {}){}",
+          join.rank, s.where, ms, attempts.describe(), attempts.last_error,
+          silent ? fmt::format("; it accepts connections but never speaks: not a qring store "
+                               "of protocol version {}?",
+                               kProtocolVersion)
+                 : ""));
     }
     std::this_thread::sleep_for(
         std::min<Clock::duration>(milliseconds(50), deadline - Clock::now()));
   }
-  const std::string fields = encode_join_fields(join, random_bytes(kNonceBytes));
-  std::string p = fields;
-  put_str(p, join_proof(join.secret, server_nonce, fields));
-  auto r = s.request(StoreMsg::kJoin, p, deadline, "the reply to JOIN");
-  if (r.h.type == static_cast<uint16_t>(StoreMsg::kError))
-    throw ProtocolError(fmt::format(
-        "store {} rejected JOIN of rank {} (world size {}, job '{}'): the store's log on rank 0 "
-        "says why (a different QRING_JOB_SECRET, job id, world size or protocol version, or "
-        "the rank already joined)",
-        s.where, join.rank, join.world_size, join.job_id));
-  s.expect_ok<ProtocolError>(r, "JOIN");
-  PayloadReader pr(r.payload);
-  std::string proof;
-  if (!pr.str(proof) || !pr.at_end()) s.malformed("JOIN", "bad server proof encoding");
-  const std::string expected = server_proof(join.secret, server_nonce, fields);
-  if (proof.size() != expected.size() ||
-      CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) != 0)
-    throw ProtocolError(fmt::format(
-        "store {} accepted JOIN of rank {} but cannot prove the job secret: not this job's "
-        "store (check QRING_STORE and QRING_JOB_SECRET)",
-        s.where, join.rank));
 }
 
 TcpStore::~TcpStore() = default;

@@ -1,5 +1,9 @@
 // qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none]
-//              [--tolerate-failures K] [--max-restarts N] -- CMD ARGS...
+//              [--tolerate-failures K] [--max-restarts N] [--prefix all|others|none]
+//              [--stop-grace-s S] -- CMD ARGS...
+// qring-launch --nnodes H --node-rank I --master HOST:PORT -n N [...] -- CMD ARGS...
+//   (on each of H hosts, torchrun's shape: ranks I*N .. I*N+N-1 run on host I; node 0 serves
+//   the store on HOST:PORT; every launcher needs the same QRING_JOB_SECRET)
 //
 // The launcher serves the job's rendezvous store itself (QRING_STORE_HOSTED=1), so that it
 // outlives every rank: a rank that died can be started again (--max-restarts) and rejoins the
@@ -12,8 +16,12 @@
 // exiting non-zero, 75 = evicted, or killed by a signal is "lost"; the others keep running).
 // Exit status: 0 when every rank exits 0; 100 + k when k <= K ranks were lost and every other
 // rank exited 0; the status of the failing rank that stopped the job (128 + signal when it was
-// killed by a signal); 128 + signal when the launcher itself was signalled; 124 on
-// --timeout-s; 2 on a usage error. See docs/bootstrap.md.
+// killed by a signal); 128 + signal when the launcher itself was signalled, except 76 when it
+// forwarded SIGTERM/SIGUSR1 and the ranks answered with 76 (qring-train: checkpointed and
+// stopped; rerun with --resume); 124 on --timeout-s; 2 on a usage error. Across hosts each
+// launcher reports its own ranks; K and restarts count this host's ranks, and the launcher of
+// node 0 serves the store until the other hosts' ranks have closed their connections (at most
+// 60 s after its own ranks ended). See docs/bootstrap.md.
 // Each rank runs under a supervisor (a fork of the launcher, see supervise()) that leads the
 // rank's process group, kills that group if the launcher dies (even by SIGKILL), and removes
 // the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
@@ -48,8 +56,9 @@
 #include <vector>
 
 #include "net/base/cli.h"
-#include "net/transport/shm_region.h"
+#include "net/rendezvous/bootstrap.h"  // store_bind_address: --master's address on node 0
 #include "net/rendezvous/store.h"  // the rendezvous store it serves; random_hex: the job id and secret
+#include "net/transport/shm_region.h"
 
 namespace {
 
@@ -63,21 +72,107 @@ constexpr int kMaxRanks = 4096;
 constexpr int kMaxTolerated = 23;
 constexpr int kDegradedBase = 100;
 constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
+// qring-train: "stopped by SIGTERM/SIGUSR1 after checkpointing the agreed step". When the
+// launcher forwarded such a signal and every rank ended so, the launcher exits with it too.
+constexpr int kPreemptedStatus = 76;
+// How long the launcher of node 0 keeps serving the store after its own ranks ended, while
+// ranks of other hosts still hold connections to it.
+constexpr auto kStoreLinger = std::chrono::seconds(60);
 // The signal a rank's supervisor gets when the launcher dies (PR_SET_PDEATHSIG); it blocks it
 // and only acts when its parent is really gone, so a stray SIGUSR2 changes nothing.
 constexpr int kLauncherGone = SIGUSR2;
 constexpr auto kOrphanKillLimit = std::chrono::seconds(2);  // supervisor: rank after SIGKILL
 
 struct Options {
-  int n = 0;
+  int n = 0;  // ranks on this host
+  // Across hosts (torchrun's shape): one launcher per host, node_rank in [0, nnodes); node 0
+  // serves the store on `master` (HOST:PORT), which every rank connects to.
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_host;
+  int master_port = 0;
+  std::string job_id;        // --job-id (default: derived from the secret and --master)
+  double stop_grace_s = 30;  // a forwarded signal: time for the ranks to end before SIGKILL
   std::string provider;
   int port = 0;
   double timeout_s = 0;
   bool bind = true;
   int tolerate = 0;
   int max_restarts = 0;
+  // --prefix: which ranks' output lines get "[rank R] " (all, others = every rank but 0, none).
+  std::string prefix = "all";
   std::vector<std::string> cmd;
 };
+
+// The flags of a job across hosts (torchrun's shape) and of stopping.
+void add_host_flags(CLI::App& app, Options& o) {
+  using qring::cli::to_int;
+  qring::cli::add_value(app, "--nnodes",
+                        "hosts of the job, one launcher on each (default 1); the ranks of host R "
+                        "are R*n .. R*n+n-1")
+      ->each([&](const std::string& v) { o.nnodes = int(to_int("--nnodes", v, 1, kMaxRanks)); });
+  qring::cli::add_value(app, "--node-rank", "this host's index, 0 .. nnodes-1 (default 0)")
+      ->each([&](const std::string& v) {
+        o.node_rank = int(to_int("--node-rank", v, 0, kMaxRanks - 1));
+      });
+  qring::cli::add_value(app, "--master",
+                        "HOST:PORT where the launcher of node 0 serves the job's rendezvous store "
+                        "(an address of node 0 every host reaches); required with --nnodes > 1. "
+                        "Every launcher needs the same QRING_JOB_SECRET in its environment")
+      ->each([&](const std::string& v) {
+        const size_t colon = v.rfind(':');
+        if (colon == std::string::npos || colon == 0)
+          throw qring::ConfigError(fmt::format("--master expects HOST:PORT, got '{}'", v));
+        o.master_host = v.substr(0, colon);
+        o.master_port = int(to_int("--master (port)", v.substr(colon + 1), 1, 65535));
+      });
+  qring::cli::add_value(app, "--job-id",
+                        "the job's id, the same on every host (default: derived from "
+                        "QRING_JOB_SECRET and --master)")
+      ->each([&](const std::string& v) {
+        if (v.empty()) throw qring::ConfigError("--job-id needs a value");
+        o.job_id = v;
+      });
+  qring::cli::add_value(app, "--stop-grace-s",
+                        "after a signal it forwards (SIGTERM, SIGUSR1, SIGINT, SIGHUP), wait S "
+                        "seconds for the ranks to end before SIGKILL (default 30: qring-train "
+                        "finishes its step and writes a checkpoint); a second signal kills at once")
+      ->each([&](const std::string& v) {
+        o.stop_grace_s = qring::cli::to_seconds("--stop-grace-s", v, 86400, /*zero_ok=*/true);
+      });
+}
+
+// What is wrong with a combination of flags ("" when nothing is).
+std::string check_options(const Options& o) {
+  const long world = long(o.n) * o.nnodes;
+  if (world > kMaxRanks)
+    return fmt::format("-n {} x --nnodes {} = {} ranks, more than {}", o.n, o.nnodes, world,
+                       kMaxRanks);
+  if (o.tolerate >= world)
+    return o.nnodes == 1
+               ? fmt::format("--tolerate-failures {} must be below -n {} (one rank must survive)",
+                             o.tolerate, o.n)
+               : fmt::format(
+                     "--tolerate-failures {} must be below the {} ranks of the job (one "
+                     "rank must survive)",
+                     o.tolerate, world);
+  if (o.node_rank >= o.nnodes)
+    return fmt::format("--node-rank {} is not below --nnodes {}", o.node_rank, o.nnodes);
+  if (o.nnodes > 1 && o.master_host.empty())
+    return fmt::format(
+        "--nnodes {} needs --master HOST:PORT (node 0's address, where "
+        "it serves the rendezvous store)",
+        o.nnodes);
+  if (!o.master_host.empty() && o.port != 0)
+    return "--port and --master exclude each other (--master carries the port)";
+  const char* secret = std::getenv("QRING_JOB_SECRET");
+  if (!o.master_host.empty() && !qring::net::is_loopback_host(o.master_host) &&
+      (secret == nullptr || std::strlen(secret) < 16))
+    return "--master on a network address needs the job secret: export QRING_JOB_SECRET=<the same "
+           "random string of 16+ characters on every host>, e.g. $(od -An -N16 -tx1 /dev/urandom "
+           "| tr -d ' \\n')";
+  return "";
+}
 
 // The launcher's own flags come before "--", the command after it. Returns the options, or
 // the exit status of a usage error or of --help.
@@ -92,11 +187,13 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
 
   CLI::App app{
       "Starts N local ranks of CMD (usage: qring-launch -n N [flags] -- CMD [ARGS...]) with "
-      "the QRING_* bootstrap environment and serves their rendezvous store.",
+      "the QRING_* bootstrap environment and serves their rendezvous store; across hosts, one "
+      "launcher per host: qring-launch --nnodes H --node-rank I --master HOST:PORT -n N -- CMD.",
       "qring-launch"};
   qring::cli::init(app);
-  qring::cli::add_value(app, "-n", "number of ranks to start on this host")
+  qring::cli::add_value(app, "-n,--nproc-per-node", "number of ranks to start on this host")
       ->each([&](const std::string& v) { o.n = int(to_int("-n", v, 1, kMaxRanks)); });
+  add_host_flags(app, o);
   qring::cli::add_value(app, "--provider", "sets QRING_PROVIDER=P for every rank")
       ->each([&](const std::string& v) {
         if (v.empty()) throw qring::ConfigError("--provider needs a value");
@@ -132,6 +229,22 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
       ->each([&](const std::string& v) {
         o.max_restarts = int(to_int("--max-restarts", v, 0, 1000));
       });
+  qring::cli::add_value(app, "--prefix",
+                        "all (default): every output line starts with \"[rank R] \"; others: rank "
+                        "0's lines are passed through as they are (a single rank's table or log "
+                        "reads as if run alone); none: no line is prefixed")
+      ->each([&](const std::string& v) {
+        if (v != "all" && v != "others" && v != "none")
+          throw qring::ConfigError(
+              fmt::format("--prefix expects 'all', 'others' or 'none', got '{}'", v));
+        o.prefix = v;
+      });
+  app.footer(
+      "Exit status: 0 every rank exited 0; 100+k k ranks lost within --tolerate-failures, the\n"
+      "others exited 0; 76 a forwarded SIGTERM/SIGUSR1 made every rank checkpoint and stop\n"
+      "(qring-train; go on with --resume); the failing rank's status when one stopped the job\n"
+      "(128+signal when it was killed); 128+signal when the launcher was signalled; 124 the\n"
+      "--timeout-s expired; 127 the command cannot be executed; 2 bad command line.");
   qring::cli::ParseOptions po;
   po.unknown_hint = "(the command follows '--')";
   if (int rc = qring::cli::parse(app, args, po); rc >= 0) return rc;
@@ -141,9 +254,7 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
   };
   if (o.n == 0) return usage_error("-n N is required");
   if (!have_cmd || o.cmd.empty()) return usage_error("no command given after '--'");
-  if (o.tolerate >= o.n)
-    return usage_error(fmt::format(
-        "--tolerate-failures {} must be below -n {} (one rank must survive)", o.tolerate, o.n));
+  if (std::string why = check_options(o); !why.empty()) return usage_error(why);
   return o;
 }
 
@@ -194,6 +305,7 @@ struct Stream {
   int rank = 0;
   int out_fd = 1;  // where the prefixed lines go
   std::string partial;
+  std::string prefix;  // "[rank R] ", or empty (--prefix)
 };
 
 // How a rank ended, for the messages: "exited with status 3", "was evicted (exit status 75)",
@@ -212,8 +324,8 @@ std::string describe_end(int status) {
 
 // libfabric 1.17's shm provider names each endpoint's region /dev/shm/<pid>:<n>:<m> after the
 // process that opened it (16 MiB each; a qring rank opens one per peer, see
-// net/transport/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM. A
-// process killed by SIGKILL leaves its regions until a later process with the same pid starts
+// net/transport/fabric_endpoint.cc) and unlinks it when the endpoint closes, or on SIGINT/SIGTERM.
+// A process killed by SIGKILL leaves its regions until a later process with the same pid starts
 // shm. Whoever reaps a process of this job (a rank's supervisor its rank, the launcher the
 // orphans it adopts) removes them while the zombie still holds the pid: no live process can
 // own a region named after it, so only what this dead process left goes (and only our own
@@ -324,11 +436,11 @@ class Launcher {
   int run();
 
  private:
-  void start_rank(int r, int port, const sigset_t& child_mask, const std::vector<int>& cpus);
+  void start_rank(int r, const sigset_t& child_mask, const std::vector<int>& cpus);
   void on_output(Stream& s);
   void flush_partial(Stream& s);
   void reap();
-  void begin_stop(int sig, const std::string& why, int code);
+  void begin_stop(int sig, const std::string& why, int code, bool forwarded = false);
   void signal_all(int sig);
   bool any_child_left();
   // run()'s steps.
@@ -339,6 +451,11 @@ class Launcher {
   void wait_for_input(int sfd, std::vector<pollfd>& pfds, int wait_ms);
   void read_signals(int sfd);
   void report_lost_ranks();
+  void choose_identity();
+  void linger_for_other_hosts(int sfd, const qring::net::TcpStoreServer& store);
+  // This host's rank `local` in the job.
+  int global_rank(int local) const { return opts_.node_rank * opts_.n + local; }
+  int world() const { return opts_.n * opts_.nnodes; }
 
   Options opts_;
   // One identity per launch, the same for every rank: a unique job id, and the secret each
@@ -346,6 +463,9 @@ class Launcher {
   std::string job_id_;
   std::string job_secret_;
   int port_ = 0;
+  std::string store_address_;  // HOST:PORT the ranks connect to
+  int preempted_ = 0;          // ranks that ended with kPreemptedStatus while stopping
+  int stopped_otherwise_ = 0;  // ranks that ended with another failure while stopping
   sigset_t child_mask_{};
   std::vector<std::vector<int>> cpus_;
   std::vector<Rank> ranks_;
@@ -358,8 +478,7 @@ class Launcher {
   int exit_code_ = 0;
 };
 
-void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
-                          const std::vector<int>& cpus) {
+void Launcher::start_rank(int r, const sigset_t& child_mask, const std::vector<int>& cpus) {
   int out[2], err[2];
   if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
     fmt::print(stderr, "qring-launch: pipe(): {}\n", std::strerror(errno));
@@ -385,24 +504,26 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
     sigprocmask(SIG_BLOCK, &gone, nullptr);
     prctl(PR_SET_PDEATHSIG, kLauncherGone);
     if (getppid() != parent) _exit(1);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, SIG_IGN);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1}) signal(sig, SIG_IGN);
     dup2(out[1], 1);
     dup2(err[1], 2);
     int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, 0);
     const pid_t supervisor = getpid();
-    if (pid_t rank_pid = fork(); rank_pid != 0) supervise(rank_pid, parent, r);
+    if (pid_t rank_pid = fork(); rank_pid != 0) supervise(rank_pid, parent, global_rank(r));
     // The rank: in the supervisor's group, dies with the supervisor, default signal state,
     // stdin from /dev/null.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != supervisor) _exit(1);
-    for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, SIG_DFL);
+    for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1}) signal(sig, SIG_DFL);
     sigprocmask(SIG_SETMASK, &child_mask, nullptr);
-    setenv("QRING_RANK", std::to_string(r).c_str(), 1);
-    setenv("QRING_WORLD_SIZE", std::to_string(opts_.n).c_str(), 1);
+    setenv("QRING_RANK", std::to_string(global_rank(r)).c_str(), 1);
+    setenv("QRING_WORLD_SIZE", std::to_string(world()).c_str(), 1);
     setenv("QRING_LOCAL_RANK", std::to_string(r).c_str(), 1);
     setenv("QRING_LOCAL_SIZE", std::to_string(opts_.n).c_str(), 1);
-    setenv("QRING_STORE", fmt::format("127.0.0.1:{}", port).c_str(), 1);
+    setenv("QRING_NODE_RANK", std::to_string(opts_.node_rank).c_str(), 1);
+    setenv("QRING_NNODES", std::to_string(opts_.nnodes).c_str(), 1);
+    setenv("QRING_STORE", store_address_.c_str(), 1);
     setenv("QRING_JOB_ID", job_id_.c_str(), 1);
     setenv("QRING_JOB_SECRET", job_secret_.c_str(), 1);
     setenv("QRING_STORE_HOSTED", "1", 1);
@@ -437,8 +558,11 @@ void Launcher::start_rank(int r, int port, const sigset_t& child_mask,
   for (int fd : {out[0], err[0]}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   ranks_[r].pid = pid;
   ranks_[r].running = true;
-  streams_.push_back({out[0], r, 1, {}});
-  streams_.push_back({err[0], r, 2, {}});
+  const int g = global_rank(r);
+  const bool bare = opts_.prefix == "none" || (opts_.prefix == "others" && g == 0);
+  const std::string prefix = bare ? std::string() : fmt::format("[rank {}] ", g);
+  streams_.push_back({out[0], r, 1, {}, prefix});
+  streams_.push_back({err[0], r, 2, {}, prefix});
 }
 
 void Launcher::on_output(Stream& s) {
@@ -457,7 +581,7 @@ void Launcher::on_output(Stream& s) {
     std::string lines;
     size_t start = 0, nl;
     while ((nl = s.partial.find('\n', start)) != std::string::npos) {
-      lines += fmt::format("[rank {}] ", s.rank);
+      lines += s.prefix;
       lines.append(s.partial, start, nl + 1 - start);
       start = nl + 1;
     }
@@ -468,7 +592,7 @@ void Launcher::on_output(Stream& s) {
 
 void Launcher::flush_partial(Stream& s) {
   if (s.partial.empty()) return;
-  write_all(s.out_fd, fmt::format("[rank {}] {}\n", s.rank, s.partial));
+  write_all(s.out_fd, fmt::format("{}{}\n", s.prefix, s.partial));
   s.partial.clear();
 }
 
@@ -531,12 +655,16 @@ bool Launcher::any_child_left() {
   return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) == 0;
 }
 
-void Launcher::begin_stop(int sig, const std::string& why, int code) {
+// `forwarded`: a signal the launcher received goes to the ranks, which get --stop-grace-s to
+// end (qring-train checkpoints); otherwise a rank failed and the others get kKillGrace.
+void Launcher::begin_stop(int sig, const std::string& why, int code, bool forwarded) {
   if (!why.empty()) write_all(2, "qring-launch: " + why + "\n");
   if (!stopping_) {
     stopping_ = true;
     exit_code_ = code;
-    kill_at_ = Clock::now() + kKillGrace;
+    kill_at_ = Clock::now() + (forwarded ? std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(opts_.stop_grace_s))
+                                         : Clock::duration(kKillGrace));
   }
   signal_all(sig);
 }
@@ -553,16 +681,22 @@ void Launcher::reap() {
       const pid_t group = process_group_of(p);
       auto owner = std::find_if(ranks_.begin(), ranks_.end(),
                                 [&](const Rank& r) { return group > 0 && r.pid == group; });
-      reap_and_clean(p, owner == ranks_.end() ? fmt::format("process {}", p)
-                                              : fmt::format("a process of rank {} (pid {})",
-                                                            owner - ranks_.begin(), p));
+      reap_and_clean(p, owner == ranks_.end()
+                            ? fmt::format("process {}", p)
+                            : fmt::format("a process of rank {} (pid {})",
+                                          global_rank(int(owner - ranks_.begin())), p));
       continue;
     }
     int status = 0;
     if (waitpid(p, &status, 0) != p) continue;
     it->running = false;
-    int r = static_cast<int>(it - ranks_.begin());
+    const int local = static_cast<int>(it - ranks_.begin());
+    const int r = global_rank(local);
     bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    if (stopping_ && WIFEXITED(status) && WEXITSTATUS(status) == kPreemptedStatus)
+      ++preempted_;
+    else if (stopping_ && failed)
+      ++stopped_otherwise_;
     if (!failed || stopping_) continue;
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     if (it->restarts < opts_.max_restarts) {
@@ -573,16 +707,17 @@ void Launcher::reap() {
       write_all(2, fmt::format("qring-launch: rank {} (pid {}) {}; restarting it (restart {} of "
                                "{})\n",
                                r, p, describe_end(status), it->restarts, opts_.max_restarts));
-      start_rank(r, port_, child_mask_, cpus_[size_t(r)]);
+      start_rank(local, child_mask_, cpus_[size_t(local)]);
       write_all(2, fmt::format("qring-launch: rank {} restarted (pid {})\n", r,
-                               ranks_[size_t(r)].pid));
+                               ranks_[size_t(local)].pid));
       continue;
     }
     if (opts_.tolerate > 0) {
       lost_.push_back({r, p, describe_end(status)});
       const int lost = static_cast<int>(lost_.size());
-      std::string what = fmt::format("rank {} (pid {}) {}; {} of {} ranks lost", r, p,
-                                     lost_.back().how, lost, opts_.n);
+      std::string what =
+          fmt::format("rank {} (pid {}) {}; {} of {} ranks{} lost", r, p, lost_.back().how, lost,
+                      opts_.n, opts_.nnodes > 1 ? " on this host" : "");
       if (lost <= opts_.tolerate) {
         write_all(2, fmt::format("qring-launch: {}, tolerating up to {}\n", what, opts_.tolerate));
         // What the lost rank left behind in its process group has no use any more.
@@ -612,19 +747,51 @@ void Launcher::reap() {
   }
 }
 
+// The job's identity: one launcher makes its own; launchers on several hosts share the secret
+// from their environment (QRING_JOB_SECRET; a loopback store may do without) and derive the
+// same job id from it and --master, unless --job-id names one.
+void Launcher::choose_identity() {
+  const char* env_secret = std::getenv("QRING_JOB_SECRET");
+  if (opts_.nnodes == 1 && opts_.master_host.empty()) {
+    job_id_ = opts_.job_id.empty()
+                  ? fmt::format("launch-{}-{}", getpid(), qring::net::random_hex(4))
+                  : opts_.job_id;
+    job_secret_ = qring::net::random_hex(32);
+    return;
+  }
+  job_secret_ = env_secret ? env_secret : "";
+  if (job_secret_.empty() && opts_.nnodes == 1) job_secret_ = qring::net::random_hex(32);
+  job_id_ = opts_.job_id;
+  if (job_id_.empty()) {
+    const std::string mac = qring::net::hmac_sha256(
+        job_secret_, fmt::format("qring-launch-job|{}:{}", opts_.master_host, opts_.master_port));
+    std::string hex;
+    for (size_t i = 0; i < 8; ++i) hex += fmt::format("{:02x}", uint8_t(mac[i]));
+    job_id_ = "launch-" + hex;
+  }
+}
+
 int Launcher::run() {
-  job_id_ = fmt::format("launch-{}-{}", getpid(), qring::net::random_hex(4));
-  job_secret_ = qring::net::random_hex(32);
+  choose_identity();
   prctl(PR_SET_CHILD_SUBREAPER, 1);
   signal(SIGPIPE, SIG_IGN);
   sigset_t mask, old_mask;
   sigemptyset(&mask);
-  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, sig);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1}) sigaddset(&mask, sig);
   sigprocmask(SIG_BLOCK, &mask, &old_mask);
   child_mask_ = old_mask;
-  std::unique_ptr<qring::net::TcpStoreServer> store = serve_store();
-  if (!store) return 1;
-  int port = port_ = store->port();
+  // Node 0 serves the store (on loopback, or on --master); the others use node 0's.
+  std::unique_ptr<qring::net::TcpStoreServer> store;
+  if (opts_.node_rank == 0) {
+    store = serve_store();
+    if (!store) return 1;
+    port_ = store->port();
+    store_address_ =
+        fmt::format("{}:{}", opts_.master_host.empty() ? "127.0.0.1" : opts_.master_host, port_);
+  } else {
+    port_ = opts_.master_port;
+    store_address_ = fmt::format("{}:{}", opts_.master_host, port_);
+  }
 
   int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
   if (sfd < 0) {
@@ -633,33 +800,67 @@ int Launcher::run() {
   }
   ranks_.resize(opts_.n);
   cpus_ = opts_.bind ? plan_cpus(opts_.n) : std::vector<std::vector<int>>(size_t(opts_.n));
-  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, port, old_mask, cpus_[size_t(r)]);
+  for (int r = 0; r < opts_.n && !stopping_; ++r) start_rank(r, old_mask, cpus_[size_t(r)]);
 
   event_loop(sfd);
   for (auto& s : streams_) {
     flush_partial(s);
     if (s.fd >= 0) close(s.fd);
   }
+  if (store && opts_.nnodes > 1 && signals_received_ == 0 && exit_code_ == 0)
+    linger_for_other_hosts(sfd, *store);
   close(sfd);
   report_lost_ranks();
+  if (signals_received_ > 0 && preempted_ > 0 && stopped_otherwise_ == 0) {
+    // A forwarded SIGTERM/SIGUSR1 that every rank answered by checkpointing and stopping.
+    exit_code_ = kPreemptedStatus;
+    write_all(2, fmt::format("qring-launch: the ranks stopped after checkpointing (exit status "
+                             "{}); run the same command with --resume to go on\n",
+                             kPreemptedStatus));
+  }
   return exit_code_;
 }
 
-// The job's rendezvous store, on loopback (the ranks are on this host), for as long as the
-// launcher runs: ranks that come back find it there. Its thread starts after the signals
-// are blocked, so that they all reach the signalfd. Null (reported) when it cannot start.
+// Node 0's ranks have ended, but ranks of other hosts may still use the store (their last
+// steps, a rank that restarts): it is served until every rank has closed its connection, a
+// signal arrives, or kStoreLinger has passed.
+void Launcher::linger_for_other_hosts(int sfd, const qring::net::TcpStoreServer& store) {
+  const auto until = Clock::now() + kStoreLinger;
+  bool said = false;
+  while (store.connected_ranks() > 0 && Clock::now() < until) {
+    if (!said) {
+      write_all(2, fmt::format("qring-launch: this host's ranks are done; serving the store until "
+                               "the other hosts' ranks end (at most {} s)\n",
+                               kStoreLinger.count()));
+      said = true;
+    }
+    pollfd p{sfd, POLLIN, 0};
+    if (poll(&p, 1, 200) > 0) {
+      signalfd_siginfo si;
+      while (read(sfd, &si, sizeof(si)) == static_cast<ssize_t>(sizeof(si)))
+        if (si.ssi_signo != SIGCHLD) return;
+    }
+  }
+}
+
+// The job's rendezvous store, on loopback (the ranks are on this host) or on --master's
+// address, for as long as the launcher runs: ranks that come back find it there. Its thread
+// starts after the signals are blocked, so that they all reach the signalfd. Null (reported)
+// when it cannot start.
 std::unique_ptr<qring::net::TcpStoreServer> Launcher::serve_store() {
   spdlog::set_pattern("qring-launch: store: %v");
   spdlog::set_level(spdlog::level::warn);
   std::unique_ptr<qring::net::TcpStoreServer> store;
+  std::string bind = "127.0.0.1";
+  const int port = opts_.master_host.empty() ? opts_.port : opts_.master_port;
   try {
+    if (!opts_.master_host.empty()) bind = qring::net::store_bind_address(opts_.master_host);
     qring::net::StoreServerOptions so;
     so.secret = job_secret_;
-    store = std::make_unique<qring::net::TcpStoreServer>("127.0.0.1", opts_.port, opts_.n,
-                                                         job_id_, so);
+    store = std::make_unique<qring::net::TcpStoreServer>(bind, port, world(), job_id_, so);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on 127.0.0.1:{}: {}\n",
-               opts_.port, e.what());
+    fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on {}:{}: {}\n", bind, port,
+               e.what());
     return nullptr;
   }
   return store;
@@ -747,7 +948,7 @@ void Launcher::read_signals(int sfd) {
       signal_all(SIGKILL);
     } else {
       begin_stop(sig, fmt::format("received {}; forwarding it to all ranks", signal_name(sig)),
-                 stopping_ ? exit_code_ : 128 + sig);
+                 stopping_ ? exit_code_ : 128 + sig, /*forwarded=*/true);
     }
   }
 }

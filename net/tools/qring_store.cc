@@ -55,6 +55,15 @@ int main(int argc, char** argv) {
     host = name;
   }
   const char* secret = std::getenv("QRING_JOB_SECRET");
+  if (secret != nullptr) {
+    if (const std::string weak = qring::net::secret_weakness(secret); !weak.empty()) {
+      fmt::print(stderr,
+                 "qring-store: QRING_JOB_SECRET {}: whoever guesses it can join the job; use a "
+                 "random one, e.g. $(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')\n",
+                 weak);
+      return 2;
+    }
+  }
   // Block the signals before the server's thread starts, so that sigwait gets them.
   sigset_t set;
   sigemptyset(&set);

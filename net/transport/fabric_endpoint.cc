@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -66,6 +67,38 @@ class Fid {
 
  private:
   T* p_ = nullptr;
+};
+
+// Where a receive on shm continues past the caller's buffer (FabricEndpoint::post): address
+// space of the largest message the provider carries, reserved but backed by memory only where
+// a longer message than expected actually wrote. Nothing reads it.
+class GuardTail {
+ public:
+  GuardTail() = default;
+  GuardTail(const GuardTail&) = delete;
+  GuardTail& operator=(const GuardTail&) = delete;
+  ~GuardTail() {
+    if (p_ != nullptr) ::munmap(p_, len_);
+  }
+  void reserve(size_t len) {
+    void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw IoError(fmt::format("mmap of a {}-byte receive guard: {}", len, std::strerror(errno)));
+    p_ = p;
+    len_ = len;
+  }
+  bool on() const { return p_ != nullptr; }
+  void* data() const { return p_; }
+  size_t size() const { return len_; }
+  // Gives back the pages a longer message wrote into.
+  void release(size_t bytes) const {
+    if (p_ != nullptr && bytes > 0) ::madvise(p_, std::min(bytes, len_), MADV_DONTNEED);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t len_ = 0;
 };
 
 struct InfoDeleter {
@@ -1009,6 +1042,8 @@ class FabricEndpoint final : public Endpoint {
       ret = fi_tsenddata(c->ep, c->buf, c->len, c->desc, c->data, c->addr, c->tag, &c->ctx);
     else if (c->req->is_send)
       ret = fi_tsend(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
+    else if (guard_.on())
+      ret = post_guarded_recv(c);
     else
       ret = fi_trecv(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, c->ignore, &c->ctx);
     if (ret >= 0) {
@@ -1020,6 +1055,21 @@ class FabricEndpoint final : public Endpoint {
     // like a refused post until earlier receives complete.
     if (ret == -FI_ENOMEM && shm_ && !c->req->is_send) return -FI_EAGAIN;
     return ret;
+  }
+
+  // A receive into the caller's buffer followed by the guard tail: a message longer than the
+  // buffer (a peer that called the operation with a larger count) lands whole, and
+  // complete() fails the request as truncated, with the sender's immediate data. Posted as
+  // a plain receive of the buffer, libfabric 1.17's shm spins inside fi_cq_read for ever on
+  // such a message above its inject size (4 KiB; issue 44, N4): no deadline could fire.
+  ssize_t post_guarded_recv(OpCtx* c) {
+    iovec iov[2];
+    void* desc[2] = {c->desc, nullptr};
+    size_t n = 0;
+    if (c->len > 0) iov[n++] = {c->buf, c->len};
+    iov[n++] = {guard_.data(), guard_.size()};
+    return fi_trecvv(c->ep, iov, c->len > 0 ? desc : desc + 1, n, c->addr, c->tag, c->ignore,
+                     &c->ctx);
   }
 
   // A post failed with a hard error. For a directed request it concerns that peer only: the
@@ -1328,6 +1378,12 @@ class FabricEndpoint final : public Endpoint {
   void complete(const fi_cq_tagged_entry& e) {
     auto* c = static_cast<OpCtx*>(e.op_context);
     if (orphaned(c)) return;  // of an endpoint reset_peer closed: its request ended there
+    if (!c->req->is_send && e.len > c->len) {  // ran into the guard tail (post_guarded_recv)
+      guard_.release(e.len - c->len);
+      if (e.flags & FI_REMOTE_CQ_DATA) c->req->data = e.data;
+      fail_truncated(c, e.len);
+      return;
+    }
     if (!c->req->is_send) {
       c->req->bytes += e.len;
       c->req->matched_tag = e.tag & ~(kFragMask | kGenMask);
@@ -1355,17 +1411,28 @@ class FabricEndpoint final : public Endpoint {
     // A truncated message still names its sender's immediate data: the collectives tell a
     // shape mismatch from it.
     if (!req.is_send && (err.flags & FI_REMOTE_CQ_DATA)) req.data = err.data;
-    if (!req.is_send && code == FI_ETRUNC) req.truncated = true;
-    std::string detail =
-        code == FI_ETRUNC
-            ? (err.olen > 0 ? fmt::format("message truncated: {} bytes arrived for a {}-byte "
-                                          "buffer",
-                                          err.olen + err.len, c->len)
-                            : fmt::format("message truncated: more than {} bytes arrived", c->len))
-            : fmt::format("{} ({})", fi_strerror(code),
-                          fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0));
-    // An error of a request to or from one peer fails that request and marks the peer
-    // suspect; the endpoint and its other peers go on.
+    if (!req.is_send && code == FI_ETRUNC) {
+      fail_truncated(c, err.olen > 0 ? err.olen + err.len : 0);
+      return;
+    }
+    fail_part(c, fmt::format("{} ({})", fi_strerror(code),
+                             fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0)));
+  }
+
+  // A receive whose message was longer than its buffer (`arrived` bytes; 0: unknown).
+  void fail_truncated(OpCtx* c, size_t arrived) {
+    c->req->truncated = true;
+    fail_part(c, arrived > 0 ? fmt::format("message truncated: {} bytes arrived for a {}-byte "
+                                           "buffer",
+                                           arrived, c->len)
+                             : fmt::format("message truncated: more than {} bytes arrived",
+                                           c->len));
+  }
+
+  // An error of a request to or from one peer fails that request and marks the peer
+  // suspect; the endpoint and its other peers go on.
+  void fail_part(OpCtx* c, const std::string& detail) {
+    Request& req = *c->req;
     std::string msg =
         req.peer == kAnyPeer
             ? "from any peer: " + detail
@@ -1402,6 +1469,9 @@ class FabricEndpoint final : public Endpoint {
     if (opts.max_message_size) max_msg_ = std::min(max_msg_, opts.max_message_size);
     shm_ = provider_name_ == "shm";
     pairwise_ = use_pairwise(opts.pairwise, provider_name_, rank_, world_);
+    // Every receive continues into a guard tail (post_guarded_recv) where that needs no
+    // registration (shm, tcp): the pinned memory of a registered guard would cost too much.
+    if (!mr_local_ && info_->rx_attr->iov_limit >= 2) guard_.reserve(max_msg_);
   }
 
   void open_fabric_and_domain() {
@@ -1500,6 +1570,8 @@ class FabricEndpoint final : public Endpoint {
   size_t data_bytes_ = 0;  // immediate data per message (the provider's cq_data_size, <= 8)
   bool closed_ = false;
   InfoPtr info_;
+  // Where a message longer than a receive's buffer goes; unmapped after the endpoints.
+  GuardTail guard_;
   TcpRegistrations tcp_regs_;  // outlives the endpoints' connections (destroyed after eps_)
   // Creation order; destroyed in reverse.
   Fid<fid_fabric> fabric_;

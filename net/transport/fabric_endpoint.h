@@ -53,6 +53,12 @@ struct FabricOptions {
 //    congestion control, QRING_TCP_CONGESTION) and pass every other call through unchanged.
 //  - Over shm, /dev/shm regions named after this pid that the process has not mapped (left
 //    by an earlier process with the same pid that was killed) are removed.
+//  - Where the provider needs no registered memory (shm, tcp), the endpoint reserves address
+//    space for the largest message (max_message_size, at most 1 GiB; MAP_NORESERVE, no memory
+//    until written): every receive continues into it, so that a peer's longer message (a
+//    rank that called an operation with a larger count) fails the receive as truncated, with
+//    the sender's immediate data, instead of truncating inside the provider (libfabric 1.17's
+//    shm spun there for ever; docs/design.md, "Security model").
 std::unique_ptr<Endpoint> make_fabric_endpoint(const FabricOptions& opts, int rank, int world_size,
                                                Store& store, bool single_host, Deadline deadline);
 

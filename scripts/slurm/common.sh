@@ -167,3 +167,64 @@ qring_srun() {
   fi
   return $rc
 }
+
+# Runs qring-train (binary $1, config $2, overrides after) as the job's step, so that it
+# survives time limits and preemption (train.sbatch, sweep.sbatch; docs/cluster.md, "Time
+# limits, preemption and requeue"): sync mode checkpoints every QRING_CHECKPOINT_EVERY steps
+# (default 500) unless the configuration sets train.checkpoint_every; a job that Slurm
+# restarted (SLURM_RESTART_COUNT > 0; or QRING_RESUME=1) resumes with --resume; when the ranks
+# stop after checkpointing on the SIGUSR1 of sbatch --signal (the time limit is near) the job
+# requeues itself (scontrol requeue) unless QRING_REQUEUE=0. Exits the batch script.
+qring_train() {
+  local bin=$1 config=$2 resolved mode every name run_dir started signal rc=0
+  shift 2
+  local -a args=("$@") flags=()
+  # The resolved configuration (qring-train --print-config): sync mode checkpoints by default.
+  resolved=$("$bin" --config "$config" "${args[@]}" --print-config) ||
+    qring_die "qring-train rejected the configuration (above)"
+  mode=$(sed -n 's/^mode = "\(.*\)"$/\1/p' <<<"$resolved")
+  every=$(sed -n 's/^checkpoint_every = //p' <<<"$resolved")
+  if [ "$mode" = sync ] && [ "$every" = 0 ]; then
+    every=${QRING_CHECKPOINT_EVERY:-500}
+    [[ $every =~ ^[0-9]+$ ]] ||
+      qring_die "QRING_CHECKPOINT_EVERY must be a non-negative integer, got '$every'"
+    args+=("train.checkpoint_every=$every")
+  fi
+  if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] || [ "${QRING_RESUME:-0}" = 1 ]; then
+    [ "$mode" = sync ] || qring_die "train.mode = \"$mode\" has no checkpoints to resume from"
+    flags+=(--resume)
+    echo "qring-slurm: restart ${SLURM_RESTART_COUNT:-0} of job ${SLURM_JOB_ID}: resuming from" \
+      "the newest checkpoint every rank has"
+  fi
+
+  # Whether the ranks stopped after checkpointing, and on which signal: rank 0's summary.json of
+  # this run says so (srun's own status does not: with --kill-on-bad-exit, Slurm kills the ranks
+  # still exiting once the first exits 76). Only SIGUSR1 -- the --signal ahead of the time limit
+  # -- requeues: a SIGTERM comes from scancel, from srun stopping the step after a task failed,
+  # or from a preemption that Slurm requeues itself.
+  name=$(sed -n 's/^name = "\(.*\)"$/\1/p' <<<"$resolved")
+  run_dir="$(sed -n 's/^out_dir = "\(.*\)"$/\1/p' <<<"$resolved")/$name"
+  started=$(mktemp "${TMPDIR:-/tmp}/qring-train-start.XXXXXX")
+  qring_srun "$bin" --config "$config" "${flags[@]}" "${args[@]}" || rc=$?
+  signal=""
+  if [ $rc -ne 0 ] && [ "$run_dir/summary.json" -nt "$started" ] &&
+    grep -q '"preempted": true' "$run_dir/summary.json"; then
+    signal=$(sed -n 's/.*"stop_signal": "\([A-Z0-9]*\)".*/\1/p' "$run_dir/summary.json")
+    signal=${signal:-a signal}
+  fi
+  rm -f "$started"
+  if [ -n "$signal" ]; then
+    if [ "$signal" = SIGUSR1 ] && [ "${QRING_REQUEUE:-1}" = 1 ]; then
+      echo "qring-slurm: the ranks stopped after checkpointing on SIGUSR1 (the time limit is" \
+        "near); requeueing job ${SLURM_JOB_ID}: it resumes where it stopped"
+      scontrol requeue "$SLURM_JOB_ID" ||
+        qring_die "scontrol requeue $SLURM_JOB_ID failed; resubmit with QRING_RESUME=1 and" \
+          "run.name=$name"
+      exit 0
+    fi
+    echo "qring-slurm: the ranks stopped after checkpointing on $signal (srun status $rc); not" \
+      "requeueing (only SIGUSR1 requeues, unless QRING_REQUEUE=0); go on with QRING_RESUME=1" \
+      "and run.name=$name"
+  fi
+  exit $rc
+}

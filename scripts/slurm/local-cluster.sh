@@ -148,7 +148,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET
+# cred_expire: also how long Slurm holds a requeued job back (default 120 s); the requeue test
+# (tests/slurm/run.sh) requeues a job more than once.
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
 StateSaveLocation=$STATE/state
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$RUN/slurmctld.pid

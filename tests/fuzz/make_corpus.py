@@ -88,3 +88,24 @@ with open(os.path.join(HERE, "..", "..", "configs", "smoke.toml"), "rb") as f:
 put("fuzz_config", "smoke", smoke)
 put("fuzz_config", "overrides", smoke + b"\n---\nquorum.quorum=3\ntrain.lr=0.2\nstraggler.model=exp:5\n")
 put("fuzz_config", "small", b"[train]\nsteps = 10\n[quorum]\ndeadline_ms = 1000\n")
+
+# ---- issue 44's limits: deep nesting and long dotted keys (train/config_limits.h), in a file
+# and as an override; and honest IDX headers against a memory budget (fuzz_idx_budget).
+put("fuzz_config", "nested_arrays", b"[run]\nname = " + b"[" * 40 + b"]" * 40 + b"\n")
+put("fuzz_config", "nested_tables", b"[run]\nname = " + b"{a=" * 40 + b"1" + b"}" * 40 + b"\n")
+put("fuzz_config", "dotted_key", b".".join([b"a"] * 40) + b" = 1\n")
+put("fuzz_config", "nested_override", smoke + b"\n---\nmodel.hidden=" + b"[" * 40 + b"]" * 40 + b"\n")
+put("fuzz_config", "brackets_in_strings", b"[run]\nname = \"[[[[{{{{\" # ]]]]\n")
+put("fuzz_toml_nesting", "deep_arrays", bytes([0xF0]) * 3 + bytes([0xF1]) * 3)
+put("fuzz_toml_nesting", "deep_tables", bytes([0xF2]) * 3 + bytes([9]) + bytes([0xF3]) * 3)
+put("fuzz_toml_nesting", "dotted", bytes([5]) + bytes([0xF4]) * 3 + bytes([6, 9]))
+put("fuzz_toml_nesting", "hidden", bytes([0xFA, 0xFB, 0xFC, 0xFF, 0x10, 0x11]))
+budget = lambda kib: struct.pack("<I", kib)
+put("fuzz_idx_budget", "small", b"\x00" + struct.pack("<4I", 64, 64, 16, 16) + b"\x1c\x1c" +
+    budget(1024))
+put("fuzz_idx_budget", "million", b"\x00" + struct.pack("<4I", 1000000, 1000000, 10000, 10000) +
+    b"\x1c\x1c" + budget(65535))
+put("fuzz_idx_budget", "mismatch", b"\x00" + struct.pack("<4I", 1000000, 60000, 16, 16) +
+    b"\x1c\x1c" + budget(1024))
+put("fuzz_idx_budget", "trailing", b"\x04" + struct.pack("<4I", 8, 8, 2, 2) + b"\x1c\x1c" +
+    budget(1024) + b"extra")

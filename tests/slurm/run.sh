@@ -16,6 +16,16 @@
 #   rejoin        the same with QRING_MAX_RESTARTS=1 and quorum 3: the killed rank is started
 #                 again by scripts/slurm/retry.sh, rejoins through the batch step's qring-store,
 #                 and the job exits 0 with all four ranks agreeing
+#   requeue       train.sbatch -N2 --ntasks-per-node=2 with a 2-minute time limit on a run that
+#                 needs longer (--signal=USR1@30; Slurm sends it 60-90 s after the start, its
+#                 check runs every 30 s and may send it up to a minute early, so the 1-minute
+#                 limit would be signalled at once): Slurm signals the ranks, they checkpoint
+#                 the same step and exit 76, the script requeues the job, the requeued job
+#                 resumes (maybe more than once), ends COMPLETED, and every rank's final
+#                 checksum equals that of the same steps never interrupted (qring-launch)
+#   torch         torch.sbatch -N2 --ntasks-per-node=2 with python/examples/fmnist_cnn.py (a few
+#                 steps, quorum 3): exit 0, the 4 ranks print the same parameter checksum,
+#                 rank 0 a test accuracy (needs PyTorch; without it the scenario is skipped)
 # Every wait is bounded (QRING_SLURM_TEST_TIMEOUT seconds per job, default 300). The last line
 # is "N passed, M failed"; the exit code is non-zero when anything failed.
 #
@@ -43,7 +53,7 @@ CONFIG=${QRING_SLURM_TEST_CONFIG:-$ROOT/configs/smoke.toml}
 
 passed=0
 failed=0
-SCENARIOS=(train-1node train-2node bench kill-rank rejoin)
+SCENARIOS=(train-1node train-2node bench kill-rank rejoin requeue torch)
 JOBS=()
 
 pass() {
@@ -79,7 +89,7 @@ wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
 missing=""
 [ "$(id -u)" -eq 0 ] || missing="must run as root (slurmd starts jobs as their submitter)"
 need_train=0
-for s in train-1node train-2node kill-rank rejoin; do wants "$s" && need_train=1; done
+for s in train-1node train-2node kill-rank rejoin requeue; do wants "$s" && need_train=1; done
 if [ $need_train = 1 ]; then
   [ -x "$BUILD/train/qring-train" ] ||
     missing="${missing:+$missing; }$BUILD/train/qring-train not built (scripts/build.sh $BUILD)"
@@ -401,6 +411,90 @@ scenario_rejoin() {
   else
     echo "    rejoin: $(grep -m1 'rank 2 rejoined at step' "$LOG" | sed 's/^ *//')"
     pass rejoin
+  fi
+}
+
+# Job $1's state and restart count, "STATE RESTARTS" (empty when Slurm does not know it).
+job_state() {
+  scontrol show job -o "$1" 2>/dev/null |
+    sed -n 's/.*JobState=\([A-Z_]*\).* Restarts=\([0-9]*\).*/\1 \2/p' | head -n 1
+}
+
+scenario_requeue() {
+  echo "== requeue: a 2-minute time limit on a longer run, -N2 --ntasks-per-node=2"
+  local steps=900 want got state restarts deadline why
+  # The reference: the same steps never interrupted, under qring-launch on this host. With
+  # quorum = world the straggler delay of the Slurm run (100 ms per step, to make it outlast
+  # its time limit) changes its timing, not its parameters.
+  "$BUILD/net/qring-launch" -n 4 -- "$BUILD/train/qring-train" --config "$CONFIG" \
+    run.name=requeue-ref "run.out_dir=$WORK/runs" log.progress=false train.steps=$steps \
+    quorum.quorum=1.0 >"$WORK/requeue-ref.out" 2>&1 || true
+  want=$(grep -o -E 'params_checksum [0-9a-f]+' "$WORK/requeue-ref.out" | sort -u | cut -d' ' -f2)
+  if [ -z "$want" ] || [ "$(echo "$want" | wc -l)" -ne 1 ]; then
+    fail requeue "the uninterrupted reference run failed: $(tail -3 "$WORK/requeue-ref.out")"
+    return
+  fi
+  JOBID=$(sbatch --parsable --job-name=requeue --time=2 --signal=USR1@30 \
+    --output="$WORK/logs/%x-%j.out" -N 2 --ntasks-per-node=2 "$TRAIN" "$CONFIG" \
+    run.name=requeue train.steps=$steps quorum.quorum=1.0 straggler.model=fixed:0:100 \
+    train.checkpoint_every=100 2>"$WORK/requeue.sbatch" | cut -d';' -f1 || true)
+  if [ -z "$JOBID" ]; then
+    fail requeue "sbatch failed: $(cat "$WORK/requeue.sbatch")"
+    return
+  fi
+  JOBS+=("$JOBID")
+  LOG="$WORK/logs/requeue-$JOBID.out"
+  # Bounded: each run of the job is at most 2 minutes plus Slurm's kill wait, and Slurm holds a
+  # requeued job back 10 s (cred_expire in scripts/slurm/local-cluster.sh) before it starts it
+  # again.
+  deadline=$((SECONDS + JOB_TIMEOUT + 300))
+  state=""
+  while ((SECONDS < deadline)); do
+    read -r state restarts <<<"$(job_state "$JOBID")"
+    case $state in COMPLETED | FAILED | TIMEOUT | CANCELLED | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
+    sleep 2
+  done
+  got=$(grep -E '^ *[0-9]+: .*params_checksum [0-9a-f]+' "$LOG" 2>/dev/null | tail -n 4 |
+    grep -o -E 'params_checksum [0-9a-f]+' | sort -u | cut -d' ' -f2)
+  if [ "$state" != COMPLETED ]; then
+    scancel "$JOBID" 2>/dev/null || true
+    fail requeue "job $JOBID ended ${state:-not at all within the limit} after ${restarts:-?} restart(s) (log $LOG)"
+    tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
+  elif [ "${restarts:-0}" -lt 1 ] || ! grep -q 'requeueing job' "$LOG"; then
+    fail requeue "job $JOBID was never requeued (restarts ${restarts:-0}; log $LOG)"
+  elif ! grep -Eq 'rank [0-9] stopped after step [0-9]+ params_checksum' "$LOG" ||
+    ! grep -q 'resumed from step' "$LOG"; then
+    fail requeue "no stop after a checkpoint or no resume in $LOG"
+  elif ! why=$(check_agreement "$LOG" 4 2>&1); then
+    fail requeue "rank agreement: $why"
+  elif [ "$got" != "$want" ]; then
+    fail requeue "final checksum '$got', the uninterrupted run's '$want' (log $LOG)"
+  elif ! job_gone "$JOBID" 30; then
+    fail requeue "processes of job $JOBID left running: $(job_pids "$JOBID" | tr '\n' ' ')"
+  else
+    echo "    requeue: job $JOBID restarted $restarts time(s); $(grep -m1 'stopped after step' "$LOG" | sed 's/^ *//'); final checksum $got as uninterrupted"
+    pass requeue
+  fi
+}
+
+scenario_torch() {
+  echo "== torch: torch.sbatch -N2 --ntasks-per-node=2, the CNN example"
+  if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    echo "    skipped: no PyTorch (QRING_SETUP_TORCH=1 scripts/setup.sh installs it)"
+    return 0
+  fi
+  submit torch -N 2 --ntasks-per-node=2 "$ROOT/scripts/slurm/torch.sbatch" \
+    python/examples/fmnist_cnn.py --steps 10 --quorum 3 --test-samples 1000
+  local why
+  if [ "$RC" -ne 0 ]; then
+    fail torch "sbatch --wait exit code $RC (log $LOG)"
+    tail -n 30 "$LOG" 2>/dev/null | sed 's/^/    /'
+  elif ! grep -q '"test_accuracy"' "$LOG"; then
+    fail torch "no test accuracy from rank 0 in $LOG"
+  elif ! why=$(AGREE='params_checksum"?[=: ]+"?([0-9a-f]+)' check_agreement "$LOG" 4 2>&1); then
+    fail torch "rank agreement: $why"
+  else
+    pass torch
   fi
 }
 
