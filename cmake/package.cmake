@@ -34,7 +34,9 @@ endforeach()
 # endpoint interface, errors -- and what they include. qring.h includes them all.
 set(QRING_PUBLIC_HEADERS
     collectives/session.h collectives/communicator.h collectives/types.h
-    collectives/straggler.h collectives/quorum/quorum.h
+    collectives/straggler.h collectives/quorum/quorum.h collectives/clock.h
+    collectives/options.h collectives/work.h collectives/quorum/errors.h
+    collectives/quorum/membership.h collectives/quorum/reports.h
     net/rendezvous/bootstrap.h net/rendezvous/store.h net/transport/endpoint.h
     net/transport/fabric_endpoint.h net/transport/tags.h net/base/error.h)
 foreach(h ${QRING_PUBLIC_HEADERS})

@@ -1,6 +1,6 @@
 // The collective algorithms as engine operations: the ring (reduce-scatter, all-gather and
 // large all-reduces), recursive doubling and halving-doubling (smaller all-reduces) and the
-// broadcast. make_collective_op picks among them (below).
+// broadcast (the barrier: barrier.cc). make_collective_op picks among them (below).
 //
 // The buffer of `count` elements is cut into n = ranks chunks, balanced: the first count % n
 // chunks get one element more. Worked example, n = 3, rank r sends right to r+1 and receives
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "collectives/engine.h"
+#include "collectives/types.h"
 
 namespace qring::collectives {
 

@@ -213,7 +213,7 @@ bool Communicator::broken() const {
 }
 
 WorkPtr Communicator::submit(std::unique_ptr<EngineOp> op) {
-  if (op->deadline == Deadline{}) op->deadline = Clock::now() + opts_.timeout;
+  if (op->deadline == Deadline{}) op->deadline = engine_->now() + opts_.timeout;
   bool wake = !caller_drives_;
   caller_drives_ = false;
   return engine_->submit(std::move(op), wake);

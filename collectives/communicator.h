@@ -18,79 +18,21 @@
 // on and for how long; the communicator is then broken and refuses further operations.
 #pragma once
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstddef>
-#include <exception>
 #include <memory>
-#include <optional>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "collectives/options.h"
 #include "collectives/types.h"
-#include "net/transport/endpoint.h"
+#include "collectives/work.h"
 #include "net/base/error.h"
+#include "net/transport/endpoint.h"
 
 namespace qring::collectives {
 
-using net::Clock;
-using net::Deadline;
-
-class CollectiveTimeout : public TimeoutError {
- public:
-  using TimeoutError::TimeoutError;
-};
-
-struct CommOptions {
-  // Default deadline of each operation, measured from its submission.
-  std::chrono::milliseconds timeout{60000};
-  // Segment size in bytes (the unit of the ring, halving-doubling and broadcast messages);
-  // 0 = by transport: 2 MiB where the host copies the bytes (net::TransportTraits: shm, tcp),
-  // 1 MiB on others (algorithms.cc). Tests set it tiny to cover many segments.
-  size_t segment_bytes = 0;
-  // Segments in flight per link (the ring's lanes; qring-bench --inflight); 0 = by transport
-  // (1 where the host copies, 4 on others).
-  int segments_in_flight = 0;
-  // Ring sends posted and not yet completed per link; further segments wait for the oldest
-  // send to complete. 0 = 1 where the host copies (shm, tcp) and it has more ranks than cores (a
-  // send posted while the receiver still copies only costs cycles: shm senders spin on the
-  // receiver's region lock), unlimited otherwise (algorithms.cc).
-  int sends_in_flight = 0;
-  // All-reduces up to this size use recursive doubling (log2 n rounds). 0: never. Unset:
-  // 32 KiB (algorithms.h).
-  std::optional<size_t> small_allreduce_bytes;
-  // Larger all-reduces up to this size use Rabenseifner's halving-doubling (2 log2 n steps,
-  // bandwidth-optimal like the ring) when the number of ranks is a power of two; above it,
-  // and for other rank counts, the ring. 0: never. Unset: 1 MiB (algorithms.h).
-  std::optional<size_t> halving_doubling_bytes;
-  // Threads for reduction kernels on large segments (0 = hardware threads / local ranks).
-  int reduce_threads = 0;
-  // Ranks sharing this host (used by reduce_threads = 0).
-  int local_size = 1;
-};
-
 class Engine;
 class EngineOp;
-
-// Handle of a non-blocking operation.
-class Work {
- public:
-  bool done() const { return state_.load(std::memory_order_acquire) != 0; }
-  // Blocks until the operation completes; rethrows its error (CollectiveTimeout, IoError...).
-  void wait();
-
- private:
-  friend class Communicator;
-  friend class Engine;
-  void finish(std::exception_ptr err);
-  std::atomic<int> state_{0};
-  std::exception_ptr error_;
-  Engine* engine_ = nullptr;
-};
-using WorkPtr = std::shared_ptr<Work>;
 
 class Communicator {
  public:

@@ -13,37 +13,63 @@ namespace qring::collectives {
 
 void Work::finish(std::exception_ptr err) {
   error_ = std::move(err);
+  if (on_finish_) on_finish_(error_);
   state_.store(1, std::memory_order_release);
   state_.notify_all();
 }
 
 void Work::wait() {
   // Drive the engine from this thread while it is free (no hand-off latency for small
-  // operations), spinning a little, then yield, then block in the kernel and let the engine
-  // thread finish the work.
-  if (engine_) engine_->begin_help();
-  // Pure polling only while this node has a core per rank: on an oversubscribed node every
-  // unproductive poll yields, so the rank that has the message to send gets the core.
-  const int spin = engine_ && engine_->oversubscribed_ ? 0 : 100;
-  for (int i = 0; i < 4000 && !done(); ++i) {
-    if (engine_ && engine_->try_progress()) {
-      i = 0;
-      continue;
-    }
-    if (i >= spin) sched_yield();
-  }
+  // operations), then block and let the engine thread finish the work. Pure polling only
+  // while this node has a core per rank: on an oversubscribed node every unproductive poll
+  // yields, so the rank that has the message to send gets the core.
+  auto done_now = [this] { return done(); };
   if (engine_) {
-    // Hand the work back to the engine thread (it stays off the CPU while a caller helps,
-    // so an oversubscribed node runs one polling thread per rank, not two). Nothing to hand
-    // over when this work is done and no other operation is active: waking the engine
-    // thread then only steals the core from the caller's next operation. Passive ops (the
-    // quorum service between steps) need no kick either.
-    engine_->end_help(!done() ||
-                      (engine_->active_count_.load(std::memory_order_acquire) != 0 &&
-                       !engine_->all_passive_.load(std::memory_order_acquire)));
+    Help how;
+    how.idle_polls = 4000;
+    engine_->drive_until(done_now, Deadline::max(), how);
+    if (!done() && engine_->clock().drives_engines()) {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::unique_lock<std::mutex> lock(mu);
+      engine_->clock().wait_until(lock, cv, Deadline::max(), done_now);
+    }
   }
   while (!done()) state_.wait(0, std::memory_order_acquire);
   if (error_) std::rethrow_exception(error_);
+}
+
+bool Engine::drive_until(const std::function<bool()>& done, Deadline deadline, const Help& how) {
+  if (clock_->drives_engines()) return done();
+  begin_help();
+  const int spin = oversubscribed_ ? 0 : 100;
+  auto last = now();
+  bool met = false;
+  for (int idle = 0;; ++idle) {
+    if (try_progress()) {
+      if ((met = done())) break;
+      idle = 0;
+      last = now();
+      continue;
+    }
+    if (idle % how.look_every == how.look_every - 1) {
+      if ((met = done())) break;
+      if (idle >= how.idle_polls) break;
+      const bool timed = how.idle_time != std::chrono::microseconds::max();
+      if (timed || deadline != Deadline::max()) {
+        const auto t = now();
+        if ((timed && t - last > how.idle_time) || t >= deadline) break;
+      }
+    }
+    if (idle >= spin) sched_yield();
+  }
+  // Hand unfinished work to the engine thread. Finished: with wake_if_busy, still when other
+  // operations that are not passive remain; otherwise the engine reaps what is left on its own
+  // pass (end_help's wake-up of the last helper) and the caller keeps its core.
+  const bool busy = active_count_.load(std::memory_order_acquire) != 0 &&
+                    !all_passive_.load(std::memory_order_acquire);
+  end_help(!met || (how.wake_if_busy && busy));
+  return met;
 }
 
 Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
@@ -51,16 +77,23 @@ Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
       rank_(ep_->rank()),
       size_(ep_->world_size()),
       provider_(ep_->provider()),
-      traits_(ep_->traits()) {
-  probe_window_ =
-      std::clamp(opts.timeout / 4, std::chrono::milliseconds(50), std::chrono::milliseconds(500));
+      traits_(ep_->traits()),
+      clock_keep_(opts.clock),
+      clock_(clock_keep_ ? clock_keep_.get() : &system_time()),
+      prober_(rank_, size_,
+              std::clamp(opts.timeout / 4, std::chrono::milliseconds(50),
+                         std::chrono::milliseconds(500))),
+      ops_(*ep_, *clock_, rank_) {
   reduce_threads_ = opts.reduce_threads;
   oversubscribed_ = opts.local_size > static_cast<int>(std::thread::hardware_concurrency());
   if (reduce_threads_ <= 0) {
     int hw = static_cast<int>(std::thread::hardware_concurrency());
     reduce_threads_ = std::max(1, hw / std::max(1, opts.local_size));
   }
-  thread_ = std::thread([this] { loop(); });
+  if (clock_->drives_engines())
+    clock_->attach(this, [this] { return try_progress(); });
+  else
+    thread_ = std::thread([this] { loop(); });
 }
 
 Engine::~Engine() {
@@ -69,7 +102,12 @@ Engine::~Engine() {
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+  } else {
+    clock_->detach(this);
+    shut_down();
+  }
   // Close the endpoint (cancelling its posted receives) before the buffers those receives
   // point into — control messages, scratch — are freed with the other members.
   ep_.reset();
@@ -80,11 +118,20 @@ std::string Engine::broken_reason() const {
   return broken_reason_;
 }
 
-WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake) {
-  auto work = std::make_shared<Work>();
-  work->engine_ = this;
+WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake,
+                       std::function<void(const std::exception_ptr&)> on_finish) {
+  auto work = std::make_shared<Work>(this, std::move(on_finish));
   op->work = work;
-  op->submitted = Clock::now();
+  op->submitted = now();
+  if (pass_thread_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+    // From an op's advance: it starts now (a quorum step's reduction right after the
+    // decision) and advances at the end of this pass, not one pass later.
+    if (broken_.load())
+      throw UsageError(fmt::format("rank {}: {} #{} refused: the communicator is broken",
+                                   rank_, op->name(), op->seq));
+    ops_.spawn(std::move(op));
+    return work;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_.load()) {
@@ -100,7 +147,13 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake) {
 }
 
 void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
-  auto done = std::make_shared<Work>();
+  if (!thread_.joinable()) {
+    // No engine thread (the clock drives the engines): the caller is the only one here.
+    std::lock_guard<std::mutex> plock(progress_mu_);
+    fn(*ep_);
+    return;
+  }
+  auto done = std::make_shared<Work>(nullptr);
   std::function<void(net::Endpoint&)> wrapped = [&fn, done](net::Endpoint& ep) {
     try {
       fn(ep);
@@ -118,283 +171,24 @@ void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
   done->wait();
 }
 
-Engine::Lease Engine::scratch(size_t bytes) {
-  // Best fit among free buffers, else grow the largest free one, else a new one.
-  size_t best = scratch_free_.size();
-  for (size_t i = 0; i < scratch_free_.size(); ++i) {
-    if (scratch_free_[i]->size() >= bytes &&
-        (best == scratch_free_.size() || scratch_free_[i]->size() < scratch_free_[best]->size()))
-      best = i;
-  }
-  std::unique_ptr<std::vector<char>> buf;
-  if (best < scratch_free_.size()) {
-    buf = std::move(scratch_free_[best]);
-    scratch_free_.erase(scratch_free_.begin() + static_cast<long>(best));
-  } else {
-    if (!scratch_free_.empty()) {
-      buf = std::move(scratch_free_.back());
-      scratch_free_.pop_back();
-      ep_->deregister_memory(buf->data());
-    } else {
-      buf = std::make_unique<std::vector<char>>();
-    }
-    buf->assign(bytes, 0);
-    ep_->register_memory(buf->data(), buf->size());
-  }
-  scratch_used_.push_back(std::move(buf));
-  return Lease(this, scratch_used_.back().get());
-}
-
-Engine::Lease::~Lease() {
-  if (!buf_) return;
-  auto& used = engine_->scratch_used_;
-  for (auto it = used.begin(); it != used.end(); ++it) {
-    if (it->get() == buf_) {
-      engine_->scratch_free_.push_back(std::move(*it));
-      used.erase(it);
-      break;
-    }
-  }
-}
-
 void Engine::fail_all(const std::string& reason, std::exception_ptr err) {
-  diag_.reset();
+  prober_.forget();
+  std::vector<std::unique_ptr<EngineOp>> queued;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.load()) {
       broken_reason_ = reason;
       broken_.store(true, std::memory_order_release);
     }
-    for (auto& op : incoming_) active_.push_back(std::move(op));
+    for (auto& op : incoming_) queued.push_back(std::move(op));
     incoming_.clear();
   }
-  // First every op withdraws what it posted. A receive the transport does not confirm as
-  // cancelled stays posted into its buffer, and a send that never completes keeps reading
-  // its buffer; once the op's Work fails its owner may free that memory, so then the
-  // endpoint is closed first (the communicator is broken anyway, and refuses new work).
-  for (auto& op : active_) {
-    if (ep_closed_) break;  // closing ended every request
-    try {
-      op->abort(*ep_);
-      if (op->holds_buffers())
-        close_endpoint(fmt::format("{} #{} has sends in flight from its caller's buffers",
-                                   op->name(), op->seq));
-    } catch (const std::exception& e) {
-      spdlog::warn("rank {}: abort of {} #{}: {}", rank_, op->name(), op->seq, e.what());
-      close_endpoint(fmt::format("abort of {} #{} failed: {}", op->name(), op->seq, e.what()));
-    }
-  }
-  std::exception_ptr e = err;
-  if (!e) e = std::make_exception_ptr(IoError(reason));
-  for (auto& op : active_) {
-    op->failed(e);
-    op->work->finish(e);
-  }
-  active_.clear();
+  ops_.fail_all(std::move(queued), err ? err : std::make_exception_ptr(IoError(reason)));
 }
-
-void Engine::close_endpoint(const std::string& why) {
-  if (ep_closed_) return;
-  spdlog::warn("rank {}: closing the endpoint after a failure ({}): no buffer stays with the "
-               "transport",
-               rank_, why);
-  ep_->close();
-  ep_closed_ = true;
-}
-
-namespace {
-// A mismatch another rank saw (kMismatch notice): the same error here, passed on once.
-class MismatchNotice : public UsageError {
- public:
-  MismatchNotice(const std::string& msg, int origin, uint64_t seq, int peer, uint64_t mine,
-                 uint64_t theirs)
-      : UsageError(msg), origin(origin), seq(seq), peer(peer), mine(mine), theirs(theirs) {}
-  int origin;
-  uint64_t seq;
-  int peer;
-  uint64_t mine, theirs;
-};
-constexpr uint32_t kCtlMagic = 0x4C544351;  // "QCTL"
-constexpr uint16_t kCtlVersion = 2;
-constexpr uint8_t kProbe = 1, kAnswer = 2, kMismatch = 3;
-}  // namespace
 
 void Engine::reset_peer(int peer, const std::string& published, uint32_t incarnation) {
   ep_->reset_peer(peer, published, incarnation);
-  if (!ctl_posted_) return;  // posted with the right generation when the engine starts
-  CtlIn& in = ctl_in_[size_t(peer)];
-  in.next = 0;
-  post_ctl_recv(peer);
-  ctl_out_next_[size_t(peer)] = 0;
-}
-
-void Engine::post_ctl_recv(int peer) {
-  CtlIn& in = ctl_in_[size_t(peer)];
-  in.req = ep_->irecv(peer, net::make_tag(net::Op::kControl, in.next, size_t(peer)), &in.msg,
-                      sizeof(in.msg));
-}
-
-void Engine::send_ctl(int peer, const Ctl& msg) {
-  auto m = std::make_unique<Ctl>(msg);
-  m->magic = kCtlMagic;
-  m->version = kCtlVersion;
-  m->from = uint32_t(rank_);
-  auto req = ep_->isend(
-      peer, net::make_tag(net::Op::kControl, ctl_out_next_[size_t(peer)]++, size_t(rank_)), m.get(),
-      sizeof(Ctl));
-  ctl_out_.emplace_back(std::move(req), std::move(m));
-}
-
-bool Engine::poll_ctl() {
-  bool moved = false;
-  for (int p = 0; p < int(ctl_in_.size()); ++p) {
-    CtlIn& in = ctl_in_[size_t(p)];
-    if (!in.req || !in.req->done()) continue;
-    if (in.req->ok() && in.req->bytes == sizeof(Ctl) && in.msg.magic == kCtlMagic &&
-        in.msg.version == kCtlVersion && int(in.msg.from) == p) {
-      Ctl m = in.msg;
-      if (m.type == kProbe) {
-        Ctl a{};
-        a.type = kAnswer;
-        a.last_started = last_started_;
-        a.probe_id = m.probe_id;
-        a.shape = last_shape_;
-        send_ctl(int(m.from), a);
-      } else if (m.type == kAnswer && diag_ && m.probe_id == probe_id_) {
-        diag_->answers[m.from] = m.last_started;
-        diag_->shapes[m.from] = m.shape;
-      } else if (m.type == kMismatch && int(m.peer) >= 0 && int(m.peer) < size_ &&
-                 m.probe_id >= 0 && m.probe_id < size_ && !broken_.load()) {
-        // Another rank's collective saw a rank call it differently: this communicator fails
-        // too, and passes the notice on (step()), since the connection between the two ranks
-        // that disagreed may be gone (tcp drops it after a truncated message).
-        ++in.next;
-        post_ctl_recv(p);
-        const int origin = int(m.probe_id);
-        throw MismatchNotice(
-            fmt::format("rank {}: {} #{} failed on rank {}: ranks disagree on the operation: {}",
-                        rank_, shape_kind(m.shape), m.last_started, origin,
-                        mismatch_text(origin, int(m.peer), m.shape, m.other)),
-            origin, uint64_t(m.last_started), int(m.peer), m.shape, m.other);
-      }
-    } else if (in.req->state != net::RequestState::kCancelled) {
-      spdlog::warn("rank {}: ignored a malformed control message from rank {}", rank_, p);
-    }
-    ++in.next;
-    post_ctl_recv(p);
-    --p;  // the next message from this peer may be waiting already
-    moved = true;
-  }
-  while (!ctl_out_.empty() && ctl_out_.front().first->done()) ctl_out_.pop_front();
-  return moved;
-}
-
-void Engine::start_diagnosis(EngineOp& op, const std::string& reason) {
-  diag_ = std::make_unique<Diagnosis>();
-  diag_->op = &op;
-  diag_->seq = op.seq;
-  diag_->op_name = op.name();
-  diag_->reason = reason;
-  diag_->until = Clock::now() + probe_window_;
-  diag_->shape = op.shape();
-  diag_->answers.assign(size_t(size_), -2);
-  diag_->answers[size_t(rank_)] = last_started_;
-  diag_->shapes.assign(size_t(size_), 0);
-  ++probe_id_;
-  Ctl m{};
-  m.type = kProbe;
-  m.last_started = last_started_;
-  m.probe_id = probe_id_;
-  for (int p = 0; p < size_; ++p)
-    if (p != rank_) send_ctl(p, m);
-}
-
-void Engine::tell_mismatch(int origin, uint64_t seq, int peer, uint64_t mine, uint64_t theirs) {
-  if (size_ < 2 || !ctl_posted_ || ep_closed_) return;
-  Ctl m{};
-  m.type = kMismatch;
-  m.peer = uint32_t(peer);
-  m.probe_id = origin;
-  m.last_started = int64_t(seq);
-  m.shape = mine;
-  m.other = theirs;
-  std::vector<net::RequestPtr> sent(static_cast<size_t>(size_));
-  auto send = [&](int p) {
-    try {
-      send_ctl(p, m);
-      sent[size_t(p)] = ctl_out_.back().first;
-    } catch (const std::exception& e) {
-      spdlog::debug("rank {}: could not tell rank {} of the mismatch: {}", rank_, p, e.what());
-    }
-  };
-  for (int p = 0; p < size_; ++p)
-    if (p != rank_ && p != origin) send(p);
-  // The caller may close this communicator as soon as it hears of the failure: the notices go
-  // out first (bounded: a peer that does not take them fails by its own deadline). A notice
-  // that failed is sent again: over tcp a message longer than its receive makes the provider
-  // drop the connection it came on (the peer it concerns), and the next send connects anew.
-  const auto until = Clock::now() + std::chrono::seconds(1);
-  net::Backoff backoff;
-  while (Clock::now() < until) {
-    bool all = true;
-    for (int p = 0; p < size_; ++p) {
-      const auto& r = sent[size_t(p)];
-      if (!r) continue;
-      if (r->state == net::RequestState::kError) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        send(p);
-        all = false;
-      } else if (!r->done()) {
-        all = false;
-      }
-    }
-    if (all) break;
-    try {
-      if (ep_->progress() > 0) {
-        backoff.reset();
-        continue;
-      }
-    } catch (const std::exception& e) {
-      spdlog::debug("rank {}: while telling the others of the mismatch: {}", rank_, e.what());
-      break;
-    }
-    backoff.idle();
-  }
-}
-
-void Engine::finish_diagnosis_if_due() {
-  if (!diag_) return;
-  bool all =
-      std::none_of(diag_->answers.begin(), diag_->answers.end(), [](int64_t a) { return a == -2; });
-  if (!all && Clock::now() < diag_->until) return;
-  std::vector<int> silent, behind, other;
-  for (int p = 0; p < size_; ++p) {
-    int64_t a = diag_->answers[size_t(p)];
-    const uint64_t sh = diag_->shapes[size_t(p)];
-    if (a == -2)
-      silent.push_back(p);
-    else if (a < int64_t(diag_->seq))
-      behind.push_back(p);
-    else if (a == int64_t(diag_->seq) && p != rank_ && sh && diag_->shape && sh != diag_->shape)
-      other.push_back(p);
-  }
-  std::string reason = diag_->reason;
-  if (!silent.empty())
-    reason += fmt::format(
-        "; no answer to a liveness probe from rank(s) {} (dead, hung, or "
-        "communicator closed)",
-        fmt::join(silent, ", "));
-  if (!behind.empty())
-    reason += fmt::format("; rank(s) {} alive but never started {} #{}", fmt::join(behind, ", "),
-                          diag_->op_name, diag_->seq);
-  for (int p : other)
-    reason += fmt::format("; rank {} called #{} as {}, this rank as {}", p, diag_->seq,
-                          describe_shape(diag_->shapes[size_t(p)]), describe_shape(diag_->shape));
-  if (silent.empty() && behind.empty() && other.empty())
-    reason += "; every rank is alive and in this operation (a lost message or a slow link)";
-  diag_.reset();
-  spdlog::error("{}", reason);
-  fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+  prober_.reset_peer(*ep_, peer);
 }
 
 void Engine::end_help(bool hand_over) {
@@ -431,6 +225,11 @@ void Engine::idle_wait(net::Backoff& backoff) {
 
 // One pass over everything the engine does. Caller: holds progress_mu_.
 bool Engine::step() {
+  pass_thread_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  struct Leave {
+    std::atomic<std::thread::id>& t;
+    ~Leave() { t.store(std::thread::id(), std::memory_order_relaxed); }
+  } leave{pass_thread_};
   std::vector<std::function<void(net::Endpoint&)>> calls;
   std::vector<std::unique_ptr<EngineOp>> starting;
   {
@@ -443,7 +242,7 @@ bool Engine::step() {
   for (auto& c : calls) c(*ep_);
 
   bool moved = !starting.empty() || !calls.empty();
-  if (ep_closed_) {
+  if (ops_.closed()) {
     // Broken for good: nothing is sent or received any more.
     if (!starting.empty()) {
       {
@@ -452,62 +251,63 @@ bool Engine::step() {
       }
       fail_all(broken_reason(), nullptr);
     }
-    active_count_.store(active_.size(), std::memory_order_release);
+    active_count_.store(ops_.size(), std::memory_order_release);
     return moved;
   }
   if (!start_and_advance(starting, moved)) return true;
-  moved |= reap_finished();
-  if (!active_.empty() && !diag_) check_deadlines();
-  if (diag_) {
-    // The op may still finish while peers answer; then there is nothing to report.
-    bool pending = std::any_of(active_.begin(), active_.end(),
-                               [&](const auto& op) { return op.get() == diag_->op; });
-    if (!pending)
-      diag_.reset();
-    else
-      finish_diagnosis_if_due();
-  }
-  active_count_.store(active_.size(), std::memory_order_release);
-  all_passive_.store(!active_.empty() && std::all_of(active_.begin(), active_.end(),
-                                                     [](const auto& op) { return op->passive(); }),
-                     std::memory_order_release);
+  diagnose(&moved);
+  active_count_.store(ops_.size(), std::memory_order_release);
+  all_passive_.store(ops_.all_passive(), std::memory_order_release);
   return moved;
+}
+
+// step(): deadlines, failed ops, finished ops, and the liveness probe of an op that timed out:
+// the first op past its deadline that breaks the communicator starts one, and its verdict
+// fails every op (unless the op finished while the peers answered).
+void Engine::diagnose(bool* moved) {
+  if (!ops_.empty() && !prober_.probed()) {
+    std::string reason;
+    if (EngineOp* op = ops_.check_deadlines(now(), &reason)) {
+      if (size_ > 1) {
+        prober_.probe(*ep_, *op, reason, ops_.last_started(), now());
+      } else {
+        spdlog::error("{}", reason);
+        fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
+        return;
+      }
+    }
+  }
+  *moved |= ops_.retire();
+  *moved |= ops_.reap();
+  if (!prober_.probed()) return;
+  if (!ops_.contains(prober_.probed())) {
+    prober_.forget();
+  } else if (auto verdict = prober_.verdict(now())) {
+    spdlog::error("{}", *verdict);
+    fail_all(*verdict, std::make_exception_ptr(CollectiveTimeout(*verdict)));
+  }
 }
 
 // step(): starts the new ops and advances every active one. Returns false when one failed
 // (fail_all has failed them all).
 bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting, bool& moved) {
   try {
-    if (!ctl_posted_ && size_ > 1) {
-      ctl_in_.resize(size_t(size_));
-      ctl_out_next_.assign(size_t(size_), 0);
-      for (int p = 0; p < size_; ++p)
-        if (p != rank_) post_ctl_recv(p);
-      ctl_posted_ = true;
-    }
-    for (auto& op : starting) {
-      active_.push_back(std::move(op));
-      if (active_.back()->sequenced()) {
-        last_started_ = active_.back()->seq;
-        last_shape_ = active_.back()->shape();
-      }
-      active_.back()->start(*ep_);
-    }
-    starting.clear();
+    prober_.start(*ep_);
+    ops_.start(starting);
     moved |= ep_->progress() > 0;
-    moved |= poll_ctl();
-    for (auto& op : active_) moved |= op->advance(*ep_);
+    moved |= prober_.poll(*ep_, ops_.last_started(), ops_.last_shape(), broken());
+    moved |= ops_.advance();
   } catch (const ShapeMismatch& e) {
     // Tell every rank, so that those this rank's ring never talked to fail as well.
-    tell_mismatch(rank_, e.seq(), e.peer(), e.mine(), e.theirs());
+    if (!ops_.closed())
+      prober_.tell_mismatch(*ep_, *clock_, rank_, e.seq(), e.peer(), e.mine(), e.theirs());
     spdlog::error("{}", e.what());
-    for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(e.what(), std::current_exception());
     return false;
   } catch (const MismatchNotice& e) {
-    tell_mismatch(e.origin, e.seq, e.peer, e.mine, e.theirs);
+    if (!ops_.closed())
+      prober_.tell_mismatch(*ep_, *clock_, e.origin, e.seq, e.peer, e.mine, e.theirs);
     spdlog::error("{}", e.what());
-    for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(e.what(), std::current_exception());
     return false;
   } catch (const std::exception& e) {
@@ -517,46 +317,10 @@ bool Engine::start_and_advance(std::vector<std::unique_ptr<EngineOp>>& starting,
                              ? std::string(e.what())
                              : fmt::format("{} {}", self, e.what());
     spdlog::error("{}", reason);
-    for (auto& op : starting) active_.push_back(std::move(op));
     fail_all(reason, std::current_exception());
     return false;
   }
   return true;
-}
-
-// step(): completes the finished ops.
-bool Engine::reap_finished() {
-  bool moved = false;
-  for (auto it = active_.begin(); it != active_.end();) {
-    if ((*it)->finished()) {
-      (*it)->work->finish(nullptr);
-      it = active_.erase(it);
-      moved = true;
-    } else {
-      ++it;
-    }
-  }
-  return moved;
-}
-
-// step(): the first op past its deadline starts a diagnosis (or fails, alone).
-void Engine::check_deadlines() {
-  auto now = Clock::now();
-  for (auto& op : active_) {
-    if (now >= op->deadline) {
-      auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - op->submitted);
-      std::string reason =
-          fmt::format("rank {}: {} #{} timed out after {} ms waiting for {}", rank_, op->name(),
-                      op->seq, waited.count(), op->waiting_on());
-      if (size_ > 1) {
-        start_diagnosis(*op, reason);
-      } else {
-        spdlog::error("{}", reason);
-        fail_all(reason, std::make_exception_ptr(CollectiveTimeout(reason)));
-      }
-      break;
-    }
-  }
 }
 
 bool Engine::try_progress() {
@@ -623,9 +387,18 @@ void Engine::loop() {
       idle_wait(backoff);
     }
   }
-  // Shutdown: fail what is left so no caller waits forever.
+  shut_down();
+}
+
+// Fails what is left so no caller waits forever.
+void Engine::shut_down() {
   std::lock_guard<std::mutex> plock(progress_mu_);
-  if (!active_.empty() || !incoming_.empty())
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending = !ops_.empty() || !incoming_.empty();
+  }
+  if (pending)
     fail_all(fmt::format("rank {}: communicator destroyed with operations pending", rank_),
              nullptr);
 }

@@ -98,11 +98,11 @@ class ParamService final : public EngineOp {
         o_(o),
         sh_(std::move(sh)) {
     seq = 0;
+    sequenced = false;
     deadline = Clock::time_point::max();
   }
 
   std::string name() const override { return "parameter server"; }
-  bool sequenced() const override { return false; }
   bool finished() const override { return finished_; }
   std::string waiting_on() const override {
     return rank_ == o_.server ? "gradients from the workers" : "the server's parameters";
@@ -389,31 +389,6 @@ ParamServer::~ParamServer() {
     spdlog::warn("rank {}: parameter server service did not stop in 5 s", comm_.rank());
 }
 
-// Drives the engine from this thread while anything moves, at most 2 ms without progress,
-// then leaves the rest to the engine thread (as the quorum all-reduce's waits do): a long
-// wait costs no CPU.
-template <class Done>
-void ParamServer::drive_until(Done done) {
-  Engine& engine = comm_.engine();
-  engine.begin_help();
-  const int spin = engine.oversubscribed() ? 0 : 100;
-  auto last = Clock::now();
-  for (int i = 0;; ++i) {
-    if (engine.try_progress()) {
-      if (done()) break;
-      i = 0;
-      last = Clock::now();
-      continue;
-    }
-    if ((i & 15) == 15) {
-      if (done()) break;
-      if (Clock::now() - last > std::chrono::milliseconds(2)) break;
-    }
-    if (i >= spin) sched_yield();
-  }
-  engine.end_help(!done());
-}
-
 void ParamServer::push(const float* grad, uint64_t version) {
   if (!grad && grad_count_) throw UsageError("parameter server push: null gradient");
   if (int64_t(pushed_) >= opts_.pushes_per_worker)
@@ -451,7 +426,7 @@ uint64_t ParamServer::pull(float* params) {
     std::lock_guard<std::mutex> lock(sh_->mu);
     return sh_->answered || sh_->poison;
   };
-  if (comm_.rank() != opts_.server) drive_until(answered);
+  if (comm_.rank() != opts_.server) comm_.engine().drive_until(answered, Deadline::max(), kHelpBriefly);
   std::unique_lock<std::mutex> lock(sh_->mu);
   const auto until = Clock::now() + opts_.deadline;
   while (!sh_->answered && !sh_->poison) {
@@ -486,7 +461,7 @@ std::optional<ParamServer::Push> ParamServer::next_push() {
     std::lock_guard<std::mutex> lock(sh_->mu);
     return !sh_->queue.empty() || sh_->poison || !owed();
   };
-  if (!ready()) drive_until(ready);
+  if (!ready()) comm_.engine().drive_until(ready, Deadline::max(), kHelpBriefly);
   std::unique_lock<std::mutex> lock(sh_->mu);
   const auto start = Clock::now(), until = start + opts_.deadline;
   while (sh_->queue.empty() && !sh_->poison && owed()) {

@@ -81,8 +81,6 @@ class ParamServer {
   struct Shared;
 
  private:
-  template <class Done>
-  void drive_until(Done done);
   Communicator& comm_;
   size_t grad_count_, param_count_;
   ParamServerOptions opts_;

@@ -325,7 +325,7 @@ class QuorumHandle {
   // Ranks that left the view: the final barrier of qring.finalize() does not wait for them.
   std::vector<int> lost() {
     if (!q_) return {};
-    std::vector<int> members = q_->members(), out;
+    std::vector<int> members = q_->membership().members(), out;
     for (int r = 0; r < world_; ++r)
       if (!std::binary_search(members.begin(), members.end(), r)) out.push_back(r);
     return out;
@@ -646,30 +646,30 @@ void bind_quorum(py::module_& m) {
       .def("wait", &QuorumHandle::wait, py::arg("step"), py::arg("out") = py::none())
       .def("delay", &QuorumHandle::delay, py::arg("step"))
       .def("excluded", [](QuorumHandle& h, uint64_t step) { return h.q().excluded(step); })
-      .def("members", [](QuorumHandle& h) { return h.q().members(); })
-      .def("coordinator", [](QuorumHandle& h) { return h.q().coordinator(); })
-      .def("survives_loss", [](QuorumHandle& h) { return h.q().survives_loss(); })
+      .def("members", [](QuorumHandle& h) { return h.q().membership().members(); })
+      .def("coordinator", [](QuorumHandle& h) { return h.q().membership().coordinator(); })
+      .def("survives_loss", [](QuorumHandle& h) { return h.q().membership().survives_loss(); })
       .def("join",
            [](QuorumHandle& h, int64_t timeout_ms) {
-             auto& qa = h.q();
+             auto& m = h.q().membership();
              qc::JoinInfo j = without_gil(
-                 [&] { return qa.join(Clock::now() + std::chrono::milliseconds(timeout_ms)); });
+                 [&] { return m.join(Clock::now() + std::chrono::milliseconds(timeout_ms)); });
              return py::make_tuple(j.step, j.donor, j.epoch, j.members);
            })
       .def("receive_state",
            [](QuorumHandle& h, size_t max_bytes, int64_t timeout_ms) {
-             auto& qa = h.q();
+             auto& m = h.q().membership();
              std::string buf(max_bytes, '\0');
              size_t n = without_gil([&] {
-               return qa.receive_state(buf.data(), buf.size(),
-                                       Clock::now() + std::chrono::milliseconds(timeout_ms));
+               return m.receive_state(buf.data(), buf.size(),
+                                      Clock::now() + std::chrono::milliseconds(timeout_ms));
              });
              return py::bytes(buf.data(), n);
            })
       .def("send_state",
            [](QuorumHandle& h, int to, uint64_t step, const py::bytes& state) {
              std::string s = state;
-             h.q().send_state(to, step, std::vector<char>(s.begin(), s.end()));
+             h.q().membership().send_state(to, step, std::vector<char>(s.begin(), s.end()));
            })
       .def("lost", &QuorumHandle::lost)
       .def("close", &QuorumHandle::close)

@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-tsan}
-TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler test_coll_rejoin test_coll_param_server"}
+TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler test_coll_rejoin test_coll_param_server test_coll_failover test_coll_clock"}
 start=$(date +%s)
 QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
   scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON

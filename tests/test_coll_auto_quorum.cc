@@ -385,9 +385,9 @@ TEST(AutoQuorum, CoordinatorChoosesEachStepsQuorumAndDecideCarriesIt) {
   auto tick = [&] { return c.handle(Event{}, now); };
   std::vector<int> quorums;
   std::vector<std::vector<int>> contributors;
-  auto collect = [&](const std::vector<Action>& acts) {
+  auto collect = [&](const std::vector<Down>& acts) {
     for (const auto& a : acts)
-      if (a.kind == Action::Kind::kDecide) {
+      if (a.kind == Down::Kind::kDecide) {
         quorums.push_back(a.decide.quorum);
         contributors.push_back(a.decide.contributors);
       }
@@ -454,7 +454,7 @@ TEST(AutoQuorum, CoordinatorEstimatesTheNoiseScaleFromTheNormsReadyCarries) {
           if (t > 0) e.prev_mean_sq = 1 + V / prev_n;
         }
         for (const auto& a : co.handle(e, now))
-          if (a.kind == Action::Kind::kDecide) d = a.decide;
+          if (a.kind == Down::Kind::kDecide) d = a.decide;
         if (!d) now += std::chrono::milliseconds(1);
       }
       EXPECT_TRUE(d) << "step " << t;

@@ -11,12 +11,13 @@
 #include "collectives/quorum/coordinator.h"
 #include "collectives/quorum/wire.h"
 #include "net/base/error.h"
+#include "wire_harness.h"
 
 namespace qring::testing {
 namespace {
 
 using namespace collectives::qproto;
-using K = Action::Kind;
+using K = Down::Kind;
 using std::chrono::milliseconds;
 
 struct Sim {
@@ -29,7 +30,7 @@ struct Sim {
       for (int r = 0; r < cfg.world; ++r) beat(r);
   }
 
-  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8,
+  std::vector<Down> ready(int r, uint64_t t, int64_t completed = -1, uint64_t count = 8,
                             bool more = false) {
     Event e;
     e.kind = Event::Kind::kReady;
@@ -39,14 +40,14 @@ struct Sim {
     e.completed = completed;
     return c.handle(e, now, more);
   }
-  std::vector<Action> beat(int r, int64_t completed = -1) {
+  std::vector<Down> beat(int r, int64_t completed = -1) {
     Event e;
     e.kind = Event::Kind::kHeartbeat;
     e.from = r;
     e.completed = completed;
     return c.handle(e, now);
   }
-  std::vector<Action> report(int r, uint64_t t, uint32_t attempt, bool have) {
+  std::vector<Down> report(int r, uint64_t t, uint32_t attempt, bool have) {
     Event e;
     e.kind = Event::Kind::kReport;
     e.from = r;
@@ -55,10 +56,10 @@ struct Sim {
     e.have = have;
     return c.handle(e, now);
   }
-  std::vector<Action> tick() { return c.handle(Event{}, now); }
+  std::vector<Down> tick() { return c.handle(Event{}, now); }
   // Advances the clock, with every rank in `alive` heartbeating every 10 ms.
-  std::vector<Action> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
-    std::vector<Action> all;
+  std::vector<Down> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
+    std::vector<Down> all;
     auto end = now + d;
     while (now < end) {
       now += milliseconds(10);
@@ -83,8 +84,8 @@ Config base(int world, int quorum) {
   return c;
 }
 
-std::vector<Action> of(const std::vector<Action>& v, K k) {
-  std::vector<Action> r;
+std::vector<Down> of(const std::vector<Down>& v, K k) {
+  std::vector<Down> r;
   for (auto& a : v)
     if (a.kind == k) r.push_back(a);
   return r;
@@ -227,7 +228,7 @@ TEST(Coordinator, MissedStepsEvictWhenConfigured) {
   Config cfg = base(4, 3);
   cfg.evict_steps = 2;
   Sim s(cfg);
-  std::vector<Action> all;
+  std::vector<Down> all;
   for (uint64_t t = 0; t < 2; ++t) {
     EXPECT_EQ(s.c.view().size(), 4);
     for (int r = 0; r < 3; ++r) {
@@ -506,7 +507,7 @@ TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
   View v;
   v.epoch = 1;
   v.members = {1, 2, 3};
-  std::vector<Action> out;
+  std::vector<Down> out;
   Time now = Time{} + std::chrono::hours(1);
   Coordinator c(cfg, now, v, {-1, 5, 4, 4}, {Known{5, 0, false, {0, 1, 2}}}, out);
   ASSERT_EQ(out.size(), 2u);
@@ -552,7 +553,7 @@ TEST(Coordinator, TakeoverCountsARankOnceWhenItSendsItsReadyAgain) {
   View v;
   v.epoch = 1;
   v.members = {1, 2, 3};
-  std::vector<Action> out;
+  std::vector<Down> out;
   Time now = Time{} + std::chrono::hours(1);
   Coordinator c(cfg, now, v, {-1, 4, 4, 4}, {Known{5, 0, false, {1, 2, 3}}}, out);
   Event e;
@@ -561,7 +562,7 @@ TEST(Coordinator, TakeoverCountsARankOnceWhenItSendsItsReadyAgain) {
   e.step = 5;
   e.count = 8;
   c.handle(e, now);
-  std::vector<Action> d;
+  std::vector<Down> d;
   for (int r : {1, 2, 3}) {
     Event rep;
     rep.kind = Event::Kind::kReport;
@@ -625,7 +626,7 @@ TEST(Coordinator, LayoutMismatchIsReported) {
   EXPECT_EQ(d[0].decide.bad_layout, layout_of(2, true));
 }
 
-std::vector<Action> ready_with(Sim& s, int r, uint64_t t, uint64_t digest) {
+std::vector<Down> ready_with(Sim& s, int r, uint64_t t, uint64_t digest) {
   Event e;
   e.kind = Event::Kind::kReady;
   e.from = r;
@@ -682,19 +683,19 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   e.attempt = 3;
   e.have = true;
   e.suspect = 4;
-  auto up = wire::encode_up(world, wire::Up::kReport, e);
+  auto up = encode_as(world, Up::Kind::kReport, e);
   ASSERT_EQ(up.size(), wire::kUpBytes);
-  wire::Up type;
-  Event back = wire::decode_up(up.data(), up.size(), world, 7, &type);
-  EXPECT_EQ(type, wire::Up::kReport);
+  Up::Kind type;
+  Event back = decode_as(up.data(), up.size(), world, 7, &type);
+  EXPECT_EQ(type, Up::Kind::kReport);
   EXPECT_EQ(back.kind, Event::Kind::kReport);
   EXPECT_EQ(back.step, e.step);
   EXPECT_EQ(back.completed, 99);
   EXPECT_EQ(back.attempt, 3u);
   EXPECT_TRUE(back.have);
 
-  wire::DownMsg m;
-  m.type = wire::Down::kDecide;
+  Down m;
+  m.kind = Down::Kind::kDecide;
   m.decide.step = 77;
   m.decide.attempt = 2;
   m.decide.epoch = 5;
@@ -708,15 +709,15 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   auto buf = wire::encode_down(world, m);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
   auto d = wire::decode_down(buf.data(), buf.size(), world, 0);
-  EXPECT_EQ(d.type, wire::Down::kDecide);
+  EXPECT_EQ(d.kind, Down::Kind::kDecide);
   EXPECT_EQ(d.decide.contributors, m.decide.contributors);
   EXPECT_EQ(d.decide.needers, m.decide.needers);
   EXPECT_EQ(d.decide.source, 3);
   EXPECT_EQ(d.decide.settled, 75);
   EXPECT_EQ(d.decide.offsets_us, m.decide.offsets_us);
 
-  wire::DownMsg v;
-  v.type = wire::Down::kView;
+  Down v;
+  v.kind = Down::Kind::kView;
   v.view.epoch = 9;
   v.view.members = {0, 1, 2, 5};
   v.left = {{3, Why::kSilent, 812.5}, {4, Why::kUnreachable, 12}};
@@ -728,12 +729,12 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   EXPECT_EQ(vb.left[0].silent_ms, 812.5);
   EXPECT_EQ(vb.left[1].why, Why::kUnreachable);
 
-  wire::DownMsg f;
-  f.type = wire::Down::kFatal;
-  f.text = std::string(5000, 'x');  // cut to the limit
+  Down f;
+  f.kind = Down::Kind::kFatal;
+  f.reason = std::string(5000, 'x');  // cut to the limit
   buf = wire::encode_down(world, f);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
-  EXPECT_EQ(wire::decode_down(buf.data(), buf.size(), world, 0).text.size(), wire::kMaxFatalText);
+  EXPECT_EQ(wire::decode_down(buf.data(), buf.size(), world, 0).reason.size(), wire::kMaxFatalText);
 }
 
 TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
@@ -743,18 +744,18 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
   e.step = 31;
   e.count = 100;
   e.layout = layout_of(4, true);
-  auto plain = wire::encode_up(world, wire::Up::kReady, e);
+  auto plain = encode_as(world, Up::Kind::kReady, e);
   EXPECT_EQ(plain.size(), wire::kUpBytes);
-  wire::Up type;
-  Event plain_back = wire::decode_up(plain.data(), plain.size(), world, 4, &type);
+  Up::Kind type;
+  Event plain_back = decode_as(plain.data(), plain.size(), world, 4, &type);
   EXPECT_FALSE(plain_back.digest);
   EXPECT_EQ(plain_back.layout, layout_of(4, true));
   EXPECT_EQ(plain_back.attempt, 0u);
   e.digest = 0xfedcba9876543210ull;
-  auto with = wire::encode_up(world, wire::Up::kReady, e);
+  auto with = encode_as(world, Up::Kind::kReady, e);
   ASSERT_EQ(with.size(), wire::kUpBytes + 8);
-  Event back = wire::decode_up(with.data(), with.size(), world, 4, &type);
-  EXPECT_EQ(type, wire::Up::kReady);
+  Event back = decode_as(with.data(), with.size(), world, 4, &type);
+  EXPECT_EQ(type, Up::Kind::kReady);
   ASSERT_TRUE(back.digest);
   EXPECT_EQ(*back.digest, 0xfedcba9876543210ull);
 
@@ -762,27 +763,27 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
   // (none for the first step's result: NaN on the wire).
   e.grad_sq = 2.5;
   e.prev_mean_sq = 0.75;
-  auto both = wire::encode_up(world, wire::Up::kReady, e);
+  auto both = encode_as(world, Up::Kind::kReady, e);
   ASSERT_EQ(both.size(), wire::kUpBytes + 24);
   ASSERT_LE(both.size(), wire::up_capacity(world));
-  back = wire::decode_up(both.data(), both.size(), world, 4, &type);
+  back = decode_as(both.data(), both.size(), world, 4, &type);
   ASSERT_TRUE(back.digest && back.grad_sq && back.prev_mean_sq);
   EXPECT_EQ(*back.digest, 0xfedcba9876543210ull);
   EXPECT_EQ(*back.grad_sq, 2.5);
   EXPECT_EQ(*back.prev_mean_sq, 0.75);
   e.digest.reset();
   e.prev_mean_sq.reset();
-  auto norms = wire::encode_up(world, wire::Up::kReady, e);
+  auto norms = encode_as(world, Up::Kind::kReady, e);
   ASSERT_EQ(norms.size(), wire::kUpBytes + 16);
-  back = wire::decode_up(norms.data(), norms.size(), world, 4, &type);
+  back = decode_as(norms.data(), norms.size(), world, 4, &type);
   EXPECT_FALSE(back.digest);
   ASSERT_TRUE(back.grad_sq);
   EXPECT_EQ(*back.grad_sq, 2.5);
   EXPECT_FALSE(back.prev_mean_sq);
   for (double bad : {-1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
     e.grad_sq = bad;
-    auto b = wire::encode_up(world, wire::Up::kReady, e);
-    EXPECT_THROW(wire::decode_up(b.data(), b.size(), world, 4, &type), ProtocolError) << bad;
+    auto b = encode_as(world, Up::Kind::kReady, e);
+    EXPECT_THROW(decode_as(b.data(), b.size(), world, 4, &type), ProtocolError) << bad;
   }
 
   Event sh;
@@ -791,11 +792,18 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
   sh.attempt = 2;  // part
   sh.count = 5;    // parts
   sh.values = {1.5, 4096, 9999.25};
-  auto buf = wire::encode_up(world, wire::Up::kShard, sh);
+  auto buf = encode_as(world, Up::Kind::kShard, sh);
   ASSERT_LE(buf.size(), wire::up_capacity(world));
-  back = wire::decode_up(buf.data(), buf.size(), world, 4, &type);
-  EXPECT_EQ(type, wire::Up::kShard);
-  EXPECT_EQ(back.kind, Event::Kind::kHeartbeat);  // a sign of life for the coordinator
+  back = decode_as(buf.data(), buf.size(), world, 4, &type);
+  EXPECT_EQ(type, Up::Kind::kShard);
+  {
+    // A sign of life for the coordinator: rank 4, silent but for the SHARD, stays a member.
+    Sim s(base(world, 3));
+    s.run(milliseconds(400), {0, 1, 2, 3, 5});
+    s.c.handle(back, s.now);
+    EXPECT_TRUE(of(s.run(milliseconds(400), {0, 1, 2, 3, 5}), K::kView).empty());
+    EXPECT_FALSE(of(s.run(milliseconds(200), {0, 1, 2, 3, 5}), K::kView).empty());
+  }
   EXPECT_EQ(back.step, 600u);
   EXPECT_EQ(back.attempt, 2u);
   EXPECT_EQ(back.count, 5u);
@@ -804,61 +812,61 @@ TEST(QuorumWire, ReadyDigestAndShardValuesRoundTrip) {
 
 TEST(QuorumWire, RejectsMalformedDigestsAndShards) {
   const int world = 4;
-  wire::Up type;
+  Up::Kind type;
   Event e;
   e.from = 1;
   e.digest = 5;
-  auto r = wire::encode_up(world, wire::Up::kReady, e);
-  EXPECT_THROW(wire::decode_up(r.data(), r.size() - 4, world, 1, &type), ProtocolError);
-  auto hb = wire::encode_up(world, wire::Up::kHeartbeat, e);
+  auto r = encode_as(world, Up::Kind::kReady, e);
+  EXPECT_THROW(decode_as(r.data(), r.size() - 4, world, 1, &type), ProtocolError);
+  auto hb = encode_as(world, Up::Kind::kHeartbeat, e);
   hb.resize(hb.size() + 8);  // only a READY carries a digest
-  EXPECT_THROW(wire::decode_up(hb.data(), hb.size(), world, 1, &type), ProtocolError);
+  EXPECT_THROW(decode_as(hb.data(), hb.size(), world, 1, &type), ProtocolError);
 
   Event sh;
   sh.from = 1;
   sh.attempt = 0;
   sh.count = 2;
   sh.values = {1, 2};
-  auto ok = wire::encode_up(world, wire::Up::kShard, sh);
-  EXPECT_NO_THROW(wire::decode_up(ok.data(), ok.size(), world, 1, &type));
-  EXPECT_THROW(wire::decode_up(ok.data(), ok.size() - 3, world, 1, &type), ProtocolError);
+  auto ok = encode_as(world, Up::Kind::kShard, sh);
+  EXPECT_NO_THROW(decode_as(ok.data(), ok.size(), world, 1, &type));
+  EXPECT_THROW(decode_as(ok.data(), ok.size() - 3, world, 1, &type), ProtocolError);
   auto none = ok;
   none.resize(wire::kUpBytes);  // no values
-  EXPECT_THROW(wire::decode_up(none.data(), none.size(), world, 1, &type), ProtocolError);
+  EXPECT_THROW(decode_as(none.data(), none.size(), world, 1, &type), ProtocolError);
   auto many = ok;
   many.resize(wire::kUpBytes + 8 * (wire::kMaxShardValues + 1));
-  EXPECT_THROW(wire::decode_up(many.data(), many.size(), world, 1, &type), ProtocolError);
+  EXPECT_THROW(decode_as(many.data(), many.size(), world, 1, &type), ProtocolError);
   sh.attempt = 2;  // part 2 of 2
-  auto part = wire::encode_up(world, wire::Up::kShard, sh);
-  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
+  auto part = encode_as(world, Up::Kind::kShard, sh);
+  EXPECT_THROW(decode_as(part.data(), part.size(), world, 1, &type), ProtocolError);
   sh.attempt = 0;
   sh.count = 5;  // more parts than ranks
-  part = wire::encode_up(world, wire::Up::kShard, sh);
-  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
+  part = encode_as(world, Up::Kind::kShard, sh);
+  EXPECT_THROW(decode_as(part.data(), part.size(), world, 1, &type), ProtocolError);
   sh.count = 2;
   sh.values = {1, std::nan("")};
-  part = wire::encode_up(world, wire::Up::kShard, sh);
-  EXPECT_THROW(wire::decode_up(part.data(), part.size(), world, 1, &type), ProtocolError);
+  part = encode_as(world, Up::Kind::kShard, sh);
+  EXPECT_THROW(decode_as(part.data(), part.size(), world, 1, &type), ProtocolError);
 }
 
 TEST(QuorumWire, RejectsMalformedMessages) {
   const int world = 4;
   Event e;
   e.from = 2;
-  auto up = wire::encode_up(world, wire::Up::kReady, e);
-  wire::Up type;
-  EXPECT_THROW(wire::decode_up(up.data(), up.size() - 1, world, 2, &type), ProtocolError);
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);  // rank
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), 5, 2, &type), ProtocolError);      // world
+  auto up = encode_as(world, Up::Kind::kReady, e);
+  Up::Kind type;
+  EXPECT_THROW(decode_as(up.data(), up.size() - 1, world, 2, &type), ProtocolError);
+  EXPECT_THROW(decode_as(up.data(), up.size(), world, 1, &type), ProtocolError);  // rank
+  EXPECT_THROW(decode_as(up.data(), up.size(), 5, 2, &type), ProtocolError);      // world
   auto bad = up;
   bad[6] = 9;  // type
-  EXPECT_THROW(wire::decode_up(bad.data(), bad.size(), world, 2, &type), ProtocolError);
+  EXPECT_THROW(decode_as(bad.data(), bad.size(), world, 2, &type), ProtocolError);
   bad = up;
   bad[4] = 1;  // version
-  EXPECT_THROW(wire::decode_up(bad.data(), bad.size(), world, 2, &type), ProtocolError);
+  EXPECT_THROW(decode_as(bad.data(), bad.size(), world, 2, &type), ProtocolError);
 
-  wire::DownMsg m;
-  m.type = wire::Down::kDecide;
+  Down m;
+  m.kind = Down::Kind::kDecide;
   m.decide.contributors = {0, 1};
   m.decide.offsets_us.assign(world, -1);
   auto buf = wire::encode_down(world, m);

@@ -1,4 +1,7 @@
-// The quorum all-reduce contract (DESIGN.md §3) on the in-process endpoint.
+// The quorum all-reduce contract (DESIGN.md §3) on the in-process endpoint: on virtual time
+// (sim_harness.h) where a test waits for stragglers, deadlines or evictions, so that its
+// seconds of protocol time cost milliseconds; a few cases on the real clock keep the engine
+// thread and the callers' threads racing for real.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -11,6 +14,7 @@
 
 #include "coll_harness.h"
 #include "collectives/quorum/quorum.h"
+#include "sim_harness.h"
 
 namespace qring::testing {
 namespace {
@@ -47,10 +51,11 @@ struct ContractCase {
   int grace_ms;
 };
 
-class QuorumContract : public ::testing::TestWithParam<ContractCase> {};
-
-TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
-  const auto c = GetParam();
+// Every step of `steps`, each rank contributing after a random delay (an occasional real
+// straggler), abandoning its work once excluded: S(t) has at least `quorum` ranks, every rank
+// gets the same S(t) and the same bits, equal to the mean over exactly S(t). On virtual time, or
+// on the real clock with the engine threads (`real`).
+void check_contract(const ContractCase& c, bool real) {
   const int steps = 60;
   const size_t count = 37;
   QuorumOptions qo;
@@ -63,29 +68,35 @@ TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
   // recursive doubling: both member-subset algorithms are covered.
   if (c.grace_ms == 0) co.small_allreduce_bytes = 0;
   std::vector<std::vector<StepRecord>> rec(size_t(c.world), std::vector<StepRecord>(steps));
-  std::atomic<int> abandoned{0};
-  run_ranks(c.world, co, [&](Communicator& comm) {
+  std::unique_ptr<SimWorld> sim = real ? nullptr : std::make_unique<SimWorld>(c.world, co);
+  auto program = [&](int rank, Communicator& comm) {
     QuorumAllreduce q(comm, count, qo);
-    std::mt19937 rng(1234u + unsigned(comm.rank()) * 7919u + unsigned(c.quorum) * 31u);
+    std::mt19937 rng(1234u + unsigned(rank) * 7919u + unsigned(c.quorum) * 31u);
     std::vector<float> buf(count);
     for (uint64_t t = 0; t < uint64_t(steps); ++t) {
-      for (size_t j = 0; j < count; ++j) buf[j] = grad(j, comm.rank(), t);
+      for (size_t j = 0; j < count; ++j) buf[j] = grad(j, rank, t);
       int delay = int(rng() % 4);
       if (rng() % 5 == 0) delay += 6;  // an occasional real straggler
-      bool gave_up = interruptible_sleep(milliseconds(delay), [&] { return q.excluded(t); });
-      if (!gave_up)
-        q.contribute(t, buf.data(), count);
-      else
-        ++abandoned;
+      auto stale = [&] { return q.excluded(t); };
+      const bool gave_up = real ? interruptible_sleep(milliseconds(delay), stale)
+                                : sleep_unless(sim->clock(), milliseconds(delay), stale);
+      if (!gave_up) q.contribute(t, buf.data(), count);
       QuorumResult r = q.wait(t, buf.data());
       EXPECT_GE(r.count, c.quorum);
-      EXPECT_EQ(r.self_counted, r.contains(comm.rank()));
+      EXPECT_EQ(r.self_counted, r.contains(rank));
       if (gave_up) {
         EXPECT_FALSE(r.self_counted);
       }
-      rec[size_t(comm.rank())][t] = {r.contributors, buf};
+      rec[size_t(rank)][t] = {r.contributors, buf};
     }
-  });
+  };
+  if (real)
+    run_ranks(c.world, co, [&](Communicator& comm) { program(comm.rank(), comm); });
+  else
+    sim->run(program);
+  if (sim) {
+    for (int r = 0; r < c.world; ++r) ASSERT_EQ(sim->error(r), "") << "rank " << r;
+  }
   for (int t = 0; t < steps; ++t) {
     const auto& ref = rec[0][size_t(t)];
     int k = 0;
@@ -106,6 +117,27 @@ TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
   }
 }
 
+class QuorumContract : public ::testing::TestWithParam<ContractCase> {};
+
+TEST_P(QuorumContract, AgreementAndExactnessUnderRandomStragglers) {
+  check_contract(GetParam(), /*real=*/false);
+}
+
+class QuorumContractRealClock : public ::testing::TestWithParam<ContractCase> {};
+
+TEST_P(QuorumContractRealClock, AgreementAndExactnessUnderRandomStragglers) {
+  check_contract(GetParam(), /*real=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, QuorumContractRealClock,
+                         ::testing::Values(ContractCase{4, 3, 0}, ContractCase{4, 4, 0},
+                                           ContractCase{7, 5, 2}),
+                         [](const auto& i) {
+                           return "w" + std::to_string(i.param.world) + "_q" +
+                                  std::to_string(i.param.quorum) + "_g" +
+                                  std::to_string(i.param.grace_ms);
+                         });
+
 std::vector<ContractCase> contract_cases() {
   std::vector<ContractCase> v;
   for (int w : {2, 3, 4, 5, 7})
@@ -122,6 +154,11 @@ std::string contract_name(const ::testing::TestParamInfo<ContractCase>& i) {
 INSTANTIATE_TEST_SUITE_P(Grid, QuorumContract, ::testing::ValuesIn(contract_cases()),
                          contract_name);
 
+// Virtual ms since `t0`.
+double ms_since(VirtualClock& clock, Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock.now() - t0).count();
+}
+
 // World 4, Q=3, G=20 ms, rank 2 two seconds late: the others finish step 0 well under 1 s;
 // rank 2 learns at once that it is excluded, abandons its work and gets the result.
 TEST(Quorum, StragglerDoesNotHoldTheOthersBeyondTheGrace) {
@@ -131,21 +168,21 @@ TEST(Quorum, StragglerDoesNotHoldTheOthersBeyondTheGrace) {
     qo.grace = milliseconds(20);
     qo.deadline = milliseconds(10000);
     std::vector<double> step_ms(4);
-    std::vector<char> counted(4);  // one byte per rank thread: vector<bool> shares words
-    run_ranks(4, {}, [&](Communicator& comm) {
+    std::vector<char> counted(4);
+    SimWorld w(4);
+    w.run([&](int rank, Communicator& comm) {
       QuorumAllreduce q(comm, 64, qo);
-      std::vector<float> buf(64, float(comm.rank()));
-      auto t0 = std::chrono::steady_clock::now();
+      std::vector<float> buf(64, float(rank));
+      auto t0 = w.clock().now();
       bool gave_up = false;
-      if (comm.rank() == 2)
-        gave_up = interruptible_sleep(milliseconds(2000), [&] { return q.excluded(0); });
+      if (rank == 2)
+        gave_up = sleep_unless(w.clock(), milliseconds(2000), [&] { return q.excluded(0); });
       if (!gave_up) q.contribute(0, buf.data(), buf.size());
       QuorumResult r = q.wait(0, buf.data());
-      step_ms[size_t(comm.rank())] =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      counted[size_t(comm.rank())] = r.self_counted;
+      step_ms[size_t(rank)] = ms_since(w.clock(), t0);
+      counted[size_t(rank)] = r.self_counted;
       float expect = quorum == 3 ? (0 + 1 + 3) / 3.f : (0 + 1 + 2 + 3) / 4.f;
-      EXPECT_EQ(buf[0], expect) << "rank " << comm.rank();
+      EXPECT_EQ(buf[0], expect) << "rank " << rank;
     });
     if (quorum == 3) {
       for (int r : {0, 1, 3}) {
@@ -167,23 +204,24 @@ TEST(Quorum, TwoSilentRanksBelowQuorumFailEveryLiveRankNamingThem) {
   qo.deadline = milliseconds(300);
   std::vector<std::string> msgs(4);
   std::vector<std::vector<int>> missing(4);
-  std::atomic<int> done_live{0};
-  run_ranks(4, {}, [&](Communicator& comm) {
+  int done_live = 0;
+  SimWorld w(4);
+  w.run([&](int rank, Communicator& comm) {
     QuorumAllreduce q(comm, 16, qo);
-    if (comm.rank() >= 2) {  // silent: alive, never contributes
-      while (done_live.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+    if (rank >= 2) {  // silent: alive, never contributes
+      wait_for(w.clock(), [&] { return done_live == 2; });
       return;
     }
     std::vector<float> buf(16, 1.f);
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = w.clock().now();
     q.contribute(0, buf.data(), buf.size());
     try {
       q.wait(0, buf.data());
       ADD_FAILURE() << "step completed without a quorum";
     } catch (const QuorumTimeout& e) {
-      msgs[size_t(comm.rank())] = e.what();
-      missing[size_t(comm.rank())] = e.missing();
-      EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1500));
+      msgs[size_t(rank)] = e.what();
+      missing[size_t(rank)] = e.missing();
+      EXPECT_LT(ms_since(w.clock(), t0), 300 + 1500);
     }
     // The failure is sticky: the next step refuses at once.
     EXPECT_THROW(q.contribute(1, buf.data(), buf.size()), std::exception);
@@ -203,31 +241,32 @@ TEST(Quorum, SilentRankWithQuorumEqualsWorldFailsTheOthersNamingIt) {
   qo.deadline = milliseconds(300);
   std::vector<std::string> msgs(3);
   std::vector<std::vector<int>> missing(3);
-  std::atomic<int> done_live{0};
-  run_ranks(3, {}, [&](Communicator& comm) {
+  int done_live = 0;
+  SimWorld w(3);
+  w.run([&](int rank, Communicator& comm) {
     QuorumAllreduce q(comm, 1000, qo);
     std::vector<float> buf(1000);
     for (uint64_t t = 0; t < 3; ++t) {
-      for (size_t j = 0; j < buf.size(); ++j) buf[j] = grad(j, comm.rank(), t);
+      for (size_t j = 0; j < buf.size(); ++j) buf[j] = grad(j, rank, t);
       q.contribute(t, buf.data(), buf.size());
       QuorumResult r = q.wait(t, buf.data());
       EXPECT_EQ(r.count, 3);
       float want = (grad(7, 0, t) + grad(7, 1, t) + grad(7, 2, t)) / 3.f;
       EXPECT_EQ(buf[7], want) << "step " << t;
     }
-    if (comm.rank() == 2) {  // silent from step 3 on: alive, never contributes
-      while (done_live.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+    if (rank == 2) {  // silent from step 3 on: alive, never contributes
+      wait_for(w.clock(), [&] { return done_live == 2; });
       return;
     }
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = w.clock().now();
     q.contribute(3, buf.data(), buf.size());
     try {
       q.wait(3, buf.data());
       ADD_FAILURE() << "step completed without rank 2";
     } catch (const QuorumTimeout& e) {
-      msgs[size_t(comm.rank())] = e.what();
-      missing[size_t(comm.rank())] = e.missing();
-      EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(300 + 1500));
+      msgs[size_t(rank)] = e.what();
+      missing[size_t(rank)] = e.missing();
+      EXPECT_LT(ms_since(w.clock(), t0), 300 + 1500);
     }
     ++done_live;
   });
@@ -241,12 +280,13 @@ TEST(Quorum, CoordinatorThatStragglesStillDecides) {
   QuorumOptions qo;
   qo.quorum = 2;
   qo.deadline = milliseconds(5000);
-  run_ranks(3, {}, [&](Communicator& comm) {
+  SimWorld w(3);
+  w.run([&](int rank, Communicator& comm) {
     QuorumAllreduce q(comm, 8, qo);
-    std::vector<float> buf(8, float(comm.rank() + 1));
+    std::vector<float> buf(8, float(rank + 1));
     bool gave_up = false;
-    if (comm.rank() == 0)
-      gave_up = interruptible_sleep(milliseconds(1000), [&] { return q.excluded(0); });
+    if (rank == 0)
+      gave_up = sleep_unless(w.clock(), milliseconds(1000), [&] { return q.excluded(0); });
     if (!gave_up) q.contribute(0, buf.data(), buf.size());
     QuorumResult r = q.wait(0, buf.data());
     EXPECT_EQ(r.count, 2);
@@ -254,6 +294,7 @@ TEST(Quorum, CoordinatorThatStragglesStillDecides) {
     EXPECT_EQ(buf[0], (2.f + 3.f) / 2.f);
     EXPECT_EQ(r.dropped, std::vector<int>{0});
   });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(w.error(r), "") << "rank " << r;
 }
 
 // Under `carry`, a gradient that missed step 0 is counted exactly once, in step 1; under
@@ -267,17 +308,17 @@ TEST(Quorum, CarryCountsALateGradientOnceInTheNextStep) {
     qo.deadline = milliseconds(5000);
     std::vector<float> out1(3);
     std::vector<std::vector<uint8_t>> s0(3), s1(3);
-    run_ranks(3, {}, [&](Communicator& comm) {
+    SimWorld w(3);
+    w.run([&](int r, Communicator& comm) {
       QuorumAllreduce q(comm, 1, qo);
-      const int r = comm.rank();
-      float g = float(10 * (r + 1));                               // step 0 gradients: 10, 20, 30
-      if (r == 2) std::this_thread::sleep_for(milliseconds(300));  // late, but contributes
+      float g = float(10 * (r + 1));  // step 0 gradients: 10, 20, 30
+      if (r == 2) w.clock().sleep_until(w.clock().now() + milliseconds(300));  // late
       q.contribute(0, &g, 1);
       QuorumResult a = q.wait(0, &g);
       s0[size_t(r)] = a.contributors;
-      float h = float(r + 1);                                      // step 1 gradients: 1, 2, 3
+      float h = float(r + 1);  // step 1 gradients: 1, 2, 3
       // Rank 2 reaches step 1 at ~300 ms (after its late step 0); the others at ~600 ms.
-      if (r != 2) std::this_thread::sleep_for(milliseconds(600));
+      if (r != 2) w.clock().sleep_until(w.clock().now() + milliseconds(600));
       q.contribute(1, &h, 1);
       QuorumResult b = q.wait(1, &h);
       s1[size_t(r)] = b.contributors;
@@ -403,10 +444,11 @@ TEST(Quorum, DriftedDigestStopsEveryRankNamingBoth) {
 }
 
 // Four ranks complete quorum step 0, run `between(q, rank)`, then complete step 1 (so that no
-// rank leaves while another still gathers its reports).
+// rank leaves while another still gathers its reports). On virtual time.
 void between_two_steps(int quorum, milliseconds deadline,
-                       const std::function<void(QuorumAllreduce&, int)>& between) {
-  run_ranks(4, {}, [&](Communicator& comm) {
+                       const std::function<void(SimWorld&, QuorumAllreduce&, int)>& between) {
+  SimWorld w(4);
+  w.run([&](int rank, Communicator& comm) {
     QuorumOptions qo;
     qo.quorum = quorum;
     qo.deadline = deadline;
@@ -414,38 +456,39 @@ void between_two_steps(int quorum, milliseconds deadline,
     std::vector<float> buf(4, 1.f);
     q.contribute(0, buf.data(), 4);
     q.wait(0, buf.data());
-    between(q, comm.rank());
+    between(w, q, rank);
     q.contribute(1, buf.data(), 4);
     q.wait(1, buf.data());
   });
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(w.error(r), "") << "rank " << r;
 }
 
 TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
-  std::atomic<int> gathered{0};
-  between_two_steps(3, milliseconds(3000), [&](QuorumAllreduce& q, int r) {
-    if (q.coordinator() != r) {
+  int gathered = 0;
+  between_two_steps(3, milliseconds(3000), [&](SimWorld& w, QuorumAllreduce& q, int r) {
+    if (q.membership().coordinator() != r) {
       // Rank 3 never reports key 10 in 4 parts (it splits it in 3, as if it saw 3 members):
       // the coordinator stops waiting at its deadline.
-      if (r != 3) q.report(10, r, 4, {double(r), 0.5 * r});
-      if (r == 3) q.report(10, 2, 3, {99.0});
-      q.report(11, r, 4, {double(10 * r)});
+      if (r != 3) q.reports().report(10, r, 4, {double(r), 0.5 * r});
+      if (r == 3) q.reports().report(10, 2, 3, {99.0});
+      q.reports().report(11, r, 4, {double(10 * r)});
     } else {
-      EXPECT_THROW(q.report(12, 4, 4, {1.0}), UsageError);           // part out of range
-      EXPECT_THROW(q.report(12, 0, 4, std::vector<double>(9)), UsageError);  // too many
-      auto t0 = std::chrono::steady_clock::now();
-      auto a = q.gather_reports(10, 4, r, t0 + milliseconds(300));
-      EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(290));
+      EXPECT_THROW(q.reports().report(12, 4, 4, {1.0}), UsageError);           // part out of range
+      EXPECT_THROW(q.reports().report(12, 0, 4, std::vector<double>(9)), UsageError);  // too many
+      auto t0 = w.clock().now();
+      auto a = q.reports().gather_reports(10, 4, r, t0 + milliseconds(300));
+      EXPECT_GE(ms_since(w.clock(), t0), 290);
       EXPECT_EQ(a.size(), 2u);
       EXPECT_EQ(a[1], (std::vector<double>{1.0, 0.5}));
       EXPECT_EQ(a[2], (std::vector<double>{2.0, 1.0}));
       EXPECT_EQ(a.count(3), 0u);
-      auto b = q.gather_reports(11, 4, r, t0 + milliseconds(5000));
+      auto b = q.reports().gather_reports(11, 4, r, t0 + milliseconds(5000));
       EXPECT_EQ(b.size(), 3u);
       EXPECT_EQ(b[3], (std::vector<double>{30.0}));
       ++gathered;
     }
   });
-  EXPECT_EQ(gathered.load(), 1);
+  EXPECT_EQ(gathered, 1);
 }
 
 // A coordinator that lags the others by many evaluations (a small quorum lets them run ahead)
@@ -454,25 +497,26 @@ TEST(Quorum, ReportsGatherAtTheCoordinatorWithoutBlockingTheOthers) {
 // waited out its deadline and evaluated the others' slices itself, at every evaluation.)
 TEST(Quorum, ALaggingCoordinatorStillGathersEveryReport) {
   constexpr int kKeys = 40;
-  std::atomic<int> reported{0}, gathered{0};
-  between_two_steps(4, milliseconds(20000), [&](QuorumAllreduce& q, int r) {
-    if (q.coordinator() != r) {
-      for (int k = 0; k < kKeys; ++k) q.report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
+  int reported = 0, gathered = 0;
+  between_two_steps(4, milliseconds(20000), [&](SimWorld& w, QuorumAllreduce& q, int r) {
+    if (q.membership().coordinator() != r) {
+      for (int k = 0; k < kKeys; ++k)
+        q.reports().report(uint64_t(100 + k), r, 4, {double(1000 * r + k)});
       ++reported;
     } else {
       // Behind the others by all their reports, and then some (they are on their way).
-      while (reported.load() < 3) std::this_thread::sleep_for(milliseconds(5));
-      std::this_thread::sleep_for(milliseconds(300));
+      wait_for(w.clock(), [&] { return reported == 3; });
+      w.clock().sleep_until(w.clock().now() + milliseconds(300));
       for (int k = 0; k < kKeys; ++k) {
-        auto got = q.gather_reports(uint64_t(100 + k), 4, r,
-                                    std::chrono::steady_clock::now() + milliseconds(10000));
+        auto got = q.reports().gather_reports(uint64_t(100 + k), 4, r,
+                                              w.clock().now() + milliseconds(10000));
         ASSERT_EQ(got.size(), 3u) << "key " << 100 + k;
         for (auto& [part, v] : got) EXPECT_EQ(v, (std::vector<double>{1000.0 * part + k}));
       }
       ++gathered;
     }
   });
-  EXPECT_EQ(gathered.load(), 1);
+  EXPECT_EQ(gathered, 1);
 }
 
 TEST(Quorum, ResolveQuorumSpec) {
@@ -486,10 +530,10 @@ TEST(Quorum, ResolveQuorumSpec) {
   EXPECT_THROW(collectives::resolve_quorum("x", 4), ConfigError);
 }
 
-// The coordinator (rank 0) is cut off from the others by the fault endpoint mid-run: the
-// majority elects rank 1 and goes on; the cut-off rank never decides a step of its own (the
-// quorum of 2 needs another rank) and stops with an error. Every step that two ranks both
-// completed has one contributor set and the same bits on both.
+// The coordinator (rank 0) is cut off from the others mid-run: the majority elects rank 1 and
+// goes on; the cut-off rank never decides a step of its own (the quorum of 2 needs another
+// rank) and stops with an error. Every step that two ranks both completed has one contributor
+// set and the same bits on both.
 TEST(QuorumMembership, CutOffCoordinatorIsReplacedAndNoStepHasTwoOutcomes) {
   const int world = 4, steps = 60, cut_at = 20;
   const size_t count = 37;
@@ -497,47 +541,26 @@ TEST(QuorumMembership, CutOffCoordinatorIsReplacedAndNoStepHasTwoOutcomes) {
   qo.quorum = 2;
   qo.deadline = milliseconds(3000);
   qo.evict = milliseconds(200);
-  net::InprocFabric fabric(world);
-  std::vector<net::FaultEndpoint*> fault(static_cast<size_t>(world), nullptr);
   std::vector<std::vector<StepRecord>> rec(static_cast<size_t>(world));
-  std::vector<std::string> error(static_cast<size_t>(world));
-  std::atomic<int> ready{0};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto fe = std::make_unique<net::FaultEndpoint>(fabric.endpoint(r),
-                                                       std::vector<net::FaultRule>{});
-        fault[size_t(r)] = fe.get();
-        ++ready;
-        while (ready.load() < world) std::this_thread::yield();
-        Communicator comm(std::move(fe), CommOptions{});
-        QuorumAllreduce q(comm, count, qo);
-        std::vector<float> buf(count);
-        for (uint64_t t = 0; t < uint64_t(steps); ++t) {
-          if (r == 0 && t == uint64_t(cut_at))
-            for (int p = 1; p < world; ++p) {
-              fault[0]->cut(p);
-              fault[size_t(p)]->cut(0);
-            }
-          for (size_t j = 0; j < count; ++j) buf[j] = grad(j, r, t);
-          q.contribute(t, buf.data(), count);
-          QuorumResult res = q.wait(t, buf.data());
-          rec[size_t(r)].push_back({res.contributors, buf});
-          std::this_thread::sleep_for(milliseconds(2));
-        }
-      } catch (const std::exception& e) {
-        error[size_t(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  SimWorld w(world);
+  w.run([&](int r, Communicator& comm) {
+    QuorumAllreduce q(comm, count, qo);
+    std::vector<float> buf(count);
+    for (uint64_t t = 0; t < uint64_t(steps); ++t) {
+      if (r == 0 && t == uint64_t(cut_at)) w.cut(0);
+      for (size_t j = 0; j < count; ++j) buf[j] = grad(j, r, t);
+      q.contribute(t, buf.data(), count);
+      QuorumResult res = q.wait(t, buf.data());
+      rec[size_t(r)].push_back({res.contributors, buf});
+      w.clock().sleep_until(w.clock().now() + milliseconds(2));
+    }
+  });
   for (int r = 1; r < world; ++r) {
-    EXPECT_EQ(error[size_t(r)], "") << "rank " << r;
+    EXPECT_EQ(w.error(r), "") << "rank " << r;
     ASSERT_EQ(rec[size_t(r)].size(), size_t(steps)) << "rank " << r;
   }
-  EXPECT_NE(error[0], "") << "the cut-off coordinator went on alone";
-  EXPECT_LE(rec[0].size(), size_t(cut_at) + 1) << error[0];
+  EXPECT_NE(w.error(0), "") << "the cut-off coordinator went on alone";
+  EXPECT_LE(rec[0].size(), size_t(cut_at) + 1) << w.error(0);
   for (int r = 0; r < world; ++r)
     for (size_t t = 0; t < rec[size_t(r)].size(); ++t) {
       EXPECT_EQ(rec[size_t(r)][t].bitmap, rec[1][t].bitmap) << "rank " << r << " step " << t;
@@ -546,9 +569,8 @@ TEST(QuorumMembership, CutOffCoordinatorIsReplacedAndNoStepHasTwoOutcomes) {
 }
 
 // Reports gathered at the coordinator stop waiting for a sender that has left the job: rank
-// 3 is cut off by the fault endpoint before it reports; the coordinator's gather names the
-// senders and returns once rank 3 is evicted (200 ms), long before its 20 s deadline, with
-// the other ranks' parts.
+// 3 is cut off before it reports; the coordinator's gather names the senders and returns once
+// rank 3 is evicted (200 ms), long before its 20 s deadline, with the other ranks' parts.
 TEST(QuorumMembership, GatherStopsWaitingForASenderThatLeft) {
   const int world = 4;
   const size_t count = 8;
@@ -556,63 +578,44 @@ TEST(QuorumMembership, GatherStopsWaitingForASenderThatLeft) {
   qo.quorum = 3;
   qo.deadline = milliseconds(3000);
   qo.evict = milliseconds(200);
-  net::InprocFabric fabric(world);
-  std::vector<net::FaultEndpoint*> fault(static_cast<size_t>(world), nullptr);
-  std::atomic<int> ready{0}, reported{0}, past{0};
+  int reported = 0, past = 0;
   std::map<int, std::vector<double>> got;
   double gather_s = -1;
-  std::vector<std::string> error(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto fe = std::make_unique<net::FaultEndpoint>(fabric.endpoint(r),
-                                                       std::vector<net::FaultRule>{});
-        fault[size_t(r)] = fe.get();
-        ++ready;
-        while (ready.load() < world) std::this_thread::yield();
-        Communicator comm(std::move(fe), CommOptions{});
-        QuorumAllreduce q(comm, count, qo);
-        std::vector<float> buf(count, float(r));
-        for (uint64_t t = 0; t < 3; ++t) {
-          q.contribute(t, buf.data(), count);
-          q.wait(t, buf.data());
-        }
-        // Every rank completed step 2 in view 0 before rank 3 goes silent: all see the
-        // same members.
-        ++past;
-        while (past.load() < world) std::this_thread::yield();
-        const std::vector<int> members = q.members();
-        if (r == 3) {
-          for (int p = 0; p < 3; ++p) {
-            fault[3]->cut(p);
-            fault[size_t(p)]->cut(3);
-          }
-          ++reported;
-          return;  // silent from now on
-        }
-        ASSERT_EQ(members, (std::vector<int>{0, 1, 2, 3}));
-        if (q.coordinator() != r) {
-          q.report(7, r, world, {double(r)});
-          ++reported;
-        } else {
-          while (reported.load() < world - 1) std::this_thread::sleep_for(milliseconds(1));
-          const auto t0 = std::chrono::steady_clock::now();
-          got = q.gather_reports(7, world, r, t0 + milliseconds(20000), members);
-          gather_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        }
-        // The survivors go on without rank 3.
-        for (uint64_t t = 3; t < 6; ++t) {
-          q.contribute(t, buf.data(), count);
-          q.wait(t, buf.data());
-        }
-      } catch (const std::exception& e) {
-        error[size_t(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < 3; ++r) EXPECT_EQ(error[size_t(r)], "") << "rank " << r;
+  SimWorld w(world);
+  w.run([&](int r, Communicator& comm) {
+    QuorumAllreduce q(comm, count, qo);
+    std::vector<float> buf(count, float(r));
+    for (uint64_t t = 0; t < 3; ++t) {
+      q.contribute(t, buf.data(), count);
+      q.wait(t, buf.data());
+    }
+    // Every rank completed step 2 in view 0 before rank 3 goes silent: all see the same
+    // members.
+    ++past;
+    wait_for(w.clock(), [&] { return past == world; });
+    const std::vector<int> members = q.membership().members();
+    if (r == 3) {
+      w.cut(3);
+      ++reported;
+      w.kill(3);  // silent from now on
+    }
+    ASSERT_EQ(members, (std::vector<int>{0, 1, 2, 3}));
+    if (q.membership().coordinator() != r) {
+      q.reports().report(7, r, world, {double(r)});
+      ++reported;
+    } else {
+      wait_for(w.clock(), [&] { return reported == world - 1; });
+      const auto t0 = w.clock().now();
+      got = q.reports().gather_reports(7, world, r, t0 + milliseconds(20000), members);
+      gather_s = ms_since(w.clock(), t0) / 1000;
+    }
+    // The survivors go on without rank 3.
+    for (uint64_t t = 3; t < 6; ++t) {
+      q.contribute(t, buf.data(), count);
+      q.wait(t, buf.data());
+    }
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(w.error(r), "") << "rank " << r;
   EXPECT_GE(gather_s, 0.0);
   EXPECT_LT(gather_s, 10.0) << "the gather waited for the evicted rank until its deadline";
   EXPECT_EQ(got.size(), 2u);

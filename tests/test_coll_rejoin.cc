@@ -7,17 +7,18 @@
 #include "collectives/quorum/coordinator.h"
 #include "collectives/quorum/wire.h"
 #include "net/base/error.h"
+#include "wire_harness.h"
 
 namespace qring::testing {
 namespace {
 
 using namespace collectives::qproto;
 namespace wire = collectives::qwire;
-using K = Action::Kind;
+using K = Down::Kind;
 using std::chrono::milliseconds;
 
-std::vector<Action> of(const std::vector<Action>& v, K k) {
-  std::vector<Action> r;
+std::vector<Down> of(const std::vector<Down>& v, K k) {
+  std::vector<Down> r;
   for (auto& a : v)
     if (a.kind == k) r.push_back(a);
   return r;
@@ -29,8 +30,8 @@ struct Sim {
   explicit Sim(Config cfg) : c(cfg, Time{} + std::chrono::hours(1)) {
     for (int r = 0; r < cfg.world; ++r) beat(r);
   }
-  std::vector<Action> send(Event e) { return c.handle(e, now); }
-  std::vector<Action> ready(int r, uint64_t t, int64_t completed = -1) {
+  std::vector<Down> send(Event e) { return c.handle(e, now); }
+  std::vector<Down> ready(int r, uint64_t t, int64_t completed = -1) {
     Event e;
     e.kind = Event::Kind::kReady;
     e.from = r;
@@ -39,28 +40,28 @@ struct Sim {
     e.completed = completed;
     return send(e);
   }
-  std::vector<Action> beat(int r, int64_t completed = -1) {
+  std::vector<Down> beat(int r, int64_t completed = -1) {
     Event e;
     e.kind = Event::Kind::kHeartbeat;
     e.from = r;
     e.completed = completed;
     return send(e);
   }
-  std::vector<Action> join(int r, uint32_t inc) {
+  std::vector<Down> join(int r, uint32_t inc) {
     Event e;
     e.kind = Event::Kind::kJoin;
     e.from = r;
     e.count = inc;
     return send(e);
   }
-  std::vector<Action> hello(int r, uint32_t inc) {
+  std::vector<Down> hello(int r, uint32_t inc) {
     Event e;
     e.kind = Event::Kind::kHello;
     e.from = r;
     e.count = inc;
     return send(e);
   }
-  std::vector<Action> accept(int member, int joiner, uint32_t inc) {
+  std::vector<Down> accept(int member, int joiner, uint32_t inc) {
     Event e;
     e.kind = Event::Kind::kAccept;
     e.from = member;
@@ -68,7 +69,7 @@ struct Sim {
     e.count = inc;
     return send(e);
   }
-  std::vector<Action> report(int r, uint64_t t, uint32_t attempt, bool have, bool absent) {
+  std::vector<Down> report(int r, uint64_t t, uint32_t attempt, bool have, bool absent) {
     Event e;
     e.kind = Event::Kind::kReport;
     e.from = r;
@@ -79,8 +80,8 @@ struct Sim {
     return send(e);
   }
   // The clock runs with `alive` heartbeating every 10 ms (completed: their last step).
-  std::vector<Action> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
-    std::vector<Action> all;
+  std::vector<Down> run(milliseconds d, const std::vector<int>& alive, int64_t completed = -1) {
+    std::vector<Down> all;
     for (auto end = now + d; now < end;) {
       now += milliseconds(10);
       for (int r : alive) {
@@ -249,7 +250,7 @@ TEST(CoordinatorRejoin, MissedStepsDoNotEvictAJoinerBeforeItContributes) {
   s.join(3, 1);
   for (int m : {0, 1, 2}) s.accept(m, 3, 1);
   ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
-  std::vector<Action> all;
+  std::vector<Down> all;
   for (uint64_t t = 5; t < 9; ++t)
     for (int r : {0, 1, 2}) {
       auto a = s.ready(r, t);
@@ -309,7 +310,7 @@ TEST(CoordinatorRejoin, ANewCoordinatorKnowsWhoRejoinedBefore) {
   Config cfg = base(4, 3);
   cfg.self = 1;
   View v{3, {1, 2, 3}};
-  std::vector<Action> out;
+  std::vector<Down> out;
   Coordinator c(cfg, Time{}, v, {-1, 9, 9, 9}, {}, out, {0, 0, 1, 0});
   EXPECT_EQ(c.incarnation(2), 1u);
   Event e;
@@ -324,44 +325,45 @@ TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   Event e;
   e.from = 5;
   e.count = 3;
-  auto up = wire::encode_up(world, wire::Up::kHello, e);
-  wire::Up type;
-  Event back = wire::decode_up(up.data(), up.size(), world, 5, &type);
-  EXPECT_EQ(type, wire::Up::kHello);
+  auto up = encode_as(world, Up::Kind::kHello, e);
+  Up::Kind type;
+  Event back = decode_as(up.data(), up.size(), world, 5, &type);
+  EXPECT_EQ(type, Up::Kind::kHello);
   EXPECT_EQ(back.kind, Event::Kind::kHello);
   EXPECT_EQ(back.count, 3u);
   e.from = 1;
   e.suspect = 5;
-  up = wire::encode_up(world, wire::Up::kAccept, e);
-  back = wire::decode_up(up.data(), up.size(), world, 1, &type);
+  up = encode_as(world, Up::Kind::kAccept, e);
+  back = decode_as(up.data(), up.size(), world, 1, &type);
   EXPECT_EQ(back.kind, Event::Kind::kAccept);
   EXPECT_EQ(back.suspect, 5);
   e.absent = true;
-  up = wire::encode_up(world, wire::Up::kReport, e);
-  back = wire::decode_up(up.data(), up.size(), world, 1, &type);
+  up = encode_as(world, Up::Kind::kReport, e);
+  back = decode_as(up.data(), up.size(), world, 1, &type);
   EXPECT_TRUE(back.absent);
   EXPECT_FALSE(back.have);
   // A joiner's WARM to a member (it opens the connection): decoded, and nothing the
   // coordinator's state machine acts on.
   Event warm;
   warm.from = 3;
-  up = wire::encode_up(world, wire::Up::kWarm, warm);
-  back = wire::decode_up(up.data(), up.size(), world, 3, &type);
-  EXPECT_EQ(type, wire::Up::kWarm);
-  EXPECT_EQ(back.kind, Event::Kind::kTick);
+  up = encode_as(world, Up::Kind::kWarm, warm);
+  back = decode_as(up.data(), up.size(), world, 3, &type);
+  EXPECT_EQ(type, Up::Kind::kWarm);
+  Sim s(base(world, 3));
+  EXPECT_TRUE(s.send(back).empty());
 
-  wire::DownMsg j;
-  j.type = wire::Down::kJoining;
+  Down j;
+  j.kind = Down::Kind::kJoining;
   j.joiner = 4;
   j.incarnation = 7;
   auto buf = wire::encode_down(world, j);
   auto jb = wire::decode_down(buf.data(), buf.size(), world, 0);
-  EXPECT_EQ(jb.type, wire::Down::kJoining);
+  EXPECT_EQ(jb.kind, Down::Kind::kJoining);
   EXPECT_EQ(jb.joiner, 4);
   EXPECT_EQ(jb.incarnation, 7u);
 
-  wire::DownMsg v;
-  v.type = wire::Down::kView;
+  Down v;
+  v.kind = Down::Kind::kView;
   v.view = {4, {0, 1, 2, 4}};
   v.left = {{3, Why::kRestarted, 20}};
   v.joined = {{4, 2, 1234, 0}};
@@ -374,8 +376,8 @@ TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   ASSERT_EQ(vb.joined.size(), 1u);
   EXPECT_EQ(vb.joined[0], (Joined{4, 2, 1234, 0}));
   // A full view of departures and joins fits the receive buffer.
-  wire::DownMsg big;
-  big.type = wire::Down::kView;
+  Down big;
+  big.kind = Down::Kind::kView;
   big.view = {1, {0, 1, 2, 3, 4, 5}};
   for (int r = 0; r < world; ++r) big.left.push_back({r, Why::kSilent, 1});
   for (int r = 1; r < world; ++r) big.joined.push_back({r, 1, 1, 0});
@@ -388,21 +390,22 @@ TEST(QuorumWireRejoin, MalformedJoinMessagesAreRejected) {
   e.from = 1;
   e.suspect = 1;  // accepts itself
   e.count = 1;
-  auto up = wire::encode_up(world, wire::Up::kAccept, e);
-  wire::Up type;
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  auto up = encode_as(world, Up::Kind::kAccept, e);
+  Up::Kind type;
+  EXPECT_THROW(decode_as(up.data(), up.size(), world, 1, &type), ProtocolError);
   e.suspect = 2;
   e.count = 0;  // incarnation 0 never rejoins
-  up = wire::encode_up(world, wire::Up::kAccept, e);
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
-  up = wire::encode_up(world, wire::Up::kHello, e);
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  up = encode_as(world, Up::Kind::kAccept, e);
+  EXPECT_THROW(decode_as(up.data(), up.size(), world, 1, &type), ProtocolError);
+  up = encode_as(world, Up::Kind::kHello, e);
+  EXPECT_THROW(decode_as(up.data(), up.size(), world, 1, &type), ProtocolError);
   e.count = 1;
-  up = wire::encode_up(world, wire::Up(uint8_t(wire::Up::kWarm) + 1), e);  // no such type
-  EXPECT_THROW(wire::decode_up(up.data(), up.size(), world, 1, &type), ProtocolError);
+  up = encode_as(world, Up::Kind::kWarm, e);
+  up[6] = char(uint8_t(Up::Kind::kWarm) + 1);  // the type byte: no such type
+  EXPECT_THROW(decode_as(up.data(), up.size(), world, 1, &type), ProtocolError);
 
-  wire::DownMsg v;
-  v.type = wire::Down::kView;
+  Down v;
+  v.kind = Down::Kind::kView;
   v.view = {2, {0, 1, 3}};
   v.joined = {{2, 1, 5, 0}};  // the joiner is not a member of the view
   auto buf = wire::encode_down(world, v);
@@ -418,8 +421,8 @@ TEST(QuorumWireRejoin, MalformedJoinMessagesAreRejected) {
   buf.resize(buf.size() - 1);  // truncated
   EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
 
-  wire::DownMsg j;
-  j.type = wire::Down::kJoining;
+  Down j;
+  j.kind = Down::Kind::kJoining;
   j.joiner = 9;  // out of range
   j.incarnation = 1;
   buf = wire::encode_down(world, j);

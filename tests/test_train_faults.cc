@@ -3,6 +3,13 @@
 // a named phase of a step (QRING_FAULT, collectives/fault_inject.h). The survivors must
 // finish training with bit-identical parameters, lose at most one step per failure, and no
 // run may hang (every run is bounded by the harness's time limit).
+//
+// What only processes show: a member and the coordinator, killed and stopped, over shm and
+// tcp (the transport's own reaction to a dead or frozen peer, the launcher, checkpoints,
+// summary.json), ranks restarted by the launcher, a rank killed holding its shm locks. Every
+// phase of every case, and the losses the protocol survives or not (two losses, a fractional
+// quorum, quorum = world, min_world, a short pause), run in-process on virtual time with the
+// same assertions: tests/test_coll_failover.cc.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -148,75 +155,16 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
   EXPECT_EQ(views, killed ? 1 : 2);
 }
 
+// A member (rank 3) and the coordinator (rank 0), killed and stopped, over tcp and shm; each
+// phase twice.
 std::vector<FaultCase> matrix() {
-  std::vector<FaultCase> v;
-  for (const char* prov : {"tcp", "shm"})
-    for (const char* action : {"kill", "stop"})
-      for (int rank : {0, 1, 3})
-        for (const char* phase : {"step", "ready", "ring", "checkpoint"})
-          v.push_back({action, rank, phase, prov});
-  return v;
+  return {{"kill", 0, "ring", "tcp"},       {"kill", 3, "checkpoint", "tcp"},
+          {"stop", 0, "step", "tcp"},       {"stop", 3, "ready", "tcp"},
+          {"kill", 0, "checkpoint", "shm"}, {"kill", 3, "ready", "shm"},
+          {"stop", 0, "ring", "shm"},       {"stop", 3, "step", "shm"}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, FaultMatrix, ::testing::ValuesIn(matrix()), case_name);
-
-// W = 5, quorum 3: two ranks die one after the other; the three left finish.
-TEST_F(TrainFaults, FiveRanksLoseTwoOneAfterTheOther) {
-  auto r = sh(run_cmd("kill:2:30:ring,kill:4:80:step", 5, 2, dir_, "two",
-                      "quorum.quorum=3 net.provider=tcp"));
-  ASSERT_EQ(r.status, 102) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 3u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 3u) << r.output;
-  auto s = summary("two");
-  EXPECT_EQ(s["steps"], 300);
-  EXPECT_EQ(s["failures_survived"], 2) << s.dump();
-  EXPECT_EQ(s["evicted_ranks"], nlohmann::json::array({2, 4})) << s.dump();
-  EXPECT_LE(s["skipped_steps"].get<int>(), 2) << s.dump();
-}
-
-// A fractional quorum follows the view: 0.75 of 4 is 3, of 3 is 3, of 2 is 2: the job
-// survives two losses that an integer quorum of 3 would not.
-TEST_F(TrainFaults, FractionalQuorumShrinksWithTheView) {
-  auto r = sh(run_cmd("kill:1:30:step,kill:2:80:step", 4, 2, dir_, "frac",
-                      "quorum.quorum=0.75 net.provider=tcp"));
-  ASSERT_EQ(r.status, 102) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 2u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 2u) << r.output;
-  EXPECT_EQ(summary("frac")["failures_survived"], 2);
-}
-
-// Quorum = world: a lost rank stops the job on every rank, with an error naming it.
-TEST_F(TrainFaults, QuorumOfTheWholeWorldStopsNamingTheDeadRank) {
-  auto r = sh(run_cmd("kill:2:30:step", 4, 1, dir_, "full", "quorum.quorum=4 net.provider=tcp"));
-  EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_NE(r.status, 101) << r.output;
-  EXPECT_NE(r.output.find("fewer than the 4 the job needs"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 2 ("), std::string::npos) << r.output;
-}
-
-// Fewer live ranks than quorum.min_world stops the job even though the quorum would allow
-// going on.
-TEST_F(TrainFaults, MinWorldStopsTheJob) {
-  auto r = sh(run_cmd("kill:3:30:step", 4, 1, dir_, "minw",
-                      "quorum.quorum=2 quorum.min_world=4 net.provider=tcp"));
-  EXPECT_NE(r.status, 0) << r.output;
-  EXPECT_NE(r.status, 101) << r.output;
-  EXPECT_NE(r.output.find("min_world 4"), std::string::npos) << r.output;
-}
-
-// A pause shorter than the evict time costs nothing: the rank catches up and every rank
-// ends with the same parameters.
-TEST_F(TrainFaults, ShortPauseIsNotAFailure) {
-  auto r = sh(run_cmd("stop:2:40:100:ring", 4, 1, dir_, "short",
-                      "quorum.quorum=3 quorum.evict_ms=2000 net.provider=tcp"));
-  ASSERT_EQ(r.status, 0) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << r.output;
-  EXPECT_EQ(summary("short")["failures_survived"], 0);
-}
 
 // A rank stopped for 1 s near the end: once continued it learns it was evicted and rejoins,
 // and the job may end before it is admitted (the others run ~700 steps during the pause, of
@@ -285,8 +233,7 @@ TEST_P(RejoinMatrix, KilledRankComesBackAndTheReplicasAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Rejoin, RejoinMatrix,
-                         ::testing::Values(RejoinCase{2, "tcp"}, RejoinCase{2, "shm"},
-                                           RejoinCase{0, "tcp"}, RejoinCase{0, "shm"}),
+                         ::testing::Values(RejoinCase{2, "shm"}, RejoinCase{0, "tcp"}),
                          [](const ::testing::TestParamInfo<RejoinCase>& i) {
                            return "kill_rank" + std::to_string(i.param.rank) + "_" +
                                   i.param.provider;

@@ -307,7 +307,7 @@ TEST(TrainLoop, ArrivalLogIsBounded) {
       q.wait(t, &g);
     }
     if (comm.rank() != 0) return;
-    const auto log = q.arrival_log();
+    const auto log = q.reports().arrival_log();
     EXPECT_EQ(log.size(), 16384u);
     ASSERT_FALSE(log.empty());
     EXPECT_EQ(log.begin()->first, kSteps - 16384);

@@ -230,7 +230,7 @@ TEST(Sim, DecidesAsTheCoordinatorDoes) {
           double got_ms = -1;
           size_t next = 0;
           for (Time now = t0; !got && now < t0 + std::chrono::seconds(2); now += grid) {
-            std::vector<Action> out;
+            std::vector<Down> out;
             for (; next < arr.size() && t0 + std::chrono::microseconds(std::llround(
                                                  arr[next].ms * 1000)) <= now;
                  ++next) {
@@ -245,7 +245,7 @@ TEST(Sim, DecidesAsTheCoordinatorDoes) {
             auto a = c.handle(Event{}, now);
             out.insert(out.end(), a.begin(), a.end());
             for (auto& act : out)
-              if (act.kind == Action::Kind::kDecide && !got) {
+              if (act.kind == Down::Kind::kDecide && !got) {
                 got = act.decide;
                 got_ms = std::chrono::duration<double, std::milli>(now - t0).count();
               }

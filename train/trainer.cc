@@ -114,15 +114,15 @@ std::vector<double> evaluate_slice(Model& model, const Dataset& test, int64_t ba
 // slices), it evaluates itself. Only the coordinator gets a result (nullopt elsewhere).
 std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64_t batch,
                                         collectives::QuorumAllreduce& q, int rank, uint64_t key) {
-  const std::vector<int> members = q.members();
+  const std::vector<int> members = q.membership().members();
   const int64_t k = int64_t(members.size());
   const int64_t me =
       int64_t(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
-  const bool lead = q.coordinator() == rank;
+  const bool lead = q.membership().coordinator() == rank;
   const auto t0 = Clock::now();
   std::vector<double> mine = evaluate_slice(model, test, batch, me, k);
   if (!lead) {
-    q.report(key, int(me), int(k), std::move(mine));
+    q.reports().report(key, int(me), int(k), std::move(mine));
     return std::nullopt;
   }
   std::map<int, std::vector<double>> parts;
@@ -130,7 +130,7 @@ std::optional<EvalOut> evaluate_sharded(Model& model, const Dataset& test, int64
     // The others started at about the same time (right after the same step): a slice is
     // overdue after twice this rank's time for one, plus the eviction time.
     const auto own = Clock::now() - t0;
-    parts = q.gather_reports(key, int(k), int(me),
+    parts = q.reports().gather_reports(key, int(k), int(me),
                              Clock::now() + 2 * own + q.options().evict, members);
   }
   parts[int(me)] = std::move(mine);
@@ -304,7 +304,7 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   const auto until =
       Clock::now() + std::chrono::milliseconds(std::max<int64_t>(30000, 2 * deadline_ms));
   const auto t0 = Clock::now();
-  joined = q.join(until);
+  joined = q.membership().join(until);
   const double admit_ms = ms_since(t0);
   // The donor's state before step joined->step: parameters, momentum, data position, step.
   // Room for the donor's state: the same model and optimizer (a bigger one is an error).
@@ -315,7 +315,7 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   state = populated_buffer(room);
   state->resize(room);
   const auto s0 = Clock::now();
-  state->resize(q.receive_state(state->data(), state->size(), until));
+  state->resize(q.membership().receive_state(state->data(), state->size(), until));
   const double state_ms = ms_since(s0);
   const CheckpointView st = decode_checkpoint_view(
       {reinterpret_cast<const uint8_t*>(state->data()), state->size()},
@@ -462,12 +462,14 @@ class FaultInjector {
 
   void operator()(int64_t step, const char* phase) const { fire(step, phase, false); }
 
-  // Entries of phase "ring" fire from the engine thread, at q's ring phases.
-  void hook_ring_phase(collectives::QuorumAllreduce& q) const {
-    if (std::any_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
-      q.on_phase([self = *this](uint64_t step, const char* phase) {
-        self.fire(int64_t(step), phase, /*in_engine_pass=*/true);
-      });
+  // Entries of phase "ring" fire from the engine thread, at the quorum's ring phases
+  // (QuorumOptions::on_phase; empty when there are none).
+  std::function<void(uint64_t, const char*)> ring_phase_hook() const {
+    if (std::none_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
+      return {};
+    return [self = *this](uint64_t step, const char* phase) {
+      self.fire(int64_t(step), phase, /*in_engine_pass=*/true);
+    };
   }
 
  private:
@@ -525,7 +527,7 @@ class MetricsWriter {
 
   // Whether this rank coordinates, and so writes (it opens the metrics the first time).
   bool lead() {
-    if (q_.coordinator() != rank_) return false;
+    if (q_.membership().coordinator() != rank_) return false;
     if (!metrics_.is_open()) metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
     return true;
   }
@@ -537,7 +539,7 @@ class MetricsWriter {
   void step(int64_t t, int64_t epoch, double wall_s, double loss, double lr, const Work& work,
             double wait_ms, const collectives::QuorumResult& r) {
     if (!lead()) return;
-    if (!r.skipped) decided_[t] = {r.decide_ms, q_.members()};
+    if (!r.skipped) decided_[t] = {r.decide_ms, q_.membership().members()};
     write({{"type", "step"},
            {"step", t},
            {"epoch", epoch},
@@ -579,9 +581,9 @@ class MetricsWriter {
   static constexpr int64_t kArrivalsLag = 8192, kArrivalsEvery = 1024;
 
   void write_arrivals(int64_t before) {
-    if (q_.coordinator() != rank_) return;
+    if (q_.membership().coordinator() != rank_) return;
     std::ofstream arr(dir_ / "arrivals.jsonl", std::ios::app);
-    for (auto& [step, offs] : q_.arrival_log()) {
+    for (auto& [step, offs] : q_.reports().arrival_log()) {
       if (int64_t(step) < arrivals_next_ || int64_t(step) >= before) continue;
       arr << nlohmann::json{{"step", step}, {"ready_ms", offs}}.dump() << '\n';
       arrivals_next_ = int64_t(step) + 1;
@@ -714,16 +716,16 @@ class Checkpointer {
 void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, int rank,
                           int64_t step) {
   const uint64_t mine = checksum(core.params(), core.num_params());
-  const std::vector<int> members = q.members();
+  const std::vector<int> members = q.membership().members();
   const int k = int(members.size());
   const int me = int(std::lower_bound(members.begin(), members.end(), rank) - members.begin());
   const uint64_t key = uint64_t(step) | (uint64_t(1) << 62);
-  if (q.coordinator() != rank) {
-    q.report(key, me, k, {double(mine >> 32), double(mine & 0xFFFFFFFFu)});
+  if (q.membership().coordinator() != rank) {
+    q.reports().report(key, me, k, {double(mine >> 32), double(mine & 0xFFFFFFFFu)});
     return;
   }
   if (k < 2) return;
-  auto parts = q.gather_reports(key, k, me, Clock::now() + q.options().evict, members);
+  auto parts = q.reports().gather_reports(key, k, me, Clock::now() + q.options().evict, members);
   for (auto& [i, v] : parts) {
     if (v.size() != 2) continue;
     const uint64_t theirs = (uint64_t(v[0]) << 32) | uint64_t(v[1]);
@@ -870,7 +872,7 @@ class Membership {
     // rank that rejoined has one: the buffer its own state came in.
     if (received) {
       state_buf_ = std::move(received);
-    } else if (q.survives_loss() && q.members().size() > 1) {
+    } else if (q.membership().survives_loss() && q.membership().members().size() > 1) {
       state_buf_ = populated_buffer(encoded_checkpoint_size(core.checkpoint_view()));
       encode_checkpoint_into(core.checkpoint_view(), *state_buf_);
     }
@@ -891,7 +893,7 @@ class Membership {
       }
       encode_checkpoint_into(st, *state_buf_);
       const size_t size = state_buf_->size();
-      q_.send_state(j.rank, uint64_t(t), state_buf_);
+      q_.membership().send_state(j.rank, uint64_t(t), state_buf_);
       spdlog::info("step {}: sending the state ({:.1f} MB) to rank {}, which rejoins", t,
                    double(size) / 1e6, j.rank);
     }
@@ -928,7 +930,7 @@ class Membership {
   void log_views(int64_t step, const collectives::QuorumResult& r, RunSummary& sum) {
     const auto now = Clock::now();
     // Each view once, though a step can come in a view older than the step before it.
-    for (const auto& v : collectives::views_learned(q_.view_changes(), r.epoch, &view_epoch_)) {
+    for (const auto& v : collectives::views_learned(q_.membership().view_changes(), r.epoch, &view_epoch_)) {
       double detect_ms = 0;
       nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
       std::vector<int> who;
@@ -1057,7 +1059,7 @@ class Progress {
         sps, timer.contributors() / double(done - start_), world_, hms(eta),
         sum.evicted_ranks.empty()
             ? std::string()
-            : fmt::format(" live {}/{} (lost {}{})", q_.members().size(), world_,
+            : fmt::format(" live {}/{} (lost {}{})", q_.membership().members().size(), world_,
                           fmt::join(sum.evicted_ranks, ","),
                           sum.rejoins ? fmt::format(", {} rejoined", sum.rejoins) : ""));
     if (tty_)
@@ -1273,14 +1275,13 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   const auto straggler = collectives::StragglerModel::parse(cfg.straggler.model);
   const int64_t eval_every = cfg.train.eval_every > 0 ? cfg.train.eval_every : steps_per_epoch;
 
-  const collectives::QuorumOptions qo = quorum_options(cfg, opts, quorum, joining);
-  // The gradient plus the spare slots after it for the loss and the stop flag
-  // (Network::grads()): the step's mean loss and stop come with the reduction, and the
-  // reduction happens in place, without copies.
+  collectives::QuorumOptions qo = quorum_options(cfg, opts, quorum, joining);
+  const FaultInjector maybe_fault(opts.faults, rank, comm.engine());
+  qo.on_phase = maybe_fault.ring_phase_hook();
+  // The gradient plus the spare slots for the loss and the stop flag (Network::grads()): they
+  // come with the reduction, which happens in place, without copies.
   collectives::QuorumAllreduce q(comm, n_params + kSpare, qo);
   comm.register_buffer(core.gradient(), (n_params + kSpare) * sizeof(float));
-  const FaultInjector maybe_fault(opts.faults, rank, comm.engine());
-  maybe_fault.hook_ring_phase(q);
 
   int64_t start = 0;
   std::optional<collectives::JoinInfo> joined;
@@ -1337,7 +1338,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
     out.finish(summary_json(sum, cfg, world, quorum, timer, comm.provider(), straggler, finished,
                             core.counted_gradients(), opts.hosts));
   }
-  if (sum.preempted) after_stop(cfg, opts, q.members(), rank, t, run_dir);
+  if (sum.preempted) after_stop(cfg, opts, q.membership().members(), rank, t, run_dir);
   return sum;
 }
 

@@ -152,7 +152,7 @@ class QuorumSteps {
   QuorumSteps(collectives::Communicator& comm, const Options& o, size_t count,
               const collectives::StragglerModel& model, collectives::QuorumAllreduce& qa,
               const collectives::QuorumOptions& qo, QuorumStats* paired,
-              const std::vector<collectives::FaultSpec>& faults)
+              const std::vector<collectives::FaultSpec>& faults, const FaultFirer& firer)
       : comm(comm),
         o(o),
         count(count),
@@ -162,11 +162,11 @@ class QuorumSteps {
         paired(paired),
         faults(faults),
         buf(count * ts),
-        buf2(paired ? count * ts : 0) {
+        buf2(paired ? count * ts : 0),
+        first_timed(firer.first_timed),
+        maybe_fault(firer) {
     comm.register_buffer(buf.data(), buf.size);
     if (paired) comm.register_buffer(buf2.data(), buf2.size);
-    if (std::any_of(faults.begin(), faults.end(), [](const auto& f) { return f.phase == "ring"; }))
-      qa.on_phase(maybe_fault);
   }
 
   // With -c, up to 10 untimed steps whose results are checked against the reduction of
@@ -256,7 +256,7 @@ class QuorumSteps {
     }
 
     // --fault: the coordinator of the last view prints.
-    st.printer = qa.coordinator() == rank;
+    st.printer = qa.membership().coordinator() == rank;
     if (!st.printer) return std::move(st);
     st.fault = fault_report(members, early);
     return std::move(st);
@@ -279,7 +279,7 @@ class QuorumSteps {
   // When rank r fell silent, on this rank's clock, if it left the view: `silent_ms` before
   // this rank applied the view change (the coordinator's silence, exact whatever the phase).
   std::optional<Clock::time_point> fell_silent(int r) const {
-    for (const auto& v : qa.view_changes())
+    for (const auto& v : qa.membership().view_changes())
       for (const auto& l : v.left)
         if (l.rank == r) return v.seen - std::chrono::microseconds(int64_t(l.silent_ms * 1000));
     return std::nullopt;
@@ -302,7 +302,7 @@ class QuorumSteps {
 
   bool want_more(Clock::time_point now) const {
     if (cap && now > *cap) return false;
-    const auto members = qa.members();
+    const auto members = qa.membership().members();
     for (size_t i = 0; i < faults.size(); ++i)
       if (!played_out(i, members, now, settle)) return true;
     return settled_steps < after_min + 1;  // the first completes the recovery
@@ -329,7 +329,7 @@ class QuorumSteps {
     v.epoch = r.epoch;
     v.skipped = r.skipped;
     v.done = t1;
-    const auto members = members_at(qa.view_changes(), r.epoch, n);
+    const auto members = members_at(qa.membership().view_changes(), r.epoch, n);
     v.settled = true;
     for (size_t i = 0; i < faults.size(); ++i)
       v.settled = v.settled && played_out(i, members, t1, std::chrono::milliseconds(0));
@@ -343,7 +343,7 @@ class QuorumSteps {
     // Views applied after the last step are left out: not every rank need have them yet.
     uint64_t last_epoch = 0;
     for (const auto& v : seen) last_epoch = std::max(last_epoch, v.epoch);
-    const auto views = qa.view_changes();
+    const auto views = qa.membership().view_changes();
     std::vector<int> members = members_at(views, last_epoch, n);
     for (const auto& v : views)
       for (const auto& l : v.left)
@@ -440,7 +440,7 @@ class QuorumSteps {
     // Recovery per view change: from the lost rank's last sign of life (its silence when the
     // coordinator evicted it, before this rank applied the view) to the first step that
     // completed with a result in the new view.
-    for (const auto& v : qa.view_changes()) {
+    for (const auto& v : qa.membership().view_changes()) {
       if (v.epoch == 0) continue;
       double silent_ms = 0;
       nlohmann::json left = nlohmann::json::array();
@@ -480,11 +480,8 @@ class QuorumSteps {
   QuorumStats st;
   uint64_t step = 0;
   // Set once the checked steps are done: quorum step number of timed step 0.
-  std::shared_ptr<std::atomic<uint64_t>> first_timed =
-      std::make_shared<std::atomic<uint64_t>>(UINT64_MAX);
-  const FaultFirer maybe_fault{faults, first_timed, rank,
-                               std::make_shared<std::vector<std::atomic<bool>>>(faults.size()),
-                               &comm.engine()};
+  std::shared_ptr<std::atomic<uint64_t>> first_timed;
+  const FaultFirer maybe_fault;
   std::vector<double> lat, lat2;
   std::vector<StepSeen> seen;
   double contributors = 0;
@@ -526,13 +523,19 @@ QuorumStats quorum_steps(collectives::Communicator& comm, const Options& o, size
                          QuorumStats* paired = nullptr,
                          const std::vector<collectives::FaultSpec>& faults = {}) {
   const int n = comm.size();
-  const collectives::QuorumOptions qo = bench_quorum_options(o, q);
+  collectives::QuorumOptions qo = bench_quorum_options(o, q);
+  const FaultFirer firer{faults, std::make_shared<std::atomic<uint64_t>>(UINT64_MAX), comm.rank(),
+                         std::make_shared<std::vector<std::atomic<bool>>>(faults.size()),
+                         &comm.engine()};
+  // Faults of phase "ring" fire on the engine, at the reduction's first move.
+  if (std::any_of(faults.begin(), faults.end(), [](const auto& f) { return f.phase == "ring"; }))
+    qo.on_phase = firer;
   collectives::QuorumAllreduce qa(comm, count, qo);
-  if (!faults.empty() && !qa.survives_loss())
+  if (!faults.empty() && !qa.membership().survives_loss())
     throw ConfigError(fmt::format(
         "--fault: quorum {} of {} ranks leaves no room to lose a rank (use --quorum {} or less)",
         q, n, n - 1));
-  QuorumSteps steps(comm, o, count, model, qa, qo, paired, faults);
+  QuorumSteps steps(comm, o, count, model, qa, qo, paired, faults, firer);
   if (o.check) steps.checked_steps();
   steps.timed_steps();
   return steps.statistics();

@@ -150,38 +150,34 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-}  // namespace
-
-AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
-                               const std::vector<int>& members, int min, int max, double kappa) {
-  AutoQuorumChoice c;
-  const int n = std::max(1, int(members.size()));
-  const int hi = max > 0 ? std::clamp(max, 1, n) : n;
-  const int lo = std::min(std::clamp(min, 1, n), hi);
-  // Nothing observed yet: the middle of [lo, hi]. It observes half the arrivals or more, and
-  // the trust region lets later steps grow by a quarter at a time; waiting for every arrival
-  // instead costs the slowest of n at once (N+b = 100 under lognormal delays: 0.19 s, 3.5 % of
-  // the time to target).
-  c.quorum = lo + (hi - lo + 1) / 2;
-
-  // A step's offsets are measured from its first arrival, so one member is at 0 by
-  // definition: the reference, not an observation. Each member's distribution is estimated
-  // from the steps where another member was the reference, and T(k) is the (k-1)-th arrival
-  // among the members other than the step's reference, weighted by how often each member was
-  // the reference. (Counting the reference as an observation at 0 gives every member a point
-  // mass at 0 and, the members taken as independent, puts E[T(1)] above 0: 1.5 ms of a 7 ms
-  // cycle with 4 members under lognormal delays, enough to prefer 2 where 1 is faster.)
-  // Up to kPerRankMembers members, each member's own distribution; above, one pooled over them.
-  const bool per_rank = n <= kPerRankMembers;
-  std::vector<std::vector<Obs>> per(per_rank ? members.size() : 0);
-  std::vector<Obs> pooled;
-  pooled.reserve(window.size() * members.size());
-  for (auto& o : per) o.reserve(window.size());
-  std::vector<double> overheads, first(members.size(), 0.0);
+// Phase 1: what the window observed of the members' arrivals.
+struct Observations {
+  bool per_rank = false;
+  std::vector<std::vector<Obs>> per;  // per member (per_rank)
+  std::vector<Obs> pooled;            // every member's, pooled
+  std::vector<double> overheads;      // per step: the cycle beyond the decision
+  std::vector<double> first;          // per member: the steps it was the reference of
   double event_sum = 0;
   size_t events = 0;             // observations after the reference
   bool any_arrival = false;      // the reference included
   std::vector<double> observed;  // per step of the window, the arrivals it observed
+};
+
+// A step's offsets are measured from its first arrival, so one member is at 0 by definition:
+// the reference, not an observation. Each member's distribution is estimated from the steps
+// where another member was the reference, and T(k) is the (k-1)-th arrival among the members
+// other than the step's reference, weighted by how often each member was the reference.
+// (Counting the reference as an observation at 0 gives every member a point mass at 0 and, the
+// members taken as independent, puts E[T(1)] above 0: 1.5 ms of a 7 ms cycle with 4 members
+// under lognormal delays, enough to prefer 2 where 1 is faster.) Up to kPerRankMembers
+// members, each member's own distribution; above, one pooled over them.
+Observations observe(const std::deque<StepArrivals>& window, const std::vector<int>& members) {
+  Observations ob;
+  ob.per_rank = int(members.size()) <= kPerRankMembers;
+  ob.per.resize(ob.per_rank ? members.size() : 0);
+  ob.pooled.reserve(window.size() * members.size());
+  for (auto& o : ob.per) o.reserve(window.size());
+  ob.first.assign(members.size(), 0.0);
   for (const auto& s : window) {
     bool any = false, referenced = false;
     int arrived = 0;
@@ -193,75 +189,81 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
       if (v >= 0) ++arrived;
       if (v == 0 && !referenced) {  // the first of the members at 0
         referenced = true;
-        first[i] += 1;
+        ob.first[i] += 1;
         continue;
       }
       Obs o = v >= 0 ? Obs{v, true} : Obs{std::max(0.0, s.decided_ms), false};
-      if (per_rank) per[i].push_back(o);
-      pooled.push_back(o);
+      if (ob.per_rank) ob.per[i].push_back(o);
+      ob.pooled.push_back(o);
       if (o.event) {
-        event_sum += o.x;
-        ++events;
+        ob.event_sum += o.x;
+        ++ob.events;
       }
     }
-    any_arrival = any_arrival || arrived > 0;
-    if (any) observed.push_back(arrived);
-    if (any && s.cycle_ms >= 0) overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
+    ob.any_arrival = ob.any_arrival || arrived > 0;
+    if (any) ob.observed.push_back(arrived);
+    if (any && s.cycle_ms >= 0) ob.overheads.push_back(std::max(0.0, s.cycle_ms - s.decided_ms));
   }
-  if (n == 1 || !any_arrival || overheads.empty()) return c;
-  // Every arrival observed at the first's instant (members that arrive together), or none
-  // observed after it: the tails decay at once, and the choice is the largest the trust region
-  // allows (which observes more).
-  const double theta = std::max(events > 0 ? event_sum / double(events) : 0.0, 1e-6);
+  return ob;
+}
 
-  // P(T(k) > x) = P(fewer than k - 1 of the reference's others arrived by x), integrated over
-  // a grid: up to 256 quantiles of the observed offsets, then the exponential tails up to 20
-  // theta beyond the last observation (each interval evaluated at its left end: survival is
-  // non-increasing, so the estimate errs late, towards waiting less).
-  // The pooled offsets are sorted once (at 1000 members, 32 000 of them: the larger part of a
-  // decision's cost); the quantiles are the events' in that order: the i-th of nq the event
-  // i * events / nq.
-  std::sort(pooled.begin(), pooled.end(), before);
-  std::vector<double> grid = {0.0};
+// Phase 2: the arrival distributions on a grid. Up to 256 quantiles of the observed offsets,
+// then the exponential tails up to 20 theta beyond the last observation (each interval is
+// evaluated at its left end: survival is non-increasing, so the estimate errs late, towards
+// waiting less). The pooled offsets are sorted once (at 1000 members, 32 000 of them: the
+// larger part of a decision's cost); the quantiles are the events' in that order: the i-th of
+// nq the event i * events / nq.
+struct Distributions {
+  std::vector<double> grid;
+  std::vector<Survival> surv;  // per member, or one pooled
+};
+
+Distributions distributions(Observations& ob, double theta) {
+  Distributions d;
+  std::sort(ob.pooled.begin(), ob.pooled.end(), before);
+  d.grid = {0.0};
   constexpr size_t kQuantiles = 256;
-  const size_t nq = std::min(kQuantiles, events);
+  const size_t nq = std::min(kQuantiles, ob.events);
   size_t seen = 0, next = 1;
-  for (const auto& o : pooled) {
+  for (const auto& o : ob.pooled) {
     if (!o.event) continue;
     ++seen;
-    for (; next <= nq && next * events / nq == seen; ++next)
-      if (o.x > grid.back()) grid.push_back(o.x);
+    for (; next <= nq && next * ob.events / nq == seen; ++next)
+      if (o.x > d.grid.back()) d.grid.push_back(o.x);
   }
-  std::vector<Survival> surv;
   double horizon = 0, theta_max = theta;
-  if (per_rank) {
-    for (auto& o : per) {
+  if (ob.per_rank) {
+    for (auto& o : ob.per) {
       std::sort(o.begin(), o.end(), before);
-      surv.emplace_back(o, theta, grid);
-      horizon = std::max(horizon, surv.back().horizon());
-      theta_max = std::max(theta_max, surv.back().theta());
+      d.surv.emplace_back(o, theta, d.grid);
+      horizon = std::max(horizon, d.surv.back().horizon());
+      theta_max = std::max(theta_max, d.surv.back().theta());
     }
   } else {
-    surv.emplace_back(pooled, theta, grid);
-    horizon = surv.back().horizon();
-    theta_max = surv.back().theta();
+    d.surv.emplace_back(ob.pooled, theta, d.grid);
+    horizon = d.surv.back().horizon();
+    theta_max = d.surv.back().theta();
   }
-  if (horizon > grid.back()) grid.push_back(horizon);
+  if (horizon > d.grid.back()) d.grid.push_back(horizon);
   constexpr int kTail = 120;  // steps of theta_max / 6 up to 20 theta_max
-  const double base = grid.back();
-  for (int i = 1; i <= kTail; ++i) grid.push_back(base + double(i) * theta_max / 6);
+  const double base = d.grid.back();
+  for (int i = 1; i <= kTail; ++i) d.grid.push_back(base + double(i) * theta_max / 6);
+  return d;
+}
 
-  // E[T(k)] = sum over the reference f of P(f first) times the integral of P(fewer than k - 1
-  // of the others arrived by x); T(1) = 0. Per rank, the others' count is the members' count
-  // with f's factor divided out: for each member that was a reference up to kExactReferences
-  // members (O(n) each), above that once, with the references' mean probability (the members
-  // other than one of many are nearly the same whichever it is): O(grid n^2) a decision. Pooled,
-  // a binomial count of the n - 1 others: O(grid sqrt(n)) after the sort of the offsets.
+// Phase 3: E[T(k)], k = 0..n (e[0], e[1] = 0). E[T(k)] = sum over the reference f of P(f
+// first) times the integral of P(fewer than k - 1 of the others arrived by x). Per rank, the
+// others' count is the members' count with f's factor divided out: for each member that was a
+// reference up to kExactReferences members (O(n) each), above that once, with the references'
+// mean probability (the members other than one of many are nearly the same whichever it is):
+// O(grid n^2) a decision. Pooled, a binomial count of the n - 1 others: O(grid sqrt(n)) after
+// the sort of the offsets.
+std::vector<double> expected_arrivals(const Observations& ob, const Distributions& d, int n) {
   double first_total = 0;
-  for (double f : first) first_total += f;
+  for (double f : ob.first) first_total += f;
   std::vector<double> weight(size_t(n), 1.0 / double(n));
   if (first_total > 0)
-    for (int i = 0; i < n; ++i) weight[size_t(i)] = first[size_t(i)] / first_total;
+    for (int i = 0; i < n; ++i) weight[size_t(i)] = ob.first[size_t(i)] / first_total;
   const bool exact = n <= kExactReferences;
   std::vector<double> e(size_t(n) + 1, 0.0), dist, others;
   std::vector<double> ones(size_t(n) + 2, 0.0);  // pooled: e[k] += ones[2..k] (P(others < k-1) = 1)
@@ -274,10 +276,11 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
       e[size_t(k)] += w * width * below_k;
     }
   };
+  const auto& grid = d.grid;
   for (size_t g = 0; g + 1 < grid.size(); ++g) {
     const double width = grid[g + 1] - grid[g];
-    if (per_rank) {
-      for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - surv[size_t(i)].at(g, grid[g]);
+    if (ob.per_rank) {
+      for (int i = 0; i < n; ++i) p[size_t(i)] = 1.0 - d.surv[size_t(i)].at(g, grid[g]);
       poisson_binomial(p, dist);
       if (exact) {
         for (int f = 0; f < n; ++f) {
@@ -294,30 +297,34 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
     } else {
       // e[k] += width P(Bin(n - 1, f) < k - 1): the cdf where it is between 0 and 1, and from
       // where it is 1 on, once in `ones`.
-      binomial_below(size_t(n) - 1, 1.0 - surv[0].at(g, grid[g]), below);
+      binomial_below(size_t(n) - 1, 1.0 - d.surv[0].at(g, grid[g]), below);
       const size_t from = below.lo + 2, ones_from = from + below.cdf.size();
       for (size_t k = std::max<size_t>(2, from); k < ones_from && k <= size_t(n); ++k)
         e[k] += width * below.cdf[k - from];
       ones[std::max<size_t>(2, std::min(ones_from, size_t(n) + 1))] += width;
     }
   }
-  if (!per_rank) {
+  if (!ob.per_rank) {
     double run = 0;
     for (int k = 2; k <= n; ++k) {
       run += ones[size_t(k)];
       e[size_t(k)] += run;
     }
   }
+  return e;
+}
 
-  // The trust region: beyond the arrivals the window's steps observed, E[T(k)] rests on the
-  // extrapolated tail, which forgets the slow arrivals once the steps that saw them leave the
-  // window; the choice goes at most kExplore (at least one) beyond the median step's arrivals,
-  // and so observes them. The median, not the most: one exploring step does not open the way
-  // for the next to climb further.
-  const int support = int(median(observed));
+// Phase 4: the rate of each k and the choice. The trust region: beyond the arrivals the
+// window's steps observed, E[T(k)] rests on the extrapolated tail, which forgets the slow
+// arrivals once the steps that saw them leave the window; the choice goes at most kExplore (at
+// least one) beyond the median step's arrivals, and so observes them. The median, not the
+// most: one exploring step does not open the way for the next to climb further.
+void choose(const Observations& ob, const std::vector<double>& e, int n, int lo, int hi,
+            double kappa, AutoQuorumChoice& c) {
+  const int support = int(median(ob.observed));
   const int cap =
       std::max(lo, std::min(hi, support + std::max(1, int(std::ceil(double(support) * kExplore)))));
-  c.overhead_ms = median(overheads);
+  c.overhead_ms = median(ob.overheads);
   c.expected_ms.assign(e.begin() + 1, e.end());
   c.rate.assign(size_t(n), 0.0);
   double best = -1;
@@ -331,6 +338,29 @@ AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
       c.quorum = k;
     }
   }
+}
+
+}  // namespace
+
+AutoQuorumChoice choose_quorum(const std::deque<StepArrivals>& window,
+                               const std::vector<int>& members, int min, int max, double kappa) {
+  AutoQuorumChoice c;
+  const int n = std::max(1, int(members.size()));
+  const int hi = max > 0 ? std::clamp(max, 1, n) : n;
+  const int lo = std::min(std::clamp(min, 1, n), hi);
+  // Nothing observed yet: the middle of [lo, hi]. It observes half the arrivals or more, and
+  // the trust region lets later steps grow by a quarter at a time; waiting for every arrival
+  // instead costs the slowest of n at once (N+b = 100 under lognormal delays: 0.19 s, 3.5 % of
+  // the time to target).
+  c.quorum = lo + (hi - lo + 1) / 2;
+  Observations ob = observe(window, members);
+  if (n == 1 || !ob.any_arrival || ob.overheads.empty()) return c;
+  // Every arrival observed at the first's instant (members that arrive together), or none
+  // observed after it: the tails decay at once, and the choice is the largest the trust region
+  // allows (which observes more).
+  const double theta = std::max(ob.events > 0 ? ob.event_sum / double(ob.events) : 0.0, 1e-6);
+  const Distributions d = distributions(ob, theta);
+  choose(ob, expected_arrivals(ob, d, n), n, lo, hi, kappa, c);
   return c;
 }
 

@@ -60,7 +60,7 @@ Coordinator::Coordinator(Config cfg, Time now) : cfg_(std::move(cfg)) {
 }
 
 Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
-                         const std::vector<Known>& known, std::vector<Action>& out,
+                         const std::vector<Known>& known, std::vector<Down>& out,
                          const std::vector<uint32_t>& incarnations)
     : Coordinator(std::move(cfg), now) {
   view_ = std::move(view);
@@ -70,7 +70,7 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
     heard_[size_t(r)] = true;
     if (size_t(r) < completed.size()) completed_[size_t(r)] = completed[size_t(r)];
   }
-  Action v(Action::Kind::kView);
+  Down v(Down::Kind::kView);
   v.view = view_;
   for (int r = 0; r < cfg_.world; ++r)
     if (!view_.has(r)) v.left.push_back({r, Why::kSilent, double(cfg_.evict.count())});
@@ -101,7 +101,7 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
     // every member saw: ask everyone, as after any loss.
     u.recovering = true;
     ++u.attempt;
-    Action a(Action::Kind::kRecover);
+    Down a(Down::Kind::kRecover);
     a.step = t;
     a.attempt = u.attempt;
     out.push_back(a);
@@ -125,8 +125,8 @@ void Coordinator::resync(Time now) {
   for (int r : view_.members) last_heard_[size_t(r)] = now;
 }
 
-std::vector<Action> Coordinator::handle(const Event& e, Time now, bool more) {
-  std::vector<Action> out;
+std::vector<Down> Coordinator::handle(const Event& e, Time now, bool more) {
+  std::vector<Down> out;
   if (stopped_) return out;
   if (e.kind == Event::Kind::kJoin || e.kind == Event::Kind::kHello) {
     // About a rank that is not a member (yet): found in the store, or connected.
@@ -145,7 +145,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now, bool more) {
     if (r < 0 || r >= cfg_.world) return out;
     if (!view_.has(r)) {
       // An evicted rank that is alive: it learns at its first contact.
-      Action a(Action::Kind::kEvicted);
+      Down a(Down::Kind::kEvicted);
       a.to = r;
       out.push_back(std::move(a));
       return out;
@@ -195,7 +195,7 @@ std::vector<Action> Coordinator::handle(const Event& e, Time now, bool more) {
 }
 
 void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
-                               std::vector<Action>& out) {
+                               std::vector<Down>& out) {
   auto [it, fresh] = digests_.try_emplace(step, from, digest);
   if (fresh) {
     while (digests_.size() > 64) digests_.erase(digests_.begin());
@@ -203,7 +203,7 @@ void Coordinator::check_digest(int from, uint64_t step, uint64_t digest,
   }
   const auto [first, want] = it->second;
   if (want == digest) return;
-  Action f(Action::Kind::kFatal);
+  Down f(Down::Kind::kFatal);
   f.reason = fmt::format(
       "replicas drifted: before step {} rank {} has parameter checksum {:016x}, rank {} has "
       "{:016x}",
@@ -271,7 +271,7 @@ void Coordinator::recount(Open& o, Time now) const {
   }
 }
 
-void Coordinator::tick(Time now, std::vector<Action>& out) {
+void Coordinator::tick(Time now, std::vector<Down>& out) {
   std::vector<Departure> left;
   auto add = [&](const Departure& d) {
     if (d.rank == cfg_.self || !view_.has(d.rank)) return;
@@ -304,7 +304,7 @@ void Coordinator::tick(Time now, std::vector<Action>& out) {
   settle();
 }
 
-void Coordinator::on_join(int r, uint32_t inc, Time now, std::vector<Action>& out) {
+void Coordinator::on_join(int r, uint32_t inc, Time now, std::vector<Down>& out) {
   if (inc <= incarnation_[size_t(r)]) return;  // known already
   incarnation_[size_t(r)] = inc;
   if (view_.has(r)) {
@@ -316,13 +316,13 @@ void Coordinator::on_join(int r, uint32_t inc, Time now, std::vector<Action>& ou
   j = Join{};
   j.incarnation = inc;
   j.started = now;
-  Action a(Action::Kind::kJoining);
+  Down a(Down::Kind::kJoining);
   a.joiner = r;
   a.incarnation = inc;
   out.push_back(std::move(a));
 }
 
-void Coordinator::admit_joiners(Time now, std::vector<Action>& out) {
+void Coordinator::admit_joiners(Time now, std::vector<Down>& out) {
   std::vector<Joined> ready;
   for (auto it = joins_.begin(); it != joins_.end();) {
     const Join& j = it->second;
@@ -358,14 +358,14 @@ void Coordinator::admit_joiners(Time now, std::vector<Action>& out) {
   }
   std::sort(next.members.begin(), next.members.end());
   view_ = next;
-  Action v(Action::Kind::kView);
+  Down v(Down::Kind::kView);
   v.view = view_;
   v.joined = std::move(ready);
   out.push_back(std::move(v));
   for (auto& [t, o] : open_) recount(o, now);
 }
 
-void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector<Action>& out) {
+void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector<Down>& out) {
   const int prev_size = view_.size();
   View next;
   next.epoch = view_.epoch + 1;
@@ -374,7 +374,7 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
     if (!gone) next.members.push_back(r);
   }
   view_ = next;
-  Action v(Action::Kind::kView);
+  Down v(Down::Kind::kView);
   v.view = view_;
   v.left = left;
   out.push_back(v);
@@ -388,7 +388,7 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
     for (auto& d : left)
       who += fmt::format("{}rank {} ({}, last heard {:.0f} ms ago)", who.empty() ? "" : ", ",
                          d.rank, to_string(d.why), d.silent_ms);
-    Action f(Action::Kind::kFatal);
+    Down f(Down::Kind::kFatal);
     f.reason =
         majority
             ? fmt::format("only {} of {} ranks are left (members {}), fewer than the {} the job "
@@ -413,14 +413,14 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
     u.recovering = true;
     ++u.attempt;
     u.reports.clear();
-    Action a(Action::Kind::kRecover);
+    Down a(Down::Kind::kRecover);
     a.step = t;
     a.attempt = u.attempt;
     out.push_back(a);
   }
 }
 
-void Coordinator::resolve_recoveries(std::vector<Action>& out) {
+void Coordinator::resolve_recoveries(std::vector<Down>& out) {
   for (auto& [t, u] : unsettled_) {
     if (!u.recovering) continue;
     // Members that joined after step t take no part in it (they report absent, or the
@@ -471,13 +471,13 @@ void Coordinator::resolve_recoveries(std::vector<Action>& out) {
       }
     }
     u.recovering = false;
-    Action a(Action::Kind::kDecide);
+    Down a(Down::Kind::kDecide);
     a.decide = std::move(d);
     out.push_back(std::move(a));
   }
 }
 
-void Coordinator::decide_open(Time now, std::vector<Action>& out) {
+void Coordinator::decide_open(Time now, std::vector<Down>& out) {
   const int q = quorum();
   const int eligible = contributing();
   // A lease: decide only while a majority of the view has been heard from within half the
@@ -550,7 +550,7 @@ void Coordinator::decide_open(Time now, std::vector<Action>& out) {
       first_of_decided_.erase(first_of_decided_.begin());
     }
     it = open_.erase(it);
-    Action a(Action::Kind::kDecide);
+    Down a(Down::Kind::kDecide);
     a.decide = std::move(d);
     out.push_back(std::move(a));
     if (stopped_) return;

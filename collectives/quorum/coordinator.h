@@ -1,7 +1,7 @@
-// The quorum all-reduce's coordinator as a pure state machine: (state, event, now) -> actions.
-// No threads, no clock reads, no I/O: the quorum service (quorum.cc) feeds it the messages it
-// receives and periodic ticks, and carries out the actions it returns (send DECIDE / VIEW /
-// RECOVER / EVICTED / FATAL to the members). Tests drive it with a simulated clock.
+// The quorum all-reduce's coordinator as a pure state machine: (state, Up, now) -> Downs.
+// No threads, no clock reads, no I/O: its host (coordinator_host.h) feeds it the messages it
+// receives and periodic ticks, and sends the messages it returns (DECIDE / VIEW / RECOVER /
+// EVICTED / FATAL / JOINING, messages.h) to the members. Tests drive it with a simulated clock.
 //
 // What it decides (docs/design.md, "Membership"):
 //  - S(t), the contributors of step t: every live member arrived, or the quorum arrived and
@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/messages.h"
 #include "collectives/quorum/noise_scale.h"
 
 namespace qring::collectives::qproto {
@@ -63,133 +64,16 @@ struct Config {
   int auto_max = 0;
   double auto_kappa = 0;   // the rule's noise scale in contributions (0 = linear value)
   // The noise scale estimated in the run instead (noise_scale.h), from the norms READYs carry
-  // (Event::grad_sq, prev_mean_sq); auto_kappa until the first estimate.
+  // (Up::grad_sq, prev_mean_sq); auto_kappa until the first estimate.
   bool auto_estimate = false;
   Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
   uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
 };
 
-// The element type and reduction of a contribution as READY carries them.
-constexpr uint32_t layout_of(uint8_t type, bool mean) {
-  return (uint32_t(type) << 8) | (mean ? 1u : 0u);
-}
-
 // The quorum in force for a view of `view_size` members (a fraction is rounded up).
 int quorum_for(const Config& c, int view_size);
 // Fewest members the job may continue with: max(quorum, min_world).
 int floor_for(const Config& c, int view_size);
-
-struct View {
-  uint64_t epoch = 0;
-  std::vector<int> members;  // sorted
-  bool has(int r) const;
-  int size() const { return int(members.size()); }
-};
-
-enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
-
-enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3, kRestarted = 4 };
-const char* to_string(Why w);
-
-struct Departure {
-  int rank = -1;
-  Why why = Why::kSilent;
-  double silent_ms = 0;  // time since the coordinator last heard from it
-};
-
-// A rank that enters a view by rejoining: from `step` on it is a member; `donor` sends it
-// the state after step - 1.
-struct Joined {
-  int rank = -1;
-  uint32_t incarnation = 0;
-  uint64_t step = 0;
-  int donor = -1;
-  bool operator==(const Joined&) const = default;
-};
-
-struct Decision {
-  uint64_t step = 0;
-  uint32_t attempt = 0;  // 0: first decision; > 0: after a recovery
-  uint64_t epoch = 0;    // the view that decided it
-  Status status = Status::kOk;
-  int quorum = 0;        // the quorum in force
-  std::vector<int> contributors;  // S(t), sorted
-  // attempt > 0 and source >= 0: `source` holds the result and sends it to `needers`
-  // (S(t) unchanged). attempt > 0 and source < 0: a new reduction among `contributors`.
-  int source = -1;
-  std::vector<int> needers;
-  std::vector<int64_t> offsets_us;  // per rank: arrival after the step's first, -1 = none
-  int64_t decide_us = 0;
-  int bad_rank = -1;  // kMismatch: who sent another count or layout, and those
-  uint64_t bad_count = 0;
-  uint32_t bad_layout = 0;
-  int64_t settled = -1;  // every live member has completed every step <= settled
-};
-
-struct Action {
-  enum class Kind : uint8_t { kView, kDecide, kRecover, kEvicted, kFatal, kJoining } kind;
-  explicit Action(Kind k) : kind(k) {}
-  View view;                    // kView: the new view (sent to its members)
-  std::vector<Departure> left;  // kView: who left and why
-  std::vector<Joined> joined;   // kView: who joined
-  Decision decide;              // kDecide (sent to every member)
-  uint64_t step = 0;            // kRecover
-  uint32_t attempt = 0;         // kRecover
-  int to = -1;                  // kEvicted: the rank that contacted us while not a member
-  std::string reason;           // kFatal: the error every member reports
-  int joiner = -1;              // kJoining: every member reconnects to this rank's new
-  uint32_t incarnation = 0;     //   incarnation
-};
-
-// A decision a rank knows of (takeover): the highest attempt it saw for a step that is not
-// settled yet, with that attempt's contributors.
-struct Known {
-  uint64_t step = 0;
-  uint32_t attempt = 0;
-  bool skipped = false;
-  std::vector<int> contributors;
-};
-
-struct Event {
-  // kSuspect: `from` had a transport error with rank `suspect`. kBye: `from` finished the job
-  // (its silence from now on is no failure).
-  // kAck: `from` accepts `epoch` with this rank as its coordinator (failover; the service
-  // collects them before a Coordinator exists).
-  // kJoin: the service found incarnation `count` of rank `from` in the store. kHello: that
-  // incarnation has connected to every member (its first message). kAccept: member `from` has
-  // reconnected to incarnation `count` of rank `suspect`.
-  enum class Kind : uint8_t {
-    kReady,
-    kHeartbeat,
-    kReport,
-    kSuspect,
-    kBye,
-    kAck,
-    kTick,
-    kJoin,
-    kHello,
-    kAccept
-  } kind = Kind::kTick;
-  int from = -1;
-  uint64_t step = 0;       // kReady, kReport
-  uint64_t count = 0;      // kReady
-  uint32_t layout = 0;     // kReady: element type and reduction (layout_of)
-  int64_t completed = -1;  // highest step `from` has completed (every step before it too)
-  uint32_t attempt = 0;    // kReport
-  bool have = false;       // kReport: `from` holds the final result of `step`
-  bool absent = false;     // kReport: `from` joined after `step` (takes no part in it)
-  int suspect = -1;        // kSuspect: the rank a transport error concerned
-  uint64_t epoch = 0;      // kAck
-  std::vector<Known> known;  // kAck: decisions `from` saw that may not be settled
-  // kReady: a digest of the sender's replicated state before the step (a parameter checksum);
-  // the coordinator stops the job when two ranks' digests of one step differ.
-  std::optional<uint64_t> digest;
-  // kReady, quorum "auto" with the noise scale estimated (Config::auto_estimate): the squared
-  // norm of the sender's contribution to `step`, and of the result of step - 1 as it received
-  // it (the same on every rank). They feed the estimate (noise_scale.h).
-  std::optional<double> grad_sq, prev_mean_sq;
-  std::vector<double> values;  // a SHARD's values (kept by the service, not by the coordinator)
-};
 
 class Coordinator {
  public:
@@ -203,14 +87,14 @@ class Coordinator {
   // `incarnations`: every rank's, as the new coordinator knows them (a rank that rejoined
   // before is not a new join).
   Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
-              const std::vector<Known>& known, std::vector<Action>& out,
+              const std::vector<Known>& known, std::vector<Down>& out,
               const std::vector<uint32_t>& incarnations = {});
 
   // `more`: further events of the same instant follow (the messages one poll of the streams
   // found): this one is taken in, and the decisions wait for the last of them, so that every
   // contribution that is already in when the quorum is reached is counted (grace 0 means the
   // first Q to arrive, and those found together arrived together).
-  std::vector<Action> handle(const Event& e, Time now, bool more = false);
+  std::vector<Down> handle(const Event& e, Time now, bool more = false);
 
   const View& view() const { return view_; }
   // The quorum in force: a fraction counts the members that can contribute, not those that
@@ -262,19 +146,19 @@ class Coordinator {
 
   static constexpr uint8_t kNeed = 0, kHave = 1, kAbsent = 2;
   void on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now);
-  void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Action>& out);
-  void tick(Time now, std::vector<Action>& out);
-  void change_view(std::vector<Departure> left, Time now, std::vector<Action>& out);
-  void resolve_recoveries(std::vector<Action>& out);
-  void decide_open(Time now, std::vector<Action>& out);
+  void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Down>& out);
+  void tick(Time now, std::vector<Down>& out);
+  void change_view(std::vector<Departure> left, Time now, std::vector<Down>& out);
+  void resolve_recoveries(std::vector<Down>& out);
+  void decide_open(Time now, std::vector<Down>& out);
   void settle();
-  void take_result_norm(const Event& e);
-  void take_grad_norm(int from, const Event& e);
+  void take_result_norm(const Up& e);
+  void take_grad_norm(int from, const Up& e);
   void keep_norms(uint64_t t, const Open& o, const std::vector<int>& contributors);
   void recount(Open& o, Time now) const;
   int quorum_of(const Open& o) const;
-  void on_join(int r, uint32_t inc, Time now, std::vector<Action>& out);
-  void admit_joiners(Time now, std::vector<Action>& out);
+  void on_join(int r, uint32_t inc, Time now, std::vector<Down>& out);
+  void admit_joiners(Time now, std::vector<Down>& out);
   // Whether member r takes part in step t (it joined at or before it).
   bool in_step(int r, uint64_t t) const { return joined_at_[size_t(r)] <= t; }
 

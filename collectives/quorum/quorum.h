@@ -13,13 +13,19 @@
 // equal to the reduction of exactly the buffers of S(t). Ranks outside S(t) learn it at once
 // (excluded(t)), still receive step t's result and move on. Fewer than `quorum`
 // contributions by the hard deadline is a QuorumTimeout on every rank naming the missing ones.
+//
+// This class is the all-reduce only. Its membership (views, coordinator, rejoin and state
+// transfer) and its reports are interfaces of their own (membership(), reports()). Inside, a
+// member service on the engine (member.h) runs the protocol: its control stream, the
+// coordinator's host, the step runner, rejoin and liveness (docs/design.md, "The quorum
+// all-reduce's rooms").
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +34,9 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/quorum/errors.h"
+#include "collectives/quorum/membership.h"
+#include "collectives/quorum/reports.h"
 #include "net/rendezvous/store.h"
 
 namespace qring::collectives {
@@ -82,61 +91,10 @@ struct QuorumOptions {
   // joiner creates its all-reduce at another point of the communicator's sequence).
   // -1: the communicator's next sequence number.
   int instance = -1;
+  // Called (on the engine; keep it short) with (step, "ring") once this rank's reduction of
+  // the step has moved: where fault tests kill or stop a rank mid-reduction (fault_inject.h).
+  std::function<void(uint64_t, const char*)> on_phase;
 };
-
-// A rank that entered the view by rejoining: a member from step `step` on; `donor` sends it
-// the state after step - 1 (QuorumAllreduce::send_state).
-struct Rejoined {
-  int rank = -1;
-  uint32_t incarnation = 0;
-  uint64_t step = 0;
-  int donor = -1;
-};
-
-// What join() returns: the first step this rank takes part in and who sends the state.
-struct JoinInfo {
-  uint64_t step = 0;
-  int donor = -1;
-  uint64_t epoch = 0;
-  std::vector<int> members;
-  double join_ms = 0;  // from this all-reduce's creation to the admission
-};
-
-// A rank that the others evicted while it was alive (paused, or too slow to take its
-// results): it learns at its next contact with the coordinator and must leave the job.
-class Evicted : public IoError {
- public:
-  using IoError::IoError;
-};
-
-// A rank that came back to a job that had finished meanwhile: there is nothing to rejoin.
-class JobOver : public IoError {
- public:
-  using IoError::IoError;
-};
-
-// A change of the live members, as this rank applied it.
-struct ViewChange {
-  uint64_t epoch = 0;
-  std::vector<int> members;
-  struct Left {
-    int rank;
-    std::string why;   // "silent", "missed steps", "not taking results"
-    double silent_ms;  // time since the coordinator had last heard from it
-  };
-  std::vector<Left> left;
-  std::vector<Rejoined> joined;
-  Clock::time_point seen{};  // when this rank applied it
-};
-
-// The view changes a caller learns of from a step decided in view `decided_in`, when it has
-// learned of those up to view `*known`: of `views` (in epoch order, as view_changes() returns
-// them), those after *known up to decided_in, each once; *known becomes the larger of the two.
-// Steps do not arrive in view order: a step decided again after a loss takes the new view, while
-// the next step may have been decided before that, in the old view (by ranks that had its result,
-// without this one).
-std::vector<ViewChange> views_learned(const std::vector<ViewChange>& views, uint64_t decided_in,
-                                      uint64_t* known);
 
 // "3" → 3; "0.75" → ceil(0.75 * world); "1.0" → world. ConfigError when out of [1, world].
 int resolve_quorum(std::string_view spec, int world);
@@ -146,23 +104,6 @@ int resolve_quorum(std::string_view spec, int world);
 inline int64_t quorum_of_fraction(double fraction, int world) {
   return static_cast<int64_t>(std::ceil(fraction * world - 1e-9));
 }
-
-class QuorumTimeout : public CollectiveTimeout {
- public:
-  QuorumTimeout(const std::string& msg, std::vector<int> missing)
-      : CollectiveTimeout(msg), missing_(std::move(missing)) {}
-  const std::vector<int>& missing() const { return missing_; }
-
- private:
-  std::vector<int> missing_;
-};
-
-// The job cannot go on: fewer live ranks than it needs (quorum, quorum.min_world), or the
-// coordinator fell silent. Every rank gets it, naming who left and when each was last heard.
-class QuorumLost : public QuorumTimeout {
- public:
-  using QuorumTimeout::QuorumTimeout;
-};
 
 struct QuorumResult {
   uint64_t step = 0;
@@ -187,6 +128,11 @@ struct QuorumResult {
   std::vector<Rejoined> joined;
   bool contains(int rank) const { return (contributors[size_t(rank) / 8] >> (rank % 8)) & 1; }
 };
+
+class StepTable;
+class MembershipBox;
+class ReportBox;
+struct JoinAgentIo;
 
 class QuorumAllreduce {
  public:
@@ -228,74 +174,33 @@ class QuorumAllreduce {
   QuorumResult wait(uint64_t step, View* view);
   // True as soon as this rank's contribution to `step` can no longer be counted.
   bool excluded(uint64_t step) const;
-  // Called (on the engine thread; keep it short) when this rank is excluded from a step.
-  void on_excluded(std::function<void(uint64_t)> cb);
-  // Called on the engine thread with (step, "ring") once this rank's reduction of the step
-  // has moved: where fault tests kill or stop a rank mid-reduction (fault_inject.h).
-  void on_phase(std::function<void(uint64_t, const char*)> cb);
-  // Coordinator (rank 0): per step, each rank's contribution time at the coordinator in ms
-  // after the step's first (late ones included; -1 = never arrived). Empty elsewhere. Only
-  // the newest 16384 steps are kept.
-  std::map<uint64_t, std::vector<double>> arrival_log() const;
-
-  // Small sums gathered at the coordinator without a collective (the sharded evaluation): a
-  // rank sends part `part` of `parts` of the report `key` (1 to 8 finite float64) and goes on;
-  // nothing waits for it. Reports travel on the control stream to the coordinator in force;
-  // one sent while the coordinator changes may be lost.
-  void report(uint64_t key, int part, int parts, std::vector<double> values);
-  // At the coordinator: waits until parts [0, parts) of `key` other than `skip` (its own;
-  // -1 = none) are in, or until `until`, and returns those that arrived (part -> values).
-  // With `senders` (the rank that sends each part), it stops waiting for a part as soon as
-  // its sender has left the job (a view without it). A part its sender split into another
-  // number of parts (it saw other members) does not count. Reports of this key and of older
-  // keys are dropped afterwards.
-  std::map<int, std::vector<double>> gather_reports(uint64_t key, int parts, int skip,
-                                                    Clock::time_point until,
-                                                    const std::vector<int>& senders = {});
 
   // The late gradient waiting to be carried into the next contribution (LatePolicy::kCarry),
   // for checkpoints: empty when none is pending. restore_carry() takes what it returned.
   std::vector<char> pending_carry() const;
   void restore_carry(const std::vector<char>& bytes);
 
-  // The live members as of the last step this rank completed, and every view change this rank
-  // has applied so far (the first entry is epoch 0, the full world).
-  std::vector<int> members() const;
-  std::vector<ViewChange> view_changes() const;
-  // The rank that coordinates now (0 until it is lost; then the lowest live rank that took
-  // over). It writes the job's outputs.
-  int coordinator() const;
-
-  // Whether the job goes on when a rank is lost (max(quorum, min_world) < world).
-  bool survives_loss() const;
-
-  // ---- Rejoin (QuorumOptions::store; docs/design.md, "Rejoin").
-  // The joiner (QuorumOptions::join): blocks until this rank is admitted to a view, and
-  // returns the first step it takes part in. QuorumTimeout at `until`, naming what it waited
-  // for (members that had not published their address for it, or the coordinator's VIEW).
-  JoinInfo join(Clock::time_point until);
-  // The joiner, after join(): receives the donor's state (at most `len` bytes) into `buf`;
-  // returns its length. QuorumTimeout at `until` naming the donor.
-  size_t receive_state(void* buf, size_t len, Clock::time_point until);
-  // The donor of a rank that joined at `step` (QuorumResult::joined): sends it `state` and
-  // returns at once (the transfer runs on the engine thread while the steps go on).
-  void send_state(int to, uint64_t step, std::vector<char> state);
-  // The same with a buffer the caller may keep: the engine holds its reference until the send
-  // completes (use_count() back to 1: the caller may reuse it).
-  void send_state(int to, uint64_t step, std::shared_ptr<const std::vector<char>> state);
+  // The membership (views, coordinator, rejoin, state transfer) and the reports of this
+  // all-reduce: valid as long as it is.
+  QuorumMembership& membership();
+  const QuorumMembership& membership() const;
+  QuorumReports& reports();
 
   const QuorumOptions& options() const { return opts_; }
   size_t count() const { return count_; }
 
-  struct Shared;
-
  private:
-  void help_progress(uint64_t step);
   QuorumResult wait_impl(uint64_t step, void* out, View* view);
+  void start_join_agent(uint32_t instance);
   Communicator& comm_;
   size_t count_;
   QuorumOptions opts_;
-  std::shared_ptr<Shared> shared_;
+  // The hand-offs between the callers' threads and the engine, one per concern.
+  std::shared_ptr<StepTable> steps_;
+  std::shared_ptr<MembershipBox> membership_;
+  std::shared_ptr<ReportBox> reports_;
+  std::shared_ptr<JoinAgentIo> agent_io_;
+  std::shared_ptr<std::atomic<bool>> shutdown_;  // tells the service to say goodbye and end
   WorkPtr service_;
   std::thread agent_;  // store look-ups for rejoins (QuorumOptions::store)
   int instance_ = 0;

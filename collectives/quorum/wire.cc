@@ -104,7 +104,15 @@ size_t down_capacity(int world) {
   return sizeof(DownWire) + std::max({decide, view, kMaxFatalText});
 }
 
-std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
+using qproto::Down;
+using qproto::Up;
+using UpKind = qproto::Up::Kind;
+using DownKind = qproto::Down::Kind;
+
+std::vector<char> encode_up(int world, const Up& e) {
+  const UpKind type = e.kind;
+  if (type == UpKind::kTick || type == UpKind::kJoin)
+    throw UsageError(fmt::format("quorum: a local event (kind {}) cannot be sent", int(type)));
   UpWire w{};
   w.magic = kUpMagic;
   w.version = kVersion;
@@ -117,26 +125,26 @@ std::vector<char> encode_up(int world, Up type, const qproto::Event& e) {
   w.completed = e.completed;
   w.attempt = e.attempt;
   w.suspect = e.suspect;
-  if (type == Up::kAck) w.count = e.epoch;
-  if (type == Up::kReady) w.attempt = e.layout;  // READY has no attempt: its layout
+  if (type == UpKind::kAck) w.count = e.epoch;
+  if (type == UpKind::kReady) w.attempt = e.layout;  // READY has no attempt: its layout
   std::vector<char> out(sizeof(w));
   std::memcpy(out.data(), &w, sizeof(w));
-  if (type == Up::kReady && e.digest) {
+  if (type == UpKind::kReady && e.digest) {
     out.resize(sizeof(w) + 8);
     std::memcpy(out.data() + sizeof(w), &*e.digest, 8);
   }
-  if (type == Up::kReady && e.grad_sq) {  // + 16 bytes: the norms (NaN: no previous step's)
+  if (type == UpKind::kReady && e.grad_sq) {  // + 16 bytes: the norms (NaN: no previous step's)
     const double norms[2] = {*e.grad_sq, e.prev_mean_sq ? *e.prev_mean_sq : std::nan("")};
     const size_t at = out.size();
     out.resize(at + sizeof(norms));
     std::memcpy(out.data() + at, norms, sizeof(norms));
   }
-  if (type == Up::kShard) {
+  if (type == UpKind::kShard) {
     const size_t n = std::min(e.values.size(), kMaxShardValues);
     out.resize(sizeof(w) + 8 * n);
     if (n) std::memcpy(out.data() + sizeof(w), e.values.data(), 8 * n);
   }
-  if (type == Up::kAck) {
+  if (type == UpKind::kAck) {
     for (size_t i = 0; i < e.known.size() && i < kMaxKnown; ++i) {
       const auto& k = e.known[i];
       KnownWire kw{k.step, k.attempt, k.skipped ? 1u : 0u};
@@ -155,11 +163,11 @@ namespace {
 // ACK's entries of `entry` bytes) is one rank `from` may send.
 void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world, int from) {
   bool bad_len;
-  if (w.type == uint8_t(Up::kAck))
+  if (w.type == uint8_t(UpKind::kAck))
     bad_len = extra % entry != 0 || extra / entry > kMaxKnown;
-  else if (w.type == uint8_t(Up::kReady))
+  else if (w.type == uint8_t(UpKind::kReady))
     bad_len = extra != 0 && extra != 8 && extra != 16 && extra != 24;
-  else if (w.type == uint8_t(Up::kShard))
+  else if (w.type == uint8_t(UpKind::kShard))
     bad_len = extra == 0 || extra % 8 != 0 || extra / 8 > kMaxShardValues;
   else
     bad_len = extra != 0;
@@ -177,21 +185,21 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(Up::kReady) || w.type > uint8_t(Up::kWarm))
+  if (w.type < uint8_t(UpKind::kReady) || w.type > uint8_t(UpKind::kWarm))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
-  if (w.type == uint8_t(Up::kSuspect) && (w.suspect < 0 || w.suspect >= world))
+  if (w.type == uint8_t(UpKind::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
         fmt::format("quorum: rank {} reports rank {} of {} as suspect", from, w.suspect, world));
-  if (w.type == uint8_t(Up::kAccept) && (w.suspect < 0 || w.suspect >= world || w.suspect == from))
+  if (w.type == uint8_t(UpKind::kAccept) && (w.suspect < 0 || w.suspect >= world || w.suspect == from))
     throw ProtocolError(
         fmt::format("quorum: rank {} accepts rank {} of {} as a joiner", from, w.suspect, world));
-  if ((w.type == uint8_t(Up::kHello) || w.type == uint8_t(Up::kAccept)) &&
+  if ((w.type == uint8_t(UpKind::kHello) || w.type == uint8_t(UpKind::kAccept)) &&
       (w.count == 0 || w.count > UINT32_MAX))
     throw ProtocolError(
         fmt::format("quorum: rank {} names incarnation {} of a joiner", from, w.count));
   if (w.have > 2)
     throw ProtocolError(fmt::format("quorum: rank {} sends a report of kind {}", from, w.have));
-  if (w.type == uint8_t(Up::kShard) && (w.count == 0 || w.count > uint64_t(world) ||
+  if (w.type == uint8_t(UpKind::kShard) && (w.count == 0 || w.count > uint64_t(world) ||
                                         uint64_t(w.attempt) >= w.count))
     throw ProtocolError(fmt::format("quorum: rank {} sends part {} of {} of a report", from,
                                     w.attempt, w.count));
@@ -201,7 +209,7 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
 
 }  // namespace
 
-qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type) {
+Up decode_up(const void* buf, size_t len, int world, int from) {
   if (len < sizeof(UpWire))
     throw ProtocolError(
         fmt::format("quorum: malformed message from rank {} ({} bytes, expected {})", from, len,
@@ -211,30 +219,15 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   const size_t entry = sizeof(KnownWire) + bitmap_bytes(world);
   const size_t extra = len - sizeof(UpWire);
   check_up(w, len, extra, entry, world, from);
-  *type = Up(w.type);
-  qproto::Event e;
-  switch (*type) {
-    case Up::kReady: e.kind = qproto::Event::Kind::kReady; break;
-    case Up::kHeartbeat: e.kind = qproto::Event::Kind::kHeartbeat; break;
-    case Up::kReport: e.kind = qproto::Event::Kind::kReport; break;
-    case Up::kSuspect: e.kind = qproto::Event::Kind::kSuspect; break;
-    case Up::kBye: e.kind = qproto::Event::Kind::kBye; break;
-    case Up::kAck: e.kind = qproto::Event::Kind::kAck; break;
-    case Up::kDeposed: e.kind = qproto::Event::Kind::kTick; break;  // handled by the service
-    case Up::kShard: e.kind = qproto::Event::Kind::kHeartbeat; break;  // kept by the service
-    case Up::kHello: e.kind = qproto::Event::Kind::kHello; break;
-    case Up::kAccept: e.kind = qproto::Event::Kind::kAccept; break;
-    // Dropped by the service.
-    case Up::kWarm:
-      e.kind = qproto::Event::Kind::kTick;
-      break;
-  }
+  Up e;
+  e.kind = UpKind(w.type);
+  const UpKind type = e.kind;
   e.from = from;
   e.step = w.step;
   e.count = w.count;
   e.completed = w.completed;
   e.attempt = w.attempt;
-  if (*type == Up::kReady) {
+  if (type == UpKind::kReady) {
     e.layout = w.attempt;
     e.attempt = 0;
   }
@@ -242,12 +235,12 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   e.absent = w.have == 2;
   e.suspect = w.suspect;
   const char* extra_at = static_cast<const char*>(buf) + sizeof(UpWire);
-  if (*type == Up::kReady && (extra == 8 || extra == 24)) {
+  if (type == UpKind::kReady && (extra == 8 || extra == 24)) {
     uint64_t d;
     std::memcpy(&d, extra_at, 8);
     e.digest = d;
   }
-  if (*type == Up::kReady && extra >= 16) {
+  if (type == UpKind::kReady && extra >= 16) {
     double norms[2];
     std::memcpy(norms, extra_at + extra - 16, 16);
     auto bad = [](double v) { return !std::isfinite(v) || v < 0; };
@@ -258,7 +251,7 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
     e.grad_sq = norms[0];
     if (!std::isnan(norms[1])) e.prev_mean_sq = norms[1];
   }
-  if (*type == Up::kShard) {
+  if (type == UpKind::kShard) {
     e.values.resize(extra / 8);
     std::memcpy(e.values.data(), extra_at, extra);
     for (double v : e.values)
@@ -266,7 +259,7 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
         throw ProtocolError(
             fmt::format("quorum: rank {} sends a report with a non-finite value", from));
   }
-  if (*type == Up::kAck) {
+  if (type == UpKind::kAck) {
     e.epoch = w.count;
     const char* p = static_cast<const char*>(buf) + sizeof(UpWire);
     for (size_t i = 0; i < extra / entry; ++i, p += entry) {
@@ -279,15 +272,15 @@ qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* ty
   return e;
 }
 
-std::vector<char> encode_down(int world, const DownMsg& m) {
+std::vector<char> encode_down(int world, const Down& m) {
   DownWire h{};
   h.magic = kDownMagic;
   h.version = kVersion;
-  h.type = uint8_t(m.type);
+  h.type = uint8_t(m.kind);
   h.world = uint32_t(world);
   std::vector<char> body;
-  switch (m.type) {
-    case Down::kDecide: {
+  switch (m.kind) {
+    case DownKind::kDecide: {
       const auto& d = m.decide;
       h.status = uint8_t(d.status);
       h.attempt = d.attempt;
@@ -310,7 +303,7 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
       }
       break;
     }
-    case Down::kView: {
+    case DownKind::kView: {
       h.epoch = m.view.epoch;
       h.quorum = uint32_t(m.left.size());  // departures, then joined ranks
       h.attempt = uint32_t(m.joined.size());
@@ -329,24 +322,24 @@ std::vector<char> encode_down(int world, const DownMsg& m) {
       }
       break;
     }
-    case Down::kJoining:
+    case DownKind::kJoining:
       h.source = m.joiner;
       h.attempt = m.incarnation;
       break;
-    case Down::kRecover:
+    case DownKind::kRecover:
       h.step = m.step;
       h.attempt = m.attempt;
       break;
-    case Down::kFatal:
-      body.assign(m.text.begin(), m.text.begin() + long(std::min(m.text.size(), kMaxFatalText)));
+    case DownKind::kFatal:
+      body.assign(m.reason.begin(), m.reason.begin() + long(std::min(m.reason.size(), kMaxFatalText)));
       break;
-    case Down::kTakeover:
+    case DownKind::kTakeover:
       h.epoch = m.view.epoch;
       put_bitmap(body, world, m.view.members);
       break;
-    case Down::kEvicted:
-    case Down::kHeartbeat:
-    case Down::kBye:
+    case DownKind::kEvicted:
+    case DownKind::kHeartbeat:
+    case DownKind::kBye:
       break;
   }
   h.body = uint32_t(body.size());
@@ -392,7 +385,7 @@ void decode_decide(const DownWire& h, const char* body, int world, int from,
 }
 
 // decode_down's VIEW.
-void decode_view(const DownWire& h, const char* body, int world, int from, DownMsg& m) {
+void decode_view(const DownWire& h, const char* body, int world, int from, Down& m) {
   auto bad = [&](const std::string& what) { return malformed_down(from, what); };
   const size_t bm = bitmap_bytes(world);
   const size_t n_left = h.quorum, n_joined = h.attempt;
@@ -426,7 +419,7 @@ void decode_view(const DownWire& h, const char* body, int world, int from, DownM
 
 }  // namespace
 
-DownMsg decode_down(const void* buf, size_t len, int world, int from) {
+Down decode_down(const void* buf, size_t len, int world, int from) {
   auto bad = [&](const std::string& what) { return malformed_down(from, what); };
   if (len < sizeof(DownWire)) throw bad(fmt::format("{} bytes", len));
   DownWire h;
@@ -441,41 +434,41 @@ DownMsg decode_down(const void* buf, size_t len, int world, int from) {
   if (size_t(h.body) != len - sizeof(h))
     throw bad(fmt::format("body of {} bytes in a message of {}", h.body, len));
   const char* body = static_cast<const char*>(buf) + sizeof(h);
-  DownMsg m;
-  if (h.type < uint8_t(Down::kDecide) || h.type > uint8_t(Down::kJoining))
+  Down m;
+  if (h.type < uint8_t(DownKind::kDecide) || h.type > uint8_t(DownKind::kJoining))
     throw bad(fmt::format("unknown type {}", h.type));
-  m.type = Down(h.type);
-  switch (m.type) {
-    case Down::kDecide:
+  m.kind = DownKind(h.type);
+  switch (m.kind) {
+    case DownKind::kDecide:
       decode_decide(h, body, world, from, m.decide);
       break;
-    case Down::kView:
+    case DownKind::kView:
       decode_view(h, body, world, from, m);
       break;
-    case Down::kJoining:
+    case DownKind::kJoining:
       if (h.body != 0) throw bad(fmt::format("JOINING body of {} bytes", h.body));
       if (h.source < 0 || h.source >= world || h.attempt == 0)
         throw bad(fmt::format("JOINING of rank {} (incarnation {})", h.source, h.attempt));
       m.joiner = h.source;
       m.incarnation = h.attempt;
       break;
-    case Down::kRecover:
+    case DownKind::kRecover:
       m.step = h.step;
       m.attempt = h.attempt;
       break;
-    case Down::kFatal:
+    case DownKind::kFatal:
       if (h.body > kMaxFatalText) throw bad(fmt::format("FATAL text of {} bytes", h.body));
-      m.text.assign(body, h.body);
+      m.reason.assign(body, h.body);
       break;
-    case Down::kTakeover:
+    case DownKind::kTakeover:
       if (h.body != bitmap_bytes(world)) throw bad(fmt::format("TAKEOVER body of {} bytes", h.body));
       m.view.epoch = h.epoch;
       m.view.members = get_bitmap(body, world);
       if (m.view.members.empty()) throw bad("TAKEOVER without members");
       break;
-    case Down::kEvicted:
-    case Down::kHeartbeat:
-    case Down::kBye:
+    case DownKind::kEvicted:
+    case DownKind::kHeartbeat:
+    case DownKind::kBye:
       if (h.body != 0) throw bad(fmt::format("body of {} bytes", h.body));
       break;
   }

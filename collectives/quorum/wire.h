@@ -1,4 +1,4 @@
-// Wire format of the quorum all-reduce's control messages (version 4).
+// Wire format of the quorum all-reduce's control messages (messages.h; version 4).
 //
 // Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
 // + 8 bytes: the sender's parameter digest, when it sends one; then + 16 bytes, when it sends
@@ -22,36 +22,11 @@
 #include <string>
 #include <vector>
 
-#include "collectives/quorum/coordinator.h"
+#include "collectives/quorum/messages.h"
 
 namespace qring::collectives::qwire {
 
 constexpr uint16_t kVersion = 4;
-
-enum class Up : uint8_t {
-  kReady = 1,
-  kHeartbeat = 2,
-  kReport = 3,
-  kSuspect = 4,
-  kBye = 5,
-  kAck = 6,      // accepts a takeover: 48 bytes + the decisions it knows (failover)
-  kDeposed = 7,  // to a rank that still acts as coordinator: another one took over
-  kShard = 8,    // part `attempt` of `count` parts of the report keyed `step` (+ float64s)
-  kHello = 9,    // incarnation `count` of the sender rejoins (it reaches every member)
-  kAccept = 10,  // the sender reconnected to incarnation `count` of rank `suspect`
-  kWarm = 11     // a joiner's first message to a member: opens their connection; dropped
-};
-enum class Down : uint8_t {
-  kDecide = 1,
-  kView = 2,
-  kRecover = 3,
-  kEvicted = 4,
-  kFatal = 5,
-  kHeartbeat = 6,
-  kBye = 7,      // the coordinator finished the job
-  kTakeover = 8,  // a member takes over from a silent coordinator (epoch, proposed members)
-  kJoining = 9    // reconnect to incarnation `incarnation` of rank `joiner`
-};
 
 constexpr size_t kUpBytes = 48;
 // Decisions an ACK carries at most (the unsettled window is a few steps).
@@ -64,24 +39,12 @@ size_t up_capacity(int world);
 size_t down_capacity(int world);
 constexpr size_t kMaxFatalText = 1024;
 
-std::vector<char> encode_up(int world, Up type, const qproto::Event& e);
-// Throws ProtocolError (naming `from`) when malformed.
-qproto::Event decode_up(const void* buf, size_t len, int world, int from, Up* type);
+std::vector<char> encode_up(int world, const qproto::Up& m);
+// Throws ProtocolError (naming `from`) when malformed. Never returns a local kind (kTick,
+// kJoin).
+qproto::Up decode_up(const void* buf, size_t len, int world, int from);
 
-struct DownMsg {
-  Down type = Down::kHeartbeat;
-  qproto::Decision decide;             // kDecide
-  qproto::View view;                   // kView
-  std::vector<qproto::Departure> left; // kView
-  std::vector<qproto::Joined> joined;  // kView
-  int joiner = -1;                     // kJoining
-  uint32_t incarnation = 0;            // kJoining
-  uint64_t step = 0;                   // kRecover
-  uint32_t attempt = 0;                // kRecover
-  std::string text;                    // kFatal
-};
-
-std::vector<char> encode_down(int world, const DownMsg& m);
-DownMsg decode_down(const void* buf, size_t len, int world, int from);
+std::vector<char> encode_down(int world, const qproto::Down& m);
+qproto::Down decode_down(const void* buf, size_t len, int world, int from);
 
 }  // namespace qring::collectives::qwire

@@ -61,12 +61,14 @@ def test_sigkill_of_a_rank_the_others_finish():
 
 
 def test_a_stopped_rank_is_evicted_and_the_others_go_on():
-    # Rank 2 stopped (SIGSTOP) for 4 s, evict time 1 s: the others evict it and go on (200
-    # steps more, 10 ms apart, outlast the stop); rank 2, continued, learns it was evicted
-    # (qring.Evicted: exit status 75, a lost rank for qring-launch).
+    # Rank 2 stopped (SIGSTOP) for 4 s, evict time 1 s: the others evict it and go on (400
+    # steps more, 10 ms apart: at least 4 s after the view change, so they outlast the stop);
+    # rank 2, continued, learns it was evicted (qring.Evicted: exit status 75, a lost rank for
+    # qring-launch). With 200 steps a fast machine finished the job before rank 2 continued,
+    # and nobody was left to tell it.
     job = launch(4, ["train", "--quorum", "3", "--evict-ms", "1000", "--stop-rank", "2",
                      "--stop-step", "5", "--stop-ms", "4000", "--pace-ms", "10", "--until", "left",
-                     "--extra", "200"],
+                     "--extra", "400"],
                  launcher_args=["--tolerate-failures", "1"], timeout=180)
     assert job.rc == 101, job
     ranks = job.by_rank()

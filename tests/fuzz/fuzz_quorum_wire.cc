@@ -30,18 +30,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t len = size - 1;
   try {
     if (down) {
-      wire::DownMsg m = wire::decode_down(msg, len, world, from);
+      qring::collectives::qproto::Down m = wire::decode_down(msg, len, world, from);
       std::vector<char> again = wire::encode_down(world, m);
-      wire::DownMsg back = wire::decode_down(again.data(), again.size(), world, from);
-      if (back.type != m.type || wire::encode_down(world, back) != again) std::abort();
+      qring::collectives::qproto::Down back = wire::decode_down(again.data(), again.size(), world, from);
+      if (back.kind != m.kind || wire::encode_down(world, back) != again) std::abort();
     } else {
-      wire::Up type;
-      qring::collectives::qproto::Event e = wire::decode_up(msg, len, world, from, &type);
-      std::vector<char> again = wire::encode_up(world, type, e);
-      wire::Up type2;
-      qring::collectives::qproto::Event back =
-          wire::decode_up(again.data(), again.size(), world, from, &type2);
-      if (type2 != type || wire::encode_up(world, type2, back) != again) std::abort();
+      qring::collectives::qproto::Up e = wire::decode_up(msg, len, world, from);
+      std::vector<char> again = wire::encode_up(world, e);
+      qring::collectives::qproto::Up back = wire::decode_up(again.data(), again.size(), world, from);
+      if (back.kind != e.kind || wire::encode_up(world, back) != again) std::abort();
     }
   } catch (const qring::ProtocolError&) {
   }

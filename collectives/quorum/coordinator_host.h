@@ -1,0 +1,40 @@
+// The coordinator's host: messages in, Coordinator::handle, messages out. It holds the pure
+// state machine (coordinator.h) on the rank that coordinates, batches the messages one pass
+// of the control streams found (so that a decision counts every contribution already in),
+// ticks it, and hands every message it returns to `send` (the member service sends it to the
+// view's members and applies it on this rank). Engine thread only.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+
+#include "collectives/clock.h"
+#include "collectives/quorum/coordinator.h"
+
+namespace qring::collectives {
+
+class CoordinatorHost {
+ public:
+  using Send = std::function<void(const qproto::Down&)>;
+  // `arrival`: every READY's arrival (step, rank, ms after the step's first), late ones too.
+  CoordinatorHost(std::unique_ptr<qproto::Coordinator> state, Send send,
+                  std::function<void(uint64_t, int, double)> arrival);
+  // A message for the coordinator: from a member, or this rank's own.
+  void take(qproto::Up m) { inbox_.push_back(std::move(m)); }
+  // Feeds what was taken as one batch (handle's `more` on all but the last), and what that
+  // sends to this rank; with `tick`, ticks the state machine every 200 us at most. Returns
+  // whether it fed anything.
+  bool feed(Clock::time_point now, bool tick = true);
+  // Its own process was stopped: silence measured across the pause says nothing.
+  void resync(Clock::time_point now) { state_->resync(now); }
+  const qproto::Coordinator& state() const { return *state_; }
+
+ private:
+  std::unique_ptr<qproto::Coordinator> state_;
+  Send send_;
+  std::deque<qproto::Up> inbox_;
+  Clock::time_point last_tick_{};
+};
+
+}  // namespace qring::collectives

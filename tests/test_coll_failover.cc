@@ -1,0 +1,394 @@
+// Ranks that stop, die, are cut off or come back, in-process on virtual time (tests/
+// sim_harness.h): every failover, eviction and rejoin case of the quorum all-reduce, with the
+// real library (member service, coordinator, engine, in-process endpoint), its faults played
+// as a process meets them (a SIGKILL or SIGSTOP freezes the rank on the clock; a partition
+// cuts its links), at the phases of a step where the real fault tests play them (before the
+// step's work, right after the contribution, in the ring). Seconds of protocol time each, in
+// milliseconds of real time. What the survivors must end with: every step that two ranks
+// completed has one contributor set and the same bits on both, the replicas agree, the views
+// say who left and who came back, and recovery takes about the evict time.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "coll_harness.h"
+#include "collectives/quorum/quorum.h"
+#include "net/base/fnv1a.h"
+#include "sim_harness.h"
+
+namespace qring::testing {
+namespace {
+
+using collectives::Evicted;
+using collectives::JobOver;
+using collectives::QuorumAllreduce;
+using collectives::QuorumLost;
+using collectives::QuorumOptions;
+using collectives::QuorumResult;
+using collectives::QuorumTimeout;
+using std::chrono::milliseconds;
+
+// A fault played at `phase` ("step": before the step's work; "ready": right after the
+// contribution; "ring": on the engine, once the reduction has moved) of step `step` of the
+// first incarnation of `rank`. `pause` > 0: a stop (SIGSTOP, SIGCONT after it); else a kill.
+struct Fault {
+  int rank;
+  uint64_t step;
+  std::string phase = "step";
+  milliseconds pause{0};
+};
+
+// What one incarnation of a rank saw of each step it completed.
+struct Seen {
+  std::vector<uint8_t> contributors;
+  uint64_t hash = 0;  // of the result (0: skipped)
+  uint64_t epoch = 0;
+  bool skipped = false;
+  Clock::time_point at{};
+};
+struct Incarnation {
+  std::map<uint64_t, Seen> steps;
+  uint64_t params = 0;  // hash of the replica at the end (0: did not finish)
+  std::vector<collectives::ViewChange> views;
+  int coordinator = -1;
+  bool evicted = false;
+};
+
+// A small training job: `steps` quorum steps of `count` floats, each rank's replica updated by
+// every result, a rejoining rank taking the live state from its donor. Steps take 2 ms of
+// compute, one rank in four 1 ms more.
+class Job {
+ public:
+  Job(int world, QuorumOptions qo, uint64_t steps, std::vector<Fault> faults = {},
+      CommOptions co = {})
+      : w(world, co), qo_(std::move(qo)), steps_(steps), faults_(std::move(faults)),
+        fired_(faults_.size(), false) {
+    qo_.store = &w.store();
+    qo_.instance = 0;
+  }
+
+  // Runs the job; a rank whose program ends with Evicted comes back as a new incarnation when
+  // `rejoin_evicted`; `restarts` (rank -> delay after its kill) bring killed ranks back.
+  void run(bool rejoin_evicted = false, std::map<int, milliseconds> restarts = {}) {
+    rejoin_evicted_ = rejoin_evicted;
+    restarts_ = std::move(restarts);
+    t0_ = w.clock().now();
+    w.run([this](int rank, Communicator& comm) { program(rank, 0, comm); });
+  }
+
+  Incarnation& of(int rank, uint32_t inc = 0) { return runs_[{rank, inc}]; }
+  bool ran(int rank, uint32_t inc) const { return runs_.count({rank, inc}) != 0; }
+  Clock::time_point start() const { return t0_; }
+  // Virtual ms from the start of the job to `t`.
+  double ms(Clock::time_point t) const {
+    return std::chrono::duration<double, std::milli>(t - t0_).count();
+  }
+
+  // Every step two incarnations both completed has one contributor set, epoch and result.
+  void expect_agreement() const {
+    std::map<uint64_t, std::pair<std::pair<int, uint32_t>, Seen>> first;
+    for (const auto& [who, run] : runs_)
+      for (const auto& [t, s] : run.steps) {
+        auto [it, fresh] = first.try_emplace(t, who, s);
+        if (fresh) continue;
+        const Seen& f = it->second.second;
+        EXPECT_EQ(s.contributors, f.contributors) << "step " << t << ": rank " << who.first
+                                                  << " and rank " << it->second.first.first;
+        EXPECT_EQ(s.hash, f.hash) << "step " << t << ": rank " << who.first << " and rank "
+                                  << it->second.first.first;
+        EXPECT_EQ(s.skipped, f.skipped) << "step " << t;
+      }
+  }
+  // The replicas of the incarnations in `finishers` are equal and complete.
+  void expect_replicas_agree(const std::vector<std::pair<int, uint32_t>>& finishers) {
+    ASSERT_FALSE(finishers.empty());
+    const uint64_t want = of(finishers[0].first, finishers[0].second).params;
+    EXPECT_NE(want, 0u) << "rank " << finishers[0].first << " did not finish";
+    for (auto [r, inc] : finishers)
+      EXPECT_EQ(of(r, inc).params, want) << "rank " << r << " incarnation " << inc;
+  }
+  // Rank `back` came back (its incarnation 1 ran): every rank of the world finishes without an
+  // error (`back` as its second incarnation), the decisions agree, and so do the replicas.
+  void expect_all_finish_alike(int world, int back) {
+    ASSERT_TRUE(ran(back, 1));
+    std::vector<std::pair<int, uint32_t>> finishers;
+    for (int r = 0; r < world; ++r) {
+      const uint32_t inc = r == back ? 1 : 0;
+      EXPECT_EQ(w.error(r, inc), "") << "rank " << r;
+      finishers.push_back({r, inc});
+    }
+    expect_agreement();
+    expect_replicas_agree(finishers);
+  }
+
+  SimWorld w;
+
+ private:
+  void fire(int rank, uint32_t inc, uint64_t t, const char* phase) {
+    if (inc != 0) return;
+    for (size_t i = 0; i < faults_.size(); ++i) {
+      const Fault& f = faults_[i];
+      if (fired_[i] || f.rank != rank || t != f.step || f.phase != phase) continue;
+      fired_[i] = true;
+      if (f.pause.count() > 0) {
+        w.stop(rank, f.pause);
+        continue;
+      }
+      if (auto it = restarts_.find(rank); it != restarts_.end())
+        w.restart(rank, it->second, [this](int r, Communicator& c) { program(r, 1, c); });
+      w.kill(rank, inc);
+    }
+  }
+
+  void program(int rank, uint32_t inc, Communicator& comm) {
+    Incarnation& me = runs_[{rank, inc}];
+    QuorumOptions o = qo_;
+    o.join = inc > 0;
+    o.on_phase = [this, rank, inc](uint64_t t, const char* phase) { fire(rank, inc, t, phase); };
+    const size_t count = 64;
+    std::vector<float> params(count, 0.f), grad(count);
+    VirtualClock& clock = w.clock();
+    try {
+      QuorumAllreduce q(comm, count, o);
+      uint64_t t = 0;
+      if (o.join) {
+        const auto joined = q.membership().join(clock.now() + std::chrono::seconds(20));
+        std::vector<char> state(count * sizeof(float));
+        const size_t n = q.membership().receive_state(state.data(), state.size(),
+                                                      clock.now() + std::chrono::seconds(20));
+        EXPECT_EQ(n, state.size());
+        std::memcpy(params.data(), state.data(), state.size());
+        t = joined.step;
+      }
+      for (; t < steps_; ++t) {
+        fire(rank, inc, t, "step");
+        clock.sleep_until(clock.now() + milliseconds(2 + (rank % 4 == 3 ? 1 : 0)));
+        for (size_t j = 0; j < count; ++j) grad[j] = float(pattern(j + t, rank));
+        q.contribute(t, grad.data(), count);
+        fire(rank, inc, t, "ready");
+        QuorumResult r = q.wait(t, grad.data());
+        Seen s;
+        s.contributors = r.contributors;
+        s.skipped = r.skipped;
+        s.epoch = r.epoch;
+        s.at = clock.now();
+        if (!r.skipped) s.hash = fnv1a64(grad.data(), count * sizeof(float));
+        me.steps[t] = s;
+        // A rank that joins at this step takes the state before its update.
+        for (const auto& j : r.joined)
+          if (j.donor == rank) {
+            std::vector<char> state(count * sizeof(float));
+            std::memcpy(state.data(), params.data(), state.size());
+            q.membership().send_state(j.rank, t, std::move(state));
+          }
+        if (!r.skipped)
+          for (size_t j = 0; j < count; ++j) params[j] -= 0.125f * grad[j];
+      }
+      me.params = fnv1a64(params.data(), count * sizeof(float));
+      me.views = q.membership().view_changes();
+      me.coordinator = q.membership().coordinator();
+    } catch (const Evicted&) {
+      me.evicted = true;
+      if (rejoin_evicted_ && inc == 0)
+        w.restart(rank, milliseconds(0), [this](int r, Communicator& c) { program(r, 1, c); });
+      throw;
+    }
+  }
+
+  QuorumOptions qo_;
+  uint64_t steps_;
+  std::vector<Fault> faults_;
+  std::vector<bool> fired_;
+  bool rejoin_evicted_ = false;
+  std::map<int, milliseconds> restarts_;
+  std::map<std::pair<int, uint32_t>, Incarnation> runs_;
+  Clock::time_point t0_{};
+};
+
+QuorumOptions tolerant(int quorum) {
+  QuorumOptions qo;
+  qo.quorum = quorum;
+  qo.evict = milliseconds(500);
+  qo.deadline = milliseconds(8000);
+  return qo;
+}
+
+
+// The last step `rank` completed, and the first step decided in a view after `epoch` on `at`:
+// the recovery from its loss, in virtual ms.
+double recovery_ms(Job& job, int lost, int at, uint64_t epoch = 0) {
+  const auto& mine = job.of(lost).steps;
+  const auto lost_at = mine.empty() ? job.start() : mine.rbegin()->second.at;
+  std::optional<Clock::time_point> first;
+  for (const auto& [t, s] : job.of(at).steps)
+    if (s.epoch > epoch && (!first || s.at < *first)) first = s.at;
+  if (!first) return 1e9;
+  return job.ms(*first) - job.ms(lost_at);
+}
+
+int skipped_steps(Job& job, int rank) {
+  int n = 0;
+  for (const auto& [t, s] : job.of(rank).steps) n += s.skipped;
+  return n;
+}
+
+// W = 4, quorum 3: a member (rank 2) killed at step 20, at each phase. The others finish
+// agreeing on every step with identical replicas; one view change drops it; at most one step is
+// skipped; the first step decided without it comes within the evict time (500 ms) and a
+// heartbeat period of its loss.
+class MemberKilled : public ::testing::TestWithParam<std::string> {};
+TEST_P(MemberKilled, SurvivorsFinishAgreeingAndTheViewDropsIt) {
+  Job job(4, tolerant(3), 300, {{2, 20, GetParam()}});
+  job.run();
+  for (int r : {0, 1, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {1, 0}, {3, 0}});
+  const auto& v = job.of(1).views;
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[1].members, (std::vector<int>{0, 1, 3}));
+  ASSERT_EQ(v[1].left.size(), 1u);
+  EXPECT_EQ(v[1].left[0].rank, 2);
+  EXPECT_EQ(v[1].left[0].why, "silent");
+  EXPECT_LE(skipped_steps(job, 1), 1);
+  EXPECT_LT(recovery_ms(job, 2, 1), 500 + 125 + 50);
+}
+INSTANTIATE_TEST_SUITE_P(Phases, MemberKilled, ::testing::Values("step", "ready", "ring"));
+
+// The same with the coordinator (rank 0): rank 1 takes over with the acknowledgment of the
+// others and coordinates to the end; no step has two outcomes.
+class CoordinatorKilled : public ::testing::TestWithParam<std::string> {};
+TEST_P(CoordinatorKilled, TheLowestLiveRankTakesOverAndTheSurvivorsAgree) {
+  Job job(4, tolerant(3), 300, {{0, 20, GetParam()}});
+  job.run();
+  for (int r : {1, 2, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{1, 0}, {2, 0}, {3, 0}});
+  for (int r : {1, 2, 3}) EXPECT_EQ(job.of(r).coordinator, 1) << "rank " << r;
+  const auto& v = job.of(2).views;
+  ASSERT_EQ(v.size(), 2u);
+  EXPECT_EQ(v[1].members, (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(v[1].left[0].rank, 0);
+  EXPECT_LE(skipped_steps(job, 2), 1);
+  // The members wait evict + one heartbeat for the coordinator, then rank 1 gathers the acks.
+  EXPECT_LT(recovery_ms(job, 0, 2), 500 + 125 + 125);
+}
+INSTANTIATE_TEST_SUITE_P(Phases, CoordinatorKilled, ::testing::Values("step", "ready", "ring"));
+
+// A member stopped for 1.5 s (three evict times) at step 20 is evicted; continued, it learns it
+// and rejoins as a new incarnation with a live member's state; the job ends with all four,
+// their replicas identical, and the views show it leave and come back.
+class Stopped : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+TEST_P(Stopped, TheRankIsEvictedLearnsItAndRejoins) {
+  const auto [rank, phase] = GetParam();
+  Job job(4, tolerant(3), 1500, {{rank, 20, phase, milliseconds(1500)}});
+  job.run(/*rejoin_evicted=*/true);
+  EXPECT_TRUE(job.of(rank).evicted);
+  EXPECT_NE(job.w.error(rank, 0).find("evicted from the job"), std::string::npos)
+      << job.w.error(rank, 0);
+  job.expect_all_finish_alike(4, rank);
+  const int other = rank == 1 ? 2 : 1;
+  const auto& v = job.of(other).views;
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_EQ(v[1].left[0].rank, rank);
+  ASSERT_EQ(v[2].joined.size(), 1u);
+  EXPECT_EQ(v[2].joined[0].rank, rank);
+  EXPECT_EQ(v[2].members.size(), 4u);
+}
+INSTANTIATE_TEST_SUITE_P(MemberAndCoordinator, Stopped,
+                         ::testing::Values(std::make_tuple(2, std::string("step")),
+                                           std::make_tuple(2, std::string("ring")),
+                                           std::make_tuple(0, std::string("step")),
+                                           std::make_tuple(0, std::string("ring"))));
+
+// A pause shorter than the evict time costs nothing: nobody leaves, every rank finishes with
+// the same replica.
+TEST(Pause, ShorterThanTheEvictTimeIsNotAFailure) {
+  Job job(4, tolerant(3), 200, {{2, 20, "ring", milliseconds(200)}});
+  job.run();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+    EXPECT_EQ(job.of(r).views.size(), 1u) << "rank " << r;
+  }
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+}
+
+// A killed rank started again (qring-launch --max-restarts) rejoins with a live member's state;
+// the job ends with all four ranks' replicas identical. The coordinator too.
+class Restarted : public ::testing::TestWithParam<int> {};
+TEST_P(Restarted, AKilledRankComesBackAndTheReplicasAgree) {
+  const int rank = GetParam();
+  Job job(4, tolerant(3), 800, {{rank, 20, "step"}});
+  job.run(false, {{rank, milliseconds(100)}});
+  job.expect_all_finish_alike(4, rank);
+  const auto& v = job.of(3).views;
+  ASSERT_GE(v.size(), 3u);
+  EXPECT_EQ(v.back().members.size(), 4u);
+  EXPECT_EQ(v.back().joined.at(0).rank, rank);
+}
+INSTANTIATE_TEST_SUITE_P(MemberAndCoordinator, Restarted, ::testing::Values(2, 0));
+
+// Quorum = world: a lost rank stops the job on every rank, naming it.
+TEST(Lost, QuorumOfTheWholeWorldStopsNamingTheDeadRank) {
+  Job job(4, tolerant(4), 600, {{2, 30, "step"}});
+  job.run();
+  for (int r : {0, 1, 3}) {
+    const std::string e = job.w.error(r);
+    EXPECT_NE(e.find("fewer than the 4 the job needs"), std::string::npos) << "rank " << r << e;
+    EXPECT_NE(e.find("rank 2 ("), std::string::npos) << "rank " << r << ": " << e;
+  }
+}
+
+// Fewer live ranks than quorum.min_world stops the job though the quorum would allow going on.
+TEST(Lost, MinWorldStopsTheJob) {
+  QuorumOptions qo = tolerant(2);
+  qo.min_world = 4;
+  Job job(4, qo, 600, {{3, 30, "step"}});
+  job.run();
+  for (int r : {0, 1, 2})
+    EXPECT_NE(job.w.error(r).find("min_world 4"), std::string::npos) << job.w.error(r);
+}
+
+// A fractional quorum follows the view: 0.75 of 4 is 3, of 3 is 3, of 2 is 2: the job survives
+// two losses that an integer quorum of 3 would not.
+TEST(Lost, FractionalQuorumShrinksWithTheView) {
+  QuorumOptions qo = tolerant(0);
+  qo.fraction = 0.75;
+  Job job(4, qo, 400, {{1, 30, "step"}, {2, 180, "step"}});
+  job.run();
+  for (int r : {0, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {3, 0}});
+  EXPECT_EQ(job.of(0).views.size(), 3u);
+}
+
+// W = 5, quorum 3: two ranks die one after the other (one mid-reduction); the three left finish.
+TEST(Lost, FiveRanksLoseTwoOneAfterTheOther) {
+  Job job(5, tolerant(3), 400, {{2, 30, "ring"}, {4, 180, "step"}});
+  job.run();
+  for (int r : {0, 1, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {1, 0}, {3, 0}});
+  const auto& v = job.of(0).views;
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_EQ(v[1].left[0].rank, 2);
+  EXPECT_EQ(v[2].left[0].rank, 4);
+  EXPECT_LE(skipped_steps(job, 0), 2);
+}
+
+// A rank that comes back after the job finished learns that there is nothing to rejoin.
+TEST(Rejoin, AfterTheEndThereIsNothingToRejoin) {
+  Job job(4, tolerant(3), 100, {{2, 20, "step"}});
+  job.run(false, {{2, milliseconds(5000)}});
+  ASSERT_TRUE(job.ran(2, 1));
+  EXPECT_NE(job.w.error(2, 1).find("the job finished before this incarnation"), std::string::npos)
+      << job.w.error(2, 1);
+  for (int r : {0, 1, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+}
+
+}  // namespace
+}  // namespace qring::testing

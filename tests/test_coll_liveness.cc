@@ -1,0 +1,230 @@
+// Liveness of a quorum member as pure functions of the view and the time
+// (collectives/quorum/liveness.h), the member's paced sends (outbox.h), and the engine's
+// scheduling rules the quorum all-reduce relies on: an op that fails alone, an op given up,
+// ops started from a pass. No threads but the engine's, no sleeps.
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include "coll_harness.h"
+#include "collectives/engine.h"
+#include "collectives/quorum/liveness.h"
+#include "collectives/quorum/outbox.h"
+
+namespace qring::testing {
+namespace {
+
+using collectives::Clock;
+using collectives::Liveness;
+using collectives::LivenessTimes;
+using collectives::Takeover;
+using collectives::TakeoverOutcome;
+using collectives::qproto::View;
+using std::chrono::milliseconds;
+
+const Clock::time_point T0 = Clock::time_point{} + std::chrono::hours(1);
+
+View view(uint64_t epoch, std::vector<int> members) {
+  View v;
+  v.epoch = epoch;
+  v.members = std::move(members);
+  return v;
+}
+
+TEST(Liveness, HeartbeatsEveryQuarterOfTheEvictTimeAndAtOnceAfterAStepAtMostFourTimesAPeriod) {
+  const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
+  EXPECT_EQ(t.heartbeat, milliseconds(100));
+  Liveness l(t, T0);
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(99), -1));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(100), -1));
+  // A completed step: at once, but not within a quarter period of the last beat.
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(110), 5));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(126), 5));
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(200), 5));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(227), 5));
+}
+
+TEST(Liveness, APassTwoHeartbeatPeriodsAfterTheLastIsAPauseAndRestartsTheSilence) {
+  const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
+  Liveness l(t, T0);
+  l.heard_coordinator(T0);
+  EXPECT_FALSE(l.paused(T0 + milliseconds(150)));
+  EXPECT_FALSE(l.paused(T0 + milliseconds(350)));
+  // Stopped for 1 s: the coordinator's silence across it counts for nothing.
+  EXPECT_TRUE(l.paused(T0 + milliseconds(1350)));
+  EXPECT_DOUBLE_EQ(l.silent_ms(T0 + milliseconds(1360)), 10.0);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(1400), view(0, {0, 1, 2, 3}), 0, 1, true),
+            Liveness::Silence::kNone);
+}
+
+TEST(Liveness, SuccessorsProposeThemselvesInRankOrderOneEvictPeriodApart) {
+  const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
+  const View v = view(3, {0, 2, 5, 7});
+  EXPECT_EQ(collectives::successors(v, 0), (std::vector<int>{2, 5, 7}));
+  EXPECT_EQ(collectives::successors(v, 5), (std::vector<int>{0, 2, 7}));
+  // Heard once: evict + one heartbeat; each later successor one evict + heartbeat more.
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, true, t), T0 + milliseconds(500));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 5, T0, true, t), T0 + milliseconds(1000));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 7, T0, true, t), T0 + milliseconds(1500));
+  // Never heard (start-up): the deadline instead of the evict time.
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, false, t), T0 + milliseconds(8100));
+  Liveness l(t, T0);
+  l.heard_coordinator(T0);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 2, true),
+            Liveness::Silence::kTakeOver);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 5, true), Liveness::Silence::kNone);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(1001), v, 0, 5, true),
+            Liveness::Silence::kTakeOver);
+  // A job that cannot lose a rank stops instead.
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 2, false),
+            Liveness::Silence::kLost);
+  // A coordinator that said goodbye is silent for good, and that is no failure.
+  l.coordinator_finished();
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(5000), v, 0, 2, false),
+            Liveness::Silence::kNone);
+}
+
+TEST(Liveness, ATakeoverWinsWithAMajorityOnceAllAnsweredOrEvictPassedAndIsLostWithoutOne) {
+  const auto t = LivenessTimes::of(milliseconds(400), milliseconds(2000));
+  Takeover k;
+  k.epoch = 4;
+  k.candidates = {1, 2, 3, 4};
+  k.started = T0;
+  // View of 5 (the silent coordinator included): this rank alone is no majority.
+  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(500), t),
+            TakeoverOutcome::kGathering);
+  k.acks[2] = collectives::qproto::Up{};
+  k.acks[3] = collectives::qproto::Up{};
+  // 3 of 5: a majority, but candidate 4 has not answered and evict has not passed.
+  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(300), t),
+            TakeoverOutcome::kGathering);
+  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(401), t), TakeoverOutcome::kWon);
+  k.acks[4] = collectives::qproto::Up{};
+  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(1), t), TakeoverOutcome::kWon);
+  // 2 of 5 never win; after 2 evict + deadline the job is lost.
+  Takeover lone = k;
+  lone.acks.erase(3);
+  lone.acks.erase(4);
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(2800), t),
+            TakeoverOutcome::kGathering);
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(2801), t),
+            TakeoverOutcome::kLost);
+}
+
+TEST(Liveness, AMemberAcceptsOneTakeoverPerEpochAndTheLowerCandidateWins) {
+  const View current = view(2, {0, 1, 2, 3});
+  const View proposal = view(3, {1, 2, 3});
+  // Fresh: accepted. Stale epochs, proposals without this rank, a coordinator: refused.
+  EXPECT_TRUE(collectives::accepts_takeover(proposal, 1, 2, current, 2, false, std::nullopt));
+  EXPECT_FALSE(collectives::accepts_takeover(view(2, {1, 2, 3}), 1, 2, current, 2, false,
+                                             std::nullopt));
+  EXPECT_FALSE(collectives::accepts_takeover(proposal, 1, 2, current, 3, false, std::nullopt));
+  EXPECT_FALSE(collectives::accepts_takeover(view(3, {1, 3}), 1, 2, current, 2, false,
+                                             std::nullopt));
+  EXPECT_FALSE(collectives::accepts_takeover(proposal, 1, 2, current, 2, true, std::nullopt));
+  // Rank 2 proposed itself too: it yields to rank 1, not to rank 3.
+  Takeover own;
+  own.epoch = 3;
+  EXPECT_TRUE(collectives::accepts_takeover(proposal, 1, 2, current, 2, false, own));
+  EXPECT_FALSE(collectives::accepts_takeover(proposal, 3, 2, current, 2, false, own));
+}
+
+// ---- the engine's rules the quorum all-reduce relies on.
+
+// An op that counts its passes and fails at the third, or waits for ever.
+class Probe final : public collectives::EngineOp {
+ public:
+  explicit Probe(bool fail) : fail_(fail) {}
+  bool advance(net::Endpoint&) override {
+    if (fail_ && ++passes_ == 3) throw IoError("the probe fails");
+    return false;
+  }
+  bool finished() const override { return false; }
+  void abort(net::Endpoint&) override { aborted = true; }
+  std::string waiting_on() const override { return "nothing"; }
+  std::string name() const override { return "probe"; }
+  std::atomic<bool> aborted{false};
+
+ private:
+  bool fail_;
+  int passes_ = 0;
+};
+
+TEST(EngineScheduling, AnOpThatFailsAloneLeavesTheCommunicatorWorking) {
+  run_ranks(2, {}, [&](Communicator& comm) {
+    auto op = std::make_unique<Probe>(true);
+    op->on_failure = collectives::EngineOp::OnFailure::kFailsOp;
+    op->sequenced = false;
+    auto w = comm.submit(std::move(op));
+    EXPECT_THROW(w->wait(), IoError);
+    EXPECT_FALSE(comm.broken());
+    std::vector<float> buf(100, float(comm.rank() + 1));
+    comm.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, RedOp::kSum);
+    EXPECT_EQ(buf[7], 3.f);
+  });
+}
+
+TEST(EngineScheduling, AnOpThatFailsAloneAtItsDeadlineTimesOutWithoutProbes) {
+  run_ranks(2, {}, [&](Communicator& comm) {
+    auto op = std::make_unique<Probe>(false);
+    op->on_failure = collectives::EngineOp::OnFailure::kFailsOp;
+    op->sequenced = false;
+    op->deadline = Clock::now() + milliseconds(50);
+    auto w = comm.submit(std::move(op));
+    try {
+      w->wait();
+      ADD_FAILURE() << "no timeout";
+    } catch (const collectives::CollectiveTimeout& e) {
+      EXPECT_NE(std::string(e.what()).find("probe #0 timed out after"), std::string::npos)
+          << e.what();
+      EXPECT_EQ(std::string(e.what()).find("liveness probe"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(comm.broken());
+  });
+}
+
+TEST(EngineScheduling, AnOpThatBreaksTheCommunicatorFailsEveryOp) {
+  run_ranks(1, {}, [&](Communicator& comm) {
+    auto waiting = comm.submit(std::make_unique<Probe>(false));
+    auto failing = comm.submit(std::make_unique<Probe>(true));
+    EXPECT_THROW(failing->wait(), IoError);
+    EXPECT_THROW(waiting->wait(), IoError);
+    EXPECT_TRUE(comm.broken());
+  });
+}
+
+// ---- the outbox: results to one rank are paced, two in flight.
+
+TEST(Outbox, ResultsToOneRankGoTwoAtATimeAndAForgottenRankGetsNoMore) {
+  net::InprocFabric fabric(2);
+  auto a = fabric.endpoint(0);
+  auto b = fabric.endpoint(1);
+  collectives::Outbox out(2);
+  auto keep = std::make_shared<std::vector<char>>(16, 'x');
+  for (uint64_t k = 0; k < 5; ++k) out.send_result(*a, 1, k, keep, keep->data(), keep->size());
+  // The in-process endpoint completes sends at once: each reap lets the next two go.
+  std::vector<std::pair<int, std::string>> failed;
+  auto may = [](int) { return true; };
+  int rounds = 0;
+  while (!out.empty() && rounds < 10) {
+    out.reap(*a, failed, may);
+    ++rounds;
+  }
+  EXPECT_EQ(rounds, 3);  // 2 + 2 + 1
+  std::vector<char> got(16);
+  for (uint64_t k = 0; k < 5; ++k) {
+    auto r = b->irecv(0, k, got.data(), got.size());
+    b->progress();
+    EXPECT_TRUE(r->ok()) << "result " << k;
+  }
+  for (uint64_t k = 5; k < 9; ++k) out.send_result(*a, 1, k, keep, keep->data(), keep->size());
+  out.forget_results(1);
+  while (!out.empty()) out.reap(*a, failed, may);
+  auto r = b->irecv(0, 8, got.data(), got.size());
+  b->progress();
+  EXPECT_FALSE(r->done()) << "a result queued for a rank that left went out";
+  EXPECT_TRUE(failed.empty());
+}
+
+}  // namespace
+}  // namespace qring::testing
