@@ -45,6 +45,25 @@ struct ServerResult {
   double iteration_p50_ms = 0, iteration_p90_ms = 0;
 };
 
+// Applies push `p` as update `u` at `scale` times the rate. A push or update that is not
+// finite fails the run (train.nonfinite = "fail") or is left out and counted ("skip").
+void apply_push(const TrainConfig& cfg, TrainerCore& core, const collectives::ParamServer::Push& p,
+                double scale, int64_t u, RunSummary& sum) {
+  const bool skip = cfg.train.nonfinite == "skip";
+  std::string bad = nonfinite_text(p.data, core.num_params());
+  if (bad.empty() && !core.apply_gradient_finite(p.data, scale, 0, skip))
+    bad = "a parameter after the update";
+  if (bad.empty()) return;
+  if (!skip)
+    throw Error(fmt::format("async SGD server: update {} (worker {}'s push {}): {} is not "
+                            "finite: the run diverged (train.lr = {}); train.nonfinite = "
+                            "\"skip\" leaves such pushes out instead",
+                            u, p.rank, p.index, bad, cfg.train.lr));
+  if (sum.nonfinite_steps++ % 100 == 0)
+    spdlog::warn("update {}: worker {}'s push left out: {} is not finite ({} so far)", u, p.rank,
+                 bad, sum.nonfinite_steps);
+}
+
 // The server loop on rank 0 (its own thread): applies every push in arrival order, answers it,
 // records the update and evaluates on schedule.
 ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives::ParamServer& ps,
@@ -99,20 +118,7 @@ ServerResult serve(const TrainConfig& cfg, const DatasetPair& data, collectives:
     const double scale = staleness_lr_scale(cfg.train.async_staleness == "divide", stale);
     const double lr = core.lr() * scale;
     const double loss = double(p->data[P]);
-    const bool skip = cfg.train.nonfinite == "skip";
-    std::string bad = nonfinite_text(p->data, P);
-    if (bad.empty() && !core.apply_gradient_finite(p->data, scale, 0, skip))
-      bad = "a parameter after the update";
-    if (!bad.empty()) {
-      if (!skip)
-        throw Error(fmt::format("async SGD server: update {} (worker {}'s push {}): {} is not "
-                                "finite: the run diverged (train.lr = {}); train.nonfinite = "
-                                "\"skip\" leaves such pushes out instead",
-                                u, p->rank, p->index, bad, cfg.train.lr));
-      if (sum.nonfinite_steps++ % 100 == 0)
-        spdlog::warn("update {}: worker {}'s push left out: {} is not finite ({} so far)", u,
-                     p->rank, bad, sum.nonfinite_steps);
-    }
+    apply_push(cfg, core, *p, scale, u, sum);
     ps.reply(*p, core.params(), uint64_t(u + 1));
     const double it_ms =
         std::chrono::duration<double, std::milli>(got - last_push[size_t(p->rank)]).count();

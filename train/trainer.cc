@@ -337,6 +337,27 @@ int64_t rejoin(collectives::QuorumAllreduce& q, TrainerCore& core, const Trainer
   return start;
 }
 
+// Why checkpoint `s` cannot resume this rank of this job (another world or rank, model,
+// configuration or data position); empty when it can.
+std::string checkpoint_mismatch(const CheckpointState& s, const TrainConfig& cfg, int rank,
+                                int world, size_t n_params, int64_t steps_per_epoch) {
+  if (int(s.world) != world || int(s.rank) != rank)
+    return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world, rank,
+                       world);
+  if (s.params.size() != n_params || s.velocity.size() != n_params)
+    return fmt::format("{} parameters and {} momentum values, the model has {}", s.params.size(),
+                       s.velocity.size(), n_params);
+  if (s.config_fingerprint != cfg.fingerprint())
+    return fmt::format(
+        "config fingerprint {:016x} does not match this config's {:016x} "
+        "(seed, data, model or batch changed)",
+        s.config_fingerprint, cfg.fingerprint());
+  if (s.position.index >= steps_per_epoch)
+    return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
+                       s.position.epoch, s.position.index, steps_per_epoch);
+  return {};
+}
+
 // --resume: the step of the newest checkpoint every rank can load, restored into `core` and
 // `q` (0: none, a fresh start).
 int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicator& comm,
@@ -357,22 +378,8 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
   size_t next = 0;                    // steps[next..] not examined yet
   std::optional<CheckpointState> st;  // the newest loadable checkpoint examined so far
   std::string st_path, fatal;
-  auto mismatch = [&](const CheckpointState& s) -> std::string {
-    if (int(s.world) != world || int(s.rank) != rank)
-      return fmt::format("written by rank {} of {}; this is rank {} of {}", s.rank, s.world, rank,
-                         world);
-    if (s.params.size() != n_params || s.velocity.size() != n_params)
-      return fmt::format("{} parameters and {} momentum values, the model has {}", s.params.size(),
-                         s.velocity.size(), n_params);
-    if (s.config_fingerprint != cfg.fingerprint())
-      return fmt::format(
-          "config fingerprint {:016x} does not match this config's {:016x} "
-          "(seed, data, model or batch changed)",
-          s.config_fingerprint, cfg.fingerprint());
-    if (s.position.index >= steps_per_epoch)
-      return fmt::format("data position (epoch {}, batch {}) is past the {} batches per epoch",
-                         s.position.epoch, s.position.index, steps_per_epoch);
-    return {};
+  auto mismatch = [&](const CheckpointState& s) {
+    return checkpoint_mismatch(s, cfg, rank, world, n_params, steps_per_epoch);
   };
   auto propose = [&](int64_t candidate) -> int64_t {
     if (st && int64_t(st->step) <= candidate) return int64_t(st->step);
