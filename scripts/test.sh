@@ -17,30 +17,44 @@
 # Order: 1, 3, 4, 7, then 2, 5, 6. The builds of 2, 5 and 6 (scripts/build_sanitizers.sh) run
 # in the background at nice 19 from the end of the Release build on, in the CPU time that
 # stages 1, 3, 4 and 7 leave idle; each of 2, 5, 6 waits for its own build (the builds' log:
-# build/sanitizer-builds.log). Every stage prints its seconds and the load average when it
-# ends; a table of all of them and the total comes last.
+# build/sanitizer-builds.log). Every stage prints its seconds, the CPU seconds its processes
+# used (user + system; the background builds' own are in their log) and the load average when
+# it ends; a table of all of them and the total comes last. On a shared machine the CPU seconds
+# say what a stage costs whatever else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
+# cpu_ticks: user + system CPU of this shell's finished children, in clock ticks.
+cpu_ticks() {
+  local s
+  s=$(cat /proc/$$/stat)
+  s=${s##*) }
+  set -- $s
+  echo $(( ${14} + ${15} ))
+}
+hz=$(getconf CLK_TCK)
 stage=""
 stage_at=$start
+stage_cpu=$(cpu_ticks)
 summary=""
 bg_pid=""
 bg_log=build/sanitizer-builds.log
 end_stage() {
   [ -n "$stage" ] || return 0
-  local now secs load
+  local now secs cpu load
   now=$(date +%s)
   secs=$((now - stage_at))
+  cpu=$(( ($(cpu_ticks) - stage_cpu) / hz ))
   load=$(cut -d' ' -f1-3 /proc/loadavg)
-  echo "== $stage: $secs s (load average $load)"
-  summary+=$(printf '%6d s  %s (load %s)' "$secs" "$stage" "$load")$'\n'
+  echo "== $stage: $secs s, CPU $cpu s (load average $load)"
+  summary+=$(printf '%6d s %6d s CPU  %s (load %s)' "$secs" "$cpu" "$stage" "$load")$'\n'
   stage=""
 }
 section() {
   end_stage
   stage=$1
   stage_at=$(date +%s)
+  stage_cpu=$(cpu_ticks)
   echo "== $stage (at $((stage_at - start)) s)"
 }
 finish() {
@@ -52,7 +66,8 @@ finish() {
   [ ! -f "$bg_log" ] || grep '^== built' "$bg_log" | sed 's/^== /== background: /' || true
   echo "== stage times"
   printf '%s' "$summary"
-  printf '%6d s  total (load %s)\n' $(( $(date +%s) - start )) "$(cut -d' ' -f1-3 /proc/loadavg)"
+  printf '%6d s %6d s CPU  total without the background builds (load %s)\n' \
+    $(( $(date +%s) - start )) $(( $(cpu_ticks) / hz )) "$(cut -d' ' -f1-3 /proc/loadavg)"
   exit $rc
 }
 trap finish EXIT
@@ -75,10 +90,11 @@ scripts/setup.sh
 
 section "build (Release)"
 scripts/build.sh build -DQRING_BUILD_TESTS=ON
-# The sanitizer and fuzz builds, in their own process group (ended with this script).
+# The sanitizer and fuzz builds, in their own process group (ended with this script) and not
+# this shell's child (their CPU is not counted in the stage they happen to end in).
 rm -f build-asan/.qring-built build-tsan/.qring-built build-fuzz/.qring-built
-setsid nice -n 19 scripts/build_sanitizers.sh >"$bg_log" 2>&1 &
-bg_pid=$!
+(setsid nice -n 19 scripts/build_sanitizers.sh >"$bg_log" 2>&1 & echo $! >build/sanitizer-builds.pid)
+bg_pid=$(cat build/sanitizer-builds.pid)
 
 section "tests (Release)"
 (cd build && ctest --output-on-failure --no-tests=error --timeout 300 -j 2)
