@@ -470,6 +470,25 @@ TEST(Launch, RestartsRunOut) {
   EXPECT_THAT(tolerant.err, HasSubstr("1 of 3 ranks lost, tolerating up to 1"));
 }
 
+// Once a rank exits 74 (qring-train: the job is lost) no rank is restarted: rank 3 dies at
+// once and is restarted; its second incarnation dies after rank 0 reported the job lost and
+// stays down, named with why. The job ends with the job-lost status.
+TEST(Launch, NoRestartIntoALostJob) {
+  LaunchRun run({"-n", "4", "--max-restarts", "5", "--tolerate-failures", "3", "--", "sh", "-c",
+                 "case $QRING_RANK in 0) sleep 0.3; exit 74;; "
+                 "3) [ $QRING_RESTART = 0 ] && exit 1; sleep 0.8; exit 1;; esac; sleep 1.2; "
+                 "exit 74"});
+  EXPECT_EQ(run.finish(10s), 74) << run.err;
+  EXPECT_LT(run.elapsed, 5s);
+  EXPECT_THAT(run.err, HasSubstr("exited with status 1; restarting it (restart 1 of 5)"));
+  EXPECT_THAT(run.err, HasSubstr("rank 0 exited with status 74: the job is lost; no rank is "
+                                 "restarted from now on"));
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "rank 3 \\(pid [0-9]+\\) exited with status 1; not restarting it "
+                           "\\(rank 0 exited with status 74: the job is lost\\)"));
+  EXPECT_THAT(run.err, Not(HasSubstr("restart 2 of 5")));
+}
+
 TEST(Launch, BadMaxRestartsIsAUsageError) {
   for (const char* v : {"-1", "x", "1001"}) {
     LaunchRun run({"-n", "2", "--max-restarts", v, "--", "true"});

@@ -14,18 +14,21 @@
 // their output with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when
 // one rank fails -- or, with --tolerate-failures K, when more than K ranks have failed (a rank
 // exiting non-zero, 75 = evicted, or killed by a signal is "lost"; the others keep running).
+// --max-restarts N starts a failed rank again, until a rank exits 74 (qring-train: the job is
+// lost): nothing can rejoin a lost job, so no rank is restarted after that.
 // The end of a job: once a rank of this host exited 0 (the job finished), a rank that stays
 // stopped (SIGSTOP, no CPU time) for 2 s, or that still runs --finish-grace-s later (default
 // 30), can no longer take part: it is killed (SIGKILL), reported (which rank, stopped or hung,
 // since when) and counted lost, never restarted, so that the launcher ends with the survivors.
 // Exit status: 0 when every rank exits 0; 100 + k when k ranks were lost (k <= K, or killed
-// at the end as above) and every other rank exited 0; the status of the failing rank that stopped the job (128 + signal when it was
-// killed by a signal); 128 + signal when the launcher itself was signalled, except 76 when it
-// forwarded SIGTERM/SIGUSR1 and the ranks answered with 76 (qring-train: checkpointed and
-// stopped; rerun with --resume); 124 on --timeout-s; 2 on a usage error. Across hosts each
-// launcher reports its own ranks; K and restarts count this host's ranks, and the launcher of
-// node 0 serves the store until the other hosts' ranks have closed their connections (at most
-// 60 s after its own ranks ended). See docs/bootstrap.md.
+// at the end as above) and every other rank exited 0; the status of the failing rank that
+// stopped the job (128 + signal when it was killed by a signal); 128 + signal when the
+// launcher itself was signalled, except 76 when it forwarded SIGTERM/SIGUSR1 and the ranks
+// answered with 76 (qring-train: checkpointed and stopped; rerun with --resume); 124 on
+// --timeout-s; 2 on a usage error. Across hosts each launcher reports its own ranks; K and
+// restarts count this host's ranks, and the launcher of node 0 serves the store until the
+// other hosts' ranks have closed their connections (at most 60 s after its own ranks ended).
+// See docs/bootstrap.md. Deaths are recorded as (rank, incarnation) as the launcher reaps them.
 // Each rank runs under a supervisor (a fork of the launcher, see supervise()) that leads the
 // rank's process group, kills that group if the launcher dies (even by SIGKILL), and removes
 // the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
@@ -75,6 +78,7 @@ constexpr int kMaxRanks = 4096;
 // 100 + lost ranks must stay below 124 (timeout), 127 (cannot execute) and 128 + signal.
 constexpr int kMaxTolerated = 23;
 constexpr int kDegradedBase = 100;
+constexpr int kJobLostStatus = 74;  // qring-train: "the job is lost" (too few live ranks)
 constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
 // qring-train: "stopped by SIGTERM/SIGUSR1 after checkpointing the agreed step". When the
 // launcher forwarded such a signal and every rank ended so, the launcher exits with it too.
@@ -239,7 +243,8 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
       });
   qring::cli::add_value(app, "--max-restarts",
                         "start a rank that failed again, up to N times per rank (N <= 1000); it "
-                        "rejoins the running job. A rank lost beyond N restarts counts as above")
+                        "rejoins the running job. A rank lost beyond N restarts counts as above; "
+                        "none is restarted once a rank exited 74 (the job is lost)")
       ->each([&](const std::string& v) {
         o.max_restarts = int(to_int("--max-restarts", v, 0, 1000));
       });
@@ -500,6 +505,8 @@ class Launcher {
   // The job finished: when the first rank of this host exited 0, and which.
   std::optional<Clock::time_point> finished_at_;
   int finished_rank_ = -1;
+  // Why the job is known lost (a rank exited kJobLostStatus); no rank is restarted after it.
+  std::string job_lost_;
   bool stopping_ = false;
   bool killed_ = false;
   int signals_received_ = 0;
@@ -768,7 +775,16 @@ void Launcher::reap() {
       continue;
     }
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (it->restarts < opts_.max_restarts) {
+    if (code == kJobLostStatus && job_lost_.empty()) {
+      job_lost_ = fmt::format("rank {} exited with status {}: the job is lost", r, code);
+      if (opts_.max_restarts > 0)
+        write_all(2,
+                  fmt::format("qring-launch: {}; no rank is restarted from now on\n", job_lost_));
+    }
+    if (it->restarts < opts_.max_restarts && !job_lost_.empty())
+      write_all(2, fmt::format("qring-launch: rank {} (pid {}) {}; not restarting it ({})\n", r, p,
+                               describe_end(status), job_lost_));
+    if (it->restarts < opts_.max_restarts && job_lost_.empty()) {
       // What the failed rank left in its process group goes; a new process of the rank
       // rejoins the running job (docs/design.md, "Rejoin").
       kill(-p, SIGKILL);
