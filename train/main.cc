@@ -6,8 +6,9 @@
 // Exit status: 0 done, 1 runtime failure (a deadline passed, drift, a diverged run, out of
 // memory...), 2 bad command line, configuration or data (a fresh run into a run directory
 // that holds checkpoints included), 74 the job is lost (fewer live ranks than its quorum
-// allows, or its coordinator silent without a successor: qring-launch restarts no rank
-// after it), 75 this rank was evicted while alive (paused or too slow; the others went on without
+// allows, its coordinator silent without a successor, a step that no coordinator decided or
+// a collective that did not complete by its deadline: qring-launch restarts no rank after
+// it), 75 this rank was evicted while alive (paused or too slow; the others went on without
 // it), 76 stopped by SIGTERM/SIGUSR1 after writing the checkpoint of the step every rank stopped
 // after (train/stop_signals.h; go on with --resume).
 #include <fmt/format.h>
@@ -244,8 +245,10 @@ int main(int argc, char** argv) {
         continue;
       }
       return kExitEvicted;
-    } catch (const qring::collectives::QuorumLost& e) {
-      // Too few live ranks, or no successor to a silent coordinator: nobody can go on.
+    } catch (const qring::collectives::CollectiveTimeout& e) {
+      // QuorumLost (too few live ranks, no successor to a silent coordinator), a step no
+      // coordinator decided in time, a collective given up at its deadline: no step
+      // completes any more, and a new incarnation could not rejoin either.
       spdlog::error("{}", e.what());
       return kExitJobLost;
     } catch (const qring::collectives::JobOver& e) {

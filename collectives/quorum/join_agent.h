@@ -31,7 +31,8 @@ std::string join_key(uint32_t instance, int r, uint32_t inc, int owner);
 // Set by the rank that coordinated the end of the job: a rank that comes back later learns
 // that there is nothing to rejoin.
 std::string join_done_key(uint32_t instance, int coordinator);
-// Set by a rank that found the job lost (QuorumLost), with why: a rank that comes back later
+// Set by a rank whose quorum all-reduce ended with a timeout (QuorumLost, QuorumTimeout, a
+// ring given up: the job is lost), with why: a rank that comes back later
 // fails at once naming it, instead of waiting for a coordinator that no longer exists.
 std::string join_lost_key(uint32_t instance, int rank);
 

@@ -222,7 +222,7 @@ std::string QuorumAllreduce::lost_reason() const {
   if (!e) return "";
   try {
     std::rethrow_exception(e);
-  } catch (const QuorumLost& lost) {
+  } catch (const CollectiveTimeout& lost) {  // QuorumLost, QuorumTimeout, a ring given up
     return lost.what();
   } catch (...) {
   }

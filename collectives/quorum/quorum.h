@@ -193,7 +193,8 @@ class QuorumAllreduce {
  private:
   // What the destructor leaves in the store for a rank that comes back (join_agent.h).
   void record_job_end(const std::string& key, const std::string& value);
-  // Why the job was lost here (a QuorumLost ended the service), or "".
+  // Why the job was lost here (a timeout ended the service: QuorumLost, QuorumTimeout, a
+  // ring given up), or "".
   std::string lost_reason() const;
   QuorumResult wait_impl(uint64_t step, void* out, View* view);
   void start_join_agent(uint32_t instance);

@@ -78,7 +78,9 @@ constexpr int kMaxRanks = 4096;
 // 100 + lost ranks must stay below 124 (timeout), 127 (cannot execute) and 128 + signal.
 constexpr int kMaxTolerated = 23;
 constexpr int kDegradedBase = 100;
-constexpr int kJobLostStatus = 74;  // qring-train: "the job is lost" (too few live ranks)
+// qring-train: "the job is lost" (too few live ranks, a step or collective given up at its
+// deadline).
+constexpr int kJobLostStatus = 74;
 constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
 // qring-train: "stopped by SIGTERM/SIGUSR1 after checkpointing the agreed step". When the
 // launcher forwarded such a signal and every rank ended so, the launcher exits with it too.
