@@ -386,6 +386,7 @@ struct TcpStoreServer::Impl {
 
   void run();
   void accept_all();
+  bool connection_pending() const;
   void admit(int fd);
   bool drop_oldest_unjoined(uint32_t source, bool at_fd_limit);
   void forget_unjoined(uint64_t cid, uint32_t source);
@@ -591,6 +592,10 @@ void TcpStoreServer::Impl::accept_all() {
       int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
       if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // accept() wants a descriptor before it looks at the queue: at the limit it fails even
+      // when nobody waits, and the connection admitted last (a rank's, perhaps) must not make
+      // room for no one.
+      if ((err == EMFILE || err == ENFILE) && !connection_pending()) return;
       // Out of descriptors: a connection that has not joined makes room for the newcomer,
       // as past the caps (an attacker's connections hold descriptors, not ranks out).
       if ((err == EMFILE || err == ENFILE) && drop_oldest_unjoined(0, true)) {
@@ -619,6 +624,12 @@ void TcpStoreServer::Impl::accept_all() {
     admit(fd);
     ++accepted;
   }
+}
+
+// Whether a connection waits in the listening socket's queue (it is readable then).
+bool TcpStoreServer::Impl::connection_pending() const {
+  pollfd p{listen_fd.get(), POLLIN, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
 }
 
 // Serves a new connection (its CHALLENGE), first making room past the caps.
