@@ -852,6 +852,34 @@ TEST(TcpStore, ClientNamesWhatItsAttemptsMet) {
   close(lfd);
 }
 
+// Issue 44: a store slow to accept (loaded, or busy with an attacker's connections) serves
+// its queue in order. An attempt that got no CHALLENGE in time keeps its connection open
+// beside the next one: closing it cost the rank its place, and a queue slower than the
+// longest attempt timeout (4 s) was never served (the job failed at its 30 s setup deadline).
+TEST(TcpStore, ClientKeepsItsPlaceInASlowStoresQueue) {
+  int port = 0;
+  const int lfd = loopback_listener(16, port);  // the kernel queues; nobody accepts yet
+  std::thread rank([&] {
+    try {
+      TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(2500ms));
+      ADD_FAILURE() << "joined a server that never spoke";
+    } catch (const TimeoutError&) {
+    }
+  });
+  // The first attempt timed out after 500 ms; the second waits for its CHALLENGE.
+  std::this_thread::sleep_for(1200ms);
+  const int first = accept(lfd, nullptr, nullptr);  // the oldest in the queue
+  ASSERT_GE(first, 0);
+  char b = 0;
+  const ssize_t r = recv(first, &b, 1, MSG_DONTWAIT);
+  const int err = errno;
+  EXPECT_TRUE(r < 0 && (err == EAGAIN || err == EWOULDBLOCK))
+      << "the first attempt's connection was closed by the rank (recv " << r << ")";
+  close(first);
+  rank.join();
+  close(lfd);
+}
+
 // Issue 15 item 4: past the descriptor limit accept() fails with EMFILE; the server must not
 // spin on the readable listening socket nor flood its log, and serves again once descriptors
 // free up. Runs in a forked child (RLIMIT_NOFILE is per process) whose output goes to a file;

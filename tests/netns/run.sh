@@ -49,6 +49,7 @@ CLUSTER="$ROOT/scripts/netns-cluster.sh"
 WORK=$(mktemp -d /tmp/qring-netns-test.XXXXXX)
 passed=0
 failed=0
+KEEP=0
 SCENARIOS=(collectives bench train attack launch launch-rejoin launch-host-lost)
 
 pass() {
@@ -59,7 +60,12 @@ fail() {
   echo "FAIL: $1: $2"
   failed=$((failed + 1))
 }
+# When a scenario failed, the logs of all stay in $WORK (named on the line before the last).
 finish() {
+  if [ "$failed" -gt 0 ]; then
+    KEEP=1
+    echo "logs kept in $WORK"
+  fi
   echo "$passed passed, $failed failed"
   [ "$failed" -eq 0 ]
 }
@@ -76,7 +82,7 @@ wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
 
 cleanup() {
   "$CLUSTER" stop >/dev/null 2>&1 || true
-  rm -rf "$WORK"
+  [ "$KEEP" = 1 ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
