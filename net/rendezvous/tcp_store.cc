@@ -387,7 +387,6 @@ struct TcpStoreServer::Impl {
   void run();
   void accept_all();
   bool connection_pending() const;
-  bool a_rank_spoke() const;
   void admit(int fd);
   bool drop_oldest_unjoined(uint32_t source, bool at_fd_limit);
   void forget_unjoined(uint64_t cid, uint32_t source);
@@ -588,9 +587,6 @@ void TcpStoreServer::Impl::expire_connections() {
 
 void TcpStoreServer::Impl::accept_all() {
   for (int accepted = 0; accepted < kAcceptBatch;) {
-    // A rank's request goes first: a store short of CPU (a loaded host) must not spend its
-    // share on an attacker's connections while the ranks wait a turn for every reply.
-    if (accepted > 0 && a_rank_spoke()) return;
     int fd = accept4(listen_fd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       int err = errno;
@@ -628,14 +624,6 @@ void TcpStoreServer::Impl::accept_all() {
     admit(fd);
     ++accepted;
   }
-}
-
-// Whether a joined rank has sent something (or hung up) that the server has not read yet.
-bool TcpStoreServer::Impl::a_rank_spoke() const {
-  std::vector<pollfd> p;
-  p.reserve(rank_conn.size());
-  for (const auto& [rank, cid] : rank_conn) p.push_back({conns.at(cid).fd.get(), POLLIN, 0});
-  return !p.empty() && poll(p.data(), p.size(), 0) > 0;
 }
 
 // Whether a connection waits in the listening socket's queue (it is readable then).
