@@ -50,7 +50,7 @@ std::vector<Down> Coordinator::handle(const Event& e, Time now, bool more) {
     if (e.kind == Event::Kind::kJoin)
       on_join(r, uint32_t(e.count), now, out);
     else
-      roster_.hello(r, uint32_t(e.count));
+      roster_.hello(r, e.count);
     if (!stopped_) tick(now, out);
     return out;
   }
@@ -88,7 +88,7 @@ void Coordinator::take(const Event& e, Time now, std::vector<Down>& out) {
       recovery_.report(r, e);
       break;
     case Event::Kind::kAccept:
-      roster_.accepted(e.suspect, uint32_t(e.count), r);
+      roster_.accepted(e.suspect, e.count, r);
       break;
     case Event::Kind::kSuspect:
       if (e.suspect >= 0 && e.suspect < cfg_.world) roster_.suspect(e.suspect);
@@ -141,18 +141,16 @@ void Coordinator::change_view(std::vector<Departure> left, Time now, std::vector
 
 void Coordinator::decide(Time now, std::vector<Down>& out) {
   if (!holds_lease(roster_, now, cfg_)) return;
-  std::vector<Decision> decided;
-  steps_.decide(roster_, now, recovery_.settled(), decided);
-  for (auto& d : decided) {
+  const size_t first = out.size();
+  steps_.decide(roster_, now, recovery_.settled(), out);
+  for (size_t i = first; i < out.size(); ++i) {
+    const Decision& d = out[i].decide;
     if (d.status == Status::kOk) {
       roster_.count_misses(d.contributors, now);
       recovery_.decided(d.step, d.contributors);
     } else {
       stopped_ = true;  // every rank fails the step: the job ends
     }
-    Down a(Down::Kind::kDecide);
-    a.decide = std::move(d);
-    out.push_back(std::move(a));
   }
 }
 

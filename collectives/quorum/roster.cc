@@ -145,12 +145,12 @@ Down Roster::start_join(int r, uint32_t inc, Time now) {
   return a;
 }
 
-void Roster::hello(int r, uint32_t inc) {
+void Roster::hello(int r, uint64_t inc) {
   if (auto j = joins_.find(r); j != joins_.end() && j->second.incarnation == inc)
     j->second.hello = true;
 }
 
-void Roster::accepted(int joiner, uint32_t inc, int from) {
+void Roster::accepted(int joiner, uint64_t inc, int from) {
   auto j = joins_.find(joiner);
   if (j != joins_.end() && j->second.incarnation == inc &&
       std::find(j->second.accepted.begin(), j->second.accepted.end(), from) ==

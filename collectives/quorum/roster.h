@@ -58,8 +58,8 @@ class Roster {
   bool new_incarnation(int r, uint32_t inc);
   // Starts its join (after the old incarnation left the view): the JOINING to send.
   Down start_join(int r, uint32_t inc, Time now);
-  void hello(int r, uint32_t inc);
-  void accepted(int joiner, uint32_t inc, int from);
+  void hello(int r, uint64_t inc);
+  void accepted(int joiner, uint64_t inc, int from);
   // The joins complete now (abandoned after join_timeout): the VIEW that admits them at
   // `step`, this rank their donor; nothing when none is.
   std::optional<Down> admit(Time now, uint64_t step);

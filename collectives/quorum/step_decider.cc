@@ -101,7 +101,7 @@ void StepDecider::recount(const Roster& roster, Time now) {
 }
 
 void StepDecider::decide(const Roster& roster, Time now, int64_t settled,
-                         std::vector<Decision>& out) {
+                         std::vector<Down>& out) {
   const int eligible = roster.contributing();
   for (auto it = open_.begin(); it != open_.end();) {
     Open& o = it->second;
@@ -119,7 +119,9 @@ void StepDecider::decide(const Roster& roster, Time now, int64_t settled,
       continue;
     }
     const uint64_t t = it->first;
-    out.push_back(decision(t, o, st, roster, now, settled));
+    Down a(Down::Kind::kDecide);
+    a.decide = decision(t, o, st, roster, now, settled);
+    out.push_back(std::move(a));
     if (st == Status::kOk && cfg_.adaptive) {
       StepArrivals a;
       a.offset_ms.assign(size_t(cfg_.world), StepArrivals::kNotMember);
@@ -128,7 +130,7 @@ void StepDecider::decide(const Roster& roster, Time now, int64_t settled,
                                                       : StepArrivals::kNotArrived;
       a.decided_ms = ms_between(o.first, now);
       window_.decided(t, std::move(a));
-      if (cfg_.auto_estimate) keep_norms(t, o, out.back().contributors);
+      if (cfg_.auto_estimate) keep_norms(t, o, out.back().decide.contributors);
     }
     first_of_decided_[t] = o.first;
     next_step_ = std::max(next_step_, t + 1);

@@ -36,9 +36,10 @@ class StepDecider {
   bool arrive(int from, const Event& e, const Roster& roster, Time now);
   // The view changed: every open step counts its members again.
   void recount(const Roster& roster, Time now);
-  // The open steps that are due now, in step order, to `out`; after one that fails (a timeout
-  // or a mismatch) no further one: the job ends. `settled`: what every DECIDE carries.
-  void decide(const Roster& roster, Time now, int64_t settled, std::vector<Decision>& out);
+  // The open steps that are due now, in step order, as DECIDEs to `out`; after one that fails
+  // (a timeout or a mismatch) no further one: the job ends. `settled`: what every DECIDE
+  // carries.
+  void decide(const Roster& roster, Time now, int64_t settled, std::vector<Down>& out);
   // Step t is decided again (recovery): its first contributors' norms do not apply.
   void forget_norms(uint64_t t) { step_norms_.erase(t); }
 
