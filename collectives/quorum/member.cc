@@ -6,7 +6,6 @@
 
 #include <algorithm>
 
-
 namespace qring::collectives {
 
 using UpKind = qproto::Up::Kind;
