@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "collectives/quorum/liveness.h"
+
 namespace qring::collectives::qproto {
 
 Roster::Roster(const Config& cfg, Time now) : cfg_(cfg) {
@@ -79,12 +81,14 @@ std::vector<Departure> Roster::departures(Time now) {
   };
   for (auto& d : pending_) add(d);
   pending_.clear();
+  const LivenessTimes times = LivenessTimes::of(cfg_.evict, cfg_.deadline);
   for (int r : view_.members) {
     if (r == cfg_.self || finished_[size_t(r)]) continue;
     double silent = ms_between(last_heard_[size_t(r)], now);
-    // Until a rank has spoken once (start-up: loading data, connecting) the deadline applies.
-    const double limit = double(heard_[size_t(r)] ? cfg_.evict.count()
-                                                  : std::max(cfg_.evict, cfg_.deadline).count());
+    // Evict + a heartbeat period (liveness.h: a pause shorter than evict never evicts); until a
+    // rank has spoken once (start-up: loading data, connecting) the deadline instead of evict.
+    const double limit =
+        std::chrono::duration<double, std::milli>(silence_limit(heard_[size_t(r)], times)).count();
     if (silent > limit)
       add({r, Why::kSilent, silent});
     else if (suspect_[size_t(r)] && silent > double(cfg_.evict.count()) / 4)
