@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The test command: installs what it needs, builds, and runs every test.
+#   0. the structure rule that a script can check: no class in collectives/ over 500 lines
 #   1. Release build, every GoogleTest suite through ctest; the Python tests (pytest:
 #      python/tests, needs PyTorch: scripts/setup.sh installs it here); a C++ program built
 #      against the installed library (tests/consumer/run.sh: CMake package and pkg-config)
@@ -88,6 +89,8 @@ wait_built() {
 section "setup (scripts/setup.sh)"
 scripts/setup.sh
 
+section "structure: no class in collectives/ over 500 lines (scripts/class_sizes.py)"
+scripts/class_sizes.py --limit 500 collectives | tail -1
 section "build (Release)"
 scripts/build.sh build -DQRING_BUILD_TESTS=ON
 # The sanitizer and fuzz builds, in their own process group (ended with this script) and not

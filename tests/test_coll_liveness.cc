@@ -8,6 +8,7 @@
 
 #include "coll_harness.h"
 #include "collectives/engine.h"
+#include "collectives/quorum/failover.h"
 #include "collectives/quorum/liveness.h"
 #include "collectives/quorum/outbox.h"
 

@@ -641,7 +641,7 @@ class MetricsWriter {
   // The coordinator's arrival log keeps its newest steps only (collectives/quorum/quorum.cc); the
   // coordinator appends each step to arrivals.jsonl once it is kArrivalsLag steps old, when
   // no late READY can change it any more (the coordinator logs late READYs for its newest
-  // 4096 decided steps, kKeepDecided in quorum_coordinator.cc: the lag must stay above it),
+  // 4096 decided steps, kKeepDecided in step_decider.cc: the lag must stay above it),
   // and the rest at the end (finish).
   void after_step(int64_t done) {
     if (done % kArrivalsEvery == 0 && done > kArrivalsLag) write_arrivals(done - kArrivalsLag);

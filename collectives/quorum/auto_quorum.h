@@ -1,6 +1,6 @@
 // The adaptive quorum (quorum.quorum = "auto", issue 18): the number of contributions Q(t) a
 // step waits for, chosen by the coordinator from the arrivals of recent steps. A pure function
-// of the window (no clock, no I/O), called by the coordinator (quorum_coordinator.cc) when a
+// of the window (no clock, no I/O), called by the coordinator (step_decider.cc) when a
 // step opens and by qring-sim on its virtual clock (train/sim.cc); docs/design.md, "Adaptive
 // quorum", has the rule and its formula.
 //

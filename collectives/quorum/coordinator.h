@@ -3,6 +3,12 @@
 // receives and periodic ticks, and sends the messages it returns (DECIDE / VIEW / RECOVER /
 // EVICTED / FATAL / JOINING, messages.h) to the members. Tests drive it with a simulated clock.
 //
+// It composes three rooms and answers for their order within one instant:
+//   roster.h         the view and what it knows of every rank: evictions, joins, admissions
+//   step_decider.h   the open steps and S(t) of each (the grace rule, quorum "auto", digests)
+//   step_recovery.h  decided steps until every member holds them, their recovery after a loss
+// and follows the failover rules of failover.h (its lease, the state after a takeover).
+//
 // What it decides (docs/design.md, "Membership"):
 //  - S(t), the contributors of step t: every live member arrived, or the quorum arrived and
 //    the grace passed; fewer than the quorum by first arrival + deadline is a timeout.
@@ -29,52 +35,18 @@
 //    different digests for one step stop the job on every rank (FATAL naming both ranks).
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <optional>
-#include <string>
 #include <vector>
 
-#include "collectives/quorum/auto_quorum.h"
+#include "collectives/quorum/coordinator_config.h"
 #include "collectives/quorum/messages.h"
-#include "collectives/quorum/noise_scale.h"
+#include "collectives/quorum/roster.h"
+#include "collectives/quorum/step_decider.h"
+#include "collectives/quorum/step_recovery.h"
 
 namespace qring::collectives::qproto {
-
-using Clock = std::chrono::steady_clock;
-using Time = Clock::time_point;
-using Ms = std::chrono::milliseconds;
-
-struct Config {
-  int world = 1;
-  int self = 0;           // the coordinator's own rank
-  int quorum = 0;         // > 0: a count, kept as given
-  double fraction = 0;    // > 0: a fraction of the view, recomputed on every view change
-  Ms grace{0};
-  Ms deadline{30000};
-  Ms evict{5000};
-  int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
-  int min_world = 0;      // fewest members the job runs with; 0 = the quorum
-  uint64_t count = 0;     // elements per contribution (checked on every READY)
-  // quorum "auto" (auto_quorum.h): each step's quorum Q(t) is chosen when it opens from the
-  // window of recent arrivals, within [quorum, auto_max] (auto_max 0 = the view's size);
-  // `quorum` is then the lower bound, the one that membership rules use.
-  bool adaptive = false;
-  int auto_max = 0;
-  double auto_kappa = 0;   // the rule's noise scale in contributions (0 = linear value)
-  // The noise scale estimated in the run instead (noise_scale.h), from the norms READYs carry
-  // (Up::grad_sq, prev_mean_sq); auto_kappa until the first estimate.
-  bool auto_estimate = false;
-  Ms join_timeout{30000};  // a join that does not complete in this time is abandoned
-  uint32_t layout = 0;    // element type and reduction (layout_of; checked on every READY)
-};
-
-// The quorum in force for a view of `view_size` members (a fraction is rounded up).
-int quorum_for(const Config& c, int view_size);
-// Fewest members the job may continue with: max(quorum, min_world).
-int floor_for(const Config& c, int view_size);
 
 class Coordinator {
  public:
@@ -97,106 +69,46 @@ class Coordinator {
   // first Q to arrive, and those found together arrived together).
   std::vector<Down> handle(const Event& e, Time now, bool more = false);
 
-  const View& view() const { return view_; }
+  const View& view() const { return roster_.view(); }
   // The quorum in force: a fraction counts the members that can contribute, not those that
   // rejoined and apply the results they missed before they contribute again.
-  int quorum() const { return quorum_for(cfg_, contributing()); }
-  int contributing() const;
+  int quorum() const { return roster_.quorum(); }
+  int contributing() const { return roster_.contributing(); }
   bool stopped() const { return stopped_; }
   const Config& config() const { return cfg_; }
   // Every arrival (late ones included), as (step, rank, ms after the step's first arrival).
-  void on_arrival(std::function<void(uint64_t, int, double)> cb) { on_arrival_ = std::move(cb); }
+  void on_arrival(std::function<void(uint64_t, int, double)> cb) {
+    steps_.on_arrival(std::move(cb));
+  }
   // auto_estimate: the run's estimate of the gradient-noise scale so far, in contributions.
-  std::optional<double> noise_scale() const { return noise_.value(); }
+  std::optional<double> noise_scale() const { return steps_.noise_scale(); }
   // Steps decided but not yet completed by every live member.
-  size_t unsettled() const { return unsettled_.size(); }
+  size_t unsettled() const { return recovery_.unsettled(); }
   // The next step to be decided (a rank admitted now is a member from it on).
-  uint64_t next_step() const { return next_step_; }
+  uint64_t next_step() const { return steps_.next_step(); }
   // Joins under way (found, not yet admitted or abandoned).
-  size_t joining() const { return joins_.size(); }
-  uint32_t incarnation(int r) const { return incarnation_[size_t(r)]; }
+  size_t joining() const { return roster_.joining(); }
+  uint32_t incarnation(int r) const { return roster_.incarnation(r); }
   // True while a step is open (READYs counted, no decision yet) or being recovered: the
   // caller should tick promptly (the grace and the deadline run).
-  bool waiting() const;
+  bool waiting() const { return steps_.open() || recovery_.recovering(); }
   // The coordinator's own process was stopped for a while: silence measured across the
   // pause says nothing about the others, so every member starts a fresh evict period.
-  void resync(Time now);
+  void resync(Time now) { roster_.resync(now); }
 
  private:
-  struct Open {
-    Time first{};
-    std::vector<std::optional<Time>> arrived;
-    std::vector<double> grad_sq;  // auto_estimate: per rank, its contribution's (-1: none)
-    int quorum = 0;  // adaptive: Q(t), chosen when the step opened
-    int n = 0;
-    std::optional<Time> quorum_time;
-    bool mismatch = false;
-    int bad_rank = -1;
-    uint64_t bad_count = 0;
-    uint32_t bad_layout = 0;
-  };
-  struct Unsettled {
-    std::vector<int> contributors;
-    std::vector<int> late;  // contributed after the decision (their buffers are intact)
-    uint32_t attempt = 0;
-    int source = -1;
-    bool skipped = false;
-    bool recovering = false;
-    std::map<int, uint8_t> reports;  // rank -> kHave, kNeed or kAbsent
-  };
-
-  static constexpr uint8_t kNeed = 0, kHave = 1, kAbsent = 2;
-  void on_ready(int from, uint64_t step, uint64_t count, uint32_t layout, Time now);
-  void check_digest(int from, uint64_t step, uint64_t digest, std::vector<Down>& out);
+  void take(const Event& e, Time now, std::vector<Down>& out);
   void tick(Time now, std::vector<Down>& out);
   void change_view(std::vector<Departure> left, Time now, std::vector<Down>& out);
-  void resolve_recoveries(std::vector<Down>& out);
-  void decide_open(Time now, std::vector<Down>& out);
-  void settle();
-  void take_result_norm(const Up& e);
-  void take_grad_norm(int from, const Up& e);
-  void keep_norms(uint64_t t, const Open& o, const std::vector<int>& contributors);
-  void recount(Open& o, Time now) const;
-  int quorum_of(const Open& o) const;
   void on_join(int r, uint32_t inc, Time now, std::vector<Down>& out);
-  void admit_joiners(Time now, std::vector<Down>& out);
-  // Whether member r takes part in step t (it joined at or before it).
-  bool in_step(int r, uint64_t t) const { return joined_at_[size_t(r)] <= t; }
+  void decide(Time now, std::vector<Down>& out);
+  void fatal(std::string reason, std::vector<Down>& out);
 
   Config cfg_;
-  View view_;
   bool stopped_ = false;
-  std::vector<Time> last_heard_;
-  std::vector<int64_t> completed_;
-  std::vector<int> missed_;
-  std::vector<Departure> pending_;  // evictions decided outside tick()
-  std::vector<bool> suspect_;       // a member reported a transport error with it
-  std::vector<bool> finished_;      // said goodbye
-  std::vector<bool> heard_;         // has spoken at least once (start-up takes longer)
-  std::map<uint64_t, Open> open_;
-  std::map<uint64_t, Time> first_of_decided_;  // for late arrivals' offsets
-  uint64_t low_water_ = 0;                     // every step below was decided
-  std::map<uint64_t, Unsettled> unsettled_;
-  int64_t settled_ = -1;
-  std::map<uint64_t, std::pair<int, uint64_t>> digests_;  // step -> (first rank, its digest)
-  uint64_t next_step_ = 0;               // the lowest step not decided yet
-  std::vector<uint32_t> incarnation_;    // per rank: the newest incarnation known
-  std::vector<uint64_t> joined_at_;      // per rank: first step it takes part in
-  std::vector<bool> catching_up_;        // per rank: joined, has not contributed since
-  struct Join {
-    uint32_t incarnation = 0;
-    Time started{};
-    std::vector<int> accepted;  // members that reconnected to it
-    bool hello = false;         // it connected to every member
-  };
-  std::map<int, Join> joins_;
-  std::function<void(uint64_t, int, double)> on_arrival_;
-  AutoQuorumWindow window_;  // adaptive: the recent steps' arrivals
-  // auto_estimate: per decided step, its contributors' count and mean squared norm, until a
-  // READY of the next step brings the result's norm; and the estimate.
-  std::map<uint64_t, std::pair<int, double>> step_norms_;
-  NoiseScaleEstimate noise_;
-  double kappa() const;
+  Roster roster_;
+  StepDecider steps_;
+  StepRecovery recovery_;
 };
 
 }  // namespace qring::collectives::qproto

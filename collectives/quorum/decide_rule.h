@@ -1,7 +1,7 @@
 // When an open step of the quorum all-reduce is decided (DESIGN §3, "Bounded wait"): every
 // member that can contribute has arrived, or the quorum has and the grace has passed since it
 // did (grace 0: at once, the first Q win as in the paper). A pure function of counts and
-// durations: the coordinator (coordinator.cc, decide_open) applies it on its clock, qring-sim
+// durations: the coordinator (step_decider.cc, StepDecider::decide) applies it on its clock, qring-sim
 // (train/sim.cc, sim_decide) on its virtual one, so that the simulator decides as qring does.
 #pragma once
 

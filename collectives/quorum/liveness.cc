@@ -24,26 +24,6 @@ Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int s
   return last_heard + silence_limit(heard_once, t) + k * (t.evict + t.heartbeat);
 }
 
-TakeoverOutcome takeover_outcome(const Takeover& t, int view_size, Clock::time_point now,
-                                 const LivenessTimes& times) {
-  const int acked = int(t.acks.size()) + 1;
-  const bool majority = 2 * acked > view_size;
-  const bool all = acked == int(t.candidates.size());
-  const bool waited = now - t.started > times.evict;
-  if (majority && (all || waited)) return TakeoverOutcome::kWon;
-  if (now - t.started > 2 * times.evict + times.deadline) return TakeoverOutcome::kLost;
-  return TakeoverOutcome::kGathering;
-}
-
-bool accepts_takeover(const qproto::View& proposed, int from, int self,
-                      const qproto::View& current, uint64_t acked_epoch, bool coordinating,
-                      const std::optional<Takeover>& own) {
-  if (coordinating || proposed.epoch <= current.epoch || proposed.epoch <= acked_epoch ||
-      !proposed.has(self))
-    return false;  // stale, or this rank coordinates, or it accepted another candidate already
-  return !own || from < self;  // the lower candidate wins
-}
-
 Liveness::Liveness(LivenessTimes t, Clock::time_point now)
     : t_(t), last_pass_(now), last_down_(now), last_beat_(now) {}
 

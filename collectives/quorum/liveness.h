@@ -1,5 +1,5 @@
 // Liveness of the quorum all-reduce on a member: heartbeats, the pause of its own process,
-// the coordinator's silence and who takes over from it, and the deadlines of a step. Pure
+// the coordinator's silence and when to act on it, and the deadlines of a step. Pure
 // functions of the view and of the time given (the engine's TimeSource: virtual time in the
 // tests, tests/test_coll_liveness.cc), and the little state they read; the member service
 // (member.h) does the sending. What it decides (docs/design.md, "Membership"):
@@ -14,15 +14,12 @@
 //    evict never evicts, and one over 1.125 evict always does (issue 42, case 11);
 //  - the coordinator silent: in a job that can lose a rank the other members of the last view
 //    propose themselves in rank order, each one evict + one heartbeat period after the one
-//    before; a proposal wins with the acknowledgment of a majority of the last view, once
-//    every candidate answered or evict passed; without it by 2 evict + deadline the job is
-//    lost. In a job that cannot lose a rank the silence stops it.
+//    before (the proposal, its acceptance and its outcome: failover.h). In a job that cannot
+//    lose a rank the silence stops it.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
-#include <map>
-#include <optional>
 #include <vector>
 
 #include "collectives/clock.h"
@@ -49,26 +46,6 @@ std::vector<int> successors(const qproto::View& view, int coordinator);
 Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int self,
                                 Clock::time_point last_heard, bool heard_once,
                                 const LivenessTimes& t);
-
-// A proposal of this rank to coordinate `epoch` after the coordinator fell silent.
-struct Takeover {
-  uint64_t epoch = 0;
-  std::vector<int> candidates;  // the last view without the silent coordinator
-  Clock::time_point started{};
-  std::map<int, qproto::Up> acks;  // the members that accepted, with what they know
-  std::vector<qproto::Up> early;   // messages of members that switched already (READYs ...)
-};
-enum class TakeoverOutcome : uint8_t { kGathering, kWon, kLost };
-// A majority of the last view (`view_size`, this rank included) accepted, and every candidate
-// did or evict passed: won. No majority by 2 evict + deadline: lost.
-TakeoverOutcome takeover_outcome(const Takeover& t, int view_size, Clock::time_point now,
-                                 const LivenessTimes& times);
-// Whether a member accepts `from`'s proposal of `proposed` (epoch, members): not while it
-// coordinates, nor a stale epoch, nor one it is not part of, nor one after it accepted
-// another for that epoch; a rank that proposes itself yields to a lower candidate.
-bool accepts_takeover(const qproto::View& proposed, int from, int self,
-                      const qproto::View& current, uint64_t acked_epoch, bool coordinating,
-                      const std::optional<Takeover>& own);
 
 // The clocks a member keeps.
 class Liveness {

@@ -6,8 +6,6 @@
 
 #include <algorithm>
 
-#include "collectives/quorum/wire.h"
-
 namespace qring::collectives {
 
 using UpKind = qproto::Up::Kind;
@@ -42,7 +40,6 @@ QuorumMember::QuorumMember(Engine& engine, const CommOptions& copts, size_t coun
     : engine_(engine),
       copts_(copts),
       o_(o),
-      count_(count),
       boxes_(std::move(boxes)),
       rank_(engine.rank()),
       world_(engine.size()),
@@ -56,21 +53,21 @@ QuorumMember::QuorumMember(Engine& engine, const CommOptions& copts, size_t coun
       runner_(engine, copts_, o_, count, instance_, tolerant_, *boxes_.steps, out_),
       rejoin_(engine, copts_, o_, instance_, *boxes_.membership, streams_, out_, boxes_.agent),
       liveness_(LivenessTimes::of(o.evict, o.deadline), engine.now()),
-      told_deposed_(size_t(world_), false),
+      // A joiner learns its coordinator when it is admitted.
+      succession_(rank_, world_, o.join ? -1 : 0),
+      ledger_(count, cfg_.layout),
+      follower_(engine, o.evict, o.join,
+                {runner_, rejoin_, liveness_, ledger_, succession_, *boxes_.steps,
+                 *boxes_.membership}),
       reported_suspect_(size_t(world_), false),
       known_inc_(size_t(world_), 0) {
   seq = 0;
   sequenced = false;
   deadline = Clock::time_point::max();
-  if (o.join) {
-    coord_ = -1;  // learned when it is admitted
-  } else {
-    for (int r = 0; r < world_; ++r) view_.members.push_back(r);
-  }
 }
 
 bool QuorumMember::passive() const {
-  return runner_.idle() && out_.empty() && awaiting_decide_.empty() &&
+  return runner_.idle() && out_.empty() && ledger_.awaiting().empty() &&
          (!host_ || !host_->state().waiting()) && !finished_ && rejoin_.idle();
 }
 
@@ -79,7 +76,7 @@ void QuorumMember::start(net::Endpoint& ep) {
   streams_.start(ep);
   rejoin_.start(ep);
   known_inc_ = rejoin_.incarnations();
-  if (rank_ == coord_ && !o_.join)
+  if (rank_ == succession_.coordinator() && !o_.join)
     coordinate(std::make_unique<qproto::Coordinator>(cfg_, engine_.now()));
 }
 
@@ -88,7 +85,7 @@ void QuorumMember::coordinate(std::unique_ptr<qproto::Coordinator> state) {
   host_ = std::make_unique<CoordinatorHost>(
       std::move(state), [this](const qproto::Down& m) { act(*ep_, m); },
       [reports](uint64_t t, int r, double ms) { reports->log_arrival(t, r, ms); });
-  coord_ = rank_;
+  succession_.follow(rank_);
   boxes_.membership->set_coordinator(rank_);
 }
 
@@ -144,15 +141,15 @@ bool QuorumMember::pass(net::Endpoint& ep) {
   resync(ep);
   moved |= take_contributions(ep);
   moved |= poll_rejoin(ep);
-  moved |= rejoin_.poll_state(ep, view_);
+  moved |= rejoin_.poll_state(ep, view());
   moved |= streams_.poll_down(ep, [&](int from, qproto::Down&& m) { take_down(ep, from, std::move(m)); });
   moved |= streams_.poll_up(ep, [&](qproto::Up&& m) { take_up(std::move(m)); });
   if (host_) moved |= feed_coordinator(ep);
   moved |= gather_takeover(ep);
-  moved |= runner_.advance(ep, view_);
+  moved |= runner_.advance(ep, view());
   report_suspects(ep, runner_.take_suspects());
   std::vector<std::pair<int, std::string>> failed;
-  moved |= out_.reap(ep, failed, [&](int peer) { return view_.has(peer); });
+  moved |= out_.reap(ep, failed, [&](int peer) { return view().has(peer); });
   report_suspects(ep, failed);
   heartbeat(ep);
   // The process may have been stopped during this pass too (SIGSTOP lands anywhere).
@@ -190,7 +187,7 @@ void QuorumMember::finish(net::Endpoint& ep) {
   const auto now = engine_.now();
   if (drain_until_ == Clock::time_point{}) drain_until_ = now + std::chrono::seconds(2);
   // Sends to ranks that left may never complete: they are not waited for.
-  if (out_.empty() || out_.only_to([&](int p) { return !view_.has(p); }) || now > drain_until_) {
+  if (out_.empty() || out_.only_to([&](int p) { return !view().has(p); }) || now > drain_until_) {
     if (engine_.holds_failed_buffers())
       throw IoError(fmt::format(
           "rank {}: quorum: ring sends from the callers' buffers did not complete by the end",
@@ -209,9 +206,10 @@ void QuorumMember::send_up(net::Endpoint& ep, qproto::Up m) {
     host_->take(std::move(m));  // the coordinator's own messages go straight to its host
     return;
   }
-  if (takeover_) return;  // collecting acks: this rank is about to coordinate
-  if (coord_ < 0) return;  // a joiner that has not reached the coordinator yet
-  streams_.send_up(ep, coord_, m);
+  if (succession_.gathering()) return;  // collecting acks: this rank is about to coordinate
+  const int coord = succession_.coordinator();
+  if (coord < 0) return;  // a joiner that has not reached the coordinator yet
+  streams_.send_up(ep, coord, m);
 }
 
 // A message to a coordinator: to this rank's host when it coordinates, kept while it gathers
@@ -219,25 +217,18 @@ void QuorumMember::send_up(net::Endpoint& ep, qproto::Up m) {
 void QuorumMember::take_up(qproto::Up&& m) {
   if (m.kind == UpKind::kWarm) return;  // it has done its work: the connection is open
   if (m.kind == UpKind::kDeposed) {
-    if (host_)
-      throw Evicted(fmt::format(
-          "rank {}: evicted from the job: while this rank (the coordinator) was unreachable, "
-          "another rank took over from it (rank {} says so); it must leave (exit)",
-          rank_, m.from));
+    if (host_) succession_.deposed(m.from);
     return;
   }
   if (m.kind == UpKind::kShard) {
     // A part of a report: kept for gather_reports (when this rank coordinates, or is about
     // to), and a sign of life like a heartbeat.
-    if (host_ || takeover_)
+    if (host_ || succession_.gathering())
       boxes_.reports->keep(m.step, m.attempt, uint32_t(m.count), std::move(m.values));
     m.values.clear();
   }
-  if (takeover_) {
-    if (m.kind == UpKind::kAck && m.epoch == takeover_->epoch)
-      takeover_->acks[m.from] = m;
-    else
-      takeover_->early.push_back(m);
+  if (succession_.gathering()) {
+    succession_.take(std::move(m));
   } else if (host_) {
     host_->take(std::move(m));
   }
@@ -248,12 +239,11 @@ void QuorumMember::take_up(qproto::Up&& m) {
 void QuorumMember::take_down(net::Endpoint& ep, int from, qproto::Down&& m) {
   if (m.kind == DownKind::kTakeover) {
     answer_takeover(ep, from, m.view);
-  } else if (from == coord_ && !host_) {
+  } else if (from == succession_.coordinator() && !host_) {
     liveness_.heard_coordinator(engine_.now());
     apply(ep, m);
-  } else if (!told_deposed_[size_t(from)] && m.kind != DownKind::kBye) {
+  } else if (m.kind != DownKind::kBye && succession_.tell_deposed(from)) {
     // A coordinator that was replaced while it was unreachable: tell it, once.
-    told_deposed_[size_t(from)] = true;
     qproto::Up d{UpKind::kDeposed};
     d.from = rank_;
     d.completed = runner_.completed();
@@ -282,141 +272,17 @@ bool QuorumMember::feed_coordinator(net::Endpoint& ep) {
   return host_->feed(now, !bye_sent_);
 }
 
+// What the coordinator sends (and, on its rank, what its host sends), applied to the rooms.
 void QuorumMember::apply(net::Endpoint& ep, const qproto::Down& m) {
-  switch (m.kind) {
-    case DownKind::kHeartbeat:
-    case DownKind::kTakeover:  // answered in take_down
-      return;
-    case DownKind::kBye:
-      liveness_.coordinator_finished();  // its silence from now on is no failure
-      return;
-    case DownKind::kEvicted:
-      throw Evicted(fmt::format(
-          "rank {}: evicted from the job: the other ranks stopped waiting for this one (silent "
-          "for more than quorum.evict_ms = {} ms, or unreachable); it must leave (exit)",
-          rank_, o_.evict.count()));
-    case DownKind::kFatal: {
-      std::vector<int> gone;
-      for (int r = 0; r < world_; ++r)
-        if (!view_.has(r)) gone.push_back(r);
-      throw QuorumLost(fmt::format("rank {}: the job stops: {}", rank_, m.reason), gone);
-    }
-    case DownKind::kView:
-      apply_view(m);
-      return;
-    case DownKind::kRecover:
-      apply_recover(ep, m.step, m.attempt);
-      return;
-    case DownKind::kDecide:
-      apply_decide(ep, m.decide);
-      return;
-    case DownKind::kJoining:
-      rejoin_.joining(m.joiner, m.incarnation);
-      return;
-  }
-}
-
-void QuorumMember::apply_view(const qproto::Down& m) {
-  if (m.view.epoch <= view_.epoch)
-    throw ProtocolError(
-        fmt::format("rank {}: quorum: view {} after view {}", rank_, m.view.epoch, view_.epoch));
-  view_ = m.view;
-  const auto now = engine_.now();
-  ViewChange v;
-  v.epoch = view_.epoch;
-  v.members = view_.members;
-  for (auto& d : m.left) v.left.push_back({d.rank, qproto::to_string(d.why), d.silent_ms});
-  for (auto& j : m.joined) {
-    v.joined.push_back({j.rank, j.incarnation, j.step, j.donor});
-    runner_.joined(j.rank, j.step);
-    if (j.rank == rank_ && rejoin_.joining() && !rejoin_.admitted() &&
-        j.incarnation == rejoin_.incarnations()[size_t(rank_)]) {
-      rejoin_.admit(j, view_, coord_);
-      runner_.start_at(j.step);
-      liveness_.heard_coordinator(now);
-    } else if (j.rank != rank_) {
-      // Every member learns it with step j.step's result (QuorumResult::joined).
-      std::lock_guard<std::mutex> lock(boxes_.steps->mu);
-      boxes_.steps->steps[j.step].joined.push_back({j.rank, j.incarnation, j.step, j.donor});
-    }
-  }
-  v.seen = now;
-  if (rank_ == coord_) {
-    std::string who;
-    for (auto& d : v.left)
-      who += fmt::format("{}rank {} ({}, last heard {:.0f} ms before)", who.empty() ? "" : ", ",
-                         d.rank, d.why, d.silent_ms);
-    spdlog::warn("quorum: view {}: members {}; left: {}", v.epoch, v.members, who);
-  }
-  boxes_.membership->view_applied(std::move(v));  // gather_reports stops waiting for the lost
-  if (!view_.has(rank_))
-    throw Evicted(fmt::format("rank {}: evicted from the job in view {} (members {}): the "
-                              "other ranks stopped waiting for this one; it must leave (exit)",
-                              rank_, view_.epoch, view_.members));
-  for (auto& d : m.left) {
-    runner_.left(d.rank);  // results owed to ranks that left are no longer sent
-    rejoin_.left(d.rank);
-  }
-}
-
-void QuorumMember::apply_decide(net::Endpoint& ep, const qproto::Decision& d) {
-  const uint64_t t = d.step;
-  if (rejoin_.joining() && t < rejoin_.join_step()) return;  // before this rank (re)joined
-  if (d.epoch != view_.epoch)
-    throw ProtocolError(fmt::format("rank {}: quorum step {} decided in view {}, this rank is "
-                                    "in view {}",
-                                    rank_, t, d.epoch, view_.epoch));
-  // Forget the steps every live rank holds (d.settled); keep the decision of a step with a
-  // result (a takeover's ACK carries them).
-  if (d.settled >= 0) {
-    runner_.settled(d.settled);
-    decisions_.erase(decisions_.begin(), decisions_.upper_bound(uint64_t(d.settled)));
-  }
-  if (d.status == qproto::Status::kOk || d.status == qproto::Status::kSkipped) {
-    auto& k = decisions_[t];
-    if (d.attempt >= k.attempt)
-      k = {t, d.attempt, d.status == qproto::Status::kSkipped, d.contributors};
-    while (decisions_.size() > qwire::kMaxKnown) decisions_.erase(decisions_.begin());
-  }
-  boxes_.membership->set_members(view_.members);
-  runner_.decided(ep, d, coord_);
-  if (d.attempt == 0) {
-    awaiting_decide_.erase(t);
-    digests_.erase(t);
-    norms_.erase(t);
-  }
-}
-
-// A member was lost while step t may be unfinished: say whether this rank holds the result;
-// if not, stop working on it and wait for the step to be decided again.
-void QuorumMember::apply_recover(net::Endpoint& ep, uint64_t t, uint32_t attempt) {
-  qproto::Up r{UpKind::kReport};
-  r.step = t;
-  r.attempt = attempt;
-  if (rejoin_.joining() && t < rejoin_.join_step())
-    r.absent = true;  // before this rank (re)joined: it takes no part in that step
-  else
-    r.have = runner_.recover(ep, t);
-  send_up(ep, r);
+  if (auto reply = follower_.apply(ep, m)) send_up(ep, std::move(*reply));
 }
 
 // Contributions made by the caller: READY to the coordinator; and its reports.
 bool QuorumMember::take_contributions(net::Endpoint& ep) {
-  std::deque<uint64_t> steps;
-  {
-    StepTable& st = *boxes_.steps;
-    std::lock_guard<std::mutex> lock(st.mu);
-    steps.swap(st.contributed);
-    for (uint64_t t : steps) {
-      auto it = st.steps.find(t);
-      if (it != st.steps.end() && it->second.digest) digests_[t] = *it->second.digest;
-      if (it != st.steps.end() && it->second.norms) norms_[t] = *it->second.norms;
-    }
-  }
+  const std::deque<uint64_t> steps = ledger_.take(*boxes_.steps);
   for (uint64_t t : steps) {
-    awaiting_decide_.insert(t);
-    runner_.contributed(t, view_.members);
-    send_up(ep, ready_of(t));
+    runner_.contributed(t, view().members);
+    send_up(ep, ledger_.ready(t));
   }
   auto reports = boxes_.reports->take_outgoing();
   for (auto& p : reports) {
@@ -434,28 +300,13 @@ bool QuorumMember::take_contributions(net::Endpoint& ep) {
   return !steps.empty() || !reports.empty();
 }
 
-// The READY of step t (sent again to a coordinator that takes over).
-qproto::Up QuorumMember::ready_of(uint64_t t) const {
-  qproto::Up m{UpKind::kReady};
-  m.step = t;
-  m.count = count_;
-  m.layout = cfg_.layout;
-  auto d = digests_.find(t);
-  if (d != digests_.end()) m.digest = d->second;
-  if (auto n = norms_.find(t); n != norms_.end()) {
-    m.grad_sq = n->second.contribution_sq;
-    m.prev_mean_sq = n->second.prev_result_sq;
-  }
-  return m;
-}
-
 bool QuorumMember::poll_rejoin(net::Endpoint& ep) {
   std::vector<qproto::Up> up;
   int found = -1;
   const bool moved = rejoin_.poll(ep, host_ ? &host_->state() : nullptr, runner_.completed(), up,
                                   &found);
   if (found >= 0) {
-    coord_ = found;  // the joiner said HELLO to it
+    succession_.follow(found);  // the joiner said HELLO to it
     liveness_.heard_coordinator(engine_.now());
   }
   for (auto& m : up) {
@@ -470,7 +321,7 @@ bool QuorumMember::poll_rejoin(net::Endpoint& ep) {
   for (int p = 0; p < world_; ++p) {
     if (inc[size_t(p)] == known_inc_[size_t(p)]) continue;
     known_inc_[size_t(p)] = inc[size_t(p)];
-    told_deposed_[size_t(p)] = false;
+    succession_.new_incarnation(p);
     reported_suspect_[size_t(p)] = false;
   }
   return moved;
@@ -491,84 +342,56 @@ void QuorumMember::report_suspects(net::Endpoint& ep,
   }
 }
 
-// ---- failover (liveness.h). The coordinator fell silent: this rank proposes itself for the
+// ---- failover (failover.h). The coordinator fell silent: this rank proposes itself for the
 // next epoch to the other members of the last view and coordinates once a majority of that
 // view (itself included) accepted.
 
 void QuorumMember::start_takeover(net::Endpoint& ep) {
   spdlog::warn("rank {}: quorum: the coordinator (rank {}) is silent; taking over", rank_,
-               coord_);
-  takeover_ = Takeover{};
-  takeover_->epoch = std::max(view_.epoch, acked_epoch_) + 1;
-  takeover_->candidates = successors(view_, coord_);
-  takeover_->started = engine_.now();
-  acked_epoch_ = takeover_->epoch;
-  qproto::Down m(DownKind::kTakeover);
-  m.view.epoch = takeover_->epoch;
-  m.view.members = takeover_->candidates;
-  streams_.send_down(ep, takeover_->candidates, m);
+               succession_.coordinator());
+  const qproto::Down m = succession_.propose(view(), engine_.now());
+  streams_.send_down(ep, m.view.members, m);
 }
 
 void QuorumMember::answer_takeover(net::Endpoint& ep, int from, const qproto::View& v) {
-  if (!accepts_takeover(v, from, rank_, view_, acked_epoch_, host_ != nullptr, takeover_)) return;
-  takeover_.reset();
-  acked_epoch_ = v.epoch;
+  const int silent = succession_.coordinator();
+  if (!succession_.accept(from, v, view(), host_ != nullptr)) return;
   spdlog::warn("rank {}: quorum: rank {} takes over from the silent coordinator (rank {})",
-               rank_, from, coord_);
-  coord_ = from;
+               rank_, from, silent);
   liveness_.heard_coordinator(engine_.now());
   boxes_.membership->set_coordinator(from);
   qproto::Up ack{UpKind::kAck};
   ack.epoch = v.epoch;
-  for (auto& [t, k] : decisions_) ack.known.push_back(k);
+  ack.known = ledger_.known();
   send_up(ep, ack);
   // The new coordinator has not seen the contributions still waiting for a decision.
-  for (uint64_t t : awaiting_decide_) send_up(ep, ready_of(t));
+  for (uint64_t t : ledger_.awaiting()) send_up(ep, ledger_.ready(t));
 }
 
 bool QuorumMember::gather_takeover(net::Endpoint& ep) {
-  if (!takeover_) return false;
+  if (!succession_.gathering()) return false;
   const auto now = engine_.now();
-  switch (takeover_outcome(*takeover_, view_.size(), now, liveness_.times())) {
+  switch (succession_.outcome(view().size(), now, liveness_.times())) {
     case TakeoverOutcome::kGathering:
       return false;
     case TakeoverOutcome::kLost:
-      throw QuorumLost(
-          fmt::format("rank {}: quorum: the coordinator (rank {}) fell silent and only {} of the "
-                      "{} ranks of the last view accepted this rank as its successor, not a "
-                      "majority",
-                      rank_, coord_, takeover_->acks.size() + 1, view_.size()),
-          {coord_});
+      throw QuorumLost(succession_.lost_reason(view().size()), {succession_.coordinator()});
     case TakeoverOutcome::kWon:
       break;
   }
-  qproto::View v;
-  v.epoch = takeover_->epoch;
-  v.members.push_back(rank_);
-  std::vector<int64_t> completed(size_t(world_), -1);
-  completed[size_t(rank_)] = runner_.completed();
-  std::vector<qproto::Known> known;
-  for (auto& [t, k] : decisions_) known.push_back(k);
-  for (auto& [r, m] : takeover_->acks) {
-    v.members.push_back(r);
-    completed[size_t(r)] = m.completed;
-    known.insert(known.end(), m.known.begin(), m.known.end());
-  }
-  std::sort(v.members.begin(), v.members.end());
+  auto won = succession_.won(runner_.completed(), ledger_.known());
   spdlog::warn("rank {}: quorum: coordinating from view {} (members {}) after rank {} fell "
                "silent",
-               rank_, v.epoch, v.members, coord_);
+               rank_, won.view.epoch, won.view.members, succession_.coordinator());
   qproto::Config cfg = cfg_;
   cfg.self = rank_;
   std::vector<qproto::Down> out;
-  auto state = std::make_unique<qproto::Coordinator>(cfg, now, v, completed, known, out,
-                                                     rejoin_.incarnations());
-  auto early = std::move(takeover_->early);
-  takeover_.reset();
+  auto state = std::make_unique<qproto::Coordinator>(cfg, now, won.view, won.completed,
+                                                     won.known, out, rejoin_.incarnations());
   coordinate(std::move(state));
   for (auto& m : out) act(ep, m);
-  for (auto& m : early) host_->take(std::move(m));
-  for (uint64_t t : awaiting_decide_) send_up(ep, ready_of(t));
+  for (auto& m : won.early) host_->take(std::move(m));
+  for (uint64_t t : ledger_.awaiting()) send_up(ep, ledger_.ready(t));
   feed_coordinator(ep);
   return true;
 }
@@ -604,19 +427,20 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
   const auto now = engine_.now();
   if (rejoin_.joining() && !rejoin_.admitted()) return;  // join() has its own deadline
   if (!host_) {
-    switch (liveness_.coordinator_silence(now, view_, coord_, rank_, tolerant_)) {
+    const int coord = succession_.coordinator();
+    switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_)) {
       case Liveness::Silence::kNone:
         break;
       case Liveness::Silence::kTakeOver:
-        if (!takeover_) start_takeover(ep);
+        if (!succession_.gathering()) start_takeover(ep);
         break;
       case Liveness::Silence::kLost:
         throw QuorumLost(
             fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} "
                         "ms (quorum.evict_ms = {}); it stopped or died, and a job that cannot "
                         "lose a rank stops",
-                        rank_, coord_, liveness_.silent_ms(now), o_.evict.count()),
-            {coord_});
+                        rank_, coord, liveness_.silent_ms(now), o_.evict.count()),
+            {coord});
     }
     // The coordinator decides by (first contribution + H); ours came after the first.
     std::lock_guard<std::mutex> lock(boxes_.steps->mu);
@@ -625,8 +449,8 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
           now > s.contrib_time + o_.deadline + std::chrono::seconds(2))
         throw QuorumTimeout(fmt::format("rank {}: quorum step {}: no decision from the "
                                         "coordinator (rank {}) within {} ms of contributing",
-                                        rank_, t, coord_, o_.deadline.count() + 2000),
-                            {coord_});
+                                        rank_, t, coord, o_.deadline.count() + 2000),
+                            {coord});
     }
   }
   runner_.check_deadlines(now);

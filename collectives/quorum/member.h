@@ -5,7 +5,10 @@
 //   coordinator_host.h  the coordinator's state machine, on the rank that coordinates
 //   step_runner.h       the data plane of each decided step
 //   rejoin.h            ranks that come back, and the state transfer to them
-//   liveness.h          heartbeats, the coordinator's silence and its successor, deadlines
+//   liveness.h          heartbeats, the coordinator's silence and when to act on it, deadlines
+//   failover.h          who coordinates: takeover, its acknowledgment, deposition
+//   follower.h          what the coordinator sends (VIEW, DECIDE, RECOVER ...) applied here
+//   step_ledger.h       this rank's contributions, their READYs, the decisions it saw
 // and the hand-offs with the callers' threads, one per concern: the steps (steps.h), the
 // membership (membership_box.h), the reports (report_box.h), the join agent (join_agent.h).
 // Its failure (an eviction, a lost job, a protocol error) ends every operation of the
@@ -14,16 +17,18 @@
 
 #include <memory>
 #include <optional>
-#include <set>
 
 #include "collectives/engine.h"
 #include "collectives/quorum/control_stream.h"
 #include "collectives/quorum/coordinator_host.h"
+#include "collectives/quorum/failover.h"
+#include "collectives/quorum/follower.h"
 #include "collectives/quorum/liveness.h"
 #include "collectives/quorum/membership_box.h"
 #include "collectives/quorum/outbox.h"
 #include "collectives/quorum/rejoin.h"
 #include "collectives/quorum/report_box.h"
+#include "collectives/quorum/step_ledger.h"
 #include "collectives/quorum/step_runner.h"
 #include "collectives/quorum/steps.h"
 
@@ -53,6 +58,7 @@ class QuorumMember final : public EngineOp {
   bool advance(net::Endpoint& ep) override;
 
  private:
+  const qproto::View& view() const { return follower_.view(); }  // the view this rank is in
   bool pass(net::Endpoint& ep);
   void say_goodbye(net::Endpoint& ep);
   void finish(net::Endpoint& ep);
@@ -64,12 +70,8 @@ class QuorumMember final : public EngineOp {
   void take_down(net::Endpoint& ep, int from, qproto::Down&& m);
   void act(net::Endpoint& ep, const qproto::Down& m);
   void apply(net::Endpoint& ep, const qproto::Down& m);
-  void apply_view(const qproto::Down& m);
-  void apply_decide(net::Endpoint& ep, const qproto::Decision& d);
-  void apply_recover(net::Endpoint& ep, uint64_t t, uint32_t attempt);
   bool feed_coordinator(net::Endpoint& ep);
   bool take_contributions(net::Endpoint& ep);
-  qproto::Up ready_of(uint64_t t) const;
   bool poll_rejoin(net::Endpoint& ep);
   void report_suspects(net::Endpoint& ep, const std::vector<std::pair<int, std::string>>& s);
   // ---- failover
@@ -85,7 +87,6 @@ class QuorumMember final : public EngineOp {
   net::Endpoint* ep_ = nullptr;  // the engine's (start())
   const CommOptions copts_;
   const QuorumOptions o_;
-  const size_t count_;
   MemberBoxes boxes_;
   const int rank_, world_;
   const uint32_t instance_;
@@ -97,17 +98,12 @@ class QuorumMember final : public EngineOp {
   Rejoin rejoin_;
   Liveness liveness_;
   std::unique_ptr<CoordinatorHost> host_;  // while this rank coordinates
-  int coord_ = 0;  // the coordinator this rank follows (the lowest live rank after failover)
-  qproto::View view_;
-  std::optional<Takeover> takeover_;  // this rank gathers acks to take over
-  uint64_t acked_epoch_ = 0;          // the last takeover epoch this rank accepted
-  std::vector<bool> told_deposed_;    // per peer: told it that another rank took over
+  // The coordinator this rank follows (the lowest live rank after failover), and takeovers.
+  Succession succession_;
+  StepLedger ledger_;
+  Follower follower_;
   std::vector<bool> reported_suspect_;
-  std::vector<uint32_t> known_inc_;  // per peer: the incarnation those two flags are about
-  std::map<uint64_t, qproto::Known> decisions_;  // decisions not yet settled everywhere
-  std::set<uint64_t> awaiting_decide_;           // steps this rank contributed to, undecided
-  std::map<uint64_t, uint64_t> digests_;         // their READYs' digests
-  std::map<uint64_t, QuorumAllreduce::Norms> norms_;  // their READYs' norms
+  std::vector<uint32_t> known_inc_;  // per peer: the incarnation of what was told about it
   bool finished_ = false, dead_ = false, bye_sent_ = false;
   std::exception_ptr error_;  // why the service died (told to the callers once)
   bool told_ = false;

@@ -1,6 +1,6 @@
 // The gradient-noise scale of a run, estimated from its own steps (quorum.quorum = "auto"
 // without a quorum.noise_scale: the adaptive quorum's value of a step, auto_quorum.h, with no
-// per-job constant). A pure accumulator: the coordinator (coordinator.cc) feeds it what READY
+// per-job constant). A pure accumulator: the coordinator (step_decider.cc) feeds it what READY
 // carries (each contributor's squared local gradient norm, and the squared norm of the
 // previous step's reduced gradient), qring-sim (train/sim.cc) the same numbers of its virtual
 // workers.

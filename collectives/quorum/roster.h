@@ -1,0 +1,94 @@
+// What the coordinator knows of every rank (docs/design.md, "Membership"): the view, when it
+// last heard from each rank, the last step each completed, the steps it missed in a row, the
+// transport errors reported against it, its goodbye, its incarnation, and the joins under way.
+// From these it says who leaves the view (silent for evict + a heartbeat period, liveness.h's
+// silence_limit, the deadline until a rank has spoken once; unreachable and silent for
+// evict / 4; evict_steps missed steps; a restarted incarnation) and who enters it (a join
+// that every member accepted and whose joiner said HELLO, at the next step to be decided).
+// Pure: no clock reads, no I/O; the coordinator (coordinator.h) feeds it what it hears and
+// turns its answers into VIEW / JOINING messages.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "collectives/quorum/coordinator_config.h"
+#include "collectives/quorum/messages.h"
+
+namespace qring::collectives::qproto {
+
+class Roster {
+ public:
+  Roster(const Config& cfg, Time now);  // every rank a member of view 0
+  // A takeover: the view the members acknowledged, what they completed, the incarnations.
+  void restore(View view, const std::vector<int64_t>& completed,
+               const std::vector<uint32_t>& incarnations);
+
+  const View& view() const { return view_; }
+  // A message of member r: it is alive, and (but for a kSuspect) reachable.
+  void heard(const Event& e, Time now);
+  void suspect(int r) { suspect_[size_t(r)] = true; }
+  void finished(int r) { finished_[size_t(r)] = true; }
+  // r contributed: a rank that rejoined computes again.
+  void contributes(int r) { catching_up_[size_t(r)] = false; }
+  bool catching_up(int r) const { return catching_up_[size_t(r)]; }
+  // The members that can contribute (not those catching up after a rejoin), and the quorum.
+  int contributing() const;
+  int quorum() const { return quorum_for(cfg_, contributing()); }
+  int64_t completed(int r) const { return completed_[size_t(r)]; }
+  // Whether member r takes part in step t (it joined at or before it).
+  bool in_step(int r, uint64_t t) const { return joined_at_[size_t(r)] <= t; }
+  // Members heard from within `ms` (this rank counts as heard).
+  int heard_within(Time now, double ms) const;
+  double silent_ms(int r, Time now) const { return ms_between(last_heard_[size_t(r)], now); }
+
+  // Step decided OK with `contributors`: the members missing from it missed one more step in a
+  // row (evict_steps of them: they leave at the next look).
+  void count_misses(const std::vector<int>& contributors, Time now);
+  // The members that leave now, by rank: those counted out, the silent, and the suspects that
+  // also missed a heartbeat.
+  std::vector<Departure> departures(Time now);
+  // The next view, without `left`; returns the previous view's size.
+  int remove(const std::vector<Departure>& left);
+  // The reason the job stops after `left` left a view of `prev_size`: fewer than the floor, or
+  // no majority of the view before (docs/design.md, "failover"); nothing when it goes on.
+  std::optional<std::string> stop_reason(const std::vector<Departure>& left, int prev_size) const;
+
+  // Incarnation `inc` of rank r found: whether it is new.
+  bool new_incarnation(int r, uint32_t inc);
+  // Starts its join (after the old incarnation left the view): the JOINING to send.
+  Down start_join(int r, uint32_t inc, Time now);
+  void hello(int r, uint64_t inc);
+  void accepted(int joiner, uint64_t inc, int from);
+  // The joins complete now (abandoned after join_timeout): the VIEW that admits them at
+  // `step`, this rank their donor; nothing when none is.
+  std::optional<Down> admit(Time now, uint64_t step);
+  size_t joining() const { return joins_.size(); }
+  uint32_t incarnation(int r) const { return incarnation_[size_t(r)]; }
+  // This process was stopped: every member starts a fresh evict period.
+  void resync(Time now);
+
+ private:
+  struct Join {
+    uint32_t incarnation = 0;
+    Time started{};
+    std::vector<int> accepted;  // members that reconnected to it
+    bool hello = false;         // it connected to every member
+  };
+  Config cfg_;
+  View view_;
+  std::vector<Time> last_heard_;
+  std::vector<int64_t> completed_;
+  std::vector<int> missed_;
+  std::vector<Departure> pending_;  // evictions decided outside departures()
+  std::vector<bool> suspect_;       // a member reported a transport error with it
+  std::vector<bool> finished_;      // said goodbye
+  std::vector<bool> heard_;         // has spoken at least once (start-up takes longer)
+  std::vector<uint32_t> incarnation_;  // per rank: the newest incarnation known
+  std::vector<uint64_t> joined_at_;    // per rank: first step it takes part in
+  std::vector<bool> catching_up_;      // per rank: joined, has not contributed since
+  std::map<int, Join> joins_;
+};
+
+}  // namespace qring::collectives::qproto
