@@ -50,8 +50,10 @@ void remove_dead_doorbells() {
 std::shared_ptr<Doorbell> Doorbell::own() {
   static std::mutex mu;
   static std::weak_ptr<Doorbell> shared;
+  static pid_t shared_pid = 0;  // a child forked after its parent made one needs its own
   std::lock_guard<std::mutex> lock(mu);
-  if (auto d = shared.lock()) return d;
+  if (shared_pid == getpid())
+    if (auto d = shared.lock()) return d;
   remove_dead_doorbells();
   const std::string path = path_of(getpid());
   // A file of an earlier process with this pid holds nothing of value: start afresh.
@@ -73,6 +75,7 @@ std::shared_ptr<Doorbell> Doorbell::own() {
   }
   std::shared_ptr<Doorbell> d(new Doorbell(page, path));
   shared = d;
+  shared_pid = getpid();
   return d;
 }
 
@@ -103,7 +106,8 @@ pid_t Doorbell::pid_in_shm_address(const std::string& addr) {
 
 Doorbell::~Doorbell() {
   munmap(page_, kPage);
-  if (!remove_.empty()) ::unlink(remove_.c_str());
+  // Only by the process that made it (not by a child forked with a reference to it).
+  if (!remove_.empty() && remove_ == path_of(getpid())) ::unlink(remove_.c_str());
 }
 
 void Doorbell::ring() {
