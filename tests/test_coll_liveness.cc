@@ -17,6 +17,7 @@ namespace {
 using collectives::Clock;
 using collectives::Liveness;
 using collectives::LivenessTimes;
+using collectives::silence_limit;
 using collectives::Takeover;
 using collectives::TakeoverOutcome;
 using collectives::qproto::View;
@@ -31,8 +32,8 @@ View view(uint64_t epoch, std::vector<int> members) {
   return v;
 }
 
-TEST(Liveness, HeartbeatsEveryQuarterOfTheEvictTimeAndAtOnceAfterAStepAtMostFourTimesAPeriod) {
-  const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
+TEST(Liveness, HeartbeatsEveryEighthOfTheEvictTimeAndAtOnceAfterAStepAtMostFourTimesAPeriod) {
+  const auto t = LivenessTimes::of(milliseconds(800), milliseconds(8000));
   EXPECT_EQ(t.heartbeat, milliseconds(100));
   Liveness l(t, T0);
   EXPECT_FALSE(l.beat_due(T0 + milliseconds(99), -1));
@@ -44,7 +45,33 @@ TEST(Liveness, HeartbeatsEveryQuarterOfTheEvictTimeAndAtOnceAfterAStepAtMostFour
   EXPECT_TRUE(l.beat_due(T0 + milliseconds(227), 5));
 }
 
-TEST(Liveness, APassTwoHeartbeatPeriodsAfterTheLastIsAPauseAndRestartsTheSilence) {
+// A rank is lost after evict + one heartbeat period of silence (the deadline before it spoke
+// once): its last message may be a heartbeat period older than a pause, so a pause shorter
+// than evict never reaches the limit, wherever it falls, and 1.2 evict always does.
+TEST(Liveness, APauseShorterThanEvictNeverReachesTheSilenceLimitOneOf1Point2EvictDoes) {
+  const auto t = LivenessTimes::of(milliseconds(1000), milliseconds(30000));
+  EXPECT_EQ(silence_limit(true, t), milliseconds(1125));
+  EXPECT_EQ(silence_limit(false, t), milliseconds(30125));
+  for (double factor : {0.75, 0.95, 1.2}) {
+    const auto pause = milliseconds(int64_t(factor * 1000));
+    // The longest silence a pause makes: its last heartbeat a whole period before it.
+    const auto worst = pause + t.heartbeat, best = pause;
+    if (factor < 1)
+      EXPECT_LT(worst, silence_limit(true, t)) << factor;
+    else
+      EXPECT_GT(best, silence_limit(true, t)) << factor;
+  }
+  // The coordinator's silence on a member, a beat before the pause and 0.95 evict stopped.
+  Liveness l(t, T0);
+  l.heard_coordinator(T0);
+  const auto v = view(0, {0, 1, 2, 3});
+  EXPECT_EQ(l.coordinator_silence(T0 + t.heartbeat + milliseconds(950), v, 0, 1, true),
+            Liveness::Silence::kNone);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(1200), v, 0, 1, false),
+            Liveness::Silence::kLost);
+}
+
+TEST(Liveness, APassHalfAnEvictTimeAfterTheLastIsAPauseAndRestartsTheSilence) {
   const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
   Liveness l(t, T0);
   l.heard_coordinator(T0);
@@ -63,20 +90,20 @@ TEST(Liveness, SuccessorsProposeThemselvesInRankOrderOneEvictPeriodApart) {
   EXPECT_EQ(collectives::successors(v, 0), (std::vector<int>{2, 5, 7}));
   EXPECT_EQ(collectives::successors(v, 5), (std::vector<int>{0, 2, 7}));
   // Heard once: evict + one heartbeat; each later successor one evict + heartbeat more.
-  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, true, t), T0 + milliseconds(500));
-  EXPECT_EQ(collectives::takeover_turn(v, 0, 5, T0, true, t), T0 + milliseconds(1000));
-  EXPECT_EQ(collectives::takeover_turn(v, 0, 7, T0, true, t), T0 + milliseconds(1500));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, true, t), T0 + milliseconds(450));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 5, T0, true, t), T0 + milliseconds(900));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 7, T0, true, t), T0 + milliseconds(1350));
   // Never heard (start-up): the deadline instead of the evict time.
-  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, false, t), T0 + milliseconds(8100));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, false, t), T0 + milliseconds(8050));
   Liveness l(t, T0);
   l.heard_coordinator(T0);
-  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 2, true),
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(451), v, 0, 2, true),
             Liveness::Silence::kTakeOver);
-  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 5, true), Liveness::Silence::kNone);
-  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(1001), v, 0, 5, true),
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(451), v, 0, 5, true), Liveness::Silence::kNone);
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(901), v, 0, 5, true),
             Liveness::Silence::kTakeOver);
   // A job that cannot lose a rank stops instead.
-  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(501), v, 0, 2, false),
+  EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(451), v, 0, 2, false),
             Liveness::Silence::kLost);
   // A coordinator that said goodbye is silent for good, and that is no failure.
   l.coordinator_finished();

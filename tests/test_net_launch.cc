@@ -470,6 +470,34 @@ TEST(Launch, RestartsRunOut) {
   EXPECT_THAT(tolerant.err, HasSubstr("1 of 3 ranks lost, tolerating up to 1"));
 }
 
+// Once a rank exits 74 (qring-train: the job is lost) no rank is restarted: rank 3 dies at
+// once and is restarted; rank 0 then reports the job lost; rank 3's second incarnation dies
+// 1 s after rank 0 is gone, and stays down, named with why. The job ends with the job-lost status.
+TEST(Launch, NoRestartIntoALostJob) {
+  TempDir dir;
+  // Every wait is bounded (200 x 50 ms): a broken launcher fails the test, it does not hang it.
+  const std::string script = fmt::format(
+      "w() {{ for i in $(seq 200); do [ -e $1 ] && return; sleep 0.05; done; }}; "
+      "case $QRING_RANK in "
+      "0) w {0}/3.back; echo $$ > {0}/0.pid; exit 74;; "
+      "3) [ $QRING_RESTART = 0 ] && exit 1; echo > {0}/3.back; w {0}/0.pid; "
+      "while kill -0 $(cat {0}/0.pid) 2>/dev/null; do sleep 0.05; done; sleep 1; "
+      "echo > {0}/3.done; exit 1;; "
+      "esac; w {0}/3.done; sleep 0.5; exit 74",
+      dir.path);
+  LaunchRun run({"-n", "4", "--max-restarts", "5", "--tolerate-failures", "3", "--", "sh", "-c",
+                 script});
+  EXPECT_EQ(run.finish(15s), 74) << run.err;
+  EXPECT_LT(run.elapsed, 10s);
+  EXPECT_THAT(run.err, HasSubstr("exited with status 1; restarting it (restart 1 of 5)"));
+  EXPECT_THAT(run.err, HasSubstr("rank 0 exited with status 74: the job is lost; no rank is "
+                                 "restarted from now on"));
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "rank 3 \\(pid [0-9]+\\) exited with status 1; not restarting it "
+                           "\\(rank 0 exited with status 74: the job is lost\\)"));
+  EXPECT_THAT(run.err, Not(HasSubstr("restart 2 of 5")));
+}
+
 TEST(Launch, BadMaxRestartsIsAUsageError) {
   for (const char* v : {"-1", "x", "1001"}) {
     LaunchRun run({"-n", "2", "--max-restarts", v, "--", "true"});
@@ -542,6 +570,52 @@ TEST(Launch, ForwardsSigtermWhileTolerating) {
   EXPECT_THAT(run.out, HasSubstr("[rank 1] got-term"));
   EXPECT_THAT(run.err, HasSubstr("received SIGTERM"));
   EXPECT_THAT(run.err, Not(HasSubstr("2 of 3 ranks lost")));
+}
+
+// The end of a job: a rank stopped (SIGSTOP) and never continued does not keep the launcher
+// from exiting once the others finished: it is killed after 2 s stopped, reported with the
+// rank finished first, and counted lost (exit 100 + 1, also without --tolerate-failures).
+TEST(Launch, RankStoppedAtTheEndIsKilledAndReported) {
+  LaunchRun run({"-n", "3", "--max-restarts", "2", "--", "sh", "-c",
+                 "if [ $QRING_RANK = 1 ]; then kill -STOP $$; echo resumed; fi; sleep 0.3; "
+                 "echo finished-$QRING_RANK"});
+  EXPECT_EQ(run.finish(15s), 101) << run.out << run.err;
+  EXPECT_GE(run.elapsed, 2s);
+  EXPECT_LT(run.elapsed, 10s);  // a loaded machine (load 20 on 2 cores) adds seconds
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "qring-launch: rank 1 \\(pid [0-9]+\\) was stopped \\(SIGSTOP\\) for "
+                           "2\\.[0-9] s after rank [02] finished the job; killing it\n"));
+  EXPECT_THAT(run.err, testing::ContainsRegex(
+                           "qring-launch: finished with 1 of 3 ranks lost: rank 1 \\(pid [0-9]+\\) "
+                           "was stopped .*; killed by the launcher; exit status 101\n"));
+  EXPECT_THAT(run.err, Not(HasSubstr("restarting")));  // the job is over: nothing to rejoin
+  EXPECT_THAT(run.out, Not(HasSubstr("resumed")));
+  for (int r : {0, 2}) EXPECT_THAT(run.out, HasSubstr(fmt::format("finished-{}\n", r)));
+}
+
+// A rank that still runs --finish-grace-s after another finished (hung) is killed too; one
+// stopped for less than 2 s (a frozen straggler, continued) is not.
+TEST(Launch, HungRankAtTheEndIsKilledButAShortStopIsNot) {
+  LaunchRun hung({"-n", "2", "--finish-grace-s", "0.5", "--tolerate-failures", "1", "--", "sh",
+                  "-c", "if [ $QRING_RANK = 1 ]; then sleep 30; fi; echo finished-$QRING_RANK"});
+  EXPECT_EQ(hung.finish(10s), 101) << hung.out << hung.err;
+  EXPECT_LT(hung.elapsed, 8s);
+  EXPECT_THAT(hung.err, testing::ContainsRegex(
+                            "rank 1 \\(pid [0-9]+\\) was still running \\(hung\\) 0\\.[5-9] s "
+                            "after rank 0 finished the job \\(--finish-grace-s\\); killing it\n"));
+  EXPECT_THAT(hung.err, HasSubstr("finished with 1 of 2 ranks lost (tolerating up to 1)"));
+
+  TempDir dir;
+  const std::string script = fmt::format(
+      "case $QRING_RANK in "
+      "1) echo $$ > {0}/1.pid; kill -STOP $$; sleep 0.2; echo resumed;; "
+      "0) while [ ! -s {0}/1.pid ]; do sleep 0.05; done; sleep 0.5; kill -CONT $(cat {0}/1.pid);; "
+      "esac; echo finished-$QRING_RANK",
+      dir.path);
+  LaunchRun brief({"-n", "3", "--", "sh", "-c", script});
+  EXPECT_EQ(brief.finish(10s), 0) << brief.out << brief.err;
+  EXPECT_THAT(brief.out, HasSubstr("[rank 1] resumed"));
+  EXPECT_THAT(brief.err, Not(HasSubstr("killing it")));
 }
 
 TEST(Launch, OverallTimeout) {

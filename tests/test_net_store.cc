@@ -852,10 +852,39 @@ TEST(TcpStore, ClientNamesWhatItsAttemptsMet) {
   close(lfd);
 }
 
+// Issue 44: a store slow to accept (loaded, or busy with an attacker's connections) serves
+// its queue in order. An attempt that got no CHALLENGE in time keeps its connection open
+// beside the next one: closing it cost the rank its place, and a queue slower than the
+// longest attempt timeout (4 s) was never served (the job failed at its 30 s setup deadline).
+TEST(TcpStore, ClientKeepsItsPlaceInASlowStoresQueue) {
+  int port = 0;
+  const int lfd = loopback_listener(16, port);  // the kernel queues; nobody accepts yet
+  std::thread rank([&] {
+    try {
+      TcpStore c("127.0.0.1", port, join_info(1, 2), deadline_in(2500ms));
+      ADD_FAILURE() << "joined a server that never spoke";
+    } catch (const TimeoutError&) {
+    }
+  });
+  // The first attempt timed out after 500 ms; the second waits for its CHALLENGE.
+  std::this_thread::sleep_for(1200ms);
+  const int first = accept(lfd, nullptr, nullptr);  // the oldest in the queue
+  ASSERT_GE(first, 0);
+  char b = 0;
+  const ssize_t r = recv(first, &b, 1, MSG_DONTWAIT);
+  const int err = errno;
+  EXPECT_TRUE(r < 0 && (err == EAGAIN || err == EWOULDBLOCK))
+      << "the first attempt's connection was closed by the rank (recv " << r << ")";
+  close(first);
+  rank.join();
+  close(lfd);
+}
+
 // Issue 15 item 4: past the descriptor limit accept() fails with EMFILE; the server must not
 // spin on the readable listening socket nor flood its log, and serves again once descriptors
-// free up. Runs in a forked child (RLIMIT_NOFILE is per process) whose output goes to a file.
-TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
+// free up. Runs in a forked child (RLIMIT_NOFILE is per process) whose output goes to a file;
+// the server has `spare` descriptors left under its limit when the flood comes.
+void check_descriptor_exhaustion(int spare) {
 #ifdef QRING_UBSAN
   // UBSan's runtime checks a vtable by writing it into a pipe it opens for the purpose; at the
   // descriptor limit that fails and it reports an "invalid vptr" in fmt's buffer (a fault of
@@ -880,11 +909,11 @@ TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
       StoreServerOptions o = with_secret();
       o.handshake_timeout = 400ms;
       TcpStoreServer server("127.0.0.1", 0, 2, "job", o);
-      // Room for two more descriptors: new ones take the lowest free numbers, which must stay
-      // below the limit (descriptors already open above it stay usable). The launcher may
-      // leave descriptors open with holes below them (ctest does), so count free numbers.
+      // Room for `spare` more descriptors: new ones take the lowest free numbers, which must
+      // stay below the limit (descriptors already open above it stay usable). The launcher
+      // may leave descriptors open with holes below them (ctest does), so count free numbers.
       int limit = 0;
-      for (int free_numbers = 0; free_numbers < 2; ++limit)
+      for (int free_numbers = 0; free_numbers < spare; ++limit)
         if (fcntl(limit, F_GETFD) == -1) ++free_numbers;
       rlimit lim{};
       getrlimit(RLIMIT_NOFILE, &lim);
@@ -919,7 +948,7 @@ TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
   ASSERT_EQ(read(from_child[0], &cpu_ms, sizeof(cpu_ms)), static_cast<ssize_t>(sizeof(cpu_ms)));
   // A spinning server thread burns a whole core for the second.
   EXPECT_LT(cpu_ms, 300) << "the server spent " << cpu_ms << " ms of CPU in 1 s at the fd limit";
-  // Once the flood is gone (and the two accepted connections time out), a rank joins.
+  // Once the flood is gone (and the accepted connections time out), a rank joins.
   flood.clear();
   try {
     TcpStore rank0("127.0.0.1", port, join_info(0, 2), deadline_in(5s));
@@ -943,6 +972,17 @@ TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
   EXPECT_THAT(log, HasSubstr("accept(): Too many open files"));
   close(to_child[1]);
   close(from_child[0]);
+}
+
+TEST(TcpStore, DescriptorExhaustionNeitherSpinsNorFloodsTheLog) {
+  check_descriptor_exhaustion(2);
+}
+
+// With one descriptor left the connection the server accepted last holds it; accept() then
+// fails for want of a descriptor even with nobody waiting, which must not drop that connection
+// (a rank's JOIN was never answered: 100 attempts in 5 s, each closed).
+TEST(TcpStore, DescriptorExhaustionWithOneSpareDescriptorAdmitsARank) {
+  check_descriptor_exhaustion(1);
 }
 
 // Issue 15 item 7: a timed-out wait names the keys still missing, not every key.

@@ -300,6 +300,35 @@ TEST_F(TrainFaults, SurvivorsFinishWhenARankNobodyReapsDiesHoldingItsShmLock) {
   EXPECT_EQ(sums.count(*sums.begin()), 3u) << "replicas disagree: " << r.output;
 }
 
+// --resume after a run that lost a rank (issue 42, case 9): rank 2, killed at step 40, has only
+// early checkpoints (the newest three are kept: 10, 20, 30); the three survivors have 280,
+// 290 and 300, written in a view without rank 2. The resumed job starts at step 300, not at
+// step 0, and rank 2 takes the state of step 300 from a live member: the four finish the
+// longer run with one checksum.
+TEST_F(TrainFaults, ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint) {
+  auto first = sh(run_cmd("kill:2:40:step", 4, 1, dir_.string(), "lost", "quorum.quorum=3"));
+  ASSERT_EQ(first.status, 101) << first.output;
+  const fs::path ckpt = dir_ / "lost" / "checkpoints";
+  EXPECT_FALSE(fs::exists(ckpt / "rank-2" / "ckpt-000000000300.qck"));
+  ASSERT_TRUE(fs::exists(ckpt / "rank-0" / "ckpt-000000000300.qck"));
+  auto again = sh(kBuild + "/net/qring-launch -n 4 -- " + kBuild +
+                  "/train/qring-train --resume --config " + kSource +
+                  "/configs/smoke.toml run.out_dir=" + dir_.string() +
+                  " run.name=lost log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 "
+                  "quorum.quorum=3 train.steps=400 train.checkpoint_every=10");
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("resumed from step 300"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("rank 2 has no checkpoint of step 300 (it was lost before it); "
+                              "it takes the state from rank 0"),
+            std::string::npos)
+      << again.output;
+  EXPECT_EQ(again.output.find("starting fresh"), std::string::npos) << again.output;
+  auto sums = checksums(again.output);
+  ASSERT_EQ(sums.size(), 4u) << again.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << again.output;
+  EXPECT_EQ(summary("lost")["steps"], 400) << summary("lost").dump();
+}
+
 // train.budget = "gradients": the joiner takes the count of gradients with the state, so it
 // ends at the same step as the members (all four replicas agree), after more steps than the
 // 2000 of full sync (quorum 3 of 4, and the lost rank's steps counted 3).

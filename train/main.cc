@@ -3,11 +3,13 @@
 //   qring-launch -n 4 -- qring-train --config configs/fmnist-mlp.toml [key=value ...]
 //   srun qring-train --config configs/fmnist-mlp.toml quorum.quorum=3
 //
-// Exit status: 0 done, 1 runtime failure (the job lost more ranks than its quorum allows, a
-// deadline passed, drift, a diverged run, out of memory...), 2 bad command line,
-// configuration or data (a fresh run into a run directory that holds checkpoints included),
-// 75 this rank was evicted while alive (paused or too slow; the others went on without it),
-// 76 stopped by SIGTERM/SIGUSR1 after writing the checkpoint of the step every rank stopped
+// Exit status: 0 done, 1 runtime failure (a deadline passed, drift, a diverged run, out of
+// memory...), 2 bad command line, configuration or data (a fresh run into a run directory
+// that holds checkpoints included), 74 the job is lost (fewer live ranks than its quorum
+// allows, its coordinator silent without a successor, a step that no coordinator decided or
+// a collective that did not complete by its deadline: qring-launch restarts no rank after
+// it), 75 this rank was evicted while alive (paused or too slow; the others went on without
+// it), 76 stopped by SIGTERM/SIGUSR1 after writing the checkpoint of the step every rank stopped
 // after (train/stop_signals.h; go on with --resume).
 #include <fmt/format.h>
 #include <omp.h>
@@ -55,6 +57,7 @@ void* operator new[](std::size_t n) {
 
 namespace {
 
+constexpr int kExitJobLost = 74;  // QuorumLost: qring-launch stops restarting ranks
 constexpr int kExitEvicted = 75;  // qring-launch --tolerate-failures counts it as a lost rank
 
 struct Args {
@@ -90,7 +93,8 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
       "SIGTERM or SIGUSR1: every rank finishes the same step, writes its checkpoint and exits\n"
       "76 (a second signal ends it at once); go on with --resume. Exit status: 0 done; 1 a\n"
       "runtime failure; 2 bad command line, configuration or data, or a run directory with an\n"
-      "earlier run's checkpoints (--resume or --force); 75 this rank was evicted; 76 stopped\n"
+      "earlier run's checkpoints (--resume or --force); 74 the job is lost (too few live\n"
+      "ranks, or no successor to a silent coordinator); 75 this rank was evicted; 76 stopped\n"
       "by SIGTERM/SIGUSR1 after checkpointing.\n"
       "QRING_FAULT=kill:RANK:STEP[:PHASE] | kill-locked:RANK:STEP[:PHASE] |\n"
       "stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
@@ -241,6 +245,12 @@ int main(int argc, char** argv) {
         continue;
       }
       return kExitEvicted;
+    } catch (const qring::collectives::CollectiveTimeout& e) {
+      // QuorumLost (too few live ranks, no successor to a silent coordinator), a step no
+      // coordinator decided in time, a collective given up at its deadline: no step
+      // completes any more, and a new incarnation could not rejoin either.
+      spdlog::error("{}", e.what());
+      return kExitJobLost;
     } catch (const qring::collectives::JobOver& e) {
       // Came back after the others had finished: the job is done, without this rank.
       spdlog::warn("{}", e.what());

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -358,22 +359,102 @@ std::string checkpoint_mismatch(const CheckpointState& s, const TrainConfig& cfg
   return {};
 }
 
-// --resume: the step of the newest checkpoint every rank can load, restored into `core` and
-// `q` (0: none, a fresh start).
+// The ranks the job's view held when checkpoint `s` was written (its meta's "members"; a
+// checkpoint without them: every rank of the world).
+std::vector<int> checkpoint_members(const CheckpointState& s, int world) {
+  try {
+    const auto j = nlohmann::json::parse(s.meta);
+    if (j.is_object() && j.contains("members") && j["members"].is_array()) {
+      std::vector<int> m;
+      for (const auto& r : j["members"])
+        if (r.is_number_integer() && r.get<int>() >= 0 && r.get<int>() < world)
+          m.push_back(r.get<int>());
+      return m;
+    }
+  } catch (const nlohmann::json::exception&) {
+  }
+  std::vector<int> all(static_cast<size_t>(world));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
+// The agreement of --resume on a step (-1: none): in each round every rank proposes its newest
+// loadable checkpoint at or below the candidate (`propose`; -1: none) and says whether it
+// found a checkpoint of another job (`fatal`). The newest proposal is agreed once every rank
+// that was a member of the job's view at that step (checkpoint_members of a holder's file)
+// holds it: the stale files of a rank lost earlier do not drag the job back, and a rank whose
+// newest file is torn, though a member, makes every rank fall back to an older step. Else
+// the candidate drops below it. Every round is two collectives of the whole world; `donor`
+// gets the lowest rank that holds the agreed step, `holders` whether each rank does.
+int64_t agree_on_resume_step(collectives::Communicator& comm,
+                             const std::function<int64_t(int64_t)>& propose,
+                             const std::function<std::vector<int>()>& members_of_mine,
+                             const std::string& fatal, int* donor, std::vector<char>& holders) {
+  const int rank = comm.rank(), world = comm.size();
+  int64_t candidate = std::numeric_limits<int64_t>::max();
+  while (true) {
+    const int64_t p = propose(candidate);
+    const int64_t mine[2] = {p, fatal.empty() ? 0 : 1};
+    std::vector<int64_t> all(size_t(2 * world));
+    comm.allgather(mine, all.data(), 2, DataType::kInt64);
+    for (int r = 0; r < world; ++r)
+      if (all[size_t(2 * r + 1)] != 0) {
+        if (!fatal.empty()) throw DataError(fatal);
+        throw DataError(
+            fmt::format("--resume: rank {} has a checkpoint of another job or "
+                        "configuration (see its log); rank {} stops too",
+                        r, rank));
+      }
+    int64_t newest = -1;
+    for (int r = 0; r < world; ++r) newest = std::max(newest, all[size_t(2 * r)]);
+    if (newest < 0) return -1;
+    holders.assign(size_t(world), 0);
+    for (int r = 0; r < world; ++r) holders[size_t(r)] = all[size_t(2 * r)] == newest;
+    int64_t complete = 1;  // MIN over the holders: every member of its view holds the step
+    if (p == newest)
+      for (int m : members_of_mine()) complete &= holders[size_t(m)];
+    int64_t all_complete = 0;
+    comm.allreduce(&complete, &all_complete, 1, DataType::kInt64, RedOp::kMin);
+    if (all_complete == 1) {
+      *donor = int(std::find(holders.begin(), holders.end(), 1) - holders.begin());
+      return newest;
+    }
+    candidate = newest - 1;
+  }
+}
+
+// After the agreement: a rank without the agreed checkpoint (lost before it, its files
+// stale) takes the state from `donor`, which restored its own (as a rejoining rank does).
+void take_resume_state(collectives::Communicator& comm, TrainerCore& core, int donor, bool holder,
+                       int64_t step) {
+  std::vector<char> bytes;
+  if (comm.rank() == donor) encode_checkpoint_into(core.checkpoint_view(), bytes);
+  int64_t size = int64_t(bytes.size());
+  comm.broadcast(&size, 1, DataType::kInt64, donor);
+  bytes.resize(size_t((size + 7) / 8 * 8));
+  comm.broadcast(bytes.data(), bytes.size() / 8, DataType::kInt64, donor);
+  if (holder) return;
+  const CheckpointView st =
+      decode_checkpoint_view({reinterpret_cast<const uint8_t*>(bytes.data()), size_t(size)},
+                             fmt::format("the state of step {} from rank {}", step, donor));
+  core.restore(st);
+  spdlog::warn(
+      "--resume: rank {} has no checkpoint of step {} (it was lost before it); it "
+      "takes the state from rank {}",
+      comm.rank(), step, donor);
+}
+
+// --resume: the step of the newest checkpoint every rank alive at it holds (0: none, a fresh
+// start), restored into `core` and `q`; a rank without it takes a holder's state.
 int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicator& comm,
                                 TrainerCore& core, collectives::QuorumAllreduce& q,
                                 const fs::path& ckpt_dir) {
   const int rank = comm.rank(), world = comm.size();
   const size_t n_params = core.num_params();
   const int64_t steps_per_epoch = core.steps_per_epoch();
-  int64_t start = 0;
-  // The ranks agree on the newest step at which every rank has a checkpoint it can load: a
-  // rank whose newest file is torn or corrupt falls back, and the others with it, to an
-  // older one. In each round every rank proposes its newest loadable step at or below the
-  // candidate (-1: none) and the candidate becomes the smallest proposal, until all
-  // proposals are equal; every round is a collective of the whole world with the
-  // communicator's deadline, and the candidate only decreases. A checkpoint that loads but
-  // belongs to another job (world, rank, configuration) stops every rank, naming this one.
+  // A rank whose newest file is torn or corrupt proposes an older one; a checkpoint that
+  // loads but belongs to another job (world, rank, configuration) stops every rank, naming
+  // this one (agree_on_resume_step).
   const std::vector<uint64_t> steps = checkpoint_steps(ckpt_dir.string());
   size_t next = 0;                    // steps[next..] not examined yet
   std::optional<CheckpointState> st;  // the newest loadable checkpoint examined so far
@@ -417,29 +498,17 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
     }
     return -1;
   };
-  int64_t candidate = std::numeric_limits<int64_t>::max(), agreed = -1;
-  while (true) {
-    const int64_t p = propose(candidate);
-    // MIN of (proposal, -proposal, first rank with a fatal problem or world).
-    int64_t mine[3] = {p, -p, fatal.empty() ? int64_t(world) : int64_t(rank)};
-    int64_t all[3];
-    comm.allreduce(mine, all, 3, DataType::kInt64, RedOp::kMin);
-    if (all[2] < world) {
-      if (!fatal.empty()) throw DataError(fatal);
-      throw DataError(
-          fmt::format("--resume: rank {} has a checkpoint of another job or "
-                      "configuration (see its log); rank {} stops too",
-                      all[2], rank));
-    }
-    if (all[0] == -all[1]) {
-      agreed = all[0];
-      break;
-    }
-    candidate = all[0];
-  }
+  int donor = -1;
+  std::vector<char> holders;
+  const int64_t agreed = agree_on_resume_step(
+      comm, propose, [&] { return checkpoint_members(*st, world); }, fatal, &donor, holders);
   if (agreed < 0) {
-    if (rank == 0) spdlog::warn("--resume: no checkpoint common to all ranks; starting fresh");
-  } else {
+    if (rank == 0)
+      spdlog::warn("--resume: no checkpoint common to the ranks alive at it; starting fresh");
+    return 0;
+  }
+  const bool holder = holders[size_t(rank)] != 0;
+  if (holder) {
     try {
       core.restore(*st);
     } catch (const DataError& e) {
@@ -448,10 +517,13 @@ int64_t resume_from_checkpoints(const TrainConfig& cfg, collectives::Communicato
     std::vector<char> carry(reinterpret_cast<const char*>(st->carry.data()),
                             reinterpret_cast<const char*>(st->carry.data() + st->carry.size()));
     q.restore_carry(carry);
-    start = int64_t(st->step);
-    if (rank == 0) spdlog::info("resumed from step {} ({})", start, st_path);
   }
-  return start;
+  if (std::count(holders.begin(), holders.end(), 1) < world)
+    take_resume_state(comm, core, donor, holder, agreed);
+  if (rank == 0)
+    spdlog::info("resumed from step {} ({})", agreed,
+                 holder ? st_path : "rank " + std::to_string(donor) + "'s state");
+  return agreed;
 }
 
 // Each QRING_FAULT entry fires once, from the step loop or (phase "ring") the engine thread.
@@ -699,6 +771,10 @@ class Checkpointer {
     nlohmann::json meta = core_.checkpoint_meta();
     meta["run"] = cfg_.run.name;
     meta["quorum"] = quorum_;
+    // Who was in the job at this step: --resume needs only their checkpoints (a rank lost
+    // earlier has older files; agree_on_resume_step).
+    if (const auto views = q_.membership().view_changes(); !views.empty())
+      meta["members"] = views.back().members;
     st.meta = meta.dump();
     save_checkpoint(checkpoint_path(dir_.string(), uint64_t(step)), st,
                     [&] { faults_(step, "checkpoint"); });

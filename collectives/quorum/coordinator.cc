@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "collectives/quorum/decide_rule.h"
+#include "collectives/quorum/liveness.h"
 
 namespace qring::collectives::qproto {
 
@@ -281,12 +282,14 @@ void Coordinator::tick(Time now, std::vector<Down>& out) {
   };
   for (auto& d : pending_) add(d);
   pending_.clear();
+  const LivenessTimes times = LivenessTimes::of(cfg_.evict, cfg_.deadline);
   for (int r : view_.members) {
     if (r == cfg_.self || finished_[size_t(r)]) continue;
     double silent = ms_between(last_heard_[size_t(r)], now);
-    // Until a rank has spoken once (start-up: loading data, connecting) the deadline applies.
-    const double limit = double(heard_[size_t(r)] ? cfg_.evict.count()
-                                                  : std::max(cfg_.evict, cfg_.deadline).count());
+    // Evict + a heartbeat period (liveness.h: a pause shorter than evict never evicts); until a
+    // rank has spoken once (start-up: loading data, connecting) the deadline instead of evict.
+    const double limit =
+        std::chrono::duration<double, std::milli>(silence_limit(heard_[size_t(r)], times)).count();
     if (silent > limit)
       add({r, Why::kSilent, silent});
     else if (suspect_[size_t(r)] && silent > double(cfg_.evict.count()) / 4)

@@ -6,11 +6,12 @@
 // What it decides (docs/design.md, "Membership"):
 //  - S(t), the contributors of step t: every live member arrived, or the quorum arrived and
 //    the grace passed; fewer than the quorum by first arrival + deadline is a timeout.
-//  - The view (epoch, live members). A member silent for `evict` (every rank's engine
-//    heartbeats), one that missed `evict_steps` consecutive steps (0 = never), or one that a
-//    member had a transport error with and that has missed a heartbeat (silent for evict / 4)
-//    leaves the next view. A rank that said goodbye (finished the job) is never evicted. The quorum follows the
-//    view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
+//  - The view (epoch, live members). A member silent for `evict` + a heartbeat period
+//    (liveness.h, silence_limit: every rank's engine heartbeats every evict / 8, so a pause
+//    shorter than evict never evicts), one that missed `evict_steps` consecutive steps (0 =
+//    never), or one that a member had a transport error with and that has missed heartbeats
+//    (silent for evict / 4) leaves the next view. A rank that said goodbye (finished the job)
+//    is never evicted. The quorum follows the view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
 //  - Recovery of a step that a departed member was part of: every live member reports
 //    whether it holds the step's final result (aborting its reduction if not). If one does,
 //    it forwards the result to the others (S(t) unchanged); if none does, the step is decided

@@ -19,6 +19,10 @@ std::string join_done_key(uint32_t instance, int coordinator) {
   return fmt::format("join/{}/done/{}", instance, coordinator);
 }
 
+std::string join_lost_key(uint32_t instance, int rank) {
+  return fmt::format("join/{}/lost/{}", instance, rank);
+}
+
 std::string encode_join_value(const JoinValue& v) {
   std::string m = v.members.empty() ? "-" : fmt::format("{}", fmt::join(v.members, ","));
   return fmt::format("{} {} {} {} {}\n{}{}", v.incarnation, v.coordinator, v.epoch, m,
@@ -115,7 +119,7 @@ struct JoinAgent {
       }
       if (q.searching) search_members(out);
       const bool any = !out.published.empty() || !out.fetched.empty() || !out.found.empty() ||
-                       !out.values.empty() || out.finished;
+                       !out.values.empty() || out.finished || !out.lost.empty();
       hand_back(out, retry);
       if (any) engine->kick();
       if (!retry.publish.empty()) engine->clock().sleep_until(engine->now() + 20ms);
@@ -194,10 +198,13 @@ struct JoinAgent {
   }
 
   void check_job_end(JoinAgentIo& out) {
-    // The job may have finished while this rank was away.
-    for (int p = 0; p < world && !out.finished; ++p) {
+    using namespace std::chrono_literals;
+    // The job may have finished, or have been lost, while this rank was away.
+    for (int p = 0; p < world && !out.finished && out.lost.empty(); ++p) {
       try {
         out.finished = store->check({join_done_key(instance, p)});
+        if (store->check({join_lost_key(instance, p)}))
+          out.lost = store->get(join_lost_key(instance, p), net::deadline_in(2s));
       } catch (const std::exception& e) {
         warn("cannot look for the end of the job", e);
       }
@@ -228,6 +235,7 @@ struct JoinAgent {
     for (auto& f : out.found) a.found.push_back(f);
     for (auto& v : out.values) a.values.push_back(std::move(v));
     a.finished = a.finished || out.finished;
+    if (a.lost.empty()) a.lost = std::move(out.lost);
     for (auto& p : retry.publish) a.publish.push_back(std::move(p));
     for (auto& f : retry.fetch) a.fetch.push_back(std::move(f));
   }

@@ -31,6 +31,10 @@ std::string join_key(uint32_t instance, int r, uint32_t inc, int owner);
 // Set by the rank that coordinated the end of the job: a rank that comes back later learns
 // that there is nothing to rejoin.
 std::string join_done_key(uint32_t instance, int coordinator);
+// Set by a rank whose quorum all-reduce ended with a timeout (QuorumLost, QuorumTimeout, a
+// ring given up: the job is lost), with why: a rank that comes back later
+// fails at once naming it, instead of waiting for a coordinator that no longer exists.
+std::string join_lost_key(uint32_t instance, int rank);
 
 // The value of a join key: "<incarnation> <coordinator> <epoch> <members, comma-separated>
 // <length of the settings>" (the publisher's, as it knows them; the joiner: "-1 0 -"), then
@@ -69,6 +73,7 @@ struct JoinAgentIo {
   bool watch_end = false;              // the joiner: until it has its state, watch for the end
   // agent -> engine
   bool finished = false;  // the joiner: the job has ended (join_done_key)
+  std::string lost;       // the joiner: why the job was lost (join_lost_key; empty: it was not)
   std::deque<std::string> published;
   std::deque<std::tuple<int, uint32_t, std::string>> fetched;  // joiner, incarnation, value
   std::deque<std::pair<int, uint32_t>> found;                  // new incarnations

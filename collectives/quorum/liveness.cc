@@ -4,7 +4,7 @@
 
 namespace qring::collectives {
 
-Clock::duration coordinator_silence_limit(bool heard_once, const LivenessTimes& t) {
+Clock::duration silence_limit(bool heard_once, const LivenessTimes& t) {
   // Until the coordinator has spoken once (start-up) the deadline applies.
   return (heard_once ? t.evict : std::max(t.evict, t.deadline)) + t.heartbeat;
 }
@@ -21,7 +21,7 @@ Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int s
                                 const LivenessTimes& t) {
   const auto cands = successors(view, coordinator);
   const auto k = std::find(cands.begin(), cands.end(), self) - cands.begin();
-  return last_heard + coordinator_silence_limit(heard_once, t) + k * (t.evict + t.heartbeat);
+  return last_heard + silence_limit(heard_once, t) + k * (t.evict + t.heartbeat);
 }
 
 TakeoverOutcome takeover_outcome(const Takeover& t, int view_size, Clock::time_point now,
@@ -48,7 +48,7 @@ Liveness::Liveness(LivenessTimes t, Clock::time_point now)
     : t_(t), last_pass_(now), last_down_(now), last_beat_(now) {}
 
 bool Liveness::paused(Clock::time_point now) {
-  const bool paused = now - last_pass_ > t_.heartbeat * 2;
+  const bool paused = now - last_pass_ > t_.evict / 2;
   last_pass_ = now;
   if (paused) last_down_ = now;
   return paused;
@@ -64,8 +64,7 @@ bool Liveness::beat_due(Clock::time_point now, int64_t completed) {
 
 Liveness::Silence Liveness::coordinator_silence(Clock::time_point now, const qproto::View& view,
                                                 int coordinator, int self, bool tolerant) const {
-  if (coordinator_done_ || now - last_down_ <= coordinator_silence_limit(heard_, t_))
-    return Silence::kNone;
+  if (coordinator_done_ || now - last_down_ <= silence_limit(heard_, t_)) return Silence::kNone;
   if (!tolerant) return Silence::kLost;
   return now > takeover_turn(view, coordinator, self, last_down_, heard_, t_) ? Silence::kTakeOver
                                                                              : Silence::kNone;

@@ -3,17 +3,20 @@
 // functions of the view and of the time given (the engine's TimeSource: virtual time in the
 // tests, tests/test_coll_liveness.cc), and the little state they read; the member service
 // (member.h) does the sending. What it decides (docs/design.md, "Membership"):
-//  - every rank heartbeats every evict / 4 on the engine (so long computation is not silence),
+//  - every rank heartbeats every evict / 8 on the engine (so long computation is not silence),
 //    and at once when it completed a step, at most four times per heartbeat period;
-//  - a pass more than two heartbeat periods after the one before means this process was
-//    stopped: silence measured across the pause says nothing about the others, so every
-//    silence clock starts over;
-//  - the coordinator silent for evict (the deadline until it has spoken once) + one heartbeat
-//    period: in a job that can lose a rank the other members of the last view propose
-//    themselves in rank order, each one evict + one heartbeat period after the one before; a
-//    proposal wins with the acknowledgment of a majority of the last view, once every
-//    candidate answered or evict passed; without it by 2 evict + deadline the job is lost. In
-//    a job that cannot lose a rank the silence stops it.
+//  - a pass more than evict / 2 after the one before means this process was stopped: silence
+//    measured across the pause says nothing about the others, so every silence clock starts
+//    over;
+//  - a rank (member or coordinator) is silent once nothing came from it for evict (the
+//    deadline until it has spoken once) + one heartbeat period (silence_limit): its last
+//    message may be up to a heartbeat period older than a pause, so a pause shorter than
+//    evict never evicts, and one over 1.125 evict always does (issue 42, case 11);
+//  - the coordinator silent: in a job that can lose a rank the other members of the last view
+//    propose themselves in rank order, each one evict + one heartbeat period after the one
+//    before; a proposal wins with the acknowledgment of a majority of the last view, once
+//    every candidate answered or evict passed; without it by 2 evict + deadline the job is
+//    lost. In a job that cannot lose a rank the silence stops it.
 #pragma once
 
 #include <chrono>
@@ -30,14 +33,15 @@ namespace qring::collectives {
 struct LivenessTimes {
   std::chrono::milliseconds evict{5000};
   std::chrono::milliseconds deadline{30000};
-  std::chrono::milliseconds heartbeat{1250};  // evict / 4, at least 1 ms
+  std::chrono::milliseconds heartbeat{625};  // evict / 8, at least 1 ms
   static LivenessTimes of(std::chrono::milliseconds evict, std::chrono::milliseconds deadline) {
-    return {evict, deadline, std::max(std::chrono::milliseconds(1), evict / 4)};
+    return {evict, deadline, std::max(std::chrono::milliseconds(1), evict / 8)};
   }
 };
 
-// How long the coordinator may be silent before its members act.
-Clock::duration coordinator_silence_limit(bool heard_once, const LivenessTimes& t);
+// How long a rank may be silent before it is lost: the coordinator for its members, a member
+// for the coordinator (`heard_once`: it has spoken since it started).
+Clock::duration silence_limit(bool heard_once, const LivenessTimes& t);
 // The members of `view` that may succeed `coordinator`, in the order they propose themselves.
 std::vector<int> successors(const qproto::View& view, int coordinator);
 // When `self` proposes itself: the silence limit after the coordinator was last heard, plus
@@ -71,8 +75,8 @@ class Liveness {
  public:
   Liveness(LivenessTimes t, Clock::time_point now);
   const LivenessTimes& times() const { return t_; }
-  // Called at every pass: true when the one before was over two heartbeat periods ago (this
-  // process was stopped); then the coordinator's silence starts over too.
+  // Called at every pass: true when the one before was over evict / 2 ago (this process was
+  // stopped); then the coordinator's silence starts over too.
   bool paused(Clock::time_point now);
   void heard_coordinator(Clock::time_point now) {
     last_down_ = now;

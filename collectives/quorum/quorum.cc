@@ -178,14 +178,10 @@ QuorumAllreduce::~QuorumAllreduce() {
     // The job ended well here: a rank that comes back now has nothing to rejoin.
     const bool done = std::uncaught_exceptions() == 0 &&
                       membership_->coordinator() == comm_.rank() && !steps_->failed();
-    if (done) {
-      try {
-        opts_.store->set(join_done_key(uint32_t(instance_) & 0xFF, comm_.rank()), "1");
-      } catch (const std::exception& e) {
-        spdlog::warn("rank {}: quorum: cannot record the end of the job: {}", comm_.rank(),
-                     e.what());
-      }
-    }
+    if (done) record_job_end(join_done_key(uint32_t(instance_) & 0xFF, comm_.rank()), "1");
+    // The job was lost here: a rank that comes back now fails at once, saying why.
+    if (const std::string why = lost_reason(); !why.empty())
+      record_job_end(join_lost_key(uint32_t(instance_) & 0xFF, comm_.rank()), why);
     {
       std::lock_guard<std::mutex> lock(agent_io_->mu);
       agent_io_->stop = true;
@@ -206,6 +202,31 @@ QuorumAllreduce::~QuorumAllreduce() {
     engine.clock().wait_until(lock, cv, std::min(until, engine.now() + std::chrono::milliseconds(1)),
                               stopped);
   if (!service_->done()) spdlog::warn("rank {}: quorum service did not stop in 5 s", comm_.rank());
+}
+
+void QuorumAllreduce::record_job_end(const std::string& key, const std::string& value) {
+  try {
+    opts_.store->set(key, value);
+  } catch (const std::exception& e) {
+    spdlog::warn("rank {}: quorum: cannot record the end of the job in the store: {}", comm_.rank(),
+                 e.what());
+  }
+}
+
+std::string QuorumAllreduce::lost_reason() const {
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lock(steps_->mu);
+    e = steps_->service_error ? steps_->service_error : steps_->poison;
+  }
+  if (!e) return "";
+  try {
+    std::rethrow_exception(e);
+  } catch (const CollectiveTimeout& lost) {  // QuorumLost, QuorumTimeout, a ring given up
+    return lost.what();
+  } catch (...) {
+  }
+  return "";
 }
 
 bool QuorumAllreduce::excluded(uint64_t step) const {

@@ -58,7 +58,8 @@ struct QuorumOptions {
   // Membership (docs/design.md, "Membership"). > 0: the quorum is this fraction of the live
   // members, recomputed on every view change (`quorum` is then its value for the full world).
   double fraction = 0;
-  // A rank silent this long (every rank's engine heartbeats every evict / 4) leaves the view.
+  // A rank silent this long (+ one heartbeat period: every rank's engine heartbeats every
+  // evict / 8) leaves the view; a pause shorter than this never evicts.
   std::chrono::milliseconds evict{5000};
   // A rank that missed this many consecutive steps leaves the view (0 = never).
   int evict_steps = 0;
@@ -190,6 +191,11 @@ class QuorumAllreduce {
   size_t count() const { return count_; }
 
  private:
+  // What the destructor leaves in the store for a rank that comes back (join_agent.h).
+  void record_job_end(const std::string& key, const std::string& value);
+  // Why the job was lost here (a timeout ended the service: QuorumLost, QuorumTimeout, a
+  // ring given up), or "".
+  std::string lost_reason() const;
   QuorumResult wait_impl(uint64_t step, void* out, View* view);
   void start_join_agent(uint32_t instance);
   Communicator& comm_;

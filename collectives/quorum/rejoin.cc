@@ -115,6 +115,7 @@ bool Rejoin::poll(net::Endpoint& ep, const qproto::Coordinator* coordinator, int
 // Tells the agent what the coordinator watches and takes what it found.
 void Rejoin::exchange(const qproto::Coordinator* coordinator, Found& got) {
   bool over;
+  std::string lost;
   {
     std::lock_guard<std::mutex> lock(agent_->mu);
     JoinAgentIo& a = *agent_;
@@ -130,7 +131,13 @@ void Rejoin::exchange(const qproto::Coordinator* coordinator, Found& got) {
     got.incarnations.swap(a.found);
     got.values.swap(a.values);
     over = a.finished;
+    lost = a.lost;
   }
+  if (!lost.empty() && joining_ && !admitted_)
+    throw QuorumLost(fmt::format("rank {}: the job was lost before this incarnation could "
+                                 "rejoin it ({})",
+                                 rank_, lost),
+                     {});
   if (!over) return;
   membership_.job_over();
   if (joining_ && !admitted_)

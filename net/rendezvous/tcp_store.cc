@@ -386,6 +386,7 @@ struct TcpStoreServer::Impl {
 
   void run();
   void accept_all();
+  bool connection_pending() const;
   void admit(int fd);
   bool drop_oldest_unjoined(uint32_t source, bool at_fd_limit);
   void forget_unjoined(uint64_t cid, uint32_t source);
@@ -591,6 +592,10 @@ void TcpStoreServer::Impl::accept_all() {
       int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
       if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // accept() wants a descriptor before it looks at the queue: at the limit it fails even
+      // when nobody waits, and the connection admitted last (a rank's, perhaps) must not make
+      // room for no one.
+      if ((err == EMFILE || err == ENFILE) && !connection_pending()) return;
       // Out of descriptors: a connection that has not joined makes room for the newcomer,
       // as past the caps (an attacker's connections hold descriptors, not ranks out).
       if ((err == EMFILE || err == ENFILE) && drop_oldest_unjoined(0, true)) {
@@ -619,6 +624,12 @@ void TcpStoreServer::Impl::accept_all() {
     admit(fd);
     ++accepted;
   }
+}
+
+// Whether a connection waits in the listening socket's queue (it is readable then).
+bool TcpStoreServer::Impl::connection_pending() const {
+  pollfd p{listen_fd.get(), POLLIN, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
 }
 
 // Serves a new connection (its CHALLENGE), first making room past the caps.
@@ -1046,6 +1057,12 @@ struct TcpStore::Impl {
   uint32_t next_id = 1;
   std::unordered_map<uint32_t, Reply*> pending;
   std::string in;  // touched only by the reading thread
+  // Connections of earlier attempts still waiting for their CHALLENGE, oldest first. A store
+  // slow to accept (loaded, or busy with an attacker's connections) serves its queue in
+  // order: a new attempt must not cost the old one its place, or a queue slower than the
+  // longest attempt timeout is never served.
+  std::vector<Fd> waiting;
+  static constexpr size_t kMaxWaiting = 3;
 
   // What the attempts to join met (the final error names it).
   struct Attempts {
@@ -1056,6 +1073,9 @@ struct TcpStore::Impl {
   };
   enum class Attempt { kJoined, kRetry };
   bool try_connect(const std::string& host, int port, Deadline deadline, std::string& err);
+  // Waits until `fd` or a connection in `waiting` is readable (its CHALLENGE, or its end);
+  // a waiting one that is becomes `fd`, and `fd` waits in its stead. False at the deadline.
+  bool await_challenge(Deadline deadline);
   // One connection: CHALLENGE, JOIN, the server's proof. kRetry (counted in `a`) when the
   // connection fails, closes or stays silent past `attempt_deadline`; throws ProtocolError
   // when the server rejects the JOIN or is not this job's store.
@@ -1125,6 +1145,28 @@ bool TcpStore::Impl::try_connect(const std::string& host, int port, Deadline dea
   return true;
 }
 
+bool TcpStore::Impl::await_challenge(Deadline deadline) {
+  std::vector<pollfd> p;
+  while (true) {
+    p.clear();
+    for (const Fd& w : waiting) p.push_back({w.get(), POLLIN, 0});
+    p.push_back({fd.get(), POLLIN, 0});
+    int n = poll(p.data(), p.size(), remaining_ms(deadline));
+    if (n < 0 && errno != EINTR) return true;  // read_frame() meets and reports the error
+    if (n > 0) break;
+    if (Clock::now() >= deadline) return false;
+  }
+  for (size_t i = 0; i < waiting.size(); ++i) {
+    if (p[i].revents == 0) continue;
+    Fd older = std::move(waiting[i]);
+    waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i));
+    waiting.push_back(std::move(fd));
+    fd = std::move(older);
+    break;
+  }
+  return true;
+}
+
 std::string TcpStore::Impl::Attempts::describe() const {
   std::vector<std::string> parts;
   auto add = [&](int n, const char* what) {
@@ -1154,6 +1196,13 @@ TcpStore::Impl::Attempt TcpStore::Impl::try_join(const std::string& host, int po
   }
   Header h;
   std::string payload;
+  if (!await_challenge(attempt_deadline)) {
+    ++a.no_challenge;
+    a.last_error = "no CHALLENGE";
+    waiting.push_back(std::move(fd));  // it keeps its place in the store's queue
+    if (waiting.size() > kMaxWaiting) waiting.erase(waiting.begin());
+    return Attempt::kRetry;
+  }
   ReadResult rr = read_frame(attempt_deadline, h, payload, err);
   if (rr == ReadResult::kMalformed) throw ProtocolError(err);
   if (rr != ReadResult::kFrame) {
@@ -1364,13 +1413,21 @@ TcpStore::TcpStore(const std::string& host, int port, const JoinInfo& join, Dead
   const auto start = Clock::now();
   Impl::Attempts attempts;
   // Per attempt: 500 ms for the CHALLENGE, doubling to 4 s (a loaded server is slow, not
-  // gone); a refused connection is retried after 50 ms.
+  // gone); a refused connection is retried after 50 ms. The connections of the last attempts
+  // that got no CHALLENGE stay open beside the new one (Impl::waiting).
   auto timeout = milliseconds(500);
   while (true) {
     const auto t0 = Clock::now();
     if (s.try_join(host, port, deadline, std::min(deadline, t0 + timeout), attempts) ==
-        Impl::Attempt::kJoined)
+        Impl::Attempt::kJoined) {
+      s.waiting.clear();
+      if (attempts.total > 1)
+        spdlog::info("rank {}: joined store {} after {} ms; {} (last failure: {})", join.rank,
+                     s.where,
+                     std::chrono::duration_cast<milliseconds>(Clock::now() - start).count(),
+                     attempts.describe(), attempts.last_error);
       return;
+    }
     s.fd.reset();
     if (Clock::now() - t0 >= timeout) timeout = std::min(2 * timeout, milliseconds(4000));
     if (Clock::now() >= deadline) {

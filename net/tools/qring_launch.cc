@@ -1,6 +1,6 @@
 // qring-launch -n N [--provider P] [--port PORT] [--timeout-s S] [--bind cores|none]
 //              [--tolerate-failures K] [--max-restarts N] [--prefix all|others|none]
-//              [--stop-grace-s S] -- CMD ARGS...
+//              [--stop-grace-s S] [--finish-grace-s S] -- CMD ARGS...
 // qring-launch --nnodes H --node-rank I --master HOST:PORT -n N [...] -- CMD ARGS...
 //   (on each of H hosts, torchrun's shape: ranks I*N .. I*N+N-1 run on host I; node 0 serves
 //   the store on HOST:PORT; every launcher needs the same QRING_JOB_SECRET)
@@ -14,14 +14,21 @@
 // their output with "[rank R] ", forwards SIGINT/SIGTERM/SIGHUP, and stops everything when
 // one rank fails -- or, with --tolerate-failures K, when more than K ranks have failed (a rank
 // exiting non-zero, 75 = evicted, or killed by a signal is "lost"; the others keep running).
-// Exit status: 0 when every rank exits 0; 100 + k when k <= K ranks were lost and every other
-// rank exited 0; the status of the failing rank that stopped the job (128 + signal when it was
-// killed by a signal); 128 + signal when the launcher itself was signalled, except 76 when it
-// forwarded SIGTERM/SIGUSR1 and the ranks answered with 76 (qring-train: checkpointed and
-// stopped; rerun with --resume); 124 on --timeout-s; 2 on a usage error. Across hosts each
-// launcher reports its own ranks; K and restarts count this host's ranks, and the launcher of
-// node 0 serves the store until the other hosts' ranks have closed their connections (at most
-// 60 s after its own ranks ended). See docs/bootstrap.md.
+// --max-restarts N starts a failed rank again, until a rank exits 74 (qring-train: the job is
+// lost): nothing can rejoin a lost job, so no rank is restarted after that.
+// The end of a job: once a rank of this host exited 0 (the job finished), a rank that stays
+// stopped (SIGSTOP, no CPU time) for 2 s, or that still runs --finish-grace-s later (default
+// 30), can no longer take part: it is killed (SIGKILL), reported (which rank, stopped or hung,
+// since when) and counted lost, never restarted, so that the launcher ends with the survivors.
+// Exit status: 0 when every rank exits 0; 100 + k when k ranks were lost (k <= K, or killed
+// at the end as above) and every other rank exited 0; the status of the failing rank that
+// stopped the job (128 + signal when it was killed by a signal); 128 + signal when the
+// launcher itself was signalled, except 76 when it forwarded SIGTERM/SIGUSR1 and the ranks
+// answered with 76 (qring-train: checkpointed and stopped; rerun with --resume); 124 on
+// --timeout-s; 2 on a usage error. Across hosts each launcher reports its own ranks; K and
+// restarts count this host's ranks, and the launcher of node 0 serves the store until the
+// other hosts' ranks have closed their connections (at most 60 s after its own ranks ended).
+// See docs/bootstrap.md. Deaths are recorded as (rank, incarnation) as the launcher reaps them.
 // Each rank runs under a supervisor (a fork of the launcher, see supervise()) that leads the
 // rank's process group, kills that group if the launcher dies (even by SIGKILL), and removes
 // the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
@@ -71,6 +78,9 @@ constexpr int kMaxRanks = 4096;
 // 100 + lost ranks must stay below 124 (timeout), 127 (cannot execute) and 128 + signal.
 constexpr int kMaxTolerated = 23;
 constexpr int kDegradedBase = 100;
+// qring-train: "the job is lost" (too few live ranks, a step or collective given up at its
+// deadline).
+constexpr int kJobLostStatus = 74;
 constexpr int kEvictedStatus = 75;  // qring-train: "this rank was evicted from the job"
 // qring-train: "stopped by SIGTERM/SIGUSR1 after checkpointing the agreed step". When the
 // launcher forwarded such a signal and every rank ended so, the launcher exits with it too.
@@ -82,6 +92,8 @@ constexpr auto kStoreLinger = std::chrono::seconds(60);
 // and only acts when its parent is really gone, so a stray SIGUSR2 changes nothing.
 constexpr int kLauncherGone = SIGUSR2;
 constexpr auto kOrphanKillLimit = std::chrono::seconds(2);  // supervisor: rank after SIGKILL
+// After the job finished (a rank exited 0): how long a rank may stay stopped before it is killed.
+constexpr auto kStoppedAtEndLimit = std::chrono::seconds(2);
 
 struct Options {
   int n = 0;  // ranks on this host
@@ -93,6 +105,7 @@ struct Options {
   int master_port = 0;
   std::string job_id;        // --job-id (default: derived from the secret and --master)
   double stop_grace_s = 30;  // a forwarded signal: time for the ranks to end before SIGKILL
+  double finish_grace_s = 30;  // after a rank exited 0: time for the others to end
   std::string provider;
   int port = 0;
   double timeout_s = 0;
@@ -139,6 +152,13 @@ void add_host_flags(CLI::App& app, Options& o) {
                         "finishes its step and writes a checkpoint); a second signal kills at once")
       ->each([&](const std::string& v) {
         o.stop_grace_s = qring::cli::to_seconds("--stop-grace-s", v, 86400, /*zero_ok=*/true);
+      });
+  qring::cli::add_value(app, "--finish-grace-s",
+                        "once a rank exited 0 (the job finished), kill a rank still running S "
+                        "seconds later (default 30), or one stopped (SIGSTOP) for 2 s or S if "
+                        "less, and count it lost")
+      ->each([&](const std::string& v) {
+        o.finish_grace_s = qring::cli::to_seconds("--finish-grace-s", v, 86400, /*zero_ok=*/true);
       });
 }
 
@@ -225,7 +245,8 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
       });
   qring::cli::add_value(app, "--max-restarts",
                         "start a rank that failed again, up to N times per rank (N <= 1000); it "
-                        "rejoins the running job. A rank lost beyond N restarts counts as above")
+                        "rejoins the running job. A rank lost beyond N restarts counts as above; "
+                        "none is restarted once a rank exited 74 (the job is lost)")
       ->each([&](const std::string& v) {
         o.max_restarts = int(to_int("--max-restarts", v, 0, 1000));
       });
@@ -243,8 +264,10 @@ std::variant<Options, int> parse_args(int argc, char** argv) {
       "Exit status: 0 every rank exited 0; 100+k k ranks lost within --tolerate-failures, the\n"
       "others exited 0; 76 a forwarded SIGTERM/SIGUSR1 made every rank checkpoint and stop\n"
       "(qring-train; go on with --resume); the failing rank's status when one stopped the job\n"
-      "(128+signal when it was killed); 128+signal when the launcher was signalled; 124 the\n"
-      "--timeout-s expired; 127 the command cannot be executed; 2 bad command line.");
+      "(128+signal when it was killed); 100+k also when k ranks stopped (SIGSTOP) or hung after\n"
+      "another exited 0 were killed (--finish-grace-s); 128+signal when the launcher was\n"
+      "signalled; 124 the --timeout-s expired; 127 the command cannot be executed; 2 bad\n"
+      "command line.");
   qring::cli::ParseOptions po;
   po.unknown_hint = "(the command follows '--')";
   if (int rc = qring::cli::parse(app, args, po); rc >= 0) return rc;
@@ -421,13 +444,21 @@ int reap_and_clean(pid_t pid, const std::string& who) {
 struct Rank {
   pid_t pid = -1;  // the rank's supervisor, leader of its process group
   bool running = false;
-  int restarts = 0;  // --max-restarts: times it was started again
+  int restarts = 0;  // --max-restarts: times it was started again (its incarnation)
+  // After the job finished: why the launcher killed it (stopped or hung; empty: it did not).
+  std::string abandoned;
+  // Since when it has been seen stopped, using no CPU time (cpu_ticks), after the job finished.
+  std::optional<Clock::time_point> stopped_since;
+  unsigned long long cpu_ticks = 0;
 };
 
+// A death the launcher saw for certain (it reaped the process): which rank, which of its
+// incarnations (0: the first process, k: the k-th restart), and how it ended.
 struct LostRank {
   int rank = 0;
+  int incarnation = 0;
   pid_t pid = -1;
-  std::string how;  // describe_end()
+  std::string how;  // describe_end(), or why the launcher killed it at the end
 };
 
 class Launcher {
@@ -451,6 +482,8 @@ class Launcher {
   void wait_for_input(int sfd, std::vector<pollfd>& pfds, int wait_ms);
   void read_signals(int sfd);
   void report_lost_ranks();
+  void end_unfinished_ranks(Clock::time_point now);
+  bool waiting_for_end() const;
   void choose_identity();
   void linger_for_other_hosts(int sfd, const qring::net::TcpStoreServer& store);
   // This host's rank `local` in the job.
@@ -471,6 +504,11 @@ class Launcher {
   std::vector<Rank> ranks_;
   std::vector<Stream> streams_;
   std::vector<LostRank> lost_;  // --tolerate-failures: ranks lost so far, in order
+  // The job finished: when the first rank of this host exited 0, and which.
+  std::optional<Clock::time_point> finished_at_;
+  int finished_rank_ = -1;
+  // Why the job is known lost (a rank exited kJobLostStatus); no rank is restarted after it.
+  std::string job_lost_;
   bool stopping_ = false;
   bool killed_ = false;
   int signals_received_ = 0;
@@ -596,51 +634,84 @@ void Launcher::flush_partial(Stream& s) {
   s.partial.clear();
 }
 
-// Our direct children, from /proc: the ranks, and (as a subreaper) orphaned descendants.
-std::vector<pid_t> child_pids() {
-  std::vector<pid_t> out;
-  pid_t self = getpid();
-  DIR* d = opendir("/proc");
-  if (d == nullptr) return out;
-  while (dirent* e = readdir(d)) {
-    pid_t pid = 0;
-    auto [p, ec] = std::from_chars(e->d_name, e->d_name + std::strlen(e->d_name), pid);
-    if (ec != std::errc() || *p != '\0') continue;
-    std::string stat;
-    if (FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r")) {
-      char buf[512];
-      size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-      stat.assign(buf, n);
-      std::fclose(f);
-    }
-    // "pid (comm) state ppid ...": comm may contain spaces, so parse after the last ')'.
-    auto close_paren = stat.rfind(')');
-    if (close_paren == std::string::npos) continue;
-    int ppid = 0;
-    char state = 0;
-    if (std::sscanf(stat.c_str() + close_paren + 1, " %c %d", &state, &ppid) == 2 && ppid == self)
-      out.push_back(pid);
-  }
-  closedir(d);
-  return out;
-}
-
-// The process group of `pid` (also of a zombie), or -1.
-pid_t process_group_of(pid_t pid) {
-  char buf[512];
+// What /proc/<pid>/stat says about a process (also a zombie).
+struct ProcStat {
+  char state = 0;  // R, S, D, T (stopped by a signal), t (traced), Z ...
+  pid_t ppid = 0;
+  pid_t pgrp = -1;
+  unsigned long long cpu_ticks = 0;  // user + system time
+};
+std::optional<ProcStat> read_proc_stat(pid_t pid) {
+  char buf[1024];
   size_t n = 0;
   if (FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r")) {
     n = std::fread(buf, 1, sizeof(buf) - 1, f);
     std::fclose(f);
   }
+  // "pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
+  // stime ...": comm may contain spaces, so parse after the last ')'.
   std::string stat(buf, n);
   auto close_paren = stat.rfind(')');
-  int ppid = 0, pgrp = -1;
-  char state = 0;
+  ProcStat s;
+  unsigned long long utime = 0, stime = 0;
   if (close_paren == std::string::npos ||
-      std::sscanf(stat.c_str() + close_paren + 1, " %c %d %d", &state, &ppid, &pgrp) != 3)
-    return -1;
-  return pgrp;
+      std::sscanf(stat.c_str() + close_paren + 1,
+                  " %c %d %d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &s.state, &s.ppid,
+                  &s.pgrp, &utime, &stime) != 5)
+    return std::nullopt;
+  s.cpu_ticks = utime + stime;
+  return s;
+}
+
+std::vector<pid_t> all_pids() {
+  std::vector<pid_t> out;
+  DIR* d = opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    pid_t pid = 0;
+    auto [p, ec] = std::from_chars(e->d_name, e->d_name + std::strlen(e->d_name), pid);
+    if (ec == std::errc() && *p == '\0') out.push_back(pid);
+  }
+  closedir(d);
+  return out;
+}
+
+// Our direct children, from /proc: the ranks, and (as a subreaper) orphaned descendants.
+std::vector<pid_t> child_pids() {
+  std::vector<pid_t> out;
+  const pid_t self = getpid();
+  for (pid_t pid : all_pids())
+    if (auto st = read_proc_stat(pid); st && st->ppid == self) out.push_back(pid);
+  return out;
+}
+
+// The process group of `pid` (also of a zombie), or -1.
+pid_t process_group_of(pid_t pid) {
+  const auto st = read_proc_stat(pid);
+  return st ? st->pgrp : -1;
+}
+
+// A rank's processes (its supervisor's group, the supervisor left out): whether one of them
+// is stopped by a signal, and the CPU time they have used (unchanged: none of them ran).
+struct RankProcesses {
+  std::vector<pid_t> pids;
+  bool stopped = false;
+  unsigned long long cpu_ticks = 0;
+};
+RankProcesses rank_processes(pid_t supervisor) {
+  RankProcesses r;
+  for (pid_t pid : all_pids()) {
+    const auto st = read_proc_stat(pid);
+    if (!st || st->pgrp != supervisor || pid == supervisor) continue;
+    r.pids.push_back(pid);
+    r.stopped |= st->state == 'T';
+    r.cpu_ticks += st->cpu_ticks;
+  }
+  return r;
+}
+
+Clock::duration seconds_of(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
 void Launcher::signal_all(int sig) {
@@ -662,9 +733,8 @@ void Launcher::begin_stop(int sig, const std::string& why, int code, bool forwar
   if (!stopping_) {
     stopping_ = true;
     exit_code_ = code;
-    kill_at_ = Clock::now() + (forwarded ? std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(opts_.stop_grace_s))
-                                         : Clock::duration(kKillGrace));
+    kill_at_ = Clock::now() +
+               (forwarded ? seconds_of(opts_.stop_grace_s) : Clock::duration(kKillGrace));
   }
   signal_all(sig);
 }
@@ -697,9 +767,26 @@ void Launcher::reap() {
       ++preempted_;
     else if (stopping_ && failed)
       ++stopped_otherwise_;
+    if (!failed && !stopping_ && !finished_at_) {
+      finished_at_ = Clock::now();
+      finished_rank_ = r;
+    }
     if (!failed || stopping_) continue;
+    if (!it->abandoned.empty()) {  // killed at the end of the job (end_unfinished_ranks)
+      lost_.push_back({r, it->restarts, p, it->abandoned + "; killed by the launcher"});
+      continue;
+    }
     int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (it->restarts < opts_.max_restarts) {
+    if (code == kJobLostStatus && job_lost_.empty()) {
+      job_lost_ = fmt::format("rank {} exited with status {}: the job is lost", r, code);
+      if (opts_.max_restarts > 0)
+        write_all(2,
+                  fmt::format("qring-launch: {}; no rank is restarted from now on\n", job_lost_));
+    }
+    if (it->restarts < opts_.max_restarts && !job_lost_.empty())
+      write_all(2, fmt::format("qring-launch: rank {} (pid {}) {}; not restarting it ({})\n", r, p,
+                               describe_end(status), job_lost_));
+    if (it->restarts < opts_.max_restarts && job_lost_.empty()) {
       // What the failed rank left in its process group goes; a new process of the rank
       // rejoins the running job (docs/design.md, "Rejoin").
       kill(-p, SIGKILL);
@@ -713,7 +800,7 @@ void Launcher::reap() {
       continue;
     }
     if (opts_.tolerate > 0) {
-      lost_.push_back({r, p, describe_end(status)});
+      lost_.push_back({r, it->restarts, p, describe_end(status)});
       const int lost = static_cast<int>(lost_.size());
       std::string what =
           fmt::format("rank {} (pid {}) {}; {} of {} ranks{} lost", r, p, lost_.back().how, lost,
@@ -871,8 +958,7 @@ std::unique_ptr<qring::net::TcpStoreServer> Launcher::serve_store() {
 void Launcher::event_loop(int sfd) {
   std::optional<Clock::time_point> timeout_at;
   if (opts_.timeout_s > 0)
-    timeout_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(opts_.timeout_s));
+    timeout_at = Clock::now() + seconds_of(opts_.timeout_s);
   std::optional<Clock::time_point> drain_until;
   std::vector<pollfd> pfds;
   while (true) {
@@ -891,6 +977,7 @@ void Launcher::event_loop(int sfd) {
       if (!drain_until) drain_until = now + kDrainLimit;
       if (now >= *drain_until) break;
     }
+    end_unfinished_ranks(now);
     if (timeout_at && now >= *timeout_at && !stopping_) {
       begin_stop(SIGTERM,
                  fmt::format("timeout of {} s expired; killing all ranks", opts_.timeout_s), 124);
@@ -920,6 +1007,7 @@ int Launcher::poll_timeout_ms(Clock::time_point now,
   if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
   if (killed_) wake = std::min(wake, now + milliseconds(50));
   if (drain_until) wake = std::min(wake, *drain_until);
+  if (waiting_for_end()) wake = std::min(wake, now + milliseconds(100));
   return static_cast<int>(
       std::max<int64_t>(0, std::chrono::duration_cast<milliseconds>(wake - now).count() + 1));
 }
@@ -953,17 +1041,62 @@ void Launcher::read_signals(int sfd) {
   }
 }
 
+// The end of the job (see the header): once a rank of this host exited 0, a rank that stays
+// stopped for kStoppedAtEndLimit (or --finish-grace-s if less), or still runs
+// --finish-grace-s later, is killed (its supervisor reaps it and cleans up) and counted lost.
+void Launcher::end_unfinished_ranks(Clock::time_point now) {
+  if (!waiting_for_end()) return;
+  const Clock::duration grace = seconds_of(opts_.finish_grace_s);
+  const Clock::duration stopped_limit = std::min<Clock::duration>(kStoppedAtEndLimit, grace);
+  const double since_finish = std::chrono::duration<double>(now - *finished_at_).count();
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    Rank& rank = ranks_[i];
+    if (!rank.running || !rank.abandoned.empty()) continue;
+    const RankProcesses procs = rank_processes(rank.pid);
+    if (!procs.stopped || (rank.stopped_since && procs.cpu_ticks != rank.cpu_ticks))
+      rank.stopped_since.reset();  // running, or it ran since it was last seen stopped
+    if (procs.stopped && !rank.stopped_since) {
+      rank.stopped_since = now;
+      rank.cpu_ticks = procs.cpu_ticks;
+    }
+    if (rank.stopped_since && now - *rank.stopped_since >= stopped_limit)
+      rank.abandoned = fmt::format(
+          "was stopped (SIGSTOP) for {:.1f} s after rank {} finished the job",
+          std::chrono::duration<double>(now - *rank.stopped_since).count(), finished_rank_);
+    else if (now - *finished_at_ >= grace)
+      rank.abandoned = fmt::format(
+          "was still running (hung) {:.1f} s after rank {} finished the job (--finish-grace-s)",
+          since_finish, finished_rank_);
+    if (rank.abandoned.empty()) continue;
+    write_all(2, fmt::format("qring-launch: rank {} (pid {}) {}; killing it\n",
+                             global_rank(int(i)), rank.pid, rank.abandoned));
+    for (pid_t p : procs.pids) kill(p, SIGKILL);
+  }
+}
+
+bool Launcher::waiting_for_end() const {
+  return finished_at_ && !stopping_ &&
+         std::any_of(ranks_.begin(), ranks_.end(),
+                     [](const Rank& r) { return r.running && r.abandoned.empty(); });
+}
+
 void Launcher::report_lost_ranks() {
   if (exit_code_ == 0 && !lost_.empty()) {
     // Degraded success: every rank that was not lost exited 0.
     std::vector<std::string> list;
     for (const auto& l : lost_)
-      list.push_back(fmt::format("rank {} (pid {}) {}", l.rank, l.pid, l.how));
-    exit_code_ = kDegradedBase + static_cast<int>(lost_.size());
+      list.push_back(fmt::format("rank {}{} (pid {}) {}", l.rank,
+                                 l.incarnation > 0 ? fmt::format(" incarnation {}", l.incarnation)
+                                                   : std::string(),
+                                 l.pid, l.how));
+    exit_code_ = kDegradedBase + std::min(kMaxTolerated, static_cast<int>(lost_.size()));
     write_all(
-        2, fmt::format("qring-launch: finished with {} of {} ranks lost (tolerating up to "
-                       "{}): {}; exit status {}\n",
-                       lost_.size(), opts_.n, opts_.tolerate, fmt::join(list, "; "), exit_code_));
+        2, fmt::format("qring-launch: finished with {} of {} ranks lost{}: {}; exit status {}\n",
+                       lost_.size(), opts_.n,
+                       opts_.tolerate > 0
+                           ? fmt::format(" (tolerating up to {})", opts_.tolerate)
+                           : std::string(),
+                       fmt::join(list, "; "), exit_code_));
   }
 }
 

@@ -36,7 +36,8 @@
 #                time with an error naming ranks 2 and 3 (docs/design.md, "Membership": a
 #                silence no one witnessed keeps the majority rule). No process is left.
 # Every run is bounded (QRING_NETNS_TEST_TIMEOUT seconds, default 120). The last line is
-# "N passed, M failed"; the exit code is non-zero when anything failed. QRING_SKIP_NETNS=1
+# "N passed, M failed"; the exit code is non-zero when anything failed, and then every
+# scenario's logs stay in the work directory named on the line before. QRING_SKIP_NETNS=1
 # skips, QRING_NETNS_ONLY="bench" runs only the named scenarios.
 set -euo pipefail
 
@@ -49,6 +50,7 @@ CLUSTER="$ROOT/scripts/netns-cluster.sh"
 WORK=$(mktemp -d /tmp/qring-netns-test.XXXXXX)
 passed=0
 failed=0
+KEEP=0
 SCENARIOS=(collectives bench train attack launch launch-rejoin launch-host-lost)
 
 pass() {
@@ -59,7 +61,12 @@ fail() {
   echo "FAIL: $1: $2"
   failed=$((failed + 1))
 }
+# When a scenario failed, the logs of all stay in $WORK (named on the line before the last).
 finish() {
+  if [ "$failed" -gt 0 ]; then
+    KEEP=1
+    echo "logs kept in $WORK"
+  fi
   echo "$passed passed, $failed failed"
   [ "$failed" -eq 0 ]
 }
@@ -76,7 +83,7 @@ wants() { [[ " ${SCENARIOS[*]} " == *" $1 "* ]]; }
 
 cleanup() {
   "$CLUSTER" stop >/dev/null 2>&1 || true
-  rm -rf "$WORK"
+  [ "$KEEP" = 1 ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
@@ -162,7 +169,10 @@ if wants attack; then
   port=$((20000 + RANDOM % 20000))
   job=("$BUILD/collectives/qring-bench" --op barrier -n 1 -w 0)
   attack_job() {  # NAME TARGET_PORT JOB_PORT: the job's wall time in ms on stdout
-    "$CLUSTER" exec 2 timeout 90 python3 "$ROOT/scripts/store_attack.py" \
+    # In a session of its own, as another user's processes (or another machine) are: with
+    # the kernel's autogroup scheduling, a process of the test's session would take its CPU
+    # out of the job's share.
+    setsid "$CLUSTER" exec 2 timeout 90 python3 "$ROOT/scripts/store_attack.py" \
       --host "$("$CLUSTER" addr 1)" --port "$2" --connections 1000 --seconds 60 \
       >"$WORK/attacker.$1" 2>&1 &
     local attacker=$! t0 rc=0
