@@ -10,7 +10,8 @@
 # hand, or rerun tests/fuzz/make_corpus.py). Targets: fuzz_store (store frames and requests),
 # fuzz_quorum_wire (READY/DECIDE/VIEW/... messages), fuzz_idx, fuzz_checkpoint, fuzz_config
 # (TOML and overrides), fuzz_toml_nesting (deep nesting and dotted keys, built from the input),
-# fuzz_idx_budget (honest IDX headers against a memory budget).
+# fuzz_idx_budget (honest IDX headers against a memory budget). QRING_FUZZ_STEP=build only
+# builds the targets, =run only runs them (scripts/test.sh builds while other stages run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-fuzz}
@@ -20,8 +21,12 @@ TARGETS=("$@")
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_store fuzz_quorum_wire fuzz_idx fuzz_checkpoint fuzz_config
   fuzz_toml_nesting fuzz_idx_budget)
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (scripts/setup.sh)" >&2; exit 1; }
-CXX=clang++ cmake -S tests/fuzz -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+STEP=${QRING_FUZZ_STEP:-all}
+if [ "$STEP" != run ]; then
+  CXX=clang++ cmake -S tests/fuzz -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+fi
+[ "$STEP" != build ] || exit 0
 mkdir -p "$BUILD/artifacts"
 failed=0
 for t in "${TARGETS[@]}"; do

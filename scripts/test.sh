@@ -14,15 +14,88 @@
 # Exits non-zero on any failure. QRING_SKIP_PYTHON=1 skips the Python tests.
 # QRING_SKIP_SANITIZE=1 / QRING_SKIP_SLURM=1 / QRING_SKIP_NETNS=1 / QRING_SKIP_TSAN=1 /
 # QRING_SKIP_FUZZ=1 / QRING_SKIP_REPRODUCE=1 skip 2 / 3 / 4 / 5 / 6 / 7.
+# Order: 1, 3, 4, 7, then 2, 5, 6. The builds of 2, 5 and 6 (scripts/build_sanitizers.sh) run
+# in the background at nice 19 from the end of the Release build on, in the CPU time that
+# stages 1, 3, 4 and 7 leave idle; each of 2, 5, 6 waits for its own build (the builds' log:
+# build/sanitizer-builds.log). Every stage prints its seconds, the CPU seconds its processes
+# used (user + system; the background builds' own are in their log) and the load average when
+# it ends; a table of all of them and the total comes last. On a shared machine the CPU seconds
+# say what a stage costs whatever else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${QRING_SKIP_PYTHON:-0}" = 1 ] || export QRING_SETUP_TORCH=1  # PyTorch, pytest
-scripts/setup.sh
 start=$(date +%s)
-section() { echo "== $1 (at $(( $(date +%s) - start )) s)"; }
+# cpu_ticks: user + system CPU of this shell's finished children, in clock ticks.
+cpu_ticks() {
+  local s
+  s=$(cat /proc/$$/stat)
+  s=${s##*) }
+  set -- $s
+  echo $(( ${14} + ${15} ))
+}
+hz=$(getconf CLK_TCK)
+stage=""
+stage_at=$start
+stage_cpu=$(cpu_ticks)
+summary=""
+bg_pid=""
+bg_log=build/sanitizer-builds.log
+end_stage() {
+  [ -n "$stage" ] || return 0
+  local now secs cpu load
+  now=$(date +%s)
+  secs=$((now - stage_at))
+  cpu=$(( ($(cpu_ticks) - stage_cpu) / hz ))
+  load=$(cut -d' ' -f1-3 /proc/loadavg)
+  echo "== $stage: $secs s, CPU $cpu s (load average $load)"
+  summary+=$(printf '%6d s %6d s CPU  %s (load %s)' "$secs" "$cpu" "$stage" "$load")$'\n'
+  stage=""
+}
+section() {
+  end_stage
+  stage=$1
+  stage_at=$(date +%s)
+  stage_cpu=$(cpu_ticks)
+  echo "== $stage (at $((stage_at - start)) s)"
+}
+finish() {
+  local rc=$?
+  end_stage
+  if [ -n "$bg_pid" ] && kill -0 "$bg_pid" 2>/dev/null; then
+    kill -- "-$bg_pid" 2>/dev/null || true
+  fi
+  [ ! -f "$bg_log" ] || grep '^== built' "$bg_log" | sed 's/^== /== background: /' || true
+  echo "== stage times"
+  printf '%s' "$summary"
+  printf '%6d s %6d s CPU  total without the background builds (load %s)\n' \
+    $(( $(date +%s) - start )) $(( $(cpu_ticks) / hz )) "$(cut -d' ' -f1-3 /proc/loadavg)"
+  exit $rc
+}
+trap finish EXIT
+# wait_built DIR: waits until the background build of DIR is done; fails if it failed.
+wait_built() {
+  section "waiting for the background build of $1"
+  while [ ! -e "$1/.qring-built" ]; do
+    if ! kill -0 "$bg_pid" 2>/dev/null; then
+      echo "the background build of $1 failed ($bg_log):"
+      tail -40 "$bg_log"
+      return 1
+    fi
+    sleep 2
+  done
+}
+
+[ "${QRING_SKIP_PYTHON:-0}" = 1 ] || export QRING_SETUP_TORCH=1  # PyTorch, pytest
+section "setup (scripts/setup.sh)"
+scripts/setup.sh
 
 section "build (Release)"
 scripts/build.sh build -DQRING_BUILD_TESTS=ON
+# The sanitizer and fuzz builds, in their own process group (ended with this script) and not
+# this shell's child (their CPU is not counted in the stage they happen to end in).
+rm -f build-asan/.qring-built build-tsan/.qring-built build-fuzz/.qring-built
+(setsid nice -n 19 scripts/build_sanitizers.sh >"$bg_log" 2>&1 & echo $! >build/sanitizer-builds.pid)
+bg_pid=$(cat build/sanitizer-builds.pid)
+
 section "tests (Release)"
 (cd build && ctest --output-on-failure --no-tests=error --timeout 300 -j 2)
 
@@ -33,17 +106,6 @@ fi
 section "C++ program against the installed library (tests/consumer)"
 tests/consumer/run.sh build
 
-if [ "${QRING_SKIP_SANITIZE:-0}" != 1 ]; then
-  section "build (address,undefined sanitizers: net and collectives tests)"
-  targets="qring-launch $(cd tests && ls test_net_*.cc test_coll_*.cc | sed 's/\.cc$//' | tr '\n' ' ')"
-  QRING_TARGETS="$targets" QRING_BUILD_TYPE=RelWithDebInfo \
-    scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined -DQRING_BUILD_TESTS=ON
-  section "tests (sanitizers)"
-  (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
-     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-     ctest --output-on-failure --no-tests=error --timeout 600 -j 2 -L sanitize)
-fi
-
 section "Slurm integration tests"
 tests/slurm/run.sh build
 
@@ -52,19 +114,30 @@ if [ "${QRING_SKIP_NETNS:-0}" != 1 ]; then
   tests/netns/run.sh build
 fi
 
-if [ "${QRING_SKIP_TSAN:-0}" != 1 ]; then
-  section "ThreadSanitizer build and run of the collectives and quorum tests"
-  scripts/tsan.sh build-tsan
-fi
-
-if [ "${QRING_SKIP_FUZZ:-0}" != 1 ]; then
-  section "fuzz targets (libFuzzer + ASan/UBSan, ${QRING_FUZZ_SECONDS:-10} s each)"
-  QRING_FUZZ_SECONDS=${QRING_FUZZ_SECONDS:-10} scripts/fuzz.sh build-fuzz
-fi
-
 if [ "${QRING_SKIP_REPRODUCE:-0}" != 1 ]; then
   section "paper reproduction, smoke scale"
   scripts/reproduce.sh --smoke --out build/reproduce-smoke
 fi
 
+if [ "${QRING_SKIP_SANITIZE:-0}" != 1 ]; then
+  wait_built build-asan
+  section "tests (address,undefined sanitizers: net and collectives tests)"
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+     ctest --output-on-failure --no-tests=error --timeout 600 -j 2 -L sanitize)
+fi
+
+if [ "${QRING_SKIP_TSAN:-0}" != 1 ]; then
+  wait_built build-tsan
+  section "ThreadSanitizer run of the collectives and quorum tests"
+  QRING_TSAN_STEP=run scripts/tsan.sh build-tsan
+fi
+
+if [ "${QRING_SKIP_FUZZ:-0}" != 1 ]; then
+  wait_built build-fuzz
+  section "fuzz targets (libFuzzer + ASan/UBSan, ${QRING_FUZZ_SECONDS:-10} s each)"
+  QRING_FUZZ_SECONDS=${QRING_FUZZ_SECONDS:-10} QRING_FUZZ_STEP=run scripts/fuzz.sh build-fuzz
+fi
+
+end_stage
 echo "== all tests passed in $(( $(date +%s) - start )) s"

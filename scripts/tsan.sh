@@ -11,15 +11,20 @@
 # spdlog and libstdc++ (their synchronization is invisible to it; each entry says why).
 # scripts/test.sh runs it (QRING_SKIP_TSAN=1 skips): about 3.5 min to build and run on 2
 # cores (docs/benchmarks.md, "Time of scripts/test.sh"). QRING_TSAN_TESTS overrides the suites
-# (space-separated test binaries).
+# (space-separated test binaries). QRING_TSAN_STEP=build only builds them, =run only runs
+# them (scripts/test.sh builds while other stages run); default both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-tsan}
 TESTS=${QRING_TSAN_TESTS:-"test_coll_ring test_coll_agree test_coll_quorum test_coll_membership test_coll_straggler test_coll_rejoin test_coll_param_server test_coll_failover test_coll_clock"}
+STEP=${QRING_TSAN_STEP:-all}
 start=$(date +%s)
-QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
-  scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON
+if [ "$STEP" != run ]; then
+  QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
+    scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON
+fi
 built=$(date +%s)
+[ "$STEP" != build ] || { echo "tsan: build $((built - start)) s"; exit 0; }
 failed=0
 for t in $TESTS; do
   echo "== tsan $t"
