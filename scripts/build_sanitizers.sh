@@ -11,13 +11,7 @@
 # (real processes waiting on deadlines, Slurm's clock, namespaces' links).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cpu_ticks() {  # user + system CPU of this shell's finished children, in clock ticks
-  local s
-  s=$(cat /proc/$$/stat)
-  s=${s##*) }
-  set -- $s
-  echo $(( ${14} + ${15} ))
-}
+. scripts/cpu_ticks.sh
 built() {  # built DIR COMMAND...: runs the build, then marks DIR as built
   local dir=$1 t0 c0
   shift

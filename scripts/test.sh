@@ -26,13 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 # cpu_ticks: user + system CPU of this shell's finished children, in clock ticks.
-cpu_ticks() {
-  local s
-  s=$(cat /proc/$$/stat)
-  s=${s##*) }
-  set -- $s
-  echo $(( ${14} + ${15} ))
-}
+. scripts/cpu_ticks.sh
 hz=$(getconf CLK_TCK)
 stage=""
 stage_at=$start
