@@ -45,6 +45,18 @@
 #   case 9  --resume after a run that lost a rank starts from the survivors' newest
 #           checkpoint; the lost rank takes the state from a live member. Test:
 #           TrainFaults.ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint.
+#   case 2  the coordinator and one more rank killed in one command (QRING_FAULT
+#           kill:0:S:step,kill:1:S:step), under qring-launch --tolerate-failures 2, which
+#           witnesses both deaths: the two left go on. `--case2 N` runs it N times over shm
+#           and over tcp (W=4, quorum 2) and prints per run the launcher's exit, the
+#           survivors' checksums and recovery_s (summary.json: from the last sign of life of
+#           the lost to the first step completed without them). Tests:
+#           CoordinatorAndOneMore.*, TwoMembers.*, ThreeOfEight.* (virtual time),
+#           TrainFaults.CoordinatorAndOneMoreKilledTogether*.
+#   case 1  a coordinator is deposed only by a takeover that won. Tests:
+#           Deposition.* (virtual time).
+#
+#   scripts/bench_faults.sh --case2 5 [--config ...] [--epochs ...] [--evict-ms 1000]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/fmnist-mlp.toml
@@ -54,6 +66,7 @@ PROVIDER=auto
 VICTIM=2
 ISOLATE=0
 ANALYZE_ONLY=0
+CASE2=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -63,6 +76,7 @@ while [ $# -gt 0 ]; do
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
     --analyze-only) ANALYZE_ONLY=1; shift ;;
+    --case2) CASE2=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -76,12 +90,40 @@ common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$
 # Steps of the 4-rank run, to place the kill at 30 % of training.
 BATCH=$(grep -E '^batch_per_rank' "$CONFIG" | sed 's/.*= *//; s/ .*//')
 TRAIN=$(python3 -c "
-import sys
+import re
 cfg = open('$CONFIG').read()
-print(10000 if 'synthetic' in cfg else 60000)")
+n = re.search(r'^synthetic_train *= *([0-9]+)', cfg, re.M)
+print(int(n.group(1)) if n else 10000 if 'synthetic' in cfg else 60000)")
 STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
 KILL_AT=$(( STEPS * 3 / 10 ))
 echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
+
+if [ "$CASE2" -gt 0 ]; then
+  echo "case 2: kill of ranks 0 and 1 at step $KILL_AT, W=4 quorum 2, $CASE2 runs per provider"
+  for prov in shm tcp; do
+    for i in $(seq 1 "$CASE2"); do
+      name=case2-$prov-$i status=0
+      QRING_FAULT="kill:0:$KILL_AT:step,kill:1:$KILL_AT:step" "$BUILD/net/qring-launch" -n 4 \
+        --tolerate-failures 2 -- "$BUILD/train/qring-train" --force "${common[@]}" \
+        "net.provider=$prov" quorum.quorum=2 "run.name=$name" > "$OUT/$name.log" 2>&1 ||
+        status=$?
+      python3 - "$OUT" "$name" "$status" <<'PY'
+import json, re, sys
+out, name, status = sys.argv[1:]
+log = open(f"{out}/{name}.log").read()
+sums = sorted(set(re.findall(r"params_checksum ([0-9a-f]{16})", log)))
+try:
+    s = json.load(open(f"{out}/{name}/summary.json"))
+    extra = f"recovery_s {s.get('recovery_s')}, accuracy {s.get('final_accuracy', s.get('accuracy'))}"
+except (OSError, ValueError):
+    extra = "no summary.json"
+print(f"  {name}: exit {status}, {len(re.findall('params_checksum', log))} checksums, "
+      f"{len(sums)} distinct ({', '.join(sums)}), {extra}")
+PY
+    done
+  done
+  exit 0
+fi
 
 WRAP=()  # what runs qring-train (--isolate-joiner: taskset by incarnation)
 run() {  # name ranks fault [launcher options...]

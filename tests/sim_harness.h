@@ -128,6 +128,11 @@ class SimWorld {
       fault_[size_t(p)]->cut(rank);
     }
   }
+  // Only the link between `a` and `b` is cut (both ways).
+  void cut_link(int a, int b) {
+    fault_[size_t(a)]->cut(b);
+    fault_[size_t(b)]->cut(a);
+  }
   // A new incarnation of `rank` starts `after` from now: `program` runs with a communicator of
   // its own that joins the running job (QuorumOptions::join).
   void restart(int rank, std::chrono::milliseconds after, const Program& program) {

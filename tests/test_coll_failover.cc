@@ -43,6 +43,8 @@ struct Fault {
   std::string phase = "step";
   milliseconds pause{0};
   milliseconds quiet{0};  // a stop at "step": computing this long before it, sending nothing
+  bool witnessed = false;  // a kill the launcher sees (it records the death in the store)
+  int cut_from = -1;       // >= 0: no kill nor stop; the link with this rank is cut for good
 };
 
 // What one incarnation of a rank saw of each step it completed.
@@ -138,6 +140,10 @@ class Job {
       const Fault& f = faults_[i];
       if (fired_[i] || f.rank != rank || t != f.step || f.phase != phase) continue;
       fired_[i] = true;
+      if (f.cut_from >= 0) {
+        w.cut_link(rank, f.cut_from);
+        continue;
+      }
       if (f.pause.count() > 0) {
         if (f.quiet.count() > 0) w.clock().sleep_until(w.clock().now() + f.quiet);
         w.stop(rank, f.pause);
@@ -145,6 +151,8 @@ class Job {
       }
       if (auto it = restarts_.find(rank); it != restarts_.end())
         w.restart(rank, it->second, [this](int r, Communicator& c) { program(r, 1, c); });
+      // The launcher reaps it and records the death (its own process is frozen from here on).
+      if (f.witnessed) w.store().set(net::dead_key(rank, inc), "killed by signal 9");
       w.kill(rank, inc);
     }
   }
@@ -460,6 +468,115 @@ TEST(Rejoin, AfterTheEndThereIsNothingToRejoin) {
   EXPECT_NE(job.w.error(2, 1).find("the job finished before this incarnation"), std::string::npos)
       << job.w.error(2, 1);
   for (int r : {0, 1, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+}
+
+// ---- Deaths witnessed, not guessed (issue 42, case 2): the launcher records each death it
+// reaps in the store; a witnessed death leaves the majority's denominator, so any set of losses
+// leaving max(quorum, min_world) live ranks goes on, the coordinator's included. Without a
+// witness the majority rule stays and the job stops, saying why.
+
+// W = 4, quorum 2: the coordinator (rank 0) and rank 1 die at one step. Witnessed: ranks 2 and
+// 3 go on (rank 2 coordinates) within evict + 1 s, agreeing. Not witnessed: 2 of 4 is no
+// majority of the last view, and the job stops on both, naming the rule.
+class CoordinatorAndOneMore : public ::testing::TestWithParam<std::string> {};
+TEST_P(CoordinatorAndOneMore, WitnessedTheOthersGoOn) {
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 300,
+          {{0, 30, GetParam(), {}, {}, true}, {1, 30, GetParam(), {}, {}, true}});
+  job.run();
+  for (int r : {2, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{2, 0}, {3, 0}});
+  for (int r : {2, 3}) EXPECT_EQ(job.of(r).coordinator, 2) << "rank " << r;
+  const auto& v = job.of(3).views;
+  ASSERT_GE(v.size(), 2u);
+  EXPECT_EQ(v.back().members, (std::vector<int>{2, 3}));
+  EXPECT_LE(skipped_steps(job, 3), 1);
+  EXPECT_LT(recovery_ms(job, 0, 3), double(qo.evict.count()) + 1000);
+}
+INSTANTIATE_TEST_SUITE_P(Phases, CoordinatorAndOneMore, ::testing::Values("step", "ready", "ring"));
+
+TEST(CoordinatorAndOneMoreUnwitnessed, TheJobStopsNamingTheRule) {
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 300, {{0, 30, "step"}, {1, 30, "step"}});
+  job.run();
+  for (int r : {2, 3}) {
+    const std::string e = job.w.error(r);
+    EXPECT_NE(e.find("majority of the last view"), std::string::npos) << "rank " << r << ": " << e;
+    EXPECT_NE(e.find("witnessed"), std::string::npos) << "rank " << r << ": " << e;
+    // Two successors' turns (evict + a heartbeat period each) and the gathering: never the
+    // step deadline (8 s here).
+    EXPECT_LT(job.ms(job.of(r).ended) - job.ms(job.of(0).steps.rbegin()->second.at),
+              3.0 * double(qo.evict.count() + qo.evict.count() / 8) + 100)
+        << "rank " << r;
+  }
+}
+
+// W = 4, quorum 2, the coordinator alive: two members die at one step, witnessed: the job goes
+// on with two ranks. (Not witnessed, it goes on only when the coordinator finds them silent at
+// two looks, one after the other, as before.)
+TEST(TwoMembers, WitnessedTheJobGoesOnWithTwo) {
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 300, {{2, 30, "step", {}, {}, true}, {3, 30, "ready", {}, {}, true}});
+  job.run();
+  for (int r : {0, 1}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {1, 0}});
+  // One view change or two (each death is found on its own), every departure witnessed.
+  const auto& v = job.of(1).views;
+  ASSERT_GE(v.size(), 2u);
+  EXPECT_EQ(v.back().members, (std::vector<int>{0, 1}));
+  for (size_t i = 1; i < v.size(); ++i)
+    for (const auto& l : v[i].left) EXPECT_EQ(l.why, "died, witnessed") << "rank " << l.rank;
+  // The coordinator looks for a death once the rank was quiet for evict / 4.
+  EXPECT_LT(recovery_ms(job, 2, 1), double(qo.evict.count()));
+}
+
+// W = 8, quorum 4: the coordinator and ranks 1 and 5 die at one step, witnessed; the five
+// left go on with rank 2 coordinating.
+TEST(ThreeOfEight, WitnessedTheFiveLeftGoOn) {
+  const QuorumOptions qo = tolerant(4);
+  Job job(8, qo, 200,
+          {{0, 30, "step", {}, {}, true}, {1, 30, "step", {}, {}, true},
+           {5, 30, "ready", {}, {}, true}});
+  job.run();
+  for (int r : {2, 3, 4, 6, 7}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{2, 0}, {3, 0}, {4, 0}, {6, 0}, {7, 0}});
+  for (int r : {2, 3, 4, 6, 7}) EXPECT_EQ(job.of(r).coordinator, 2) << "rank " << r;
+  EXPECT_EQ(job.of(4).views.back().members, (std::vector<int>{2, 3, 4, 6, 7}));
+}
+
+// ---- A coordinator is deposed only by a majority (issue 42, case 1).
+
+// Rank 1 loses its link with the coordinator (rank 0) for good at step 20 and proposes itself;
+// ranks 2 and 3 still hear the coordinator and do not accept, so the proposal never gets a
+// majority: rank 1 stops alone, the coordinator is never deposed and the job finishes on
+// 0, 2 and 3 with one coordinator throughout.
+TEST(Deposition, ACandidateWithoutAMajorityDeposesNobody) {
+  Job job(4, tolerant(2), 800, {{1, 20, "step", {}, {}, false, 0}});
+  job.run();
+  for (int r : {0, 2, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  for (int r : {0, 2, 3}) EXPECT_EQ(job.of(r).coordinator, 0) << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{0, 0}, {2, 0}, {3, 0}});
+  EXPECT_EQ(job.of(2).views.back().members, (std::vector<int>{0, 2, 3}));
+}
+
+// Overlapping faults: the coordinator dies while rank 1, its first successor, is stopped for
+// 0.8 evict. Rank 1 or rank 2 takes over -- one of them -- and no step has two outcomes.
+TEST(Deposition, OneCoordinatorAtATimeUnderOverlappingFaults) {
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 300, {{0, 30, "step"}, {1, 29, "step", milliseconds(400)}});
+  job.run();
+  for (int r : {2, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  const int coord = job.of(3).coordinator;
+  EXPECT_TRUE(coord == 1 || coord == 2) << coord;
+  EXPECT_EQ(job.of(2).coordinator, coord);
+  if (job.w.error(1).empty()) {
+    EXPECT_EQ(job.of(1).coordinator, coord);
+  }
 }
 
 }  // namespace

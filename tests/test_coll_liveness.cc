@@ -119,7 +119,7 @@ TEST(Liveness, ATakeoverWinsWithAMajorityOnceAllAnsweredOrEvictPassedAndIsLostWi
   k.candidates = {1, 2, 3, 4};
   k.started = T0;
   // View of 5 (the silent coordinator included): this rank alone is no majority.
-  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(500), t),
+  EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(300), t),
             TakeoverOutcome::kGathering);
   k.acks[2] = collectives::qproto::Up{};
   k.acks[3] = collectives::qproto::Up{};
@@ -129,32 +129,37 @@ TEST(Liveness, ATakeoverWinsWithAMajorityOnceAllAnsweredOrEvictPassedAndIsLostWi
   EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(401), t), TakeoverOutcome::kWon);
   k.acks[4] = collectives::qproto::Up{};
   EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(1), t), TakeoverOutcome::kWon);
-  // 2 of 5 never win; after 2 evict + deadline the job is lost.
+  // 2 of 5 never win; after evict + a heartbeat period the job is lost.
   Takeover lone = k;
   lone.acks.erase(3);
   lone.acks.erase(4);
-  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(2800), t),
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(450), t),
             TakeoverOutcome::kGathering);
-  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(2801), t),
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(451), t),
             TakeoverOutcome::kLost);
 }
 
 TEST(Liveness, AMemberAcceptsOneTakeoverPerEpochAndTheLowerCandidateWins) {
   const View current = view(2, {0, 1, 2, 3});
   const View proposal = view(3, {1, 2, 3});
+  using collectives::TakeoverAnswer;
+  auto answer = [&](const View& p, int from, uint64_t acked, bool coordinating,
+                    const std::optional<Takeover>& own, bool lost = true) {
+    return collectives::answer_takeover(p, from, 2, current, acked, coordinating, own, lost);
+  };
   // Fresh: accepted. Stale epochs, proposals without this rank, a coordinator: refused.
-  EXPECT_TRUE(collectives::accepts_takeover(proposal, 1, 2, current, 2, false, std::nullopt));
-  EXPECT_FALSE(collectives::accepts_takeover(view(2, {1, 2, 3}), 1, 2, current, 2, false,
-                                             std::nullopt));
-  EXPECT_FALSE(collectives::accepts_takeover(proposal, 1, 2, current, 3, false, std::nullopt));
-  EXPECT_FALSE(collectives::accepts_takeover(view(3, {1, 3}), 1, 2, current, 2, false,
-                                             std::nullopt));
-  EXPECT_FALSE(collectives::accepts_takeover(proposal, 1, 2, current, 2, true, std::nullopt));
+  EXPECT_EQ(answer(proposal, 1, 2, false, std::nullopt), TakeoverAnswer::kAccept);
+  EXPECT_EQ(answer(view(2, {1, 2, 3}), 1, 2, false, std::nullopt), TakeoverAnswer::kRefuse);
+  EXPECT_EQ(answer(proposal, 1, 3, false, std::nullopt), TakeoverAnswer::kRefuse);
+  EXPECT_EQ(answer(view(3, {1, 3}), 1, 2, false, std::nullopt), TakeoverAnswer::kRefuse);
+  EXPECT_EQ(answer(proposal, 1, 2, true, std::nullopt), TakeoverAnswer::kRefuse);
   // Rank 2 proposed itself too: it yields to rank 1, not to rank 3.
   Takeover own;
   own.epoch = 3;
-  EXPECT_TRUE(collectives::accepts_takeover(proposal, 1, 2, current, 2, false, own));
-  EXPECT_FALSE(collectives::accepts_takeover(proposal, 3, 2, current, 2, false, own));
+  EXPECT_EQ(answer(proposal, 1, 2, false, own), TakeoverAnswer::kAccept);
+  EXPECT_EQ(answer(proposal, 3, 2, false, own), TakeoverAnswer::kRefuse);
+  // A member that still hears the coordinator (issue 42, case 1) answers later, not now.
+  EXPECT_EQ(answer(proposal, 1, 2, false, std::nullopt, false), TakeoverAnswer::kLater);
 }
 
 // ---- the engine's rules the quorum all-reduce relies on.

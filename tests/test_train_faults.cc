@@ -166,6 +166,49 @@ std::vector<FaultCase> matrix() {
 
 INSTANTIATE_TEST_SUITE_P(Faults, FaultMatrix, ::testing::ValuesIn(matrix()), case_name);
 
+// Issue 42, case 2: the coordinator (rank 0) and rank 1 killed at one step, W = 4, quorum 2,
+// under qring-launch --tolerate-failures 2, which reaps both and records their deaths in the
+// store. Two of four is no majority, but the deaths are witnessed: ranks 2 and 3 go on (rank 2
+// coordinates), finish with one checksum within evict + 1 s of recovery, and write the outputs;
+// the launcher exits with 102 (two ranks lost, the others finished), naming both.
+class CoordinatorAndOneMoreKilledTogether : public TrainFaults,
+                                            public ::testing::WithParamInterface<std::string> {};
+TEST_P(CoordinatorAndOneMoreKilledTogether, TheTwoLeftFinishWithOneChecksum) {
+  auto r = sh(run_cmd("kill:0:40:step,kill:1:40:step", 4, 2, dir_, "c2",
+                      "quorum.quorum=2 net.provider=" + GetParam()));
+  ASSERT_EQ(r.status, 102) << r.output;
+  for (const char* victim : {"rank 0 (pid", "rank 1 (pid"})
+    EXPECT_NE(r.output.find(std::string("qring-launch: ") + victim), std::string::npos)
+        << r.output;
+  EXPECT_NE(r.output.find("witnessed the death of rank 0"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 2u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 2u) << "replicas disagree: " << r.output;
+  auto s = summary("c2");
+  EXPECT_EQ(s["steps"], 300) << s.dump();
+  EXPECT_EQ(s["finished"], true);
+  EXPECT_LE(s["skipped_steps"].get<int>(), 1) << s.dump();
+  EXPECT_LE(s["recovery_s"].get<double>(), 0.5 + 1.0) << s.dump();
+}
+INSTANTIATE_TEST_SUITE_P(Providers, CoordinatorAndOneMoreKilledTogether,
+                         ::testing::Values("shm", "tcp"));
+
+// Issue 42, case 8: the coordinator killed after the last step (at the final evaluation,
+// before it writes the outputs). The others wait for its goodbye at the end, take over when
+// it is lost and the new coordinator writes summary.json; the launcher exits on its own with
+// 101 (one rank lost, the others finished).
+TEST_F(TrainFaults, CoordinatorKilledAfterTheLastStepTheOthersWriteTheOutputs) {
+  auto r = sh(run_cmd("kill:0:300:eval", 4, 1, dir_, "c8", "quorum.quorum=2 net.provider=shm"));
+  ASSERT_EQ(r.status, 101) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 3u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "replicas disagree: " << r.output;
+  ASSERT_TRUE(fs::exists(dir_ / "c8" / "summary.json")) << r.output;
+  auto s = summary("c8");
+  EXPECT_EQ(s["steps"], 300) << s.dump();
+  EXPECT_EQ(s["finished"], true);
+}
+
 // A rank stopped for 1 s near the end: once continued it learns it was evicted and rejoins,
 // and the job may end before it is admitted (the others run ~700 steps during the pause, of
 // 900). Either way it exits 0 and never crashes: when the job was over first, its end was

@@ -796,6 +796,14 @@ class Checkpointer {
 
 // The parameters after the last step, which no READY carries: every member reports its
 // checksum (two exact 32-bit halves) to the coordinator, which compares them.
+// The end is a step like the others (issue 42, case 8): a member waits for the coordinator's
+// goodbye; a coordinator lost after the last step is taken over by a member, which then
+// writes the outputs.
+void await_the_end(collectives::QuorumAllreduce& q, int rank) {
+  if (q.membership().survives_loss() && q.membership().coordinator() != rank)
+    q.membership().await_end(rank, Clock::now() + 2 * q.options().evict + std::chrono::seconds(2));
+}
+
 void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, int rank,
                           int64_t step) {
   const uint64_t mine = checksum(core.params(), core.num_params());
@@ -1414,6 +1422,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   // Throughput over the step loop (evaluations inside it included, the final one not).
   timer.summarize(sum, loop_s, t - start);
   sum.params_checksum = checksum(core.params(), n_params);
+  if (finished) await_the_end(q, rank);
   if (out.lead()) {
     out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
     sum.backup_saved_s = full_sync.saved_ms() / 1000.0;

@@ -16,6 +16,7 @@ const char* to_string(Why w) {
     case Why::kMissedSteps: return "missed steps";
     case Why::kUnreachable: return "unreachable";
     case Why::kRestarted: return "restarted";
+    case Why::kDied: return "died, witnessed";
   }
   return "?";
 }
@@ -43,12 +44,16 @@ void Coordinator::fatal(std::string reason, std::vector<Down>& out) {
 std::vector<Down> Coordinator::handle(const Event& e, Time now, bool more) {
   std::vector<Down> out;
   if (stopped_) return out;
-  if (e.kind == Event::Kind::kJoin || e.kind == Event::Kind::kHello) {
-    // About a rank that is not a member (yet): found in the store, or connected.
+  if (e.kind == Event::Kind::kJoin || e.kind == Event::Kind::kHello ||
+      e.kind == Event::Kind::kDied) {
+    // About a rank that is not a member (yet): found in the store, or connected; or a death
+    // the store witnessed.
     const int r = e.from;
     if (r < 0 || r >= cfg_.world || r == cfg_.self) return out;
     if (e.kind == Event::Kind::kJoin)
       on_join(r, uint32_t(e.count), now, out);
+    else if (e.kind == Event::Kind::kDied)
+      roster_.died(r, uint32_t(e.count));
     else
       roster_.hello(r, e.count);
     if (!stopped_) tick(now, out);

@@ -16,7 +16,8 @@
 //    (liveness.h, silence_limit: every rank's engine heartbeats every evict / 8, so a pause
 //    shorter than evict never evicts), one that missed `evict_steps` consecutive steps (0 =
 //    never), or one that a member had a transport error with and that has missed heartbeats
-//    (silent for evict / 4) leaves the next view. A rank that said goodbye (finished the job)
+//    (silent for evict / 4) leaves the next view; one whose death the store witnessed
+//    (kDied, witness.h) at once, and it leaves the majority's denominator. A rank that said goodbye (finished the job)
 //    is never evicted. The quorum follows the view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
 //  - Recovery of a step that a departed member was part of: every live member reports
 //    whether it holds the step's final result (aborting its reduction if not). If one does,
@@ -86,6 +87,9 @@ class Coordinator {
   size_t unsettled() const { return recovery_.unsettled(); }
   // The next step to be decided (a rank admitted now is a member from it on).
   uint64_t next_step() const { return steps_.next_step(); }
+  // The members (not this rank, not finished) silent for over `ms`: whose witnessed death
+  // (witness.h) the view may soon need.
+  std::vector<int> quiet(Time now, double ms) const { return roster_.quiet(now, ms); }
   // Joins under way (found, not yet admitted or abandoned).
   size_t joining() const { return roster_.joining(); }
   uint32_t incarnation(int r) const { return roster_.incarnation(r); }

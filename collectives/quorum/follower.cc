@@ -36,6 +36,7 @@ std::optional<qproto::Up> Follower::apply(net::Endpoint& ep, const qproto::Down&
       return std::nullopt;
     case DownKind::kBye:
       liveness_.coordinator_finished();  // its silence from now on is no failure
+      membership_.coordinator_finished();
       return std::nullopt;
     case DownKind::kEvicted:
       throw Evicted(fmt::format(

@@ -68,7 +68,7 @@ struct JoinAgent {
   Engine* engine;
   int rank, world;
   uint32_t instance, my_inc;
-  Clock::time_point last_watch{}, last_done_check{};
+  Clock::time_point last_watch{}, last_done_check{}, last_dead_check{};
   std::vector<char> found_peer;
   Clock::time_point last_warning{};
 
@@ -92,6 +92,7 @@ struct JoinAgent {
     bool coordinating, searching, watch_end;
     std::vector<uint32_t> incs;
     std::vector<char> outside;
+    std::vector<std::pair<int, uint32_t>> watch_dead;
   };
   // What a pass could not do yet; the next one tries again.
   struct Retries {
@@ -118,8 +119,13 @@ struct JoinAgent {
         check_job_end(out);
       }
       if (q.searching) search_members(out);
+      if (!q.watch_dead.empty() && now - last_dead_check >= 100ms) {
+        last_dead_check = now;
+        look_for_deaths(q, out);
+      }
       const bool any = !out.published.empty() || !out.fetched.empty() || !out.found.empty() ||
-                       !out.values.empty() || out.finished || !out.lost.empty();
+                       !out.values.empty() || out.finished || !out.lost.empty() ||
+                       !out.dead.empty();
       hand_back(out, retry);
       if (any) engine->kick();
       if (!retry.publish.empty()) engine->clock().sleep_until(engine->now() + 20ms);
@@ -148,6 +154,7 @@ struct JoinAgent {
     q.watch_end = a.watch_end;
     q.incs = a.incarnations;
     q.outside = a.outside;
+    q.watch_dead = a.watch_dead;
     return true;
   }
 
@@ -211,6 +218,17 @@ struct JoinAgent {
     }
   }
 
+  // The deaths the store witnessed, of the ranks the member asks about (witness.h).
+  void look_for_deaths(const Requests& q, JoinAgentIo& out) {
+    for (auto [r, inc] : q.watch_dead) {
+      try {
+        if (store->check({net::dead_key(r, inc)})) out.dead.emplace_back(r, inc);
+      } catch (const std::exception& e) {
+        warn(fmt::format("cannot look for the death of rank {}", r), e);
+      }
+    }
+  }
+
   // The joiner: the members' addresses for this incarnation.
   void search_members(JoinAgentIo& out) {
     using namespace std::chrono_literals;
@@ -234,6 +252,7 @@ struct JoinAgent {
     for (auto& f : out.fetched) a.fetched.push_back(std::move(f));
     for (auto& f : out.found) a.found.push_back(f);
     for (auto& v : out.values) a.values.push_back(std::move(v));
+    for (auto& d : out.dead) a.dead.push_back(d);
     a.finished = a.finished || out.finished;
     if (a.lost.empty()) a.lost = std::move(out.lost);
     for (auto& p : retry.publish) a.publish.push_back(std::move(p));

@@ -3,8 +3,9 @@
 // does the store look-ups (they may block, so they stay off the engine). It publishes what the
 // engine asks, fetches the addresses of joiners for it (members), looks for new incarnations
 // of the ranks outside the view every 100 ms (the coordinator), and looks for the members'
-// addresses (a joiner) and for the end of the job. Store errors are logged and retried; they
-// never stop the job (a rank that cannot rejoin stays out).
+// addresses (a joiner) and for the end of the job, and every 100 ms for the deaths the store
+// witnessed of the few ranks the member asks about (witness.h). Store errors are logged and
+// retried; they never stop the job (a rank that cannot rejoin stays out).
 #pragma once
 
 #include <condition_variable>
@@ -71,6 +72,7 @@ struct JoinAgentIo {
   std::vector<char> outside;           // per rank: not in the coordinator's view
   bool searching = false;              // the joiner: look for the members' addresses
   bool watch_end = false;              // the joiner: until it has its state, watch for the end
+  std::vector<std::pair<int, uint32_t>> watch_dead;  // (rank, incarnation): witnessed dead?
   // agent -> engine
   bool finished = false;  // the joiner: the job has ended (join_done_key)
   std::string lost;       // the joiner: why the job was lost (join_lost_key; empty: it was not)
@@ -78,6 +80,7 @@ struct JoinAgentIo {
   std::deque<std::tuple<int, uint32_t, std::string>> fetched;  // joiner, incarnation, value
   std::deque<std::pair<int, uint32_t>> found;                  // new incarnations
   std::deque<std::pair<int, std::string>> values;              // the joiner: member, value
+  std::deque<std::pair<int, uint32_t>> dead;                   // deaths the store witnessed
 };
 
 // The agent's loop, until io->stop. Kicks `engine` when it hands something back.

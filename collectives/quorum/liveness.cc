@@ -9,19 +9,21 @@ Clock::duration silence_limit(bool heard_once, const LivenessTimes& t) {
   return (heard_once ? t.evict : std::max(t.evict, t.deadline)) + t.heartbeat;
 }
 
-std::vector<int> successors(const qproto::View& view, int coordinator) {
+std::vector<int> successors(const qproto::View& view, int coordinator, const Deaths& dead) {
   std::vector<int> c;
   for (int r : view.members)
-    if (r != coordinator) c.push_back(r);
+    if (r != coordinator && !witnessed(dead, r)) c.push_back(r);
   return c;
 }
 
 Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int self,
                                 Clock::time_point last_heard, bool heard_once,
-                                const LivenessTimes& t) {
-  const auto cands = successors(view, coordinator);
+                                const LivenessTimes& t, const Deaths& dead) {
+  const auto cands = successors(view, coordinator, dead);
   const auto k = std::find(cands.begin(), cands.end(), self) - cands.begin();
-  return last_heard + silence_limit(heard_once, t) + k * (t.evict + t.heartbeat);
+  const Clock::duration first =
+      witnessed(dead, coordinator) ? Clock::duration(0) : silence_limit(heard_once, t);
+  return last_heard + first + k * (t.evict + t.heartbeat);
 }
 
 Liveness::Liveness(LivenessTimes t, Clock::time_point now)
@@ -43,11 +45,20 @@ bool Liveness::beat_due(Clock::time_point now, int64_t completed) {
 }
 
 Liveness::Silence Liveness::coordinator_silence(Clock::time_point now, const qproto::View& view,
-                                                int coordinator, int self, bool tolerant) const {
-  if (coordinator_done_ || now - last_down_ <= silence_limit(heard_, t_)) return Silence::kNone;
+                                                int coordinator, int self, bool tolerant,
+                                                const Deaths& dead) const {
+  if (coordinator_done_) return Silence::kNone;
+  if (!witnessed(dead, coordinator) && now - last_down_ <= silence_limit(heard_, t_))
+    return Silence::kNone;
   if (!tolerant) return Silence::kLost;
-  return now > takeover_turn(view, coordinator, self, last_down_, heard_, t_) ? Silence::kTakeOver
-                                                                             : Silence::kNone;
+  return now > takeover_turn(view, coordinator, self, last_down_, heard_, t_, dead)
+             ? Silence::kTakeOver
+             : Silence::kNone;
+}
+
+bool Liveness::coordinator_lost(Clock::time_point now, int coordinator, const Deaths& dead) const {
+  if (coordinator_done_) return false;  // it said goodbye: nothing to take over
+  return witnessed(dead, coordinator) || now - last_down_ > t_.evict / 2;
 }
 
 double Liveness::silent_ms(Clock::time_point now) const {

@@ -15,7 +15,8 @@
 //  - the coordinator silent: in a job that can lose a rank the other members of the last view
 //    propose themselves in rank order, each one evict + one heartbeat period after the one
 //    before (the proposal, its acceptance and its outcome: failover.h). In a job that cannot
-//    lose a rank the silence stops it.
+//    lose a rank the silence stops it. A death the store witnessed (witness.h) is silence
+//    already, and a successor witnessed dead has no turn.
 #pragma once
 
 #include <chrono>
@@ -39,13 +40,18 @@ struct LivenessTimes {
 // How long a rank may be silent before it is lost: the coordinator for its members, a member
 // for the coordinator (`heard_once`: it has spoken since it started).
 Clock::duration silence_limit(bool heard_once, const LivenessTimes& t);
-// The members of `view` that may succeed `coordinator`, in the order they propose themselves.
-std::vector<int> successors(const qproto::View& view, int coordinator);
-// When `self` proposes itself: the silence limit after the coordinator was last heard, plus
-// one evict + heartbeat period for every successor before it.
+// Per rank, nonzero where the store witnessed its death (witness.h); empty: none known.
+using Deaths = std::vector<char>;
+inline bool witnessed(const Deaths& d, int r) { return r >= 0 && size_t(r) < d.size() && d[size_t(r)]; }
+// The members of `view` that may succeed `coordinator`, in the order they propose themselves
+// (those witnessed dead are skipped).
+std::vector<int> successors(const qproto::View& view, int coordinator, const Deaths& dead = {});
+// When `self` proposes itself: the silence limit after the coordinator was last heard (none
+// when its death was witnessed), plus one evict + heartbeat period for every live successor
+// before it.
 Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int self,
                                 Clock::time_point last_heard, bool heard_once,
-                                const LivenessTimes& t);
+                                const LivenessTimes& t, const Deaths& dead = {});
 
 // The clocks a member keeps.
 class Liveness {
@@ -66,8 +72,13 @@ class Liveness {
   // What the coordinator's silence calls for on member `self` (not the coordinator): nothing
   // yet, its turn to propose itself (`tolerant`: the job can lose a rank), or stopping.
   Silence coordinator_silence(Clock::time_point now, const qproto::View& view, int coordinator,
-                              int self, bool tolerant) const;
+                              int self, bool tolerant, const Deaths& dead = {}) const;
   double silent_ms(Clock::time_point now) const;
+  // Whether this member takes the coordinator for lost (it accepts a takeover only then):
+  // silent here for over evict / 2, or witnessed dead; never once it said goodbye.
+  bool coordinator_lost(Clock::time_point now, int coordinator, const Deaths& dead) const;
+  // The coordinator said goodbye, or this rank did: no takeover from now on.
+  bool coordinator_done() const { return coordinator_done_; }
 
  private:
   LivenessTimes t_;

@@ -55,6 +55,7 @@ QuorumMember::QuorumMember(Engine& engine, const CommOptions& copts, size_t coun
       liveness_(LivenessTimes::of(o.evict, o.deadline), engine.now()),
       // A joiner learns its coordinator when it is admitted.
       succession_(rank_, world_, o.join ? -1 : 0),
+      witness_(world_),
       ledger_(count, cfg_.layout),
       follower_(engine, o.evict, o.join,
                 {runner_, rejoin_, liveness_, ledger_, succession_, *boxes_.steps,
@@ -76,6 +77,8 @@ void QuorumMember::start(net::Endpoint& ep) {
   streams_.start(ep);
   rejoin_.start(ep);
   known_inc_ = rejoin_.incarnations();
+  for (int p = 0; p < world_ && size_t(p) < known_inc_.size(); ++p)
+    witness_.incarnation(p, known_inc_[size_t(p)]);
   if (rank_ == succession_.coordinator() && !o_.join)
     coordinate(std::make_unique<qproto::Coordinator>(cfg_, engine_.now()));
 }
@@ -144,6 +147,7 @@ bool QuorumMember::pass(net::Endpoint& ep) {
   moved |= rejoin_.poll_state(ep, view());
   moved |= streams_.poll_down(ep, [&](int from, qproto::Down&& m) { take_down(ep, from, std::move(m)); });
   moved |= streams_.poll_up(ep, [&](qproto::Up&& m) { take_up(std::move(m)); });
+  watch_deaths();
   if (host_) moved |= feed_coordinator(ep);
   moved |= gather_takeover(ep);
   moved |= runner_.advance(ep, view());
@@ -234,20 +238,30 @@ void QuorumMember::take_up(qproto::Up&& m) {
   }
 }
 
-// The coordinators' messages, each stream in the order it was sent: the current
-// coordinator's are applied, a takeover is answered, a deposed coordinator's are dropped.
+// The coordinators' messages, each stream in the order it was sent: the one this rank
+// follows is applied, a takeover answered, a replaced one told (failover.h, Succession::heed).
 void QuorumMember::take_down(net::Endpoint& ep, int from, qproto::Down&& m) {
-  if (m.kind == DownKind::kTakeover) {
-    answer_takeover(ep, from, m.view);
-  } else if (from == succession_.coordinator() && !host_) {
-    liveness_.heard_coordinator(engine_.now());
-    apply(ep, m);
-  } else if (m.kind != DownKind::kBye && succession_.tell_deposed(from)) {
-    // A coordinator that was replaced while it was unreachable: tell it, once.
+  if (m.kind == DownKind::kTakeover) return answer_takeover(ep, from, m.view);
+  if (succession_.gathering() && from == succession_.coordinator()) {
+    // The coordinator this rank was taking over from speaks again: it lives (issue 42, case 1).
+    spdlog::warn("rank {}: quorum: rank {} speaks again; giving up the takeover", rank_, from);
+    succession_.abandon();
+    for (uint64_t t : ledger_.awaiting()) send_up(ep, ledger_.ready(t));
+  }
+  const Heed h = succession_.heed(from, m.kind, m.view.epoch, host_ != nullptr);
+  if (h == Heed::kDepose) {
     qproto::Up d{UpKind::kDeposed};
     d.from = rank_;
     d.completed = runner_.completed();
     streams_.send_up(ep, from, d);
+  } else if (h != Heed::kIgnore) {
+    liveness_.heard_coordinator(engine_.now());
+    if (h != Heed::kApply) {  // back to the old coordinator, or on to the winner
+      spdlog::warn("rank {}: quorum: following rank {} as the coordinator", rank_, from);
+      boxes_.membership->set_coordinator(from);
+      for (uint64_t t : ledger_.awaiting()) send_up(ep, ledger_.ready(t));
+    }
+    apply(ep, m);
   }
 }
 
@@ -321,6 +335,7 @@ bool QuorumMember::poll_rejoin(net::Endpoint& ep) {
   for (int p = 0; p < world_; ++p) {
     if (inc[size_t(p)] == known_inc_[size_t(p)]) continue;
     known_inc_[size_t(p)] = inc[size_t(p)];
+    witness_.incarnation(p, inc[size_t(p)]);
     succession_.new_incarnation(p);
     reported_suspect_[size_t(p)] = false;
   }
@@ -355,7 +370,8 @@ void QuorumMember::start_takeover(net::Endpoint& ep) {
 
 void QuorumMember::answer_takeover(net::Endpoint& ep, int from, const qproto::View& v) {
   const int silent = succession_.coordinator();
-  if (!succession_.accept(from, v, view(), host_ != nullptr)) return;
+  const bool lost = liveness_.coordinator_lost(engine_.now(), silent, witness_.deaths());
+  if (!succession_.accept(from, v, view(), host_ != nullptr, lost)) return;
   spdlog::warn("rank {}: quorum: rank {} takes over from the silent coordinator (rank {})",
                rank_, from, silent);
   liveness_.heard_coordinator(engine_.now());
@@ -371,11 +387,16 @@ void QuorumMember::answer_takeover(net::Endpoint& ep, int from, const qproto::Vi
 bool QuorumMember::gather_takeover(net::Endpoint& ep) {
   if (!succession_.gathering()) return false;
   const auto now = engine_.now();
-  switch (succession_.outcome(view().size(), now, liveness_.times())) {
+  switch (succession_.outcome(view().size(), now, liveness_.times(), witness_.deaths())) {
     case TakeoverOutcome::kGathering:
       return false;
-    case TakeoverOutcome::kLost:
-      throw QuorumLost(succession_.lost_reason(view().size()), {succession_.coordinator()});
+    case TakeoverOutcome::kLost: {
+      // Those that acknowledged follow this rank: they stop with it, at once.
+      qproto::Down f(DownKind::kFatal);
+      f.reason = succession_.lost_reason(view().size(), witness_.deaths());
+      streams_.send_down(ep, succession_.ackers(), f);
+      throw QuorumLost(f.reason, {succession_.coordinator()});
+    }
     case TakeoverOutcome::kWon:
       break;
   }
@@ -397,6 +418,25 @@ bool QuorumMember::gather_takeover(net::Endpoint& ep) {
 }
 
 // ---- liveness
+
+// The deaths the store witnessed, looked for where a decision may need them (witness.h).
+void QuorumMember::watch_deaths() {
+  const auto now = engine_.now();
+  if (now - last_watch_ < std::chrono::milliseconds(20)) return;
+  last_watch_ = now;
+  const double quiet_ms = double(o_.evict.count()) / 4;
+  const int coord = succession_.coordinator();
+  std::vector<int> ranks;
+  if (!bye_sent_ && tolerant_ && host_)
+    ranks = host_->state().quiet(now, quiet_ms);
+  else if (!bye_sent_ && tolerant_ && coord >= 0 && liveness_.silent_ms(now) > quiet_ms)
+    ranks = deaths_to_watch(view(), coord, rank_, succession_.gathering());
+  for (auto [r, inc] : witness_.exchange(*boxes_.agent, ranks)) {
+    spdlog::warn("rank {}: quorum: the rendezvous store witnessed the death of rank {} "
+                 "(incarnation {})", rank_, r, inc);
+    if (host_) host_->take(death_event(r, inc));
+  }
+}
 
 // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
 // Silence measured across the pause says nothing about the peers; every clock starts over.
@@ -426,9 +466,16 @@ void QuorumMember::heartbeat(net::Endpoint& ep) {
 void QuorumMember::check_deadlines(net::Endpoint& ep) {
   const auto now = engine_.now();
   if (rejoin_.joining() && !rejoin_.admitted()) return;  // join() has its own deadline
+  // A rank that finished (draining its last sends) takes nobody's silence for a failure.
+  if (bye_sent_) return;
   if (!host_) {
     const int coord = succession_.coordinator();
-    switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_)) {
+    // A proposal that waited for this member to take the coordinator for lost.
+    if (succession_.pending_from() >= 0 &&
+        liveness_.coordinator_lost(now, coord, witness_.deaths()))
+      answer_takeover(ep, succession_.pending_from(), succession_.pending());
+    switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_,
+                                          witness_.deaths())) {
       case Liveness::Silence::kNone:
         break;
       case Liveness::Silence::kTakeOver:

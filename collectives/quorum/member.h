@@ -7,6 +7,7 @@
 //   rejoin.h            ranks that come back, and the state transfer to them
 //   liveness.h          heartbeats, the coordinator's silence and when to act on it, deadlines
 //   failover.h          who coordinates: takeover, its acknowledgment, deposition
+//   witness.h           the deaths the rendezvous store witnessed, looked for when needed
 //   follower.h          what the coordinator sends (VIEW, DECIDE, RECOVER ...) applied here
 //   step_ledger.h       this rank's contributions, their READYs, the decisions it saw
 // and the hand-offs with the callers' threads, one per concern: the steps (steps.h), the
@@ -31,6 +32,7 @@
 #include "collectives/quorum/step_ledger.h"
 #include "collectives/quorum/step_runner.h"
 #include "collectives/quorum/steps.h"
+#include "collectives/quorum/witness.h"
 
 namespace qring::collectives {
 
@@ -78,6 +80,7 @@ class QuorumMember final : public EngineOp {
   void start_takeover(net::Endpoint& ep);
   void answer_takeover(net::Endpoint& ep, int from, const qproto::View& v);
   bool gather_takeover(net::Endpoint& ep);
+  void watch_deaths();
   // ---- liveness
   bool resync(net::Endpoint& ep);
   void heartbeat(net::Endpoint& ep);
@@ -100,6 +103,8 @@ class QuorumMember final : public EngineOp {
   std::unique_ptr<CoordinatorHost> host_;  // while this rank coordinates
   // The coordinator this rank follows (the lowest live rank after failover), and takeovers.
   Succession succession_;
+  Witness witness_;
+  Clock::time_point last_watch_{};
   StepLedger ledger_;
   Follower follower_;
   std::vector<bool> reported_suspect_;

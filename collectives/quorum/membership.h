@@ -73,6 +73,11 @@ class QuorumMembership {
   virtual int coordinator() const = 0;
   // Whether the job goes on when a rank is lost (max(quorum, min_world) < world).
   virtual bool survives_loss() const = 0;
+  // The end of the job is a step like the others (issue 42, case 8): a rank that completed
+  // its last step and does not coordinate waits until the coordinator said goodbye (it wrote
+  // the outputs), or until this rank coordinates (the coordinator was lost at the end and this
+  // rank took over: it writes them), or `until`. Returns whether this rank coordinates.
+  virtual bool await_end(int rank, Deadline until) = 0;
 
   // ---- Rejoin (QuorumOptions::store).
   // The joiner (QuorumOptions::join): blocks until this rank is admitted to a view, and

@@ -78,6 +78,21 @@ void MembershipBox::set_members(const std::vector<int>& members) {
 void MembershipBox::set_coordinator(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
   coordinator_ = rank;
+  cv_.notify_all();
+}
+
+void MembershipBox::coordinator_finished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  coordinator_done_ = true;
+  cv_.notify_all();
+}
+
+bool MembershipBox::await_end(int rank, Deadline until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  engine_.clock().wait_until(lock, cv_, until, [&] {
+    return coordinator_ == rank || coordinator_done_ || poison_ != nullptr;
+  });
+  return coordinator_ == rank;
 }
 
 void MembershipBox::admitted(const JoinInfo& info, const std::vector<int>& members,

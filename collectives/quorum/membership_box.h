@@ -28,6 +28,7 @@ class MembershipBox final : public QuorumMembership {
   std::vector<ViewChange> view_changes() const override;
   int coordinator() const override;
   bool survives_loss() const override { return survives_; }
+  bool await_end(int rank, Deadline until) override;
   JoinInfo join(Deadline until) override;
   size_t receive_state(void* buf, size_t len, Deadline until) override;
   void send_state(int to, uint64_t step, std::shared_ptr<const std::vector<char>> state) override;
@@ -41,6 +42,7 @@ class MembershipBox final : public QuorumMembership {
   void view_applied(ViewChange v);
   void set_members(const std::vector<int>& members);  // as of a completed step
   void set_coordinator(int rank);
+  void coordinator_finished();  // the coordinator said goodbye (BYE)
   // The joiner: admitted (join() returns it), or what it waits for (join()'s error).
   void admitted(const JoinInfo& info, const std::vector<int>& members, int coordinator);
   void set_join_stage(std::string stage);
@@ -69,6 +71,7 @@ class MembershipBox final : public QuorumMembership {
   std::condition_variable cv_;
   std::vector<int> members_;  // as of the last completed step
   int coordinator_ = 0;
+  bool coordinator_done_ = false;
   std::vector<ViewChange> views_;
   std::exception_ptr poison_;
   // The joiner.

@@ -21,7 +21,14 @@ struct View {
 
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
 
-enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3, kRestarted = 4 };
+// kDied: the rendezvous store witnessed its death (witness.h).
+enum class Why : uint8_t {
+  kSilent = 1,
+  kMissedSteps = 2,
+  kUnreachable = 3,
+  kRestarted = 4,
+  kDied = 5
+};
 const char* to_string(Why w);
 
 struct Departure {
@@ -73,8 +80,9 @@ struct Known {
   std::vector<int> contributors;
 };
 
-// Up: any rank -> the coordinator (48 bytes on the wire, some with a tail). Two kinds never
-// travel: kTick (time passes) and kJoin (the coordinator's join agent found a new incarnation).
+// Up: any rank -> the coordinator (48 bytes on the wire, some with a tail). Three kinds never
+// travel: kTick (time passes), kJoin (the coordinator's join agent found a new incarnation)
+// and kDied (it found a death the store witnessed).
 struct Up {
   enum class Kind : uint8_t {
     kTick = 0,
@@ -90,12 +98,13 @@ struct Up {
     kAccept = 10,    // `from` reconnected to incarnation `count` of rank `suspect`
     kWarm = 11,      // a joiner's first message to a member: opens their connection
     kJoin = 12,      // local: incarnation `count` of rank `from` is in the store
+    kDied = 13,      // local: the store witnessed the death of incarnation `count` of `from`
   } kind = Kind::kTick;
   Up() = default;
   explicit Up(Kind k) : kind(k) {}
   int from = -1;
   uint64_t step = 0;       // kReady, kReport, kShard
-  uint64_t count = 0;      // kReady: elements; kShard: parts; kHello, kAccept, kJoin: incarnation
+  uint64_t count = 0;      // kReady: elements; kShard: parts; kHello, kAccept, kJoin, kDied: incarnation
   uint32_t layout = 0;     // kReady: element type and reduction (layout_of)
   int64_t completed = -1;  // highest step `from` has completed (every step before it too)
   uint32_t attempt = 0;    // kReport; kShard: the part

@@ -17,6 +17,7 @@ Roster::Roster(const Config& cfg, Time now) : cfg_(cfg) {
   missed_.assign(size_t(cfg_.world), 0);
   suspect_.assign(size_t(cfg_.world), false);
   finished_.assign(size_t(cfg_.world), false);
+  died_.assign(size_t(cfg_.world), false);
   heard_.assign(size_t(cfg_.world), false);
   incarnation_.assign(size_t(cfg_.world), 0);
   joined_at_.assign(size_t(cfg_.world), 0);
@@ -55,6 +56,14 @@ int Roster::heard_within(Time now, double ms) const {
   return n;
 }
 
+std::vector<int> Roster::quiet(Time now, double ms) const {
+  std::vector<int> q;
+  for (int r : view_.members)
+    if (r != cfg_.self && !finished_[size_t(r)] && ms_between(last_heard_[size_t(r)], now) > ms)
+      q.push_back(r);
+  return q;
+}
+
 void Roster::resync(Time now) {
   for (int r : view_.members) last_heard_[size_t(r)] = now;
 }
@@ -83,8 +92,13 @@ std::vector<Departure> Roster::departures(Time now) {
   pending_.clear();
   const LivenessTimes times = LivenessTimes::of(cfg_.evict, cfg_.deadline);
   for (int r : view_.members) {
-    if (r == cfg_.self || finished_[size_t(r)]) continue;
+    if (r == cfg_.self) continue;
     double silent = ms_between(last_heard_[size_t(r)], now);
+    if (died_[size_t(r)]) {
+      add({r, Why::kDied, silent});
+      continue;
+    }
+    if (finished_[size_t(r)]) continue;
     // Evict + a heartbeat period (liveness.h: a pause shorter than evict never evicts); until a
     // rank has spoken once (start-up: loading data, connecting) the deadline instead of evict.
     const double limit =
@@ -115,8 +129,11 @@ std::optional<std::string> Roster::stop_reason(const std::vector<Departure>& lef
                                                int prev_size) const {
   const int floor = floor_for(cfg_, view_.size());
   // A view must keep a majority of the one before: a side cut off from the rest never goes
-  // on alone (the other side, with the majority, elects a new coordinator).
-  const bool majority = 2 * view_.size() > prev_size;
+  // on alone (the other side, with the majority, elects a new coordinator). A rank whose
+  // death the store witnessed is on no side: it leaves the denominator.
+  const int died = int(std::count_if(left.begin(), left.end(),
+                                     [](const Departure& d) { return d.why == Why::kDied; }));
+  const bool majority = 2 * view_.size() > prev_size - died;
   if (view_.size() >= floor && majority) return std::nullopt;
   std::string who;
   for (auto& d : left)
@@ -127,9 +144,12 @@ std::optional<std::string> Roster::stop_reason(const std::vector<Departure>& lef
                            "needs (quorum {}, min_world {}); left in view {}: {}",
                            view_.size(), cfg_.world, view_.members, floor,
                            quorum_for(cfg_, view_.size()), cfg_.min_world, view_.epoch, who)
-             : fmt::format("lost a majority of the last view ({} of {} ranks left: {}): this "
-                           "side may be cut off from the others and stops; left in view {}: {}",
-                           view_.size(), prev_size, view_.members, view_.epoch, who);
+             : fmt::format("lost a majority of the last view ({} of {} ranks left: {}; {} of the "
+                           "lost witnessed dead): the others may be alive on the other side of "
+                           "a partition, so this side stops (a job goes on only with a majority "
+                           "of the last view less the ranks whose death the store witnessed); "
+                           "left in view {}: {}",
+                           view_.size(), prev_size, view_.members, died, view_.epoch, who);
 }
 
 bool Roster::new_incarnation(int r, uint32_t inc) {
@@ -194,6 +214,7 @@ std::optional<Down> Roster::admit(Time now, uint64_t step) {
     missed_[r] = 0;
     suspect_[r] = false;
     finished_[r] = false;
+    died_[r] = false;
     catching_up_[r] = true;
   }
   std::sort(next.members.begin(), next.members.end());

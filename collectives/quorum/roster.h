@@ -3,7 +3,8 @@
 // transport errors reported against it, its goodbye, its incarnation, and the joins under way.
 // From these it says who leaves the view (silent for evict + a heartbeat period, liveness.h's
 // silence_limit, the deadline until a rank has spoken once; unreachable and silent for
-// evict / 4; evict_steps missed steps; a restarted incarnation) and who enters it (a join
+// evict / 4; evict_steps missed steps; a restarted incarnation; a death the store witnessed,
+// witness.h) and who enters it (a join
 // that every member accepted and whose joiner said HELLO, at the next step to be decided).
 // Pure: no clock reads, no I/O; the coordinator (coordinator.h) feeds it what it hears and
 // turns its answers into VIEW / JOINING messages.
@@ -30,6 +31,12 @@ class Roster {
   void heard(const Event& e, Time now);
   void suspect(int r) { suspect_[size_t(r)] = true; }
   void finished(int r) { finished_[size_t(r)] = true; }
+  // The store witnessed the death of incarnation `inc` of r (witness.h): it leaves at once.
+  void died(int r, uint32_t inc) {
+    if (inc == incarnation_[size_t(r)]) died_[size_t(r)] = true;
+  }
+  // The members (not this rank, not finished) silent for over `ms`.
+  std::vector<int> quiet(Time now, double ms) const;
   // r contributed: a rank that rejoined computes again.
   void contributes(int r) { catching_up_[size_t(r)] = false; }
   bool catching_up(int r) const { return catching_up_[size_t(r)]; }
@@ -52,7 +59,8 @@ class Roster {
   // The next view, without `left`; returns the previous view's size.
   int remove(const std::vector<Departure>& left);
   // The reason the job stops after `left` left a view of `prev_size`: fewer than the floor, or
-  // no majority of the view before (docs/design.md, "failover"); nothing when it goes on.
+  // no majority of the view before less those of `left` witnessed dead (docs/design.md,
+  // "failover"); nothing when it goes on.
   std::optional<std::string> stop_reason(const std::vector<Departure>& left, int prev_size) const;
 
   // Incarnation `inc` of rank r found: whether it is new.
@@ -84,6 +92,7 @@ class Roster {
   std::vector<Departure> pending_;  // evictions decided outside departures()
   std::vector<bool> suspect_;       // a member reported a transport error with it
   std::vector<bool> finished_;      // said goodbye
+  std::vector<bool> died_;          // its death was witnessed (this incarnation)
   std::vector<bool> heard_;         // has spoken at least once (start-up takes longer)
   std::vector<uint32_t> incarnation_;  // per rank: the newest incarnation known
   std::vector<uint64_t> joined_at_;    // per rank: first step it takes part in

@@ -111,7 +111,7 @@ using DownKind = qproto::Down::Kind;
 
 std::vector<char> encode_up(int world, const Up& e) {
   const UpKind type = e.kind;
-  if (type == UpKind::kTick || type == UpKind::kJoin)
+  if (type == UpKind::kTick || type == UpKind::kJoin || type == UpKind::kDied)
     throw UsageError(fmt::format("quorum: a local event (kind {}) cannot be sent", int(type)));
   UpWire w{};
   w.magic = kUpMagic;
@@ -399,7 +399,7 @@ void decode_view(const DownWire& h, const char* body, int world, int from, Down&
   for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
     DepartureWire dw;
     std::memcpy(&dw, body + at, sizeof(dw));
-    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 4 || !std::isfinite(dw.silent_ms))
+    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 5 || !std::isfinite(dw.silent_ms))
       throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
     m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
   }

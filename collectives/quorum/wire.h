@@ -1,4 +1,5 @@
-// Wire format of the quorum all-reduce's control messages (messages.h; version 4).
+// Wire format of the quorum all-reduce's control messages (messages.h; version 5: a VIEW's
+// departures may say "died", a death the store witnessed).
 //
 // Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
 // + 8 bytes: the sender's parameter digest, when it sends one; then + 16 bytes, when it sends
@@ -26,7 +27,7 @@
 
 namespace qring::collectives::qwire {
 
-constexpr uint16_t kVersion = 4;
+constexpr uint16_t kVersion = 5;
 
 constexpr size_t kUpBytes = 48;
 // Decisions an ACK carries at most (the unsettled window is a few steps).
@@ -41,7 +42,7 @@ constexpr size_t kMaxFatalText = 1024;
 
 std::vector<char> encode_up(int world, const qproto::Up& m);
 // Throws ProtocolError (naming `from`) when malformed. Never returns a local kind (kTick,
-// kJoin).
+// kJoin, kDied).
 qproto::Up decode_up(const void* buf, size_t len, int world, int from);
 
 std::vector<char> encode_down(int world, const qproto::Down& m);

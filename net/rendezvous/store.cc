@@ -115,6 +115,14 @@ int key_owner(std::string_view key, int world_size) {
   return rank;
 }
 
+bool owner_only_key(std::string_view key) {
+  return key.substr(0, 5) == "dead/";
+}
+
+std::string dead_key(int rank, uint32_t incarnation) {
+  return fmt::format("dead/{}/{}", rank, incarnation);
+}
+
 std::string incarnation_key(int rank) {
   return fmt::format("incarnation/{}", rank);
 }

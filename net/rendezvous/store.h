@@ -131,6 +131,14 @@ bool is_loopback_host(const std::string& host);
 // to rank r: only r may SET or ADD them.
 int key_owner(std::string_view key, int world_size);
 
+// A key that only the store's owner writes (TcpStoreServer::record), never a rank:
+// "dead/<r>/<incarnation>", a death the launcher or the store witnessed for certain (a reaped
+// process; a joined rank's connection closed: collectives/quorum/witness.h, docs/design.md,
+// "Witnessed deaths").
+bool owner_only_key(std::string_view key);
+// "dead/<rank>/<incarnation>".
+std::string dead_key(int rank, uint32_t incarnation);
+
 // The counter of rank r's incarnations: each process of rank r adds 1 at its rendezvous, so
 // its incarnation is the value it gets minus 1 (0 at the job's start; docs/design.md, "Rejoin").
 std::string incarnation_key(int rank);
@@ -150,6 +158,9 @@ struct StoreServerOptions {
   int max_handshakes = 1024;
   int max_handshakes_per_source = 256;
   std::chrono::milliseconds handshake_timeout{2000};
+  // qring-store: a closed connection of a joined rank whose incarnation it counted is a
+  // witnessed death (dead_key). qring-launch reaps its ranks and records their deaths itself.
+  bool witness_deaths = false;
 };
 
 // Why the server dropped or refused a connection that had not joined, or closed one: each is
@@ -172,7 +183,11 @@ const char* store_rejection_name(StoreRejection r);
 // world it serves and rejects (ERROR "rejected" to the client, the reason in its log): a JOIN
 // whose proof of the job secret is wrong, a protocol version, world size or job id different
 // from its own, rank < 0 or >= world size, a rank that already joined, and malformed or
-// truncated messages. A joined rank may not write another rank's keys (key_owner()). Its
+// truncated messages. A joined rank may not write another rank's keys (key_owner()), nor the
+// owner's (owner_only_key()). With `witness_deaths` (qring-store) a joined rank's connection
+// that closes is its death, recorded under dead_key(rank, incarnation) when the connection
+// took part in the rank's incarnation count (its ADD to incarnation_key), so that the
+// incarnation is certain; a rank whose process ends closes it (a killed one too). Its
 // memory and descriptors stay bounded under floods of connections, oversized or trickled
 // frames, and descriptor exhaustion (accept backs off, warnings are rate-limited).
 class TcpStoreServer {
@@ -190,6 +205,9 @@ class TcpStoreServer {
   // Ranks whose joined connection is open now (a launcher that serves the store waits for
   // the ranks of other hosts to close theirs before it stops it).
   int connected_ranks() const;
+  // A write of the store's owner (thread-safe; applied by the server's thread at once, waking
+  // the requests that wait for `key`): the launcher records the deaths it witnessed.
+  void record(const std::string& key, const std::string& value);
 
  private:
   friend std::string store_server_feed(std::string_view bytes, bool joined, int world_size);

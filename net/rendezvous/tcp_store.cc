@@ -346,6 +346,7 @@ struct TcpStoreServer::Impl {
     bool closing = false;  // an error reply is queued; then the write side is shut down
     bool shut = false;     // and input is discarded until the client closes
     int rank = -1;
+    int64_t incarnation = -1;     // counted through this connection (ADD to incarnation_key)
     uint32_t source = 0;          // the peer's address (the per-source cap)
     Clock::time_point since;      // accepted (its CHALLENGE queued) at
     std::string nonce;  // of this connection's CHALLENGE
@@ -382,6 +383,11 @@ struct TcpStoreServer::Impl {
   std::unordered_map<std::string, std::string> data;
   std::map<int, uint64_t> rank_conn;
   std::atomic<int> connected{0};  // rank_conn.size(), for connected_ranks()
+  // The owner's writes (record()), for the server's thread; `stopping` tells a wake-up that
+  // ends the server from one that brings them.
+  std::mutex owner_mu;
+  std::vector<std::pair<std::string, std::string>> owner_writes;
+  std::atomic<bool> stopping{false};
   std::thread thread;
 
   void run();
@@ -500,6 +506,7 @@ TcpStoreServer::TcpStoreServer(const std::string& bind_host, int port, int world
 }
 
 TcpStoreServer::~TcpStoreServer() {
+  impl_->stopping.store(true);
   uint64_t one = 1;
   if (write(impl_->wake_fd.get(), &one, sizeof(one)) < 0)
     spdlog::error("store server: cannot wake server thread: {}", errno_text(errno));
@@ -516,6 +523,16 @@ uint64_t TcpStoreServer::rejections(StoreRejection why) const {
 
 int TcpStoreServer::connected_ranks() const {
   return impl_->connected.load(std::memory_order_relaxed);
+}
+
+void TcpStoreServer::record(const std::string& key, const std::string& value) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->owner_mu);
+    impl_->owner_writes.emplace_back(key, value);
+  }
+  uint64_t one = 1;
+  if (write(impl_->wake_fd.get(), &one, sizeof(one)) < 0)
+    spdlog::error("store server: cannot wake server thread: {}", errno_text(errno));
 }
 
 void TcpStoreServer::Impl::run() {
@@ -541,7 +558,20 @@ void TcpStoreServer::Impl::run() {
       std::this_thread::sleep_for(milliseconds(10));
       continue;
     }
-    if (pfds[0].revents) return;
+    if (pfds[0].revents) {
+      if (stopping.load()) return;
+      uint64_t n = 0;
+      (void)read(wake_fd.get(), &n, sizeof(n));
+      std::vector<std::pair<std::string, std::string>> writes;
+      {
+        std::lock_guard<std::mutex> lock(owner_mu);
+        writes.swap(owner_writes);
+      }
+      for (auto& [key, value] : writes) {
+        data[key] = std::move(value);
+        wake(key);
+      }
+    }
     for (size_t i = 0; i < ids.size(); ++i) {
       short rev = pfds[i + 2].revents;
       auto it = conns.find(ids[i]);
@@ -917,6 +947,8 @@ bool TcpStoreServer::Impl::handle_add(Conn& c, const Header& h, std::string_view
     return true;
   }
   data[key] = std::to_string(v);
+  // This connection counted its rank's incarnation: it is that process's (witness_deaths).
+  if (delta == 1 && v >= 1 && key == incarnation_key(c.rank)) c.incarnation = v - 1;
   std::string out;
   put_i64(out, v);
   reply(c, h.id, StoreMsg::kOk, out);
@@ -934,6 +966,16 @@ bool TcpStoreServer::Impl::malformed(const Conn& c, std::string_view payload, co
 // SET and ADD of a key that belongs to another rank (key_owner()).
 bool TcpStoreServer::Impl::refuse_foreign(Conn& c, const Header& h, const std::string& key,
                                           const char* op) {
+  if (owner_only_key(key)) {
+    spdlog::warn("store server: rank {} ({}) tried to {} key '{}', which only the store's owner "
+                 "writes; refused",
+                 c.rank, c.peer, op, printable(key));
+    std::string out;
+    put_str(out, fmt::format("rank {} may not {} key '{}': only the store's owner writes it",
+                             c.rank, op, key));
+    reply(c, h.id, StoreMsg::kError, out);
+    return true;
+  }
   int owner = key_owner(key, world_size);
   if (owner < 0 || owner == c.rank) return false;
   spdlog::warn("store server: rank {} ({}) tried to {} key '{}' of rank {}; refused", c.rank,
@@ -998,6 +1040,11 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
+    if (options.witness_deaths && it->second.incarnation >= 0) {
+      const std::string key = dead_key(it->second.rank, uint32_t(it->second.incarnation));
+      data[key] = "connection closed";
+      wake(key);
+    }
     connected.store(int(rank_conn.size()), std::memory_order_relaxed);
   } else {
     forget_unjoined(cid, it->second.source);

@@ -471,6 +471,8 @@ class Launcher {
   void on_output(Stream& s);
   void flush_partial(Stream& s);
   void reap();
+  // A death seen for certain, recorded in the store this launcher serves (store.h dead_key).
+  void witness(int r, int incarnation, const std::string& how);
   void begin_stop(int sig, const std::string& why, int code, bool forwarded = false);
   void signal_all(int sig);
   bool any_child_left();
@@ -504,6 +506,7 @@ class Launcher {
   std::vector<Rank> ranks_;
   std::vector<Stream> streams_;
   std::vector<LostRank> lost_;  // --tolerate-failures: ranks lost so far, in order
+  qring::net::TcpStoreServer* store_ = nullptr;  // node 0: the store it serves
   // The job finished: when the first rank of this host exited 0, and which.
   std::optional<Clock::time_point> finished_at_;
   int finished_rank_ = -1;
@@ -771,6 +774,7 @@ void Launcher::reap() {
       finished_at_ = Clock::now();
       finished_rank_ = r;
     }
+    if (failed) witness(r, it->restarts, describe_end(status));
     if (!failed || stopping_) continue;
     if (!it->abandoned.empty()) {  // killed at the end of the job (end_unfinished_ranks)
       lost_.push_back({r, it->restarts, p, it->abandoned + "; killed by the launcher"});
@@ -834,6 +838,10 @@ void Launcher::reap() {
   }
 }
 
+void Launcher::witness(int r, int incarnation, const std::string& how) {
+  if (store_) store_->record(qring::net::dead_key(r, uint32_t(incarnation)), how);
+}
+
 // The job's identity: one launcher makes its own; launchers on several hosts share the secret
 // from their environment (QRING_JOB_SECRET; a loopback store may do without) and derive the
 // same job id from it and --master, unless --job-id names one.
@@ -872,6 +880,7 @@ int Launcher::run() {
   if (opts_.node_rank == 0) {
     store = serve_store();
     if (!store) return 1;
+    store_ = store.get();
     port_ = store->port();
     store_address_ =
         fmt::format("{}:{}", opts_.master_host.empty() ? "127.0.0.1" : opts_.master_host, port_);

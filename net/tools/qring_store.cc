@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
     const std::string bind = qring::net::store_bind_address(host);
     qring::net::StoreServerOptions o;
     o.secret = secret ? secret : "";
+    // A rank's connection closing is its death, witnessed (the job goes on without a majority
+    // where max(quorum, min_world) ranks are left: docs/design.md, "Witnessed deaths").
+    o.witness_deaths = true;
     qring::net::TcpStoreServer server(bind, port, world, job_id, o);
     fmt::print("qring-store: serving job '{}' for {} ranks on {}:{} (ranks connect to {}:{})\n",
                job_id, world, bind, server.port(), host, server.port());
