@@ -708,8 +708,20 @@ class Evaluator {
     faults_(step, "eval");
     std::optional<EvalOut> got =
         evaluate_sharded(core_.model(), test_, cfg_.train.eval_batch, q_, rank_, uint64_t(step));
-    if (!got) return;
-    const EvalOut& e = *got;
+    if (got) record(step, *got, sum);
+  }
+
+  // The coordinator was lost after the last step and this rank took over (issue 42, case 8):
+  // the slices the others sent it are lost with it, so this rank evaluates the whole set.
+  void again_here(int64_t step, RunSummary& sum) {
+    const std::vector<double> v = evaluate_slice(core_.model(), test_, cfg_.train.eval_batch, 0, 1);
+    EvalOut e;
+    e.accuracy = v[2] > 0 ? v[1] / v[2] : 0;
+    e.loss = v[2] > 0 ? v[0] / v[2] : 0;
+    record(step, e, sum);
+  }
+
+  void record(int64_t step, const EvalOut& e, RunSummary& sum) {
     double wall = seconds_since(t_start_);
     last_accuracy_ = e.accuracy;
     last_step_ = step;
@@ -799,9 +811,11 @@ class Checkpointer {
 // The end is a step like the others (issue 42, case 8): a member waits for the coordinator's
 // goodbye; a coordinator lost after the last step is taken over by a member, which then
 // writes the outputs.
-void await_the_end(collectives::QuorumAllreduce& q, int rank) {
-  if (q.membership().survives_loss() && q.membership().coordinator() != rank)
-    q.membership().await_end(rank, Clock::now() + 2 * q.options().evict + std::chrono::seconds(2));
+// Returns whether this rank took over.
+bool await_the_end(collectives::QuorumAllreduce& q, int rank) {
+  if (!q.membership().survives_loss() || q.membership().coordinator() == rank) return false;
+  return q.membership().await_end(rank,
+                                  Clock::now() + 2 * q.options().evict + std::chrono::seconds(2));
 }
 
 void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, int rank,
@@ -1422,7 +1436,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   // Throughput over the step loop (evaluations inside it included, the final one not).
   timer.summarize(sum, loop_s, t - start);
   sum.params_checksum = checksum(core.params(), n_params);
-  if (finished) await_the_end(q, rank);
+  if (finished && await_the_end(q, rank)) evaluate.again_here(t, sum);
   if (out.lead()) {
     out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
     sum.backup_saved_s = full_sync.saved_ms() / 1000.0;
