@@ -534,6 +534,37 @@ TEST(TcpStore, RankWritesOnlyItsOwnKeys) {
   EXPECT_EQ(key_owner("host/x", 3), -1);
 }
 
+// Witnessed deaths (docs/design.md): only the store's owner writes dead/<rank>/<incarnation>
+// (qring-launch, when it reaps a rank); with witness_deaths (qring-store) a joined rank's
+// connection that counted its incarnation records its death when it closes, and one that did
+// not count it records nothing (the incarnation would be a guess).
+TEST(TcpStore, DeathsAreWrittenOnlyByTheOwnerOrWitnessedFromAClosedConnection) {
+  StoreServerOptions o = with_secret();
+  o.witness_deaths = true;
+  TcpStoreServer server("127.0.0.1", 0, 3, "job", o);
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 3), deadline_in(3s));
+  EXPECT_THROW(rank0.set(dead_key(1, 0), "planted"), UsageError);
+  EXPECT_THROW(rank0.add(dead_key(0, 0), 1), UsageError);
+  server.record(dead_key(2, 4), "killed by signal 9");
+  EXPECT_EQ(rank0.get(dead_key(2, 4), deadline_in(2s)), "killed by signal 9");
+  {
+    TcpStore rank1("127.0.0.1", server.port(), join_info(1, 3), deadline_in(3s));
+    rank1.add(incarnation_key(1), 1);
+    EXPECT_EQ(rank1.add(incarnation_key(1), 1), 2);  // a second count proves nothing more
+  }
+  // Counted twice on the connection: incarnation 1 is the one it ended as.
+  rank0.wait({dead_key(1, 1)}, deadline_in(2s));
+  {
+    TcpStore rank2("127.0.0.1", server.port(), join_info(2, 3), deadline_in(3s));
+    rank2.set("host/2", "node-c");
+  }
+  // Rank 2 closes without having counted an incarnation: no death is recorded for it.
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(rank0.check({dead_key(2, 0)}));
+  EXPECT_TRUE(owner_only_key("dead/0/0"));
+  EXPECT_FALSE(owner_only_key("deadline"));
+}
+
 TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
   TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
   TcpStore good("127.0.0.1", server.port(), join_info(0), deadline_in(3s));
