@@ -82,6 +82,8 @@ bool Succession::accept(int from, const qproto::View& proposed, const qproto::Vi
     pending_from_ = from;
     pending_ = proposed;
   }
+  if (a == TakeoverAnswer::kRefuse && from == pending_from_ && proposed.epoch == pending_.epoch)
+    pending_from_ = -1;  // it went stale meanwhile
   if (a != TakeoverAnswer::kAccept) return false;
   pending_from_ = -1;
   takeover_.reset();
@@ -125,6 +127,14 @@ void Succession::take(qproto::Up m) {
 TakeoverOutcome Succession::outcome(int view_size, Clock::time_point now,
                                     const LivenessTimes& t, const Deaths& dead) const {
   return takeover_outcome(*takeover_, view_size, now, t, dead);
+}
+
+std::string Succession::cut_off_reason() const {
+  return fmt::format(
+      "rank {}: evicted from the job: it lost the coordinator (rank {}) but no other rank "
+      "accepted it as the successor within evict + a heartbeat period (they still hear the "
+      "coordinator): this rank is cut off from them; it must leave (exit)",
+      self_, coord_);
 }
 
 std::vector<int> Succession::ackers() const {

@@ -13,8 +13,9 @@
 //    majority of the last view (itself included) less the ranks witnessed dead, once every
 //    live candidate answered or evict passed; without such a majority by evict + a heartbeat
 //    period the job is lost: the candidate tells those that acknowledged it (FATAL) and stops,
-//    naming the ranks that did not answer and the rule. A candidate that hears the old
-//    coordinator again gives its proposal up;
+//    naming the ranks that did not answer and the rule -- unless nobody accepted it: the
+//    others still hear the coordinator, and this rank, cut off from it, leaves (Evicted). A
+//    candidate that hears the old coordinator again gives its proposal up;
 //  - the winner coordinates from the view of those that acknowledged (everyone else left,
 //    silent): the coordinator's state is rebuilt from their ACKs (Coordinator's takeover
 //    constructor; step_recovery.h recovers the steps not every member completed);
@@ -112,6 +113,9 @@ class Succession {
                           const Deaths& dead) const;
   // Why a takeover was lost, naming the candidates that did not answer and the rule.
   std::string lost_reason(int view_size, const Deaths& dead) const;
+  // Why a takeover nobody accepted ends this rank's part in the job (Evicted): the others
+  // still hear the coordinator; this rank is cut off from it.
+  std::string cut_off_reason() const;
   // The ranks that acknowledged the proposal under way.
   std::vector<int> ackers() const;
   // The coordinator spoke again while this rank gathered: the proposal is given up.

@@ -391,6 +391,8 @@ bool QuorumMember::gather_takeover(net::Endpoint& ep) {
     case TakeoverOutcome::kGathering:
       return false;
     case TakeoverOutcome::kLost: {
+      // Nobody accepted: the others still hear the coordinator, this rank is cut off from it.
+      if (succession_.ackers().empty()) throw Evicted(succession_.cut_off_reason());
       // Those that acknowledged follow this rank: they stop with it, at once.
       qproto::Down f(DownKind::kFatal);
       f.reason = succession_.lost_reason(view().size(), witness_.deaths());
