@@ -52,7 +52,7 @@
 #           survivors' checksums and recovery_s (summary.json: from the last sign of life of
 #           the lost to the first step completed without them). Tests:
 #           CoordinatorAndOneMore.*, TwoMembers.*, ThreeOfEight.* (virtual time),
-#           TrainFaults.CoordinatorAndOneMoreKilledTogether*.
+#           CoordinatorAndOneMoreKilledTogether.TheTwoLeftFinishWithOneChecksum (shm, tcp).
 #   case 1  a coordinator is deposed only by a takeover that won. Tests:
 #           Deposition.* (virtual time).
 #
