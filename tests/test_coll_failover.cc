@@ -207,6 +207,10 @@ class Job {
         if (!r.skipped)
           for (size_t j = 0; j < count; ++j) params[j] -= 0.125f * grad[j];
       }
+      // As qring-train ends: a member waits for the coordinator's goodbye (issue 42, case 8).
+      fire(rank, inc, steps_, "end");
+      if (q.membership().coordinator() != rank)
+        q.membership().await_end(rank, clock.now() + 2 * qo_.evict + std::chrono::seconds(2));
       me.params = fnv1a64(params.data(), count * sizeof(float));
       me.views = q.membership().view_changes();
       me.coordinator = q.membership().coordinator();
@@ -546,6 +550,28 @@ TEST(ThreeOfEight, WitnessedTheFiveLeftGoOn) {
   for (int r : {2, 3, 4, 6, 7}) EXPECT_EQ(job.of(r).coordinator, 2) << "rank " << r;
   EXPECT_EQ(job.of(4).views.back().members, (std::vector<int>{2, 3, 4, 6, 7}));
 }
+
+// ---- The end of a job is a step like the others (issue 42, case 8): the coordinator lost
+// after the last step (at its end, or while the last step's result still travels), the
+// members, waiting for its goodbye, take over and finish agreeing; the new coordinator is the
+// one that writes the outputs.
+class CoordinatorLostAtTheEnd
+    : public ::testing::TestWithParam<std::tuple<uint64_t, std::string, bool>> {};
+TEST_P(CoordinatorLostAtTheEnd, TheOthersTakeOverAndFinish) {
+  const auto [step, phase, witnessed] = GetParam();
+  Job job(4, tolerant(2), 200, {{0, step, phase, {}, {}, witnessed}});
+  job.run();
+  for (int r : {1, 2, 3}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  job.expect_agreement();
+  job.expect_replicas_agree({{1, 0}, {2, 0}, {3, 0}});
+  for (int r : {1, 2, 3}) EXPECT_EQ(job.of(r).coordinator, 1) << "rank " << r;
+}
+INSTANTIATE_TEST_SUITE_P(
+    Phases, CoordinatorLostAtTheEnd,
+    ::testing::Values(std::make_tuple(uint64_t(200), "end", false),
+                      std::make_tuple(uint64_t(200), "end", true),
+                      std::make_tuple(uint64_t(199), "ring", true),
+                      std::make_tuple(uint64_t(199), "ring", false)));
 
 // ---- A coordinator is deposed only by a majority (issue 42, case 1).
 
