@@ -508,10 +508,10 @@ TEST(CoordinatorAndOneMoreUnwitnessed, TheJobStopsNamingTheRule) {
     const std::string e = job.w.error(r);
     EXPECT_NE(e.find("majority of the last view"), std::string::npos) << "rank " << r << ": " << e;
     EXPECT_NE(e.find("witnessed"), std::string::npos) << "rank " << r << ": " << e;
-    // Two successors' turns (evict + a heartbeat period each) and the gathering: never the
-    // step deadline (8 s here).
+    // Two successors' turns (evict + a heartbeat period each) and the gathering (2 evict + a
+    // heartbeat period): never the step deadline (8 s here).
     EXPECT_LT(job.ms(job.of(r).ended) - job.ms(job.of(0).steps.rbegin()->second.at),
-              3.0 * double(qo.evict.count() + qo.evict.count() / 8) + 100)
+              4.0 * double(qo.evict.count() + qo.evict.count() / 8) + 100)
         << "rank " << r;
   }
 }

@@ -129,13 +129,13 @@ TEST(Liveness, ATakeoverWinsWithAMajorityOnceAllAnsweredOrEvictPassedAndIsLostWi
   EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(401), t), TakeoverOutcome::kWon);
   k.acks[4] = collectives::qproto::Up{};
   EXPECT_EQ(collectives::takeover_outcome(k, 5, T0 + milliseconds(1), t), TakeoverOutcome::kWon);
-  // 2 of 5 never win; after evict + a heartbeat period the job is lost.
+  // 2 of 5 never win; after 2 evict + a heartbeat period the job is lost.
   Takeover lone = k;
   lone.acks.erase(3);
   lone.acks.erase(4);
-  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(450), t),
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(850), t),
             TakeoverOutcome::kGathering);
-  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(451), t),
+  EXPECT_EQ(collectives::takeover_outcome(lone, 5, T0 + milliseconds(851), t),
             TakeoverOutcome::kLost);
 }
 

@@ -42,7 +42,7 @@ TakeoverOutcome takeover_outcome(const Takeover& t, int view_size, Clock::time_p
   const bool all = acked >= live_candidates;
   const bool waited = now - t.started > times.evict;
   if (majority && (all || waited)) return TakeoverOutcome::kWon;
-  if (now - t.started > times.evict + times.heartbeat) return TakeoverOutcome::kLost;
+  if (now - t.started > 2 * times.evict + times.heartbeat) return TakeoverOutcome::kLost;
   return TakeoverOutcome::kGathering;
 }
 
@@ -132,7 +132,7 @@ TakeoverOutcome Succession::outcome(int view_size, Clock::time_point now,
 std::string Succession::cut_off_reason() const {
   return fmt::format(
       "rank {}: evicted from the job: it lost the coordinator (rank {}) but no other rank "
-      "accepted it as the successor within evict + a heartbeat period (they still hear the "
+      "accepted it as the successor within 2 evict + a heartbeat period (they still hear the "
       "coordinator): this rank is cut off from them; it must leave (exit)",
       self_, coord_);
 }
@@ -152,7 +152,7 @@ std::string Succession::lost_reason(int view_size, const Deaths& dead) const {
   const int live = view_size - int(died.size());
   return fmt::format(
       "rank {}: quorum: the coordinator (rank {}) was lost and only {} of the {} ranks of the "
-      "last view accepted this rank as its successor within evict + a heartbeat period; "
+      "last view accepted this rank as its successor within 2 evict + a heartbeat period; "
       "not answering: {}; witnessed dead: {}. A job goes on only with a majority of the last "
       "view less the ranks whose death the store witnessed (here more than {} of {}): the "
       "silent ranks may be alive on the other side of a partition, so the job stops",

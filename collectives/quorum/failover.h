@@ -11,8 +11,8 @@
 //    yields to a lower one;
 //  - the proposal wins with the acknowledgment (ACK, with the decisions each saw) of a
 //    majority of the last view (itself included) less the ranks witnessed dead, once every
-//    live candidate answered or evict passed; without such a majority by evict + a heartbeat
-//    period the job is lost: the candidate tells those that acknowledged it (FATAL) and stops,
+//    live candidate answered or evict passed; without such a majority by 2 evict + a
+//    heartbeat period (a loaded machine may take an evict period to answer) the job is lost: the candidate tells those that acknowledged it (FATAL) and stops,
 //    naming the ranks that did not answer and the rule -- unless nobody accepted it: the
 //    others still hear the coordinator, and this rank, cut off from it, leaves (Evicted). A
 //    candidate that hears the old coordinator again gives its proposal up;
@@ -62,8 +62,8 @@ struct Takeover {
 };
 enum class TakeoverOutcome : uint8_t { kGathering, kWon, kLost };
 // A majority of the last view (`view_size`, this rank included) less the ranks of it witnessed
-// dead accepted, and every live candidate did or evict passed: won. No such majority by evict
-// + a heartbeat period: lost.
+// dead accepted, and every live candidate did or evict passed: won. No such majority by
+// 2 evict + a heartbeat period: lost.
 TakeoverOutcome takeover_outcome(const Takeover& t, int view_size, Clock::time_point now,
                                  const LivenessTimes& times, const Deaths& dead = {});
 enum class TakeoverAnswer : uint8_t { kAccept, kLater, kRefuse };
