@@ -516,6 +516,21 @@ TEST(CoordinatorAndOneMoreUnwitnessed, TheJobStopsNamingTheRule) {
   }
 }
 
+// Witnessed, but fewer than the quorum are left (W = 4, quorum 3): rank 2 takes over and stops
+// the job at once, naming the floor, within evict + 1 s of the loss.
+TEST(CoordinatorAndOneMoreBelowTheQuorum, TheJobStopsAtOnceNamingTheFloor) {
+  const QuorumOptions qo = tolerant(3);
+  Job job(4, qo, 300, {{0, 30, "step", {}, {}, true}, {1, 30, "step", {}, {}, true}});
+  job.run();
+  for (int r : {2, 3}) {
+    const std::string e = job.w.error(r);
+    EXPECT_NE(e.find("fewer than the 3 the job needs"), std::string::npos) << "rank " << r << e;
+    EXPECT_LT(job.ms(job.of(r).ended) - job.ms(job.of(0).steps.rbegin()->second.at),
+              double(qo.evict.count()) + 1000)
+        << "rank " << r;
+  }
+}
+
 // W = 4, quorum 2, the coordinator alive: two members die at one step, witnessed: the job goes
 // on with two ranks. (Not witnessed, it goes on only when the coordinator finds them silent at
 // two looks, one after the other, as before.)

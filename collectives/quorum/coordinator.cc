@@ -30,6 +30,11 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
     : Coordinator(std::move(cfg), now) {
   roster_.restore(std::move(view), completed, incarnations);
   out.push_back(takeover_view(roster_.view(), cfg_));
+  // A majority took over (failover.h), but the ranks left may be fewer than the job needs.
+  if (auto why = roster_.stop_reason(out.back().left, roster_.view().size())) {
+    fatal(*why, out);
+    return;
+  }
   // Every step below the highest known one was decided by the old coordinator.
   steps_.start_at(recovery_.rebuild(known, roster_, out));
 }

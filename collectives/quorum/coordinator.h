@@ -59,7 +59,7 @@ class Coordinator {
   // nobody saw decided are decided afresh from the READYs the members send again. `out`
   // gets the new VIEW and the RECOVERs.
   // `incarnations`: every rank's, as the new coordinator knows them (a rank that rejoined
-  // before is not a new join).
+  // before is not a new join). Fewer than max(quorum, min_world) left: FATAL at once.
   Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
               const std::vector<Known>& known, std::vector<Down>& out,
               const std::vector<uint32_t>& incarnations = {});
