@@ -541,10 +541,11 @@ class FaultInjector {
 
   void operator()(int64_t step, const char* phase) const { fire(step, phase, false); }
 
-  // Entries of phase "ring" fire from the engine thread, at the quorum's ring phases
+  // Entries of phase "ring" and "donate" fire from the engine thread, at the quorum's phases
   // (QuorumOptions::on_phase; empty when there are none).
   std::function<void(uint64_t, const char*)> ring_phase_hook() const {
-    if (std::none_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
+    if (std::none_of(faults_.begin(), faults_.end(),
+                     [](const auto& f) { return f.phase == "ring" || f.phase == "donate"; }))
       return {};
     return [self = *this](uint64_t step, const char* phase) {
       self.fire(int64_t(step), phase, /*in_engine_pass=*/true);

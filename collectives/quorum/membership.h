@@ -43,7 +43,7 @@ struct ViewChange {
   std::vector<int> members;
   struct Left {
     int rank;
-    std::string why;   // "silent", "missed steps", "unreachable", "restarted"
+    std::string why;   // "silent", "missed steps", "unreachable", "restarted", "left"
     double silent_ms;  // time since the coordinator had last heard from it
   };
   std::vector<Left> left;

@@ -308,6 +308,7 @@ void Rejoin::admit(const qproto::Joined& j, const qproto::View& view, int coordi
 bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
   bool moved = false;
   for (auto& st : membership_.take_state_out()) {
+    if (o_.on_phase) o_.on_phase(st.step, "donate");  // fault tests: the joiner waits for it
     out_.send(ep, st.to,
               net::make_tag(net::Op::kQuorumState, st.step, quorum_chunk(rank_, instance_)),
               st.buf, st.buf->data(), st.buf->size());
@@ -324,11 +325,11 @@ bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
   if (state_req_ && (state_req_->done() || !view.has(donor_))) {
     if (!state_req_->done()) {
       ep.cancel(state_req_);
-      membership_.state_failed(
-          fmt::format("the donor, rank {}, left the view before its state came", donor_));
+      state_lost_ = fmt::format("the donor, rank {}, left the view before its state came", donor_);
+      membership_.state_failed(state_lost_);
     } else if (!state_req_->ok()) {
-      membership_.state_failed(
-          fmt::format("the state from rank {} failed: {}", donor_, state_req_->error));
+      state_lost_ = fmt::format("the state from rank {} failed: {}", donor_, state_req_->error);
+      membership_.state_failed(state_lost_);
     } else {
       membership_.state_arrived(state_buf_, state_req_->bytes);
     }

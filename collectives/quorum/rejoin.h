@@ -58,6 +58,9 @@ class Rejoin {
   void admit(const qproto::Joined& j, const qproto::View& view, int coordinator);
   // State transfer: the donor's sends, the joiner's receive (ends when the donor leaves `view`).
   bool poll_state(net::Endpoint& ep, const qproto::View& view);
+  // The joiner: why its state will not come (its donor left the view first, or the transfer
+  // failed); empty while it may. Such a joiner leaves the view (member.h).
+  const std::string& state_lost() const { return state_lost_; }
   void cancel(net::Endpoint& ep);
 
  private:
@@ -109,6 +112,7 @@ class Rejoin {
   int joiner_coord_ = -1;
   uint64_t joiner_epoch_ = 0;
   net::RequestPtr state_req_;
+  std::string state_lost_;
   std::shared_ptr<Bytes> state_buf_;
 };
 
