@@ -45,6 +45,23 @@
 #   case 9  --resume after a run that lost a rank starts from the survivors' newest
 #           checkpoint; the lost rank takes the state from a live member. Test:
 #           TrainFaults.ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint.
+#   case 4  a joiner whose donor dies before its state came: the joiner says LEAVE and
+#           leaves the view (at once; if it took over as coordinator meanwhile, by its
+#           silence), then comes back as a new incarnation with a live member's state; later
+#           admissions go on. Tests: DonorKilled.* (virtual time),
+#           CoordinatorRejoin.AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn. By hand:
+#           --case 4 (rank 1 killed at step 60 and restarted; rank 0, its donor, killed by
+#           QRING_FAULT kill:0:60:donate as it is about to send the state).
+#   case 5  a rejoined rank catching up when the coordinator fails over keeps getting
+#           results. Test: CatchingUpAtFailover.* (virtual time). By hand: --case 5 (rank 1
+#           killed at step 60 and restarted; rank 0 SIGKILLed from outside as soon as rank 1
+#           logs that it rejoined).
+#
+#   scripts/bench_faults.sh --case 4|5 [--runs 5] [--provider shm|tcp]: W=4, quorum 2,
+#   evict_ms 1000, qring-launch --max-restarts 1; per run the launcher's exit, the parameter
+#   checksums the ranks logged at the end (one expected), and the recovery: from the donor's
+#   (case 4) or the coordinator's (case 5) death to the first view without it, to the view
+#   without the joiner's old incarnation (case 4), and to the rejoined rank's admission.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/fmnist-mlp.toml
@@ -54,6 +71,8 @@ PROVIDER=auto
 VICTIM=2
 ISOLATE=0
 ANALYZE_ONLY=0
+CASE=
+RUNS=5
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -63,6 +82,8 @@ while [ $# -gt 0 ]; do
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
     --analyze-only) ANALYZE_ONLY=1; shift ;;
+    --case) CASE=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -72,6 +93,10 @@ OUT=${QRING_BENCH_OUT:-runs/bench-faults}
 mkdir -p "$OUT"
 common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$EPOCHS"
         "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
+
+if [ -n "$CASE" ]; then
+  exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT"
+fi
 
 # Steps of the 4-rank run, to place the kill at 30 % of training.
 BATCH=$(grep -E '^batch_per_rank' "$CONFIG" | sed 's/.*= *//; s/ .*//')
