@@ -323,13 +323,13 @@ bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
     moved = true;
   }
   if (state_req_ && (state_req_->done() || !view.has(donor_))) {
+    // A state that will not come ends the service (member.h, leave): the caller's
+    // receive_state() hears that, not a transfer error of its own.
     if (!state_req_->done()) {
       ep.cancel(state_req_);
       state_lost_ = fmt::format("the donor, rank {}, left the view before its state came", donor_);
-      membership_.state_failed(state_lost_);
     } else if (!state_req_->ok()) {
       state_lost_ = fmt::format("the state from rank {} failed: {}", donor_, state_req_->error);
-      membership_.state_failed(state_lost_);
     } else {
       membership_.state_arrived(state_buf_, state_req_->bytes);
     }
