@@ -45,15 +45,19 @@
 #   case 9  --resume after a run that lost a rank starts from the survivors' newest
 #           checkpoint; the lost rank takes the state from a live member. Test:
 #           TrainFaults.ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint.
-#   case 4  a joiner whose donor dies before its state came: the joiner says LEAVE and
-#           leaves the view (at once; if it took over as coordinator meanwhile, by its
-#           silence), then comes back as a new incarnation with a live member's state; later
-#           admissions go on. Tests: DonorKilled.* (virtual time),
+#   case 4  a joiner whose donor dies before its state came: the joiner lets the next member
+#           take over (it never proposes itself while it waits for its state), says LEAVE and
+#           leaves the view at once, then comes back as a new incarnation with a live
+#           member's state; later admissions go on. Tests: DonorKilled.* (virtual time),
 #           CoordinatorRejoin.AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn. By hand:
 #           --case 4 (rank 1 killed at step 60 and restarted; rank 0, its donor, killed by
 #           QRING_FAULT kill:0:60:donate as it is about to send the state).
 #   case 5  a rejoined rank catching up when the coordinator fails over keeps getting
-#           results. Test: CatchingUpAtFailover.* (virtual time). By hand: --case 5 (rank 1
+#           results. Test: CatchingUpAtFailover.* (virtual time).
+#   case 10 metrics.jsonl has each step, view and rejoin once across coordinator changes and
+#           summary.json counts them all. Test: test_train_metrics_log; the --case runs
+#           below check it on every run (steps missing and twice, the summary's failures
+#           and rejoins against the coordinators' and joiners' logs). By hand: --case 5 (rank 1
 #           killed at step 60 and restarted; rank 0 SIGKILLed from outside as soon as rank 1
 #           logs that it rejoined).
 #

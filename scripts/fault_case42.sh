@@ -68,8 +68,9 @@ def t(s):
     return datetime.strptime(s, "%H:%M:%S.%f")
 print(f"\ncase {case}, {provider} (shared 2-core machine; no RDMA hardware: shm and tcp libfabric)")
 print("| run | launcher exit | checksums | rank 0 dead -> view without it (s) | "
-      "-> joiner's old incarnation out (s) | -> rank back (s) |")
-print("|---|---|---|---|---|---|")
+      "-> joiner's old incarnation out (s) | -> rank back (s) | metrics.jsonl steps missing, "
+      "twice | summary failures, rejoins (logs) |")
+print("|---|---|---|---|---|---|---|---|")
 for i in range(1, runs + 1):
     name = f"case{case}-{provider}-{i}"
     base = os.path.join(out, name)
@@ -96,6 +97,30 @@ for i in range(1, runs + 1):
     back = first(lambda l: f"rank {back_rank} rejoined at step" in l and
                  l.startswith(f"[rank {back_rank}]"))
     f = lambda x: "-" if x is None else f"{x:.2f}"
+    # Case 10: each step once in metrics.jsonl; the summary's counts against the logs' (each
+    # view's departures as its coordinator logged them, each rejoin as the joiner logged it).
+    steps, counts = [], "-"
+    try:
+        import json
+        for l in open(os.path.join(base, "run", "metrics.jsonl")):
+            j = json.loads(l)
+            if j["type"] == "step":
+                steps.append(j["step"])
+        s = json.load(open(os.path.join(base, "run", "summary.json")))
+        left = {}
+        for l in lines:
+            m = re.search(r"quorum: view (\d+): members \[[0-9, ]*\]; left: (.*)$", l)
+            if m:
+                left[m.group(1)] = len(re.findall(r"rank \d+ \(", m.group(2)))
+        joins = len(re.findall(r"^\[rank (\d+)\] \[[^]]*\] \[[^]]*\] \[rank \d+\] rank \1 "
+                               r"rejoined at step",
+                               "\n".join(lines), re.M))
+        counts = (f"{s['failures_survived']}, {s['rejoins']} "
+                  f"({sum(left.values())}, {joins})")
+    except (OSError, ValueError, KeyError):
+        pass
+    missing = len(set(range(max(steps) + 1)) - set(steps)) if steps else "-"
+    twice = len(steps) - len(set(steps)) if steps else "-"
     print(f"| {name} | {status} | {len(sums)}: {' '.join(sorted(sums))} | {f(no0)} | {f(no1)} | "
-          f"{f(back)} (rank {back_rank}) |")
+          f"{f(back)} (rank {back_rank}) | {missing}, {twice} | {counts} |")
 PY

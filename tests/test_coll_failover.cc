@@ -406,7 +406,7 @@ std::optional<Clock::time_point> left_at(Job& job, int at, int rank, uint32_t in
 // joiner fails naming the lost donor and leaves the view within evict + 1 s of the view that
 // dropped the donor (it never stays in the view, so later admissions go on): rank 0's new
 // incarnation is admitted, and every rank that finishes holds the same replica. Rank 1 is the
-// first successor of rank 0 (it takes over, then leaves); rank 3 is not.
+// first successor of rank 0 (waiting for its state, it lets rank 2 take over); rank 3 is not.
 class DonorKilled : public ::testing::TestWithParam<int> {};
 TEST_P(DonorKilled, TheJoinerLeavesTheViewAndLaterJoinsGoOn) {
   const int joiner = GetParam();

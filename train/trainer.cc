@@ -586,12 +586,14 @@ struct Work {
 // what waiting for every rank would have cost (train/full_sync.h).
 class MetricsWriter {
  public:
+  // `start`: this rank's first step; `joined`: it rejoined the running job there (the
+  // summary it may write counts the run from the file's first line, not from its own start).
   MetricsWriter(fs::path run_dir, collectives::QuorumAllreduce& q, int rank, int64_t start,
-                FullSyncEstimate& full_sync)
+                bool joined, FullSyncEstimate& full_sync)
       : dir_(std::move(run_dir)),
         q_(q),
         rank_(rank),
-        log_(dir_ / "metrics.jsonl", start),
+        log_(dir_ / "metrics.jsonl", joined ? 0 : start),
         arrivals_next_(start),
         full_sync_(full_sync) {}
 
@@ -1379,7 +1381,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   FullSyncEstimate full_sync([&straggler, seed](int r, uint64_t step) {
     return double(straggler.delay(seed, r, step).count()) / 1000.0;
   });
-  MetricsWriter out(run_dir, q, rank, start, full_sync);
+  MetricsWriter out(run_dir, q, rank, start, joining, full_sync);
   if (rank == 0 && !joining) {
     out.create(cfg, opts.resume, start);
     announce_start(cfg, core, world, quorum, comm.provider(), straggler, run_dir);

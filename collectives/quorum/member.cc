@@ -444,7 +444,9 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
       case Liveness::Silence::kNone:
         break;
       case Liveness::Silence::kTakeOver:
-        if (!succession_.gathering()) start_takeover(ep);
+        // A joiner still waiting for its state lets the next member take over (and accepts
+        // it): its donor is the silent coordinator, so it is about to leave.
+        if (!succession_.gathering() && !rejoin_.awaiting_state()) start_takeover(ep);
         break;
       case Liveness::Silence::kLost:
         throw QuorumLost(

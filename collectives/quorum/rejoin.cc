@@ -331,6 +331,7 @@ bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
     } else if (!state_req_->ok()) {
       state_lost_ = fmt::format("the state from rank {} failed: {}", donor_, state_req_->error);
     } else {
+      state_arrived_ = true;
       membership_.state_arrived(state_buf_, state_req_->bytes);
     }
     {

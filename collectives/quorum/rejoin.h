@@ -36,6 +36,9 @@ class Rejoin {
   // Nothing under way: no member reconnects to a joiner, and a joiner is admitted.
   bool idle() const { return member_joins_.empty() && (!joining_ || admitted_); }
   bool admitted() const { return admitted_; }
+  // The joiner, admitted, before its state arrived: it must not coordinate (it would leave
+  // the job at once if the state does not come).
+  bool awaiting_state() const { return joining_ && admitted_ && !state_arrived_; }
   uint64_t join_step() const { return join_step_; }
   // Per rank: the incarnation this rank talks to.
   const std::vector<uint32_t>& incarnations() const { return inc_; }
@@ -113,6 +116,7 @@ class Rejoin {
   uint64_t joiner_epoch_ = 0;
   net::RequestPtr state_req_;
   std::string state_lost_;
+  bool state_arrived_ = false;
   std::shared_ptr<Bytes> state_buf_;
 };
 
