@@ -51,13 +51,8 @@ fuzz_one() {
 }
 # The targets run QRING_FUZZ_JOBS at a time (default: one per core; each fuzzer is one
 # thread, so each still has a core for its SECONDS_PER seconds on an otherwise idle node).
-jobs_max=${QRING_FUZZ_JOBS:-$(nproc)}
-for t in "${TARGETS[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
-  echo "== fuzz $t (${SECONDS_PER} s)"
-  fuzz_one "$t" &
-done
-wait
+. scripts/run_at_most.sh
+run_at_most "${QRING_FUZZ_JOBS:-$(nproc)}" "== fuzz (${SECONDS_PER} s)" fuzz_one "${TARGETS[@]}"
 failed=0
 for t in "${TARGETS[@]}"; do
   if [ "$(head -1 "$BUILD/$t.verdict")" = ok ]; then
