@@ -517,10 +517,12 @@ class QuorumSteps {
   // the loop's end through the steps themselves: from timed step -n - 1 on, element 0 of each
   // contribution is a vote (n = more, 0 = enough), and the step's result -- the same bits on
   // every rank -- says whether another step follows. Votes stop at a hard cap, so the loop
-  // ends.
+  // ends. `settle` is 2 s at least: a stopped rank resumes late on a loaded node (its waker is
+  // a process like any other; at a load of 22 on 2 cores one came back ~1 s after its pause,
+  // when the others had ended, and found no coordinator to tell it it was evicted).
   const std::chrono::milliseconds evict = qo.evict;
   const std::chrono::milliseconds settle =
-      std::max<std::chrono::milliseconds>(std::chrono::milliseconds(500), evict);
+      std::max<std::chrono::milliseconds>(std::chrono::milliseconds(2000), evict);
   const int after_min = std::max(10, o.iters - int(last_step(faults)));
   std::vector<std::optional<Clock::time_point>> fault_time =
       std::vector<std::optional<Clock::time_point>>(faults.size());
