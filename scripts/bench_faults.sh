@@ -47,16 +47,35 @@
 #           TrainFaults.ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint.
 #   case 2  the coordinator and one more rank killed in one command (QRING_FAULT
 #           kill:0:S:step,kill:1:S:step), under qring-launch --tolerate-failures 2, which
-#           witnesses both deaths: the two left go on. `--case2 N` runs it N times over shm
-#           and over tcp (W=4, quorum 2) and prints per run the launcher's exit, the
+#           witnesses both deaths: the two left go on. `--case 2 --runs N` runs it N times over
+#           shm and over tcp (W=4, quorum 2) and prints per run the launcher's exit, the
 #           survivors' checksums and recovery_s (summary.json: from the last sign of life of
 #           the lost to the first step completed without them). Tests:
 #           CoordinatorAndOneMore.*, TwoMembers.*, ThreeOfEight.* (virtual time),
 #           CoordinatorAndOneMoreKilledTogether.TheTwoLeftFinishWithOneChecksum (shm, tcp).
 #   case 1  a coordinator is deposed only by a takeover that won. Tests:
 #           Deposition.* (virtual time).
+#   case 4  a joiner whose donor dies before its state came: the joiner lets the next member
+#           take over (it never proposes itself while it waits for its state), says LEAVE and
+#           leaves the view at once, then comes back as a new incarnation with a live
+#           member's state; later admissions go on. Tests: DonorKilled.* (virtual time),
+#           CoordinatorRejoin.AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn. By hand:
+#           --case 4 (rank 1 killed at step 60 and restarted; rank 0, its donor, killed by
+#           QRING_FAULT kill:0:60:donate as it is about to send the state).
+#   case 5  a rejoined rank catching up when the coordinator fails over keeps getting
+#           results. Test: CatchingUpAtFailover.* (virtual time).
+#   case 10 metrics.jsonl has each step, view and rejoin once across coordinator changes and
+#           summary.json counts them all. Test: test_train_metrics_log; the --case runs
+#           below check it on every run (steps missing and twice, the summary's failures
+#           and rejoins against the coordinators' and joiners' logs). By hand: --case 5 (rank 1
+#           killed at step 60 and restarted; rank 0 SIGKILLed from outside as soon as rank 1
+#           logs that it rejoined).
 #
-#   scripts/bench_faults.sh --case2 5 [--config ...] [--epochs ...] [--evict-ms 1000]
+#   scripts/bench_faults.sh --case 4|5 [--runs 5] [--provider shm|tcp]: W=4, quorum 2,
+#   evict_ms 1000, qring-launch --max-restarts 1; per run the launcher's exit, the parameter
+#   checksums the ranks logged at the end (one expected), and the recovery: from the donor's
+#   (case 4) or the coordinator's (case 5) death to the first view without it, to the view
+#   without the joiner's old incarnation (case 4), and to the rejoined rank's admission.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/fmnist-mlp.toml
@@ -66,7 +85,8 @@ PROVIDER=auto
 VICTIM=2
 ISOLATE=0
 ANALYZE_ONLY=0
-CASE2=0
+CASE=
+RUNS=5
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -76,7 +96,8 @@ while [ $# -gt 0 ]; do
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
     --analyze-only) ANALYZE_ONLY=1; shift ;;
-    --case2) CASE2=$2; shift 2 ;;
+    --case) CASE=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -86,6 +107,10 @@ OUT=${QRING_BENCH_OUT:-runs/bench-faults}
 mkdir -p "$OUT"
 common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$EPOCHS"
         "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
+
+if [ -n "$CASE" ] && [ "$CASE" != 2 ]; then
+  exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT"
+fi
 
 # Steps of the 4-rank run, to place the kill at 30 % of training.
 BATCH=$(grep -E '^batch_per_rank' "$CONFIG" | sed 's/.*= *//; s/ .*//')
@@ -98,10 +123,10 @@ STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
 KILL_AT=$(( STEPS * 3 / 10 ))
 echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
 
-if [ "$CASE2" -gt 0 ]; then
-  echo "case 2: kill of ranks 0 and 1 at step $KILL_AT, W=4 quorum 2, $CASE2 runs per provider"
+if [ "$CASE" = 2 ]; then
+  echo "case 2: kill of ranks 0 and 1 at step $KILL_AT, W=4 quorum 2, $RUNS runs per provider"
   for prov in shm tcp; do
-    for i in $(seq 1 "$CASE2"); do
+    for i in $(seq 1 "$RUNS"); do
       name=case2-$prov-$i status=0
       QRING_FAULT="kill:0:$KILL_AT:step,kill:1:$KILL_AT:step" "$BUILD/net/qring-launch" -n 4 \
         --tolerate-failures 2 -- "$BUILD/train/qring-train" --force "${common[@]}" \

@@ -5,7 +5,8 @@
 #
 #   scripts/fuzz.sh [BUILD_DIR] [TARGET...]      (default build-fuzz, every target)
 #
-# QRING_FUZZ_SECONDS: time per target (default 10). New inputs the fuzzer finds go to
+# QRING_FUZZ_SECONDS: time per target (default 10); QRING_FUZZ_JOBS: targets run at once
+# (default one per core). New inputs the fuzzer finds go to
 # BUILD_DIR/corpus/<target> (not the committed corpus; copy good ones to tests/fuzz/corpus by
 # hand, or rerun tests/fuzz/make_corpus.py). Targets: fuzz_store (store frames and requests),
 # fuzz_quorum_wire (READY/DECIDE/VIEW/... messages), fuzz_idx, fuzz_checkpoint, fuzz_config
@@ -24,24 +25,42 @@ command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (scripts/setup.
 STEP=${QRING_FUZZ_STEP:-all}
 if [ "$STEP" != run ]; then
   CXX=clang++ cmake -S tests/fuzz -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
+  # Every target: the project's default goal, in parallel (several --target goals would build
+  # one after another: CMake's top-level Makefile is .NOTPARALLEL).
+  goal=()
+  [ $# -eq 0 ] || goal=(--target "${TARGETS[@]}")
+  cmake --build "$BUILD" -j "${QRING_JOBS:-$(nproc)}" "${goal[@]}"
 fi
 [ "$STEP" != build ] || exit 0
 mkdir -p "$BUILD/artifacts"
-failed=0
-for t in "${TARGETS[@]}"; do
+# fuzz_one TARGET: runs it; its verdict ("ok" and its stats, or "FAILED" and the report's
+# lines) goes to BUILD/TARGET.verdict.
+fuzz_one() {
+  local t=$1
   mkdir -p "$BUILD/corpus/$t"
-  echo "== fuzz $t (${SECONDS_PER} s)"
-  if ! ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     "$BUILD/$t" -max_total_time="$SECONDS_PER" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$t-" \
     "$BUILD/corpus/$t" "tests/fuzz/corpus/$t" >"$BUILD/$t.log" 2>&1; then
-    echo "fuzz: $t FAILED:"
-    grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$BUILD/$t.log" | head -20
-    failed=1
+    { echo ok; grep -E "stat::number_of_executed_units|stat::new_units_added" "$BUILD/$t.log" |
+        tr '\n' ' '; echo; } >"$BUILD/$t.verdict"
   else
-    grep -E "stat::number_of_executed_units|stat::new_units_added" "$BUILD/$t.log" | tr '\n' ' '
-    echo
+    { echo FAILED; grep -E "ERROR|SUMMARY|Test unit written|terminate|what\(\)" "$BUILD/$t.log" |
+        head -20; } >"$BUILD/$t.verdict"
+  fi
+}
+# The targets run QRING_FUZZ_JOBS at a time (default: one per core; each fuzzer is one
+# thread, so each still has a core for its SECONDS_PER seconds on an otherwise idle node).
+. scripts/run_at_most.sh
+run_at_most "${QRING_FUZZ_JOBS:-$(nproc)}" "== fuzz (${SECONDS_PER} s)" fuzz_one "${TARGETS[@]}"
+failed=0
+for t in "${TARGETS[@]}"; do
+  if [ "$(head -1 "$BUILD/$t.verdict")" = ok ]; then
+    echo "fuzz: $t: $(tail -n +2 "$BUILD/$t.verdict")"
+  else
+    echo "fuzz: $t FAILED:"
+    tail -n +2 "$BUILD/$t.verdict"
+    failed=1
   fi
 done
 [ $failed -eq 0 ] && echo "fuzz: every target ran ${SECONDS_PER} s without a finding"

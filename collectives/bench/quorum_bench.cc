@@ -191,10 +191,10 @@ class QuorumSteps {
     const bool refill = o.redop != RedOp::kAvg;  // sums grow step after step
     fill_pattern(buf.data(), o.dtype, count, step, rank);
     if (paired) fill_pattern(buf2.data(), o.dtype, count, step, rank);
-    comm.barrier();
+    barrier_of_every_rank();
     bool more = false;
     for (int s = 0; s < o.warmup + o.iters || more; ++s, ++step) {
-      if (s == o.warmup) comm.barrier();  // before any fault: every rank is there
+      if (s == o.warmup) barrier_of_every_rank();  // before any fault: every rank is there
       const int idx = s - o.warmup;       // timed step (< 0: warm-up)
       if (faulty && idx >= 0) {
         start_due_faults(idx);
@@ -274,6 +274,27 @@ class QuorumSteps {
       if (faulty) maybe_fault(t, "ready");
     }
     return view ? qa.wait(t, view) : qa.wait(t, buf.data());
+  }
+
+  // A barrier of every rank that ends with the view change: with --fault a rank may be
+  // evicted before any fault fired (silent for evict on a loaded node), and a barrier that
+  // waited for it would end only at the communicator's timeout. The run stops instead, within
+  // the evict time, naming the rank: its faults would not be the only ranks lost.
+  void barrier_of_every_rank() {
+    if (!faulty) return comm.barrier();
+    collectives::WorkPtr w = comm.barrier_async();
+    while (!w->done()) {
+      for (const auto& v : qa.membership().view_changes())
+        for (const auto& l : v.left)
+          throw collectives::QuorumLost(
+              fmt::format("rank {}: --fault: rank {} left the view before the timed steps, "
+                          "before any fault fired ({}: last heard {:.0f} ms before); the run "
+                          "measures the faults it was given, so it stops",
+                          rank, l.rank, l.why, l.silent_ms),
+              {l.rank});
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    w->wait();  // its error, if it failed
   }
 
   // When rank r fell silent, on this rank's clock, if it left the view: `silent_ms` before
@@ -496,10 +517,12 @@ class QuorumSteps {
   // the loop's end through the steps themselves: from timed step -n - 1 on, element 0 of each
   // contribution is a vote (n = more, 0 = enough), and the step's result -- the same bits on
   // every rank -- says whether another step follows. Votes stop at a hard cap, so the loop
-  // ends.
+  // ends. `settle` is 2 s at least: a stopped rank resumes late on a loaded node (its waker is
+  // a process like any other; at a load of 22 on 2 cores one came back ~1 s after its pause,
+  // when the others had ended, and found no coordinator to tell it it was evicted).
   const std::chrono::milliseconds evict = qo.evict;
   const std::chrono::milliseconds settle =
-      std::max<std::chrono::milliseconds>(std::chrono::milliseconds(500), evict);
+      std::max<std::chrono::milliseconds>(std::chrono::milliseconds(2000), evict);
   const int after_min = std::max(10, o.iters - int(last_step(faults)));
   std::vector<std::optional<Clock::time_point>> fault_time =
       std::vector<std::optional<Clock::time_point>>(faults.size());

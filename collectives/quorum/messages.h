@@ -21,13 +21,15 @@ struct View {
 
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
 
+// kLeft: the rank said it leaves (LEAVE: a joiner that could not get its state).
 // kDied: the rendezvous store witnessed its death (witness.h).
 enum class Why : uint8_t {
   kSilent = 1,
   kMissedSteps = 2,
   kUnreachable = 3,
   kRestarted = 4,
-  kDied = 5
+  kLeft = 5,
+  kDied = 6
 };
 const char* to_string(Why w);
 
@@ -98,7 +100,8 @@ struct Up {
     kAccept = 10,    // `from` reconnected to incarnation `count` of rank `suspect`
     kWarm = 11,      // a joiner's first message to a member: opens their connection
     kJoin = 12,      // local: incarnation `count` of rank `from` is in the store
-    kDied = 13,      // local: the store witnessed the death of incarnation `count` of `from`
+    kLeave = 13,     // `from` leaves the view now (a joiner whose state did not come)
+    kDied = 14,      // local: the store witnessed the death of incarnation `count` of `from`
   } kind = Kind::kTick;
   Up() = default;
   explicit Up(Kind k) : kind(k) {}

@@ -31,6 +31,8 @@ class Roster {
   void heard(const Event& e, Time now);
   void suspect(int r) { suspect_[size_t(r)] = true; }
   void finished(int r) { finished_[size_t(r)] = true; }
+  // Member r said it leaves (LEAVE): it leaves at the next look, as if evicted.
+  void leave(int r, Time now) { pending_.push_back({r, Why::kLeft, silent_ms(r, now)}); }
   // The store witnessed the death of incarnation `inc` of r (witness.h): it leaves at once.
   void died(int r, uint32_t inc) {
     if (inc == incarnation_[size_t(r)]) died_[size_t(r)] = true;

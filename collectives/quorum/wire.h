@@ -1,5 +1,5 @@
-// Wire format of the quorum all-reduce's control messages (messages.h; version 5: a VIEW's
-// departures may say "died", a death the store witnessed).
+// Wire format of the quorum all-reduce's control messages (messages.h; version 5: LEAVE, and
+// a VIEW's departures may say "left" or "died, witnessed", a death the store witnessed).
 //
 // Up (any rank -> coordinator), 48 bytes: READY (element count, element type and reduction,
 // + 8 bytes: the sender's parameter digest, when it sends one; then + 16 bytes, when it sends
@@ -7,7 +7,8 @@
 // step's result, NaN if none: quorum "auto" estimating the noise scale), HEARTBEAT, REPORT
 // (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
 // float64: a part of a sum gathered at the coordinator), HELLO (a rank that rejoins has
-// connected to every member), ACCEPT (a member reconnected to it).
+// connected to every member), ACCEPT (a member reconnected to it), LEAVE (a joiner whose state
+// did not come leaves the view).
 // Down (coordinator -> one rank), an 80-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures, ranks that joined),
 // RECOVER, EVICTED, FATAL (the error text), HEARTBEAT, JOINING (reconnect to a new
