@@ -119,6 +119,18 @@ class Job {
     for (auto [r, inc] : finishers)
       EXPECT_EQ(of(r, inc).params, want) << "rank " << r << " incarnation " << inc;
   }
+  // Nobody left: every rank of the world finishes without an error in the first view, the
+  // decisions agree, and so do the replicas.
+  void expect_all_stay_and_agree(int world) {
+    std::vector<std::pair<int, uint32_t>> finishers;
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(w.error(r), "") << "rank " << r;
+      EXPECT_EQ(of(r).views.size(), 1u) << "rank " << r;
+      finishers.push_back({r, 0});
+    }
+    expect_agreement();
+    expect_replicas_agree(finishers);
+  }
   // Rank `back` came back (its incarnation 1 ran): every rank of the world finishes without an
   // error (`back` as its second incarnation), the decisions agree, and so do the replicas.
   void expect_all_finish_alike(int world, int back) {
@@ -332,12 +344,7 @@ INSTANTIATE_TEST_SUITE_P(MemberAndCoordinator, Stopped,
 TEST(Pause, ShorterThanTheEvictTimeIsNotAFailure) {
   Job job(4, tolerant(3), 200, {{2, 20, "ring", milliseconds(200)}});
   job.run();
-  for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(job.w.error(r), "") << "rank " << r;
-    EXPECT_EQ(job.of(r).views.size(), 1u) << "rank " << r;
-  }
-  job.expect_agreement();
-  job.expect_replicas_agree({{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  job.expect_all_stay_and_agree(4);
 }
 
 // The length of a pause against the evict time (issue 42, case 11), on a member and on the
@@ -398,12 +405,7 @@ TEST_P(FrozenStraggler, StoppedMostOfTheTimeItOnlyMissesSteps) {
   f.every = qo.evict;
   Job job(4, qo, 600, {f});
   job.run();
-  for (int r = 0; r < 4; ++r) {
-    EXPECT_EQ(job.w.error(r), "") << "rank " << r;
-    EXPECT_EQ(job.of(r).views.size(), 1u) << "rank " << r;
-  }
-  job.expect_agreement();
-  job.expect_replicas_agree({{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  job.expect_all_stay_and_agree(4);
   int missed = 0;
   for (const auto& [t, s] : job.of(0).steps) missed += !(s.contributors[0] & (1u << 2));
   EXPECT_GE(missed, 100) << "rank 2 was not stopped as planned";
