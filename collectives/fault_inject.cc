@@ -62,9 +62,10 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
   f.step = uint64_t(number(spec, p[2], "step"));
   if (p.size() > phase_at) f.phase = p[phase_at];
   if (f.phase != "step" && f.phase != "ready" && f.phase != "ring" && f.phase != "checkpoint" &&
-      f.phase != "eval")
+      f.phase != "eval" && f.phase != "donate")
     throw ConfigError(fmt::format(
-        "fault '{}': unknown phase '{}' (step, ready, ring, checkpoint, eval)", spec, f.phase));
+        "fault '{}': unknown phase '{}' (step, ready, ring, checkpoint, eval, donate)", spec,
+        f.phase));
   return f;
 }
 

@@ -11,7 +11,9 @@
 //
 // PHASE: step (default; before the step's work), ready (right after the contribution was
 // handed over), ring (on the engine thread, once the step's reduction has moved), checkpoint
-// (a checkpoint written but not yet renamed into place), eval (before an evaluation).
+// (a checkpoint written but not yet renamed into place), eval (before an evaluation), donate
+// (on the engine thread of a donor, about to send the state to a rank that rejoins at step
+// STEP or later: the joiner waits for it).
 #pragma once
 
 #include <cstdint>

@@ -57,6 +57,27 @@
 #   case 9  --resume after a run that lost a rank starts from the survivors' newest
 #           checkpoint; the lost rank takes the state from a live member. Test:
 #           TrainFaults.ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint.
+#   case 4  a joiner whose donor dies before its state came: the joiner lets the next member
+#           take over (it never proposes itself while it waits for its state), says LEAVE and
+#           leaves the view at once, then comes back as a new incarnation with a live
+#           member's state; later admissions go on. Tests: DonorKilled.* (virtual time),
+#           CoordinatorRejoin.AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn. By hand:
+#           --case 4 (rank 1 killed at step 60 and restarted; rank 0, its donor, killed by
+#           QRING_FAULT kill:0:60:donate as it is about to send the state).
+#   case 5  a rejoined rank catching up when the coordinator fails over keeps getting
+#           results. Test: CatchingUpAtFailover.* (virtual time).
+#   case 10 metrics.jsonl has each step, view and rejoin once across coordinator changes and
+#           summary.json counts them all. Test: test_train_metrics_log; the --case runs
+#           below check it on every run (steps missing and twice, the summary's failures
+#           and rejoins against the coordinators' and joiners' logs). By hand: --case 5 (rank 1
+#           killed at step 60 and restarted; rank 0 SIGKILLed from outside as soon as rank 1
+#           logs that it rejoined).
+#
+#   scripts/bench_faults.sh --case 4|5 [--runs 5] [--provider shm|tcp]: W=4, quorum 2,
+#   evict_ms 1000, qring-launch --max-restarts 1; per run the launcher's exit, the parameter
+#   checksums the ranks logged at the end (one expected), and the recovery: from the donor's
+#   (case 4) or the coordinator's (case 5) death to the first view without it, to the view
+#   without the joiner's old incarnation (case 4), and to the rejoined rank's admission.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/fmnist-mlp.toml
@@ -71,6 +92,8 @@ QUORUM=2
 PAIRS=3
 STOP_MS=800
 RUN_MS=200
+CASE=
+RUNS=5
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -85,6 +108,8 @@ while [ $# -gt 0 ]; do
     --pairs) PAIRS=$2; shift 2 ;;
     --stop-ms) STOP_MS=$2; shift 2 ;;
     --run-ms) RUN_MS=$2; shift 2 ;;
+    --case) CASE=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -190,6 +215,9 @@ PY
 
 if [ "$FROZEN" = 1 ]; then
   frozen_case  # defined above; exits
+fi
+if [ -n "$CASE" ]; then
+  exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT"
 fi
 
 # Steps of the 4-rank run, to place the kill at 30 % of training.

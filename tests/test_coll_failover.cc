@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -146,6 +147,9 @@ class Job {
   }
 
   SimWorld w;
+  // Called on incarnation `inc` of `rank` before the work of each step (`joined`: the step it
+  // joined at, 0 for a first incarnation): a test slows a rank down there, or kills another.
+  std::function<void(int rank, uint32_t inc, uint64_t t, uint64_t joined)> each_step;
 
  private:
   void fire(int rank, uint32_t inc, uint64_t t, const char* phase) {
@@ -159,7 +163,11 @@ class Job {
         w.stop(rank, f.pause);
         continue;
       }
-      if (fired_[i] || f.rank != rank || t != f.step || f.phase != phase) continue;
+      // "donate" (a donor about to send the state to a rank that rejoins): the first at or
+      // after `step`.
+      const bool donate = f.phase == "donate";
+      if (fired_[i] || f.rank != rank || (donate ? t < f.step : t != f.step) || f.phase != phase)
+        continue;
       fired_[i] = true;
       if (f.pause.count() > 0) {
         if (f.quiet.count() > 0) w.clock().sleep_until(w.clock().now() + f.quiet);
@@ -198,8 +206,10 @@ class Job {
         std::memcpy(params.data(), state.data(), state.size());
         t = joined.step;
       }
+      const uint64_t joined_at = t;
       for (; t < steps_; ++t) {
         fire(rank, inc, t, "step");
+        if (each_step) each_step(rank, inc, t, joined_at);
         clock.sleep_until(clock.now() + milliseconds(2 + (rank % 4 == 3 ? 1 : 0)));
         for (size_t j = 0; j < count; ++j) grad[j] = float(pattern(j + t, rank));
         q.contribute(t, grad.data(), count);
@@ -215,6 +225,7 @@ class Job {
         // A rank that joins at this step takes the state before its update.
         for (const auto& j : r.joined)
           if (j.donor == rank) {
+            fire(rank, inc, t, "donate");
             std::vector<char> state(count * sizeof(float));
             std::memcpy(state.data(), params.data(), state.size());
             q.membership().send_state(j.rank, t, std::move(state));
@@ -428,6 +439,105 @@ TEST_P(Restarted, AKilledRankComesBackAndTheReplicasAgree) {
   EXPECT_EQ(v.back().joined.at(0).rank, rank);
 }
 INSTANTIATE_TEST_SUITE_P(MemberAndCoordinator, Restarted, ::testing::Values(2, 0));
+
+// The virtual time at which the first view without `rank` formed on incarnation `inc` of
+// `at` (nothing when none did).
+std::optional<Clock::time_point> left_at(Job& job, int at, int rank, uint32_t inc = 0) {
+  for (const auto& v : job.of(at, inc).views)
+    for (const auto& l : v.left)
+      if (l.rank == rank) return v.seen;
+  return std::nullopt;
+}
+
+// Issue 42, case 4: a joiner whose donor (the coordinator, rank 0) dies before its state
+// came. W = 4, quorum 2: `joiner` is killed at step 20 and restarted; rank 0 dies as it is
+// about to send the joiner its state (the joiner waits for it), and is restarted too. The
+// joiner fails naming the lost donor and leaves the view within evict + 1 s of the view that
+// dropped the donor (it never stays in the view, so later admissions go on): rank 0's new
+// incarnation is admitted, and every rank that finishes holds the same replica. Rank 1 is the
+// first successor of rank 0 (waiting for its state, it lets rank 2 take over); rank 3 is not.
+class DonorKilled : public ::testing::TestWithParam<int> {};
+TEST_P(DonorKilled, TheJoinerLeavesTheViewAndLaterJoinsGoOn) {
+  const int joiner = GetParam();
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 900, {{joiner, 20, "step"}, {0, 21, "donate"}});
+  job.run(false, {{joiner, milliseconds(100)}, {0, milliseconds(100)}});
+  ASSERT_TRUE(job.ran(joiner, 1));
+  const std::string e = job.w.error(joiner, 1);
+  EXPECT_NE(e.find("the donor, rank 0, left the view before its state came"), std::string::npos)
+      << e;
+  const int other = joiner == 1 ? 2 : 1;
+  for (int r = 1; r < 4; ++r) {
+    if (r == joiner) continue;
+    EXPECT_EQ(job.w.error(r), "") << "rank " << r;
+  }
+  ASSERT_TRUE(job.ran(0, 1));
+  EXPECT_EQ(job.w.error(0, 1), "");
+  job.expect_agreement();
+  std::vector<std::pair<int, uint32_t>> finishers{{0, 1}};
+  for (int r = 1; r < 4; ++r)
+    if (r != joiner) finishers.push_back({r, 0});
+  job.expect_replicas_agree(finishers);
+  // The donor's loss, then the joiner's: each view once, the joiner's within evict + 1 s.
+  const auto donor_gone = left_at(job, other, 0);
+  ASSERT_TRUE(donor_gone);
+  std::optional<Clock::time_point> joiner_gone;
+  for (const auto& v : job.of(other).views)
+    for (const auto& l : v.left)
+      if (l.rank == joiner && v.seen >= *donor_gone) joiner_gone = v.seen;
+  ASSERT_TRUE(joiner_gone) << "the joiner never left the view";
+  EXPECT_LE(*joiner_gone - *donor_gone, qo.evict + std::chrono::seconds(1))
+      << "left " << job.ms(*joiner_gone) - job.ms(*donor_gone) << " ms after the donor";
+  const auto& last = job.of(other).views.back();
+  EXPECT_EQ(last.members.size(), 3u);
+  EXPECT_NE(std::find(last.members.begin(), last.members.end(), 0), last.members.end())
+      << "rank 0's new incarnation was not admitted";
+}
+INSTANTIATE_TEST_SUITE_P(FirstSuccessorAndNot, DonorKilled, ::testing::Values(1, 3));
+
+// Issue 42, case 5: a rejoined rank still catching up when the coordinator fails over. W = 4,
+// quorum 2: `back` is killed at step 20 and restarted; after it rejoined it is slow (20 ms a
+// step against the others' 2: excluded, it completes its steps with the results the others
+// send it), and five steps in, the coordinator (rank 0) dies. The new coordinator's view keeps
+// it, the results keep coming: it catches up and finishes with the others (not at a 30 s
+// deadline), every replica the same. Rank 1 is the first successor of rank 0 (it takes over
+// while it catches up); rank 3 is not.
+class CatchingUpAtFailover : public ::testing::TestWithParam<int> {};
+TEST_P(CatchingUpAtFailover, TheRejoinedRankKeepsGettingResults) {
+  const int back = GetParam();
+  const QuorumOptions qo = tolerant(2);
+  Job job(4, qo, 600, {{back, 20, "step"}});
+  bool killed = false;
+  job.each_step = [&](int rank, uint32_t inc, uint64_t t, uint64_t joined) {
+    if (rank != back || inc != 1 || t >= joined + 40) return;
+    if (t == joined + 5 && !killed) {
+      killed = true;
+      job.w.kill(0);
+    }
+    job.w.clock().sleep_until(job.w.clock().now() + milliseconds(20));
+  };
+  job.run(false, {{back, milliseconds(100)}});
+  ASSERT_TRUE(killed) << "rank " << back << " did not rejoin";
+  std::vector<std::pair<int, uint32_t>> finishers;
+  for (int r = 1; r < 4; ++r) {
+    const uint32_t inc = r == back ? 1 : 0;
+    EXPECT_EQ(job.w.error(r, inc), "") << "rank " << r;
+    finishers.push_back({r, inc});
+  }
+  job.expect_agreement();
+  job.expect_replicas_agree(finishers);
+  // It ends with the others: within evict + 1 s of the last of them.
+  const auto others_end = std::max(job.of(back == 1 ? 2 : 1).ended, job.of(3 == back ? 2 : 3).ended);
+  EXPECT_LE(job.of(back, 1).ended - others_end, qo.evict + std::chrono::seconds(1))
+      << "rank " << back << " ended " << job.ms(job.of(back, 1).ended) << " ms in, the others "
+      << job.ms(others_end);
+  for (int r = 1; r < 4; ++r) {
+    const uint32_t inc = r == back ? 1 : 0;
+    EXPECT_EQ(job.of(r, inc).coordinator, 1) << "rank " << r;
+    EXPECT_EQ(job.of(r, inc).views.back().members, (std::vector<int>{1, 2, 3})) << "rank " << r;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(FirstSuccessorAndNot, CatchingUpAtFailover, ::testing::Values(1, 3));
 
 // Quorum = world: a lost rank stops the job on every rank, naming it.
 TEST(Lost, QuorumOfTheWholeWorldStopsNamingTheDeadRank) {

@@ -320,6 +320,33 @@ TEST(CoordinatorRejoin, ANewCoordinatorKnowsWhoRejoinedBefore) {
   EXPECT_EQ(of(c.handle(e, Time{}), K::kJoining).size(), 1u);
 }
 
+// A joiner whose state did not come says LEAVE (issue 42, case 4): it leaves the next view at
+// once ("left"), not an evict period later, and a later join is admitted without waiting for it.
+TEST(CoordinatorRejoin, AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn) {
+  Sim s = lost_rank3();
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  ASSERT_TRUE(s.c.view().has(3));
+  Event leave;
+  leave.kind = Event::Kind::kLeave;
+  leave.from = 3;
+  auto v = of(s.send(leave), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 1, 2}));
+  ASSERT_EQ(v[0].left.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kLeft);
+  EXPECT_STREQ(to_string(Why::kLeft), "left");
+  // Its next incarnation is admitted by the members that are left.
+  s.join(3, 2);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 2);
+  auto b = of(s.hello(3, 2), K::kView);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(b[0].joined.at(0).incarnation, 2u);
+  EXPECT_TRUE(s.c.view().has(3));
+}
+
 TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   const int world = 6;
   Event e;
@@ -351,6 +378,13 @@ TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   EXPECT_EQ(type, Up::Kind::kWarm);
   Sim s(base(world, 3));
   EXPECT_TRUE(s.send(back).empty());
+  // A joiner's LEAVE.
+  Event leave;
+  leave.from = 4;
+  up = encode_as(world, Up::Kind::kLeave, leave);
+  back = decode_as(up.data(), up.size(), world, 4, &type);
+  EXPECT_EQ(type, Up::Kind::kLeave);
+  EXPECT_EQ(back.kind, Event::Kind::kLeave);
 
   Down j;
   j.kind = Down::Kind::kJoining;
@@ -365,14 +399,15 @@ TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {
   Down v;
   v.kind = Down::Kind::kView;
   v.view = {4, {0, 1, 2, 4}};
-  v.left = {{3, Why::kRestarted, 20}};
+  v.left = {{3, Why::kRestarted, 20}, {5, Why::kLeft, 3}};
   v.joined = {{4, 2, 1234, 0}};
   buf = wire::encode_down(world, v);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
   auto vb = wire::decode_down(buf.data(), buf.size(), world, 0);
   EXPECT_EQ(vb.view.members, v.view.members);
-  ASSERT_EQ(vb.left.size(), 1u);
+  ASSERT_EQ(vb.left.size(), 2u);
   EXPECT_EQ(vb.left[0].why, Why::kRestarted);
+  EXPECT_EQ(vb.left[1].why, Why::kLeft);
   ASSERT_EQ(vb.joined.size(), 1u);
   EXPECT_EQ(vb.joined[0], (Joined{4, 2, 1234, 0}));
   // A full view of departures and joins fits the receive buffer.

@@ -32,6 +32,7 @@
 #include "train/dataset.h"
 #include "train/full_sync.h"
 #include "train/kernels.h"
+#include "train/metrics_log.h"
 #include "train/model.h"
 #include "train/optim.h"
 #include "train/rng.h"
@@ -541,10 +542,11 @@ class FaultInjector {
 
   void operator()(int64_t step, const char* phase) const { fire(step, phase, false); }
 
-  // Entries of phase "ring" fire from the engine thread, at the quorum's ring phases
+  // Entries of phase "ring" and "donate" fire from the engine thread, at the quorum's phases
   // (QuorumOptions::on_phase; empty when there are none).
   std::function<void(uint64_t, const char*)> ring_phase_hook() const {
-    if (std::none_of(faults_.begin(), faults_.end(), [](const auto& f) { return f.phase == "ring"; }))
+    if (std::none_of(faults_.begin(), faults_.end(),
+                     [](const auto& f) { return f.phase == "ring" || f.phase == "donate"; }))
       return {};
     return [self = *this](uint64_t step, const char* phase) {
       self.fire(int64_t(step), phase, /*in_engine_pass=*/true);
@@ -584,11 +586,14 @@ struct Work {
 // what waiting for every rank would have cost (train/full_sync.h).
 class MetricsWriter {
  public:
+  // `start`: this rank's first step; `joined`: it rejoined the running job there (the
+  // summary it may write counts the run from the file's first line, not from its own start).
   MetricsWriter(fs::path run_dir, collectives::QuorumAllreduce& q, int rank, int64_t start,
-                FullSyncEstimate& full_sync)
+                bool joined, FullSyncEstimate& full_sync)
       : dir_(std::move(run_dir)),
         q_(q),
         rank_(rank),
+        log_(dir_ / "metrics.jsonl", joined ? 0 : start),
         arrivals_next_(start),
         full_sync_(full_sync) {}
 
@@ -601,24 +606,19 @@ class MetricsWriter {
     if (!resume) std::ofstream(dir_ / "metrics.jsonl", std::ios::trunc);
     if (resume) truncate_metrics(dir_ / "arrivals.jsonl", start);
     if (!resume) std::ofstream(dir_ / "arrivals.jsonl", std::ios::trunc);
-    metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
   }
 
-  // Whether this rank coordinates, and so writes (it opens the metrics the first time).
-  bool lead() {
-    if (q_.membership().coordinator() != rank_) return false;
-    if (!metrics_.is_open()) metrics_.open(dir_ / "metrics.jsonl", std::ios::app);
-    return true;
-  }
+  // Whether this rank coordinates, and so writes.
+  bool lead() const { return q_.membership().coordinator() == rank_; }
 
-  // One line of metrics.jsonl; the caller leads.
-  void write(const nlohmann::json& line) { metrics_ << line.dump() << '\n' << std::flush; }
+  // One line of metrics.jsonl, from any rank: written by the rank that leads, each step,
+  // view, rejoin and evaluation once across coordinator changes (train/metrics_log.h).
+  void write(const nlohmann::json& line) { log_.record(line, lead()); }
 
-  // Step t's line, if this rank leads: this rank's work and wait, and the step's decision.
+  // Step t's line: this rank's work and wait, and the step's decision.
   void step(int64_t t, int64_t epoch, double wall_s, double loss, double lr, const Work& work,
             double wait_ms, const collectives::QuorumResult& r) {
-    if (!lead()) return;
-    if (!r.skipped) decided_[t] = {r.decide_ms, q_.membership().members()};
+    if (!r.skipped && lead()) decided_[t] = {r.decide_ms, q_.membership().members()};
     write({{"type", "step"},
            {"step", t},
            {"epoch", epoch},
@@ -650,9 +650,13 @@ class MetricsWriter {
   // The arrivals not written yet (every step is final now); the caller leads.
   void flush_arrivals() { write_arrivals(std::numeric_limits<int64_t>::max()); }
 
+  // The membership counts of the run, from metrics.jsonl (MetricsLog::recount); the caller
+  // leads.
+  void recount(RunSummary& sum) const { log_.recount(sum); }
+
   // summary.json; the caller leads.
   void finish(const nlohmann::json& summary) {
-    metrics_.close();
+    log_.close();
     std::ofstream(dir_ / "summary.json") << summary.dump(2) << '\n';
   }
 
@@ -680,7 +684,7 @@ class MetricsWriter {
   fs::path dir_;
   collectives::QuorumAllreduce& q_;
   int rank_;
-  std::ofstream metrics_;
+  MetricsLog log_;
   int64_t arrivals_next_;  // the first step not yet written by this rank
   FullSyncEstimate& full_sync_;
   std::map<int64_t, Decided> decided_;  // steps this rank decided, arrivals not written yet
@@ -998,13 +1002,12 @@ class Membership {
       }
       const double heal = seconds_since(it->second.lost);
       sum.heal_s = std::max(sum.heal_s, heal);
-      if (out_.lead())
-        out_.write({{"type", "rejoin"},
-                    {"rank", it->first},
-                    {"incarnation", it->second.incarnation},
-                    {"join_step", it->second.join_step},
-                    {"counted_step", t},
-                    {"heal_s", heal}});
+      out_.write({{"type", "rejoin"},
+                  {"rank", it->first},
+                  {"incarnation", it->second.incarnation},
+                  {"join_step", it->second.join_step},
+                  {"counted_step", t},
+                  {"heal_s", heal}});
       it = healing_.erase(it);
     }
   }
@@ -1058,7 +1061,7 @@ class Membership {
         line["detection_ms"] = detect_ms;
         line["recovery_s"] = recovery;
       }
-      if (out_.lead()) out_.write(line);
+      out_.write(line);
       if (v.left.empty()) continue;
       spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
@@ -1378,7 +1381,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   FullSyncEstimate full_sync([&straggler, seed](int r, uint64_t step) {
     return double(straggler.delay(seed, r, step).count()) / 1000.0;
   });
-  MetricsWriter out(run_dir, q, rank, start, full_sync);
+  MetricsWriter out(run_dir, q, rank, start, joining, full_sync);
   if (rank == 0 && !joining) {
     out.create(cfg, opts.resume, start);
     announce_start(cfg, core, world, quorum, comm.provider(), straggler, run_dir);
@@ -1415,6 +1418,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   timer.summarize(sum, loop_s, t - start);
   sum.params_checksum = checksum(core.params(), n_params);
   if (out.lead()) {
+    out.recount(sum);  // the whole run's, whoever coordinated when
     out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
     sum.backup_saved_s = full_sync.saved_ms() / 1000.0;
     sum.full_sync_estimate_s = loop_s + sum.backup_saved_s;

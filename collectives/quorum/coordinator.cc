@@ -16,6 +16,7 @@ const char* to_string(Why w) {
     case Why::kMissedSteps: return "missed steps";
     case Why::kUnreachable: return "unreachable";
     case Why::kRestarted: return "restarted";
+    case Why::kLeft: return "left";
   }
   return "?";
 }
@@ -95,6 +96,9 @@ void Coordinator::take(const Event& e, Time now, std::vector<Down>& out) {
       break;
     case Event::Kind::kBye:
       roster_.finished(r);
+      break;
+    case Event::Kind::kLeave:
+      roster_.leave(r, now);
       break;
     default:
       break;

@@ -145,6 +145,7 @@ bool QuorumMember::pass(net::Endpoint& ep) {
   moved |= take_contributions(ep);
   moved |= poll_rejoin(ep);
   moved |= rejoin_.poll_state(ep, view());
+  if (!rejoin_.state_lost().empty()) leave(ep);
   moved |= streams_.poll_down(ep, [&](int from, qproto::Down&& m) { take_down(ep, from, std::move(m)); });
   moved |= streams_.poll_up(ep, [&](qproto::Up&& m) { take_up(std::move(m)); });
   if (host_) moved |= feed_coordinator(ep);
@@ -330,6 +331,17 @@ bool QuorumMember::poll_rejoin(net::Endpoint& ep) {
   return moved;
 }
 
+// A joiner whose state will not come (its donor left the view first, or the transfer failed)
+// says it leaves, so that the view drops it now, not evict later (a member that never
+// contributes nor accepts would block every later admission), and ends as evicted: a caller
+// that can (qring-train) comes back as a new incarnation, which a live member gives its state.
+void QuorumMember::leave(net::Endpoint& ep) {
+  send_up(ep, qproto::Up{UpKind::kLeave});
+  throw Evicted(fmt::format("rank {}: rejoining: {}; this incarnation leaves the view (a new one "
+                            "rejoins with the state of a live member)",
+                            rank_, rejoin_.state_lost()));
+}
+
 // A transport error with `peer`: the coordinator evicts it if it also misses a heartbeat.
 void QuorumMember::report_suspects(net::Endpoint& ep,
                                    const std::vector<std::pair<int, std::string>>& suspects) {
@@ -435,7 +447,9 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
       case Liveness::Silence::kNone:
         break;
       case Liveness::Silence::kTakeOver:
-        if (!succession_.gathering()) start_takeover(ep);
+        // A joiner still waiting for its state lets the next member take over (and accepts
+        // it): its donor is the silent coordinator, so it is about to leave.
+        if (!succession_.gathering() && !rejoin_.awaiting_state()) start_takeover(ep);
         break;
       case Liveness::Silence::kLost:
         throw QuorumLost(

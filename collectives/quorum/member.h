@@ -73,6 +73,7 @@ class QuorumMember final : public EngineOp {
   bool feed_coordinator(net::Endpoint& ep);
   bool take_contributions(net::Endpoint& ep);
   bool poll_rejoin(net::Endpoint& ep);
+  [[noreturn]] void leave(net::Endpoint& ep);
   void report_suspects(net::Endpoint& ep, const std::vector<std::pair<int, std::string>>& s);
   // ---- failover
   void start_takeover(net::Endpoint& ep);

@@ -43,7 +43,7 @@ struct ViewChange {
   std::vector<int> members;
   struct Left {
     int rank;
-    std::string why;   // "silent", "missed steps", "unreachable", "restarted"
+    std::string why;   // "silent", "missed steps", "unreachable", "restarted", "left"
     double silent_ms;  // time since the coordinator had last heard from it
   };
   std::vector<Left> left;
@@ -81,7 +81,9 @@ class QuorumMembership {
   // JobOver when the job ended first.
   virtual JoinInfo join(Deadline until) = 0;
   // The joiner, after join(): receives the donor's state (at most `len` bytes) into `buf`;
-  // returns its length. QuorumTimeout at `until` naming the donor.
+  // returns its length. QuorumTimeout at `until` naming the donor; Evicted when the state
+  // will not come (the donor left the view first, or the transfer failed): this incarnation
+  // left the view, and a new one rejoins with a live member's state.
   virtual size_t receive_state(void* buf, size_t len, Deadline until) = 0;
   // The donor of a rank that joined at `step` (QuorumResult::joined): sends it `state` and
   // returns at once (the transfer runs on the engine while the steps go on). The engine holds

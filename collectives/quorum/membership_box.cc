@@ -154,8 +154,6 @@ size_t MembershipBox::receive_state(void* buf, size_t len, Deadline until) {
                                     "within {:.0f} ms",
                                     engine_.rank(), donor, ms_between(t0, engine_.now())),
                         {donor});
-  if (!state_error_.empty())
-    throw IoError(fmt::format("rank {}: rejoining: {}", engine_.rank(), state_error_));
   std::memcpy(buf, state_in_->data(), state_bytes_);
   state_in_.reset();
   return state_bytes_;
@@ -190,13 +188,6 @@ void MembershipBox::state_arrived(std::shared_ptr<Bytes> buf, size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   state_in_ = std::move(buf);
   state_bytes_ = bytes;
-  state_done_ = true;
-  cv_.notify_all();
-}
-
-void MembershipBox::state_failed(std::string why) {
-  std::lock_guard<std::mutex> lock(mu_);
-  state_error_ = std::move(why);
   state_done_ = true;
   cv_.notify_all();
 }

@@ -57,7 +57,6 @@ class MembershipBox final : public QuorumMembership {
   std::deque<StateOut> take_state_out();
   size_t state_wanted() const;
   void state_arrived(std::shared_ptr<Bytes> buf, size_t bytes);
-  void state_failed(std::string why);
   bool state_over() const;
   void fail(std::exception_ptr e);
 
@@ -81,7 +80,6 @@ class MembershipBox final : public QuorumMembership {
   bool state_done_ = false;
   std::shared_ptr<Bytes> state_in_;
   size_t state_bytes_ = 0;
-  std::string state_error_;
 };
 
 }  // namespace qring::collectives

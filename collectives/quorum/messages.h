@@ -21,7 +21,14 @@ struct View {
 
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3 };
 
-enum class Why : uint8_t { kSilent = 1, kMissedSteps = 2, kUnreachable = 3, kRestarted = 4 };
+// kLeft: the rank said it leaves (LEAVE: a joiner that could not get its state).
+enum class Why : uint8_t {
+  kSilent = 1,
+  kMissedSteps = 2,
+  kUnreachable = 3,
+  kRestarted = 4,
+  kLeft = 5,
+};
 const char* to_string(Why w);
 
 struct Departure {
@@ -90,6 +97,7 @@ struct Up {
     kAccept = 10,    // `from` reconnected to incarnation `count` of rank `suspect`
     kWarm = 11,      // a joiner's first message to a member: opens their connection
     kJoin = 12,      // local: incarnation `count` of rank `from` is in the store
+    kLeave = 13,     // `from` leaves the view now (a joiner whose state did not come)
   } kind = Kind::kTick;
   Up() = default;
   explicit Up(Kind k) : kind(k) {}

@@ -93,7 +93,9 @@ struct QuorumOptions {
   // -1: the communicator's next sequence number.
   int instance = -1;
   // Called (on the engine; keep it short) with (step, "ring") once this rank's reduction of
-  // the step has moved: where fault tests kill or stop a rank mid-reduction (fault_inject.h).
+  // the step has moved, and with (step, "donate") when a donor is about to send the state to a
+  // rank that rejoins at `step`: where fault tests kill or stop a rank mid-reduction or
+  // mid-transfer (fault_inject.h).
   std::function<void(uint64_t, const char*)> on_phase;
 };
 

@@ -308,6 +308,7 @@ void Rejoin::admit(const qproto::Joined& j, const qproto::View& view, int coordi
 bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
   bool moved = false;
   for (auto& st : membership_.take_state_out()) {
+    if (o_.on_phase) o_.on_phase(st.step, "donate");  // fault tests: the joiner waits for it
     out_.send(ep, st.to,
               net::make_tag(net::Op::kQuorumState, st.step, quorum_chunk(rank_, instance_)),
               st.buf, st.buf->data(), st.buf->size());
@@ -322,14 +323,15 @@ bool Rejoin::poll_state(net::Endpoint& ep, const qproto::View& view) {
     moved = true;
   }
   if (state_req_ && (state_req_->done() || !view.has(donor_))) {
+    // A state that will not come ends the service (member.h, leave): the caller's
+    // receive_state() hears that, not a transfer error of its own.
     if (!state_req_->done()) {
       ep.cancel(state_req_);
-      membership_.state_failed(
-          fmt::format("the donor, rank {}, left the view before its state came", donor_));
+      state_lost_ = fmt::format("the donor, rank {}, left the view before its state came", donor_);
     } else if (!state_req_->ok()) {
-      membership_.state_failed(
-          fmt::format("the state from rank {} failed: {}", donor_, state_req_->error));
+      state_lost_ = fmt::format("the state from rank {} failed: {}", donor_, state_req_->error);
     } else {
+      state_arrived_ = true;
       membership_.state_arrived(state_buf_, state_req_->bytes);
     }
     {

@@ -36,6 +36,9 @@ class Rejoin {
   // Nothing under way: no member reconnects to a joiner, and a joiner is admitted.
   bool idle() const { return member_joins_.empty() && (!joining_ || admitted_); }
   bool admitted() const { return admitted_; }
+  // The joiner, admitted, before its state arrived: it must not coordinate (it would leave
+  // the job at once if the state does not come).
+  bool awaiting_state() const { return joining_ && admitted_ && !state_arrived_; }
   uint64_t join_step() const { return join_step_; }
   // Per rank: the incarnation this rank talks to.
   const std::vector<uint32_t>& incarnations() const { return inc_; }
@@ -58,6 +61,9 @@ class Rejoin {
   void admit(const qproto::Joined& j, const qproto::View& view, int coordinator);
   // State transfer: the donor's sends, the joiner's receive (ends when the donor leaves `view`).
   bool poll_state(net::Endpoint& ep, const qproto::View& view);
+  // The joiner: why its state will not come (its donor left the view first, or the transfer
+  // failed); empty while it may. Such a joiner leaves the view (member.h).
+  const std::string& state_lost() const { return state_lost_; }
   void cancel(net::Endpoint& ep);
 
  private:
@@ -109,6 +115,8 @@ class Rejoin {
   int joiner_coord_ = -1;
   uint64_t joiner_epoch_ = 0;
   net::RequestPtr state_req_;
+  std::string state_lost_;
+  bool state_arrived_ = false;
   std::shared_ptr<Bytes> state_buf_;
 };
 

@@ -30,6 +30,8 @@ class Roster {
   void heard(const Event& e, Time now);
   void suspect(int r) { suspect_[size_t(r)] = true; }
   void finished(int r) { finished_[size_t(r)] = true; }
+  // Member r said it leaves (LEAVE): it leaves at the next look, as if evicted.
+  void leave(int r, Time now) { pending_.push_back({r, Why::kLeft, silent_ms(r, now)}); }
   // r contributed: a rank that rejoined computes again.
   void contributes(int r) { catching_up_[size_t(r)] = false; }
   bool catching_up(int r) const { return catching_up_[size_t(r)]; }

@@ -185,7 +185,8 @@ void check_up(const UpWire& w, size_t len, size_t extra, size_t entry, int world
     throw ProtocolError(fmt::format(
         "quorum: a message from rank {} claims rank {} of {} ranks; this world has {}", from,
         w.rank, w.world, world));
-  if (w.type < uint8_t(UpKind::kReady) || w.type > uint8_t(UpKind::kWarm))
+  if (w.type < uint8_t(UpKind::kReady) ||
+      (w.type > uint8_t(UpKind::kWarm) && w.type != uint8_t(UpKind::kLeave)))
     throw ProtocolError(fmt::format("quorum: unknown message type {} from rank {}", w.type, from));
   if (w.type == uint8_t(UpKind::kSuspect) && (w.suspect < 0 || w.suspect >= world))
     throw ProtocolError(
@@ -399,7 +400,7 @@ void decode_view(const DownWire& h, const char* body, int world, int from, Down&
   for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
     DepartureWire dw;
     std::memcpy(&dw, body + at, sizeof(dw));
-    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > 4 || !std::isfinite(dw.silent_ms))
+    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > uint32_t(qproto::Why::kLeft) || !std::isfinite(dw.silent_ms))
       throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
     m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
   }

@@ -6,7 +6,8 @@
 // step's result, NaN if none: quorum "auto" estimating the noise scale), HEARTBEAT, REPORT
 // (recovery), SUSPECT (a transport error with a rank), BYE (finished), SHARD (+ 1..8
 // float64: a part of a sum gathered at the coordinator), HELLO (a rank that rejoins has
-// connected to every member), ACCEPT (a member reconnected to it).
+// connected to every member), ACCEPT (a member reconnected to it), LEAVE (a joiner whose state
+// did not come leaves the view).
 // Down (coordinator -> one rank), an 80-byte header and a body: DECIDE (contributor and needer
 // bitmaps, per-rank arrival offsets), VIEW (member bitmap, departures, ranks that joined),
 // RECOVER, EVICTED, FATAL (the error text), HEARTBEAT, JOINING (reconnect to a new
