@@ -11,6 +11,18 @@
 #
 #   scripts/bench_faults.sh [--config configs/fmnist-mlp.toml] [--epochs 3] [--evict-ms 1000]
 #                           [--provider auto] [--rank 2] [--isolate-joiner] [--analyze-only]
+#   scripts/bench_faults.sh --frozen [--quorum 2] [--pairs 3] [--stop-ms 800] [--run-ms 200]
+#                           [--config ...] [--epochs 3] [--evict-ms 1000] [--provider auto] [--rank 2]
+#
+# --frozen (issue 42, case 6: slow is not dead, and costs nothing): the MLP on 4 ranks with
+# quorum --quorum, in --pairs interleaved pairs of runs, one without a fault and one with rank
+# --rank stopped from outside (SIGSTOP, then SIGCONT --stop-ms later) every --stop-ms +
+# --run-ms from its first step to its end, never silent for a whole evict_ms. Prints per run
+# the median and p90 step (at the coordinator, steps 20 on), the views (evictions) and the exit
+# status, and per pair the ratio of the medians (frozen / clean) and how long the pauses really
+# were (the freezer's SIGCONT can come late on a loaded host: a pause past evict_ms may evict).
+# Acceptance: the ratio <= 1.2, no view change, every run exits 0. On a shared machine only
+# the ratios of one pair mean anything (both runs saw about the same load).
 #
 # --analyze-only: no runs; print the tables again from the runs in QRING_BENCH_OUT (the same
 # --config, --epochs and --rank as when they ran, which place the kill).
@@ -85,6 +97,11 @@ PROVIDER=auto
 VICTIM=2
 ISOLATE=0
 ANALYZE_ONLY=0
+FROZEN=0
+QUORUM=2
+PAIRS=3
+STOP_MS=800
+RUN_MS=200
 CASE=
 RUNS=5
 while [ $# -gt 0 ]; do
@@ -96,6 +113,11 @@ while [ $# -gt 0 ]; do
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
     --analyze-only) ANALYZE_ONLY=1; shift ;;
+    --frozen) FROZEN=1; shift ;;
+    --quorum) QUORUM=$2; shift 2 ;;
+    --pairs) PAIRS=$2; shift 2 ;;
+    --stop-ms) STOP_MS=$2; shift 2 ;;
+    --run-ms) RUN_MS=$2; shift 2 ;;
     --case) CASE=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
@@ -108,6 +130,102 @@ mkdir -p "$OUT"
 common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$EPOCHS"
         "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
 
+# Issue 42, case 6 (--frozen): pairs of runs, clean and with rank $VICTIM stopped $STOP_MS ms
+# of every $STOP_MS + $RUN_MS ms, interleaved; the freezer is a child of the rank's own
+# wrapper (it stops the process it was started for, nothing else) and ends with it.
+frozen_case() {
+  cat > "$OUT/freezer.py" <<'PY'
+import os, signal, sys, time
+pid, metrics, stop_s, run_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+try:
+    os.nice(-5)  # on a loaded machine a late SIGCONT would make the pause longer than asked
+except OSError:
+    pass
+until = time.monotonic() + 120
+while time.monotonic() < until and not (os.path.exists(metrics) and os.path.getsize(metrics)):
+    time.sleep(0.02)  # from the first step on (start-up is not what this measures)
+with open(metrics.rsplit("/", 1)[0] + ".pauses", "w") as log:
+    for _ in range(100000):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            log.write(f"{1000 * (time.monotonic() - t0):.1f}\n")
+            log.flush()
+        except ProcessLookupError:
+            break
+        time.sleep(run_s)
+PY
+  local i name frz status
+  for i in $(seq 1 "$PAIRS"); do
+    for frz in 0 1; do
+      name=frozen-q$QUORUM-$i-$frz
+      rm -rf "${OUT:?}/$name" "$OUT/$name.pauses"
+      status=0
+      "$BUILD/net/qring-launch" -n 4 --tolerate-failures 1 -- bash -c '
+        if [ "$QRING_RANK" = "$1" ] && [ "$2" = 1 ]; then
+          python3 "$3" $$ "$4" "$5" "$6" & fi
+        shift 6; exec "$@"' frozen "$VICTIM" "$frz" "$OUT/freezer.py" "$OUT/$name/metrics.jsonl" \
+        "$(python3 -c "print($STOP_MS / 1000)")" "$(python3 -c "print($RUN_MS / 1000)")" \
+        "$BUILD/train/qring-train" --force "${common[@]}" "run.name=$name" \
+        "quorum.quorum=$QUORUM" > "$OUT/$name.log" 2>&1 || status=$?
+      echo "$status" > "$OUT/$name.status"
+      echo "  $name: exit $status"
+    done
+  done
+  python3 - "$OUT" "$QUORUM" "$PAIRS" "$VICTIM" "$STOP_MS" "$RUN_MS" <<'PY'
+import json, statistics, sys
+out, q, pairs, victim, stop_ms, run_ms = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:]
+def load(name):
+    steps, views = [], 0
+    try:
+        for line in open(f"{out}/{name}/metrics.jsonl"):
+            j = json.loads(line)
+            if j["type"] == "step":
+                steps.append(j)
+            elif j["type"] == "view":
+                views += 1
+    except FileNotFoundError:
+        pass
+    steps.sort(key=lambda j: j["step"])
+    dt = sorted(1000 * (b["wall_s"] - a["wall_s"]) for a, b in zip(steps, steps[1:])
+                if b["step"] == a["step"] + 1 and b["step"] >= 20)
+    status = int(open(f"{out}/{name}.status").read())
+    return dt, views, status
+print()
+print(f"frozen straggler: 4 ranks, quorum {q}, rank {victim} stopped {stop_ms} ms of every "
+      f"{int(stop_ms) + int(run_ms)} ms")
+print("| pair | clean median / p90 (ms) | frozen median / p90 (ms) | frozen / clean | views (clean, frozen) | exit (clean, frozen) | pauses, longest (ms) |")
+print("|---|---|---|---|---|---|---|")
+ok, ratios = True, []
+for i in range(1, pairs + 1):
+    (c, cv, cs), (f, fv, fs) = load(f"frozen-q{q}-{i}-0"), load(f"frozen-q{q}-{i}-1")
+    try:  # as long as they really were: the freezer's own SIGCONT can come late on a loaded host
+        p = [float(x) for x in open(f"{out}/frozen-q{q}-{i}-1.pauses")]
+    except FileNotFoundError:
+        p = []
+    pauses = f"{len(p)}, {max(p):.0f}" if p else "0, -"
+    if not c or not f:
+        print(f"| {i} | - | - | - | {cv}, {fv} | {cs}, {fs} | {pauses} |")
+        ok = False
+        continue
+    mc, mf = statistics.median(c), statistics.median(f)
+    ratios.append(mf / mc)
+    print(f"| {i} | {mc:.2f} / {c[int(0.9 * len(c))]:.2f} | {mf:.2f} / {f[int(0.9 * len(f))]:.2f} "
+          f"| {mf / mc:.2f} | {cv}, {fv} | {cs}, {fs} | {pauses} |")
+    ok = ok and fv == 0 and fs == 0 and cs == 0
+if ratios:
+    r = statistics.median(ratios)
+    print(f"\nmedian ratio frozen / clean {r:.2f} (<= 1.2: {'yes' if r <= 1.2 else 'NO'}); "
+          f"no eviction and every run exit 0: {'yes' if ok else 'NO'}")
+PY
+  exit 0
+}
+
+if [ "$FROZEN" = 1 ]; then
+  frozen_case  # defined above; exits
+fi
 if [ -n "$CASE" ] && [ "$CASE" != 2 ]; then
   exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT"
 fi

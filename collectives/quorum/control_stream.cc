@@ -8,6 +8,13 @@
 
 namespace qring::collectives {
 
+namespace {
+// Messages taken from one stream per poll: a rank back from a pause finds a DECIDE for every
+// step it missed; applied all in one pass they would hold back its heartbeat (member.h) and
+// everything else the pass does. The rest wait for the next pass, which follows at once.
+constexpr int kPerPoll = 16;
+}  // namespace
+
 ControlStreams::ControlStreams(int rank, int world, uint32_t instance, Outbox& out)
     : rank_(rank),
       world_(world),
@@ -88,7 +95,7 @@ bool ControlStreams::poll_up(net::Endpoint& ep, const std::function<void(qproto:
     if (from == rank_) continue;
     In& in = up_in_[size_t(from)];
     // The next message of this peer may be waiting already.
-    while (arrived(in, from)) {
+    for (int n = 0; n < kPerPoll && arrived(in, from); ++n) {
       moved = true;
       qproto::Up m = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from);
       ++in.next;
@@ -105,7 +112,7 @@ bool ControlStreams::poll_down(net::Endpoint& ep,
   for (int from = 0; from < world_; ++from) {
     if (from == rank_) continue;
     In& in = down_in_[size_t(from)];
-    while (arrived(in, from)) {
+    for (int n = 0; n < kPerPoll && arrived(in, from); ++n) {
       moved = true;
       qproto::Down m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
       ++in.next;

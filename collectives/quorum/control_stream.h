@@ -28,8 +28,9 @@ class ControlStreams {
   void send_up(net::Endpoint& ep, int to, const qproto::Up& m);
   // Down to each of `to` but this rank (one encoding).
   void send_down(net::Endpoint& ep, const std::vector<int>& to, const qproto::Down& m);
-  // Every message that arrived, in stream order per peer. A failed receive ends its stream:
-  // the error concerns that peer only, which falls silent and leaves the view.
+  // The messages that arrived, in stream order per peer, at most 16 per stream and call (a
+  // backlog is taken over several passes). A failed receive ends its stream: the error
+  // concerns that peer only, which falls silent and leaves the view.
   bool poll_up(net::Endpoint& ep, const std::function<void(qproto::Up&&)>& take);
   bool poll_down(net::Endpoint& ep, const std::function<void(int, qproto::Down&&)>& take);
   // Withdraws every receive (the end, or a failure).

@@ -141,7 +141,10 @@ bool QuorumMember::advance(net::Endpoint& ep) {
 
 bool QuorumMember::pass(net::Endpoint& ep) {
   bool moved = false;
-  resync(ep);
+  // Back from a pause, this rank speaks first: what piled up meanwhile (a DECIDE for every
+  // step it missed) may take a while to apply, and the others count its silence from its
+  // last message before the pause.
+  if (resync(ep)) heartbeat(ep);
   moved |= take_contributions(ep);
   moved |= poll_rejoin(ep);
   moved |= rejoin_.poll_state(ep, view());

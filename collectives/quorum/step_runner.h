@@ -91,7 +91,9 @@ class StepRunner {
   bool ring_failed(uint64_t t, Ring& ring);
   bool poll_results();
   void mark_done(uint64_t t, std::shared_ptr<Bytes> out);
+  std::shared_ptr<Bytes> free_buffer() const;
   std::shared_ptr<Bytes> result_buffer();
+  bool reserve_result_buffer();
 
   Engine& engine_;
   const CommOptions& copts_;
