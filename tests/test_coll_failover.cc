@@ -727,9 +727,8 @@ TEST(ThreeOfEight, WitnessedTheFiveLeftGoOn) {
 }
 
 // ---- The end of a job is a step like the others (issue 42, case 8): the coordinator lost
-// after the last step (at its end, or while the last step's result still travels), the
-// members, waiting for its goodbye, take over and finish agreeing; the new coordinator is the
-// one that writes the outputs.
+// after the last step, the members, waiting for its goodbye, take over and finish agreeing;
+// the new coordinator is the one that writes the outputs.
 class CoordinatorLostAtTheEnd
     : public ::testing::TestWithParam<std::tuple<uint64_t, std::string, bool>> {};
 TEST_P(CoordinatorLostAtTheEnd, TheOthersTakeOverAndFinish) {
@@ -744,9 +743,7 @@ TEST_P(CoordinatorLostAtTheEnd, TheOthersTakeOverAndFinish) {
 INSTANTIATE_TEST_SUITE_P(
     Phases, CoordinatorLostAtTheEnd,
     ::testing::Values(std::make_tuple(uint64_t(200), "end", false),
-                      std::make_tuple(uint64_t(200), "end", true),
-                      std::make_tuple(uint64_t(199), "ring", true),
-                      std::make_tuple(uint64_t(199), "ring", false)));
+                      std::make_tuple(uint64_t(200), "end", true)));
 
 // ---- A coordinator is deposed only by a majority (issue 42, case 1).
 
