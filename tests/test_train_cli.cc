@@ -226,9 +226,11 @@ TEST_F(TrainCli, PrintConfigPrintsTheResolvedConfigurationAsToml) {
 
 // The backup workers' saving (train/full_sync.h) is measured, not modelled: waiting for every
 // rank saves nothing (within 2 % of the wall time); with rank 3 delayed 60 ms every step and
-// dropped, waiting for it would have cost about those 60 ms per step.
+// dropped, waiting for it would have cost about those 60 ms per step. The estimate is the step
+// loop's time plus the saving, the wall time has the final evaluation and checkpoint too: 600
+// steps keep those well under the 20 % allowed (with 150, 0.16 s of 0.65 s under ctest -j2).
 TEST_F(TrainCli, BackupSavingIsZeroAtFullSyncAndTheDroppedDelayWithBackups) {
-  auto full = sh(train_cmd(4, dir_, "full", "train.steps=150 quorum.quorum=1.0 net.provider=shm"));
+  auto full = sh(train_cmd(4, dir_, "full", "train.steps=600 quorum.quorum=1.0 net.provider=shm"));
   ASSERT_EQ(full.status, 0) << full.output;
   auto f = nlohmann::json::parse(std::ifstream(dir_ / "full" / "summary.json"));
   const double wall = f["wall_s"];
