@@ -319,8 +319,8 @@ bool StepRunner::advance(net::Endpoint& ep, const qproto::View& view) {
     it = rings_.erase(it);
   }
   moved |= poll_results();
-  // The buffer the next step will want, once this pass completed a step (not on every pass:
-  // a pass that moved nothing makes none).
+  // The buffer the next step will want, made off the step's path: only on a pass that moved
+  // something, and only when the pool has no free one (reserve_result_buffer).
   if (moved) reserve_result_buffer();
   return moved;
 }
