@@ -1,6 +1,7 @@
 // Multi-process test harness: forks N ranks that rendezvous over a loopback TCP store and
 // open real libfabric endpoints (shm or tcp). A child reports through its exit status; the
-// parent bounds the whole run with a deadline and kills every child on expiry.
+// parent bounds the whole run with a deadline (never past the test's own, deadline_harness.h)
+// and kills every child on expiry, saying so.
 #pragma once
 
 #include <netinet/in.h>
@@ -9,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -16,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "deadline_harness.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/transport/fabric_endpoint.h"
 
@@ -80,7 +83,7 @@ inline ProcResult run_procs(int n, const std::function<int(int, int, net::Rendez
   }
   ProcResult res;
   res.status.assign(size_t(n), -1);
-  auto deadline = std::chrono::steady_clock::now() + limit;
+  const auto deadline = std::min(std::chrono::steady_clock::now() + limit, test_deadline());
   size_t left = pids.size();
   while (left > 0) {
     int st = 0;
@@ -96,6 +99,7 @@ inline ProcResult run_procs(int n, const std::function<int(int, int, net::Rendez
     }
     if (std::chrono::steady_clock::now() > deadline) {
       res.timed_out = true;
+      fprintf(stderr, "run_procs: %zu of %d ranks still running at the deadline; killed\n", left, n);
       for (pid_t q : pids)
         if (q > 0) kill(q, SIGKILL);
       for (pid_t q : pids)

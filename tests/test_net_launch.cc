@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli_harness.h"
 #include "net/rendezvous/bootstrap.h"
 #include "net/transport/fabric_endpoint.h"
 
@@ -788,6 +791,66 @@ TEST(Launch, DeadRanksLeaveNoShmRegions) {
   }
   EXPECT_TRUE(std::filesystem::exists(decoy)) << "a region not of this job was removed";
   std::filesystem::remove(decoy);
+}
+
+// Processes whose command line contains `marker`.
+int processes_with(const std::string& marker) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream in(e.path() / "cmdline");
+    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+    if (cmd.find(marker) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// The tests' shell helper (tests/cli_harness.h) ends a command that hangs at its limit, at once
+// rather than at ctest's timeout, with what it printed and status 137: a launcher and its ranks
+// (process groups of their own), and a process that left the session and holds the output
+// pipe (a plain `timeout` around the shell left it running, and the test waited for it).
+TEST(Harness, ShKillsAHangingCommandAndAllItStartedAtTheLimit) {
+  const std::string marker = fmt::format("{}.{}", 300 + getpid() % 1000, getpid());
+  auto t0 = Clock::now();
+  auto r = qring::testing::sh(std::string(kLauncher) +
+                                  " -n 2 -- sh -c \"echo rank \\$QRING_RANK up; exec sleep " +
+                                  marker + "\"",
+                              2);
+  EXPECT_LT(Clock::now() - t0, 6s);
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_EQ(r.status, 137) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 0 up")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("rank 1 up")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("killed after 2 s, at the deadline")) << r.output;
+  EXPECT_EQ(processes_with("sleep " + marker), 0) << "a rank outlived the deadline";
+
+  t0 = Clock::now();
+  r = qring::testing::sh("echo before; setsid sleep " + marker + " & wait", 2);
+  EXPECT_LT(Clock::now() - t0, 6s);
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_THAT(r.output, HasSubstr("before\n")) << r.output;
+  EXPECT_EQ(processes_with("sleep " + marker), 0) << "a process of another session outlived it";
+
+  auto ok = qring::testing::sh("echo out; echo err >&2; exit 3", 5);
+  EXPECT_FALSE(ok.timed_out);
+  EXPECT_EQ(ok.status, 3);
+  EXPECT_EQ(ok.output, "out\nerr\n");
+}
+
+// Whatever limit a call asks for, it ends at the test's deadline: ctest's timeout
+// (QRING_TEST_TIMEOUT_S, here 24 s) less 20 s after the test's start.
+TEST(Harness, ShNeverRunsPastTheTestsDeadline) {
+  const char* was = std::getenv("QRING_TEST_TIMEOUT_S");
+  const std::string saved = was ? was : "";
+  setenv("QRING_TEST_TIMEOUT_S", "24", 1);
+  const auto t0 = Clock::now();
+  auto r = qring::testing::sh("echo waiting; exec sleep 30", 60);
+  const auto took = Clock::now() - t0;
+  if (was) setenv("QRING_TEST_TIMEOUT_S", saved.c_str(), 1); else unsetenv("QRING_TEST_TIMEOUT_S");
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_EQ(r.output.rfind("waiting\n", 0), 0u) << r.output;
+  EXPECT_GT(took, 2s);
+  EXPECT_LT(took, 7s);
 }
 
 TEST(Launch, LaunchedRanksRendezvous) {

@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -47,12 +48,13 @@ struct Measured {
 Measured run_measured(const std::vector<std::string>& argv, const fs::path& log,
                       const std::string& cwd = "") {
   const auto t0 = std::chrono::steady_clock::now();
+  const unsigned limit = std::min(60u, qring::testing::seconds_left());
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(120);
     if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(121);
-    alarm(60);  // a hang is a failure, not a stuck test
+    alarm(limit);  // a hang is a failure (SIGALRM, status 142), not a stuck test
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);

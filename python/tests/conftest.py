@@ -51,10 +51,55 @@ class Job:
         return f"Job(rc={self.rc}) output:\n{self.out[-6000:]}"
 
 
+def kill_session(leader):
+    """SIGKILLs `leader` (a session leader), every process of its session (a launcher's ranks
+    live in process groups of their own) and every descendant of those, until none is left."""
+    for _ in range(10):
+        children, doomed = {}, set()
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            pid, state, ppid, session = int(d), fields[0], int(fields[1]), int(fields[3])
+            if state == "Z" or pid == os.getpid():
+                continue
+            children.setdefault(ppid, []).append(pid)
+            if pid == leader or session == leader:
+                doomed.add(pid)
+        todo = list(doomed)
+        while todo:
+            for c in children.get(todo.pop(), []):
+                if c not in doomed:
+                    doomed.add(c)
+                    todo.append(c)
+        if not doomed:
+            return
+        for pid in doomed:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
 def run(cmd, timeout=180, env=None):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout, env=env or clean_env(), cwd=ROOT)
-    return Job(p.stdout, p.returncode)
+    """Runs `cmd` in a session of its own; past `timeout` seconds it kills the whole session
+    (ranks too, which would keep the output pipe open) and fails the test with the output."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env or clean_env(), cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(p.pid)
+        try:
+            out, _ = p.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out = "(no end of output 5 s after the kill)"
+        pytest.fail(f"killed after {timeout} s: {cmd}\noutput:\n{out[-6000:]}", pytrace=False)
+    return Job(out, p.returncode)
 
 
 def launch(n, args, launcher_args=(), timeout=180, env=None):
