@@ -1183,5 +1183,36 @@ TEST(TcpStore, ServerShutdownFailsWaitersPromptly) {
   EXPECT_THROW(c.set("k", "v"), IoError);  // the client stays broken
 }
 
+// The owner records a death and the store is destroyed right after (qring-launch reaping the
+// last rank): the destructor's wake-up may be read together with the record's, and the
+// server's thread must still see the stop. It once polled forever, and qring-launch hung in
+// ~TcpStoreServer. Run in a child process so that a hang fails the test instead of blocking it.
+TEST(TcpStore, DestroyedRightAfterARecordStops) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    for (int i = 0; i < 3000; ++i) {
+      auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, 2, "job", with_secret());
+      std::thread recorder([&] {
+        for (int k = 0; k < 4; ++k) server->record(dead_key(1, k), "killed by signal 9");
+      });
+      recorder.join();
+      server.reset();
+    }
+    _exit(0);
+  }
+  int status = 0;
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > until) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "a store destroyed right after record() did not stop within 30 s";
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 }  // namespace
 }  // namespace qring::net

@@ -559,9 +559,12 @@ void TcpStoreServer::Impl::run() {
       continue;
     }
     if (pfds[0].revents) {
-      if (stopping.load()) return;
+      // Read first, then look at `stopping`: the read may consume the destructor's wake-up
+      // together with a record()'s, and a look before it would miss the stop and poll forever
+      // (qring-launch hung in ~TcpStoreServer after recording a death).
       uint64_t n = 0;
       (void)read(wake_fd.get(), &n, sizeof(n));
+      if (stopping.load()) return;
       std::vector<std::pair<std::string, std::string>> writes;
       {
         std::lock_guard<std::mutex> lock(owner_mu);
