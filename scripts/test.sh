@@ -20,7 +20,7 @@
 # priority from the end of the Release build on, in the CPU time that stages 1, 3, 4 and 7 leave
 # idle; each of 2, 5, 6 waits for its own build (the builds' logs: build/sanitizer-builds.log,
 # build/build-*.log). Stage 3 mostly waits on Slurm's clock (its jobs' time limits and
-# signals), so it runs in the background (its output in build/slurm-tests.log, printed when it
+# signals; it and its jobs use about half a core), so it runs in the background (its output in build/slurm-tests.log, printed when it
 # is joined, before stage 2; a failure there fails this script as one in the foreground does),
 # beside stages that assert nothing about time: Python and the emulated hosts run before it.
 # Every stage prints its seconds, the CPU seconds its processes used (user + system; the
