@@ -1439,7 +1439,11 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   // Throughput over the step loop (evaluations inside it included, the final one not).
   timer.summarize(sum, loop_s, t - start);
   sum.params_checksum = checksum(core.params(), n_params);
-  if (finished && await_the_end(q, rank)) evaluate.again_here(t, sum);
+  // A rank that took over after the last step (while it waited for the end, or already during
+  // the final evaluation, whose slices went to the lost coordinator) evaluates the whole set.
+  const bool took_over = finished && await_the_end(q, rank);
+  if (finished && (took_over || q.membership().coordinator() == rank) && evaluate.last_step() != t)
+    evaluate.again_here(t, sum);
   if (out.lead()) {
     out.recount(sum);  // the whole run's, whoever coordinated when
     out.flush_arrivals();  // every step's arrivals are final: the estimate is complete
