@@ -566,6 +566,23 @@ TEST(TcpStore, DeathsAreWrittenOnlyByTheOwnerOrWitnessedFromAClosedConnection) {
   EXPECT_FALSE(owner_only_key("deadline"));
 }
 
+// Node 0's launcher of several hosts reaps its own ranks (0 .. n-1) and witnesses only the
+// other hosts' ranks by their closed connections (witness_first_rank).
+TEST(TcpStore, OnlyTheOtherHostsRanksAreWitnessedFromClosedConnections) {
+  StoreServerOptions o = with_secret();
+  o.witness_deaths = true;
+  o.witness_first_rank = 2;
+  TcpStoreServer server("127.0.0.1", 0, 4, "job", o);
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 4), deadline_in(3s));
+  for (int r : {1, 2}) {
+    TcpStore rank("127.0.0.1", server.port(), join_info(r, 4), deadline_in(3s));
+    rank.add(incarnation_key(r), 1);
+  }
+  rank0.wait({dead_key(2, 0)}, deadline_in(2s));  // another host's rank: witnessed
+  EXPECT_EQ(rank0.get(dead_key(2, 0), deadline_in(1s)), "connection closed");
+  EXPECT_FALSE(rank0.check({dead_key(1, 0)}));  // node 0's own: the launcher's to record
+}
+
 TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
   TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
   TcpStore good("127.0.0.1", server.port(), join_info(0), deadline_in(3s));

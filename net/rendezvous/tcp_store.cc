@@ -1043,7 +1043,8 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
-    if (options.witness_deaths && it->second.incarnation >= 0) {
+    if (options.witness_deaths && it->second.incarnation >= 0 &&
+        it->second.rank >= options.witness_first_rank) {
       const std::string key = dead_key(it->second.rank, uint32_t(it->second.incarnation));
       data[key] = "connection closed";
       wake(key);
