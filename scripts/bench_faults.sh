@@ -65,6 +65,14 @@
 #           the lost to the first step completed without them). Tests:
 #           CoordinatorAndOneMore.*, TwoMembers.*, ThreeOfEight.* (virtual time),
 #           CoordinatorAndOneMoreKilledTogether.TheTwoLeftFinishWithOneChecksum (shm, tcp).
+#   case 8  the coordinator killed after the last step (QRING_FAULT kill:0:STEPS:eval, at the
+#           final evaluation; or in the last step's ring), under qring-launch
+#           --tolerate-failures 1: the others take over, the new coordinator serves the last
+#           step's recovery before its goodbye and writes summary.json; the launcher exits 101
+#           (one rank lost). `--case 8 --runs N`: as case 2 (exit, checksums, recovery_s);
+#           `--phase ring`: killed in the last step's ring instead (kill:0:STEPS-1:ring).
+#           Tests: CoordinatorLostAtTheEnd.* (virtual time),
+#           TrainFaults.CoordinatorKilledAfterTheLastStepTheOthersWriteTheOutputs.
 #   case 1  a coordinator is deposed only by a takeover that won. Tests:
 #           Deposition.* (virtual time).
 #   case 4  a joiner whose donor dies before its state came: the joiner lets the next member
@@ -104,6 +112,7 @@ STOP_MS=800
 RUN_MS=200
 CASE=
 RUNS=5
+PHASE=
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -120,6 +129,7 @@ while [ $# -gt 0 ]; do
     --run-ms) RUN_MS=$2; shift 2 ;;
     --case) CASE=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
+    --phase) PHASE=$2; shift 2 ;;
     *) echo "bench_faults.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -226,9 +236,10 @@ PY
 if [ "$FROZEN" = 1 ]; then
   frozen_case  # defined above; exits
 fi
-if [ -n "$CASE" ] && [ "$CASE" != 2 ]; then
-  exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT"
-fi
+case "$CASE" in
+  ""|2|8) ;;
+  *) exec scripts/fault_case42.sh "$CASE" "$RUNS" "$PROVIDER" "$BUILD" "$OUT" ;;
+esac
 
 # Steps of the 4-rank run, to place the kill at 30 % of training.
 BATCH=$(grep -E '^batch_per_rank' "$CONFIG" | sed 's/.*= *//; s/ .*//')
@@ -241,26 +252,37 @@ STEPS=$(( TRAIN / (4 * BATCH) * EPOCHS ))
 KILL_AT=$(( STEPS * 3 / 10 ))
 echo "config $CONFIG, $EPOCHS epochs ($STEPS steps on 4 ranks), SIGKILL of rank $VICTIM at step $KILL_AT, evict_ms $EVICT"
 
-if [ "$CASE" = 2 ]; then
-  echo "case 2: kill of ranks 0 and 1 at step $KILL_AT, W=4 quorum 2, $RUNS runs per provider"
+if [ "$CASE" = 2 ] || [ "$CASE" = 8 ]; then
+  if [ "$CASE" = 2 ]; then
+    fault="kill:0:$KILL_AT:step,kill:1:$KILL_AT:step" tolerate=2
+    echo "case 2: kill of ranks 0 and 1 at step $KILL_AT, W=4 quorum 2, $RUNS runs per provider"
+  else
+    fault="kill:0:$STEPS:eval" tolerate=1 at="at the final evaluation (after step $STEPS)"
+    if [ "$PHASE" = ring ]; then
+      fault="kill:0:$(( STEPS - 1 )):ring" at="in the last step's ring (step $(( STEPS - 1 )))"
+    fi
+    echo "case 8: kill of rank 0 (the coordinator) $at, W=4 quorum 2, $RUNS runs per provider"
+  fi
   for prov in shm tcp; do
     for i in $(seq 1 "$RUNS"); do
-      name=case2-$prov-$i status=0
-      QRING_FAULT="kill:0:$KILL_AT:step,kill:1:$KILL_AT:step" "$BUILD/net/qring-launch" -n 4 \
-        --tolerate-failures 2 -- "$BUILD/train/qring-train" --force "${common[@]}" \
+      name=case$CASE${PHASE:+-$PHASE}-$prov-$i status=0 t0=$(date +%s.%N)
+      QRING_FAULT=$fault "$BUILD/net/qring-launch" -n 4 \
+        --tolerate-failures "$tolerate" -- "$BUILD/train/qring-train" --force "${common[@]}" \
         "net.provider=$prov" quorum.quorum=2 "run.name=$name" > "$OUT/$name.log" 2>&1 ||
         status=$?
-      python3 - "$OUT" "$name" "$status" <<'PY'
-import json, re, sys
-out, name, status = sys.argv[1:]
+      python3 - "$OUT" "$name" "$status" "$t0" <<'PY'
+import json, re, sys, time
+out, name, status, t0 = sys.argv[1:]
+wall = time.time() - float(t0)
 log = open(f"{out}/{name}.log").read()
 sums = sorted(set(re.findall(r"params_checksum ([0-9a-f]{16})", log)))
 try:
     s = json.load(open(f"{out}/{name}/summary.json"))
-    extra = f"recovery_s {s.get('recovery_s')}, accuracy {s.get('final_accuracy', s.get('accuracy'))}"
+    extra = (f"recovery_s {s.get('recovery_s')}, accuracy "
+             f"{s.get('test_accuracy')}, steps {s.get('steps')}")
 except (OSError, ValueError):
     extra = "no summary.json"
-print(f"  {name}: exit {status}, {len(re.findall('params_checksum', log))} checksums, "
+print(f"  {name}: exit {status} after {wall:.1f} s, {len(re.findall('params_checksum', log))} checksums, "
       f"{len(sums)} distinct ({', '.join(sums)}), {extra}")
 PY
     done

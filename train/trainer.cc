@@ -715,9 +715,11 @@ class Evaluator {
     if (got) record(step, *got, sum);
   }
 
-  // The coordinator was lost after the last step and this rank took over (issue 42, case 8):
-  // the slices the others sent it are lost with it, so this rank evaluates the whole set.
+  // This rank coordinates at the end. If the coordinator was lost after the last step and this
+  // rank took over (issue 42, case 8: while it waited for the end, or already during the final
+  // evaluation), the slices the others sent went with it: this rank evaluates the whole set.
   void again_here(int64_t step, RunSummary& sum) {
+    if (last_step_ == step) return;  // the final evaluation came to this rank
     const std::vector<double> v = evaluate_slice(core_.model(), test_, cfg_.train.eval_batch, 0, 1);
     EvalOut e;
     e.accuracy = v[2] > 0 ? v[1] / v[2] : 0;
@@ -815,11 +817,11 @@ class Checkpointer {
 // The end is a step like the others (issue 42, case 8): a member waits for the coordinator's
 // goodbye; a coordinator lost after the last step is taken over by a member, which then
 // writes the outputs.
-// Returns whether this rank took over.
+// Returns whether this rank coordinates at the end (from the start, or it took over).
 bool await_the_end(collectives::QuorumAllreduce& q, int rank) {
-  if (!q.membership().survives_loss() || q.membership().coordinator() == rank) return false;
-  return q.membership().await_end(rank,
-                                  Clock::now() + 2 * q.options().evict + std::chrono::seconds(2));
+  if (q.membership().survives_loss() && q.membership().coordinator() != rank)
+    q.membership().await_end(rank, Clock::now() + 2 * q.options().evict + std::chrono::seconds(2));
+  return q.membership().coordinator() == rank;
 }
 
 void check_final_replicas(TrainerCore& core, collectives::QuorumAllreduce& q, int rank,

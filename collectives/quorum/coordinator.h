@@ -96,6 +96,8 @@ class Coordinator {
   // True while a step is open (READYs counted, no decision yet) or being recovered: the
   // caller should tick promptly (the grace and the deadline run).
   bool waiting() const { return steps_.open() || recovery_.recovering(); }
+  // A step is being recovered (RECOVER sent, its new decision not yet).
+  bool recovering() const { return recovery_.recovering(); }
   // The coordinator's own process was stopped for a while: silence measured across the
   // pause says nothing about the others, so every member starts a fresh evict period.
   void resync(Time now) { roster_.resync(now); }

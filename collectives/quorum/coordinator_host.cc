@@ -26,4 +26,10 @@ bool CoordinatorHost::feed(Clock::time_point now, bool tick) {
   return fed;
 }
 
+bool CoordinatorHost::serving(Clock::time_point now, bool busy, Clock::duration limit) {
+  if (serve_until_ == Clock::time_point{}) serve_until_ = now + limit;
+  if (now > serve_until_ || state_->stopped()) return false;
+  return busy || state_->recovering();
+}
+
 }  // namespace qring::collectives

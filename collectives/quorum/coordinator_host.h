@@ -2,7 +2,10 @@
 // state machine (coordinator.h) on the rank that coordinates, batches the messages one pass
 // of the control streams found (so that a decision counts every contribution already in),
 // ticks it, and hands every message it returns to `send` (the member service sends it to the
-// view's members and applies it on this rank). Engine thread only.
+// view's members and applies it on this rank). When the caller is done with the all-reduce,
+// it keeps serving the members while a step it recovers is not decided again, or its own rank
+// still runs one, so that a step whose result a lost rank was forwarding (a takeover in the
+// last step) reaches every member before the goodbye (serving). Engine thread only.
 #pragma once
 
 #include <deque>
@@ -26,6 +29,10 @@ class CoordinatorHost {
   // sends to this rank; with `tick`, ticks the state machine every 200 us at most. Returns
   // whether it fed anything.
   bool feed(Clock::time_point now, bool tick = true);
+  // The caller is done: whether the members still need this coordinator, because a recovery
+  // it asked for is unresolved or `busy` (this rank still runs a step's reduction). At most
+  // `limit` after the first call, then never again (the goodbye follows).
+  bool serving(Clock::time_point now, bool busy, Clock::duration limit);
   // Its own process was stopped: silence measured across the pause says nothing.
   void resync(Clock::time_point now) { state_->resync(now); }
   const qproto::Coordinator& state() const { return *state_; }
@@ -35,6 +42,7 @@ class CoordinatorHost {
   Send send_;
   std::deque<qproto::Up> inbox_;
   Clock::time_point last_tick_{};
+  Clock::time_point serve_until_{};  // set at the first call of serving()
 };
 
 }  // namespace qring::collectives

@@ -130,7 +130,9 @@ bool QuorumMember::advance(net::Endpoint& ep) {
     std::lock_guard<std::mutex> lock(boxes_.steps->mu);
     if (!boxes_.steps->service_error) boxes_.steps->service_error = error_;
   }
-  const bool stop = boxes_.shutdown->load(std::memory_order_acquire);
+  // A coordinator serves the recovery of the last steps before its goodbye (coordinator_host.h).
+  const bool stop = boxes_.shutdown->load(std::memory_order_acquire) &&
+                    !(host_ && host_->serving(engine_.now(), !runner_.idle(), end_grace(o_)));
   if (stop && !dead_ && !bye_sent_) say_goodbye(ep);
   if ((stop || dead_) && !finished_) finish(ep);
   // Eviction and a job below its quorum end every operation of this communicator, so that
@@ -281,8 +283,7 @@ void QuorumMember::act(net::Endpoint& ep, const qproto::Down& m) {
   apply(ep, m);
 }
 
-bool QuorumMember::feed_coordinator(net::Endpoint& ep) {
-  (void)ep;
+bool QuorumMember::feed_coordinator(net::Endpoint&) {
   const auto now = engine_.now();
   // This process may have been stopped since the last look (SIGSTOP lands anywhere, also
   // inside this pass): the others' silence across the pause is no evidence.
@@ -457,8 +458,7 @@ void QuorumMember::watch_deaths() {
 
 // A pass long after the previous one: this process was stopped (SIGSTOP, a swap storm).
 // Silence measured across the pause says nothing about the peers; every clock starts over.
-bool QuorumMember::resync(net::Endpoint& ep) {
-  (void)ep;
+bool QuorumMember::resync(net::Endpoint&) {
   const auto now = engine_.now();
   if (!liveness_.paused(now)) return false;
   if (host_) {

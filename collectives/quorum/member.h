@@ -44,6 +44,12 @@ struct MemberBoxes {
   std::shared_ptr<std::atomic<bool>> shutdown;  // the all-reduce is being destroyed
 };
 
+// How long a coordinator whose caller is done may still serve the members (coordinator_host.h,
+// serving): a silent member's eviction, then the new decision of the step it was part of.
+inline std::chrono::milliseconds end_grace(const QuorumOptions& o) {
+  return 2 * o.evict + std::chrono::milliseconds(1000);
+}
+
 class QuorumMember final : public EngineOp {
  public:
   QuorumMember(Engine& engine, const CommOptions& copts, size_t count, const QuorumOptions& o,

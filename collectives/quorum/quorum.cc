@@ -191,17 +191,19 @@ QuorumAllreduce::~QuorumAllreduce() {
   }
   shutdown_->store(true, std::memory_order_release);
   engine.kick();
-  // The service drains its sends for at most 2 s. Nothing notifies this wait: it looks every
-  // millisecond.
+  // A coordinator serves the members' last recoveries for at most end_grace, then the service
+  // drains its sends for at most 2 s. Nothing notifies this wait: it looks every millisecond.
   std::mutex mu;
   std::condition_variable cv;
   std::unique_lock<std::mutex> lock(mu);
-  const auto until = engine.now() + std::chrono::seconds(5);
+  const auto limit = end_grace(opts_) + std::chrono::seconds(5);
+  const auto until = engine.now() + limit;
   auto stopped = [&] { return service_->done(); };
   while (!stopped() && engine.now() < until)
     engine.clock().wait_until(lock, cv, std::min(until, engine.now() + std::chrono::milliseconds(1)),
                               stopped);
-  if (!service_->done()) spdlog::warn("rank {}: quorum service did not stop in 5 s", comm_.rank());
+  if (!service_->done())
+    spdlog::warn("rank {}: quorum service did not stop in {} ms", comm_.rank(), limit.count());
 }
 
 void QuorumAllreduce::record_job_end(const std::string& key, const std::string& value) {
