@@ -20,6 +20,7 @@ SOURCES = {
     "measured": "#000000",
     "simulated": "#E69F00",
     "closed form": "#999999",
+    "network model": "#56B4E9",
 }
 # Straggler regimes (where worker times come from).
 REGIMES = {

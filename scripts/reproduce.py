@@ -13,6 +13,9 @@ SGD", on qring's own runs (docs/reproduction.md).
     scripts/reproduce.py tune-async DIR PREFIX the best of the async grid DIR/PREFIX-*: its
                                                settings as key=value arguments
     scripts/reproduce.py step-cost RUN_DIR     a run's median step and compute time (ms)
+    scripts/reproduce.py post-arrival OUT.json BASE.json RUN_DIR...
+                                               BASE with the step costs beyond the decision
+                                               that qring-train runs measured, by quorum
     scripts/reproduce.py fake-times OUT RANKS STEPS SEED     a made-up job trace ("STEP RANK
                                                              MS"), for --smoke
 
@@ -501,6 +504,42 @@ def step_cost(run_dir):
     print(f"{median(periods):.3f} {median(compute):.4f}")
 
 
+def post_arrival_ms(run_dir):
+    """A qring-train run's cost of a step beyond its decision, as rank 0 sees it: per step
+    after the first SKIP_STEPS, the time from the quorum-th READY (the coordinator's
+    ready_ms, rank 0's own READY placing them on its clock) to the end of rank 0's step (the
+    ring or the reduction among the contributors, the update); its median."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    after = []
+    for j in steps[SKIP_STEPS:]:
+        ready = j.get("ready_ms") or []
+        got = sorted(x for x in ready if x >= 0)
+        if not ready or ready[0] < 0 or len(got) < j["quorum"]:
+            continue  # rank 0 was not among the arrivals: no common clock
+        after.append(j["wait_ms"] - (got[j["quorum"] - 1] - ready[0]))
+    if not after:
+        sys.exit(f"post-arrival: {run_dir} has no step with rank 0 among the arrivals "
+                 f"after the first {SKIP_STEPS}")
+    return median(after), steps[SKIP_STEPS]["quorum"]
+
+
+def post_arrival(out, base, run_dirs):
+    """BASE (a calibration) with step_cost_ms measured by the runs RUN_DIRS (qring-train with
+    every rank idle the same time each step, so that the quorum's arrivals come together):
+    by quorum N, "full" where N is the world size (its speculative ring), else "backup"."""
+    cal = read_json(base)
+    cost = {"full": {}, "backup": {}}
+    for run_dir in run_dirs:
+        ms, quorum = post_arrival_ms(run_dir)
+        world = read_json(os.path.join(run_dir, "summary.json"))["world"]
+        cost["full" if quorum == world else "backup"][str(quorum)] = ms
+        print(f"{run_dir}: {ms:.2f} ms beyond the decision (quorum {quorum} of {world})")
+    cal["step_cost_ms"] = cost
+    cal["step_cost_from"] = run_dirs
+    with open(out, "w") as f:
+        json.dump(cal, f, indent=2)
+
+
 def validate_part(d):
     """The simulator against qring-train on emulated hosts: per hosts and quorum, the p50 and
     mean step time, measured and simulated."""
@@ -524,6 +563,19 @@ def validate_part(d):
                "delay_over_cost_max": max_trace_ratio(s["straggler"])}
         row["p50_error"] = row["simulated_p50_ms"] / row["measured_p50_ms"] - 1
         row["mean_error"] = row["simulated_mean_ms"] / row["measured_mean_ms"] - 1
+        # The cost beyond the decision: measured in this run, in the duty-cycle runs (what
+        # the prediction used) and the 2-host network model's (its prediction alongside).
+        row["post_measured_ms"] = post_arrival_ms(meas)[0]
+        cal_k = os.path.join(v, f"calibration-{k}.json")
+        if os.path.exists(cal_k):
+            costs = read_json(cal_k)["step_cost_ms"]
+            row["post_duty_ms"] = costs["full" if q == k else "backup"].get(str(q))
+        model2 = os.path.join(v, f"model2-{k}-q{q}")
+        if os.path.exists(os.path.join(model2, "summary.json")):
+            ms = [j for j in plot.read_jsonl(os.path.join(model2, "metrics.jsonl")) if j.get("type") == "step"]
+            row["post_model2_ms"] = median([j["step_ms"] - j["kth_arrival_ms"] for j in ms])
+            row["model2_p50_ms"] = median(step_periods(model2))
+            row["model2_p50_error"] = row["model2_p50_ms"] / row["measured_p50_ms"] - 1
         rows.append(row)
     rows.sort(key=lambda r: (r["hosts"], -r["quorum"]))
     cal = os.path.join(v, "calibration.json")
@@ -674,10 +726,13 @@ def plot_validation(val, path):
     a = ax[0][0]
     rows = val["rows"]
     for i, r in enumerate(rows):
-        a.bar(i - 0.2, r["measured_p50_ms"], width=0.4, color=palette.SOURCES["measured"],
-              label="measured (qring-bench)" if i == 0 else None)
-        a.bar(i + 0.2, r["simulated_p50_ms"], width=0.4, color=palette.SOURCES["simulated"],
-              label="simulated (qring-sim)" if i == 0 else None)
+        a.bar(i - 0.27, r["measured_p50_ms"], width=0.27, color=palette.SOURCES["measured"],
+              label="measured (qring-train)" if i == 0 else None)
+        a.bar(i, r["simulated_p50_ms"], width=0.27, color=palette.SOURCES["simulated"],
+              label="simulated, measured cost beyond the decision" if i == 0 else None)
+        if r.get("model2_p50_ms") is not None:
+            a.bar(i + 0.27, r["model2_p50_ms"], width=0.27, color=palette.SOURCES["network model"],
+                  label="simulated, 2-host network model" if i == 0 else None)
     a.set_xticks(range(len(rows)))
     a.set_xticklabels([f"{r['hosts']} hosts\nQ = {r['quorum']}" for r in rows])
     a.set_ylabel("median step time (ms)")
@@ -925,11 +980,17 @@ def tables_md(res):
            for r in res["kth"]]
     t["kth"] = md_table(["regime", "n", "first (ms)", "median (ms)", "last (ms)", "tail k",
                          "tail share of the spread (%)"], kth)
-    v = [[r["hosts"], r["quorum"], f"{r['cost_ms']:.2f}", f"{r['measured_p50_ms']:.2f}",
-          f"{r['simulated_p50_ms']:.2f}", f"{100 * r['p50_error']:+.1f} %", f"{r['measured_mean_ms']:.2f}",
-          f"{r['simulated_mean_ms']:.2f}", f"{100 * r['mean_error']:+.1f} %"] for r in res["validate"]["rows"]]
-    t["validate"] = md_table(["hosts", "Q", "step cost (ms)", "measured p50", "simulated p50", "error",
-                              "measured mean", "simulated mean", "error"], v)
+    opt = lambda x, f="{:.1f}": "-" if x is None else f.format(x)  # noqa: E731
+    v = [[r["hosts"], r["quorum"], f"{r['cost_ms']:.1f}", f"{r['measured_p50_ms']:.1f}",
+          f"{r['simulated_p50_ms']:.1f}", f"{100 * r['p50_error']:+.1f} %", f"{r['measured_mean_ms']:.1f}",
+          f"{r['simulated_mean_ms']:.1f}", f"{100 * r['mean_error']:+.1f} %",
+          f"{opt(r.get('post_measured_ms'))} / {opt(r.get('post_duty_ms'))} / {opt(r.get('post_model2_ms'))}",
+          opt(r.get("model2_p50_error") and 100 * r["model2_p50_error"], "{:+.1f} %")]
+         for r in res["validate"]["rows"]]
+    t["validate"] = md_table(["hosts", "Q", "step cost c (ms)", "measured p50", "simulated p50", "error",
+                              "measured mean", "simulated mean", "error",
+                              "beyond the decision (ms): measured / idle runs / 2-host model",
+                              "2-host model: p50 error"], v)
     cal = res["validate"]["calibration"]
     if cal:
         t["validate"] += (f"\nNetwork model fitted on 2 emulated hosts: alpha {cal['alpha_us']:.1f} us, "
@@ -1068,6 +1129,7 @@ def main():
                                                       if x.startswith("--min-bytes=")), default=0))),
             "tune-async": (2, lambda a: tune_async(a[0], a[1])),
             "step-cost": (1, lambda a: step_cost(a[0])),
+            "post-arrival": (3, lambda a: post_arrival(a[0], a[1], a[2:])),
             "fake-times": (4, lambda a: fake_times(a[0], int(a[1]), int(a[2]), int(a[3])))}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds or len(sys.argv) - 2 < cmds[sys.argv[1]][0]:
         sys.exit(__doc__)

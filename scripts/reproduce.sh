@@ -25,7 +25,7 @@
 #
 # Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
 # how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
-# values and steps; 11.5 minutes on 2 cores that other builds loaded to 10-20), regenerating
+# values and steps; 15 minutes on 2 cores that others' work loaded to 12-24, 6.6 of CPU), regenerating
 # every table and plot the page cites; --smoke: every part on synthetic data and a made-up
 # job trace in a few minutes (what scripts/test.sh runs: the artefacts are produced and well
 # formed, not the claims). --only PART... reruns those parts (the others' runs in DIR are

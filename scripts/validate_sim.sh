@@ -2,19 +2,27 @@
 # The simulator checked where it is used (part "validate" of scripts/reproduce.sh;
 # docs/reproduction.md, "The simulator"): its step times against qring-train's on emulated
 # hosts, one rank per host, each host's link rate-capped with tbf (scripts/netns-cluster.sh,
-# QRING_NETNS_RATE, default here 200mbit), so that the network, not this machine's two cores,
-# carries the gradients.
+# QRING_NETNS_RATE, default here 200mbit, and QRING_NETNS_BURST, default here 16kb: a bucket
+# of tbf's default 512 KB refills during a step's injected delays and then carries the 407 KB
+# gradient at memory speed, so the link would be rate-capped only back to back).
 #   1. the network model: qring-bench --op quorum --quorum 1 --compare-allreduce on 2 hosts,
-#      64 KiB to 1 MiB (beyond tbf's burst), fitted by scripts/reproduce.py calibrate (alpha,
-#      beta, rtt), as the simulator's 100-1000 worker runs use their own 2-rank fit;
+#      64 KiB to 1 MiB, fitted by scripts/reproduce.py calibrate (alpha, beta, rtt), as the
+#      simulator's 100-1000 worker runs use their own 2-rank fit;
 #   2. for K in VAL_HOSTS (4 8 16): qring-train (the simulator's model 784-128-10, batch 8,
 #      synthetic data, no evaluation in the steps) without stragglers, Q = K: qring's own
-#      step cost c (the median step) and compute time; then Q = K and Q = K - 1 under the
-#      real trace scaled so that its fastest worker takes c (resample:c:SEQLEN: injected delays
-#      of 1-2.3 c, at most 5x qring's own step cost), measured by qring-train (rank 0's step
-#      lines) and predicted by qring-sim --arrivals-only with the fitted model, the measured
-#      compute time and the same delays.
-# scripts/reproduce.py analyze compares the step times (p50 and mean within 10 %).
+#      step cost c (the median step) and compute time;
+#   3. the cost of a step beyond its decision (the ring or the reduction among the
+#      contributors, and the update) at Q = K and Q = K - 1, measured by qring-train with
+#      every rank idle c ms each step (straggler shiftexp:c:0: arrivals together, no trace),
+#      by scripts/reproduce.py post-arrival into calibration-K.json;
+#   4. Q = K and Q = K - 1 under the real trace scaled so that its fastest worker takes c
+#      (resample:c:SEQLEN: injected delays of 1-2.3 c, at most 5x qring's own step cost),
+#      measured by qring-train (rank 0's step lines) and predicted by qring-sim
+#      --arrivals-only with the measured compute time, the same delays and the cost beyond
+#      the decision of step 3 (simulated-K-qQ), and with the 2-host network model of step 1
+#      instead (model2-K-qQ).
+# scripts/reproduce.py analyze compares the step times (p50 and mean within 10 %) and the
+# costs beyond the decision (measured in the run, the duty-cycle runs', the 2-host model's).
 #
 #   scripts/validate_sim.sh DIR [model.hidden=[...]]   (root; TRAIN, BENCH, SIM, PY, CONFIG,
 #                                                       SEQLEN, VAL_HOSTS, VAL_ITERS from
@@ -24,7 +32,8 @@ cd "$(dirname "$0")/.."
 DIR=$1
 HIDDEN=${2:-model.hidden=[128]}
 : "${APPLY_MS:=0.077}" "${TRAIN:?}" "${BENCH:?}" "${SIM:?}" "${PY:?}" "${CONFIG:?}" "${SEQLEN:?}" "${VAL_HOSTS:?}" "${VAL_ITERS:?}"
-export QRING_NETNS_NAME=qring-val QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit}
+export QRING_NETNS_NAME=qring-val QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit} \
+  QRING_NETNS_BURST=${QRING_NETNS_BURST:-16kb}
 BENCH=$(realpath "$BENCH") SIM=$(realpath "$SIM") TRAIN=$(realpath "$TRAIN") CONFIG=$(realpath "$CONFIG")
 CLUSTER=scripts/netns-cluster.sh
 TIMEOUT=${QRING_VAL_TIMEOUT:-300}
@@ -86,12 +95,26 @@ for k in $VAL_HOSTS; do
   train "$k" "cost-$k" quorum.quorum="$k"
   read -r cost_ms compute_ms < <("$PY" scripts/reproduce.py step-cost "$DIR/cost-$k")
   model=resample:$cost_ms:$SEQLEN
+  # The step's cost beyond its decision, measured without the trace: every rank idle c ms
+  # each step (the trace's fastest worker), so that the arrivals come together.
+  # Each right before the run it predicts, so that both see the same load on this machine.
   for q in "$k" $((k - 1)); do
+    train "$k" "duty-$k-q$q" quorum.quorum="$q" straggler.model="shiftexp:$cost_ms:0"
     train "$k" "measured-$k-q$q" quorum.quorum="$q" straggler.model="$model"
-    "$SIM" --config "$CONFIG" --workers "$k" --backups $((k - q)) --arrivals-only \
-      --compute-ms "$compute_ms" --apply-ms "$APPLY_MS" --calibration "$DIR/calibration.json" \
-      "${model_args[@]}" straggler.model="$model" run.out_dir="$DIR" run.name="simulated-$k-q$q" \
-      >"$DIR/simulated-$k-q$q.log" 2>&1
+  done
+  "$PY" scripts/reproduce.py post-arrival "$DIR/calibration-$k.json" "$DIR/calibration.json" \
+    "$DIR/duty-$k-q$k" "$DIR/duty-$k-q$((k - 1))" >"$DIR/calibration-$k.txt"
+  for q in "$k" $((k - 1)); do
+    # Predicted twice: with the measured cost beyond the decision (the row's number) and
+    # with the 2-host network model alone (what the 100-1000 worker runs rest on).
+    for cal in "calibration-$k" calibration; do
+      name=simulated-$k-q$q
+      [ "$cal" = calibration ] && name=model2-$k-q$q
+      "$SIM" --config "$CONFIG" --workers "$k" --backups $((k - q)) --arrivals-only \
+        --compute-ms "$compute_ms" --apply-ms "$APPLY_MS" --calibration "$DIR/$cal.json" \
+        "${model_args[@]}" straggler.model="$model" run.out_dir="$DIR" run.name="$name" \
+        >"$DIR/$name.log" 2>&1
+    done
   done
   echo "{\"hosts\": $k, \"bytes\": $BYTES, \"cost_ms\": $cost_ms, \"compute_ms\": $compute_ms, \"rate\": \"$QRING_NETNS_RATE\"}" \
     >"$DIR/hosts-$k.json"

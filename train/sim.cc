@@ -97,6 +97,20 @@ void check_options(const SimOptions& o) {
 }
 
 // Shared by both modes: the workers' data streams, the output files and the evaluations.
+// |g|^2 in double, over kLanes interleaved partial sums (one long chain of dependent additions
+// took as long as the gradient itself).
+double squared_norm(const float* g, size_t n) {
+  constexpr size_t kLanes = 8;
+  double part[kLanes] = {};
+  size_t p = 0;
+  for (; p + kLanes <= n; p += kLanes)
+    for (size_t j = 0; j < kLanes; ++j) part[j] += double(g[p + j]) * double(g[p + j]);
+  double s = 0;
+  for (; p < n; ++p) s += double(g[p]) * double(g[p]);
+  for (double x : part) s += x;
+  return s;
+}
+
 class SimRun {
  public:
   SimRun(const TrainConfig& cfg, const DatasetPair& data, const SimOptions& opts,
@@ -145,10 +159,8 @@ class SimRun {
       const int w = arr[size_t(i)].rank;
       loss += gradient(w);
       const float* g = core_.gradient();
-      for (size_t p = 0; p < P; ++p) {
-        mean[p] += g[p];
-        sq += double(g[p]) * double(g[p]);
-      }
+      for (size_t p = 0; p < P; ++p) mean[p] += g[p];
+      sq += squared_norm(g, P);
       ranks.push_back(w);
     }
     for (size_t i = size_t(n); i < arr.size(); ++i) skip(arr[i].rank);
