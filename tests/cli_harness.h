@@ -48,8 +48,9 @@ inline bool read_until(int fd, std::string& out, std::chrono::steady_clock::time
 }  // namespace detail
 
 // Runs `bash -c cmd` with stdout and stderr captured, for at most `timeout_s` seconds and never
-// past the current test's deadline.
-inline CmdResult sh(const std::string& cmd, int timeout_s = 60) {
+// past the current test's deadline (by default only that: a long run under a loaded ctest -j2
+// is not a hang, and a hang still ends 20 s before ctest's timeout, its output printed).
+inline CmdResult sh(const std::string& cmd, int timeout_s = 24 * 3600) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto deadline = std::min(start + std::chrono::seconds(timeout_s), test_deadline());
