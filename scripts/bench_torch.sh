@@ -101,10 +101,13 @@ if [ "$PAIRS" -gt 0 ]; then
       $PY - "$q" "$d" "$p" <<'PY'
 import json, sys
 q, d = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['step_ms']:.1f} ms, "
-      f"all-reduce {q['allreduce_ms']:.2f} ms, step() overhead {q['overhead_ms']:.2f} ms = "
-      f"{q['overhead_pct']:.2f} % of a step) | DDP {d['samples_per_s']:.0f} samples/s "
-      f"(step {d['step_ms']:.1f} ms) | ratio {q['samples_per_s'] / d['samples_per_s']:.3f}")
+print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['step_ms']:.1f} ms: "
+      f"forward+backward {q['compute_ms']:.2f}, all-reduce {q['allreduce_ms']:.2f}, optimizer "
+      f"{q['optimizer_ms']:.2f}, step() overhead {q['overhead_ms']:.2f} ms = "
+      f"{q['overhead_pct']:.2f} % of a step; CPU {q['cpu_ms_per_step']:.1f} ms) | DDP "
+      f"{d['samples_per_s']:.0f} samples/s (step {d['step_ms']:.1f} ms: forward+backward with "
+      f"the overlapped all-reduce {d['compute_ms']:.2f}, optimizer {d['optimizer_ms']:.2f} ms; CPU "
+      f"{d['cpu_ms_per_step']:.1f} ms) | ratio {q['samples_per_s'] / d['samples_per_s']:.3f}")
 PY
     done
   done
