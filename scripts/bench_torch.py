@@ -5,7 +5,7 @@ qring-launch (rank and world from QRING_RANK / QRING_WORLD_SIZE for both).
 
   qring-launch -n 4 -- bench_torch.py --backend qring|ddp --model cnn|mlp [--steps N]
       [--batch 64] [--quorum Q] [--straggler fixed:2:200] [--snapshot-every K]
-      [--target 0.88] [--ddp-port P] [--summary out.json]
+      [--target 0.88] [--ddp-port P] [--wait block|poll] [--summary out.json]
 
 Models: cnn = PyTorch's Fashion-MNIST CNN (python/examples/fmnist_cnn.py, configs/
 fmnist-cnn-torch.toml); mlp = 784-256-128-10. SGD momentum 0.9, weight decay 5e-4, lr 0.1 per
@@ -46,6 +46,8 @@ def args_of():
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--quorum", type=int, default=0, help="qring: ranks counted (0: world)")
     ap.add_argument("--straggler", default="none")
+    ap.add_argument("--wait", choices=["block", "poll"], default="block",
+                    help="qring: qring.init(wait=...), how a rank waits for its peers")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--snapshot-every", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.88)
@@ -58,7 +60,7 @@ class QringBackend:
     def __init__(self, model, opt, a, world):
         import qring
         import qring.torch
-        qring.init()
+        qring.init(wait=a.wait)
         self.qring = qring
         self.opt = qring.torch.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), quorum=a.quorum or None,
@@ -148,7 +150,7 @@ def main():
             paused += time.perf_counter() - s0
     loop_s = time.perf_counter() - t0 - paused
     cpu_s = time.process_time() - cpu0
-    out = {"backend": a.backend, "model": a.model, "world": world, "steps": a.steps,
+    out = {"backend": a.backend, "model": a.model, "wait": a.wait, "world": world, "steps": a.steps,
            "batch": a.batch, "quorum": counted_per_step, "straggler": a.straggler,
            "loop_s": loop_s, "step_ms": 1e3 * loop_s / a.steps,
            "samples_per_s": world * a.batch * a.steps / loop_s,
