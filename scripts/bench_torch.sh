@@ -89,7 +89,9 @@ run() {
   local label=$1 line
   shift
   port=$((port + 2))
-  line=$("$BUILD/net/qring-launch" -n "$RANKS" -- $PY scripts/bench_torch.py --ddp-port "$port" \
+  # Rank 0 evaluates the model after the others exited: more than qring-launch's default
+  # 30 s finish grace on a loaded machine (the CNN on 10,000 test images, one thread).
+  line=$("$BUILD/net/qring-launch" -n "$RANKS" --finish-grace-s 600 -- $PY scripts/bench_torch.py --ddp-port "$port" \
     --batch "$BATCH" --wait "$WAIT" "$@" | sed -n 's/^\[rank 0\] \({.*}\)$/\1/p' | tail -n 1)
   [ -n "$line" ] || { echo "bench_torch.sh: $label produced no result" >&2; exit 1; }
   echo "{\"label\": \"$label\", \"result\": $line}" >>"$RESULTS"
