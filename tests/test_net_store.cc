@@ -565,6 +565,23 @@ TEST(TcpStore, DeathsAreWrittenOnlyByTheOwnerOrWitnessedFromAClosedConnection) {
   EXPECT_FALSE(owner_only_key("deadline"));
 }
 
+// Node 0's launcher of several hosts reaps its own ranks (0 .. n-1) and witnesses only the
+// other hosts' ranks by their closed connections (witness_first_rank).
+TEST(TcpStore, OnlyTheOtherHostsRanksAreWitnessedFromClosedConnections) {
+  StoreServerOptions o = with_secret();
+  o.witness_deaths = true;
+  o.witness_first_rank = 2;
+  TcpStoreServer server("127.0.0.1", 0, 4, "job", o);
+  TcpStore rank0("127.0.0.1", server.port(), join_info(0, 4), deadline_in(3s));
+  for (int r : {1, 2}) {
+    TcpStore rank("127.0.0.1", server.port(), join_info(r, 4), deadline_in(3s));
+    rank.add(incarnation_key(r), 1);
+  }
+  rank0.wait({dead_key(2, 0)}, deadline_in(2s));  // another host's rank: witnessed
+  EXPECT_EQ(rank0.get(dead_key(2, 0), deadline_in(1s)), "connection closed");
+  EXPECT_FALSE(rank0.check({dead_key(1, 0)}));  // node 0's own: the launcher's to record
+}
+
 TEST(TcpStore, MalformedFramesCloseOnlyThatConnection) {
   TcpStoreServer server("127.0.0.1", 0, 4, "job", with_secret());
   TcpStore good("127.0.0.1", server.port(), join_info(0), deadline_in(3s));
@@ -1178,6 +1195,37 @@ TEST(TcpStore, ServerShutdownFailsWaitersPromptly) {
   EXPECT_LT(ms_since(t0), 2000);
   stopper.join();
   EXPECT_THROW(c.set("k", "v"), IoError);  // the client stays broken
+}
+
+// The owner records a death and the store is destroyed right after (qring-launch reaping the
+// last rank): the destructor's wake-up may be read together with the record's, and the
+// server's thread must still see the stop. It once polled forever, and qring-launch hung in
+// ~TcpStoreServer. Run in a child process so that a hang fails the test instead of blocking it.
+TEST(TcpStore, DestroyedRightAfterARecordStops) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    for (int i = 0; i < 3000; ++i) {
+      auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, 2, "job", with_secret());
+      std::thread recorder([&] {
+        for (int k = 0; k < 4; ++k) server->record(dead_key(1, k), "killed by signal 9");
+      });
+      recorder.join();
+      server.reset();
+    }
+    _exit(0);
+  }
+  int status = 0;
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > until) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "a store destroyed right after record() did not stop within 30 s";
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
 }  // namespace

@@ -159,8 +159,11 @@ struct StoreServerOptions {
   int max_handshakes_per_source = 256;
   std::chrono::milliseconds handshake_timeout{2000};
   // qring-store: a closed connection of a joined rank whose incarnation it counted is a
-  // witnessed death (dead_key). qring-launch reaps its ranks and records their deaths itself.
+  // witnessed death (dead_key). qring-launch reaps its ranks and records their deaths itself;
+  // node 0's launcher of several hosts witnesses the other hosts' ranks so, those from
+  // `witness_first_rank` on (its own are 0 .. n-1).
   bool witness_deaths = false;
+  int witness_first_rank = 0;
 };
 
 // Why the server dropped or refused a connection that had not joined, or closed one: each is

@@ -559,9 +559,12 @@ void TcpStoreServer::Impl::run() {
       continue;
     }
     if (pfds[0].revents) {
-      if (stopping.load()) return;
+      // Read first, then look at `stopping`: the read may consume the destructor's wake-up
+      // together with a record()'s, and a look before it would miss the stop and poll forever
+      // (qring-launch hung in ~TcpStoreServer after recording a death).
       uint64_t n = 0;
       (void)read(wake_fd.get(), &n, sizeof(n));
+      if (stopping.load()) return;
       std::vector<std::pair<std::string, std::string>> writes;
       {
         std::lock_guard<std::mutex> lock(owner_mu);
@@ -1040,7 +1043,8 @@ void TcpStoreServer::Impl::close_conn(uint64_t cid) {
   if (it->second.joined) {
     auto rc = rank_conn.find(it->second.rank);
     if (rc != rank_conn.end() && rc->second == cid) rank_conn.erase(rc);
-    if (options.witness_deaths && it->second.incarnation >= 0) {
+    if (options.witness_deaths && it->second.incarnation >= 0 &&
+        it->second.rank >= options.witness_first_rank) {
       const std::string key = dead_key(it->second.rank, uint32_t(it->second.incarnation));
       data[key] = "connection closed";
       wake(key);

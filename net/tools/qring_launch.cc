@@ -28,7 +28,8 @@
 // --timeout-s; 2 on a usage error. Across hosts each launcher reports its own ranks; K and
 // restarts count this host's ranks, and the launcher of node 0 serves the store until the
 // other hosts' ranks have closed their connections (at most 60 s after its own ranks ended).
-// See docs/bootstrap.md. Deaths are recorded as (rank, incarnation) as the launcher reaps them.
+// See docs/bootstrap.md. Deaths are recorded as (rank, incarnation) as the launcher reaps them;
+// node 0's launcher records the other hosts' ranks' deaths when their store connections close.
 // Each rank runs under a supervisor (a fork of the launcher, see supervise()) that leads the
 // rank's process group, kills that group if the launcher dies (even by SIGKILL), and removes
 // the shm regions a rank killed by SIGKILL leaves in /dev/shm (see remove_shm_regions_of()).
@@ -953,6 +954,11 @@ std::unique_ptr<qring::net::TcpStoreServer> Launcher::serve_store() {
     if (!opts_.master_host.empty()) bind = qring::net::store_bind_address(opts_.master_host);
     qring::net::StoreServerOptions so;
     so.secret = job_secret_;
+    // The other hosts' ranks are not this launcher's to reap: their store connections closing
+    // are their deaths, witnessed (a killed process's socket closes; a host that vanishes
+    // without closing them leaves the majority rule).
+    so.witness_deaths = opts_.nnodes > 1;
+    so.witness_first_rank = opts_.n;
     store = std::make_unique<qring::net::TcpStoreServer>(bind, port, world(), job_id_, so);
   } catch (const std::exception& e) {
     fmt::print(stderr, "qring-launch: cannot serve the rendezvous store on {}:{}: {}\n", bind, port,
