@@ -45,7 +45,10 @@ bool Engine::drive_until(const std::function<bool()>& done, Deadline deadline, c
   const int spin = oversubscribed_ ? 0 : 100;
   auto last = now();
   bool met = false;
+  const bool block = bells_ && oversubscribed_;
   for (int idle = 0;; ++idle) {
+    // Traffic after this ends the wait below at once.
+    const uint32_t token = block ? ep_->traffic_token() : 0;
     if (try_progress()) {
       if ((met = done())) break;
       idle = 0;
@@ -61,7 +64,10 @@ bool Engine::drive_until(const std::function<bool()>& done, Deadline deadline, c
         if ((timed && t - last > how.idle_time) || t >= deadline) break;
       }
     }
-    if (idle >= spin) sched_yield();
+    if (block)
+      ep_->wait_traffic(token, kBellWait);  // no core taken from ranks that compute
+    else if (idle >= spin)
+      sched_yield();
   }
   // Hand unfinished work to the engine thread. Finished: with wake_if_busy, still when other
   // operations that are not passive remain; otherwise the engine reaps what is left on its own
@@ -86,6 +92,7 @@ Engine::Engine(std::unique_ptr<net::Endpoint> ep, const CommOptions& opts)
       ops_(*ep_, *clock_, rank_) {
   reduce_threads_ = opts.reduce_threads;
   oversubscribed_ = opts.local_size > static_cast<int>(std::thread::hardware_concurrency());
+  bells_ = ep_->wakes_on_traffic();
   if (reduce_threads_ <= 0) {
     int hw = static_cast<int>(std::thread::hardware_concurrency());
     reduce_threads_ = std::max(1, hw / std::max(1, opts.local_size));
@@ -101,7 +108,7 @@ Engine::~Engine() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  notify_engine(true);
   if (thread_.joinable()) {
     thread_.join();
   } else {
@@ -142,7 +149,7 @@ WorkPtr Engine::submit(std::unique_ptr<EngineOp> op, bool wake,
     incoming_.push_back(std::move(op));
     kicked_ = wake || kicked_;
   }
-  if (wake) cv_.notify_one();
+  if (wake) notify_engine();
   return work;
 }
 
@@ -167,7 +174,7 @@ void Engine::run(const std::function<void(net::Endpoint&)>& fn) {
     calls_.push_back(std::move(wrapped));
     kicked_ = true;
   }
-  cv_.notify_one();
+  notify_engine();
   done->wait();
 }
 
@@ -199,7 +206,7 @@ void Engine::end_help(bool hand_over) {
     // Taking the lock orders this with the engine's check of its wait predicate: no lost
     // wake-up.
     { std::lock_guard<std::mutex> lock(mu_); }
-    cv_.notify_one();
+    notify_engine();
   }
 }
 
@@ -208,19 +215,46 @@ void Engine::kick() {
     std::lock_guard<std::mutex> lock(mu_);
     kicked_ = true;
   }
-  cv_.notify_one();
+  notify_engine();
+}
+
+void Engine::notify_engine(bool all) {
+  if (all)
+    cv_.notify_all();
+  else
+    cv_.notify_one();
+  if (bells_) ep_->wake();
+}
+
+// The engine thread's short sleeps while operations are active: on the condition variable, or
+// where the endpoint wakes on traffic (net::Endpoint::wait_traffic) in the kernel until a peer
+// sends, a caller kicks (notify_engine rings this process's doorbell too) or `max` passes.
+// `token`: the endpoint's traffic token from before the pass that found nothing to do.
+template <typename Pred>
+void Engine::rest(uint32_t token, std::chrono::nanoseconds max, Pred woken) {
+  if (bells_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (woken()) return;
+    }
+    ep_->wait_traffic(token, max);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, max, woken);
 }
 
 // Waiting for peers with operations active: poll, then yield, then sleep with net::Backoff's
 // doubling timeouts, but on the condition variable, so new work (kick) wakes the engine at once.
-void Engine::idle_wait(net::Backoff& backoff) {
+// With a doorbell nothing needs polling: it blocks at once, for at least kBellWait.
+void Engine::idle_wait(net::Backoff& backoff, uint32_t token) {
   auto sleep = backoff.next_sleep();
+  if (bells_) sleep = std::max<std::chrono::nanoseconds>(sleep, kBellWait);
   if (sleep.count() == 0) {
     sched_yield();
     return;
   }
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, sleep, [&] { return kicked_ || stop_; });
+  rest(token, sleep, [&] { return kicked_ || stop_; });
 }
 
 // One pass over everything the engine does. Caller: holds progress_mu_.
@@ -364,6 +398,8 @@ void Engine::loop() {
       kicked_ = false;
       if (stop_) break;
     }
+    // Traffic from here on ends the rests below (taken before the pass that may find none).
+    const uint32_t token = bells_ ? ep_->traffic_token() : 0;
     bool moved;
     {
       std::lock_guard<std::mutex> plock(progress_mu_);
@@ -380,11 +416,10 @@ void Engine::loop() {
       // caller) ends the sleep at once.
       backoff.reset();
       auto sleep = std::chrono::microseconds(250 << std::min(passive_passes++, 3));
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, sleep,
-                   [&] { return kicked_ || stop_ || !incoming_.empty() || !calls_.empty(); });
+      rest(token, sleep,
+           [&] { return kicked_ || stop_ || !incoming_.empty() || !calls_.empty(); });
     } else if (active_count_.load(std::memory_order_acquire) != 0) {
-      idle_wait(backoff);
+      idle_wait(backoff, token);
     }
   }
   shut_down();

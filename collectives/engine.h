@@ -1,7 +1,9 @@
 // The progress engine: one thread per communicator that owns the endpoint and advances every
 // active operation (EngineOp) until it completes, fails, or passes its deadline. Idle, it
-// blocks on a condition variable; waiting for peers, it spins briefly, then yields, then
-// sleeps with backoff (net::Backoff), so oversubscribed nodes stay usable. It is the one
+// blocks on a condition variable; waiting for peers, it blocks in the kernel until a peer's
+// traffic wakes it where the endpoint offers that (net::Endpoint::wait_traffic: shm's
+// doorbells), else spins briefly, then yields, then sleeps with backoff (net::Backoff), so
+// oversubscribed nodes stay usable. It is the one
 // scheduler of a communicator: the collectives, the quorum all-reduce's service and each of
 // its steps' reductions are ops here. Under a clock that drives the engines
 // (collectives/clock.h) it starts no thread and the clock runs its passes.
@@ -120,7 +122,11 @@ class Engine {
   // pace instead of sleeping out its backstop.
   void begin_help() { helpers_.fetch_add(1, std::memory_order_acq_rel); }
   void end_help(bool hand_over);
-  void idle_wait(net::Backoff& backoff);
+  void idle_wait(net::Backoff& backoff, uint32_t token);
+  template <typename Pred>
+  void rest(uint32_t token, std::chrono::nanoseconds max, Pred woken);
+  // Wakes the engine thread from its waits (the condition variable, and the doorbell).
+  void notify_engine(bool all = false);
   // Breaks the communicator: every op fails (OpSet::fail_all), and later submissions too.
   void fail_all(const std::string& reason, std::exception_ptr err);
 
@@ -137,6 +143,11 @@ class Engine {
   std::atomic<bool> all_passive_{false};  // every active op is passive()
   std::atomic<int> helpers_{0};  // callers between begin_help and end_help
   bool oversubscribed_ = false;  // more ranks on this host than cores
+  // The endpoint wakes this process when traffic comes (net::Endpoint::wakes_on_traffic): the
+  // waits block in the kernel instead of polling, yielding or sleeping blindly.
+  bool bells_ = false;
+  // The longest such block before a look around (deadlines, grace periods, timers).
+  static constexpr std::chrono::microseconds kBellWait{500};
   std::shared_ptr<TimeSource> clock_keep_;  // CommOptions::clock
   TimeSource* clock_;
   std::atomic<std::thread::id> pass_thread_{};  // the thread in a pass (step)

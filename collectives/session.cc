@@ -23,6 +23,7 @@ Session::Session(const net::BootstrapInfo& info, SessionOptions opts) : info_(in
   fo.provider = provider_setting(opts.provider);
   fo.incarnation = rdv_->incarnation();
   fo.join = rejoining();
+  fo.doorbells = opts.doorbells;
   endpoint_ = net::make_fabric_endpoint(fo, info_.rank, info_.world_size, rdv_->store(),
                                         rdv_->single_host(), deadline);
   provider_ = endpoint_->provider();

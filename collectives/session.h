@@ -36,6 +36,9 @@ struct SessionOptions {
   // false: no Communicator; the endpoint stays with the caller (take_endpoint), for programs
   // that drive the endpoint alone (qring-bench's sendrecv).
   bool communicator = true;
+  // Block in the kernel while waiting for peers where the provider allows it (shm doorbells,
+  // net::FabricOptions::doorbells) instead of polling and yielding.
+  bool doorbells = false;
 };
 
 class Session {

@@ -376,7 +376,7 @@ std::shared_ptr<QuorumHandle> make_quorum(const QuorumSettings& s) {
 // ------------------------------------------------------------------ module functions
 
 void init(const std::string& provider, int64_t timeout_ms, int64_t setup_timeout_ms,
-          const std::string& log_level) {
+          const std::string& log_level, const std::string& wait) {
   if (g_session)
     throw qring::UsageError(fmt::format(
         "qring.init() was called already (rank {} of {}); call qring.finalize() first",
@@ -387,6 +387,8 @@ void init(const std::string& provider, int64_t timeout_ms, int64_t setup_timeout
         "log_level '{}': expected trace, debug, info, warn, error, critical or off", log_level));
   if (timeout_ms <= 0 || setup_timeout_ms <= 0)
     throw py::value_error("qring.init: timeout_ms and setup_timeout_ms must be > 0");
+  if (wait != "block" && wait != "poll")
+    throw py::value_error(fmt::format("qring.init: wait '{}': expected 'block' or 'poll'", wait));
   const qring::net::BootstrapInfo info = qring::net::detect_bootstrap();
   spdlog::set_level(level);
   spdlog::set_pattern(fmt::format("[%H:%M:%S.%e] [%^%l%$] [qring rank {}] %v", info.rank));
@@ -394,6 +396,7 @@ void init(const std::string& provider, int64_t timeout_ms, int64_t setup_timeout
   so.provider = provider;
   so.setup_timeout = std::chrono::milliseconds(setup_timeout_ms);
   so.comm.timeout = std::chrono::milliseconds(timeout_ms);
+  so.doorbells = wait == "block";
   g_session = without_gil([&] { return std::make_unique<qc::Session>(info, so); });
   g_pid = getpid();
   g_instances = 0;
@@ -682,7 +685,7 @@ PYBIND11_MODULE(_qring, m) {
   m.doc() = "qring's C++ core (use the qring package: docs/python.md)";
   register_errors(m);
   m.def("init", &init, py::arg("provider"), py::arg("timeout_ms"), py::arg("setup_timeout_ms"),
-        py::arg("log_level"));
+        py::arg("log_level"), py::arg("wait"));
   m.def("finalize", &finalize);
   m.def("initialized", [] { return bool(g_session); });
   m.def("rank", [] { return session().rank(); });

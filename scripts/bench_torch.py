@@ -5,7 +5,7 @@ qring-launch (rank and world from QRING_RANK / QRING_WORLD_SIZE for both).
 
   qring-launch -n 4 -- bench_torch.py --backend qring|ddp --model cnn|mlp [--steps N]
       [--batch 64] [--quorum Q] [--straggler fixed:2:200] [--snapshot-every K]
-      [--target 0.88] [--ddp-port P] [--summary out.json]
+      [--target 0.88] [--ddp-port P] [--wait block|poll] [--summary out.json]
 
 Models: cnn = PyTorch's Fashion-MNIST CNN (python/examples/fmnist_cnn.py, configs/
 fmnist-cnn-torch.toml); mlp = 784-256-128-10. SGD momentum 0.9, weight decay 5e-4, lr 0.1 per
@@ -46,6 +46,8 @@ def args_of():
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--quorum", type=int, default=0, help="qring: ranks counted (0: world)")
     ap.add_argument("--straggler", default="none")
+    ap.add_argument("--wait", choices=["block", "poll"], default="block",
+                    help="qring: qring.init(wait=...), how a rank waits for its peers")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--snapshot-every", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.88)
@@ -58,7 +60,7 @@ class QringBackend:
     def __init__(self, model, opt, a, world):
         import qring
         import qring.torch
-        qring.init()
+        qring.init(wait=a.wait)
         self.qring = qring
         self.opt = qring.torch.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), quorum=a.quorum or None,
@@ -67,12 +69,16 @@ class QringBackend:
         qring.torch.broadcast_optimizer_state(self.opt, root_rank=0)
         self.model = model
         self.counted = 0
+        self.compute_s = 0.0
 
     def step(self, step, x, y):
         self.opt.zero_grad()  # the straggler delay, cut short once excluded
+        c0 = time.perf_counter()
         if not self.opt.excluded():
             F.cross_entropy(self.model(x), y).backward()
+        c1 = time.perf_counter()
         self.opt.step()
+        self.compute_s += c1 - c0
         self.counted += self.opt.last_result.count
 
     def finish(self, out):
@@ -96,16 +102,23 @@ class DdpBackend:
         self.model = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's params
         self.opt = opt
         self.delay = lambda step: _qring.straggler_delay_ms(a.straggler, a.seed, rank, step)
+        self.compute_s = 0.0
+        self.optimizer_s = 0.0
 
     def step(self, step, x, y):
         self.opt.zero_grad()
         d = self.delay(step)
         if d > 0:
             time.sleep(d / 1e3)
+        c0 = time.perf_counter()
         F.cross_entropy(self.model(x), y).backward()  # all-reduces in buckets, overlapped
+        c1 = time.perf_counter()
         self.opt.step()
+        self.compute_s += c1 - c0
+        self.optimizer_s += time.perf_counter() - c1
 
     def finish(self, out):
+        out["optimizer_ms"] = 1e3 * self.optimizer_s / max(1, out["steps"])
         self.dist.destroy_process_group()
 
 
@@ -123,6 +136,7 @@ def main():
         DdpBackend(model, opt, a, world, rank)
     snapshots = []
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     paused = 0.0  # snapshot copies, not counted as training time
     for step in range(a.steps):
         for group in be.opt.param_groups:
@@ -135,10 +149,13 @@ def main():
                               {k: v.detach().clone() for k, v in model.state_dict().items()}))
             paused += time.perf_counter() - s0
     loop_s = time.perf_counter() - t0 - paused
-    out = {"backend": a.backend, "model": a.model, "world": world, "steps": a.steps,
+    cpu_s = time.process_time() - cpu0
+    out = {"backend": a.backend, "model": a.model, "wait": a.wait, "world": world, "steps": a.steps,
            "batch": a.batch, "quorum": counted_per_step, "straggler": a.straggler,
            "loop_s": loop_s, "step_ms": 1e3 * loop_s / a.steps,
-           "samples_per_s": world * a.batch * a.steps / loop_s}
+           "samples_per_s": world * a.batch * a.steps / loop_s,
+           "cpu_ms_per_step": 1e3 * cpu_s / a.steps,
+           "compute_ms": 1e3 * be.compute_s / a.steps}
     be.finish(out)
     if rank != 0:
         print(f"rank {rank} params_checksum {checksum(model)}", flush=True)

@@ -8,7 +8,9 @@
 #                          [--mlp-steps 600] [--batch 64]
 #                          [--straggler-pairs 1] [--straggler fixed:2:200] [--quorum 3]
 #                          [--epochs 2] [--target 0.88] [--snapshot-every 25]
+#                          [--wait block|poll]
 #
+# --wait: how qring's ranks wait for their peers (qring.init(wait=...); default block).
 # Part 1, throughput (--pairs > 0): no stragglers, quorum = world. Per model, samples/s of each
 # run, the ratio qring / DDP per pair and their median; for qring the time in step() beyond
 # the all-reduce and the optimizer, as a share of the whole step.
@@ -36,6 +38,7 @@ QUORUM=3
 EPOCHS=2
 TARGET=0.88
 SNAP=25
+WAIT=block
 while [ $# -gt 0 ]; do
   case "$1" in
     --models) MODELS=$2; shift 2 ;;
@@ -50,6 +53,7 @@ while [ $# -gt 0 ]; do
     --epochs) EPOCHS=$2; shift 2 ;;
     --target) TARGET=$2; shift 2 ;;
     --snapshot-every) SNAP=$2; shift 2 ;;
+    --wait) WAIT=$2; shift 2 ;;
     *) echo "bench_torch.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +62,8 @@ for v in "$PAIRS" "$RANKS" "$CNN_STEPS" "$MLP_STEPS" "$BATCH" "$SPAIRS" "$QUORUM
 done
 [ "$RANKS" -ge 2 ] && [ "$QUORUM" -ge 1 ] && [ "$QUORUM" -le "$RANKS" ] ||
   { echo "bench_torch.sh: need 2+ ranks and 1 <= quorum <= ranks" >&2; exit 2; }
+[ "$WAIT" = block ] || [ "$WAIT" = poll ] ||
+  { echo "bench_torch.sh: --wait $WAIT: expected block or poll" >&2; exit 2; }
 for m in $MODELS; do
   [ "$m" = mlp ] || [ "$m" = cnn ] || { echo "bench_torch.sh: unknown model $m" >&2; exit 2; }
 done
@@ -83,8 +89,10 @@ run() {
   local label=$1 line
   shift
   port=$((port + 2))
-  line=$("$BUILD/net/qring-launch" -n "$RANKS" -- $PY scripts/bench_torch.py --ddp-port "$port" \
-    --batch "$BATCH" "$@" | sed -n 's/^\[rank 0\] \({.*}\)$/\1/p' | tail -n 1)
+  # Rank 0 evaluates the model after the others exited: more than qring-launch's default
+  # 30 s finish grace on a loaded machine (the CNN on 10,000 test images, one thread).
+  line=$("$BUILD/net/qring-launch" -n "$RANKS" --finish-grace-s 600 -- $PY scripts/bench_torch.py --ddp-port "$port" \
+    --batch "$BATCH" --wait "$WAIT" "$@" | sed -n 's/^\[rank 0\] \({.*}\)$/\1/p' | tail -n 1)
   [ -n "$line" ] || { echo "bench_torch.sh: $label produced no result" >&2; exit 1; }
   echo "{\"label\": \"$label\", \"result\": $line}" >>"$RESULTS"
   echo "$line"
@@ -101,10 +109,13 @@ if [ "$PAIRS" -gt 0 ]; then
       $PY - "$q" "$d" "$p" <<'PY'
 import json, sys
 q, d = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['step_ms']:.1f} ms, "
-      f"all-reduce {q['allreduce_ms']:.2f} ms, step() overhead {q['overhead_ms']:.2f} ms = "
-      f"{q['overhead_pct']:.2f} % of a step) | DDP {d['samples_per_s']:.0f} samples/s "
-      f"(step {d['step_ms']:.1f} ms) | ratio {q['samples_per_s'] / d['samples_per_s']:.3f}")
+print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['step_ms']:.1f} ms: "
+      f"forward+backward {q['compute_ms']:.2f}, all-reduce {q['allreduce_ms']:.2f}, optimizer "
+      f"{q['optimizer_ms']:.2f}, step() overhead {q['overhead_ms']:.2f} ms = "
+      f"{q['overhead_pct']:.2f} % of a step; CPU {q['cpu_ms_per_step']:.1f} ms) | DDP "
+      f"{d['samples_per_s']:.0f} samples/s (step {d['step_ms']:.1f} ms: forward+backward with "
+      f"the overlapped all-reduce {d['compute_ms']:.2f}, optimizer {d['optimizer_ms']:.2f} ms; CPU "
+      f"{d['cpu_ms_per_step']:.1f} ms) | ratio {q['samples_per_s'] / d['samples_per_s']:.3f}")
 PY
     done
   done

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "net/base/error.h"
+#include "net/transport/doorbell.h"
 #include "net/transport/fault_endpoint.h"
 #include "net/transport/inproc_endpoint.h"
 #include "proc_harness.h"
@@ -782,6 +783,83 @@ TEST(FabricProvider, StaleShmRegionOfAnEarlierProcessWithThisPidIsRemoved) {
     ep->wait(q, kDl());
     return got == uint32_t(1 - r) ? 0 : 1;
   });
+  EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
+  EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
+}
+
+// A process blocked on its doorbell wakes when another process rings it, and a wait nobody
+// ends returns at its timeout, saying nothing came.
+TEST(Doorbell, AnotherProcessRingingEndsTheWaitAndAnUnrungWaitTimesOut) {
+  auto own = net::Doorbell::own();
+  ASSERT_TRUE(own);
+  EXPECT_EQ(own, net::Doorbell::own());  // one per process
+  const uint32_t token = own->token();
+  EXPECT_FALSE(own->wait(token, std::chrono::milliseconds(1)));
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto bell = net::Doorbell::of(parent);
+    if (bell) bell->ring();
+    auto mine = net::Doorbell::own();  // its own, not the parent's it inherited
+    const bool own_ok = mine && mine != own && net::Doorbell::of(getpid());
+    mine.reset();  // removes its file (_exit runs no destructors)
+    _exit(bell && own_ok ? 0 : 1);
+  }
+  const bool rung = own->wait(token, std::chrono::seconds(60));
+  int status = 0;
+  waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_TRUE(rung);
+  EXPECT_NE(own->token(), token);
+  EXPECT_FALSE(net::Doorbell::of(child));  // an exited process's bell is gone or never was
+}
+
+TEST(Doorbell, PidOfAShmAddress) {
+  EXPECT_EQ(net::Doorbell::pid_in_shm_address("fi_shm://1234:0:1"), 1234);
+  EXPECT_EQ(net::Doorbell::pid_in_shm_address("77:2:0"), 77);
+  EXPECT_EQ(net::Doorbell::pid_in_shm_address("fi_shm://abc"), 0);
+  EXPECT_EQ(net::Doorbell::pid_in_shm_address("fi_sockaddr_in://127.0.0.1:80"), 0);
+  EXPECT_EQ(net::Doorbell::pid_in_shm_address(""), 0);
+}
+
+// With FabricOptions::doorbells, over shm a rank that waits for traffic (no polling) is woken
+// by its peer's send, which it then receives; over tcp the endpoint does not offer such waits,
+// and without the option neither does shm.
+TEST_P(Fabric, ShmPeerSendingWakesARankWaitingForTraffic) {
+  const std::string prov = GetParam();
+  auto res = run_procs(2, [&](int r, int n, net::Rendezvous& rdv) {
+    if (open_fabric(rdv, prov)->wakes_on_traffic()) return 4;  // off unless asked for
+    if (prov == "shm-single") setenv("QRING_SHM_PAIRWISE", "0", 1);
+    net::FabricOptions o;
+    o.provider = prov == "shm-single" ? "shm" : prov;
+    o.doorbells = true;
+    auto ep = net::make_fabric_endpoint(o, rdv.info().rank, rdv.info().world_size, rdv.store(),
+                                        rdv.single_host(), kDl());
+    const bool shm = prov != "tcp";
+    if (ep->wakes_on_traffic() != shm) return 2;
+    uint32_t v = 7, got = 0;
+    {  // connected first (shm's first send to a peer waits for the peer to take it)
+      uint32_t hello = 1, back = 0;
+      auto q = ep->irecv(1 - r, make_tag(Op::kUser, 2, 1), &back, sizeof(back));
+      ep->wait(ep->isend(1 - r, make_tag(Op::kUser, 2, 1), &hello, sizeof(hello)), kDl());
+      ep->wait(q, kDl());
+    }
+    const auto tag = make_tag(Op::kUser, 3, 1);
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      ep->wait(ep->isend(1, tag, &v, sizeof(v)), kDl());
+      return 0;
+    }
+    auto q = ep->irecv(0, tag, &got, sizeof(got));
+    const uint32_t token = ep->traffic_token();
+    ep->progress();
+    const bool woken = q->done() || ep->wait_traffic(token, std::chrono::seconds(20));
+    ep->wait(q, kDl());
+    return got == 7 && woken == shm ? 0 : 3;
+  });
+  EXPECT_FALSE(res.timed_out);
   EXPECT_TRUE(res.exited(0, 0)) << res.status[0];
   EXPECT_TRUE(res.exited(1, 0)) << res.status[1];
 }

@@ -173,6 +173,19 @@ class Endpoint {
   // peer connected; posts to a peer that is not connected wait until reset_peer connects it.
   virtual bool connected(int /*peer*/) const { return true; }
 
+  // ---- Waiting without polling (net/transport/doorbell.h). Where peers wake this endpoint when
+  // they send to it or take its messages, wakes_on_traffic() is true: an idle caller takes
+  // traffic_token() before its last progress(), and wait_traffic(token, max) blocks until
+  // traffic (or wake()) came after the token, or `max` passed, and returns whether something
+  // came. Elsewhere wait_traffic returns false at once and callers sleep as they did. A hint:
+  // the caller polls after every wait, so a wake-up that never comes costs at most `max`.
+  // These three may be called from any thread.
+  virtual bool wakes_on_traffic() const { return false; }
+  virtual uint32_t traffic_token() const { return 0; }
+  virtual bool wait_traffic(uint32_t /*token*/, std::chrono::nanoseconds /*max*/) { return false; }
+  // Ends a wait_traffic of another thread of this process (new work for it).
+  virtual void wake() {}
+
   // Blocks cheaply (spin briefly, then yield, then sleep with backoff) until `req` is done or
   // the deadline passes. On expiry throws TimeoutError naming `what`, the peer and the wait.
   void wait(const RequestPtr& req, Deadline deadline, std::string_view what = {});

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "net/base/error.h"
+#include "net/transport/doorbell.h"
 #include "net/transport/shm_region.h"
 #include "net/transport/tcp_tuning.h"
 
@@ -456,6 +457,8 @@ class FabricEndpoint final : public Endpoint {
     get_info(opts, single_host);
     if (shm_) {
       remove_stale_shm_regions();
+      // Before the address exchange: peers open it on insert_peer.
+      if (opts.doorbells) bell_ = Doorbell::own();
       // A peer that died inside the provider may hold its region lock; its reaper releases it
       // under qring-launch, this rank where nobody did (net/transport/shm_region.h): now, and while the
       // endpoint lives, every kLockWatchPeriod (the watch thread).
@@ -561,6 +564,15 @@ class FabricEndpoint final : public Endpoint {
   }
 
   // "<setting>\n<address>", pairwise "<setting>\n" then "<length>:<address>" per rank.
+  bool wakes_on_traffic() const override { return bell_ != nullptr; }
+  uint32_t traffic_token() const override { return bell_ ? bell_->token() : 0; }
+  bool wait_traffic(uint32_t token, std::chrono::nanoseconds max) override {
+    return bell_ && bell_->wait(token, max);
+  }
+  void wake() override {
+    if (bell_) bell_->ring();
+  }
+
   std::string published_address() const override {
     std::string out = setting_ + '\n';
     if (!pairwise_) return out + names_[0];
@@ -846,6 +858,11 @@ class FabricEndpoint final : public Endpoint {
 
   void insert_peer(int r, const std::string& addr) {
     if (!tcp_cc_.empty() && r != rank_) tcp_regs_.add(addr, tcp_cc_);
+    if (bell_) {  // shm: the peer process's doorbell, rung when there is traffic for it
+      peer_bells_.resize(static_cast<size_t>(world_));
+      peer_bells_[static_cast<size_t>(r)] =
+          r == rank_ ? nullptr : Doorbell::of(Doorbell::pid_in_shm_address(addr));
+    }
     int n = fi_av_insert(av_of(r), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
     if (n != 1)
       throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
@@ -1049,8 +1066,12 @@ class FabricEndpoint final : public Endpoint {
     if (ret >= 0) {
       c->posted = true;
       ++queues_[queue_index(c->req->is_send, c->req->peer)].inflight;
+      if (c->req->is_send) ring(c->req->peer);
       return 0;
     }
+    // A send refused for now waits for the peer (shm: its first message to a peer waits for
+    // the peer to take the connection; a full queue for the peer to read it): wake it.
+    if (ret == -FI_EAGAIN && c->req->is_send) ring(c->req->peer);
     // shm refuses a receive beyond its rx depth (posted receives) with -FI_ENOMEM: it waits
     // like a refused post until earlier receives complete.
     if (ret == -FI_ENOMEM && shm_ && !c->req->is_send) return -FI_EAGAIN;
@@ -1087,6 +1108,12 @@ class FabricEndpoint final : public Endpoint {
                                   fi_strerror(int(-ret)));
     mark_suspect(peer, msg);
     finish_part(c, RequestState::kError, msg);
+  }
+
+  // Wakes `peer`'s process if it waits for traffic (shm; nothing elsewhere).
+  void ring(int peer) {
+    if (peer >= 0 && static_cast<size_t>(peer) < peer_bells_.size())
+      if (Doorbell* b = peer_bells_[static_cast<size_t>(peer)].get()) b->ring();
   }
 
   void mark_suspect(int peer, const std::string& why) {
@@ -1388,6 +1415,7 @@ class FabricEndpoint final : public Endpoint {
       c->req->bytes += e.len;
       c->req->matched_tag = e.tag & ~(kFragMask | kGenMask);
       if (e.flags & FI_REMOTE_CQ_DATA) c->req->data = e.data;
+      ring(c->req->peer);  // its sender completes the send in its own progress
     }
     finish_part(c, RequestState::kDone, {});
   }
@@ -1590,6 +1618,9 @@ class FabricEndpoint final : public Endpoint {
   std::vector<fid_ep*> ep_of_;   // per rank: the endpoint that talks to it
   bool pairwise_ = false;
   bool shm_ = false;
+  // shm: this process's doorbell and each peer's (net/transport/doorbell.h); empty elsewhere.
+  std::shared_ptr<Doorbell> bell_;
+  std::vector<std::shared_ptr<Doorbell>> peer_bells_;
   std::vector<fi_addr_t> addrs_;
   std::vector<uint32_t> gens_;     // per rank: the pair's generation (in every tag)
   std::vector<char> connected_;    // per rank: reachable (a joining endpoint starts with none)

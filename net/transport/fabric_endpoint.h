@@ -37,6 +37,13 @@ struct FabricOptions {
   // Joining a running job: publish this endpoint's address but read none, and start with no
   // peer connected (Endpoint::reset_peer connects each one the join protocol names).
   bool join = false;
+  // shm: a doorbell for this process (net/transport/doorbell.h), so that the engine's waits
+  // block in the kernel until a peer's traffic wakes them instead of polling and yielding.
+  // Peers ring the doorbells of the processes that have one. Pays on a node whose cores are
+  // taken by computing ranks or other work (a training process, a loaded machine); costs
+  // wake-ups on a quiet oversubscribed node (docs/benchmarks.md, "qring.torch against
+  // PyTorch DDP"). The Python module turns it on (qring.init(wait="block")).
+  bool doorbells = false;
 };
 
 // Opens an endpoint, publishes its address in `store` (key: FabricOptions::instance), reads

@@ -35,6 +35,8 @@ _INIT_OPTIONS = {
     "timeout_ms": (int, 60000, "deadline of every collective"),
     "setup_timeout_ms": (int, 30000, "deadline of the rendezvous and address exchange"),
     "log_level": (str, "warn", "qring's log level: trace, debug, info, warn, error, off"),
+    "wait": (str, "block", "while waiting for peers: block in the kernel until their traffic "
+                           "(shm) or poll and yield"),
 }
 
 
@@ -60,7 +62,9 @@ def init(**options):
     MASTER_ADDR, MASTER_PORT...), mpirun (OMPI_COMM_WORLD_*), Slurm (SLURM_*); none of them: a
     single process. A partial or contradictory environment raises ConfigError naming the
     variables. Options: provider="auto", timeout_ms=60000, setup_timeout_ms=30000,
-    log_level="warn". A rank restarted by qring-launch --max-restarts joins the running job
+    log_level="warn", wait="block" (over shm a rank that waits for its peers blocks in the
+    kernel until their traffic wakes it, leaving the cores to ranks that compute; "poll":
+    poll and yield, as qring-train and qring-bench do). A rank restarted by qring-launch --max-restarts joins the running job
     (rejoining() is True; qring.torch.DistributedOptimizer then takes the job's state)."""
     _check_kwargs("qring.init", options, _INIT_OPTIONS)
     values = {}

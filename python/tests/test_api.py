@@ -93,6 +93,7 @@ def test_bad_options_are_rejected():
     expect(TypeError, "unknown option(s) provder", qring.init, provder="shm")
     expect(TypeError, "timeout_ms must be an int", qring.init, timeout_ms="1")
     expect(ValueError, "log_level 'loud'", qring.init, log_level="loud")
+    expect(ValueError, "wait 'spin': expected 'block' or 'poll'", qring.init, wait="spin")
     qring.init()
     expect(ValueError, "count must be at least 1", qring.QuorumAllreduce, 0)
     expect(TypeError, "count must be an int", qring.QuorumAllreduce, 2.5)

@@ -4,6 +4,7 @@ SIGKILL of a rank, restart and rejoin, mismatched models, the examples."""
 import os
 import re
 
+import pytest
 from conftest import LAUNCH, PYTHON, ROOT, launch, run
 
 
@@ -24,9 +25,12 @@ def test_mean_over_contributors_matches_torch_and_a_straggler_is_dropped():
     assert all(len(d) == 1 for d in by_step.values()), job
 
 
-def test_mean_over_all_ranks_without_stragglers():
-    job = launch(3, ["mean", "--steps", "3"])
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_mean_over_all_ranks_without_stragglers(wait):
+    # qring.init(wait=...): blocking on the shm doorbells or polling, the same results.
+    job = launch(3, ["mean", "--steps", "3", "--wait", wait])
     assert job.rc == 0, job
+    assert len(job.results) == 9, job
     for r in job.results:
         assert r["contributors"] == [0, 1, 2] and not r["excluded"], job
         assert r["max_err"] <= 1e-6 * r["scale"] + 1e-8, job

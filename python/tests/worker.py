@@ -59,7 +59,7 @@ def mode_mean(a):
     """QuorumAllreduce on flat gradients: each step's result is compared with the mean over
     the step's contributors, computed in torch from the contributors' own gradients (every
     rank can compute every rank's: the data is a function of (rank, step))."""
-    qring.init()
+    qring.init(wait=a.wait)
     rank, world = qring.rank(), qring.size()
     torch.manual_seed(7)
     model = Net()
@@ -155,6 +155,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quorum", type=int, default=None)
     ap.add_argument("--straggler", default="none")
+    ap.add_argument("--wait", choices=["block", "poll"], default="block")
     ap.add_argument("--evict-ms", type=int, default=5000)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
