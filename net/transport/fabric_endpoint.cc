@@ -563,7 +563,7 @@ class FabricEndpoint final : public Endpoint {
     return peer >= 0 && peer < world_ && connected_[static_cast<size_t>(peer)];
   }
 
-  // "<setting>\n<address>", pairwise "<setting>\n" then "<length>:<address>" per rank.
+  // Waiting without polling (endpoint.h): this process's shm doorbell, where it has one.
   bool wakes_on_traffic() const override { return bell_ != nullptr; }
   uint32_t traffic_token() const override { return bell_ ? bell_->token() : 0; }
   bool wait_traffic(uint32_t token, std::chrono::nanoseconds max) override {
@@ -573,6 +573,7 @@ class FabricEndpoint final : public Endpoint {
     if (bell_) bell_->ring();
   }
 
+  // "<setting>\n<address>", pairwise "<setting>\n" then "<length>:<address>" per rank.
   std::string published_address() const override {
     std::string out = setting_ + '\n';
     if (!pairwise_) return out + names_[0];
