@@ -523,18 +523,43 @@ def post_arrival_ms(run_dir):
     return median(after), steps[SKIP_STEPS]["quorum"]
 
 
+def arrival_offsets(run_dir):
+    """A qring-train run's arrival offsets, per step after the first SKIP_STEPS: each rank's
+    READY after rank 0's (the coordinator's clock), in a run whose ranks all idle the same
+    time, so that what is left is the ranks' start skew after the previous step and the
+    READY's way; a READY not in by the decision counts as the quorum-th (a lower bound).
+    Steps without rank 0's READY are left out (no common clock)."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    rows = []
+    for j in steps[SKIP_STEPS:]:
+        ready = j.get("ready_ms") or []
+        got = sorted(x for x in ready if x >= 0)
+        if not ready or ready[0] < 0 or len(got) < j["quorum"]:
+            continue
+        late = got[j["quorum"] - 1]
+        rows.append([round((x if x >= 0 else late) - ready[0], 3) for x in ready])
+    return rows
+
+
 def post_arrival(out, base, run_dirs):
-    """BASE (a calibration) with step_cost_ms measured by the runs RUN_DIRS (qring-train with
-    every rank idle the same time each step, so that the quorum's arrivals come together):
-    by quorum N, "full" where N is the world size (its speculative ring), else "backup"."""
+    """BASE (a calibration) with what the runs RUN_DIRS (qring-train with every rank idle the
+    same time each step, so that the quorum's arrivals come together) measured, by quorum N:
+    step_cost_ms, the cost beyond the decision ("full" where N is the world size: its
+    speculative ring; else "backup"), and arrival_offsets_ms, each step's ranks' READYs after
+    the coordinator's (the simulator replays them in order: train/sim.h)."""
     cal = read_json(base)
     cost = {"full": {}, "backup": {}}
+    offsets = {}
     for run_dir in run_dirs:
         ms, quorum = post_arrival_ms(run_dir)
         world = read_json(os.path.join(run_dir, "summary.json"))["world"]
         cost["full" if quorum == world else "backup"][str(quorum)] = ms
-        print(f"{run_dir}: {ms:.2f} ms beyond the decision (quorum {quorum} of {world})")
+        offsets[str(quorum)] = arrival_offsets(run_dir)
+        last = median([max(r) for r in offsets[str(quorum)]])
+        print(f"{run_dir}: {ms:.2f} ms beyond the decision, the last READY {last:.2f} ms after "
+              f"the coordinator's (median; quorum {quorum} of {world})")
     cal["step_cost_ms"] = cost
+    cal["arrival_offsets_ms"] = offsets
     cal["step_cost_from"] = run_dirs
     with open(out, "w") as f:
         json.dump(cal, f, indent=2)

@@ -32,7 +32,7 @@ cd "$(dirname "$0")/.."
 DIR=$1
 HIDDEN=${2:-model.hidden=[128]}
 : "${APPLY_MS:=0.077}" "${TRAIN:?}" "${BENCH:?}" "${SIM:?}" "${PY:?}" "${CONFIG:?}" "${SEQLEN:?}" "${VAL_HOSTS:?}" "${VAL_ITERS:?}"
-export QRING_NETNS_NAME=qring-val QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit} \
+export QRING_NETNS_NAME=${QRING_VAL_NETNS:-qring-val} QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit} \
   QRING_NETNS_BURST=${QRING_NETNS_BURST:-16kb}
 BENCH=$(realpath "$BENCH") SIM=$(realpath "$SIM") TRAIN=$(realpath "$TRAIN") CONFIG=$(realpath "$CONFIG")
 CLUSTER=scripts/netns-cluster.sh
