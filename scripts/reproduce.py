@@ -4,9 +4,11 @@ SGD", on qring's own runs (docs/reproduction.md).
 
     scripts/reproduce.py analyze DIR           tables, plots and the claim table of DIR's runs
     scripts/reproduce.py check DIR             every artefact of analyze there, well formed
-    scripts/reproduce.py publish DIR           DIR's plots and tables into docs/reproduction/,
+    scripts/reproduce.py publish DIR [TABLE...]
+                                               DIR's plots and tables into docs/reproduction/,
                                                its claim table and numbers into the marked
-                                               blocks of docs/reproduction.md
+                                               blocks of docs/reproduction.md (with TABLEs:
+                                               those alone, e.g. validate)
     scripts/reproduce.py calibrate OUT.json BENCH.json... [--min-bytes=N]
                                                the simulator's network model (from rows of
                                                N bytes and more)
@@ -595,6 +597,8 @@ def validate_part(d):
         if os.path.exists(cal_k):
             costs = read_json(cal_k)["step_cost_ms"]
             row["post_duty_ms"] = costs["full" if q == k else "backup"].get(str(q))
+            offs = read_json(cal_k).get("arrival_offsets_ms", {}).get(str(q))
+            row["skew_duty_ms"] = median([max(o) for o in offs]) if offs else None
         model2 = os.path.join(v, f"model2-{k}-q{q}")
         if os.path.exists(os.path.join(model2, "summary.json")):
             ms = [j for j in plot.read_jsonl(os.path.join(model2, "metrics.jsonl")) if j.get("type") == "step"]
@@ -1010,11 +1014,13 @@ def tables_md(res):
           f"{r['simulated_p50_ms']:.1f}", f"{100 * r['p50_error']:+.1f} %", f"{r['measured_mean_ms']:.1f}",
           f"{r['simulated_mean_ms']:.1f}", f"{100 * r['mean_error']:+.1f} %",
           f"{opt(r.get('post_measured_ms'))} / {opt(r.get('post_duty_ms'))} / {opt(r.get('post_model2_ms'))}",
+          opt(r.get("skew_duty_ms")),
           opt(r.get("model2_p50_error") and 100 * r["model2_p50_error"], "{:+.1f} %")]
          for r in res["validate"]["rows"]]
     t["validate"] = md_table(["hosts", "Q", "step cost c (ms)", "measured p50", "simulated p50", "error",
                               "measured mean", "simulated mean", "error",
                               "beyond the decision (ms): measured / idle runs / 2-host model",
+                              "last READY after the coordinator's (idle runs, ms)",
                               "2-host model: p50 error"], v)
     cal = res["validate"]["calibration"]
     if cal:
@@ -1109,25 +1115,35 @@ def check(d):
     print(f"check: {len(EXPECTED_PLOTS)} plots, {len(EXPECTED_TABLES)} tables, {len(claims)} claims: ok")
 
 
-def publish(d, docs=os.path.join(ROOT, "docs")):
+PLOT_OF = {"kth": "kth-arrival", "validate": "validation"}  # a table's plot, where named apart
+
+
+def publish(d, only=(), docs=os.path.join(ROOT, "docs")):
     """DIR's plots and tables into docs/reproduction/, its claim table and tables into the
-    blocks of docs/reproduction.md marked <!-- BEGIN name --> ... <!-- END name -->."""
+    blocks of docs/reproduction.md marked <!-- BEGIN name --> ... <!-- END name -->; with
+    `only` (table names, e.g. validate) those tables, their blocks and plots alone (a part
+    run again into a DIR of its own)."""
     import shutil
     dst = os.path.join(docs, "reproduction")
     os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
+    wanted = lambda p: not only or os.path.basename(p).split(".")[0] in (  # noqa: E731
+        set(only) | {PLOT_OF.get(n, n) for n in only})
     for p in glob.glob(os.path.join(d, "plots", "*.png")):
-        shutil.copy(p, dst)
-    for p in glob.glob(os.path.join(d, "tables", "*")) + [os.path.join(d, "claims.md"),
-                                                           os.path.join(d, "claims.json")]:
-        shutil.copy(p, os.path.join(dst, "tables"))
+        if wanted(p):
+            shutil.copy(p, dst)
+    extra = [] if only else [os.path.join(d, "claims.md"), os.path.join(d, "claims.json")]
+    for p in glob.glob(os.path.join(d, "tables", "*")) + extra:
+        if wanted(p):
+            shutil.copy(p, os.path.join(dst, "tables"))
     page = os.path.join(docs, "reproduction.md")
     text = open(page).read()
     # The page's claim table holds the paper's claims; the simulator's checks and the adaptive
     # quorum's have their own sections (blocks validate and auto).
-    blocks = {"claims": claims_md(read_json(os.path.join(d, "claims.json")),
-                                  ("P1", "P2", "P3a", "P3b", "P3c", "P4"))}
+    blocks = {} if only else {"claims": claims_md(read_json(os.path.join(d, "claims.json")),
+                                                  ("P1", "P2", "P3a", "P3b", "P3c", "P4"))}
     for p in glob.glob(os.path.join(d, "tables", "*.md")):
-        blocks[os.path.basename(p)[:-3]] = open(p).read()
+        if wanted(p):
+            blocks[os.path.basename(p)[:-3]] = open(p).read()
     for name, body in blocks.items():
         text = re.sub(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)",
                       lambda m: m.group(1) + body + m.group(2), text, flags=re.S)
@@ -1148,7 +1164,7 @@ def fake_times(out, ranks, steps, seed):
 
 def main():
     cmds = {"analyze": (1, lambda a: analyze(a[0])), "check": (1, lambda a: check(a[0])),
-            "publish": (1, lambda a: publish(a[0])),
+            "publish": (1, lambda a: publish(a[0], a[1:])),
             "calibrate": (2, lambda a: calibrate(a[0], [x for x in a[1:] if not x.startswith("--min-bytes=")],
                                                  min((int(x.split("=")[1]) for x in a[1:]
                                                       if x.startswith("--min-bytes=")), default=0))),
