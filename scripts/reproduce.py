@@ -511,18 +511,25 @@ def post_arrival_ms(run_dir):
     after the first SKIP_STEPS, the time from the quorum-th READY (the coordinator's
     ready_ms, rank 0's own READY placing them on its clock) to the end of rank 0's step (the
     ring or the reduction among the contributors, the update); its median."""
-    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
-    after = []
-    for j in steps[SKIP_STEPS:]:
-        ready = j.get("ready_ms") or []
-        got = sorted(x for x in ready if x >= 0)
-        if not ready or ready[0] < 0 or len(got) < j["quorum"]:
-            continue  # rank 0 was not among the arrivals: no common clock
-        after.append(j["wait_ms"] - (got[j["quorum"] - 1] - ready[0]))
+    steps = clocked_steps(run_dir)
+    after = [j["wait_ms"] - (quorum_th - ready[0]) for j, ready, quorum_th in steps]
     if not after:
         sys.exit(f"post-arrival: {run_dir} has no step with rank 0 among the arrivals "
                  f"after the first {SKIP_STEPS}")
-    return median(after), steps[SKIP_STEPS]["quorum"]
+    return median(after), steps[0][0]["quorum"]
+
+
+def clocked_steps(run_dir):
+    """A qring-train run's steps after the first SKIP_STEPS whose READYs rank 0's own places
+    on its clock: (step line, ready_ms, the quorum-th READY's offset)."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    out = []
+    for j in steps[SKIP_STEPS:]:
+        ready = j.get("ready_ms") or []
+        got = sorted(x for x in ready if x >= 0)
+        if ready and ready[0] >= 0 and len(got) >= j["quorum"]:
+            out.append((j, ready, got[j["quorum"] - 1]))
+    return out
 
 
 def arrival_offsets(run_dir):
@@ -531,16 +538,8 @@ def arrival_offsets(run_dir):
     time, so that what is left is the ranks' start skew after the previous step and the
     READY's way; a READY not in by the decision counts as the quorum-th (a lower bound).
     Steps without rank 0's READY are left out (no common clock)."""
-    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
-    rows = []
-    for j in steps[SKIP_STEPS:]:
-        ready = j.get("ready_ms") or []
-        got = sorted(x for x in ready if x >= 0)
-        if not ready or ready[0] < 0 or len(got) < j["quorum"]:
-            continue
-        late = got[j["quorum"] - 1]
-        rows.append([round((x if x >= 0 else late) - ready[0], 3) for x in ready])
-    return rows
+    return [[round((x if x >= 0 else late) - ready[0], 3) for x in ready]
+            for _, ready, late in clocked_steps(run_dir)]
 
 
 def post_arrival(out, base, run_dirs):
