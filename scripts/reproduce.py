@@ -598,6 +598,11 @@ def validate_part(d):
             row["post_duty_ms"] = costs["full" if q == k else "backup"].get(str(q))
             offs = read_json(cal_k).get("arrival_offsets_ms", {}).get(str(q))
             row["skew_duty_ms"] = median([max(o) for o in offs]) if offs else None
+        together = os.path.join(v, f"together-{k}-q{q}")
+        if os.path.exists(os.path.join(together, "summary.json")):
+            tp = step_periods(together)
+            row["together_p50_error"] = median(tp) / row["measured_p50_ms"] - 1
+            row["together_mean_error"] = sum(tp) / len(tp) / row["measured_mean_ms"] - 1
         model2 = os.path.join(v, f"model2-{k}-q{q}")
         if os.path.exists(os.path.join(model2, "summary.json")):
             ms = [j for j in plot.read_jsonl(os.path.join(model2, "metrics.jsonl")) if j.get("type") == "step"]
@@ -1014,12 +1019,15 @@ def tables_md(res):
           f"{r['simulated_mean_ms']:.1f}", f"{100 * r['mean_error']:+.1f} %",
           f"{opt(r.get('post_measured_ms'))} / {opt(r.get('post_duty_ms'))} / {opt(r.get('post_model2_ms'))}",
           opt(r.get("skew_duty_ms")),
+          "-" if r.get("together_p50_error") is None else
+          f"{100 * r['together_p50_error']:+.1f} % / {100 * r['together_mean_error']:+.1f} %",
           opt(r.get("model2_p50_error") and 100 * r["model2_p50_error"], "{:+.1f} %")]
          for r in res["validate"]["rows"]]
     t["validate"] = md_table(["hosts", "Q", "step cost c (ms)", "measured p50", "simulated p50", "error",
                               "measured mean", "simulated mean", "error",
                               "beyond the decision (ms): measured / idle runs / 2-host model",
                               "last READY after the coordinator's (idle runs, ms)",
+                              "ranks starting together: p50 / mean error",
                               "2-host model: p50 error"], v)
     cal = res["validate"]["calibration"]
     if cal:
