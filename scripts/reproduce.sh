@@ -25,7 +25,7 @@
 #
 # Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
 # how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
-# values and steps; 15 minutes on 2 cores that others' work loaded to 12-24, 6.6 of CPU), regenerating
+# values and steps; 18 minutes on 2 cores that others' work loaded to 11-27, 5.9 of CPU), regenerating
 # every table and plot the page cites; --smoke: every part on synthetic data and a made-up
 # job trace in a few minutes (what scripts/test.sh runs: the artefacts are produced and well
 # formed, not the claims). --only PART... reruns those parts (the others' runs in DIR are
@@ -206,6 +206,7 @@ compute_of() { case $1 in trace | slow-worker) echo 0 ;; *) echo "$SIM_COMPUTE_M
 # SIM_JOBS at once: simulated time does not depend on the machine's load, so the runs of a
 # part overlap; sim_wait waits for them all (the end of a part, or before reading a grid).
 SIM_JOBS=${QRING_SIM_JOBS:-$(nproc)}
+# shellcheck disable=SC2046  # the running jobs' ids, one word each
 sim_failed() { echo "reproduce.sh: a qring-sim run failed (above)" >&2; kill $(jobs -rp) 2>/dev/null; exit 1; }
 sim_wait() { local p; for p in $(jobs -p); do wait "$p" || sim_failed; done; }
 sim() {
