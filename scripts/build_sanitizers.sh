@@ -38,12 +38,8 @@ built() {  # built DIR COMMAND...: runs the build, then marks DIR as built or fa
 }
 asan() {
   [ "${QRING_SKIP_SANITIZE:-0}" != 1 ] || return 0
-  local targets
-  # The tests labelled "sanitize" (tests/CMakeLists.txt: every test_net_ and test_coll_ but
-  # test_coll_bench, which runs the benchmark programs).
-  targets="qring-launch $(cd tests && ls test_net_*.cc test_coll_*.cc | grep -vx test_coll_bench.cc |
-    sed 's/\.cc$//' | tr '\n' ' ')"
-  built build-asan env QRING_TARGETS="$targets" QRING_BUILD_TYPE=RelWithDebInfo \
+  # qring_sanitize_tests: qring-launch and the tests labelled "sanitize" (tests/CMakeLists.txt).
+  built build-asan env QRING_TARGETS=qring_sanitize_tests QRING_BUILD_TYPE=RelWithDebInfo \
     scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined -DQRING_BUILD_TESTS=ON \
     -DQRING_TEST_PER_BINARY=ON
 }
