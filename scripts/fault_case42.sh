@@ -6,7 +6,7 @@
 # default: QRING_CASE_TIMEOUT); exit 124 means the launcher did not exit on its own.
 #   clean   no fault: the accuracy the others are compared with (once per provider and EPOCHS).
 #   case 1  a lagging rank at the end (a takeover without a majority must not depose a live
-#           coordinator): rank 2 stopped 0.8 s of every second from step 0.7 S to its end.
+#           coordinator): rank 2 stopped 0.8 s of every second from step 0.5 S to its end.
 #   case 2  the coordinator and one more killed in one step (kill:0:K:step,kill:1:K:step,
 #           K = 0.3 S), --tolerate-failures 2: the launcher witnesses both, the two left go on.
 #   case 3  restarts into a lost job: ranks 1, 2, 3 killed at step K, --max-restarts 3: one rank
@@ -25,8 +25,8 @@
 #           steps), the launcher SIGTERMed at step 0.6 S (the ranks checkpoint and stop), then
 #           the same job again with --resume: it must resume from the survivors' newest
 #           checkpoint, not from step 0, and finish with one checksum.
-#   case 11 pauses shorter than evict_ms: rank 2 SIGSTOPped 0.75 s at step 100 and 0.95 s at
-#           step 0.6 S, then SIGCONT: no view change (the lengths the pauses really had are
+#   case 11 pauses shorter than evict_ms: rank 2 SIGSTOPped 0.75 s from step 60, continued
+#           2 s, SIGSTOPped 0.95 s, then SIGCONT: no view change (the lengths the pauses really had are
 #           printed: a late SIGCONT on a loaded host makes them longer).
 #   case 10 (no runs of its own) metrics.jsonl holds every step once and summary.json counts
 #           every failure and rejoin the logs show: checked on cases 4 and 5's runs.
@@ -53,16 +53,19 @@ E45=$(( EPOCHS > 3 ? EPOCHS : 3 ))  # cases 4 and 5: the restarted rank must be 
 train=(--config configs/fmnist-mlp.toml log.progress=false quorum.quorum=2 "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
 stamp() { date +%H:%M:%S.%3N; }
 
-# Stops PID STOP_S seconds, continues it, RUN_S seconds, COUNT times (or until it is gone);
+# Stops PID STOP_S seconds (a list: a, b, ... one per pause, the last repeated), continues it,
+# RUN_S seconds, COUNT times (or until it is gone);
 # prints each pause as long as it really was (ms). Niced up: a late SIGCONT lengthens a pause.
 cat > "$OUT/pauser.py" <<'PY'
 import os, signal, sys, time
-pid, stop_s, run_s, count = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+pid, run_s, count = int(sys.argv[1]), float(sys.argv[3]), int(sys.argv[4])
+stops = [float(x) for x in sys.argv[2].split(",")]  # one after the other, the last repeated
 try:
     os.nice(-5)
 except OSError:
     pass
-for _ in range(count):
+for k in range(count):
+    stop_s = stops[min(k, len(stops) - 1)]
     try:
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -124,7 +127,8 @@ one_run() {  # case, run number
   case "$c" in
     clean|clean4) launch "$n" none --tolerate-failures 1 -- --force; finish ;;
     1) launch "$n" none --tolerate-failures 1 -- --force
-       if wait_step $(( STEPS * 7 / 10 )); then
+       echo 0.5 > "$dir.from"
+       if wait_step $(( STEPS / 2 )); then
          p=$(rank_pid 2)
          [ -n "$p" ] && { stamp > "$dir.kill"; python3 "$OUT/pauser.py" "$p" 0.8 0.2 "$LIMIT" > "$dir.pauses" & }
        fi
@@ -167,12 +171,9 @@ one_run() {  # case, run number
        echo "=== --resume ===" >> "$log"
        launch "$n" none --tolerate-failures 1 -- --resume train.checkpoint_every=50; finish ;;
     11) launch "$n" none --tolerate-failures 1 -- --force
-        if wait_step 100; then
+        if wait_step 60; then  # both pauses from one process: its start-up is slow under load
           p=$(rank_pid 2)
-          [ -n "$p" ] && python3 "$OUT/pauser.py" "$p" 0.75 0 1 > "$dir.pauses"
-          if [ -n "$p" ] && wait_step $(( STEPS * 6 / 10 )); then
-            python3 "$OUT/pauser.py" "$p" 0.95 0 1 >> "$dir.pauses"
-          fi
+          [ -z "$p" ] || python3 "$OUT/pauser.py" "$p" 0.75,0.95 2 2 > "$dir.pauses"
         fi
         finish ;;
   esac
