@@ -85,6 +85,29 @@ TEST(Liveness, APassHalfAnEvictTimeAfterTheLastIsAPauseAndRestartsTheSilence) {
             Liveness::Silence::kNone);
 }
 
+// Silence counts only while this process looks: gaps between its passes beyond `look`
+// (heartbeat / 2) are time it waited for a CPU, not the coordinator's silence; they are handed
+// on (take_stall) for a coordinator's roster. Passes every 20 ms count in full.
+TEST(Liveness, GapsBetweenPassesBeyondLookAreNotCountedAsTheCoordinatorsSilence) {
+  const auto t = LivenessTimes::of(milliseconds(800), milliseconds(8000));
+  EXPECT_EQ(t.look, milliseconds(50));
+  Liveness l(t, T0);
+  l.heard_coordinator(T0);
+  const auto v = view(0, {0, 1, 2, 3});
+  auto at = T0;
+  for (int i = 0; i < 20; ++i) EXPECT_FALSE(l.paused(at += milliseconds(20)));  // 400 ms
+  EXPECT_EQ(l.take_stall(), Clock::duration(0));
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(l.paused(at += milliseconds(150)));  // 1000 ms
+  EXPECT_EQ(l.take_stall(), milliseconds(400));
+  EXPECT_EQ(l.take_stall(), Clock::duration(0));
+  EXPECT_DOUBLE_EQ(l.silent_ms(at), 600.0);
+  // The limit (900 ms) is reached at 1300 ms of wall time, not 900.
+  while (at < T0 + milliseconds(1280)) EXPECT_FALSE(l.paused(at += milliseconds(20)));
+  EXPECT_EQ(l.coordinator_silence(at, v, 0, 1, true), Liveness::Silence::kNone);
+  for (int i = 0; i < 2; ++i) l.paused(at += milliseconds(20));
+  EXPECT_EQ(l.coordinator_silence(at, v, 0, 1, true), Liveness::Silence::kTakeOver);
+}
+
 TEST(Liveness, SuccessorsProposeThemselvesInRankOrderOneEvictPeriodApart) {
   const auto t = LivenessTimes::of(milliseconds(400), milliseconds(8000));
   const View v = view(3, {0, 2, 5, 7});

@@ -317,6 +317,31 @@ TEST(Coordinator, ItsOwnPauseEvictsNobody) {
   EXPECT_EQ(s.c.view().size(), 4);
 }
 
+// The time the coordinator's own process waited for a CPU (liveness.h, take_stall) is not
+// counted as a member's silence: rank 3, silent 400 ms, then 300 ms while the coordinator
+// waited, is not evicted at 700 ms of wall time but once 562 ms of the coordinator's own time
+// passed; the view names its wall-clock silence. A member heard again starts from zero.
+TEST(Coordinator, ItsOwnStallsAreNotCountedAsAMembersSilence) {
+  Sim s(base(4, 3));
+  EXPECT_TRUE(of(s.run(milliseconds(400), {1, 2}), K::kView).empty());
+  s.now += milliseconds(300);
+  s.c.excuse(milliseconds(300));
+  EXPECT_TRUE(of(s.tick(), K::kView).empty());
+  EXPECT_TRUE(of(s.run(milliseconds(150), {1, 2}), K::kView).empty());
+  auto v = of(s.run(milliseconds(30), {1, 2}), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  ASSERT_EQ(v[0].left.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_GT(v[0].left[0].silent_ms, 862);
+  // Rank 2 was heard during the stall's aftermath: the excuse ended with its message, and its
+  // silence from there on counts in full.
+  s.c.excuse(milliseconds(200));
+  s.beat(2);
+  v = of(s.run(milliseconds(580), {1}), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left.at(0).rank, 2);
+}
+
 // Step 0 decided with S = {0, 1, 2}; then rank 2 dies before everyone completed it.
 Sim with_lost_member(int quorum) {
   Sim s(base(4, quorum));

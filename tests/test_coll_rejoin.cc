@@ -152,6 +152,39 @@ TEST(CoordinatorRejoin, AdmittedOnceEveryMemberReconnectedAndTheJoinerReachedThe
   EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
 }
 
+// The coordinator cannot see when its VIEW reaches an admitted joiner (over tcp a connection
+// may still be completing, on a loaded host its engine may wait for a CPU): until the new
+// incarnation speaks in the view, the start-up limit applies, not evict; from its first
+// message on, evict + a heartbeat period as for every member.
+TEST(CoordinatorRejoin, AnAdmittedJoinerHasTheStartUpLimitUntilItSpeaksInTheView) {
+  Sim s = lost_rank3();
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  EXPECT_TRUE(of(s.run(milliseconds(1500), {1, 2}, 4), K::kView).empty());
+  EXPECT_TRUE(s.c.view().has(3));
+  s.beat(3, 4);
+  auto v = of(s.run(milliseconds(600), {1, 2}, 4), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left.at(0).rank, 3);
+  EXPECT_EQ(v[0].left.at(0).why, Why::kSilent);
+  EXPECT_LT(v[0].left.at(0).silent_ms, 600.0);
+}
+
+// A joiner that never speaks after its admission (it died before the VIEW reached it, and no
+// store witnessed it) leaves once the start-up limit passed: nothing waits for it for good.
+TEST(CoordinatorRejoin, AnAdmittedJoinerThatNeverSpeaksLeavesAfterTheStartUpLimit) {
+  Sim s = lost_rank3();
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  EXPECT_TRUE(of(s.run(milliseconds(5000), {1, 2}, 4), K::kView).empty());
+  auto v = of(s.run(milliseconds(700), {1, 2}, 4), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left.at(0).rank, 3);
+  EXPECT_EQ(v[0].left.at(0).why, Why::kSilent);
+}
+
 TEST(CoordinatorRejoin, ARestartedRankStillInTheViewLeavesAtOnce) {
   Sim s(base(4, 3));
   s.steps(0, 3, {0, 1, 2, 3});

@@ -30,12 +30,18 @@ namespace fs = std::filesystem;
 
 const std::string kBuild = QRING_BUILD_DIR;
 const std::string kSource = QRING_SOURCE_DIR;
+// These jobs share the host with another test (ctest -j2) and the CI's other stages: their
+// ranks are unbound, as docs/bootstrap.md says for a shared host. Bound (4 ranks on 2 CPUs:
+// rank r on CPU r mod 2), the ranks pinned to a CPU that other work takes wait for it together
+// (ranks 0 and 2 runnable and not running for 0.6 s at once, then evicted as silent), which is
+// CPU starvation, not the fault under test.
+const std::string kLaunch = kBuild + "/net/qring-launch --bind none";
 
 // Short synthetic runs: 4 ms steps or so; the evict time is short so that a run takes
 // seconds. Every wait is bounded (deadline_ms), and the harness kills a run after 120 s.
 std::string run_cmd(const std::string& fault, int ranks, int tolerate, const std::string& out,
                     const std::string& name, const std::string& extra) {
-  return "QRING_FAULT=" + fault + " " + kBuild + "/net/qring-launch -n " + std::to_string(ranks) +
+  return "QRING_FAULT=" + fault + " " + kLaunch + " -n " + std::to_string(ranks) +
          " --tolerate-failures " + std::to_string(tolerate) + " -- " + kBuild +
          "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" + out +
          " run.name=" + name +
@@ -67,7 +73,7 @@ class TrainFaults : public ::testing::Test {
   // evict 500 ms, deadline 8 s), run `name`, with the overrides `extra`.
   std::string restarting_run(const std::string& fault, const std::string& name,
                              const std::string& extra) const {
-    return "QRING_FAULT=" + fault + " " + kBuild + "/net/qring-launch -n 4 --max-restarts 1 -- " +
+    return "QRING_FAULT=" + fault + " " + kLaunch + " -n 4 --max-restarts 1 -- " +
            kBuild + "/train/qring-train --config " + kSource +
            "/configs/smoke.toml run.out_dir=" + dir_.string() + " run.name=" + name +
            " log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 quorum.quorum=3 " +
@@ -323,8 +329,8 @@ TEST_F(TrainFaults, SurvivorsFinishWhenARankNobodyReapsDiesHoldingItsShmLock) {
   std::ofstream(wrap) << "#!/bin/sh\n\"$@\" &\necho $! > " << (dir_ / "pid.").string()
                       << "$QRING_RANK\nwait $!\n";
   fs::permissions(wrap, fs::perms::owner_all);
-  const std::string cmd = "QRING_FAULT=kill-locked:2:40:ring " + kBuild +
-                          "/net/qring-launch -n 4 --tolerate-failures 1 -- " + wrap.string() + " " +
+  const std::string cmd = "QRING_FAULT=kill-locked:2:40:ring " + kLaunch +
+                          " -n 4 --tolerate-failures 1 -- " + wrap.string() + " " +
                           kBuild + "/train/qring-train --config " + kSource +
                           "/configs/smoke.toml run.out_dir=" + dir_.string() +
                           " run.name=unreaped log.progress=false quorum.evict_ms=500 "
@@ -357,7 +363,7 @@ TEST_F(TrainFaults, ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint) 
   const fs::path ckpt = dir_ / "lost" / "checkpoints";
   EXPECT_FALSE(fs::exists(ckpt / "rank-2" / "ckpt-000000000300.qck"));
   ASSERT_TRUE(fs::exists(ckpt / "rank-0" / "ckpt-000000000300.qck"));
-  auto again = sh(kBuild + "/net/qring-launch -n 4 -- " + kBuild +
+  auto again = sh(kLaunch + " -n 4 -- " + kBuild +
                   "/train/qring-train --resume --config " + kSource +
                   "/configs/smoke.toml run.out_dir=" + dir_.string() +
                   " run.name=lost log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 "
@@ -403,7 +409,7 @@ TEST_F(TrainFaults, RankThatComesBackWithOtherKernelsIsRefused) {
                          "exec \"$@\"\n";
   fs::permissions(wrap, fs::perms::owner_all);
   const std::string cmd =
-      "QRING_FAULT=kill:2:40:step " + kBuild + "/net/qring-launch -n 4 --max-restarts 1 "
+      "QRING_FAULT=kill:2:40:step " + kLaunch + " -n 4 --max-restarts 1 "
       "--tolerate-failures 1 -- " + wrap.string() + " " +
       kBuild + "/train/qring-train --config " + kSource + "/configs/smoke.toml run.out_dir=" +
       dir_.string() +

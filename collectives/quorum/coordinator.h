@@ -101,6 +101,8 @@ class Coordinator {
   // The coordinator's own process was stopped for a while: silence measured across the
   // pause says nothing about the others, so every member starts a fresh evict period.
   void resync(Time now) { roster_.resync(now); }
+  // It waited `d` for a CPU: not counted as the members' silence (roster.h, excuse).
+  void excuse(Clock::duration d) { roster_.excuse(d); }
 
  private:
   void take(const Event& e, Time now, std::vector<Down>& out);

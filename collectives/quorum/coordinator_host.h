@@ -35,6 +35,8 @@ class CoordinatorHost {
   bool serving(Clock::time_point now, bool busy, Clock::duration limit);
   // Its own process was stopped: silence measured across the pause says nothing.
   void resync(Clock::time_point now) { state_->resync(now); }
+  // It waited `d` for a CPU (liveness.h): not counted as the members' silence.
+  void excuse(Clock::duration d) { state_->excuse(d); }
   const qproto::Coordinator& state() const { return *state_; }
 
  private:

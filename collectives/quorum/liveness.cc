@@ -30,10 +30,18 @@ Liveness::Liveness(LivenessTimes t, Clock::time_point now)
     : t_(t), last_pass_(now), last_down_(now), last_beat_(now) {}
 
 bool Liveness::paused(Clock::time_point now) {
-  const bool paused = now - last_pass_ > t_.evict / 2;
+  const auto gap = now - last_pass_;
   last_pass_ = now;
-  if (paused) last_down_ = now;
-  return paused;
+  if (gap > t_.evict / 2) {
+    last_down_ = now;
+    return true;
+  }
+  if (gap > t_.look) {  // this process waited for a CPU: the excess is nobody's silence
+    const auto excess = gap - t_.look;
+    last_down_ = std::min(now, last_down_ + excess);
+    stall_ += excess;
+  }
+  return false;
 }
 
 bool Liveness::beat_due(Clock::time_point now, int64_t completed) {

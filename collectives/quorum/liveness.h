@@ -8,6 +8,14 @@
 //  - a pass more than evict / 2 after the one before means this process was stopped: silence
 //    measured across the pause says nothing about the others, so every silence clock starts
 //    over;
+//  - silence is measured only while the observer looks: a healthy engine passes at least every
+//    `look` (heartbeat / 2; it sleeps 20 ms at most), so a longer gap between two of its passes
+//    (shorter than a pause) means this process waited for a CPU (a loaded host) and read
+//    nothing meanwhile; the excess over `look` is not counted as anyone's silence (take_stall
+//    hands it to the coordinator's roster, roster.h). On a host that runs the observer the
+//    limits below hold to the millisecond; on one that starves it, eviction and takeover come
+//    later by as much as the observer itself waited, never sooner. (The coordinator's lease,
+//    failover.h, stays on wall time: a stalled coordinator still stops deciding in time.);
 //  - a rank (member or coordinator) is silent once nothing came from it for evict (the
 //    deadline until it has spoken once) + one heartbeat period (silence_limit): its last
 //    message may be up to a heartbeat period older than a pause, so a pause shorter than
@@ -21,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "collectives/clock.h"
@@ -32,8 +41,10 @@ struct LivenessTimes {
   std::chrono::milliseconds evict{5000};
   std::chrono::milliseconds deadline{30000};
   std::chrono::milliseconds heartbeat{625};  // evict / 8, at least 1 ms
+  std::chrono::milliseconds look{312};       // heartbeat / 2: the longest gap of a running engine
   static LivenessTimes of(std::chrono::milliseconds evict, std::chrono::milliseconds deadline) {
-    return {evict, deadline, std::max(std::chrono::milliseconds(1), evict / 8)};
+    const auto beat = std::max(std::chrono::milliseconds(1), evict / 8);
+    return {evict, deadline, beat, std::max(std::chrono::milliseconds(1), beat / 2)};
   }
 };
 
@@ -59,8 +70,12 @@ class Liveness {
   Liveness(LivenessTimes t, Clock::time_point now);
   const LivenessTimes& times() const { return t_; }
   // Called at every pass: true when the one before was over evict / 2 ago (this process was
-  // stopped); then the coordinator's silence starts over too.
+  // stopped); then the coordinator's silence starts over too. A gap over `look` but no pause:
+  // the excess is not counted as the coordinator's silence, and is kept for take_stall.
   bool paused(Clock::time_point now);
+  // The time excused since the last call (the gaps' excess over `look`), for the roster of a
+  // coordinator on this rank (Roster::excuse).
+  Clock::duration take_stall() { return std::exchange(stall_, Clock::duration(0)); }
   void heard_coordinator(Clock::time_point now) {
     last_down_ = now;
     heard_ = true;
@@ -83,6 +98,7 @@ class Liveness {
  private:
   LivenessTimes t_;
   Clock::time_point last_pass_, last_down_, last_beat_;
+  Clock::duration stall_{0};
   int64_t beat_completed_ = -1;
   bool heard_ = false;
   bool coordinator_done_ = false;

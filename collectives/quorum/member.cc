@@ -287,7 +287,7 @@ bool QuorumMember::feed_coordinator(net::Endpoint&) {
   const auto now = engine_.now();
   // This process may have been stopped since the last look (SIGSTOP lands anywhere, also
   // inside this pass): the others' silence across the pause is no evidence.
-  if (liveness_.paused(now)) host_->resync(now);
+  look(now);
   return host_->feed(now, !bye_sent_);
 }
 
@@ -460,12 +460,19 @@ void QuorumMember::watch_deaths() {
 // Silence measured across the pause says nothing about the peers; every clock starts over.
 bool QuorumMember::resync(net::Endpoint&) {
   const auto now = engine_.now();
-  if (!liveness_.paused(now)) return false;
-  if (host_) {
-    host_->resync(now);
-    host_->feed(now);
-  }
+  if (!look(now)) return false;
+  if (host_) host_->feed(now);
   return true;
+}
+
+// Every pass: whether this process was stopped since the last one (then every silence starts
+// over), and the time it waited for a CPU meanwhile, which is nobody's silence (liveness.h).
+bool QuorumMember::look(Clock::time_point now) {
+  const bool paused = liveness_.paused(now);
+  const auto stall = liveness_.take_stall();
+  if (host_ && paused) host_->resync(now);
+  if (host_ && !paused && stall.count() > 0) host_->excuse(stall);
+  return paused;
 }
 
 // Every rank tells the coordinator it is alive (with the last step it completed), and the

@@ -90,6 +90,7 @@ class QuorumMember final : public EngineOp {
   void watch_deaths();
   // ---- liveness
   bool resync(net::Endpoint& ep);
+  bool look(Clock::time_point now);
   void heartbeat(net::Endpoint& ep);
   void check_deadlines(net::Endpoint& ep);
 

@@ -13,6 +13,7 @@ Roster::Roster(const Config& cfg, Time now) : cfg_(cfg) {
   view_.epoch = 0;
   for (int r = 0; r < cfg_.world; ++r) view_.members.push_back(r);
   last_heard_.assign(size_t(cfg_.world), now);
+  excused_.assign(size_t(cfg_.world), Clock::duration(0));
   completed_.assign(size_t(cfg_.world), -1);
   missed_.assign(size_t(cfg_.world), 0);
   suspect_.assign(size_t(cfg_.world), false);
@@ -38,6 +39,7 @@ void Roster::restore(View view, const std::vector<int64_t>& completed,
 void Roster::heard(const Event& e, Time now) {
   const size_t r = size_t(e.from);
   last_heard_[r] = now;
+  excused_[r] = Clock::duration(0);
   heard_[r] = true;
   if (e.kind != Event::Kind::kSuspect) suspect_[r] = false;  // it spoke: reachable
   completed_[r] = std::max(completed_[r], e.completed);
@@ -65,7 +67,20 @@ std::vector<int> Roster::quiet(Time now, double ms) const {
 }
 
 void Roster::resync(Time now) {
-  for (int r : view_.members) last_heard_[size_t(r)] = now;
+  for (int r : view_.members) {
+    last_heard_[size_t(r)] = now;
+    excused_[size_t(r)] = Clock::duration(0);
+  }
+}
+
+void Roster::excuse(Clock::duration d) {
+  for (int r : view_.members) excused_[size_t(r)] += d;
+}
+
+double Roster::counted_silent_ms(int r, Time now) const {
+  const auto silent = now - last_heard_[size_t(r)];
+  return std::chrono::duration<double, std::milli>(silent - std::min(silent, excused_[size_t(r)]))
+      .count();
 }
 
 void Roster::count_misses(const std::vector<int>& contributors, Time now) {
@@ -93,7 +108,8 @@ std::vector<Departure> Roster::departures(Time now) {
   const LivenessTimes times = LivenessTimes::of(cfg_.evict, cfg_.deadline);
   for (int r : view_.members) {
     if (r == cfg_.self) continue;
-    double silent = ms_between(last_heard_[size_t(r)], now);
+    const double silent = ms_between(last_heard_[size_t(r)], now);
+    const double counted = counted_silent_ms(r, now);
     if (died_[size_t(r)]) {
       add({r, Why::kDied, silent});
       continue;
@@ -103,9 +119,9 @@ std::vector<Departure> Roster::departures(Time now) {
     // rank has spoken once (start-up: loading data, connecting) the deadline instead of evict.
     const double limit =
         std::chrono::duration<double, std::milli>(silence_limit(heard_[size_t(r)], times)).count();
-    if (silent > limit)
+    if (counted > limit)
       add({r, Why::kSilent, silent});
-    else if (suspect_[size_t(r)] && silent > double(cfg_.evict.count()) / 4)
+    else if (suspect_[size_t(r)] && counted > double(cfg_.evict.count()) / 4)
       add({r, Why::kUnreachable, silent});  // a transport error and a missed heartbeat
   }
   std::sort(left.begin(), left.end(),
@@ -210,7 +226,11 @@ std::optional<Down> Roster::admit(Time now, uint64_t step) {
     joined_at_[r] = j.step;
     completed_[r] = int64_t(j.step) - 1;
     last_heard_[r] = now;
-    heard_[r] = true;
+    excused_[r] = Clock::duration(0);
+    // A new incarnation starts in the view: it speaks only once the VIEW reached it (a
+    // connection it may still have to complete, a pass of its engine), which the coordinator
+    // cannot see; until then the start-up limit applies, as to every rank before it spoke.
+    heard_[r] = false;
     missed_[r] = 0;
     suspect_[r] = false;
     finished_[r] = false;

@@ -2,7 +2,8 @@
 // last heard from each rank, the last step each completed, the steps it missed in a row, the
 // transport errors reported against it, its goodbye, its incarnation, and the joins under way.
 // From these it says who leaves the view (silent for evict + a heartbeat period, liveness.h's
-// silence_limit, the deadline until a rank has spoken once; unreachable and silent for
+// silence_limit, the deadline until a rank has spoken once, and until a rejoined incarnation
+// has spoken in the view that admitted it; unreachable and silent for
 // evict / 4; evict_steps missed steps; a restarted incarnation; a death the store witnessed,
 // witness.h) and who enters it (a join
 // that every member accepted and whose joiner said HELLO, at the next step to be decided).
@@ -51,6 +52,8 @@ class Roster {
   // Members heard from within `ms` (this rank counts as heard).
   int heard_within(Time now, double ms) const;
   double silent_ms(int r, Time now) const { return ms_between(last_heard_[size_t(r)], now); }
+  // Silence as departures() counts it: since last heard, less this process's stalls.
+  double counted_silent_ms(int r, Time now) const;
 
   // Step decided OK with `contributors`: the members missing from it missed one more step in a
   // row (evict_steps of them: they leave at the next look).
@@ -78,6 +81,10 @@ class Roster {
   uint32_t incarnation(int r) const { return incarnation_[size_t(r)]; }
   // This process was stopped: every member starts a fresh evict period.
   void resync(Time now);
+  // This process waited `d` for a CPU (liveness.h, take_stall): `d` is not counted as any
+  // member's silence (departures), up to the silence itself. Not for the lease (failover.h):
+  // heard_within stays on wall time.
+  void excuse(Clock::duration d);
 
  private:
   struct Join {
@@ -89,6 +96,7 @@ class Roster {
   Config cfg_;
   View view_;
   std::vector<Time> last_heard_;
+  std::vector<Clock::duration> excused_;  // since last heard: this process's own stalls
   std::vector<int64_t> completed_;
   std::vector<int> missed_;
   std::vector<Departure> pending_;  // evictions decided outside departures()
