@@ -25,8 +25,8 @@
 #           steps), the launcher SIGTERMed at step 0.6 S (the ranks checkpoint and stop), then
 #           the same job again with --resume: it must resume from the survivors' newest
 #           checkpoint, not from step 0, and finish with one checksum.
-#   case 11 pauses shorter than evict_ms: rank 2 SIGSTOPped 0.75 s from step 60, continued
-#           2 s, SIGSTOPped 0.95 s, then SIGCONT: no view change (the lengths the pauses really had are
+#   case 11 pauses shorter than evict_ms: rank 2 SIGSTOPped 0.75 s from step 40, continued
+#           0.5 s, SIGSTOPped 0.95 s, then SIGCONT: no view change (the lengths the pauses really had are
 #           printed: a late SIGCONT on a loaded host makes them longer).
 #   case 10 (no runs of its own) metrics.jsonl holds every step once and summary.json counts
 #           every failure and rejoin the logs show: checked on cases 4 and 5's runs.
@@ -171,9 +171,9 @@ one_run() {  # case, run number
        echo "=== --resume ===" >> "$log"
        launch "$n" none --tolerate-failures 1 -- --resume train.checkpoint_every=50; finish ;;
     11) launch "$n" none --tolerate-failures 1 -- --force
-        if wait_step 60; then  # both pauses from one process: its start-up is slow under load
+        if wait_step 40; then  # both pauses from one process: its start-up is slow under load
           p=$(rank_pid 2)
-          [ -z "$p" ] || python3 "$OUT/pauser.py" "$p" 0.75,0.95 2 2 > "$dir.pauses"
+          [ -z "$p" ] || python3 "$OUT/pauser.py" "$p" 0.75,0.95 0.5 2 > "$dir.pauses"
         fi
         finish ;;
   esac
