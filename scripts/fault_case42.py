@@ -125,11 +125,16 @@ def analyze(out, case, provider, i, name, evict_ms, clean_acc):
         back = first_after(lines, dead, lambda l: f"rank {back_rank} rejoined at step" in l
                            and l.startswith(f"[rank {back_rank}]"))
         r["recovery"] = no0
+        # Reached only if the second fault came: rank 0 died (case 4: as it was about to send
+        # the state; case 5: after rank 1 rejoined, which must happen before the end).
+        r["reached"] = dead is not None
+        f = lambda x: "-" if x is None else f"{x:.2f}"
         c = counts_check(lines, base)
         r["counts_ok"] = bool(c and c[0])
-        f = lambda x: "-" if x is None else f"{x:.2f}"
         check = (f"rank 0 dead -> view without it {f(no0)} s, rank {back_rank} back {f(back)} s; "
-                 f"{c[1] if c else 'no metrics or summary'}")
+                 f"{c[1] if c else 'no metrics or summary'}"
+                 + ("" if r["reached"] else "; NOT REACHED: rank 0 was never killed"))
+        ok = ok and r["reached"]
     elif case == "7":
         # The survivors' last logged line (their outputs' end) to the launcher's end.
         ends = [t(STAMP.match(l).group(2)) for l in lines if STAMP.match(l)]
@@ -206,6 +211,7 @@ def table(out, case, provider, runs, epochs, evict_ms, phase):
         rec = [r["recovery"] for r in rs if r["recovery"] is not None]
         deltas = [r["delta"] for r in rs if r["delta"] is not None]
         oks = sum(r["ok"] for r in rs)
+        unreached = sum(r.get("reached") is False for r in rs)
         lost_s = f"{lost} (must stop)" if c == "3" else str(lost)
         extra = {"1": "exit 0 with a lagging rank at the end",
                  "3": "exit 74 within evict + 1 s naming the rule, no restart after",
@@ -226,6 +232,8 @@ def table(out, case, provider, runs, epochs, evict_ms, phase):
                 extra += f" (step {', '.join(map(str, res))})"
         rec_s = f"{max(rec):.2f}" if rec else "-"
         delta_s = f"{min(deltas):+.2f} to {max(deltas):+.2f}" if deltas else "-"
+        if unreached:
+            extra += f" ({unreached} of {n} runs never reached the second fault)"
         print(f"| {c}{tag} | {n} | {lost_s} | {'-'.join(map(str, d))} | {rec_s} | {delta_s} | "
               f"{sum(r['exited'] for r in rs)}/{n} | {extra}: {oks}/{n} |")
     c45 = [r for c in ("4", "5") for r in rows.get(c, [])]
