@@ -152,15 +152,20 @@ TEST(CoordinatorRejoin, AdmittedOnceEveryMemberReconnectedAndTheJoinerReachedThe
   EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
 }
 
+// Rank 3's incarnation 1 admitted: every member accepted it and it said HELLO.
+void admit_rank3(Sim& s) {
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+}
+
 // The coordinator cannot see when its VIEW reaches an admitted joiner (over tcp a connection
 // may still be completing, on a loaded host its engine may wait for a CPU): until the new
 // incarnation speaks in the view, the start-up limit applies, not evict; from its first
 // message on, evict + a heartbeat period as for every member.
 TEST(CoordinatorRejoin, AnAdmittedJoinerHasTheStartUpLimitUntilItSpeaksInTheView) {
   Sim s = lost_rank3();
-  s.join(3, 1);
-  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
-  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  ASSERT_NO_FATAL_FAILURE(admit_rank3(s));
   EXPECT_TRUE(of(s.run(milliseconds(1500), {1, 2}, 4), K::kView).empty());
   EXPECT_TRUE(s.c.view().has(3));
   s.beat(3, 4);
@@ -175,9 +180,7 @@ TEST(CoordinatorRejoin, AnAdmittedJoinerHasTheStartUpLimitUntilItSpeaksInTheView
 // store witnessed it) leaves once the start-up limit passed: nothing waits for it for good.
 TEST(CoordinatorRejoin, AnAdmittedJoinerThatNeverSpeaksLeavesAfterTheStartUpLimit) {
   Sim s = lost_rank3();
-  s.join(3, 1);
-  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
-  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);
+  ASSERT_NO_FATAL_FAILURE(admit_rank3(s));
   EXPECT_TRUE(of(s.run(milliseconds(5000), {1, 2}, 4), K::kView).empty());
   auto v = of(s.run(milliseconds(700), {1, 2}, 4), K::kView);
   ASSERT_EQ(v.size(), 1u);

@@ -9,7 +9,8 @@
 //    measured across the pause says nothing about the others, so every silence clock starts
 //    over;
 //  - silence is measured only while the observer looks: a healthy engine passes at least every
-//    `look` (heartbeat / 2; it sleeps 20 ms at most), so a longer gap between two of its passes
+//    `look` (heartbeat / 2, at least 50 ms; it sleeps 20 ms at most), so a longer gap between two
+//    of its passes
 //    (shorter than a pause) means this process waited for a CPU (a loaded host) and read
 //    nothing meanwhile; the excess over `look` is not counted as anyone's silence (take_stall
 //    hands it to the coordinator's roster, roster.h). On a host that runs the observer the
@@ -41,10 +42,11 @@ struct LivenessTimes {
   std::chrono::milliseconds evict{5000};
   std::chrono::milliseconds deadline{30000};
   std::chrono::milliseconds heartbeat{625};  // evict / 8, at least 1 ms
-  std::chrono::milliseconds look{312};       // heartbeat / 2: the longest gap of a running engine
+  // heartbeat / 2, at least 50 ms: longer than any gap between two passes of a running engine
+  std::chrono::milliseconds look{312};
   static LivenessTimes of(std::chrono::milliseconds evict, std::chrono::milliseconds deadline) {
     const auto beat = std::max(std::chrono::milliseconds(1), evict / 8);
-    return {evict, deadline, beat, std::max(std::chrono::milliseconds(1), beat / 2)};
+    return {evict, deadline, beat, std::max(std::chrono::milliseconds(50), beat / 2)};
   }
 };
 
