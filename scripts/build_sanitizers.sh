@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what the sanitizer and fuzz stages of scripts/test.sh run:
 #   build-asan  AddressSanitizer + UBSan (RelWithDebInfo): qring-launch and the net and
-#               collectives tests (label "sanitize")
+#               collectives tests (label "sanitize"), one ctest test per binary
+#               (QRING_TEST_PER_BINARY), executables without PIE
 #   build-tsan  ThreadSanitizer: the collectives tests scripts/tsan.sh runs (QRING_TSAN_STEP=build)
 #   build-fuzz  the libFuzzer targets (scripts/fuzz.sh, QRING_FUZZ_STEP=build)
 # The ASan build (needed first) runs beside the TSan build and then the fuzz build, which run
@@ -37,10 +38,10 @@ built() {  # built DIR COMMAND...: runs the build, then marks DIR as built or fa
 }
 asan() {
   [ "${QRING_SKIP_SANITIZE:-0}" != 1 ] || return 0
-  local targets
-  targets="qring-launch $(cd tests && ls test_net_*.cc test_coll_*.cc | sed 's/\.cc$//' | tr '\n' ' ')"
-  built build-asan env QRING_TARGETS="$targets" QRING_BUILD_TYPE=RelWithDebInfo \
-    scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined -DQRING_BUILD_TESTS=ON
+  # qring_sanitize_tests: qring-launch and the tests labelled "sanitize" (tests/CMakeLists.txt).
+  built build-asan env QRING_TARGETS=qring_sanitize_tests QRING_BUILD_TYPE=RelWithDebInfo \
+    scripts/build.sh build-asan -DQRING_SANITIZE=address,undefined -DQRING_BUILD_TESTS=ON \
+    -DQRING_TEST_PER_BINARY=ON
 }
 tsan_then_fuzz() {
   local rc=0

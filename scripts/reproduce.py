@@ -4,9 +4,11 @@ SGD", on qring's own runs (docs/reproduction.md).
 
     scripts/reproduce.py analyze DIR           tables, plots and the claim table of DIR's runs
     scripts/reproduce.py check DIR             every artefact of analyze there, well formed
-    scripts/reproduce.py publish DIR           DIR's plots and tables into docs/reproduction/,
+    scripts/reproduce.py publish DIR [TABLE...]
+                                               DIR's plots and tables into docs/reproduction/,
                                                its claim table and numbers into the marked
-                                               blocks of docs/reproduction.md
+                                               blocks of docs/reproduction.md (with TABLEs:
+                                               those alone, e.g. validate)
     scripts/reproduce.py calibrate OUT.json BENCH.json... [--min-bytes=N]
                                                the simulator's network model (from rows of
                                                N bytes and more)
@@ -509,32 +511,56 @@ def post_arrival_ms(run_dir):
     after the first SKIP_STEPS, the time from the quorum-th READY (the coordinator's
     ready_ms, rank 0's own READY placing them on its clock) to the end of rank 0's step (the
     ring or the reduction among the contributors, the update); its median."""
-    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
-    after = []
-    for j in steps[SKIP_STEPS:]:
-        ready = j.get("ready_ms") or []
-        got = sorted(x for x in ready if x >= 0)
-        if not ready or ready[0] < 0 or len(got) < j["quorum"]:
-            continue  # rank 0 was not among the arrivals: no common clock
-        after.append(j["wait_ms"] - (got[j["quorum"] - 1] - ready[0]))
+    steps = clocked_steps(run_dir)
+    after = [j["wait_ms"] - (quorum_th - ready[0]) for j, ready, quorum_th in steps]
     if not after:
         sys.exit(f"post-arrival: {run_dir} has no step with rank 0 among the arrivals "
                  f"after the first {SKIP_STEPS}")
-    return median(after), steps[SKIP_STEPS]["quorum"]
+    return median(after), steps[0][0]["quorum"]
+
+
+def clocked_steps(run_dir):
+    """A qring-train run's steps after the first SKIP_STEPS whose READYs rank 0's own places
+    on its clock: (step line, ready_ms, the quorum-th READY's offset)."""
+    steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    out = []
+    for j in steps[SKIP_STEPS:]:
+        ready = j.get("ready_ms") or []
+        got = sorted(x for x in ready if x >= 0)
+        if ready and ready[0] >= 0 and len(got) >= j["quorum"]:
+            out.append((j, ready, got[j["quorum"] - 1]))
+    return out
+
+
+def arrival_offsets(run_dir):
+    """A qring-train run's arrival offsets, per step after the first SKIP_STEPS: each rank's
+    READY after rank 0's (the coordinator's clock), in a run whose ranks all idle the same
+    time, so that what is left is the ranks' start skew after the previous step and the
+    READY's way; a READY not in by the decision counts as the quorum-th (a lower bound).
+    Steps without rank 0's READY are left out (no common clock)."""
+    return [[round((x if x >= 0 else late) - ready[0], 3) for x in ready]
+            for _, ready, late in clocked_steps(run_dir)]
 
 
 def post_arrival(out, base, run_dirs):
-    """BASE (a calibration) with step_cost_ms measured by the runs RUN_DIRS (qring-train with
-    every rank idle the same time each step, so that the quorum's arrivals come together):
-    by quorum N, "full" where N is the world size (its speculative ring), else "backup"."""
+    """BASE (a calibration) with what the runs RUN_DIRS (qring-train with every rank idle the
+    same time each step, so that the quorum's arrivals come together) measured, by quorum N:
+    step_cost_ms, the cost beyond the decision ("full" where N is the world size: its
+    speculative ring; else "backup"), and arrival_offsets_ms, each step's ranks' READYs after
+    the coordinator's (the simulator replays them in order: train/sim.h)."""
     cal = read_json(base)
     cost = {"full": {}, "backup": {}}
+    offsets = {}
     for run_dir in run_dirs:
         ms, quorum = post_arrival_ms(run_dir)
         world = read_json(os.path.join(run_dir, "summary.json"))["world"]
         cost["full" if quorum == world else "backup"][str(quorum)] = ms
-        print(f"{run_dir}: {ms:.2f} ms beyond the decision (quorum {quorum} of {world})")
+        offsets[str(quorum)] = arrival_offsets(run_dir)
+        last = median([max(r) for r in offsets[str(quorum)]])
+        print(f"{run_dir}: {ms:.2f} ms beyond the decision, the last READY {last:.2f} ms after "
+              f"the coordinator's (median; quorum {quorum} of {world})")
     cal["step_cost_ms"] = cost
+    cal["arrival_offsets_ms"] = offsets
     cal["step_cost_from"] = run_dirs
     with open(out, "w") as f:
         json.dump(cal, f, indent=2)
@@ -570,6 +596,13 @@ def validate_part(d):
         if os.path.exists(cal_k):
             costs = read_json(cal_k)["step_cost_ms"]
             row["post_duty_ms"] = costs["full" if q == k else "backup"].get(str(q))
+            offs = read_json(cal_k).get("arrival_offsets_ms", {}).get(str(q))
+            row["skew_duty_ms"] = median([max(o) for o in offs]) if offs else None
+        together = os.path.join(v, f"together-{k}-q{q}")
+        if os.path.exists(os.path.join(together, "summary.json")):
+            tp = step_periods(together)
+            row["together_p50_error"] = median(tp) / row["measured_p50_ms"] - 1
+            row["together_mean_error"] = sum(tp) / len(tp) / row["measured_mean_ms"] - 1
         model2 = os.path.join(v, f"model2-{k}-q{q}")
         if os.path.exists(os.path.join(model2, "summary.json")):
             ms = [j for j in plot.read_jsonl(os.path.join(model2, "metrics.jsonl")) if j.get("type") == "step"]
@@ -985,11 +1018,16 @@ def tables_md(res):
           f"{r['simulated_p50_ms']:.1f}", f"{100 * r['p50_error']:+.1f} %", f"{r['measured_mean_ms']:.1f}",
           f"{r['simulated_mean_ms']:.1f}", f"{100 * r['mean_error']:+.1f} %",
           f"{opt(r.get('post_measured_ms'))} / {opt(r.get('post_duty_ms'))} / {opt(r.get('post_model2_ms'))}",
+          opt(r.get("skew_duty_ms")),
+          "-" if r.get("together_p50_error") is None else
+          f"{100 * r['together_p50_error']:+.1f} % / {100 * r['together_mean_error']:+.1f} %",
           opt(r.get("model2_p50_error") and 100 * r["model2_p50_error"], "{:+.1f} %")]
          for r in res["validate"]["rows"]]
     t["validate"] = md_table(["hosts", "Q", "step cost c (ms)", "measured p50", "simulated p50", "error",
                               "measured mean", "simulated mean", "error",
                               "beyond the decision (ms): measured / idle runs / 2-host model",
+                              "last READY after the coordinator's (idle runs, ms)",
+                              "ranks starting together: p50 / mean error",
                               "2-host model: p50 error"], v)
     cal = res["validate"]["calibration"]
     if cal:
@@ -1084,25 +1122,35 @@ def check(d):
     print(f"check: {len(EXPECTED_PLOTS)} plots, {len(EXPECTED_TABLES)} tables, {len(claims)} claims: ok")
 
 
-def publish(d, docs=os.path.join(ROOT, "docs")):
+PLOT_OF = {"kth": "kth-arrival", "validate": "validation"}  # a table's plot, where named apart
+
+
+def publish(d, only=(), docs=os.path.join(ROOT, "docs")):
     """DIR's plots and tables into docs/reproduction/, its claim table and tables into the
-    blocks of docs/reproduction.md marked <!-- BEGIN name --> ... <!-- END name -->."""
+    blocks of docs/reproduction.md marked <!-- BEGIN name --> ... <!-- END name -->; with
+    `only` (table names, e.g. validate) those tables, their blocks and plots alone (a part
+    run again into a DIR of its own)."""
     import shutil
     dst = os.path.join(docs, "reproduction")
     os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
+    wanted = lambda p: not only or os.path.basename(p).split(".")[0] in (  # noqa: E731
+        set(only) | {PLOT_OF.get(n, n) for n in only})
     for p in glob.glob(os.path.join(d, "plots", "*.png")):
-        shutil.copy(p, dst)
-    for p in glob.glob(os.path.join(d, "tables", "*")) + [os.path.join(d, "claims.md"),
-                                                           os.path.join(d, "claims.json")]:
-        shutil.copy(p, os.path.join(dst, "tables"))
+        if wanted(p):
+            shutil.copy(p, dst)
+    extra = [] if only else [os.path.join(d, "claims.md"), os.path.join(d, "claims.json")]
+    for p in glob.glob(os.path.join(d, "tables", "*")) + extra:
+        if wanted(p):
+            shutil.copy(p, os.path.join(dst, "tables"))
     page = os.path.join(docs, "reproduction.md")
     text = open(page).read()
     # The page's claim table holds the paper's claims; the simulator's checks and the adaptive
     # quorum's have their own sections (blocks validate and auto).
-    blocks = {"claims": claims_md(read_json(os.path.join(d, "claims.json")),
-                                  ("P1", "P2", "P3a", "P3b", "P3c", "P4"))}
+    blocks = {} if only else {"claims": claims_md(read_json(os.path.join(d, "claims.json")),
+                                                  ("P1", "P2", "P3a", "P3b", "P3c", "P4"))}
     for p in glob.glob(os.path.join(d, "tables", "*.md")):
-        blocks[os.path.basename(p)[:-3]] = open(p).read()
+        if wanted(p):
+            blocks[os.path.basename(p)[:-3]] = open(p).read()
     for name, body in blocks.items():
         text = re.sub(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)",
                       lambda m: m.group(1) + body + m.group(2), text, flags=re.S)
@@ -1123,7 +1171,7 @@ def fake_times(out, ranks, steps, seed):
 
 def main():
     cmds = {"analyze": (1, lambda a: analyze(a[0])), "check": (1, lambda a: check(a[0])),
-            "publish": (1, lambda a: publish(a[0])),
+            "publish": (1, lambda a: publish(a[0], a[1:])),
             "calibrate": (2, lambda a: calibrate(a[0], [x for x in a[1:] if not x.startswith("--min-bytes=")],
                                                  min((int(x.split("=")[1]) for x in a[1:]
                                                       if x.startswith("--min-bytes=")), default=0))),

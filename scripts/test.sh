@@ -5,7 +5,8 @@
 #      python/tests, needs PyTorch: scripts/setup.sh installs it here); a C++ program built
 #      against the installed library (tests/consumer/run.sh: CMake package and pkg-config)
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
-#      tests (label "sanitize"), run through ctest
+#      tests (label "sanitize"), run through ctest, one test per binary (its cases in one
+#      process: an ASan process costs ~0.2 CPU s to start; tests/CMakeLists.txt)
 #   3. Slurm integration tests on a local Slurm cluster (tests/slurm/run.sh)
 #   4. multi-host tests on hosts emulated with network namespaces (tests/netns/run.sh)
 #   5. ThreadSanitizer build of the collectives and quorum tests, run (scripts/tsan.sh)

@@ -14,13 +14,15 @@
 #   3. the cost of a step beyond its decision (the ring or the reduction among the
 #      contributors, and the update) at Q = K and Q = K - 1, measured by qring-train with
 #      every rank idle c ms each step (straggler shiftexp:c:0: arrivals together, no trace),
-#      by scripts/reproduce.py post-arrival into calibration-K.json;
+#      by scripts/reproduce.py post-arrival into calibration-K.json, with each step's
+#      arrival offsets (every rank's READY after the coordinator's: the ranks' start skew);
 #   4. Q = K and Q = K - 1 under the real trace scaled so that its fastest worker takes c
 #      (resample:c:SEQLEN: injected delays of 1-2.3 c, at most 5x qring's own step cost),
 #      measured by qring-train (rank 0's step lines) and predicted by qring-sim
 #      --arrivals-only with the measured compute time, the same delays and the cost beyond
-#      the decision of step 3 (simulated-K-qQ), and with the 2-host network model of step 1
-#      instead (model2-K-qQ).
+#      the decision and the arrival offsets of step 3 (simulated-K-qQ), the same without the
+#      offsets (together-K-qQ: every rank starting a step together), and with the 2-host
+#      network model of step 1 instead (model2-K-qQ).
 # scripts/reproduce.py analyze compares the step times (p50 and mean within 10 %) and the
 # costs beyond the decision (measured in the run, the duty-cycle runs', the 2-host model's).
 #
@@ -32,7 +34,7 @@ cd "$(dirname "$0")/.."
 DIR=$1
 HIDDEN=${2:-model.hidden=[128]}
 : "${APPLY_MS:=0.077}" "${TRAIN:?}" "${BENCH:?}" "${SIM:?}" "${PY:?}" "${CONFIG:?}" "${SEQLEN:?}" "${VAL_HOSTS:?}" "${VAL_ITERS:?}"
-export QRING_NETNS_NAME=qring-val QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit} \
+export QRING_NETNS_NAME=${QRING_VAL_NETNS:-qring-val} QRING_NETNS_RATE=${QRING_NETNS_RATE:-200mbit} \
   QRING_NETNS_BURST=${QRING_NETNS_BURST:-16kb}
 BENCH=$(realpath "$BENCH") SIM=$(realpath "$SIM") TRAIN=$(realpath "$TRAIN") CONFIG=$(realpath "$CONFIG")
 CLUSTER=scripts/netns-cluster.sh
@@ -104,12 +106,18 @@ for k in $VAL_HOSTS; do
   done
   "$PY" scripts/reproduce.py post-arrival "$DIR/calibration-$k.json" "$DIR/calibration.json" \
     "$DIR/duty-$k-q$k" "$DIR/duty-$k-q$((k - 1))" >"$DIR/calibration-$k.txt"
+  "$PY" -c "import json, sys; c = json.load(open(sys.argv[1])); c.pop('arrival_offsets_ms');
+json.dump(c, open(sys.argv[2], 'w'), indent=2)" "$DIR/calibration-$k.json" "$DIR/calibration-$k-together.json"
   for q in "$k" $((k - 1)); do
-    # Predicted twice: with the measured cost beyond the decision (the row's number) and
-    # with the 2-host network model alone (what the 100-1000 worker runs rest on).
-    for cal in "calibration-$k" calibration; do
-      name=simulated-$k-q$q
-      [ "$cal" = calibration ] && name=model2-$k-q$q
+    # Predicted three times: with the measured cost beyond the decision and arrival offsets
+    # (the row's number), the same with every rank starting together (no offsets), and with
+    # the 2-host network model alone (what the 100-1000 worker runs rest on).
+    for cal in "calibration-$k" "calibration-$k-together" calibration; do
+      case $cal in
+        calibration) name=model2-$k-q$q ;;
+        *-together) name=together-$k-q$q ;;
+        *) name=simulated-$k-q$q ;;
+      esac
       "$SIM" --config "$CONFIG" --workers "$k" --backups $((k - q)) --arrivals-only \
         --compute-ms "$compute_ms" --apply-ms "$APPLY_MS" --calibration "$DIR/$cal.json" \
         "${model_args[@]}" straggler.model="$model" run.out_dir="$DIR" run.name="$name" \

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/fault_inject.h"
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 
@@ -195,6 +196,60 @@ TEST(Straggler, BadSpecsAreErrors) {
     ADD_FAILURE();
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("shiftexp:SHIFT_MS:MEAN_MS"), std::string::npos);
+  }
+}
+
+// The fault specs of QRING_FAULT and qring-bench --fault (collectives/fault_inject.h), parsed
+// here in-process so that the sanitizer builds cover the parser (the programs that take them
+// are tested on the Release build: test_coll_bench, test_train_faults).
+TEST(FaultSpecs, EveryFormParsesAndPrintsBack) {
+  EXPECT_FALSE(FaultSpec::parse(""));
+  EXPECT_FALSE(FaultSpec::parse("none"));
+  auto k = FaultSpec::parse("kill:1:30");
+  ASSERT_TRUE(k);
+  EXPECT_EQ(k->action, FaultSpec::Action::kKill);
+  EXPECT_EQ(k->rank, 1);
+  EXPECT_EQ(k->step, 30u);
+  EXPECT_EQ(k->phase, "step");
+  EXPECT_TRUE(k->kills());
+  EXPECT_EQ(k->spec(), "kill:1:30:step");
+  auto l = FaultSpec::parse("kill-locked:2:5:ring");
+  ASSERT_TRUE(l);
+  EXPECT_EQ(l->action, FaultSpec::Action::kKillLocked);
+  EXPECT_EQ(l->spec(), "kill-locked:2:5:ring");
+  auto s = FaultSpec::parse("stop:3:7:250:ready");
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->action, FaultSpec::Action::kStop);
+  EXPECT_FALSE(s->kills());
+  EXPECT_EQ(s->stop_ms, 250);
+  EXPECT_EQ(s->spec(), "stop:3:7:250:ready");
+  EXPECT_TRUE(s->matches(3, 9, "ready"));
+  EXPECT_FALSE(s->matches(3, 6, "ready"));
+  EXPECT_FALSE(s->matches(2, 9, "ready"));
+  auto list = FaultSpec::parse_list("kill:1:30,none,kill:3:60:donate");
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[1].rank, 3);
+  EXPECT_EQ(list[1].phase, "donate");
+  EXPECT_TRUE(FaultSpec::parse_list("").empty());
+}
+
+TEST(FaultSpecs, MalformedSpecsAreConfigErrorsNamingThem) {
+  for (const char* s : {"kill:1", "explode:1:2", "kill:a:3", "kill:-1:3", "kill:1:2:lunch",
+                        "kill:1:2:step:4", "stop:1:2", "stop:1:2:x", "stop:1:2:-5",
+                        "kill:1:99999999999999999999", "kill::3", ":"}) {
+    try {
+      FaultSpec::parse_list(s);
+      ADD_FAILURE() << s << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("fault '"), std::string::npos) << e.what();
+    }
+  }
+  try {
+    FaultSpec::parse("explode:1:2");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("explode:1:2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("expected kill:RANK:STEP"), std::string::npos);
   }
 }
 

@@ -129,6 +129,47 @@ TEST(Sim, ArrivalTiesGoByRankAndAllReduceCost) {
   EXPECT_NEAR(sim_sync_comm_ms(o, 3, 1e6, 0.5), sim_allreduce_ms(3, 1e6, 50, 1) + 0.5, 1e-12);
 }
 
+// Measured arrival offsets (the ranks' start skew on real hosts): step t adds row t % rows to
+// each rank's arrival, the order follows, and the step is decided on the shifted arrivals.
+TEST(Sim, ArrivalOffsetsShiftEachRanksArrivalByTheStepsRow) {
+  const auto none = collectives::StragglerModel::parse("none");
+  const std::vector<std::vector<double>> rows = {{0, 5, 1}, {0, 0, 9}};
+  auto a = sim_arrivals(none, 1, 3, 0, 2.0);
+  sim_offset_arrivals(a, rows, 0);
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(a[0].rank, 0);
+  EXPECT_EQ(a[1].rank, 2);
+  EXPECT_EQ(a[2].rank, 1);
+  EXPECT_DOUBLE_EQ(a[2].ms, 7.0);
+  a = sim_arrivals(none, 1, 3, 3, 2.0);  // step 3: row 1
+  sim_offset_arrivals(a, rows, 3);
+  EXPECT_EQ(a[2].rank, 2);
+  EXPECT_DOUBLE_EQ(a[2].ms, 11.0);
+  // A whole arrivals-only run: full sync's step is the last shifted arrival + the measured
+  // cost beyond it + the update; a quorum without a table keeps the ranks together.
+  SimOptions o;
+  o.workers = 3;
+  o.compute_ms = 2;
+  o.apply_ms = 0.5;
+  o.arrivals_only = true;
+  o.step_cost_full_ms = {{3, 4.0}};
+  o.arrival_offsets_ms = {{3, rows}};
+  const TrainConfig cfg = config({"straggler.model=none", "train.steps=4"});
+  SimResult r = simulate(cfg, data(), o);
+  ASSERT_EQ(r.steps.size(), 4u);
+  EXPECT_DOUBLE_EQ(r.steps[0].step_ms, 7.0 + 4.5);
+  EXPECT_DOUBLE_EQ(r.steps[1].step_ms, 11.0 + 4.5);
+  EXPECT_DOUBLE_EQ(r.steps[2].step_ms, 7.0 + 4.5);
+  o.arrival_offsets_ms = {{2, rows}};
+  r = simulate(cfg, data(), o);
+  EXPECT_DOUBLE_EQ(r.steps[1].step_ms, 2.0 + 4.5);
+  // A row that does not cover every worker, or holds a non-finite number, is an error.
+  o.arrival_offsets_ms = {{3, {{0, 1}}}};
+  EXPECT_THROW(simulate(cfg, data(), o), ConfigError);
+  o.arrival_offsets_ms = {{3, {{0, 1, NAN}}}};
+  EXPECT_THROW(simulate(cfg, data(), o), ConfigError);
+}
+
 SimOptions sync_opts(int workers, int backups) {
   SimOptions o;
   o.workers = workers;

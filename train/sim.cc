@@ -26,6 +26,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// Arrival order: time, ties by rank.
+void sort_by_arrival(std::vector<SimArrival>& a) {
+  std::sort(a.begin(), a.end(), [](const SimArrival& x, const SimArrival& y) {
+    return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
+  });
+}
+
 double quantile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -90,6 +97,13 @@ void check_options(const SimOptions& o) {
   finite_nonneg(o.grace_ms, "quorum.grace_ms");
   if (o.grace_ms > 0 && o.mode != SimMode::kSync)
     throw ConfigError("quorum.grace_ms applies to --mode sync only (async has no quorum)");
+  for (const auto& [n, rows] : o.arrival_offsets_ms)
+    for (const auto& row : rows)
+      if (int(row.size()) != o.workers ||
+          !std::all_of(row.begin(), row.end(), [](double x) { return std::isfinite(x); }))
+        throw ConfigError(fmt::format(
+            "calibration: arrival offsets for quorum {}: every row needs {} finite numbers", n,
+            o.workers));
   for (const auto* t : {&o.step_cost_full_ms, &o.step_cost_backup_ms})
     for (const auto& [n, ms] : *t)
       if (n < 1 || !std::isfinite(ms) || ms < 0)
@@ -277,10 +291,12 @@ void run_arrivals(const TrainConfig& cfg, const DatasetPair& data, const SimOpti
   res.compute_ms = opts.compute_ms >= 0 ? opts.compute_ms : 0.0;
   res.apply_ms = opts.apply_ms >= 0 ? opts.apply_ms : 0.0;
   const int64_t total = core.total_steps();
+  const auto offsets = opts.arrival_offsets_ms.find(N);
   std::vector<double> step_ms;
   double vt = 0;
   for (int64_t t = 0; t < total; ++t) {
-    const auto arr = sim_arrivals(straggler, uint64_t(cfg.run.seed), W, uint64_t(t), res.compute_ms);
+    auto arr = sim_arrivals(straggler, uint64_t(cfg.run.seed), W, uint64_t(t), res.compute_ms);
+    if (offsets != opts.arrival_offsets_ms.end()) sim_offset_arrivals(arr, offsets->second, uint64_t(t));
     run.record_arrivals(t, arr);
     add_kth(res, arr, total);
     const SimDecision d = sim_decide(arr, N, opts.grace_ms);
@@ -353,8 +369,11 @@ void run_sync(const TrainConfig& cfg, const DatasetPair& data, const SimOptions&
   // A budget of gradients runs an unknown number of steps: the k-th arrival means are sums
   // until the end.
   int64_t t = 0;
+  const auto offsets = opts.adaptive ? opts.arrival_offsets_ms.end()
+                                     : opts.arrival_offsets_ms.find(W - opts.backups);
   for (; !core.budget_spent(t); ++t) {
-    const auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
+    auto arr = sim_arrivals(straggler, seed, W, uint64_t(t), res.compute_ms);
+    if (offsets != opts.arrival_offsets_ms.end()) sim_offset_arrivals(arr, offsets->second, uint64_t(t));
     run.record_arrivals(t, arr);
     add_kth(res, arr, 1);
     int Q = W - opts.backups;
@@ -537,10 +556,16 @@ std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggle
   std::vector<SimArrival> a(size_t(std::max(0, workers)));
   for (int w = 0; w < workers; ++w)
     a[size_t(w)] = {compute_ms + double(straggler.delay(seed, w, step).count()) / 1000.0, w};
-  std::sort(a.begin(), a.end(), [](const SimArrival& x, const SimArrival& y) {
-    return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
-  });
+  sort_by_arrival(a);
   return a;
+}
+
+void sim_offset_arrivals(std::vector<SimArrival>& arr,
+                         const std::vector<std::vector<double>>& rows, uint64_t step) {
+  if (rows.empty()) return;
+  const auto& row = rows[size_t(step % rows.size())];
+  for (auto& a : arr) a.ms += row[size_t(a.rank)];
+  sort_by_arrival(arr);
 }
 
 int sim_allreduce_rounds(int k, double bytes) {

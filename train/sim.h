@@ -16,6 +16,8 @@
 //   (step_cost_full_ms / step_cost_backup_ms, scripts/reproduce.py calibrate), the measured
 //   time of a step after its N-th arrival instead of rtt + all-reduce
 //   optimizer step                   = apply_ms
+//   and, where measured for N (arrival_offsets_ms), each rank's arrival later by its measured
+//   offset from the coordinator's: the ranks do not start a step together on real hosts
 //   bytes = 4 (P + 1): the gradient and the loss, as qring-train reduces them
 // alpha, beta and rtt come from qring-bench (scripts/reproduce.py calibrate;
 // docs/reproduction.md, "Calibration").
@@ -81,6 +83,11 @@ struct SimOptions {
   // Measured time of a sync step beyond its N-th arrival, by N: full sync (b = 0) and with
   // backups (b > 0). For the N they hold they replace rtt + all-reduce (not the update).
   std::map<int, double> step_cost_full_ms, step_cost_backup_ms;
+  // Measured, by quorum N (sync, fixed quorum): per step, each rank's READY after the
+  // coordinator's when every rank idles the same time (the ranks' start skew after the
+  // previous step and the READY's way to the coordinator); step t adds row t % rows to the
+  // arrivals (every row has W entries). None for N: the ranks start together.
+  std::map<int, std::vector<std::vector<double>>> arrival_offsets_ms;
   std::string out_dir;  // empty: no files
   bool progress = false;  // a progress line on stderr every few seconds
   // Sync only: draw the arrivals of train.steps steps and time the steps, without training
@@ -156,6 +163,11 @@ struct SimArrival {
 // The W arrivals of sync step `step`, sorted by time, ties by rank: what the simulator uses.
 std::vector<SimArrival> sim_arrivals(const collectives::StragglerModel& straggler, uint64_t seed,
                                      int workers, uint64_t step, double compute_ms);
+
+// `arr` with rows[step % rows.size()][rank] added to each arrival, sorted again (time, then
+// rank); rows empty: unchanged.
+void sim_offset_arrivals(std::vector<SimArrival>& arr,
+                         const std::vector<std::vector<double>>& rows, uint64_t step);
 
 // A sync step's decision among `arr` (sorted as sim_arrivals) with quorum n and a grace (ms):
 // the contributors are the first `count` arrivals, decided at `at_ms` (the n-th arrival

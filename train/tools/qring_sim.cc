@@ -31,6 +31,41 @@ namespace {
 namespace cli = qring::cli;
 using qring::ConfigError;
 
+// A calibration table's key: a count N >= 1, or 0 when it is not one.
+int count_key(const std::string& key) {
+  try {
+    size_t end = 0;
+    const int n = std::stoi(key, &end);
+    return end == key.size() && n >= 1 ? n : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// Optional: {"arrival_offsets_ms": {"N": [[ms per rank], ...], ...}} (SimOptions); the rows'
+// lengths are checked against --workers by simulate().
+void read_arrival_offsets(const std::string& path, const nlohmann::json& j,
+                          qring::train::SimOptions& o) {
+  if (!j.contains("arrival_offsets_ms")) return;
+  const auto& t = j["arrival_offsets_ms"];
+  const auto bad = ConfigError(fmt::format(
+      "--calibration {}: arrival_offsets_ms needs \"N\": [[ms per rank], ...] entries", path));
+  if (!t.is_object()) throw bad;
+  for (auto it = t.begin(); it != t.end(); ++it) {
+    const int n = count_key(it.key());
+    if (n < 1 || !it.value().is_array() || it.value().empty()) throw bad;
+    auto& rows = o.arrival_offsets_ms[n];
+    for (const auto& row : it.value()) {
+      if (!row.is_array()) throw bad;
+      rows.emplace_back();
+      for (const auto& x : row) {
+        if (!x.is_number()) throw bad;
+        rows.back().push_back(x.get<double>());
+      }
+    }
+  }
+}
+
 // alpha_us, beta_ns_per_byte and rtt_us from a calibration file (all three required).
 void read_calibration(const std::string& path, qring::train::SimOptions& o) {
   std::ifstream in(path);
@@ -49,6 +84,7 @@ void read_calibration(const std::string& path, qring::train::SimOptions& o) {
   o.alpha_us = get("alpha_us");
   o.beta_ns_per_byte = get("beta_ns_per_byte");
   o.rtt_us = get("rtt_us");
+  read_arrival_offsets(path, j, o);
   // Optional: {"step_cost_ms": {"full": {"N": ms, ...}, "backup": {"N": ms, ...}}}.
   if (!j.contains("step_cost_ms")) return;
   const auto& t = j["step_cost_ms"];
@@ -57,12 +93,7 @@ void read_calibration(const std::string& path, qring::train::SimOptions& o) {
     if (!t[key].is_object())
       throw ConfigError(fmt::format("--calibration {}: step_cost_ms.{}", path, key));
     for (auto it = t[key].begin(); it != t[key].end(); ++it) {
-      int n = 0;
-      try {
-        n = std::stoi(it.key());
-      } catch (const std::exception&) {
-        n = 0;
-      }
+      const int n = count_key(it.key());
       if (n < 1 || !it.value().is_number())
         throw ConfigError(fmt::format("--calibration {}: step_cost_ms.{} needs \"N\": ms entries",
                                       path, key));
