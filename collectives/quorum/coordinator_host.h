@@ -33,10 +33,16 @@ class CoordinatorHost {
   // it asked for is unresolved or `busy` (this rank still runs a step's reduction). At most
   // `limit` after the first call, then never again (the goodbye follows).
   bool serving(Clock::time_point now, bool busy, Clock::duration limit);
-  // Its own process was stopped: silence measured across the pause says nothing.
-  void resync(Clock::time_point now) { state_->resync(now); }
-  // It waited `d` for a CPU (liveness.h): not counted as the members' silence.
-  void excuse(Clock::duration d) { state_->excuse(d); }
+  // What this process's last look found (liveness.h): it was stopped (silence measured across
+  // the pause says nothing, every clock starts over), or it waited `stall` for a CPU (not
+  // counted as the members' silence).
+  void observe(Clock::time_point now, bool paused, Clock::duration stall) {
+    if (paused) {
+      state_->resync(now);
+    } else if (stall.count() > 0) {
+      state_->excuse(stall);
+    }
+  }
   const qproto::Coordinator& state() const { return *state_; }
 
  private:

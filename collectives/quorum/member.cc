@@ -283,10 +283,10 @@ void QuorumMember::act(net::Endpoint& ep, const qproto::Down& m) {
   apply(ep, m);
 }
 
+// This process may have been stopped since the last look (SIGSTOP lands anywhere, also inside
+// this pass): the others' silence across the pause is no evidence.
 bool QuorumMember::feed_coordinator(net::Endpoint&) {
   const auto now = engine_.now();
-  // This process may have been stopped since the last look (SIGSTOP lands anywhere, also
-  // inside this pass): the others' silence across the pause is no evidence.
   look(now);
   return host_->feed(now, !bye_sent_);
 }
@@ -470,8 +470,7 @@ bool QuorumMember::resync(net::Endpoint&) {
 bool QuorumMember::look(Clock::time_point now) {
   const bool paused = liveness_.paused(now);
   const auto stall = liveness_.take_stall();
-  if (host_ && paused) host_->resync(now);
-  if (host_ && !paused && stall.count() > 0) host_->excuse(stall);
+  if (host_) host_->observe(now, paused, stall);
   return paused;
 }
 

@@ -109,17 +109,15 @@ class QuorumMember final : public EngineOp {
   Rejoin rejoin_;
   Liveness liveness_;
   std::unique_ptr<CoordinatorHost> host_;  // while this rank coordinates
-  // The coordinator this rank follows (the lowest live rank after failover), and takeovers.
-  Succession succession_;
+  Succession succession_;  // the coordinator followed (lowest live rank), takeovers
   Witness witness_;
-  Clock::time_point last_watch_{};
+  Clock::time_point last_watch_{};  // watch_deaths()
   StepLedger ledger_;
   Follower follower_;
   std::vector<bool> reported_suspect_;
   std::vector<uint32_t> known_inc_;  // per peer: the incarnation of what was told about it
-  bool finished_ = false, dead_ = false, bye_sent_ = false;
-  std::exception_ptr error_;  // why the service died (told to the callers once)
-  bool told_ = false;
+  bool finished_ = false, dead_ = false, bye_sent_ = false, told_ = false;
+  std::exception_ptr error_;  // why the service died (told to the callers once: told_)
   Clock::time_point drain_until_{};
 };
 
