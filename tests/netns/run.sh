@@ -301,7 +301,13 @@ if wants launch-host-lost; then
   sums=$(grep -o -E 'params_checksum [0-9a-f]+' "$WORK/hostlost.h1" | sort -u || true)
   n_sums=$(grep -c -E 'params_checksum [0-9a-f]+' "$WORK/hostlost.h1" || true)
   left=$(ip netns pids "$QRING_NETNS_NAME-h1" 2>/dev/null | wc -l)
-  witnessed=$(grep -c 'died, witnessed' "$WORK/runs/hostlost/metrics.jsonl" 2>/dev/null || true)
+  # Node 0's store saw the other host's ranks die (their store connections closed): a view that
+  # says so, or, where the transport's "unreachable" evicted them first (a killed host's tcp
+  # connections are refused at once), the survivors' look-up of the witness afterwards.
+  w_views=$(grep -c 'died, witnessed' "$WORK/runs/hostlost/metrics.jsonl" 2>/dev/null || true)
+  w_seen=$(grep -c 'rendezvous store witnessed the death of rank [23]' "$WORK/hostlost.h1" \
+    2>/dev/null || true)
+  witnessed=$((${w_views:-0} + ${w_seen:-0}))
   if [ "$killed" -gt 0 ] && [ "$RC1" -eq 0 ] && [ "$lost" = "[2, 3]" ] &&
     [ "$(echo "$sums" | wc -l)" -eq 1 ] && [ "$n_sums" -ge 2 ] && [ "$left" -eq 0 ] &&
     [ "${witnessed:-0}" -ge 1 ]; then
