@@ -10,9 +10,8 @@
 //    over;
 //  - silence is measured only while the observer looks: a healthy engine passes at least every
 //    `look` (heartbeat / 2, at least 50 ms; it sleeps 20 ms at most), so a longer gap between two
-//    of its passes
-//    (shorter than a pause) means this process waited for a CPU (a loaded host) and read
-//    nothing meanwhile; the excess over `look` is not counted as anyone's silence (take_stall
+//    of its passes (shorter than a pause) means this process waited for a CPU (a loaded host) and
+//    read nothing meanwhile; the excess over `look` is not counted as anyone's silence (take_stall
 //    hands it to the coordinator's roster, roster.h). On a host that runs the observer the
 //    limits below hold to the millisecond; on one that starves it, eviction and takeover come
 //    later by as much as the observer itself waited, never sooner. (The coordinator's lease,

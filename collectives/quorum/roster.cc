@@ -108,7 +108,7 @@ std::vector<Departure> Roster::departures(Time now) {
   const LivenessTimes times = LivenessTimes::of(cfg_.evict, cfg_.deadline);
   for (int r : view_.members) {
     if (r == cfg_.self) continue;
-    const double silent = ms_between(last_heard_[size_t(r)], now);
+    const double silent = silent_ms(r, now);
     const double counted = counted_silent_ms(r, now);
     if (died_[size_t(r)]) {
       add({r, Why::kDied, silent});

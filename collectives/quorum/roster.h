@@ -3,10 +3,10 @@
 // transport errors reported against it, its goodbye, its incarnation, and the joins under way.
 // From these it says who leaves the view (silent for evict + a heartbeat period, liveness.h's
 // silence_limit, the deadline until a rank has spoken once, and until a rejoined incarnation
-// has spoken in the view that admitted it; unreachable and silent for
-// evict / 4; evict_steps missed steps; a restarted incarnation; a death the store witnessed,
-// witness.h) and who enters it (a join
-// that every member accepted and whose joiner said HELLO, at the next step to be decided).
+// has spoken in the view that admitted it; unreachable and silent for evict / 4; evict_steps
+// missed steps; a restarted incarnation; a death the store witnessed, witness.h) and who enters
+// it (a join that every member accepted and whose joiner said HELLO, at the next step to be
+// decided).
 // Pure: no clock reads, no I/O; the coordinator (coordinator.h) feeds it what it hears and
 // turns its answers into VIEW / JOINING messages.
 #pragma once
