@@ -46,6 +46,24 @@ TEST(Liveness, HeartbeatsEveryEighthOfTheEvictTimeAndAtOnceAfterAStepAtMostFourT
   EXPECT_TRUE(l.beat_due(T0 + milliseconds(227), 5));
 }
 
+// A step this rank was outside of (its result came from a member): the completion goes out at
+// once, however recent the last beat, since no READY carries it and every member keeps the
+// step's result until the coordinator knows. Once per step, and not for a step it reduced.
+TEST(Liveness, ACompletedStepThisRankWasOutsideOfBeatsAtOnceOncePerStep) {
+  const auto t = LivenessTimes::of(milliseconds(800), milliseconds(8000));
+  Liveness l(t, T0);
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(100), -1));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(101), 5, /*outside=*/true));
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(102), 5, /*outside=*/true));  // told already
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(103), 6, /*outside=*/true));
+  // A step it reduced: its next READY carries it; the quarter-period cap holds.
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(104), 7));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(128), 7));
+  // Nothing new: the period.
+  EXPECT_FALSE(l.beat_due(T0 + milliseconds(227), 7, /*outside=*/true));
+  EXPECT_TRUE(l.beat_due(T0 + milliseconds(228), 7, /*outside=*/true));
+}
+
 // A rank is lost after evict + one heartbeat period of silence (the deadline before it spoke
 // once): its last message may be a heartbeat period older than a pause, so a pause shorter
 // than evict never reaches the limit, wherever it falls, and 1.2 evict always does.

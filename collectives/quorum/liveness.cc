@@ -44,9 +44,10 @@ bool Liveness::paused(Clock::time_point now) {
   return false;
 }
 
-bool Liveness::beat_due(Clock::time_point now, int64_t completed) {
-  if (now - last_beat_ < t_.heartbeat && completed == beat_completed_) return false;
-  if (now - last_beat_ < t_.heartbeat / 4) return false;
+bool Liveness::beat_due(Clock::time_point now, int64_t completed, bool outside) {
+  const bool news = completed != beat_completed_;
+  if (now - last_beat_ < t_.heartbeat && !news) return false;
+  if (now - last_beat_ < t_.heartbeat / 4 && !(news && outside)) return false;
   last_beat_ = now;
   beat_completed_ = completed;
   return true;

@@ -4,7 +4,11 @@
 // tests, tests/test_coll_liveness.cc), and the little state they read; the member service
 // (member.h) does the sending. What it decides (docs/design.md, "Membership"):
 //  - every rank heartbeats every evict / 8 on the engine (so long computation is not silence),
-//    and at once when it completed a step, at most four times per heartbeat period;
+//    and at once when it completed a step, at most four times per heartbeat period; a step it
+//    was outside of (it got the result from a member) at once whatever the period: it sends no
+//    READY that would carry the completion, and every member keeps the step's result until the
+//    coordinator knows it (StepRecovery::settle), so a lag here grows each member's result pool
+//    by a buffer per step;
 //  - a pass more than evict / 2 after the one before means this process was stopped: silence
 //    measured across the pause says nothing about the others, so every silence clock starts
 //    over;
@@ -82,8 +86,9 @@ class Liveness {
     heard_ = true;
   }
   void coordinator_finished() { coordinator_done_ = true; }
-  // A heartbeat is due (`completed`: the highest step this rank has completed); records it.
-  bool beat_due(Clock::time_point now, int64_t completed);
+  // A heartbeat is due (`completed`: the highest step this rank has completed; `outside`: it
+  // got that step's result from a member, outside its contributors); records it.
+  bool beat_due(Clock::time_point now, int64_t completed, bool outside = false);
   enum class Silence : uint8_t { kNone, kTakeOver, kLost };
   // What the coordinator's silence calls for on member `self` (not the coordinator): nothing
   // yet, its turn to propose itself (`tolerant`: the job can lose a rank), or stopping.

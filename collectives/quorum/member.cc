@@ -479,7 +479,7 @@ bool QuorumMember::look(Clock::time_point now) {
 // computation: this runs on the engine.
 void QuorumMember::heartbeat(net::Endpoint& ep) {
   if (bye_sent_ || (rejoin_.joining() && !rejoin_.admitted())) return;
-  if (!liveness_.beat_due(engine_.now(), runner_.completed())) return;
+  if (!liveness_.beat_due(engine_.now(), runner_.completed(), runner_.received_last())) return;
   send_up(ep, qproto::Up{UpKind::kHeartbeat});
   if (!host_) return;
   feed_coordinator(ep);

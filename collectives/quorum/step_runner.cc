@@ -406,6 +406,7 @@ bool StepRunner::poll_results() {
     }
     steps_.cv.notify_all();
     mark_done(t, out);
+    received_ = std::max(received_, int64_t(t));
     it = result_recvs_.erase(it);
   }
   return moved;

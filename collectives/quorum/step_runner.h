@@ -55,6 +55,8 @@ class StepRunner {
   // A transport error with `peer` that the coordinator should hear of (a result receive).
   std::vector<std::pair<int, std::string>> take_suspects();
   int64_t completed() const { return completed_; }
+  // The latest completed step came as its result from a member (this rank was outside S(t)).
+  bool received_last() const { return completed_ >= 0 && received_ == completed_; }
   bool done(uint64_t t) const { return done_.count(t) != 0; }
   // Nothing in flight on this rank.
   bool idle() const { return rings_.empty() && result_recvs_.empty(); }
@@ -106,6 +108,7 @@ class StepRunner {
   Outbox& out_;
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   int64_t completed_ = -1;
+  int64_t received_ = -1;  // the latest step completed by a result received from a member
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
   std::map<uint64_t, Clock::time_point> failed_;  // steps whose reduction failed here
