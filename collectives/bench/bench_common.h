@@ -117,6 +117,9 @@ struct Options {
   double auto_seconds = 0;         // > 0: per size, as many iterations (<= -n) as fit this time
   bool idle_via_endpoint = false;  // --op idle: wait in Endpoint::wait, not in the engine
   bool spin = false;               // --op sendrecv: busy-poll instead of the endpoint's wait
+  // qring: a rank waiting for its peers blocks on its shm doorbell until their traffic wakes
+  // it (true, --wait block: qring.init(wait="block")) or polls, yields and sleeps (false).
+  bool block = false;
   // --op quorum
   std::string quorum = "";  // count or fraction; empty = world size
   long grace_ms = 0;
@@ -265,6 +268,15 @@ inline void add_qring_flags(CLI::App& app, Options& o, bool mpi) {
   q(cli::add_value(app, "--seconds", "idle: how long every rank blocks in a receive (default 10)"))
       ->each([&o](const std::string& v) {
         o.seconds = cli::to_seconds("--seconds", v, 86400, /*zero_ok=*/true);
+      });
+  q(cli::add_value(app, "--wait",
+                   "poll (spin, yield, sleep with backoff) or block (over shm, on the process's "
+                   "doorbell until peers' traffic wakes it; elsewhere as poll), as "
+                   "qring.init(wait=) (default poll)"))
+      ->each([&o](const std::string& v) {
+        if (v != "poll" && v != "block")
+          throw ConfigError("--wait '" + v + "': expected poll or block");
+        o.block = v == "block";
       });
   q(app.add_flag("--spin", o.spin,
                  "sendrecv: busy-poll the completion queue (as fi_pingpong) instead of the "

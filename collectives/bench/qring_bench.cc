@@ -546,6 +546,7 @@ int bench_main(const Options& o) {
   if (o.sends_inflight) so.comm.sends_in_flight = o.sends_inflight;
   if (o.small_bytes) so.comm.small_allreduce_bytes = *o.small_bytes;
   if (o.hd_bytes) so.comm.halving_doubling_bytes = *o.hd_bytes;
+  so.doorbells = o.block;
   collectives::Session session(launch, so);
   const net::BootstrapInfo& info = session.info();
   const std::vector<RankInfo> ranks = gather_rank_infos(

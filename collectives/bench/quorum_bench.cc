@@ -644,11 +644,13 @@ void print_quorum_header(collectives::Communicator& comm, const Options& o, int 
   const int n = comm.size();
   std::printf(
       "# quorum all-reduce: %d ranks, provider %s, quorum %s, grace %ld ms, deadline "
-      "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up\n",
+      "%ld ms, straggler %s (seed %llu), dtype %s, redop %s, %d steps + %d warm-up, wait "
+      "%s\n",
       n, comm.provider().c_str(), q > 0 ? std::to_string(q).c_str() : "auto", o.grace_ms,
       o.deadline_ms, model.spec().c_str(),
       static_cast<unsigned long long>(o.seed), std::string(dtype_name(o.dtype)).c_str(),
-      o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup);
+      o.redop == RedOp::kAvg ? "avg" : "sum", o.iters, o.warmup,
+      o.block ? "block" : "poll");
   if (!faults.empty()) {
     const std::string spec = fault_specs(faults);
     std::printf(
