@@ -47,7 +47,10 @@ bool Liveness::paused(Clock::time_point now) {
 bool Liveness::beat_due(Clock::time_point now, int64_t completed, bool outside) {
   const bool news = completed != beat_completed_;
   if (now - last_beat_ < t_.heartbeat && !news) return false;
-  if (now - last_beat_ < t_.heartbeat / 4 && !(news && outside)) return false;
+  // Outside S(t): at most every heartbeat / 64 (10 ms at E = 5 s), so that a rank excluded from
+  // steps of 0.4 ms sends a beat per 25 steps, not per step, and holds `settled` back that long.
+  const bool soon = news && outside && now - last_beat_ >= t_.heartbeat / 64;
+  if (now - last_beat_ < t_.heartbeat / 4 && !soon) return false;
   last_beat_ = now;
   beat_completed_ = completed;
   return true;

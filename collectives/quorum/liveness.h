@@ -5,7 +5,7 @@
 // (member.h) does the sending. What it decides (docs/design.md, "Membership"):
 //  - every rank heartbeats every evict / 8 on the engine (so long computation is not silence),
 //    and at once when it completed a step, at most four times per heartbeat period; a step it
-//    was outside of (it got the result from a member) at once whatever the period: it sends no
+//    was outside of (it got the result from a member) within heartbeat / 64: it sends no
 //    READY that would carry the completion, and every member keeps the step's result until the
 //    coordinator knows it (StepRecovery::settle), so a lag here grows each member's result pool
 //    by a buffer per step;
