@@ -192,6 +192,23 @@ TEST_F(BenchCli, BadQuorumArgumentsFailWithAClearMessage) {
   EXPECT_NE(r.output.find("--redop must be sum or avg"), std::string::npos) << r.output;
 }
 
+// --wait block: the ranks wait on their shm doorbells (qring.init(wait="block")), the header
+// says so, and the checked steps' results are exact; any other value is refused by name.
+TEST_F(BenchCli, WaitBlockRunsOnTheDoorbellsAndOtherValuesAreRefused) {
+  auto j = (dir_ / "w.json").string();
+  CmdResult r = sh(bench(3, "shm",
+                         "--op quorum -b 64K -e 64K -n 3 -w 1 --quorum 2 --grace-ms 1 --wait "
+                         "block --json " + j));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("wait block"), std::string::npos) << r.output;
+  auto rs = rows("w.json");
+  ASSERT_EQ(rs.size(), 1u) << rs.dump();
+  EXPECT_EQ(rs[0]["wrong"], 0);
+  r = sh(bench(2, "tcp", "--op quorum -b 4K -e 4K -n 1 --wait spin"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--wait 'spin': expected poll or block"), std::string::npos) << r.output;
+}
+
 // --fault: 4 ranks, quorum 3, a rank lost at timed step 20 of 60 (64 KiB steps take well
 // under a millisecond, so the loop goes on past -n until the rank has left the view and 40
 // steps ran after the recovery). Bounds are generous: only the order of magnitude of the
