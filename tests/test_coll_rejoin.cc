@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include "collectives/quorum/coordinator.h"
+#include "collectives/quorum/errors.h"
+#include "collectives/quorum/join_agent.h"
 #include "collectives/quorum/wire.h"
 #include "net/base/error.h"
+#include "net/rendezvous/store.h"
 #include "wire_harness.h"
 
 namespace qring::testing {
@@ -381,6 +384,30 @@ TEST(CoordinatorRejoin, AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn) {
   ASSERT_EQ(b.size(), 1u);
   EXPECT_EQ(b[0].joined.at(0).incarnation, 2u);
   EXPECT_TRUE(s.c.view().has(3));
+}
+
+// A rank restarted into a job that was lost or finished meanwhile is refused from the store's
+// records alone (qring-train checks them before it loads its data), naming why; the records of
+// another quorum all-reduce (instance) are not this one's.
+TEST(JoinEnd, ARankRestartedIntoAnEndedJobIsRefusedFromTheStoresRecords) {
+  using collectives::read_job_end;
+  using collectives::refuse_join_to_ended_job;
+  net::MemoryStore store;
+  EXPECT_NO_THROW(refuse_join_to_ended_job(read_job_end(store, 1, 4), 2));
+  store.set(collectives::join_lost_key(1, 3), "rank 3: the job stops: only 1 of 4 ranks are left");
+  EXPECT_NO_THROW(refuse_join_to_ended_job(read_job_end(store, 2, 4), 2));
+  try {
+    refuse_join_to_ended_job(read_job_end(store, 1, 4), 2);
+    ADD_FAILURE() << "a lost job was not refused";
+  } catch (const collectives::QuorumLost& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2: the job was lost before this incarnation could "
+                                         "rejoin it (rank 3: the job stops: only 1 of 4"),
+              std::string::npos)
+        << e.what();
+  }
+  net::MemoryStore finished;
+  finished.set(collectives::join_done_key(1, 0), "");
+  EXPECT_THROW(refuse_join_to_ended_job(read_job_end(finished, 1, 4), 1), collectives::JobOver);
 }
 
 TEST(QuorumWireRejoin, JoinMessagesRoundTrip) {

@@ -20,6 +20,7 @@
 #include <optional>
 
 #include "collectives/engine.h"
+#include "collectives/quorum/join_agent.h"
 #include "collectives/quorum/quorum.h"
 #include "collectives/straggler.h"
 #include "net/base/build_info.h"
@@ -51,6 +52,9 @@ namespace {
 // After each gradient, in the same all-reduce: the batch loss and the stop flag.
 constexpr size_t kSpare = Model::kSpareGrads;
 static_assert(kSpare == 2, "the trainer uses two spare slots: loss, stop flag");
+// The trainer's quorum all-reduce, the same on every rank whatever collectives ran before (a
+// joiner runs none): its control tags and its store keys (join_agent.h).
+constexpr uint32_t kQuorumInstance = 1;
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
@@ -281,8 +285,7 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
       qo.agreed += fmt::format("config {}={:016x}\n", keys[k], digests[k]);
     qo.agreed += fmt::format("kernels={}\n", kernel_isa());
   }
-  // The same on every rank, whatever collectives ran before (a joiner runs none).
-  qo.instance = 1;
+  qo.instance = kQuorumInstance;
   return qo;
 }
 
@@ -1361,6 +1364,11 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   fs::create_directories(ckpt_dir);
   if (!opts.resume && !joining) guard_earlier_checkpoints(run_dir, ckpt_dir, comm, opts.force);
 
+  // A new incarnation restarted into a job that ended meanwhile leaves now, not after the
+  // seconds its data take to load (a lost job's restarts would keep the launcher waiting).
+  if (joining && opts.store)
+    collectives::refuse_join_to_ended_job(
+        collectives::read_job_end(*opts.store, kQuorumInstance, world), rank);
   DatasetPair data = allocating(
       fmt::format("the datasets ({})",
                   cfg.data.dataset == "synthetic" ? "synthetic" : "data.path " + cfg.data.path),

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "collectives/engine.h"
+#include "collectives/quorum/errors.h"
 #include "net/base/error.h"
 
 namespace qring::collectives {
@@ -21,6 +22,29 @@ std::string join_done_key(uint32_t instance, int coordinator) {
 
 std::string join_lost_key(uint32_t instance, int rank) {
   return fmt::format("join/{}/lost/{}", instance, rank);
+}
+
+JobEnd read_job_end(net::Store& store, uint32_t instance, int world) {
+  using namespace std::chrono_literals;
+  JobEnd end;
+  for (int p = 0; p < world && !end.finished && end.lost.empty(); ++p) {
+    end.finished = store.check({join_done_key(instance, p)});
+    if (store.check({join_lost_key(instance, p)}))
+      end.lost = store.get(join_lost_key(instance, p), net::deadline_in(2s));
+  }
+  return end;
+}
+
+void refuse_join_to_ended_job(const JobEnd& end, int rank) {
+  if (!end.lost.empty())
+    throw QuorumLost(fmt::format("rank {}: the job was lost before this incarnation could "
+                                 "rejoin it ({})",
+                                 rank, end.lost),
+                     {});
+  if (end.finished)
+    throw JobOver(fmt::format("rank {}: the job finished before this incarnation could "
+                              "rejoin it",
+                              rank));
 }
 
 std::string encode_join_value(const JoinValue& v) {
@@ -205,16 +229,13 @@ struct JoinAgent {
   }
 
   void check_job_end(JoinAgentIo& out) {
-    using namespace std::chrono_literals;
     // The job may have finished, or have been lost, while this rank was away.
-    for (int p = 0; p < world && !out.finished && out.lost.empty(); ++p) {
-      try {
-        out.finished = store->check({join_done_key(instance, p)});
-        if (store->check({join_lost_key(instance, p)}))
-          out.lost = store->get(join_lost_key(instance, p), net::deadline_in(2s));
-      } catch (const std::exception& e) {
-        warn("cannot look for the end of the job", e);
-      }
+    try {
+      JobEnd end = read_job_end(*store, instance, world);
+      out.finished = end.finished;
+      out.lost = std::move(end.lost);
+    } catch (const std::exception& e) {
+      warn("cannot look for the end of the job", e);
     }
   }
 

@@ -37,6 +37,18 @@ std::string join_done_key(uint32_t instance, int coordinator);
 // fails at once naming it, instead of waiting for a coordinator that no longer exists.
 std::string join_lost_key(uint32_t instance, int rank);
 
+// The end of the job as the store records it (join_done_key, join_lost_key of any rank).
+struct JobEnd {
+  bool finished = false;
+  std::string lost;  // why the job was lost; empty: it was not
+};
+// Reads it (store errors throw, as the store's calls do).
+JobEnd read_job_end(net::Store& store, uint32_t instance, int world);
+// A new incarnation of `rank` about to rejoin: QuorumLost naming why when the job was lost,
+// JobOver when it finished (errors.h): nothing is left to rejoin. Rejoin::exchange checks the
+// same while the join runs; qring-train checks it first, before it loads its data.
+void refuse_join_to_ended_job(const JobEnd& end, int rank);
+
 // The value of a join key: "<incarnation> <coordinator> <epoch> <members, comma-separated>
 // <length of the settings>" (the publisher's, as it knows them; the joiner: "-1 0 -"), then
 // after a newline its communicator settings (Communicator::settings_text, compared as at a

@@ -133,17 +133,10 @@ void Rejoin::exchange(const qproto::Coordinator* coordinator, Found& got) {
     over = a.finished;
     lost = a.lost;
   }
-  if (!lost.empty() && joining_ && !admitted_)
-    throw QuorumLost(fmt::format("rank {}: the job was lost before this incarnation could "
-                                 "rejoin it ({})",
-                                 rank_, lost),
-                     {});
+  if (joining_ && !admitted_ && !lost.empty()) refuse_join_to_ended_job({false, lost}, rank_);
   if (!over) return;
   membership_.job_over();
-  if (joining_ && !admitted_)
-    throw JobOver(fmt::format("rank {}: the job finished before this incarnation could "
-                              "rejoin it",
-                              rank_));
+  if (joining_ && !admitted_) refuse_join_to_ended_job({true, ""}, rank_);
 }
 
 // A member: the joiners' addresses it fetched; it reconnects and publishes its own.
