@@ -104,7 +104,10 @@ launch() {
   while [ $# -gt 0 ] && [ "$1" != -- ]; do lopts+=("$1"); shift; done
   [ $# -gt 0 ] && shift
   dir=$OUT/$name log=$OUT/$name.log
-  QRING_FAULT=$fault timeout "$LIMIT" "$BUILD/net/qring-launch" -n 4 "${lopts[@]}" -- \
+  # --bind none: 4 ranks on a shared 2-core host, pinned two to a core, starve in pairs when
+  # another process (a restarted rank loading its data, others' builds) takes that core, and
+  # a live rank then falls silent past evict_ms (docs/bootstrap.md: jobs sharing a host).
+  QRING_FAULT=$fault timeout "$LIMIT" "$BUILD/net/qring-launch" -n 4 --bind none "${lopts[@]}" -- \
     "$BUILD/train/qring-train" "${train[@]}" "train.epochs=$epochs" "run.out_dir=$dir" run.name=run "$@" \
     >> "$log" 2>&1 &
   launcher=$!

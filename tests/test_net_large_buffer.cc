@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -53,6 +54,23 @@ size_t resident_pages(void* p, size_t bytes) {
   size_t n = 0;
   for (unsigned char c : in) n += c & 1;
   return n;
+}
+
+// A block a little over 2 MiB (the MLP's 2.1 MB gradient, kept once per step for a lagging
+// rank) maps and faults in its own pages only, not a second whole huge page: beyond its last
+// 4 KiB page nothing is mapped.
+TEST(LargeBuffer, ABlockJustOverAHugePageMapsOnlyItsOwnPages) {
+  constexpr size_t kBytes = (size_t{2} << 20) + (size_t{100} << 10) + 100;
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t used = (kBytes + page - 1) / page * page;
+  auto* p = static_cast<unsigned char*>(alloc_large(kBytes));
+  std::memset(p, 0x11, kBytes);
+  std::vector<unsigned char> in(1);
+  EXPECT_EQ(mincore(p + used - page, page, in.data()), 0) << "its last page is mapped";
+  EXPECT_NE(mincore(p + used, page, in.data()), 0)
+      << "the page after its last one is mapped: the block was rounded up to a huge page";
+  EXPECT_EQ(errno, ENOMEM);
+  free_large(p, kBytes);
 }
 
 // populate() faults in the pages of memory that is allocated but not yet written, and keeps

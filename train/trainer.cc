@@ -1349,6 +1349,27 @@ void announce_start(const TrainConfig& cfg, const TrainerCore& core, int world, 
                    : std::string("at the end and when stopped by SIGTERM/SIGUSR1"));
 }
 
+namespace {
+
+// The rank's datasets, checked against the others' (a joiner's were checked by its first
+// incarnation). A new incarnation restarted into a job that ended meanwhile leaves first, not
+// after the seconds its data take to load (a lost job's restarts would keep the launcher
+// waiting).
+DatasetPair load_data(const TrainConfig& cfg, collectives::Communicator& comm,
+                      const TrainerOptions& opts, bool joining) {
+  if (joining && opts.store)
+    collectives::refuse_join_to_ended_job(
+        collectives::read_job_end(*opts.store, kQuorumInstance, comm.size()), comm.rank());
+  DatasetPair data = allocating(
+      fmt::format("the datasets ({})",
+                  cfg.data.dataset == "synthetic" ? "synthetic" : "data.path " + cfg.data.path),
+      0, [&] { return load_datasets(cfg.data, uint64_t(cfg.run.seed), opts.local_ranks); });
+  if (comm.size() > 1 && !joining) check_data_agrees(cfg, data, comm);
+  return data;
+}
+
+}  // namespace
+
 // The synchronous trainer (train.mode "sync"): each step, every rank computes the gradient
 // of its batch and contributes it to the quorum all-reduce, waits for the step's decision
 // (the mean of the first Q contributions) and applies it; the parts beside the loop above
@@ -1364,16 +1385,7 @@ RunSummary train_sync(const TrainConfig& cfg, collectives::Communicator& comm,
   fs::create_directories(ckpt_dir);
   if (!opts.resume && !joining) guard_earlier_checkpoints(run_dir, ckpt_dir, comm, opts.force);
 
-  // A new incarnation restarted into a job that ended meanwhile leaves now, not after the
-  // seconds its data take to load (a lost job's restarts would keep the launcher waiting).
-  if (joining && opts.store)
-    collectives::refuse_join_to_ended_job(
-        collectives::read_job_end(*opts.store, kQuorumInstance, world), rank);
-  DatasetPair data = allocating(
-      fmt::format("the datasets ({})",
-                  cfg.data.dataset == "synthetic" ? "synthetic" : "data.path " + cfg.data.path),
-      0, [&] { return load_datasets(cfg.data, seed, opts.local_ranks); });
-  if (world > 1 && !joining) check_data_agrees(cfg, data, comm);
+  DatasetPair data = load_data(cfg, comm, opts, joining);
   const AllocationScope model_scope(
       fmt::format("the model ({}) and its training state", cfg.model.type));
   // quorum "auto": the schedule is the one of the largest quorum, each step's rate scaled by

@@ -3,11 +3,12 @@
 // 4 KiB pages took 0.7 s here, in 2 MiB pages 20 ms; a fresh 1 MiB buffer 2.8 ms), and a
 // job that keeps a result per step for a lost rank until it is evicted makes a fresh one
 // every step. So blocks of 64 KiB or more get a mapping of their own, populated in one call
-// (MADV_POPULATE_WRITE); from 2 MiB on it is 2 MiB-aligned and advised as huge pages
-// (MADV_HUGEPAGE). Smaller blocks come from the heap, 64-byte aligned. Where the kernel
-// refuses the advice the memory works the same, faulted in page by page. A failed
-// allocation throws AllocationFailed (net/base/out_of_memory.h), a std::bad_alloc naming the
-// size and the current AllocationScope.
+// (MADV_POPULATE_WRITE); from 2 MiB on it is 2 MiB-aligned and its whole 2 MiB blocks are
+// advised as huge pages (MADV_HUGEPAGE), the tail beyond the last one stays in 4 KiB pages (a
+// mapping rounded up to a huge page would zero up to twice what is used). Smaller blocks come
+// from the heap, 64-byte aligned. Where the kernel refuses the advice the memory works the
+// same, faulted in page by page. A failed allocation throws AllocationFailed
+// (net/base/out_of_memory.h), a std::bad_alloc naming the size and the current AllocationScope.
 #pragma once
 
 #include <cstddef>
