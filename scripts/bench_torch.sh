@@ -114,8 +114,10 @@ print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['s
       f"{q['optimizer_ms']:.2f}, step() overhead {q['overhead_ms']:.2f} ms = "
       f"{q['overhead_pct']:.2f} % of a step; CPU {q['cpu_ms_per_step']:.1f} ms) | DDP "
       f"{d['samples_per_s']:.0f} samples/s (step {d['step_ms']:.1f} ms: forward+backward with "
-      f"the overlapped all-reduce {d['compute_ms']:.2f}, optimizer {d['optimizer_ms']:.2f} ms; CPU "
-      f"{d['cpu_ms_per_step']:.1f} ms) | ratio {q['samples_per_s'] / d['samples_per_s']:.3f}")
+      f"its all-reduce {d['compute_ms']:.2f} ({len(d.get('ddp_bucket_bytes', []))} bucket(s) of "
+      f"{'/'.join(str(b) for b in d.get('ddp_bucket_bytes', []))} B), optimizer "
+      f"{d['optimizer_ms']:.2f} ms; CPU {d['cpu_ms_per_step']:.1f} ms) | ratio "
+      f"{q['samples_per_s'] / d['samples_per_s']:.3f}")
 PY
     done
   done
