@@ -30,6 +30,7 @@ so a ratio's interval is a geometric one); the optimum b's interval is a bootstr
 seeds (the b with the least mean time in each resample); a verdict is given only where the
 interval supports it.
 """
+import collections
 import glob
 import json
 import math
@@ -508,38 +509,67 @@ def step_cost(run_dir):
 
 def post_arrival_ms(run_dir):
     """A qring-train run's cost of a step beyond its decision, as rank 0 sees it: per step
-    after the first SKIP_STEPS, the time from the quorum-th READY (the coordinator's
-    ready_ms, rank 0's own READY placing them on its clock) to the end of rank 0's step (the
-    ring or the reduction among the contributors, the update); its median."""
+    after the first SKIP_STEPS, the time from the quorum-th READY to the end of rank 0's step
+    (the ring or the reduction among the contributors, the update; for an excluded rank 0
+    also the result's way to it); its median (clocked_steps says how each is measured)."""
     steps = clocked_steps(run_dir)
-    after = [j["wait_ms"] - (quorum_th - ready[0]) for j, ready, quorum_th in steps]
-    if not after:
-        sys.exit(f"post-arrival: {run_dir} has no step with rank 0 among the arrivals "
-                 f"after the first {SKIP_STEPS}")
-    return median(after), steps[0][0]["quorum"]
+    if not steps:
+        sys.exit(f"post-arrival: {run_dir} has no step after the first {SKIP_STEPS} that rank 0 "
+                 f"contributed to or was excluded from within its idle time")
+    return median([s.post_ms for s in steps]), steps[0].line["quorum"]
+
+
+# One step of clocked_steps: its metrics line, ready_ms, the quorum-th READY's offset, rank 0's
+# READY's offset (its own, or where an excluded rank 0's would have been) and the cost beyond
+# the decision as rank 0 saw it (ms).
+Clocked = collections.namedtuple("Clocked", "line ready quorum_th own post_ms")
 
 
 def clocked_steps(run_dir):
-    """A qring-train run's steps after the first SKIP_STEPS whose READYs rank 0's own places
-    on its clock: (step line, ready_ms, the quorum-th READY's offset)."""
+    """A qring-train run's steps after the first SKIP_STEPS that have a clock on rank 0 (the
+    coordinator, whose receive times ready_ms and decide_ms are):
+    - rank 0 contributed: its own READY; beyond the decision, its wait_ms (from its READY to
+      its result) less the time from its READY to the quorum-th;
+    - rank 0 was excluded (it arrived last, e.g. because an excluded rank has its result
+      later and so starts the next step late): it stopped idling at the decision
+      (train/trainer.cc, compute_and_contribute), so its wait_ms runs from the decision to its
+      result: that is the cost beyond the decision. Its READY would have come its delay_ms
+      and compute time after it started, and it started `idle` before the decision: its
+      period (wall_s since the previous step) less wait_ms. Left out where rank 0 idled under
+      SLICE_MS (it started after the decision: no clock)."""
     steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
+    compute = median([j["compute_ms"] for j in steps[SKIP_STEPS:] if j.get("compute_ms", 0) > 0]) or 0.0
     out = []
-    for j in steps[SKIP_STEPS:]:
+    for i in range(max(SKIP_STEPS, 1), len(steps)):
+        j, prev = steps[i], steps[i - 1]
         ready = j.get("ready_ms") or []
         got = sorted(x for x in ready if x >= 0)
-        if ready and ready[0] >= 0 and len(got) >= j["quorum"]:
-            out.append((j, ready, got[j["quorum"] - 1]))
+        if not ready or j.get("skipped") or len(got) < j["quorum"]:
+            continue
+        quorum_th = got[j["quorum"] - 1]
+        if ready[0] >= 0:
+            out.append(Clocked(j, ready, quorum_th, ready[0], j["wait_ms"] - (quorum_th - ready[0])))
+            continue
+        idle = 1000 * (j["wall_s"] - prev["wall_s"]) - j["wait_ms"]
+        if 0 not in j.get("dropped", []) or idle < SLICE_MS or "decide_ms" not in j:
+            continue
+        own = j["decide_ms"] - idle + j["delay_ms"] + compute
+        out.append(Clocked(j, ready, quorum_th, own, j["wait_ms"] + j["decide_ms"] - quorum_th))
     return out
 
 
+SLICE_MS = 0.25  # an idling rank asks whether it was excluded this often (collectives/straggler.cc)
+
+
 def arrival_offsets(run_dir):
-    """A qring-train run's arrival offsets, per step after the first SKIP_STEPS: each rank's
-    READY after rank 0's (the coordinator's clock), in a run whose ranks all idle the same
-    time, so that what is left is the ranks' start skew after the previous step and the
-    READY's way; a READY not in by the decision counts as the quorum-th (a lower bound).
-    Steps without rank 0's READY are left out (no common clock)."""
-    return [[round((x if x >= 0 else late) - ready[0], 3) for x in ready]
-            for _, ready, late in clocked_steps(run_dir)]
+    """A qring-train run's arrival offsets, per step of clocked_steps: each rank's READY after
+    rank 0's (its own or, excluded, where it would have been), in a run whose ranks all idle
+    the same time, so that what is left is the ranks' start skew after the previous step and
+    the READY's way; another rank's READY not in by the decision counts as the quorum-th (a
+    lower bound)."""
+    return [[0.0 if r == 0 else round((x if x >= 0 else s.quorum_th) - s.own, 3)
+             for r, x in enumerate(s.ready)]
+            for s in clocked_steps(run_dir)]
 
 
 def post_arrival(out, base, run_dirs):
