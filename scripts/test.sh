@@ -2,7 +2,8 @@
 # The test command: installs what it needs, builds, and runs every test.
 #   0. the structure rule that a script can check: no class in collectives/ over 500 lines
 #   1. Release build, every GoogleTest suite through ctest; the Python tests (pytest:
-#      python/tests, needs PyTorch: scripts/setup.sh installs it here); a C++ program built
+#      python/tests, needs PyTorch: scripts/setup.sh installs it here; tests/test_reproduce.py,
+#      scripts/reproduce.py's reading of runs); a C++ program built
 #      against the installed library (tests/consumer/run.sh: CMake package and pkg-config)
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
 #      tests (label "sanitize"), run through ctest, one test per binary (its cases in one
@@ -163,8 +164,8 @@ section "tests (Release)"
 (cd build && ctest --output-on-failure --no-tests=error --timeout 300 -j 2)
 
 if [ "${QRING_SKIP_PYTHON:-0}" != 1 ]; then
-  section "Python tests (pytest: python/tests)"
-  QRING_BUILD=build /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
+  section "Python tests (pytest: python/tests, tests/test_reproduce.py)"
+  QRING_BUILD=build /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests tests/test_reproduce.py
 fi
 section "C++ program against the installed library (tests/consumer)"
 tests/consumer/run.sh build
