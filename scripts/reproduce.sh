@@ -25,11 +25,11 @@
 #
 # Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
 # how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
-# values and steps; 18 minutes on 2 cores that others' work loaded to 11-27, 5.9 of CPU), regenerating
-# every table and plot the page cites; --smoke: every part on synthetic data and a made-up
-# job trace in a few minutes (what scripts/test.sh runs: the artefacts are produced and well
-# formed, not the claims). --only PART... reruns those parts (the others' runs in DIR are
-# kept) and the analysis. Straggler regimes:
+# values and steps; 5.8 minutes and 5.5 of CPU, on 2 cores at a load average of 1.6-7.3),
+# regenerating every table and plot the page cites; --smoke: every part on synthetic data
+# and a made-up job trace in a few minutes (what scripts/test.sh runs: the artefacts are
+# produced and well formed, not the claims). --only PART... reruns those parts (the others'
+# runs in DIR are kept) and the analysis. Straggler regimes:
 #   trace        the 32-rank job of ../shared/traces/llm-seqlen-imbalance-32ranks.txt,
 #                resampled to any world size (straggler model resample:SCALE:FILE: worker w
 #                replays a seeded permutation's column of the job from a seeded step offset;

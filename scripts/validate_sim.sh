@@ -15,7 +15,8 @@
 #      contributors, and the update) at Q = K and Q = K - 1, measured by qring-train with
 #      every rank idle c ms each step (straggler shiftexp:c:0: arrivals together, no trace),
 #      by scripts/reproduce.py post-arrival into calibration-K.json, with each step's
-#      arrival offsets (every rank's READY after the coordinator's: the ranks' start skew);
+#      arrival offsets (every rank's READY after the coordinator's, or where an excluded
+#      coordinator's would have come: the ranks' start skew);
 #   4. Q = K and Q = K - 1 under the real trace scaled so that its fastest worker takes c
 #      (resample:c:SEQLEN: injected delays of 1-2.3 c, at most 5x qring's own step cost),
 #      measured by qring-train (rank 0's step lines) and predicted by qring-sim
