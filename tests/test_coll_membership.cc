@@ -3,9 +3,12 @@
 // (collectives/quorum/wire.h). No threads, no sleeps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <map>
 
 #include "collectives/quorum/quorum.h"
 #include "collectives/quorum/coordinator.h"
@@ -255,6 +258,104 @@ TEST(Coordinator, MissedStepsNeverEvictByDefault) {
     s.beat(3, int64_t(t) - 1);
   }
   EXPECT_EQ(s.c.view().size(), 4);
+}
+
+// Steps every 10 ms among ranks 0, 1 and 3; rank 2 heartbeats every 10 ms (never silent)
+// saying it completed `completed2(t)`. Returns every Down and the time step t was decided.
+struct Lagging {
+  Sim s;
+  std::vector<Down> all;
+  std::map<uint64_t, Time> decided;
+  explicit Lagging(Config cfg) : s(cfg) {}
+  void steps(uint64_t from, uint64_t to, const std::function<int64_t(uint64_t)>& completed2) {
+    for (uint64_t t = from; t < to; ++t) {
+      s.now += milliseconds(10);
+      for (int r : {0, 1, 3}) {
+        auto a = s.ready(r, t, int64_t(t) - 1);
+        for (auto& d : of(a, K::kDecide)) decided[d.decide.step] = s.now;
+        all.insert(all.end(), a.begin(), a.end());
+      }
+      auto a = s.beat(2, completed2(t));
+      all.insert(all.end(), a.begin(), a.end());
+    }
+  }
+};
+
+Config lag_config(int quorum) {
+  Config cfg = base(4, quorum);
+  cfg.max_lag = milliseconds(1000);
+  return cfg;
+}
+
+// Issue 42, case 6: a rank stopped again and again never catches up by the results it missed
+// (every member would keep one a step for it for good); once the oldest result it lacks was
+// decided more than max_lag ago it leaves ("behind"), never before, though it never fell
+// silent.
+TEST(Coordinator, ARankWhoseOldestMissingResultIsOlderThanMaxLagLeavesAsBehind) {
+  Lagging j(lag_config(2));
+  j.steps(0, 200, [](uint64_t t) { return std::min<int64_t>(int64_t(t) - 1, 29); });
+  auto v = of(j.all, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  ASSERT_EQ(v[0].left.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 2);
+  EXPECT_EQ(v[0].left[0].why, Why::kBehind);
+  EXPECT_STREQ(to_string(Why::kBehind), "behind");
+  EXPECT_FALSE(j.s.c.view().has(2));
+  // Step 30, the first it lacks, was decided at decided[30]: it left 1000 ms after, within a
+  // step (10 ms), not before.
+  const auto at = j.decided.at(30) + milliseconds(1000);
+  int64_t left_step = -1;
+  for (auto& [t, when] : j.decided)
+    if (left_step < 0 && when > at) left_step = int64_t(t);
+  ASSERT_GE(left_step, 0);
+  auto d = of(j.all, K::kDecide);
+  auto first_without = std::find_if(d.begin(), d.end(), [](const Down& x) {
+    return x.decide.epoch == 1;
+  });
+  ASSERT_NE(first_without, d.end());
+  EXPECT_GE(int64_t(first_without->decide.step), left_step - 1);
+  EXPECT_LE(int64_t(first_without->decide.step), left_step + 1);
+  // It learns why at its next contact (it is not in the VIEW's audience), over the wire too:
+  // qring-train then rejoins without counting it as a failure (train/main.cc).
+  auto e = of(j.s.beat(2, 29), K::kEvicted);
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].why, Why::kBehind);
+  auto buf = collectives::qwire::encode_down(4, e[0]);
+  EXPECT_EQ(collectives::qwire::decode_down(buf.data(), buf.size(), 4, 0).why, Why::kBehind);
+}
+
+// A rank that lags, even by most of max_lag, and then catches up stays; so does a laggard
+// where the job cannot lose a rank (quorum = world), or with max_lag 0 (never).
+TEST(Coordinator, ARankThatCatchesUpOrThatTheJobCannotLoseStays) {
+  Lagging j(lag_config(2));
+  // Stuck at step 29 until step 110 (800 ms after step 30's decision), then caught up; again.
+  auto caught_up = [](uint64_t t) {
+    return t < 110 ? std::min<int64_t>(int64_t(t) - 1, 29)
+                   : t < 150 ? int64_t(t) - 1 : t < 240 ? 149 : int64_t(t) - 1;
+  };
+  j.steps(0, 400, caught_up);
+  EXPECT_TRUE(of(j.all, K::kView).empty());
+  EXPECT_TRUE(j.s.c.view().has(2));
+
+  auto stuck = [](uint64_t t) { return std::min<int64_t>(int64_t(t) - 1, 29); };
+  Config all = lag_config(3);
+  all.quorum = 4;  // quorum = world: losing rank 2 would stop the job
+  Lagging w(all);
+  for (uint64_t t = 0; t < 300; ++t) {  // every rank contributes; rank 2 completes none
+    w.s.now += milliseconds(10);
+    for (int r : {0, 1, 2, 3}) {
+      auto a = w.s.ready(r, t, r == 2 ? stuck(t) : int64_t(t) - 1);
+      w.all.insert(w.all.end(), a.begin(), a.end());
+    }
+  }
+  ASSERT_EQ(of(w.all, K::kDecide).size(), 300u);
+  EXPECT_TRUE(w.s.c.view().has(2));
+  EXPECT_TRUE(of(w.all, K::kView).empty());
+
+  Config off = base(4, 2);  // max_lag 0: never
+  Lagging n(off);
+  n.steps(0, 300, stuck);
+  EXPECT_TRUE(n.s.c.view().has(2));
 }
 
 TEST(Coordinator, EvictedRankIsToldAtItsNextContact) {
@@ -747,14 +848,15 @@ TEST(QuorumWire, RoundTripsEveryMessage) {
   v.kind = Down::Kind::kView;
   v.view.epoch = 9;
   v.view.members = {0, 1, 2, 5};
-  v.left = {{3, Why::kSilent, 812.5}, {4, Why::kUnreachable, 12}};
+  v.left = {{3, Why::kSilent, 812.5}, {4, Why::kUnreachable, 12}, {1, Why::kBehind, 3}};
   buf = wire::encode_down(world, v);
   ASSERT_LE(buf.size(), wire::down_capacity(world));
   auto vb = wire::decode_down(buf.data(), buf.size(), world, 0);
   EXPECT_EQ(vb.view.members, v.view.members);
-  ASSERT_EQ(vb.left.size(), 2u);
+  ASSERT_EQ(vb.left.size(), 3u);
   EXPECT_EQ(vb.left[0].silent_ms, 812.5);
   EXPECT_EQ(vb.left[1].why, Why::kUnreachable);
+  EXPECT_EQ(vb.left[2].why, Why::kBehind);
 
   Down f;
   f.kind = Down::Kind::kFatal;

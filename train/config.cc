@@ -198,6 +198,7 @@ std::vector<Field> fields() {
   f.push_back(string_field("quorum.late_policy", QRING_ACC(quorum.late_policy)));
   f.push_back(int_field("quorum.evict_ms", QRING_ACC(quorum.evict_ms)));
   f.push_back(int_field("quorum.evict_steps", QRING_ACC(quorum.evict_steps)));
+  f.push_back(int_field("quorum.max_lag_ms", QRING_ACC(quorum.max_lag_ms)));
   f.push_back(int_field("quorum.min_world", QRING_ACC(quorum.min_world)));
   f.push_back(string_field("straggler.model", QRING_ACC(straggler.model)));
   f.push_back(string_field("net.provider", QRING_ACC(net.provider)));
@@ -583,6 +584,7 @@ void TrainConfig::validate(int world) const {
   check_one_of("quorum.late_policy", quorum.late_policy, {"drop", "carry"});
   check_ms("quorum.evict_ms", quorum.evict_ms, 1);
   check_min("quorum.evict_steps", quorum.evict_steps, 0);
+  check_ms("quorum.max_lag_ms", quorum.max_lag_ms, -1);
   check_min("quorum.min_world", quorum.min_world, 0);
   if (world > 0 && quorum.min_world > world)
     fail("quorum.min_world",

@@ -102,9 +102,11 @@ struct QuorumSection {
   // Membership (docs/design.md, "Membership"): a rank silent this long leaves the job's view
   // (every rank's engine heartbeats, so long compute is not silence); one that missed
   // evict_steps consecutive steps too (0 = never); the job stops below min_world live ranks
-  // (0 = the quorum).
+  // (0 = the quorum). A rank whose oldest missing result was decided more than max_lag_ms
+  // ago leaves too and rejoins with a live member's state (0 = twice evict_ms, -1 = never).
   int64_t evict_ms = 5000;
   int64_t evict_steps = 0;
+  int64_t max_lag_ms = 0;
   int64_t min_world = 0;
 };
 

@@ -231,11 +231,20 @@ int main(int argc, char** argv) {
   // A rank evicted while alive (paused longer than quorum.evict_ms) comes back as a new
   // incarnation when the store outlives the ranks (QRING_STORE_HOSTED: qring-launch, or
   // qring-store under Slurm), at most kMaxRejoins times; otherwise it leaves with status 75.
+  // A rank that left because it fell behind (quorum.max_lag: stopped again and again, alive
+  // and heard) rejoins without counting: each time it was admitted and took a step first.
   constexpr int kMaxRejoins = 8;
   qring::train::RunSummary summary;
   for (int attempt = 0;; ++attempt) {
     try {
       run_incarnation(info, cfg, args, stop, process_start, summary);
+    } catch (const qring::collectives::Behind& e) {
+      spdlog::warn("{}", e.what());
+      if (info.store_hosted && info.world_size > 1) {
+        --attempt;
+        continue;
+      }
+      return kExitEvicted;
     } catch (const qring::collectives::Evicted& e) {
       // Alive, but the others went on without this rank: come back, or leave with the status
       // qring-launch counts as a lost rank (--tolerate-failures).

@@ -268,6 +268,7 @@ collectives::QuorumOptions quorum_options(const TrainConfig& cfg, const TrainerO
   if (cfg.quorum.quorum_is_fraction) qo.fraction = cfg.quorum.quorum;
   qo.evict = std::chrono::milliseconds(cfg.quorum.evict_ms);
   qo.evict_steps = int(cfg.quorum.evict_steps);
+  qo.max_lag = std::chrono::milliseconds(cfg.quorum.max_lag_ms);
   qo.min_world = int(cfg.quorum.min_world);
   qo.adaptive = cfg.quorum.quorum_auto;
   qo.auto_max = int(cfg.quorum.max);
@@ -1046,11 +1047,12 @@ class Membership {
     for (const auto& v : collectives::views_learned(q_.membership().view_changes(), r.epoch, &view_epoch_)) {
       double detect_ms = 0;
       nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
-      std::vector<int> who;
+      std::vector<std::string> who;
       for (const auto& l : v.left) {
         left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
         sum.evicted_ranks.push_back(l.rank);
-        who.push_back(l.rank);
+        who.push_back(fmt::format("{} ({}, last heard {:.0f} ms before)", l.rank, l.why,
+                                  l.silent_ms));
         detect_ms = std::max(detect_ms, l.silent_ms);
         ++sum.failures_survived;
         // Its last sign of life (for a restarted rank: the old incarnation's).
@@ -1090,9 +1092,9 @@ class Membership {
       }
       out_.write(line);
       if (v.left.empty()) continue;
-      spdlog::warn("view {}: rank(s) {} left (silent {:.0f} ms); {} ranks go on: {}; step {} "
+      spdlog::warn("view {}: rank(s) {} left; {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
-                   v.epoch, fmt::join(who, ", "), detect_ms, v.members.size(),
+                   v.epoch, fmt::join(who, ", "), v.members.size(),
                    fmt::join(v.members, ", "), step, recovery);
     }
   }

@@ -18,6 +18,7 @@ const char* to_string(Why w) {
     case Why::kRestarted: return "restarted";
     case Why::kLeft: return "left";
     case Why::kDied: return "died, witnessed";
+    case Why::kBehind: return "behind";
   }
   return "?";
 }
@@ -37,7 +38,7 @@ Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int6
     return;
   }
   // Every step below the highest known one was decided by the old coordinator.
-  steps_.start_at(recovery_.rebuild(known, roster_, out));
+  steps_.start_at(recovery_.rebuild(known, roster_, out, now));
 }
 
 void Coordinator::fatal(std::string reason, std::vector<Down>& out) {
@@ -72,6 +73,7 @@ std::vector<Down> Coordinator::handle(const Event& e, Time now, bool more) {
       // An evicted rank that is alive: it learns at its first contact.
       Down a(Down::Kind::kEvicted);
       a.to = r;
+      a.why = roster_.left_why(r);
       out.push_back(std::move(a));
       return out;
     }
@@ -117,6 +119,7 @@ void Coordinator::take(const Event& e, Time now, std::vector<Down>& out) {
 
 void Coordinator::tick(Time now, std::vector<Down>& out) {
   auto left = roster_.departures(now);
+  if (left.empty()) left = laggards(now);
   if (!left.empty()) {
     change_view(std::move(left), now, out);
     if (stopped_) return;
@@ -130,6 +133,23 @@ void Coordinator::tick(Time now, std::vector<Down>& out) {
   for (uint64_t t : redecided) steps_.forget_norms(t);
   decide(now, out);
   recovery_.settle(roster_);
+}
+
+// A member too far behind to catch up by the results it missed leaves ("behind"; under a
+// launcher that keeps the store it rejoins at once with a live member's state), so that no
+// member keeps a result per step for it for the rest of the job. Only as many as the job can
+// lose (its floor, a majority of the view), in a tick where nobody else leaves: a job that
+// cannot lose a rank keeps its laggards.
+std::vector<Departure> Coordinator::laggards(Time now) const {
+  std::vector<Departure> left;
+  if (cfg_.max_lag.count() <= 0) return left;
+  const int prev = roster_.view().size();
+  for (int r : recovery_.behind(roster_, now, cfg_.max_lag)) {
+    const int size = prev - int(left.size()) - 1;
+    if (size < floor_for(cfg_, size) || 2 * size <= prev) break;
+    left.push_back({r, Why::kBehind, roster_.silent_ms(r, now)});
+  }
+  return left;
 }
 
 void Coordinator::on_join(int r, uint32_t inc, Time now, std::vector<Down>& out) {
@@ -161,7 +181,7 @@ void Coordinator::decide(Time now, std::vector<Down>& out) {
     const Decision& d = out[i].decide;
     if (d.status == Status::kOk) {
       roster_.count_misses(d.contributors, now);
-      recovery_.decided(d.step, d.contributors);
+      recovery_.decided(d.step, d.contributors, now);
     } else {
       stopped_ = true;  // every rank fails the step: the job ends
     }

@@ -17,7 +17,9 @@
 //    shorter than evict never evicts), one that missed `evict_steps` consecutive steps (0 =
 //    never), or one that a member had a transport error with and that has missed heartbeats
 //    (silent for evict / 4) leaves the next view; one whose death the store witnessed
-//    (kDied, witness.h) at once, and it leaves the majority's denominator. A rank that said goodbye (finished the job)
+//    (kDied, witness.h) at once, and it leaves the majority's denominator. A member whose
+//    oldest missing result was decided more than `max_lag` ago leaves too ("behind",
+//    step_recovery.h), as many as the job can lose. A rank that said goodbye (finished the job)
 //    is never evicted. The quorum follows the view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
 //  - Recovery of a step that a departed member was part of: every live member reports
 //    whether it holds the step's final result (aborting its reduction if not). If one does,
@@ -107,6 +109,7 @@ class Coordinator {
  private:
   void take(const Event& e, Time now, std::vector<Down>& out);
   void tick(Time now, std::vector<Down>& out);
+  std::vector<Departure> laggards(Time now) const;
   void change_view(std::vector<Departure> left, Time now, std::vector<Down>& out);
   void on_join(int r, uint32_t inc, Time now, std::vector<Down>& out);
   void decide(Time now, std::vector<Down>& out);

@@ -23,6 +23,10 @@ struct Config {
   Ms deadline{30000};
   Ms evict{5000};
   int evict_steps = 0;    // consecutive missed steps that evict a member; 0 = never
+  // A member whose oldest missing result was decided longer ago than this leaves the view
+  // ("behind": it rejoins with a live member's state); 0 = never. Only where the job
+  // survives the loss.
+  Ms max_lag{0};
   int min_world = 0;      // fewest members the job runs with; 0 = the quorum
   uint64_t count = 0;     // elements per contribution (checked on every READY)
   // quorum "auto" (auto_quorum.h): each step's quorum Q(t) is chosen when it opens from the

@@ -33,6 +33,13 @@ class Evicted : public IoError {
   using IoError::IoError;
 };
 
+// An Evicted rank that was alive and heard, but so far behind the others (QuorumOptions::
+// max_lag) that it catches up by rejoining with a live member's state.
+class Behind : public Evicted {
+ public:
+  using Evicted::Evicted;
+};
+
 // A rank that came back to a job that had finished meanwhile: there is nothing to rejoin.
 class JobOver : public IoError {
  public:

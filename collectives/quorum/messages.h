@@ -23,13 +23,16 @@ enum class Status : uint8_t { kOk = 0, kTimeout = 1, kMismatch = 2, kSkipped = 3
 
 // kLeft: the rank said it leaves (LEAVE: a joiner that could not get its state).
 // kDied: the rendezvous store witnessed its death (witness.h).
+// kBehind: alive, but the oldest result it lacks was decided more than max_lag ago (it
+// catches up by rejoining with a live member's state, not by every result it missed).
 enum class Why : uint8_t {
   kSilent = 1,
   kMissedSteps = 2,
   kUnreachable = 3,
   kRestarted = 4,
   kLeft = 5,
-  kDied = 6
+  kDied = 6,
+  kBehind = 7
 };
 const char* to_string(Why w);
 
@@ -150,6 +153,7 @@ struct Down {
   uint64_t step = 0;         // kRecover
   uint32_t attempt = 0;      // kRecover
   int to = -1;               // kEvicted (where it goes; not on the wire)
+  Why why = Why::kSilent;    // kEvicted: why it left the view
   std::string reason;        // kFatal: the error every member reports
   int joiner = -1;           // kJoining
   uint32_t incarnation = 0;  // kJoining

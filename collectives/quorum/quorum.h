@@ -63,6 +63,12 @@ struct QuorumOptions {
   std::chrono::milliseconds evict{5000};
   // A rank that missed this many consecutive steps leaves the view (0 = never).
   int evict_steps = 0;
+  // A rank whose oldest missing result was decided longer ago than this leaves the view
+  // ("behind": stopped again and again, it would otherwise never catch up, and every member
+  // would keep a result a step for it); a rank that can rejoins at once with a live member's
+  // state (qring-train under a launcher that keeps the store). Only where the job survives
+  // the loss. 0: twice `evict`; negative: never.
+  std::chrono::milliseconds max_lag{0};
   // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
   int min_world = 0;
   // The adaptive quorum (quorum "auto", collectives/quorum/auto_quorum.h): the coordinator chooses

@@ -16,6 +16,7 @@ Roster::Roster(const Config& cfg, Time now) : cfg_(cfg) {
   excused_.assign(size_t(cfg_.world), Clock::duration(0));
   completed_.assign(size_t(cfg_.world), -1);
   missed_.assign(size_t(cfg_.world), 0);
+  left_why_.assign(size_t(cfg_.world), Why::kSilent);
   suspect_.assign(size_t(cfg_.world), false);
   finished_.assign(size_t(cfg_.world), false);
   died_.assign(size_t(cfg_.world), false);
@@ -23,6 +24,8 @@ Roster::Roster(const Config& cfg, Time now) : cfg_(cfg) {
   incarnation_.assign(size_t(cfg_.world), 0);
   joined_at_.assign(size_t(cfg_.world), 0);
   catching_up_.assign(size_t(cfg_.world), false);
+  awaiting_state_.assign(size_t(cfg_.world), false);
+  lag_from_.assign(size_t(cfg_.world), now);
 }
 
 void Roster::restore(View view, const std::vector<int64_t>& completed,
@@ -43,6 +46,10 @@ void Roster::heard(const Event& e, Time now) {
   heard_[r] = true;
   if (e.kind != Event::Kind::kSuspect) suspect_[r] = false;  // it spoke: reachable
   completed_[r] = std::max(completed_[r], e.completed);
+  if (awaiting_state_[r] && completed_[r] >= int64_t(joined_at_[r])) {
+    awaiting_state_[r] = false;  // its state arrived: it catches up from here
+    lag_from_[r] = std::max(lag_from_[r], now);
+  }
 }
 
 int Roster::contributing() const {
@@ -70,6 +77,7 @@ void Roster::resync(Time now) {
   for (int r : view_.members) {
     last_heard_[size_t(r)] = now;
     excused_[size_t(r)] = Clock::duration(0);
+    lag_from_[size_t(r)] = std::max(lag_from_[size_t(r)], now);
   }
 }
 
@@ -134,8 +142,11 @@ int Roster::remove(const std::vector<Departure>& left) {
   View next;
   next.epoch = view_.epoch + 1;
   for (int r : view_.members) {
-    bool gone = std::any_of(left.begin(), left.end(), [&](const Departure& d) { return d.rank == r; });
-    if (!gone) next.members.push_back(r);
+    auto gone = std::find_if(left.begin(), left.end(), [&](const Departure& d) { return d.rank == r; });
+    if (gone == left.end())
+      next.members.push_back(r);
+    else
+      left_why_[size_t(r)] = gone->why;
   }
   view_ = next;
   return prev_size;
@@ -236,6 +247,7 @@ std::optional<Down> Roster::admit(Time now, uint64_t step) {
     finished_[r] = false;
     died_[r] = false;
     catching_up_[r] = true;
+    awaiting_state_[r] = true;
   }
   std::sort(next.members.begin(), next.members.end());
   view_ = next;

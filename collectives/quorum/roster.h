@@ -34,6 +34,18 @@ class Roster {
   void finished(int r) { finished_[size_t(r)] = true; }
   // Member r said it leaves (LEAVE): it leaves at the next look, as if evicted.
   void leave(int r, Time now) { pending_.push_back({r, Why::kLeft, silent_ms(r, now)}); }
+  // Whether r's lag counts (step_recovery.h, behind): it spoke, did not finish or die, and,
+  // if it rejoined, completed a step since (its state arrived). Lag counts from lag_from(r)
+  // at the earliest: then, the coordinator's start or its own stop (resync).
+  bool lag_counts(int r) const {
+    const size_t i = size_t(r);
+    return heard_[i] && !finished_[i] && !died_[i] && !awaiting_state_[i];
+  }
+  Time lag_from(int r) const { return lag_from_[size_t(r)]; }
+  Clock::duration excused(int r) const { return excused_[size_t(r)]; }
+  int self() const { return cfg_.self; }
+  // Why r left the view last (kSilent if it never did).
+  Why left_why(int r) const { return left_why_[size_t(r)]; }
   // The store witnessed the death of incarnation `inc` of r (witness.h): it leaves at once.
   void died(int r, uint32_t inc) {
     if (inc == incarnation_[size_t(r)]) died_[size_t(r)] = true;
@@ -99,6 +111,7 @@ class Roster {
   std::vector<Clock::duration> excused_;  // since last heard: this process's own stalls
   std::vector<int64_t> completed_;
   std::vector<int> missed_;
+  std::vector<Why> left_why_;
   std::vector<Departure> pending_;  // evictions decided outside departures()
   std::vector<bool> suspect_;       // a member reported a transport error with it
   std::vector<bool> finished_;      // said goodbye
@@ -107,6 +120,8 @@ class Roster {
   std::vector<uint32_t> incarnation_;  // per rank: the newest incarnation known
   std::vector<uint64_t> joined_at_;    // per rank: first step it takes part in
   std::vector<bool> catching_up_;      // per rank: joined, has not contributed since
+  std::vector<bool> awaiting_state_;   // per rank: admitted, has completed no step since
+  std::vector<Time> lag_from_;         // per rank: its lag counts from here at the earliest
   std::map<int, Join> joins_;
 };
 

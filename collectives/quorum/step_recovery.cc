@@ -14,11 +14,12 @@ Down recover(uint64_t t, uint32_t attempt) {
 }  // namespace
 
 uint64_t StepRecovery::rebuild(const std::vector<Known>& known, const Roster& roster,
-                               std::vector<Down>& out) {
+                               std::vector<Down>& out, Time now) {
   uint64_t next = 0;
   for (const auto& k : known) {
     next = std::max(next, k.step + 1);
     auto& u = unsettled_[k.step];
+    u.decided_at = now;
     if (k.attempt >= u.attempt) {
       u.attempt = k.attempt;
       u.contributors = k.contributors;
@@ -44,6 +45,20 @@ uint64_t StepRecovery::rebuild(const std::vector<Known>& known, const Roster& ro
     ++it;
   }
   return next;
+}
+
+std::vector<int> StepRecovery::behind(const Roster& roster, Time now,
+                                      Clock::duration limit) const {
+  std::vector<int> lagging;
+  for (int r : roster.view().members) {
+    if (r == roster.self() || !roster.lag_counts(r)) continue;
+    const uint64_t first_missing = uint64_t(roster.completed(r) + 1);
+    auto u = unsettled_.find(first_missing);
+    if (u == unsettled_.end() || u->second.decided_at == Time{}) continue;  // not decided yet
+    const Time from = std::max(u->second.decided_at, roster.lag_from(r));
+    if (now - from - roster.excused(r) > limit) lagging.push_back(r);
+  }
+  return lagging;
 }
 
 void StepRecovery::late(uint64_t t, int from) {

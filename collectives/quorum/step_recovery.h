@@ -19,14 +19,22 @@ namespace qring::collectives::qproto {
 
 class StepRecovery {
  public:
-  // Takeover: every step in `known` (what the members saw decided) that not every member of
-  // the view completed is recovered, with a higher attempt (a RECOVER to `out`). Returns the
-  // step after the highest known one (every step below it was decided).
-  uint64_t rebuild(const std::vector<Known>& known, const Roster& roster, std::vector<Down>& out);
-  // Step t decided OK with `contributors`.
-  void decided(uint64_t t, const std::vector<int>& contributors) {
-    unsettled_[t].contributors = contributors;
+  // Takeover at `now`: every step in `known` (what the members saw decided) that not every
+  // member of the view completed is recovered, with a higher attempt (a RECOVER to `out`).
+  // Returns the step after the highest known one (every step below it was decided).
+  uint64_t rebuild(const std::vector<Known>& known, const Roster& roster, std::vector<Down>& out,
+                   Time now);
+  // Step t decided OK with `contributors` at `now`.
+  void decided(uint64_t t, const std::vector<int>& contributors, Time now) {
+    Unsettled& u = unsettled_[t];
+    u.contributors = contributors;
+    if (u.decided_at == Time{}) u.decided_at = now;
   }
+  // The members (not `self`) whose oldest missing result, a step they take part in, was
+  // decided more than `limit` ago: lag counted from the later of that decision and
+  // Roster::lag_from (a joiner's state arrived, the coordinator's own stop), less the
+  // coordinator's own stalls since it last heard from them. In rank order.
+  std::vector<int> behind(const Roster& roster, Time now, Clock::duration limit) const;
   // A READY of member `from` for step t after its decision: its contribution is intact.
   void late(uint64_t t, int from);
   // A REPORT of member `from`.
@@ -49,6 +57,7 @@ class StepRecovery {
   struct Unsettled {
     std::vector<int> contributors;
     std::vector<int> late;  // contributed after the decision (their buffers are intact)
+    Time decided_at{};      // its first decision (a takeover: when it rebuilt it)
     uint32_t attempt = 0;
     int source = -1;
     bool skipped = false;

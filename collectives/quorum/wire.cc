@@ -339,6 +339,8 @@ std::vector<char> encode_down(int world, const Down& m) {
       put_bitmap(body, world, m.view.members);
       break;
     case DownKind::kEvicted:
+      h.attempt = uint32_t(m.why);
+      break;
     case DownKind::kHeartbeat:
     case DownKind::kBye:
       break;
@@ -400,7 +402,7 @@ void decode_view(const DownWire& h, const char* body, int world, int from, Down&
   for (size_t i = 0; i < n_left; ++i, at += sizeof(DepartureWire)) {
     DepartureWire dw;
     std::memcpy(&dw, body + at, sizeof(dw));
-    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > uint32_t(qproto::Why::kDied) ||
+    if (int64_t(dw.rank) >= world || dw.why < 1 || dw.why > uint32_t(qproto::Why::kBehind) ||
         !std::isfinite(dw.silent_ms))
       throw bad(fmt::format("VIEW departure of rank {} ({})", dw.rank, dw.why));
     m.left.push_back({int(dw.rank), qproto::Why(dw.why), dw.silent_ms});
@@ -469,6 +471,10 @@ Down decode_down(const void* buf, size_t len, int world, int from) {
       if (m.view.members.empty()) throw bad("TAKEOVER without members");
       break;
     case DownKind::kEvicted:
+      if (h.attempt < 1 || h.attempt > uint32_t(qproto::Why::kBehind))
+        throw bad(fmt::format("EVICTED for reason {}", h.attempt));
+      m.why = qproto::Why(h.attempt);
+      [[fallthrough]];
     case DownKind::kHeartbeat:
     case DownKind::kBye:
       if (h.body != 0) throw bad(fmt::format("body of {} bytes", h.body));
