@@ -534,9 +534,10 @@ def clocked_steps(run_dir):
       later and so starts the next step late): it stopped idling at the decision
       (train/trainer.cc, compute_and_contribute), so its wait_ms runs from the decision to its
       result: that is the cost beyond the decision. Its READY would have come its delay_ms
-      and compute time after it started, and it started `idle` before the decision: its
-      period (wall_s since the previous step) less wait_ms. Left out where rank 0 idled under
-      SLICE_MS (it started after the decision: no clock)."""
+      and compute time (its median in the run's steps; none computed: 0) after it started,
+      and it started `idle` before the decision: its period (wall_s since the previous step)
+      less wait_ms. Left out where rank 0 idled under SLICE_MS (it started after the
+      decision: no clock)."""
     steps = [j for j in plot.read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if j.get("type") == "step"]
     compute = median([j["compute_ms"] for j in steps[SKIP_STEPS:] if j.get("compute_ms", 0) > 0]) or 0.0
     out = []

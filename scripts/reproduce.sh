@@ -25,7 +25,7 @@
 #
 # Full: the configuration below, several hours on 2 shared cores (docs/reproduction.md says
 # how long the run there took); --quick: every part at a smaller scale (fewer seeds, b
-# values and steps; 5.8 minutes and 5.5 of CPU, on 2 cores at a load average of 1.6-7.3),
+# values and steps; 4.8-5.8 minutes, 5.1-5.5 of CPU, on 2 cores at a load average of 2-7),
 # regenerating every table and plot the page cites; --smoke: every part on synthetic data
 # and a made-up job trace in a few minutes (what scripts/test.sh runs: the artefacts are
 # produced and well formed, not the claims). --only PART... reruns those parts (the others'
