@@ -209,7 +209,7 @@ Result to_result(const qc::QuorumResult& r, int world, double delay_ms) {
 struct QuorumSettings {
   size_t count = 0;
   std::string quorum;  // "" = the world; "3"; "0.75"
-  int64_t grace_ms = 0, evict_ms = 5000, deadline_ms = 30000;
+  int64_t grace_ms = 0, evict_ms = 5000, deadline_ms = 30000, max_lag_ms = 0;
   std::string late = "drop", straggler = "none";
   uint64_t seed = 0;
   int min_world = 0;
@@ -235,6 +235,7 @@ class QuorumHandle {
     }
     qo.grace = std::chrono::milliseconds(s.grace_ms);
     qo.evict = std::chrono::milliseconds(s.evict_ms);
+    qo.max_lag = std::chrono::milliseconds(s.max_lag_ms);
     qo.deadline = std::chrono::milliseconds(s.deadline_ms);
     qo.late = qc::parse_late_policy(s.late);
     qo.min_world = s.min_world;
@@ -539,7 +540,7 @@ void agree(const std::string& what, const std::vector<std::pair<std::string, py:
 
 struct PyErrors {
   PyObject *error, *config, *usage, *protocol, *data, *io, *timeout, *quorum_timeout,
-      *quorum_lost, *evicted, *job_over;
+      *quorum_lost, *evicted, *behind, *job_over;
 };
 PyErrors g_err{};
 
@@ -572,6 +573,9 @@ void register_errors(py::module_& m) {
                                 "The job cannot go on (too few live ranks, replicas drifted).");
   g_err.evicted = new_error(m, "Evicted", {g_err.io},
                             "This rank was evicted while alive; the others went on without it.");
+  g_err.behind = new_error(m, "Behind", {g_err.evicted},
+                           "This rank fell more than max_lag_ms behind the others and left; it "
+                           "catches up by rejoining with a live member's state.");
   g_err.job_over = new_error(m, "JobOver", {g_err.io},
                              "A rank that came back found the job finished.");
   py::register_exception_translator([](std::exception_ptr p) {
@@ -581,6 +585,8 @@ void register_errors(py::module_& m) {
       PyErr_SetString(g_err.quorum_lost, e.what());
     } catch (const qc::QuorumTimeout& e) {
       PyErr_SetString(g_err.quorum_timeout, e.what());
+    } catch (const qc::Behind& e) {
+      PyErr_SetString(g_err.behind, e.what());
     } catch (const qc::Evicted& e) {
       PyErr_SetString(g_err.evicted, e.what());
     } catch (const qc::JobOver& e) {
@@ -634,6 +640,7 @@ void bind_quorum(py::module_& m) {
       .def_readwrite("quorum", &QuorumSettings::quorum)
       .def_readwrite("grace_ms", &QuorumSettings::grace_ms)
       .def_readwrite("evict_ms", &QuorumSettings::evict_ms)
+      .def_readwrite("max_lag_ms", &QuorumSettings::max_lag_ms)
       .def_readwrite("deadline_ms", &QuorumSettings::deadline_ms)
       .def_readwrite("late", &QuorumSettings::late)
       .def_readwrite("straggler", &QuorumSettings::straggler)

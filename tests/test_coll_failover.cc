@@ -362,6 +362,28 @@ INSTANTIATE_TEST_SUITE_P(MemberAndCoordinator, Stopped,
                                            std::make_tuple(0, std::string("step")),
                                            std::make_tuple(0, std::string("ring"))));
 
+// Issue 42, case 6: a rank whose oldest missing result was decided more than max_lag ago
+// leaves "behind" though it never fell silent for evict (stopped 400 ms, evict 500 ms), learns
+// why when it speaks again (Behind), and rejoins with a live member's state: every rank ends
+// with the same replica, four members.
+TEST(Behind, ARankPastMaxLagLeavesLearnsWhyAndRejoinsWithTheState) {
+  QuorumOptions qo = tolerant(3);
+  qo.max_lag = milliseconds(200);
+  Job job(4, qo, 1500, {{2, 20, "step", milliseconds(400)}});
+  job.run(/*rejoin_evicted=*/true);
+  EXPECT_TRUE(job.of(2).evicted);
+  EXPECT_NE(job.w.error(2, 0).find("behind the others"), std::string::npos) << job.w.error(2, 0);
+  job.expect_all_finish_alike(4, 2);
+  const auto& v = job.of(1).views;
+  ASSERT_EQ(v.size(), 3u);
+  ASSERT_EQ(v[1].left.size(), 1u);
+  EXPECT_EQ(v[1].left[0].rank, 2);
+  EXPECT_EQ(v[1].left[0].why, "behind");
+  EXPECT_LT(v[1].left[0].silent_ms, double(qo.evict.count()));
+  ASSERT_EQ(v[2].joined.size(), 1u);
+  EXPECT_EQ(v[2].joined[0].rank, 2);
+}
+
 // A pause shorter than the evict time costs nothing: nobody leaves, every rank finishes with
 // the same replica.
 TEST(Pause, ShorterThanTheEvictTimeIsNotAFailure) {

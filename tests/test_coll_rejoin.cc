@@ -312,6 +312,39 @@ TEST(CoordinatorRejoin, MissedStepsDoNotEvictAJoinerBeforeItContributes) {
   EXPECT_EQ(v[0].left[0].why, Why::kMissedSteps);
 }
 
+// A joiner's lag (quorum.max_lag) counts only once its state arrived (it completed its join
+// step): waiting for the donor's transfer is not being behind. From then on it is a member as
+// any other: a rank that stays behind for more than max_lag leaves "behind".
+TEST(CoordinatorRejoin, AJoinersLagCountsFromItsStateNotFromItsAdmission) {
+  Config cfg = base(4, 2);
+  cfg.max_lag = milliseconds(300);
+  Sim s = lost_rank3(cfg);
+  s.join(3, 1);
+  for (int m : {0, 1, 2}) s.accept(m, 3, 1);
+  ASSERT_EQ(of(s.hello(3, 1), K::kView).size(), 1u);  // admitted at step 5
+  std::vector<Down> all;
+  auto steps = [&](uint64_t from, uint64_t to, int64_t completed3) {
+    for (uint64_t t = from; t < to; ++t) {
+      s.now += milliseconds(10);
+      for (int r : {0, 1, 2}) {
+        auto a = s.ready(r, t, int64_t(t) - 1);
+        all.insert(all.end(), a.begin(), a.end());
+      }
+      auto a = s.beat(3, completed3);
+      all.insert(all.end(), a.begin(), a.end());
+    }
+  };
+  steps(5, 100, 4);  // 950 ms without its state: not behind
+  EXPECT_TRUE(of(all, K::kView).empty());
+  steps(100, 125, 5);  // its state arrived, step 5 done: 250 ms behind, within max_lag
+  EXPECT_TRUE(of(all, K::kView).empty());
+  steps(125, 140, 5);  // 400 ms
+  auto v = of(all, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].left[0].rank, 3);
+  EXPECT_EQ(v[0].left[0].why, Why::kBehind);
+}
+
 TEST(CoordinatorRejoin, RecoveryOfAStepBeforeTheJoinDoesNotWaitForTheJoiner) {
   Config cfg = base(5, 3);
   Sim s(cfg);

@@ -15,14 +15,15 @@ import atexit as _atexit
 import numbers as _numbers
 
 from . import _qring
-from ._qring import (ConfigError, DataError, Error, Evicted, IoError, JobOver, ProtocolError,
-                     QuorumLost, QuorumResult, QuorumTimeout, TimeoutError, UsageError)
+from ._qring import (Behind, ConfigError, DataError, Error, Evicted, IoError, JobOver,
+                     ProtocolError, QuorumLost, QuorumResult, QuorumTimeout, TimeoutError,
+                     UsageError)
 
 __all__ = [
     "init", "finalize", "initialized", "rank", "size", "local_rank", "local_size", "incarnation",
     "rejoining", "provider", "launcher", "allreduce", "broadcast", "barrier", "QuorumAllreduce",
     "QuorumResult", "Error", "ConfigError", "UsageError", "ProtocolError", "DataError", "IoError",
-    "TimeoutError", "QuorumTimeout", "QuorumLost", "Evicted", "JobOver", "EXIT_EVICTED",
+    "TimeoutError", "QuorumTimeout", "QuorumLost", "Evicted", "Behind", "JobOver", "EXIT_EVICTED",
 ]
 
 # The exit status of a rank evicted while alive: qring-launch --tolerate-failures counts it as
@@ -159,7 +160,10 @@ class QuorumAllreduce:
     rank). grace_ms: how long to wait for more once `quorum` have arrived. late: "drop" (a
     late gradient is lost, the paper's rule) or "carry" (added into the next contribution).
     evict_ms: a rank silent this long leaves the job; the others go on while at least
-    max(quorum, min_world) are live. deadline_ms: fewer than `quorum` by then fails the step
+    max(quorum, min_world) are live. max_lag_ms: a rank whose oldest missing result was
+    decided longer ago than this leaves too (qring.Behind, an Evicted; it may rejoin with a
+    live member's state), where the job survives it; 0 = twice evict_ms, -1 = never.
+    deadline_ms: fewer than `quorum` by then fails the step
     (QuorumTimeout). straggler: a delay model slept before each contribution (or at delay()),
     as qring-train's
     straggler.model ("fixed:RANK:MS", "lognormal:MU:SIGMA", "exp:MS", "shiftexp:S:M",
@@ -168,7 +172,7 @@ class QuorumAllreduce:
 
     def __init__(self, count, quorum=None, grace_ms=0, late="drop", evict_ms=5000,
                  straggler="none", deadline_ms=30000, min_world=0, seed=0, mean=True,
-                 agreed=""):
+                 agreed="", max_lag_ms=0):
         where = "qring.QuorumAllreduce"
         s = _qring._QuorumSettings()
         s.count = _typed(where, "count", count, int)
@@ -178,6 +182,10 @@ class QuorumAllreduce:
         s.grace_ms = _typed(where, "grace_ms", grace_ms, int)
         s.evict_ms = _typed(where, "evict_ms", evict_ms, int)
         s.deadline_ms = _typed(where, "deadline_ms", deadline_ms, int)
+        s.max_lag_ms = _typed(where, "max_lag_ms", max_lag_ms, int)
+        if s.max_lag_ms < -1:
+            raise ValueError(f"{where}: max_lag_ms must be -1 (never), 0 (twice evict_ms) or "
+                             f"a time in ms, got {max_lag_ms}")
         s.min_world = _typed(where, "min_world", min_world, int)
         s.seed = _typed(where, "seed", seed, int)
         if late not in _LATE:

@@ -290,7 +290,7 @@ def _parameter_names(where, params, named_parameters):
 
 def DistributedOptimizer(optimizer, named_parameters=None, quorum=None, grace_ms=0,
                          straggler="none", evict_ms=5000, late="drop", deadline_ms=30000,
-                         min_world=0, seed=0, join_timeout_ms=120000):
+                         min_world=0, seed=0, join_timeout_ms=120000, max_lag_ms=0):
     """Wraps `optimizer` (any torch.optim.Optimizer) for synchronous SGD with backup workers.
 
     quorum: ranks counted per step (int), a fraction of the live ranks (float), or None (all).
@@ -298,7 +298,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, quorum=None, grace_ms
     delay model, as qring-train's straggler.model ("fixed:2:200": rank 2 is 200 ms late every
     step; "lognormal:MU:SIGMA", "trace:FILE", ...), with `seed`. evict_ms: a rank silent this
     long leaves the job, which goes on while max(quorum, min_world) ranks are live. late:
-    "drop" or "carry" for a gradient that missed its step. A rank restarted by
+    "drop" or "carry" for a gradient that missed its step. max_lag_ms: a rank that falls
+    this far behind (0 = twice evict_ms, -1 = never) leaves with qring.Behind. A rank restarted by
     `qring-launch --max-restarts` gets model, optimizer state and step count from a live member
     here (join_timeout_ms bounds the wait) and starts at step_count.
 
@@ -311,7 +312,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, quorum=None, grace_ms
         raise TypeError(f"{where}: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     qopts = dict(quorum=quorum, grace_ms=grace_ms, straggler=straggler, evict_ms=evict_ms,
-                 late=late, deadline_ms=deadline_ms, min_world=min_world, seed=seed)
+                 late=late, deadline_ms=deadline_ms, min_world=min_world, seed=seed,
+                 max_lag_ms=max_lag_ms)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, qopts, join_timeout_ms)

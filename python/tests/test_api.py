@@ -105,6 +105,10 @@ def test_bad_options_are_rejected():
     expect(qring.ConfigError, "hard deadline", qring.QuorumAllreduce, 4, grace_ms=50,
            deadline_ms=10)
     expect(qring.ConfigError, "evict", qring.QuorumAllreduce, 4, evict_ms=0)
+    expect(ValueError, "max_lag_ms must be -1 (never), 0", qring.QuorumAllreduce, 4,
+           max_lag_ms=-2)
+    expect(TypeError, "max_lag_ms must be an int", qring.QuorumAllreduce, 4, max_lag_ms=1.5)
+    assert issubclass(qring.Behind, qring.Evicted)
     import qring.torch
     expect(TypeError, "expected a torch.optim.Optimizer", qring.torch.DistributedOptimizer, 3)
     model = torch.nn.Linear(2, 2)
