@@ -471,9 +471,10 @@ Down decode_down(const void* buf, size_t len, int world, int from) {
       if (m.view.members.empty()) throw bad("TAKEOVER without members");
       break;
     case DownKind::kEvicted:
-      if (h.attempt < 1 || h.attempt > uint32_t(qproto::Why::kBehind))
+      // 0: a coordinator that does not say (the reason is only what the rank reports).
+      if (h.attempt > uint32_t(qproto::Why::kBehind))
         throw bad(fmt::format("EVICTED for reason {}", h.attempt));
-      m.why = qproto::Why(h.attempt);
+      m.why = h.attempt == 0 ? qproto::Why::kSilent : qproto::Why(h.attempt);
       [[fallthrough]];
     case DownKind::kHeartbeat:
     case DownKind::kBye:
