@@ -1047,11 +1047,13 @@ class Membership {
     for (const auto& v : collectives::views_learned(q_.membership().view_changes(), r.epoch, &view_epoch_)) {
       double detect_ms = 0;
       nlohmann::json left = nlohmann::json::array(), back = nlohmann::json::array();
-      std::vector<std::string> who;
+      std::vector<int> who;
+      std::vector<std::string> why;
       for (const auto& l : v.left) {
         left.push_back({{"rank", l.rank}, {"why", l.why}, {"silent_ms", l.silent_ms}});
         sum.evicted_ranks.push_back(l.rank);
-        who.push_back(fmt::format("{} ({}, last heard {:.0f} ms before)", l.rank, l.why,
+        who.push_back(l.rank);
+        why.push_back(fmt::format("{}: {}, last heard {:.0f} ms before", l.rank, l.why,
                                   l.silent_ms));
         detect_ms = std::max(detect_ms, l.silent_ms);
         ++sum.failures_survived;
@@ -1092,9 +1094,9 @@ class Membership {
       }
       out_.write(line);
       if (v.left.empty()) continue;
-      spdlog::warn("view {}: rank(s) {} left; {} ranks go on: {}; step {} "
+      spdlog::warn("view {}: rank(s) {} left ({}); {} ranks go on: {}; step {} "
                    "completed {:.2f} s after the lost rank's last sign of life",
-                   v.epoch, fmt::join(who, ", "), v.members.size(),
+                   v.epoch, fmt::join(who, ", "), fmt::join(why, "; "), v.members.size(),
                    fmt::join(v.members, ", "), step, recovery);
     }
   }
