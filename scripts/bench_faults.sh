@@ -158,7 +158,22 @@ PY
         shift 6; exec "$@"' frozen "$VICTIM" "$frz" "$OUT/freezer.py" "$OUT/$name/metrics.jsonl" \
         "$(python3 -c "print($STOP_MS / 1000)")" "$(python3 -c "print($RUN_MS / 1000)")" \
         "$BUILD/train/qring-train" --force "${common[@]}" "run.name=$name" \
-        "quorum.quorum=$QUORUM" > "$OUT/$name.log" 2>&1 || status=$?
+        "quorum.quorum=$QUORUM" > "$OUT/$name.log" 2>&1 &
+      local launcher=$!
+      # The ranks' resident memory every 0.5 s (this run's only: others' jobs on the machine
+      # are not counted): a laggard's backlog is what the others keep.
+      ( while kill -0 "$launcher" 2>/dev/null; do
+          for p in $(pgrep -f -- "run[.]name=$name quorum[.]quorum="); do
+            [ "$(cat "/proc/$p/comm" 2>/dev/null)" = qring-train ] || continue
+            r=$(tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | sed -n 's/^QRING_RANK=//p')
+            k=$(awk '/^VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null)
+            [ -n "$k" ] && echo "${r:-?} $k"
+          done
+          sleep 0.5
+        done ) > "$OUT/$name.rss" 2>/dev/null &
+      local sampler=$!
+      wait "$launcher" || status=$?
+      wait "$sampler" 2>/dev/null || true
       echo "$status" > "$OUT/$name.status"
       echo "  $name: exit $status"
     done
@@ -186,12 +201,20 @@ def load(name):
     dt = sorted(1000 * (b["wall_s"] - a["wall_s"]) for a, b in zip(steps, steps[1:])
                 if b["step"] == a["step"] + 1 and b["step"] >= 20)
     status = int(open(f"{out}/{name}.status").read())
-    return dt, (evicted, f"{evicted}/{behind}/{back}"), status
+    rss = 0  # the largest resident memory of a rank other than the frozen one (MB)
+    try:
+        for line in open(f"{out}/{name}.rss"):
+            r, kb = line.split()
+            if r not in (victim, "?"):
+                rss = max(rss, int(kb) / 1024)
+    except (FileNotFoundError, ValueError):
+        pass
+    return dt, (evicted, f"{evicted}/{behind}/{back}", rss), status
 print()
 print(f"frozen straggler: 4 ranks, quorum {q}, rank {victim} stopped {stop_ms} ms of every "
       f"{int(stop_ms) + int(run_ms)} ms")
-print("| pair | clean median / p90 (ms) | frozen median / p90 (ms) | frozen / clean | evicted/behind/rejoined (clean; frozen) | exit (clean, frozen) | pauses, longest (ms) |")
-print("|---|---|---|---|---|---|---|")
+print("| pair | clean median / p90 (ms) | frozen median / p90 (ms) | frozen / clean | evicted/behind/rejoined (clean; frozen) | exit (clean, frozen) | pauses, longest (ms) | others' peak RSS, MB (clean, frozen) |")
+print("|---|---|---|---|---|---|---|---|")
 ok, ratios = True, []
 for i in range(1, pairs + 1):
     (c, cv, cs), (f, fv, fs) = load(f"frozen-q{q}-{i}-0"), load(f"frozen-q{q}-{i}-1")
@@ -201,13 +224,13 @@ for i in range(1, pairs + 1):
         p = []
     pauses = f"{len(p)}, {max(p):.0f}" if p else "0, -"
     if not c or not f:
-        print(f"| {i} | - | - | - | {cv[1]}; {fv[1]} | {cs}, {fs} | {pauses} |")
+        print(f"| {i} | - | - | - | {cv[1]}; {fv[1]} | {cs}, {fs} | {pauses} | {cv[2]:.0f}, {fv[2]:.0f} |")
         ok = False
         continue
     mc, mf = statistics.median(c), statistics.median(f)
     ratios.append(mf / mc)
     print(f"| {i} | {mc:.2f} / {c[int(0.9 * len(c))]:.2f} | {mf:.2f} / {f[int(0.9 * len(f))]:.2f} "
-          f"| {mf / mc:.2f} | {cv[1]}; {fv[1]} | {cs}, {fs} | {pauses} |")
+          f"| {mf / mc:.2f} | {cv[1]}; {fv[1]} | {cs}, {fs} | {pauses} | {cv[2]:.0f}, {fv[2]:.0f} |")
     ok = ok and cv[0] == 0 and fv[0] == 0 and fs == 0 and cs == 0
 if ratios:
     r = statistics.median(ratios)
