@@ -13,6 +13,7 @@
 #                           [--provider auto] [--rank 2] [--isolate-joiner] [--analyze-only]
 #   scripts/bench_faults.sh --frozen [--quorum 2] [--pairs 3] [--stop-ms 800] [--run-ms 200]
 #                           [--config ...] [--epochs 3] [--evict-ms 1000] [--provider auto] [--rank 2]
+#                           [--max-lag-ms MS]
 #
 # --frozen (issue 42, case 6: slow is not dead, and costs nothing): the MLP on 4 ranks with
 # quorum --quorum, in --pairs interleaved pairs of runs, one without a fault and one with rank
@@ -22,7 +23,7 @@
 # status, and per pair the ratio of the medians (frozen / clean) and how long the pauses really
 # were (the freezer's SIGCONT can come late on a loaded host: a pause past evict_ms may evict).
 # Acceptance: the ratio <= 1.2, no eviction, every run exits 0. The frozen rank never catches
-# up by the results it missed: it leaves the view "behind" (quorum.max_lag, twice evict_ms)
+# up by the results it missed: it leaves the view "behind" (quorum.max_lag_ms, 3 x evict_ms)
 # and rejoins with a live member's state; those departures and rejoins are counted apart.
 # On a shared machine only the ratios of one pair mean anything (both runs saw about the
 # same load).
@@ -81,12 +82,14 @@ STOP_MS=800
 RUN_MS=200
 CASE=
 RUNS=5
+MAX_LAG=
 PHASE=
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
     --epochs) EPOCHS=$2; shift 2 ;;
     --evict-ms) EVICT=$2; shift 2 ;;
+    --max-lag-ms) MAX_LAG=$2; shift 2 ;;
     --provider) PROVIDER=$2; shift 2 ;;
     --rank) VICTIM=$2; shift 2 ;;
     --isolate-joiner) ISOLATE=1; shift ;;
@@ -118,6 +121,7 @@ OUT=${QRING_BENCH_OUT:-runs/bench-faults}
 mkdir -p "$OUT"
 common=(--config "$CONFIG" "run.out_dir=$OUT" log.progress=false "train.epochs=$EPOCHS"
         "quorum.evict_ms=$EVICT" "net.provider=$PROVIDER")
+[ -z "$MAX_LAG" ] || common+=("quorum.max_lag_ms=$MAX_LAG")
 
 # Issue 42, case 6 (--frozen): pairs of runs, clean and with rank $VICTIM stopped $STOP_MS ms
 # of every $STOP_MS + $RUN_MS ms, interleaved; the freezer is a child of the rank's own

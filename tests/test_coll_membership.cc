@@ -324,6 +324,37 @@ TEST(Coordinator, ARankWhoseOldestMissingResultIsOlderThanMaxLagLeavesAsBehind) 
   EXPECT_EQ(collectives::qwire::decode_down(buf.data(), buf.size(), 4, 0).why, Why::kBehind);
 }
 
+// A rank is judged only while it runs: paused for 450 ms (under evict, 500 ms) with its lag
+// past max_lag (300 ms), it stays in the view; back and caught up it stays; back and still
+// behind it leaves at once.
+TEST(Coordinator, APausedRankIsJudgedBehindOnlyOnceItRunsAgain) {
+  for (bool caught_up : {true, false}) {
+    Config cfg = base(4, 2);
+    cfg.max_lag = milliseconds(300);
+    Lagging j(cfg);
+    j.steps(0, 30, [](uint64_t t) { return int64_t(t) - 1; });
+    for (uint64_t t = 30; t < 75; ++t) {  // rank 2 silent for 450 ms
+      j.s.now += milliseconds(10);
+      for (int r : {0, 1, 3}) {
+        auto a = j.s.ready(r, t, int64_t(t) - 1);
+        j.all.insert(j.all.end(), a.begin(), a.end());
+      }
+    }
+    EXPECT_TRUE(of(j.all, K::kView).empty()) << "a paused rank left";
+    auto a = j.s.beat(2, caught_up ? 74 : 29);
+    j.all.insert(j.all.end(), a.begin(), a.end());
+    j.steps(75, 80, [&](uint64_t t) { return caught_up ? int64_t(t) - 1 : 29; });
+    auto v = of(j.all, K::kView);
+    if (caught_up) {
+      EXPECT_TRUE(v.empty());
+    } else {
+      ASSERT_EQ(v.size(), 1u);
+      EXPECT_EQ(v[0].left[0].why, Why::kBehind);
+      EXPECT_LT(v[0].left[0].silent_ms, 20.0);  // as soon as it spoke
+    }
+  }
+}
+
 // A rank that lags, even by most of max_lag, and then catches up stays; so does a laggard
 // where the job cannot lose a rank (quorum = world), or with max_lag 0 (never).
 TEST(Coordinator, ARankThatCatchesUpOrThatTheJobCannotLoseStays) {

@@ -103,7 +103,7 @@ struct QuorumSection {
   // (every rank's engine heartbeats, so long compute is not silence); one that missed
   // evict_steps consecutive steps too (0 = never); the job stops below min_world live ranks
   // (0 = the quorum). A rank whose oldest missing result was decided more than max_lag_ms
-  // ago leaves too and rejoins with a live member's state (0 = twice evict_ms, -1 = never).
+  // ago leaves too and rejoins with a live member's state (0 = 3 x evict_ms, -1 = never).
   int64_t evict_ms = 5000;
   int64_t evict_steps = 0;
   int64_t max_lag_ms = 0;

@@ -137,14 +137,18 @@ void Coordinator::tick(Time now, std::vector<Down>& out) {
 
 // A member too far behind to catch up by the results it missed leaves ("behind"; under a
 // launcher that keeps the store it rejoins at once with a live member's state), so that no
-// member keeps a result per step for it for the rest of the job. Only as many as the job can
+// member keeps a result per step for it for the rest of the job. Judged only while it runs
+// (heard within a quarter of evict): a pause shorter than evict never makes a rank leave, and
+// one that resumes is behind only if it still lags by max_lag. Only as many as the job can
 // lose (its floor, a majority of the view), in a tick where nobody else leaves: a job that
 // cannot lose a rank keeps its laggards.
 std::vector<Departure> Coordinator::laggards(Time now) const {
   std::vector<Departure> left;
   if (cfg_.max_lag.count() <= 0) return left;
   const int prev = roster_.view().size();
+  const double running_ms = double(cfg_.evict.count()) / 4;
   for (int r : recovery_.behind(roster_, now, cfg_.max_lag)) {
+    if (roster_.counted_silent_ms(r, now) > running_ms) continue;  // paused: not judged now
     const int size = prev - int(left.size()) - 1;
     if (size < floor_for(cfg_, size) || 2 * size <= prev) break;
     left.push_back({r, Why::kBehind, roster_.silent_ms(r, now)});

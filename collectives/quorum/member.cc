@@ -24,7 +24,7 @@ qproto::Config config_of(const QuorumOptions& o, int world, size_t count) {
   c.evict = o.evict;
   c.evict_steps = o.evict_steps;
   c.max_lag = o.max_lag.count() < 0    ? qproto::Ms(0)
-              : o.max_lag.count() == 0 ? 2 * o.evict
+              : o.max_lag.count() == 0 ? 3 * o.evict
                                        : o.max_lag;
   c.min_world = o.min_world;
   c.count = count;

@@ -67,7 +67,8 @@ struct QuorumOptions {
   // ("behind": stopped again and again, it would otherwise never catch up, and every member
   // would keep a result a step for it); a rank that can rejoins at once with a live member's
   // state (qring-train under a launcher that keeps the store). Only where the job survives
-  // the loss. 0: twice `evict`; negative: never.
+  // the loss; judged only while it runs (a pause shorter than `evict` never makes it leave).
+  // 0: three times `evict`; negative: never.
   std::chrono::milliseconds max_lag{0};
   // Fewest live ranks the job continues with (0 = the quorum); below it every rank fails.
   int min_world = 0;

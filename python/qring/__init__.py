@@ -162,7 +162,7 @@ class QuorumAllreduce:
     evict_ms: a rank silent this long leaves the job; the others go on while at least
     max(quorum, min_world) are live. max_lag_ms: a rank whose oldest missing result was
     decided longer ago than this leaves too (qring.Behind, an Evicted; it may rejoin with a
-    live member's state), where the job survives it; 0 = twice evict_ms, -1 = never.
+    live member's state), where the job survives it; 0 = 3 x evict_ms, -1 = never.
     deadline_ms: fewer than `quorum` by then fails the step
     (QuorumTimeout). straggler: a delay model slept before each contribution (or at delay()),
     as qring-train's
@@ -184,7 +184,7 @@ class QuorumAllreduce:
         s.deadline_ms = _typed(where, "deadline_ms", deadline_ms, int)
         s.max_lag_ms = _typed(where, "max_lag_ms", max_lag_ms, int)
         if s.max_lag_ms < -1:
-            raise ValueError(f"{where}: max_lag_ms must be -1 (never), 0 (twice evict_ms) or "
+            raise ValueError(f"{where}: max_lag_ms must be -1 (never), 0 (3 x evict_ms) or "
                              f"a time in ms, got {max_lag_ms}")
         s.min_world = _typed(where, "min_world", min_world, int)
         s.seed = _typed(where, "seed", seed, int)

@@ -299,7 +299,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, quorum=None, grace_ms
     step; "lognormal:MU:SIGMA", "trace:FILE", ...), with `seed`. evict_ms: a rank silent this
     long leaves the job, which goes on while max(quorum, min_world) ranks are live. late:
     "drop" or "carry" for a gradient that missed its step. max_lag_ms: a rank that falls
-    this far behind (0 = twice evict_ms, -1 = never) leaves with qring.Behind. A rank restarted by
+    this far behind (0 = 3 x evict_ms, -1 = never) leaves with qring.Behind. A rank restarted by
     `qring-launch --max-restarts` gets model, optimizer state and step count from a live member
     here (join_timeout_ms bounds the wait) and starts at step_count.
 
