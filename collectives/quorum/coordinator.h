@@ -19,8 +19,9 @@
 //    (silent for evict / 4) leaves the next view; one whose death the store witnessed
 //    (kDied, witness.h) at once, and it leaves the majority's denominator. A member whose
 //    oldest missing result was decided more than `max_lag` ago leaves too ("behind",
-//    step_recovery.h), judged while it runs, as many as the job can lose. A rank that said goodbye (finished the job)
-//    is never evicted. The quorum follows the view when it is a fraction. Fewer than max(quorum, min_world) members stops the job.
+//    step_recovery.h), judged while it runs, as many as the job can lose. A rank that said
+//    goodbye (finished the job) is never evicted. The quorum follows the view when it is a
+//    fraction. Fewer than max(quorum, min_world) members stops the job.
 //  - Recovery of a step that a departed member was part of: every live member reports
 //    whether it holds the step's final result (aborting its reduction if not). If one does,
 //    it forwards the result to the others (S(t) unchanged); if none does, the step is decided
