@@ -235,21 +235,16 @@ int main(int argc, char** argv) {
   // and heard) rejoins without counting: each time it was admitted and took a step first.
   constexpr int kMaxRejoins = 8;
   qring::train::RunSummary summary;
-  for (int attempt = 0;; ++attempt) {
+  int rejoins = 0;  // after evictions that were not for lag
+  for (;;) {
     try {
       run_incarnation(info, cfg, args, stop, process_start, summary);
-    } catch (const qring::collectives::Behind& e) {
-      spdlog::warn("{}", e.what());
-      if (info.store_hosted && info.world_size > 1) {
-        --attempt;
-        continue;
-      }
-      return kExitEvicted;
     } catch (const qring::collectives::Evicted& e) {
       // Alive, but the others went on without this rank: come back, or leave with the status
       // qring-launch counts as a lost rank (--tolerate-failures).
-      spdlog::error("{}", e.what());
-      if (info.store_hosted && info.world_size > 1 && attempt < kMaxRejoins) {
+      const bool behind = dynamic_cast<const qring::collectives::Behind*>(&e) != nullptr;
+      spdlog::log(behind ? spdlog::level::warn : spdlog::level::err, "{}", e.what());
+      if (info.store_hosted && info.world_size > 1 && (behind || rejoins++ < kMaxRejoins)) {
         spdlog::warn("rank {}: rejoining the job as a new incarnation", info.rank);
         continue;
       }

@@ -39,7 +39,12 @@ std::optional<qproto::Up> Follower::apply(net::Endpoint& ep, const qproto::Down&
       membership_.coordinator_finished();
       return std::nullopt;
     case DownKind::kEvicted:
-      if (m.why == qproto::Why::kBehind) throw Behind(behind_text());
+      if (m.why == qproto::Why::kBehind)
+        throw Behind(fmt::format(
+            "rank {}: out of the job, behind the others: the oldest result it lacked was "
+            "decided more than quorum.max_lag ago (stopped or descheduled again and again, it "
+            "did not catch up); it catches up by rejoining with a live member's state",
+            rank_));
       throw Evicted(fmt::format(
           "rank {}: evicted from the job: the other ranks stopped waiting for this one (silent "
           "for more than quorum.evict_ms = {} ms, or unreachable); it must leave (exit)",
@@ -63,14 +68,6 @@ std::optional<qproto::Up> Follower::apply(net::Endpoint& ep, const qproto::Down&
       return std::nullopt;
   }
   return std::nullopt;
-}
-
-std::string Follower::behind_text() const {
-  return fmt::format("rank {}: out of the job, behind the others: the oldest result it lacked "
-                     "was decided more than quorum.max_lag ago (stopped or descheduled again "
-                     "and again, it did not catch up); it catches up by rejoining with a live "
-                     "member's state",
-                     rank_);
 }
 
 void Follower::apply_view(const qproto::Down& m) {
@@ -106,9 +103,6 @@ void Follower::apply_view(const qproto::Down& m) {
     spdlog::warn("quorum: view {}: members {}; left: {}", v.epoch, v.members, who);
   }
   membership_.view_applied(std::move(v));  // gather_reports stops waiting for the lost
-  for (auto& d : m.left)
-    if (d.rank == rank_ && d.why == qproto::Why::kBehind)
-      throw Behind(behind_text());
   if (!view_.has(rank_))
     throw Evicted(fmt::format("rank {}: evicted from the job in view {} (members {}): the "
                               "other ranks stopped waiting for this one; it must leave (exit)",

@@ -12,7 +12,6 @@
 
 #include <chrono>
 #include <optional>
-#include <string>
 
 #include "collectives/engine.h"
 #include "collectives/quorum/failover.h"
@@ -50,8 +49,6 @@ class Follower {
   void apply_view(const qproto::Down& m);
   void apply_decide(net::Endpoint& ep, const qproto::Decision& d);
   qproto::Up report(net::Endpoint& ep, uint64_t t, uint32_t attempt);
-  // Why this rank left when it left behind (Behind's message).
-  std::string behind_text() const;
 
   Engine& engine_;
   const int rank_, world_;

@@ -50,6 +50,9 @@ uint64_t StepRecovery::rebuild(const std::vector<Known>& known, const Roster& ro
 std::vector<int> StepRecovery::behind(const Roster& roster, Time now,
                                       Clock::duration limit) const {
   std::vector<int> lagging;
+  // Decisions come in step order, so no member lags more than the oldest unsettled step: in
+  // the common case (nobody behind) one look, not one per member.
+  if (unsettled_.empty() || now - unsettled_.begin()->second.decided_at <= limit) return lagging;
   for (int r : roster.view().members) {
     if (r == roster.self() || !roster.lag_counts(r)) continue;
     const uint64_t first_missing = uint64_t(roster.completed(r) + 1);
