@@ -51,9 +51,11 @@
 #                           [--epochs 1] [--phase ring] [--analyze-only]
 #
 # prints per run the launcher's exit, finished or lost, the distinct parameter checksums,
-# recovery_s, the accuracy against a fault-free run of the same length (run once per provider
-# and length, kept in QRING_BENCH_OUT) and the case's own check; then one table: case | runs |
-# lost jobs | checksums | recovery max | accuracy delta | launcher exited | the case's check.
+# recovery_s, the accuracy against the mean of --runs fault-free runs of the same length (one
+# before each round of the cases, kept in QRING_BENCH_OUT) and the case's own check; then one
+# table: case | runs | lost jobs | checksums | recovery max | accuracy delta (each run's, and the
+# difference of the means with its 95 % interval: "within 0.5", "more than 0.5 lower/higher"
+# or "not decided") | launcher exited | the case's check; its first row is the fault-free runs.
 # --case all runs cases 1 2 3 4 5 7 8 9 11 (case 10, the counts in metrics.jsonl and
 # summary.json, is checked on cases 4 and 5's runs; case 6 is --frozen). --epochs (1 by
 # default here) is the length of every case but 4 and 5, which need 3 or more (the restarted

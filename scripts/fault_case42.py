@@ -177,9 +177,57 @@ def line(r):
             f"{'ok' if r['ok'] else 'NOT OK'}: {r['check']}")
 
 
+def clean_accuracies(out, provider, epochs):
+    """The test accuracies of the fault-free runs clean-PROVIDER-eEPOCHS-I, I = 1, 2, ..."""
+    accs, i = [], 1
+    while True:
+        name = f"clean-{provider}-e{epochs}-{i}"
+        if not os.path.exists(os.path.join(out, name + ".log")):
+            return accs
+        s = read(os.path.join(out, name, "run", "summary.json"))
+        if s and json.loads(s).get("finished"):
+            accs.append(json.loads(s)["test_accuracy"])
+        i += 1
+
+
 def clean_accuracy(out, provider, epochs):
-    s = read(os.path.join(out, f"clean-{provider}-e{epochs}", "run", "summary.json"))
-    return json.loads(s)["test_accuracy"] if s else None
+    """What a case's accuracy is compared with: the mean of the fault-free runs."""
+    accs = clean_accuracies(out, provider, epochs)
+    return sum(accs) / len(accs) if accs else None
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (1-30; above, 2.0).
+T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13,
+       2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04]
+
+
+def mean_difference(a, b):
+    """Mean of a minus mean of b (points) with its 95 % interval (Welch); None: too few runs."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    se = (va + vb) ** 0.5
+    df = (va + vb) ** 2 / max(1e-300, va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    t95 = T95[min(max(int(df), 1), len(T95)) - 1] if df < 31 else 2.0
+    return 100 * (ma - mb), 100 * t95 * se
+
+
+def accuracy_cell(deltas, accs, clean):
+    """A case's accuracy against the clean runs: its runs' deltas to the clean mean, and the
+    difference of the means with its 95 % interval, judged against the issue's 0.5 points."""
+    if not deltas:
+        return "-"
+    cell = f"{min(deltas):+.2f} to {max(deltas):+.2f}"
+    d = mean_difference(accs, clean)
+    if d:
+        lo, hi = d[0] - d[1], d[0] + d[1]
+        verdict = ("within 0.5" if lo >= -0.5 and hi <= 0.5 else
+                   "more than 0.5 lower" if hi < -0.5 else "more than 0.5 higher" if lo > 0.5 else
+                   "not decided")
+        cell += f"; mean {d[0]:+.2f} [{lo:+.2f}, {hi:+.2f}]: {verdict}"
+    return cell
 
 
 def epochs_of(case, epochs):
@@ -194,6 +242,13 @@ def table(out, case, provider, runs, epochs, evict_ms, phase):
     print("| case | runs | lost jobs | checksums | recovery max (s) | accuracy delta (points) | "
           "launcher exited | case's check |")
     print("|---|---|---|---|---|---|---|---|")
+    for e in sorted({epochs_of(c, epochs) for c in cases}):
+        clean = clean_accuracies(out, provider, e)
+        if clean:
+            m = sum(clean) / len(clean)
+            print(f"| fault-free, {e} epoch{'s' if e > 1 else ''} | {len(clean)} | - | - | - | "
+                  f"accuracy {100 * m:.2f} %, runs {100 * (min(clean) - m):+.2f} to "
+                  f"{100 * (max(clean) - m):+.2f} from their mean | - | the reference |")
     rows = {}
     for c in cases:
         e = epochs_of(c, epochs)
@@ -231,7 +286,9 @@ def table(out, case, provider, runs, epochs, evict_ms, phase):
             if res:
                 extra += f" (step {', '.join(map(str, res))})"
         rec_s = f"{max(rec):.2f}" if rec else "-"
-        delta_s = f"{min(deltas):+.2f} to {max(deltas):+.2f}" if deltas else "-"
+        delta_s = ("-" if c == "3" else  # the job must stop: no accuracy
+                   accuracy_cell(deltas, [r["accuracy"] for r in rs if r["accuracy"] is not None],
+                                 clean_accuracies(out, provider, e)))
         if unreached:
             extra += f" ({unreached} of {n} runs never reached the second fault)"
         print(f"| {c}{tag} | {n} | {lost_s} | {'-'.join(map(str, d))} | {rec_s} | {delta_s} | "
@@ -250,7 +307,7 @@ def main():
         acc = clean_accuracy(out, provider, epochs_of(case, int(epochs)))
         if case == "clean":
             s = read(os.path.join(out, name, "run", "summary.json"))
-            print(f"  {name}: exit {read(os.path.join(out, name + '.exit'), '-').strip()}, "
+            print(f"  {name}: exit {(read(os.path.join(out, name + '.exit'), '-') or '-').strip()}, "
                   f"accuracy {json.loads(s)['test_accuracy'] if s else '-'}")
             return
         print(line(analyze(out, case, provider, int(i), name, float(evict), acc)), flush=True)

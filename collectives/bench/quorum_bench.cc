@@ -702,7 +702,8 @@ nlohmann::json quorum_row(collectives::Communicator& comm, const Options& o, siz
                    {"contributors_mean", s.contributors_mean},
                    {"dropped", s.dropped},
                    {"wrong", s.wrong},
-                   {"iters", s.steps}};
+                   {"iters", s.steps},
+                   {"step_us", s.lat_us}};  // per timed step, in order: where the tail lies
   return j;
 }
 
