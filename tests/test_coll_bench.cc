@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -163,6 +164,11 @@ TEST_F(BenchCli, QuorumRowsCompareFullAndPlainAllreduce) {
   EXPECT_EQ(q["dropped"], 3);  // rank 1, in each of the 3 timed steps
   EXPECT_DOUBLE_EQ(double(q["contributors_mean"]), 2.0);
   EXPECT_LT(double(q["p50_us"]), 250'000.0);
+  // Every timed step's latency, in order: the slowest is max_us.
+  ASSERT_EQ(q["step_us"].size(), 3u) << q.dump();
+  double slowest = 0;
+  for (const auto& us : q["step_us"]) slowest = std::max(slowest, double(us));
+  EXPECT_DOUBLE_EQ(slowest, double(q["max_us"]));
 
   const auto& full = rs[1];
   EXPECT_EQ(full["quorum"], 3);
@@ -170,6 +176,8 @@ TEST_F(BenchCli, QuorumRowsCompareFullAndPlainAllreduce) {
   EXPECT_EQ(full["dropped"], 0);
   EXPECT_EQ(full["wrong"], 0);
   EXPECT_GE(double(full["p50_us"]), 300'000.0);
+  ASSERT_EQ(full["step_us"].size(), 3u) << full.dump();
+  EXPECT_GE(double(full["step_us"][0]), 300'000.0);
   EXPECT_LT(double(q["p50_ratio_vs_full"]), 1.0);
 
   const auto& plain = rs[2];
