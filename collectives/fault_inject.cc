@@ -45,17 +45,21 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
   auto p = split(spec);
   FaultSpec f;
   size_t phase_at;
-  if ((p[0] == "kill" || p[0] == "kill-locked") && (p.size() == 3 || p.size() == 4)) {
-    f.action = p[0] == "kill" ? Action::kKill : Action::kKillLocked;
+  if ((p[0] == "kill" || p[0] == "kill-locked" || p[0] == "kill-posting") &&
+      (p.size() == 3 || p.size() == 4)) {
+    f.action = p[0] == "kill"          ? Action::kKill
+               : p[0] == "kill-locked" ? Action::kKillLocked
+                                       : Action::kKillPosting;
     phase_at = 3;
-  } else if (p[0] == "stop" && (p.size() == 4 || p.size() == 5)) {
-    f.action = Action::kStop;
+  } else if ((p[0] == "stop" || p[0] == "stop-locked") && (p.size() == 4 || p.size() == 5)) {
+    f.action = p[0] == "stop" ? Action::kStop : Action::kStopLocked;
     f.stop_ms = int(number(spec, p[3], "pause (ms)"));
     phase_at = 4;
   } else {
     throw ConfigError(
-        fmt::format("fault '{}': expected kill:RANK:STEP[:PHASE], kill-locked:RANK:STEP[:PHASE] or "
-                    "stop:RANK:STEP:MS[:PHASE]",
+        fmt::format("fault '{}': expected kill:RANK:STEP[:PHASE], kill-locked:RANK:STEP[:PHASE], "
+                    "kill-posting:RANK:STEP[:PHASE], stop:RANK:STEP:MS[:PHASE] or "
+                    "stop-locked:RANK:STEP:MS[:PHASE]",
                     spec));
   }
   f.rank = int(number(spec, p[1], "rank"));
@@ -85,7 +89,10 @@ std::vector<FaultSpec> FaultSpec::parse_list(std::string_view specs) {
 std::string FaultSpec::spec() const {
   if (action == Action::kKill) return fmt::format("kill:{}:{}:{}", rank, step, phase);
   if (action == Action::kKillLocked) return fmt::format("kill-locked:{}:{}:{}", rank, step, phase);
-  return fmt::format("stop:{}:{}:{}:{}", rank, step, stop_ms, phase);
+  if (action == Action::kKillPosting)
+    return fmt::format("kill-posting:{}:{}:{}", rank, step, phase);
+  return fmt::format("{}:{}:{}:{}:{}", action == Action::kStop ? "stop" : "stop-locked", rank,
+                     step, stop_ms, phase);
 }
 
 void FaultSpec::inject(Engine* engine) const {
@@ -93,8 +100,9 @@ void FaultSpec::inject(Engine* engine) const {
   if (engine) hold = engine->hold_progress();
   // With the progress lock held no thread of this process is inside the provider, so the
   // region locks are free to take.
-  if (action == Action::kKillLocked) net::take_own_shm_locks();
-  if (action == Action::kKill || action == Action::kKillLocked) {
+  if (action == Action::kKillLocked || action == Action::kStopLocked) net::take_own_shm_locks();
+  if (action == Action::kKillPosting) net::take_a_peer_shm_lock();
+  if (kills()) {
     ::kill(::getpid(), SIGKILL);
     ::pause();
   }
@@ -110,6 +118,7 @@ void FaultSpec::inject(Engine* engine) const {
   }
   ::kill(self, SIGSTOP);
   ::waitpid(waker, nullptr, 0);  // continued: the waker exits at once
+  if (action == Action::kStopLocked) net::give_back_own_shm_locks();
 }
 
 }  // namespace qring::collectives

@@ -7,7 +7,12 @@
 //                                it that has PHASE)
 //   kill-locked:RANK:STEP[:PHASE]  the same, holding the locks of its shm regions, as a rank
 //                                killed inside libfabric's shm receive path (net/transport/shm_region.h)
+//   kill-posting:RANK:STEP[:PHASE]  the same, holding the lock of one live peer's shm region,
+//                                as a rank killed while it posted a send to that peer
 //   stop:RANK:STEP:MS[:PHASE]    SIGSTOP there, SIGCONT MS milliseconds later
+//   stop-locked:RANK:STEP:MS[:PHASE]  the same, holding the locks of its shm regions (given
+//                                back once continued), as a rank stopped inside libfabric's
+//                                shm receive path
 //
 // PHASE: step (default; before the step's work), ready (right after the contribution was
 // handed over), ring (on the engine thread, once the step's reduction has moved), checkpoint
@@ -27,14 +32,20 @@ namespace qring::collectives {
 class Engine;
 
 struct FaultSpec {
-  enum class Action : uint8_t { kKill, kKillLocked, kStop } action = Action::kKill;
+  enum class Action : uint8_t {
+    kKill,
+    kKillLocked,
+    kKillPosting,
+    kStop,
+    kStopLocked
+  } action = Action::kKill;
   int rank = 0;
   uint64_t step = 0;
   int stop_ms = 0;
   std::string phase = "step";
 
-  // The process dies (kill, kill-locked).
-  bool kills() const { return action != Action::kStop; }
+  // The process dies (kill, kill-locked, kill-posting).
+  bool kills() const { return action != Action::kStop && action != Action::kStopLocked; }
   // ConfigError on a malformed spec; an empty string is no fault.
   static std::optional<FaultSpec> parse(std::string_view spec);
   // Several faults separated by commas ("kill:1:30,kill:3:60"): a job losing ranks one after

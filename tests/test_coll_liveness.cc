@@ -105,6 +105,30 @@ TEST(Liveness, APassHalfAnEvictTimeAfterTheLastIsAPauseAndRestartsTheSilence) {
             Liveness::Silence::kNone);
 }
 
+// A rank stopped 0.8 s of every second (issue 42, case 1 at the end of a job): every pause
+// starts the silence clocks over, so it never finds its coordinator silent, but the time it
+// has not heard it at all (unheard_long: pauses included) passes evict after its first
+// second; that makes the member look for the end of the job (rejoin.h, watch_for_end).
+// Hearing the coordinator, or its goodbye, ends it.
+TEST(Liveness, ARankStoppedAgainAndAgainNeverFindsItsCoordinatorSilentButKnowsItWasNotHeard) {
+  const auto t = LivenessTimes::of(milliseconds(1000), milliseconds(8000));
+  Liveness l(t, T0);
+  l.heard_coordinator(T0);
+  const auto v = view(0, {0, 1, 2, 3});
+  auto at = T0;
+  for (int cycle = 0; cycle < 5; ++cycle) {
+    EXPECT_TRUE(l.paused(at += milliseconds(800)));  // stopped
+    for (int i = 0; i < 10; ++i) EXPECT_FALSE(l.paused(at += milliseconds(20)));  // runs 200 ms
+    EXPECT_EQ(l.coordinator_silence(at, v, 0, 1, true), Liveness::Silence::kNone);
+    EXPECT_EQ(l.unheard_long(at), at - T0 > milliseconds(1000)) << cycle;
+  }
+  l.heard_coordinator(at);
+  EXPECT_FALSE(l.unheard_long(at + milliseconds(999)));
+  EXPECT_TRUE(l.unheard_long(at + milliseconds(1001)));
+  l.coordinator_finished();
+  EXPECT_FALSE(l.unheard_long(at + milliseconds(5000)));
+}
+
 // Silence counts only while this process looks: gaps between its passes beyond `look`
 // (heartbeat / 2) are time it waited for a CPU, not the coordinator's silence; they are handed
 // on (take_stall) for a coordinator's roster. Passes every 20 ms count in full.

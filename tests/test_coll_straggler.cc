@@ -217,6 +217,17 @@ TEST(FaultSpecs, EveryFormParsesAndPrintsBack) {
   ASSERT_TRUE(l);
   EXPECT_EQ(l->action, FaultSpec::Action::kKillLocked);
   EXPECT_EQ(l->spec(), "kill-locked:2:5:ring");
+  auto po = FaultSpec::parse("kill-posting:1:9:ring");
+  ASSERT_TRUE(po);
+  EXPECT_EQ(po->action, FaultSpec::Action::kKillPosting);
+  EXPECT_TRUE(po->kills());
+  EXPECT_EQ(po->spec(), "kill-posting:1:9:ring");
+  auto sl = FaultSpec::parse("stop-locked:2:40:1500:ring");
+  ASSERT_TRUE(sl);
+  EXPECT_EQ(sl->action, FaultSpec::Action::kStopLocked);
+  EXPECT_FALSE(sl->kills());
+  EXPECT_EQ(sl->stop_ms, 1500);
+  EXPECT_EQ(sl->spec(), "stop-locked:2:40:1500:ring");
   auto s = FaultSpec::parse("stop:3:7:250:ready");
   ASSERT_TRUE(s);
   EXPECT_EQ(s->action, FaultSpec::Action::kStop);

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -185,7 +186,7 @@ TEST_F(ShmRegion, WatchReleasesALockLeftAfterItStarted) {
   std::vector<std::string> names;
   {
     DeadShmLockWatch watch(
-        std::chrono::milliseconds(20), std::chrono::milliseconds(10),
+        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(10),
         [&](const std::string& name) {
           std::lock_guard<std::mutex> lock(mu);
           reported.push_back(name);
@@ -208,10 +209,126 @@ TEST_F(ShmRegion, WatchReleasesALockLeftAfterItStarted) {
   ::unlink((g_dir + "/" + names[0]).c_str());
 }
 
+// A process that takes the lock of region `name` as a sender posting to it does, then dies
+// (kStop: stops itself with SIGSTOP instead, the region still mapped). Returns its pid.
+enum class Then { kDie, kStop };
+pid_t sender_holding(const std::string& name, Then then) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    const int fd = ::open((g_dir + "/" + name).c_str(), O_RDWR);
+    auto* p = static_cast<uint8_t*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    if (fd < 0 || p == MAP_FAILED) ::_exit(1);
+    ::pthread_spin_lock(reinterpret_cast<pthread_spinlock_t*>(p + 24));
+    if (then == Then::kStop) ::raise(SIGSTOP);
+    ::_exit(0);
+  }
+  if (then == Then::kDie) {
+    int status = 0;
+    ::waitpid(child, &status, 0);
+  } else {
+    int status = 0;
+    ::waitpid(child, &status, WUNTRACED);  // stopped, holding the lock
+  }
+  return child;
+}
+
+// A sender killed while it posted to a live rank: that rank's own region stays locked, and
+// the rank would wait inside the provider for its own lock for good.
+TEST_F(ShmRegion, ALiveRanksRegionLockedByASenderThatDiedIsReleased) {
+  const std::string live = make_region(::getpid(), 91, 4, false);
+  sender_holding(live, Then::kDie);
+  ASSERT_FALSE(lock_free(live));
+  // Not the dead's own region: the reaper's release leaves it alone.
+  EXPECT_THAT(release_locks_of_dead_processes(std::chrono::milliseconds(10), g_dir),
+              Not(Contains(live)));
+  ASSERT_FALSE(lock_free(live));
+  EXPECT_THAT(release_locks_held_by_the_dead(std::chrono::milliseconds(30), g_dir),
+              ::testing::ElementsAre(live));
+  EXPECT_TRUE(lock_free(live));
+  EXPECT_THAT(release_locks_held_by_the_dead(std::chrono::milliseconds(30), g_dir),
+              ::testing::IsEmpty());
+  ::unlink((g_dir + "/" + live).c_str());
+}
+
+// A stopped process that maps the region may be the holder (a sender paused inside its post):
+// left alone, however long; once it is dead, released.
+TEST_F(ShmRegion, ALockAStoppedProcessMayHoldIsLeftAlone) {
+  const std::string live = make_region(::getpid(), 92, 4, false);
+  const pid_t stopped = sender_holding(live, Then::kStop);
+  EXPECT_THAT(release_locks_held_by_the_dead(std::chrono::milliseconds(60), g_dir),
+              ::testing::IsEmpty());
+  EXPECT_FALSE(lock_free(live));
+  ::kill(stopped, SIGKILL);
+  int status = 0;
+  ::waitpid(stopped, &status, 0);
+  EXPECT_THAT(release_locks_held_by_the_dead(std::chrono::milliseconds(30), g_dir),
+              ::testing::ElementsAre(live));
+  EXPECT_TRUE(lock_free(live));
+  ::unlink((g_dir + "/" + live).c_str());
+}
+
+// A live holder (the owner copying what it received, a sender posting) gives the lock back
+// within the confirm time: its hold is never broken.
+TEST_F(ShmRegion, ALiveHoldShorterThanTheConfirmTimeIsNotBroken) {
+  const std::string live = make_region(::getpid(), 93, 4, false);
+  const int fd = ::open((g_dir + "/" + live).c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  auto* p = static_cast<uint8_t*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* lock = reinterpret_cast<pthread_spinlock_t*>(p + 24);
+  ::pthread_spin_lock(lock);
+  std::atomic<bool> broken{false};
+  std::thread holder([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    broken = ::pthread_spin_trylock(lock) == 0;  // free: somebody unlocked it meanwhile
+    ::pthread_spin_unlock(lock);
+  });
+  EXPECT_THAT(release_locks_held_by_the_dead(std::chrono::milliseconds(400), g_dir),
+              ::testing::IsEmpty());
+  holder.join();
+  EXPECT_FALSE(broken.load());
+  EXPECT_TRUE(lock_free(live));
+  ::munmap(p, 4096);
+  ::unlink((g_dir + "/" + live).c_str());
+}
+
+// The watch: a process that dies (its own region left behind, as where no qring-launch reaps
+// it) after it took a live rank's lock: the watch releases both.
+TEST_F(ShmRegion, WatchReleasesALiveRanksLockADeadSenderHeld) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> reported;
+  const std::string live = make_region(::getpid(), 94, 4, false);
+  std::vector<std::string> dead;
+  {
+    DeadShmLockWatch watch(
+        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(30),
+        [&](const std::string& name) {
+          std::lock_guard<std::mutex> lock(mu);
+          reported.push_back(name);
+          cv.notify_all();
+        },
+        g_dir);
+    sender_holding(live, Then::kDie);
+    dead = dead_process_regions({4});
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] {
+      return std::find(reported.begin(), reported.end(), live) != reported.end();
+    })) << "the watch did not release " << live;
+  }
+  EXPECT_TRUE(lock_free(live));
+  EXPECT_THAT(reported, Contains(dead[0]));
+  for (const auto& n : {live, dead[0]}) ::unlink((g_dir + "/" + n).c_str());
+}
+
 // Stopping does not wait for the next period.
 TEST_F(ShmRegion, WatchStopsAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
-  { DeadShmLockWatch watch(std::chrono::hours(1), std::chrono::milliseconds(10), nullptr, g_dir); }
+  {
+    DeadShmLockWatch watch(std::chrono::hours(1), std::chrono::milliseconds(10),
+                           std::chrono::milliseconds(10), nullptr, g_dir);
+  }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
 }
 

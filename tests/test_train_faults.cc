@@ -317,6 +317,41 @@ INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
                            return "at_" + i.param;
                          });
 
+// A rank killed while it posted a send to a live peer holds that peer's own region lock: the
+// peer's engine thread waits for its own lock inside the provider, and every rank that sends
+// to it too (issue 42, case 5 over shm: the rejoined rank and the new coordinator fell silent
+// together). kill-posting kills rank 2 holding one live peer's lock; the launcher, reaping
+// it, finds the lock held by no live process and releases it, and the job heals: the stuck
+// rank, evicted for its silence meanwhile or not, ends with the others' parameters.
+TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
+  const std::string cmd =
+      restarting_run("kill-posting:2:40:ring", "kp", "train.steps=2500 net.provider=shm");
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("stayed locked after rank 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+}
+
+// A rank stopped while it holds its own region lock (inside the shm provider's receive path):
+// a sender would spin inside fi_tsend for the whole pause, the coordinator first (it falls
+// silent and is taken over; issue 42, case 7 over shm lost a job so). The senders look at
+// the lock before they post (PeerRegionLock): rank 2, stopped 1.5 s (3 evict periods) at
+// phase ring, is evicted alone, nobody takes over from rank 0, and rank 2 rejoins.
+TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
+  const std::string cmd = restarting_run("stop-locked:2:40:1500:ring", "sl",
+                                         "train.steps=2500 net.provider=shm");
+  auto r = sh(cmd);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("is silent; taking over"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+}
+
 // The same death where no qring-launch reaps the rank: it runs under a shell that waits for
 // it (as a rank does under srun, or one started by hand), so the launcher reaps the shell and
 // knows nothing of the rank's regions, and nobody restarts it. The survivors, spinning inside

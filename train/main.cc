@@ -97,7 +97,8 @@ std::variant<Args, int> parse_args(int argc, char** argv) {
       "ranks, or no successor to a silent coordinator); 75 this rank was evicted; 76 stopped\n"
       "by SIGTERM/SIGUSR1 after checkpointing.\n"
       "QRING_FAULT=kill:RANK:STEP[:PHASE] | kill-locked:RANK:STEP[:PHASE] |\n"
-      "stop:RANK:STEP:MS[:PHASE] injects a real fault\n"
+      "kill-posting:RANK:STEP[:PHASE] | stop:RANK:STEP:MS[:PHASE] |\n"
+      "stop-locked:RANK:STEP:MS[:PHASE] injects a real fault\n"
       "(fault tests; collectives/fault_inject.h).");
   if (int rc = qring::cli::parse(app, qring::cli::args_of(argc, argv)); rc >= 0) return rc;
   for (const std::string& o : a.overrides) {

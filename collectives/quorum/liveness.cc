@@ -27,7 +27,7 @@ Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int s
 }
 
 Liveness::Liveness(LivenessTimes t, Clock::time_point now)
-    : t_(t), last_pass_(now), last_down_(now), last_beat_(now) {}
+    : t_(t), last_pass_(now), last_down_(now), last_beat_(now), last_heard_(now) {}
 
 bool Liveness::paused(Clock::time_point now) {
   const auto gap = now - last_pass_;

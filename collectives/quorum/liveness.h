@@ -83,7 +83,15 @@ class Liveness {
   Clock::duration take_stall() { return std::exchange(stall_, Clock::duration(0)); }
   void heard_coordinator(Clock::time_point now) {
     last_down_ = now;
+    last_heard_ = now;
     heard_ = true;
+  }
+  // Nothing came from the coordinator for over evict, pauses of this process included (the
+  // silence clocks above start over after a pause; this one does not): a rank stopped again
+  // and again (a frozen straggler) never finds its coordinator silent, yet may be one the job
+  // finished without. Never once the coordinator said goodbye.
+  bool unheard_long(Clock::time_point now) const {
+    return !coordinator_done_ && now - last_heard_ > t_.evict;
   }
   void coordinator_finished() { coordinator_done_ = true; }
   // A heartbeat is due (`completed`: the highest step this rank has completed; `outside`: it
@@ -103,7 +111,7 @@ class Liveness {
 
  private:
   LivenessTimes t_;
-  Clock::time_point last_pass_, last_down_, last_beat_;
+  Clock::time_point last_pass_, last_down_, last_beat_, last_heard_;
   Clock::duration stall_{0};
   int64_t beat_completed_ = -1;
   bool heard_ = false;

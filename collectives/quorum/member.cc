@@ -491,11 +491,11 @@ void QuorumMember::heartbeat(net::Endpoint& ep) {
 
 void QuorumMember::check_deadlines(net::Endpoint& ep) {
   const auto now = engine_.now();
-  if (rejoin_.joining() && !rejoin_.admitted()) return;  // join() has its own deadline
-  // A rank that finished (draining its last sends) takes nobody's silence for a failure.
-  if (bye_sent_) return;
+  // A joiner has join()'s deadline; a rank that finished (draining its sends) accuses nobody.
+  if ((rejoin_.joining() && !rejoin_.admitted()) || bye_sent_) return;
   if (!host_) {
     const int coord = succession_.coordinator();
+    rejoin_.watch_for_end(liveness_.unheard_long(now));
     // A proposal that waited for this member to take the coordinator for lost.
     if (succession_.pending_from() >= 0 &&
         liveness_.coordinator_lost(now, coord, witness_.deaths()))

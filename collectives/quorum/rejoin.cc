@@ -137,6 +137,19 @@ void Rejoin::exchange(const qproto::Coordinator* coordinator, Found& got) {
   if (!over) return;
   membership_.job_over();
   if (joining_ && !admitted_) refuse_join_to_ended_job({true, ""}, rank_);
+  if (watching_end_)
+    throw JobOver(fmt::format("rank {}: the job finished without this rank (the store records "
+                              "its end; this rank had not heard its coordinator for over "
+                              "quorum.evict_ms)",
+                              rank_));
+}
+
+void Rejoin::watch_for_end(bool on) {
+  if (joining_ && !state_arrived_) return;  // a joiner watches until its state came (start)
+  if (on == watching_end_) return;
+  watching_end_ = on;
+  std::lock_guard<std::mutex> lock(agent_->mu);
+  agent_->watch_end = on;
 }
 
 // A member: the joiners' addresses it fetched; it reconnects and publishes its own.

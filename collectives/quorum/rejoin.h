@@ -48,6 +48,11 @@ class Rejoin {
   void joining(int r, uint32_t inc);
   // `r` left the view and may come back: the transport prepares (net::Endpoint).
   void left(int r);
+  // Whether the agent looks in the store for the end of the job (every 200 ms): a member
+  // that has not heard its coordinator for long may be one the job finished without (left
+  // behind or evicted at the end, its EVICTED or the goodbye lost with the coordinator's
+  // connection). Once the end is found, poll() throws JobOver.
+  void watch_for_end(bool on);
 
   // Every pass: what the agent found. `coordinator` (null unless this rank coordinates) gets
   // the new incarnations the agent found outside its view (kJoin, in `to_coordinator`) and is
@@ -117,6 +122,7 @@ class Rejoin {
   net::RequestPtr state_req_;
   std::string state_lost_;
   bool state_arrived_ = false;
+  bool watching_end_ = false;  // watch_for_end
   std::shared_ptr<Bytes> state_buf_;
 };
 

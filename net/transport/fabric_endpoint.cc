@@ -156,11 +156,15 @@ void remove_stale_shm_regions() {
 // and the stuck senders are not.
 constexpr std::chrono::milliseconds kLockWatchPeriod{200};
 constexpr std::chrono::milliseconds kLockConfirm{50};
+// A live rank's region locked by a sender that died (shm_region.h): held that long, with no
+// process that maps it stopped. A live owner holds its own lock while it copies what it
+// receives, milliseconds even when descheduled on an oversubscribed host.
+constexpr std::chrono::milliseconds kLiveLockConfirm{1000};
 
 void warn_released(int rank, const std::string& name) {
   spdlog::warn(
       "rank {}: released the lock of shared-memory region /dev/shm/{}, which a process that no "
-      "longer exists held (its senders waited inside the shm provider)",
+      "longer exists held (whoever needed it waited inside the shm provider)",
       rank, name);
 }
 
@@ -276,6 +280,15 @@ const char* addr_format_name(uint32_t f) {
     case FI_ADDR_STR: return "FI_ADDR_STR";
     default: return "the provider's format";
   }
+}
+
+// The shm region behind a peer's address ("fi_shm://<pid>:<n>:<m>", up to the first NUL):
+// its file's name in /dev/shm (net/transport/shm_region.h).
+std::string shm_region_name(const std::string& addr) {
+  size_t pos = addr.find("://");
+  pos = pos == std::string::npos ? 0 : pos + 3;
+  const size_t end = addr.find('\0', pos);
+  return addr.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
 }
 
 // An IPv4 or IPv6 socket address: its size, family and a port other than 0.
@@ -489,7 +502,7 @@ class FabricEndpoint final : public Endpoint {
     size_send_queues();
     if (shm_)
       lock_watch_ = std::make_unique<DeadShmLockWatch>(
-          kLockWatchPeriod, kLockConfirm,
+          kLockWatchPeriod, kLockConfirm, kLiveLockConfirm,
           [rank](const std::string& name) { warn_released(rank, name); });
     spdlog::debug(
         "rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {} endpoints {} "
@@ -864,6 +877,14 @@ class FabricEndpoint final : public Endpoint {
       peer_bells_[static_cast<size_t>(r)] =
           r == rank_ ? nullptr : Doorbell::of(Doorbell::pid_in_shm_address(addr));
     }
+    if (shm_) {  // shm: the lock its sends take (net/transport/shm_region.h, PeerRegionLock)
+      peer_locks_.resize(static_cast<size_t>(world_));
+      auto& l = peer_locks_[static_cast<size_t>(r)];
+      l = r == rank_ ? nullptr : std::make_unique<PeerRegionLock>(shm_region_name(addr));
+      if (l && !l->mapped())
+        spdlog::debug("rank {}: no shm region {} for rank {}: its sends post without a look", rank_,
+                      shm_region_name(addr), r);
+    }
     int n = fi_av_insert(av_of(r), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
     if (n != 1)
       throw FabricError(fmt::format("fi_av_insert(rank {})", r), n < 0 ? n : -FI_EINVAL, __FILE__,
@@ -1056,7 +1077,9 @@ class FabricEndpoint final : public Endpoint {
   // Hands one fragment to the provider: 0, -FI_EAGAIN (refused for now) or a hard error.
   ssize_t post(OpCtx* c) {
     ssize_t ret;
-    if (c->req->is_send && c->data != 0)
+    if (c->req->is_send && receiver_locked(c->req->peer))
+      ret = -FI_EAGAIN;  // the receiver holds its lock: posting now would spin until it lets go
+    else if (c->req->is_send && c->data != 0)
       ret = fi_tsenddata(c->ep, c->buf, c->len, c->desc, c->data, c->addr, c->tag, &c->ctx);
     else if (c->req->is_send)
       ret = fi_tsend(c->ep, c->buf, c->len, c->desc, c->addr, c->tag, &c->ctx);
@@ -1109,6 +1132,13 @@ class FabricEndpoint final : public Endpoint {
                                   fi_strerror(int(-ret)));
     mark_suspect(peer, msg);
     finish_part(c, RequestState::kError, msg);
+  }
+
+  // shm: whether `peer`'s region lock is held now (PeerRegionLock); false elsewhere.
+  bool receiver_locked(int peer) const {
+    if (peer < 0 || static_cast<size_t>(peer) >= peer_locks_.size()) return false;
+    const PeerRegionLock* l = peer_locks_[static_cast<size_t>(peer)].get();
+    return l && l->held();
   }
 
   // Wakes `peer`'s process if it waits for traffic (shm; nothing elsewhere).
@@ -1622,6 +1652,7 @@ class FabricEndpoint final : public Endpoint {
   // shm: this process's doorbell and each peer's (net/transport/doorbell.h); empty elsewhere.
   std::shared_ptr<Doorbell> bell_;
   std::vector<std::shared_ptr<Doorbell>> peer_bells_;
+  std::vector<std::unique_ptr<PeerRegionLock>> peer_locks_;  // shm: per rank, its region's lock
   std::vector<fi_addr_t> addrs_;
   std::vector<uint32_t> gens_;     // per rank: the pair's generation (in every tag)
   std::vector<char> connected_;    // per rank: reachable (a joining endpoint starts with none)

@@ -6,7 +6,9 @@
 // every sender takes it to post one (docs/design.md, Membership, "Limits"). A process killed
 // while it held it leaves it held for good, and every rank that sends to it afterwards spins
 // inside fi_tsend forever: whoever reaps the dead process releases it (qring-launch), and
-// every rank's shm endpoint looks for such locks when it opens and every 200 ms after.
+// every rank's shm endpoint looks for such locks when it opens and every 200 ms after. A
+// sender killed while it posted to a live rank leaves that rank's own region locked: released
+// too, once confirmed (release_locks_held_by_the_dead).
 #pragma once
 
 #include <sys/types.h>
@@ -14,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -43,6 +46,20 @@ bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::mill
 std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
                                                          const std::string& dir = kShmDir);
 
+// After a death: the regions in `dir` of live processes whose lock a dead process held. A
+// sender takes the receiver's lock to post a command (microseconds); one killed there leaves
+// a live rank's region locked for good, and that rank spins inside the provider waiting for
+// its own lock (its engine thread never comes back: it falls silent, is evicted, and never
+// learns it). Nobody records who holds a pthread spinlock, so a region counts as such when
+// its lock is held at every look for `confirm` while every process that maps it (by
+// /proc/PID/maps: the owner and its senders) runs: a live holder gives it back within
+// milliseconds, unless it is stopped (SIGSTOP), and then the region is left alone. Releases
+// those locks (one releaser at a time, as release_dead_shm_lock) and returns the regions'
+// names. `give_up`, when given, ends the looks early without a release (a watch stopping).
+std::vector<std::string> release_locks_held_by_the_dead(std::chrono::milliseconds confirm,
+                                                        const std::string& dir = kShmDir,
+                                                        const std::function<bool()>& give_up = {});
+
 // A thread that does what release_locks_of_dead_processes(confirm) does every `period` while
 // it lives, looking at each dead process's region file once, and calls `released` with each
 // region whose lock it released (on that thread). A rank's shm
@@ -50,10 +67,13 @@ std::vector<std::string> release_locks_of_dead_processes(std::chrono::millisecon
 // under srun, or started by hand, that nobody restarts), the survivors' engines spin inside
 // the provider to send to it, and only such a thread of theirs can free them. Several
 // releasers at once are safe: release_dead_shm_lock lets one act at a time (an flock on the
-// region file). Stopping waits for a release under way (at most `confirm`).
+// region file). When it finds a process newly dead, it also does what
+// release_locks_held_by_the_dead(live_confirm) does. Stopping waits for a release under way
+// (at most `confirm`).
 class DeadShmLockWatch {
  public:
   DeadShmLockWatch(std::chrono::milliseconds period, std::chrono::milliseconds confirm,
+                   std::chrono::milliseconds live_confirm,
                    std::function<void(const std::string&)> released, std::string dir = kShmDir);
   ~DeadShmLockWatch();
   DeadShmLockWatch(const DeadShmLockWatch&) = delete;
@@ -61,7 +81,7 @@ class DeadShmLockWatch {
 
  private:
   void run();
-  const std::chrono::milliseconds period_, confirm_;
+  const std::chrono::milliseconds period_, confirm_, live_confirm_;
   const std::function<void(const std::string&)> released_;
   const std::string dir_;
   std::mutex mu_;
@@ -70,9 +90,42 @@ class DeadShmLockWatch {
   std::thread thread_;
 };
 
+class ShmHeader;
+
+// A peer's region lock as its sender sees it. libfabric 1.17's shm sender takes the receiver's
+// lock to post (`smr_generic_sendmsg`, a spinning pthread_spin_lock), so a receiver stopped
+// (SIGSTOP, a debugger) while it holds its own lock, copying what it received, would keep
+// every sender inside fi_tsend for the whole pause: the coordinator among them falls silent
+// and is taken over, and without a majority the job stops. The endpoint looks before it posts
+// a send: while the lock is held the send waits in its queue (as a send the provider refused
+// for now), and the engine goes on. A lock taken between the look and the post is waited for
+// inside the provider as before; that window is the post's own length.
+class PeerRegionLock {
+ public:
+  // Region `name` of `dir` (the part of the peer's shm address after "://"): no lock to look
+  // at (held() false) when it is not a libfabric 1.17 region of the process it is named after.
+  explicit PeerRegionLock(const std::string& name, const std::string& dir = kShmDir);
+  ~PeerRegionLock();
+  PeerRegionLock(const PeerRegionLock&) = delete;
+  PeerRegionLock& operator=(const PeerRegionLock&) = delete;
+  // Someone holds the lock now (a trylock, given back at once when it succeeds).
+  bool held() const;
+  // Whether the region was found (a lock to look at).
+  bool mapped() const { return header_ != nullptr; }
+
+ private:
+  std::unique_ptr<ShmHeader> header_;
+};
+
 // The fault injector (collectives/fault_inject.h, kill-locked): takes the lock of every region
 // of this process, as a process interrupted inside the provider's receive path holds one.
 // Nothing of this process may be inside the provider meanwhile. Returns how many it took.
 int take_own_shm_locks();
+// stop-locked, once continued: gives back the locks take_own_shm_locks took.
+void give_back_own_shm_locks();
+// The fault injector (kill-posting): takes the lock of the region of one live peer that this
+// process maps (the first by name), as a sender killed inside its post holds it. Nothing of
+// this process may be inside the provider meanwhile. Returns the region's name ("" if none).
+std::string take_a_peer_shm_lock();
 
 }  // namespace qring::net
