@@ -25,6 +25,7 @@
 
 namespace {
 
+using qring::testing::CmdResult;
 using qring::testing::sh;
 namespace fs = std::filesystem;
 
@@ -57,6 +58,17 @@ std::multiset<std::string> checksums(const std::string& output) {
   for (std::sregex_iterator it(output.begin(), output.end(), re), end; it != end; ++it)
     s.insert((*it)[1]);
   return s;
+}
+
+// A shm lock fault healed: the job ended well, rank 2 came back, the four ranks agree, and
+// the log says `must_say`.
+void expect_healed(const CmdResult& r, const std::string& must_say) {
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(must_say), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), 4u) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
 }
 
 class TrainFaults : public ::testing::Test {
@@ -302,14 +314,8 @@ TEST_P(KillLocked, LauncherReleasesTheLockOfARankThatDiedHoldingIt) {
   const std::string cmd =
       restarting_run("kill-locked:2:40:" + GetParam(), "kl", "train.steps=2500 net.provider=shm");
   auto r = sh(cmd);
-  ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("died holding the lock of its shared-memory region"), std::string::npos)
-      << r.output;
+  expect_healed(r, "died holding the lock of its shared-memory region");
   EXPECT_EQ(r.output.find("is silent; taking over"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
@@ -326,13 +332,7 @@ INSTANTIATE_TEST_SUITE_P(Faults, KillLocked, ::testing::Values("step", "ring"),
 TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
   const std::string cmd =
       restarting_run("kill-posting:2:40:ring", "kp", "train.steps=2500 net.provider=shm");
-  auto r = sh(cmd);
-  ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("stayed locked after rank 2"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  expect_healed(sh(cmd), "stayed locked after rank 2");
 }
 
 // A rank stopped while it holds its own region lock (inside the shm provider's receive path):
@@ -344,12 +344,8 @@ TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
   const std::string cmd = restarting_run("stop-locked:2:40:1500:ring", "sl",
                                          "train.steps=2500 net.provider=shm");
   auto r = sh(cmd);
-  ASSERT_EQ(r.status, 0) << r.output;
+  expect_healed(r, "evicted from the job");
   EXPECT_EQ(r.output.find("is silent; taking over"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
 }
 
 // The same death where no qring-launch reaps the rank: it runs under a shell that waits for
