@@ -93,9 +93,6 @@ constexpr auto kStoreLinger = std::chrono::seconds(60);
 // and only acts when its parent is really gone, so a stray SIGUSR2 changes nothing.
 constexpr int kLauncherGone = SIGUSR2;
 constexpr auto kOrphanKillLimit = std::chrono::seconds(2);  // supervisor: rank after SIGKILL
-// A live rank's region locked by a rank that was killed posting to it (net/transport/shm_region.h):
-// held at every look that long, with no process that maps it stopped, before it is released.
-constexpr auto kLiveLockConfirm = std::chrono::milliseconds(1000);
 // After the job finished (a rank exited 0): how long a rank may stay stopped before it is killed.
 constexpr auto kStoppedAtEndLimit = std::chrono::seconds(2);
 
@@ -389,6 +386,7 @@ int reap_and_clean(pid_t pid, const std::string& who) {
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   // Killed, it may have been posting to a live rank, holding that rank's own region lock.
+  using qring::net::kLiveLockConfirm;
   if (WIFSIGNALED(status))
     for (const std::string& name : qring::net::release_locks_held_by_the_dead(kLiveLockConfirm))
       write_all(2, fmt::format("qring-launch: the shared-memory region /dev/shm/{} of a live "

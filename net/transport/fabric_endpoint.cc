@@ -156,10 +156,6 @@ void remove_stale_shm_regions() {
 // and the stuck senders are not.
 constexpr std::chrono::milliseconds kLockWatchPeriod{200};
 constexpr std::chrono::milliseconds kLockConfirm{50};
-// A live rank's region locked by a sender that died (shm_region.h): held that long, with no
-// process that maps it stopped. A live owner holds its own lock while it copies what it
-// receives, milliseconds even when descheduled on an oversubscribed host.
-constexpr std::chrono::milliseconds kLiveLockConfirm{1000};
 
 void warn_released(int rank, const std::string& name) {
   spdlog::warn(
@@ -880,10 +876,11 @@ class FabricEndpoint final : public Endpoint {
     if (shm_) {  // shm: the lock its sends take (net/transport/shm_region.h, PeerRegionLock)
       peer_locks_.resize(static_cast<size_t>(world_));
       auto& l = peer_locks_[static_cast<size_t>(r)];
-      l = r == rank_ ? nullptr : std::make_unique<PeerRegionLock>(shm_region_name(addr));
+      const std::string region = shm_region_name(addr);
+      l = r == rank_ ? nullptr : std::make_unique<PeerRegionLock>(region);
       if (l && !l->mapped())
         spdlog::debug("rank {}: no shm region {} for rank {}: its sends post without a look", rank_,
-                      shm_region_name(addr), r);
+                      region, r);
     }
     int n = fi_av_insert(av_of(r), addr.data(), 1, &addrs_[static_cast<size_t>(r)], 0, nullptr);
     if (n != 1)

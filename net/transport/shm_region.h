@@ -56,6 +56,10 @@ std::vector<std::string> release_locks_of_dead_processes(std::chrono::millisecon
 // milliseconds, unless it is stopped (SIGSTOP), and then the region is left alone. Releases
 // those locks (one releaser at a time, as release_dead_shm_lock) and returns the regions'
 // names. `give_up`, when given, ends the looks early without a release (a watch stopping).
+// The confirm time qring-launch and the ranks' lock watches use: a live owner holds its own
+// lock while it copies what it receives, milliseconds even when descheduled on an
+// oversubscribed host.
+inline constexpr std::chrono::milliseconds kLiveLockConfirm{1000};
 std::vector<std::string> release_locks_held_by_the_dead(std::chrono::milliseconds confirm,
                                                         const std::string& dir = kShmDir,
                                                         const std::function<bool()>& give_up = {});
