@@ -19,7 +19,8 @@ struct VirtualClock::Part {
   const std::function<bool()>* pred = nullptr;
   Deadline deadline{};
   std::thread::id thread;
-  std::thread owned;  // run() and start() threads (spawn() hands its thread to the caller)
+  std::thread owned;
+  std::condition_variable turn;  // signalled when the baton comes to this participant  // run() and start() threads (spawn() hands its thread to the caller)
 };
 
 namespace {
@@ -54,11 +55,13 @@ void VirtualClock::attach(const void* key, std::function<bool()> pass) {
   const int g = tl_clock == this && tl_self ? tl_self->group : tl_scope_group;
   std::lock_guard<std::mutex> lock(mu_);
   attached_.push_back({key, g, std::move(pass)});
+  ++attached_version_;
 }
 
 void VirtualClock::detach(const void* key) {
   std::lock_guard<std::mutex> lock(mu_);
   std::erase_if(attached_, [&](const Attached& a) { return a.key == key; });
+  ++attached_version_;
 }
 
 VirtualClock::Part* VirtualClock::add(int group, std::function<void()> fn, Deadline at) {
@@ -78,7 +81,7 @@ void VirtualClock::body(Part* p) {
   tl_clock = this;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return holder_ == p; });
+    p->turn.wait(lock, [&] { return holder_ == p; });
     p->state = Part::State::kRunning;
   }
   try {
@@ -110,7 +113,7 @@ void VirtualClock::run(std::vector<std::function<void()>> programs, Clock::durat
   hand_over(nullptr);
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return ended_; });
+    ended_cv_.wait(lock, [&] { return ended_; });
     running_ = false;
   }
   for (auto& p : parts_)
@@ -214,17 +217,19 @@ void VirtualClock::hand_over(Part* me) {
   if (!next) {
     ended_ = true;
     holder_ = nullptr;
-    cv_.notify_all();
+    ended_cv_.notify_all();
     return;
   }
   if (next == me) {
     me->state = Part::State::kRunning;
     return;
   }
+  // Only the next holder wakes: with one condition for all, every hand-off would wake every
+  // blocked thread to find the baton is not its own (most of a virtual-time test's CPU).
   holder_ = next;
-  cv_.notify_all();
+  next->turn.notify_one();
   if (!me || me->state == Part::State::kDone) return;
-  cv_.wait(lock, [&] { return holder_ == me; });
+  me->turn.wait(lock, [&] { return holder_ == me; });
   me->state = Part::State::kRunning;
 }
 
@@ -253,9 +258,10 @@ VirtualClock::Part* VirtualClock::schedule() {
 
 // Round robin over the participants that may run.
 VirtualClock::Part* VirtualClock::pick() {
-  std::vector<Part*> parts;
+  std::vector<Part*>& parts = pick_scratch_;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    parts.clear();
     for (auto& p : parts_) parts.push_back(p.get());
   }
   const size_t n = parts.size();
@@ -287,13 +293,18 @@ bool VirtualClock::ready(Part& p) {
 
 // One pass of every engine that is not frozen; whether any moved.
 bool VirtualClock::passes() {
-  std::vector<Attached> engines;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    engines = attached_;
+    if (passes_version_ != attached_version_) {
+      passes_ = std::make_shared<const std::vector<Attached>>(attached_);
+      passes_version_ = attached_version_;
+    }
   }
+  // Held here: a pass may freeze its group, whose wait runs the schedule and so this
+  // function again, which may replace passes_.
+  const std::shared_ptr<const std::vector<Attached>> engines = passes_;
   bool moved = false;
-  for (auto& e : engines)
+  for (auto& e : *engines)
     if (!frozen(e.group)) moved |= e.pass();
   return moved;
 }
