@@ -19,8 +19,8 @@ struct VirtualClock::Part {
   const std::function<bool()>* pred = nullptr;
   Deadline deadline{};
   std::thread::id thread;
-  std::thread owned;
-  std::condition_variable turn;  // signalled when the baton comes to this participant  // run() and start() threads (spawn() hands its thread to the caller)
+  std::thread owned;  // run() and start() threads (spawn() hands its thread to the caller)
+  std::condition_variable turn;  // signalled when the baton comes to this participant
 };
 
 namespace {
@@ -55,13 +55,13 @@ void VirtualClock::attach(const void* key, std::function<bool()> pass) {
   const int g = tl_clock == this && tl_self ? tl_self->group : tl_scope_group;
   std::lock_guard<std::mutex> lock(mu_);
   attached_.push_back({key, g, std::move(pass)});
-  ++attached_version_;
+  passes_.reset();
 }
 
 void VirtualClock::detach(const void* key) {
   std::lock_guard<std::mutex> lock(mu_);
   std::erase_if(attached_, [&](const Attached& a) { return a.key == key; });
-  ++attached_version_;
+  passes_.reset();
 }
 
 VirtualClock::Part* VirtualClock::add(int group, std::function<void()> fn, Deadline at) {
@@ -295,10 +295,7 @@ bool VirtualClock::ready(Part& p) {
 bool VirtualClock::passes() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (passes_version_ != attached_version_) {
-      passes_ = std::make_shared<const std::vector<Attached>>(attached_);
-      passes_version_ = attached_version_;
-    }
+    if (!passes_) passes_ = std::make_shared<const std::vector<Attached>>(attached_);
   }
   // Held here: a pass may freeze its group, whose wait runs the schedule and so this
   // function again, which may replace passes_.

@@ -108,12 +108,9 @@ class VirtualClock final : public TimeSource {
   std::condition_variable ended_cv_;  // run()'s wait for the end (each Part has its own turn)
   std::vector<std::unique_ptr<Part>> parts_;
   std::vector<Attached> attached_;
-  uint64_t attached_version_ = 0;  // changes with attached_
-  // The baton holder's own: the engines of the last pass (a copy of attached_ while its
-  // version is passes_version_), the participants pick() looks at.
+  // A copy of attached_ for passes() (null after attach or detach: copied again there).
   std::shared_ptr<const std::vector<Attached>> passes_;
-  uint64_t passes_version_ = ~uint64_t(0);
-  std::vector<Part*> pick_scratch_;
+  std::vector<Part*> pick_scratch_;  // the baton holder's: the participants pick() looks at
   std::vector<std::pair<int, Deadline>> frozen_;  // group, until
   Part* holder_ = nullptr;
   bool running_ = false;
