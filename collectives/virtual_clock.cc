@@ -293,13 +293,14 @@ bool VirtualClock::ready(Part& p) {
 
 // One pass of every engine that is not frozen; whether any moved.
 bool VirtualClock::passes() {
+  // Held here: a pass may freeze its group, whose wait runs the schedule and so this
+  // function again; an engine made or destroyed meanwhile drops passes_.
+  std::shared_ptr<const std::vector<Attached>> engines;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!passes_) passes_ = std::make_shared<const std::vector<Attached>>(attached_);
+    engines = passes_;
   }
-  // Held here: a pass may freeze its group, whose wait runs the schedule and so this
-  // function again, which may replace passes_.
-  const std::shared_ptr<const std::vector<Attached>> engines = passes_;
   bool moved = false;
   for (auto& e : *engines)
     if (!frozen(e.group)) moved |= e.pass();
