@@ -339,10 +339,14 @@ TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
 // a sender would spin inside fi_tsend for the whole pause, the coordinator first (it falls
 // silent and is taken over; issue 42, case 7 over shm lost a job so). The senders look at
 // the lock before they post (PeerRegionLock): rank 2, stopped 1.5 s (3 evict periods) at
-// phase ring, is evicted alone, nobody takes over from rank 0, and rank 2 rejoins.
+// phase ring, is evicted alone, nobody takes over from rank 0, and rank 2 rejoins. Every
+// rank sleeps 1 ms a step (straggler tail:1:1), so that the job outlasts the pause whatever
+// the machine's speed: unpaced, the others' 2500 steps took 1.4 s on a quiet host and ended
+// before rank 2, back after 1.5 s, could rejoin.
 TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
   const std::string cmd = restarting_run("stop-locked:2:40:1500:ring", "sl",
-                                         "train.steps=2500 net.provider=shm");
+                                         "train.steps=2500 net.provider=shm "
+                                         "straggler.model=tail:1:1");
   auto r = sh(cmd);
   expect_healed(r, "evicted from the job");
   EXPECT_EQ(r.output.find("is silent; taking over"), std::string::npos) << r.output;
