@@ -128,6 +128,12 @@ class SimWorld {
       fault_[size_t(p)]->cut(rank);
     }
   }
+  // `rank`'s host is gone (its tcp connections refused): every other rank's sends to it fail at
+  // once, and nothing more comes from it.
+  void refuse(int rank) {
+    for (int p = 0; p < world_; ++p)
+      if (p != rank) fault_[size_t(p)]->refuse(rank);
+  }
   // Only the link between `a` and `b` is cut (both ways).
   void cut_link(int a, int b) {
     fault_[size_t(a)]->cut(b);

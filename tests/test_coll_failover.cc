@@ -50,6 +50,9 @@ struct Fault {
   // A stop that comes again: at the first "step" phase `every` after the last one began (a
   // rank stopped pause / every of the time, from step `step` on, to its end).
   milliseconds every{0};
+  // A kill on a host that is gone with it (tcp): the others' sends to it fail at once
+  // (connection refused), so that they report it unreachable before it is silent for long.
+  bool refused = false;
 };
 
 // What one incarnation of a rank saw of each step it completed.
@@ -184,6 +187,7 @@ class Job {
         w.restart(rank, it->second, [this](int r, Communicator& c) { program(r, 1, c); });
       // The launcher reaps it and records the death (its own process is frozen from here on).
       if (f.witnessed) w.store().set(net::dead_key(rank, inc), "killed by signal 9");
+      if (f.refused) w.refuse(rank);
       w.kill(rank, inc);
     }
   }
@@ -715,10 +719,18 @@ TEST(CoordinatorAndOneMoreBelowTheQuorum, TheJobStopsAtOnceNamingTheFloor) {
 
 // W = 4, quorum 2, the coordinator alive: two members die at one step, witnessed: the job goes
 // on with two ranks. (Not witnessed, it goes on only when the coordinator finds them silent at
-// two looks, one after the other, as before.)
-TEST(TwoMembers, WitnessedTheJobGoesOnWithTwo) {
+// two looks, one after the other, as before.) Silent: their host stays (shm), they fall
+// silent. Refused: their host is gone with them (tcp), the sends to them fail at once and they
+// are reported unreachable, which evicts them after evict / 4 of silence; the store is asked
+// from the report on, so that the witness comes first (netns launch-host-lost, where both left
+// "unreachable" and the job stopped for want of a majority).
+class TwoMembers : public ::testing::TestWithParam<bool> {};
+TEST_P(TwoMembers, WitnessedTheJobGoesOnWithTwo) {
   const QuorumOptions qo = tolerant(2);
-  Job job(4, qo, 300, {{2, 30, "step", {}, {}, true}, {3, 30, "ready", {}, {}, true}});
+  const bool refused = GetParam();
+  Job job(4, qo, 300,
+          {{2, 30, "step", {}, {}, true, -1, {}, refused},
+           {3, 30, "ready", {}, {}, true, -1, {}, refused}});
   job.run();
   for (int r : {0, 1}) EXPECT_EQ(job.w.error(r), "") << "rank " << r;
   job.expect_agreement();
@@ -729,9 +741,11 @@ TEST(TwoMembers, WitnessedTheJobGoesOnWithTwo) {
   EXPECT_EQ(v.back().members, (std::vector<int>{0, 1}));
   for (size_t i = 1; i < v.size(); ++i)
     for (const auto& l : v[i].left) EXPECT_EQ(l.why, "died, witnessed") << "rank " << l.rank;
-  // The coordinator looks for a death once the rank was quiet for evict / 4.
+  // The coordinator looks for a death once the rank was quiet for evict / 4 (or reported).
   EXPECT_LT(recovery_ms(job, 2, 1), double(qo.evict.count()));
 }
+INSTANTIATE_TEST_SUITE_P(HostStaysOrGoes, TwoMembers, ::testing::Values(false, true),
+                         [](const auto& i) { return i.param ? "refused" : "silent"; });
 
 // W = 8, quorum 4: the coordinator and ranks 1 and 5 die at one step, witnessed; the five
 // left go on with rank 2 coordinating.

@@ -90,8 +90,8 @@ class Coordinator {
   size_t unsettled() const { return recovery_.unsettled(); }
   // The next step to be decided (a rank admitted now is a member from it on).
   uint64_t next_step() const { return steps_.next_step(); }
-  // The members (not this rank, not finished) silent for over `ms`: whose witnessed death
-  // (witness.h) the view may soon need.
+  // The members (not this rank, not finished) silent for over `ms` or reported unreachable:
+  // whose witnessed death (witness.h) the view may soon need.
   std::vector<int> quiet(Time now, double ms) const { return roster_.quiet(now, ms); }
   // Joins under way (found, not yet admitted or abandoned).
   size_t joining() const { return roster_.joining(); }

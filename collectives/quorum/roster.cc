@@ -68,7 +68,8 @@ int Roster::heard_within(Time now, double ms) const {
 std::vector<int> Roster::quiet(Time now, double ms) const {
   std::vector<int> q;
   for (int r : view_.members)
-    if (r != cfg_.self && !finished_[size_t(r)] && ms_between(last_heard_[size_t(r)], now) > ms)
+    if (r != cfg_.self && !finished_[size_t(r)] &&
+        (suspect_[size_t(r)] || ms_between(last_heard_[size_t(r)], now) > ms))
       q.push_back(r);
   return q;
 }

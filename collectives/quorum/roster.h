@@ -50,7 +50,10 @@ class Roster {
   void died(int r, uint32_t inc) {
     if (inc == incarnation_[size_t(r)]) died_[size_t(r)] = true;
   }
-  // The members (not this rank, not finished) silent for over `ms`.
+  // The members (not this rank, not finished) silent for over `ms`, or reported unreachable
+  // (a transport error: a dead host's connections are refused at once, and the unreachable
+  // leave after evict / 4 of silence, the time after which the quiet are looked for, so the
+  // store's witness is asked from the error on and has that long to answer).
   std::vector<int> quiet(Time now, double ms) const;
   // r contributed: a rank that rejoined computes again.
   void contributes(int r) { catching_up_[size_t(r)] = false; }

@@ -8,9 +8,10 @@
 //
 // This is a member's side of it: which ranks it asks the join agent (join_agent.h) to look
 // for in the store -- only ranks whose death a decision waits on (a coordinator or member
-// silent for evict / 4, the successors before this rank), so the store sees at most a few
-// CHECKs every 100 ms per rank, never a storm -- and which of them were found dead, per
-// incarnation (a rank that came back as a new incarnation is alive again).
+// silent for evict / 4, a member reported unreachable, the successors before this rank), so
+// the store sees at most a few CHECKs every 100 ms per rank, never a storm -- and which of
+// them were found dead, per incarnation (a rank that came back as a new incarnation is alive
+// again).
 #pragma once
 
 #include <cstddef>

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
 
 #include "net/base/error.h"
 
@@ -23,7 +24,8 @@ FaultEndpoint::FaultEndpoint(std::unique_ptr<Endpoint> inner, std::vector<FaultR
     : inner_(std::move(inner)),
       rules_(std::move(rules)),
       seen_(rules_.size(), 0),
-      cut_(static_cast<size_t>(inner_->world_size())) {}
+      cut_(static_cast<size_t>(inner_->world_size())),
+      refused_(static_cast<size_t>(inner_->world_size())) {}
 
 void FaultEndpoint::cut(int peer) {
   if (peer < 0 || peer >= static_cast<int>(cut_.size()))
@@ -31,6 +33,18 @@ void FaultEndpoint::cut(int peer) {
         fmt::format("FaultEndpoint::cut: peer {} out of range [0, {})", peer, cut_.size()));
   if (!cut_[static_cast<size_t>(peer)].exchange(true, std::memory_order_acq_rel))
     cuts_.fetch_add(1, std::memory_order_release);
+}
+
+void FaultEndpoint::refuse(int peer) {
+  cut(peer);  // checks the range
+  refused_[static_cast<size_t>(peer)].store(true, std::memory_order_release);
+}
+
+std::vector<int> FaultEndpoint::suspect_peers() const {
+  std::vector<int> s = inner_->suspect_peers(), out;
+  std::set_union(s.begin(), s.end(), refused_sends_.begin(), refused_sends_.end(),
+                 std::back_inserter(out));
+  return out;
 }
 
 bool FaultEndpoint::is_cut(int peer) const {
@@ -64,6 +78,14 @@ RequestPtr FaultEndpoint::isend(int peer, uint64_t tag, const void* buf, size_t 
   proxy->tag = tag;
   proxy->len = len;
   proxy->bytes = len;
+  if (cut && refused_[static_cast<size_t>(peer)].load(std::memory_order_acquire)) {
+    proxy->state = RequestState::kError;
+    proxy->bytes = 0;
+    proxy->error = fmt::format("to rank {}: Connection refused", peer);
+    auto at = std::lower_bound(refused_sends_.begin(), refused_sends_.end(), peer);
+    if (at == refused_sends_.end() || *at != peer) refused_sends_.insert(at, peer);
+    return proxy;
+  }
   if (cut || (rule && rule->drop)) {
     ++dropped_;
     proxy->state = RequestState::kDone;  // the sender cannot tell: the message is lost

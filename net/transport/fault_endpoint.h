@@ -9,6 +9,9 @@
 // frozen peer; cancel() still withdraws such a receive. Cutting X on every rank, and every
 // rank on X, takes X out entirely. Any-peer receives are not filtered (the source of their
 // message is unknown). Delayed messages are held per peer: one peer's never hold another's.
+//
+// refuse(X) is cut(X) where the sender is told: every later send to X fails at once (kError,
+// "Connection refused", X among suspect_peers()), as tcp's sends to a host that is gone.
 #pragma once
 
 #include <atomic>
@@ -58,7 +61,7 @@ class FaultEndpoint final : public Endpoint {
   bool closed() const override { return inner_->closed(); }
   void register_memory(const void* p, size_t n) override { inner_->register_memory(p, n); }
   void deregister_memory(const void* p) override { inner_->deregister_memory(p); }
-  std::vector<int> suspect_peers() const override { return inner_->suspect_peers(); }
+  std::vector<int> suspect_peers() const override;
   std::string published_address() const override { return inner_->published_address(); }
   uint32_t incarnation() const override { return inner_->incarnation(); }
   bool connected(int peer) const override { return inner_->connected(peer); }
@@ -70,6 +73,8 @@ class FaultEndpoint final : public Endpoint {
   // owner drives the endpoint, which applies it from its next isend/irecv/progress.
   void cut(int peer);
   bool is_cut(int peer) const;
+  // cut(peer), and later sends to it fail (see above); permanent. Thread-safe as cut().
+  void refuse(int peer);
 
   // From now on cancel() of a directed receive does nothing and throws TimeoutError, as a
   // provider that never confirms a cancellation: the receive stays posted (its buffer in use)
@@ -106,6 +111,8 @@ class FaultEndpoint final : public Endpoint {
   std::vector<Forwarded> recvs_;
   std::vector<Forwarded> cut_recvs_;    // receives from cut peers: never complete
   std::vector<std::atomic<bool>> cut_;  // per rank
+  std::vector<std::atomic<bool>> refused_;  // per rank (cut too)
+  std::vector<int> refused_sends_;          // owner: ranks a send was refused to, sorted
   std::atomic<uint64_t> cuts_{0};       // cut() calls so far
   uint64_t cuts_applied_ = 0;           // owner: cuts applied to recvs_
   bool recvs_dirty_ = false;            // an inner cancel may have completed receives
