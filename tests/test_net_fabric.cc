@@ -748,6 +748,37 @@ TEST(FaultEndpointCut, CutPeerIsSilentBothWaysAndOthersAreUnaffected) {
   EXPECT_THROW(f0.cut(3), UsageError);
 }
 
+// refuse(X): a cut that the sender is told of, as tcp's sends to a host that is gone: every
+// send to X fails at once naming X, X becomes a suspect, nothing from X completes, and traffic
+// with the others goes on.
+TEST(FaultEndpointCut, RefusedPeerFailsSendsAndBecomesASuspect) {
+  net::InprocFabric fabric(3);
+  net::FaultEndpoint f0(fabric.endpoint(0), {});
+  net::Endpoint& e0 = f0;
+  auto e1 = fabric.endpoint(1), e2 = fabric.endpoint(2);
+  auto tag = [](int k) { return make_tag(Op::kUser, 3, k); };
+  uint32_t a = 0, two = 2, at2 = 0;
+  f0.refuse(1);
+  EXPECT_TRUE(f0.is_cut(1));
+  EXPECT_TRUE(e0.suspect_peers().empty());  // nothing was refused yet
+  auto s1 = e0.isend(1, tag(0), &two, sizeof(two));
+  ASSERT_TRUE(s1->done());
+  EXPECT_EQ(s1->state, net::RequestState::kError);
+  EXPECT_NE(s1->error.find("rank 1: Connection refused"), std::string::npos) << s1->error;
+  EXPECT_EQ(e0.suspect_peers(), (std::vector<int>{1}));
+  auto r1 = e0.irecv(1, tag(1), &a, sizeof(a));
+  e1->isend(0, tag(1), &two, sizeof(two));
+  auto s2 = e0.isend(2, tag(2), &two, sizeof(two));
+  auto q2 = e2->irecv(0, tag(2), &at2, sizeof(at2));
+  ASSERT_TRUE(progress_until({&e0, e1.get(), e2.get()}, [&] { return s2->done() && q2->done(); }));
+  EXPECT_TRUE(s2->ok() && q2->ok());
+  EXPECT_EQ(at2, 2u);
+  progress_for({&e0, e1.get(), e2.get()}, std::chrono::milliseconds(50));
+  EXPECT_FALSE(r1->done());
+  EXPECT_TRUE(e0.cancel(r1));
+  EXPECT_THROW(f0.refuse(3), UsageError);
+}
+
 // Messages a rule delays wait per peer: a long delay towards rank 1 holds back nothing to 2.
 TEST(FaultEndpointCut, DelayedMessagesToOnePeerDoNotHoldBackAnother) {
   net::InprocFabric fabric(3);
