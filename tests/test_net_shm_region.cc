@@ -322,6 +322,37 @@ TEST_F(ShmRegion, WatchReleasesALiveRanksLockADeadSenderHeld) {
   for (const auto& n : {live, dead[0]}) ::unlink((g_dir + "/" + n).c_str());
 }
 
+// Regions left by processes dead before the watch started: their locks are released by the
+// constructor (reported before it returns), and they are no new death for the thread, which
+// therefore leaves alone a live region whose lock stays held for longer than live_confirm (a
+// death since the start would make it look, and release that lock).
+TEST_F(ShmRegion, WatchLooksAtDeathsFromBeforeItStartedOnlyWhenItStarts) {
+  const std::vector<std::string> dead = dead_process_regions({4});
+  ASSERT_EQ(dead.size(), 1u);
+  ASSERT_FALSE(lock_free(dead[0]));
+  const std::string live = make_region(::getpid(), 95, 4, true);  // held, its owner alive
+  std::mutex mu;
+  std::vector<std::string> reported;
+  {
+    DeadShmLockWatch watch(
+        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(30),
+        [&](const std::string& name) {
+          std::lock_guard<std::mutex> lock(mu);
+          reported.push_back(name);
+        },
+        g_dir);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_EQ(reported, std::vector<std::string>{dead[0]});
+    }
+    EXPECT_TRUE(lock_free(dead[0]));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 10 periods
+  }
+  EXPECT_EQ(reported, std::vector<std::string>{dead[0]});
+  EXPECT_FALSE(lock_free(live));
+  for (const auto& n : {live, dead[0]}) ::unlink((g_dir + "/" + n).c_str());
+}
+
 // Stopping does not wait for the next period.
 TEST_F(ShmRegion, WatchStopsAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -469,10 +469,11 @@ class FabricEndpoint final : public Endpoint {
       // Before the address exchange: peers open it on insert_peer.
       if (opts.doorbells) bell_ = Doorbell::own();
       // A peer that died inside the provider may hold its region lock; its reaper releases it
-      // under qring-launch, this rank where nobody did (net/transport/shm_region.h): now, and while the
-      // endpoint lives, every kLockWatchPeriod (the watch thread).
-      for (const std::string& name : release_locks_of_dead_processes(kLockConfirm))
-        warn_released(rank, name);
+      // under qring-launch, this rank where nobody did (net/transport/shm_region.h): now (the
+      // watch's constructor), and while the endpoint lives, every kLockWatchPeriod (its thread).
+      lock_watch_ = std::make_unique<DeadShmLockWatch>(
+          kLockWatchPeriod, kLockConfirm, kLiveLockConfirm,
+          [rank](const std::string& name) { warn_released(rank, name); });
     }
     // Over tcp, the congestion control of this endpoint's connections (tcp_tuning.h): its
     // listening socket, made below, gets it here; connections to peers when they are opened.
@@ -496,10 +497,6 @@ class FabricEndpoint final : public Endpoint {
     incarnation_ = opts.incarnation;
     exchange_addresses(opts, store, deadline);
     size_send_queues();
-    if (shm_)
-      lock_watch_ = std::make_unique<DeadShmLockWatch>(
-          kLockWatchPeriod, kLockConfirm, kLiveLockConfirm,
-          [rank](const std::string& name) { warn_released(rank, name); });
     spdlog::debug(
         "rank {}: fabric endpoint up: provider {} domain {} max_msg {} mr_local {} endpoints {} "
         "(queue depths tx {} rx {})",

@@ -260,6 +260,10 @@ DeadShmLockWatch::DeadShmLockWatch(std::chrono::milliseconds period,
       live_confirm_(live_confirm),
       released_(std::move(released)),
       dir_(std::move(dir)) {
+  for (const Region& r : dead_regions(dir_)) {
+    seen_.emplace(r.name, r.inode);
+    if (release_dead_shm_lock(r.name, r.owner, confirm_, dir_) && released_) released_(r.name);
+  }
   thread_ = std::thread([this] { run(); });
 }
 
@@ -278,7 +282,6 @@ DeadShmLockWatch::~DeadShmLockWatch() {
 // node without qring-launch; mapping each of them five times a second would cost more than
 // the watch is worth.
 void DeadShmLockWatch::run() {
-  std::unordered_map<std::string, ino_t> seen;  // dead processes' regions already looked at
   std::unique_lock<std::mutex> lock(mu_);
   while (!cv_.wait_for(lock, period_, [this] { return stop_; })) {
     lock.unlock();
@@ -286,12 +289,12 @@ void DeadShmLockWatch::run() {
     bool a_death = false;
     for (const Region& r : dead_regions(dir_)) {
       now.emplace(r.name, r.inode);
-      auto it = seen.find(r.name);
-      if (it != seen.end() && it->second == r.inode) continue;
+      auto it = seen_.find(r.name);
+      if (it != seen_.end() && it->second == r.inode) continue;
       a_death = true;
       if (release_dead_shm_lock(r.name, r.owner, confirm_, dir_) && released_) released_(r.name);
     }
-    seen = std::move(now);  // files gone are forgotten
+    seen_ = std::move(now);  // files gone are forgotten
     if (a_death) {  // it may have died posting to a live rank
       const auto stopping = [this] {
         std::lock_guard<std::mutex> l(mu_);
