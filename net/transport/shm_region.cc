@@ -223,12 +223,26 @@ std::vector<std::string> shm_regions_of(pid_t pid, const std::string& dir) {
   return out;
 }
 
+namespace {
+
+// release_locks_of_dead_processes, adding each region looked at to `seen` (name and inode).
+std::vector<std::string> release_dead_locks(std::chrono::milliseconds confirm,
+                                            const std::string& dir,
+                                            std::unordered_map<std::string, ino_t>& seen) {
+  std::vector<std::string> released;
+  for (const Region& r : dead_regions(dir)) {
+    seen.emplace(r.name, r.inode);
+    if (release_dead_shm_lock(r.name, r.owner, confirm, dir)) released.push_back(r.name);
+  }
+  return released;
+}
+
+}  // namespace
+
 std::vector<std::string> release_locks_of_dead_processes(std::chrono::milliseconds confirm,
                                                          const std::string& dir) {
-  std::vector<std::string> released;
-  for (const Region& r : dead_regions(dir))
-    if (release_dead_shm_lock(r.name, r.owner, confirm, dir)) released.push_back(r.name);
-  return released;
+  std::unordered_map<std::string, ino_t> seen;
+  return release_dead_locks(confirm, dir, seen);
 }
 
 bool release_dead_shm_lock(const std::string& name, pid_t pid, std::chrono::milliseconds confirm,
@@ -260,10 +274,8 @@ DeadShmLockWatch::DeadShmLockWatch(std::chrono::milliseconds period,
       live_confirm_(live_confirm),
       released_(std::move(released)),
       dir_(std::move(dir)) {
-  for (const Region& r : dead_regions(dir_)) {
-    seen_.emplace(r.name, r.inode);
-    if (release_dead_shm_lock(r.name, r.owner, confirm_, dir_) && released_) released_(r.name);
-  }
+  for (const std::string& name : release_dead_locks(confirm_, dir_, seen_))
+    if (released_) released_(name);
   thread_ = std::thread([this] { run(); });
 }
 
