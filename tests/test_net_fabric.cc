@@ -699,14 +699,19 @@ TEST(EndpointSuspects, InprocTruncationFailsTheReceiveAndMarksItsSender) {
   EXPECT_TRUE(e1->suspect_peers().empty());
 }
 
+// Rank 0 behind a FaultEndpoint with no rules, ranks 1 and 2 plain, on one in-process fabric.
+class FaultEndpointCut : public ::testing::Test {
+ protected:
+  static uint64_t tag(int k) { return make_tag(Op::kUser, 3, k); }
+  net::InprocFabric fabric{3};
+  net::FaultEndpoint f0{fabric.endpoint(0), {}};
+  net::Endpoint& e0 = f0;
+  std::unique_ptr<net::Endpoint> e1 = fabric.endpoint(1), e2 = fabric.endpoint(2);
+};
+
 // cut(X): everything to X is dropped, nothing from X completes (receives posted before the
 // cut included), traffic with other ranks goes on, and nothing is reported.
-TEST(FaultEndpointCut, CutPeerIsSilentBothWaysAndOthersAreUnaffected) {
-  net::InprocFabric fabric(3);
-  net::FaultEndpoint f0(fabric.endpoint(0), {});
-  net::Endpoint& e0 = f0;
-  auto e1 = fabric.endpoint(1), e2 = fabric.endpoint(2);
-  auto tag = [](int k) { return make_tag(Op::kUser, 3, k); };
+TEST_F(FaultEndpointCut, CutPeerIsSilentBothWaysAndOthersAreUnaffected) {
   uint32_t a = 0, b = 0, c = 0, d = 0, one = 1, two = 2;
   // Before the cut: traffic with rank 1 flows.
   auto r0 = e0.irecv(1, tag(0), &a, sizeof(a));
@@ -751,12 +756,7 @@ TEST(FaultEndpointCut, CutPeerIsSilentBothWaysAndOthersAreUnaffected) {
 // refuse(X): a cut that the sender is told of, as tcp's sends to a host that is gone: every
 // send to X fails at once naming X, X becomes a suspect, nothing from X completes, and traffic
 // with the others goes on.
-TEST(FaultEndpointCut, RefusedPeerFailsSendsAndBecomesASuspect) {
-  net::InprocFabric fabric(3);
-  net::FaultEndpoint f0(fabric.endpoint(0), {});
-  net::Endpoint& e0 = f0;
-  auto e1 = fabric.endpoint(1), e2 = fabric.endpoint(2);
-  auto tag = [](int k) { return make_tag(Op::kUser, 3, k); };
+TEST_F(FaultEndpointCut, RefusedPeerFailsSendsAndBecomesASuspect) {
   uint32_t a = 0, two = 2, at2 = 0;
   f0.refuse(1);
   EXPECT_TRUE(f0.is_cut(1));
@@ -780,22 +780,22 @@ TEST(FaultEndpointCut, RefusedPeerFailsSendsAndBecomesASuspect) {
 }
 
 // Messages a rule delays wait per peer: a long delay towards rank 1 holds back nothing to 2.
-TEST(FaultEndpointCut, DelayedMessagesToOnePeerDoNotHoldBackAnother) {
-  net::InprocFabric fabric(3);
+TEST_F(FaultEndpointCut, DelayedMessagesToOnePeerDoNotHoldBackAnother) {
   std::vector<net::FaultRule> rules(1);
   rules[0].dst = 1;
   rules[0].delay = std::chrono::seconds(30);
-  net::FaultEndpoint f0(fabric.endpoint(0), rules);
-  net::Endpoint& e0 = f0;
-  auto e2 = fabric.endpoint(2);
+  net::InprocFabric ruled(3);
+  net::FaultEndpoint f(ruled.endpoint(0), rules);
+  net::Endpoint& e = f;
+  auto to = ruled.endpoint(2);
   uint32_t v = 7, got = 0;
-  auto held = e0.isend(1, make_tag(Op::kUser, 4, 0), &v, sizeof(v));
-  auto s2 = e0.isend(2, make_tag(Op::kUser, 4, 0), &v, sizeof(v));
-  auto q2 = e2->irecv(0, make_tag(Op::kUser, 4, 0), &got, sizeof(got));
-  ASSERT_TRUE(progress_until({&e0, e2.get()}, [&] { return s2->done() && q2->done(); }));
+  auto held = e.isend(1, tag(0), &v, sizeof(v));
+  auto s2 = e.isend(2, tag(0), &v, sizeof(v));
+  auto q2 = to->irecv(0, tag(0), &got, sizeof(got));
+  ASSERT_TRUE(progress_until({&e, to.get()}, [&] { return s2->done() && q2->done(); }));
   EXPECT_EQ(got, 7u);
   EXPECT_FALSE(held->done());
-  EXPECT_EQ(f0.delayed(), 1u);
+  EXPECT_EQ(f.delayed(), 1u);
 }
 
 // A rank SIGKILLed earlier leaves /dev/shm/<pid>:0:0 behind; a new process that gets the same

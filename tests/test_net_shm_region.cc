@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -177,34 +178,50 @@ TEST_F(ShmRegion, OnlyOneOfSeveralReleasersActs) {
   ::unlink((g_dir + "/" + names[0]).c_str());
 }
 
+// The regions a watch reported (from its thread, or its constructor's).
+class Reports {
+ public:
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& name) {
+      std::lock_guard<std::mutex> lock(mu_);
+      names_.push_back(name);
+      cv_.notify_all();
+    };
+  }
+  // Waits up to 10 s for `name` to be reported.
+  bool wait_for(const std::string& name) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] {
+      return std::find(names_.begin(), names_.end(), name) != names_.end();
+    });
+  }
+  std::vector<std::string> names() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return names_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> names_;
+};
+
 // The endpoint's watch: a lock held by a process that died after the watch started is released
 // by the watch's own thread, within a few periods, and reported once.
 TEST_F(ShmRegion, WatchReleasesALockLeftAfterItStarted) {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::string> reported;
+  Reports reports;
   std::vector<std::string> names;
   {
-    DeadShmLockWatch watch(
-        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(10),
-        [&](const std::string& name) {
-          std::lock_guard<std::mutex> lock(mu);
-          reported.push_back(name);
-          cv.notify_all();
-        },
-        g_dir);
+    DeadShmLockWatch watch(std::chrono::milliseconds(20), std::chrono::milliseconds(10),
+                           std::chrono::milliseconds(10), reports.sink(), g_dir);
     names = dead_process_regions({4});
     ASSERT_EQ(names.size(), 1u);
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(
-        lock, std::chrono::seconds(10),
-        [&] { return std::find(reported.begin(), reported.end(), names[0]) != reported.end(); }))
-        << "the watch did not release " << names[0];
-    lock.unlock();
+    ASSERT_TRUE(reports.wait_for(names[0])) << "the watch did not release " << names[0];
     EXPECT_TRUE(lock_free(names[0]));
     // Released once: later looks find it free.
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  const auto reported = reports.names();
   EXPECT_EQ(std::count(reported.begin(), reported.end(), names[0]), 1);
   ::unlink((g_dir + "/" + names[0]).c_str());
 }
@@ -296,29 +313,18 @@ TEST_F(ShmRegion, ALiveHoldShorterThanTheConfirmTimeIsNotBroken) {
 // The watch: a process that dies (its own region left behind, as where no qring-launch reaps
 // it) after it took a live rank's lock: the watch releases both.
 TEST_F(ShmRegion, WatchReleasesALiveRanksLockADeadSenderHeld) {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<std::string> reported;
+  Reports reports;
   const std::string live = make_region(::getpid(), 94, 4, false);
   std::vector<std::string> dead;
   {
-    DeadShmLockWatch watch(
-        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(30),
-        [&](const std::string& name) {
-          std::lock_guard<std::mutex> lock(mu);
-          reported.push_back(name);
-          cv.notify_all();
-        },
-        g_dir);
+    DeadShmLockWatch watch(std::chrono::milliseconds(20), std::chrono::milliseconds(10),
+                           std::chrono::milliseconds(30), reports.sink(), g_dir);
     sender_holding(live, Then::kDie);
     dead = dead_process_regions({4});
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] {
-      return std::find(reported.begin(), reported.end(), live) != reported.end();
-    })) << "the watch did not release " << live;
+    ASSERT_TRUE(reports.wait_for(live)) << "the watch did not release " << live;
   }
   EXPECT_TRUE(lock_free(live));
-  EXPECT_THAT(reported, Contains(dead[0]));
+  EXPECT_THAT(reports.names(), Contains(dead[0]));
   for (const auto& n : {live, dead[0]}) ::unlink((g_dir + "/" + n).c_str());
 }
 
@@ -331,24 +337,15 @@ TEST_F(ShmRegion, WatchLooksAtDeathsFromBeforeItStartedOnlyWhenItStarts) {
   ASSERT_EQ(dead.size(), 1u);
   ASSERT_FALSE(lock_free(dead[0]));
   const std::string live = make_region(::getpid(), 95, 4, true);  // held, its owner alive
-  std::mutex mu;
-  std::vector<std::string> reported;
+  Reports reports;
   {
-    DeadShmLockWatch watch(
-        std::chrono::milliseconds(20), std::chrono::milliseconds(10), std::chrono::milliseconds(30),
-        [&](const std::string& name) {
-          std::lock_guard<std::mutex> lock(mu);
-          reported.push_back(name);
-        },
-        g_dir);
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      EXPECT_EQ(reported, std::vector<std::string>{dead[0]});
-    }
+    DeadShmLockWatch watch(std::chrono::milliseconds(20), std::chrono::milliseconds(10),
+                           std::chrono::milliseconds(30), reports.sink(), g_dir);
+    EXPECT_EQ(reports.names(), std::vector<std::string>{dead[0]});
     EXPECT_TRUE(lock_free(dead[0]));
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 10 periods
   }
-  EXPECT_EQ(reported, std::vector<std::string>{dead[0]});
+  EXPECT_EQ(reports.names(), std::vector<std::string>{dead[0]});
   EXPECT_FALSE(lock_free(live));
   for (const auto& n : {live, dead[0]}) ::unlink((g_dir + "/" + n).c_str());
 }
