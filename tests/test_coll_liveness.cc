@@ -16,6 +16,7 @@ namespace qring::testing {
 namespace {
 
 using collectives::Clock;
+using collectives::Deaths;
 using collectives::Liveness;
 using collectives::LivenessTimes;
 using collectives::silence_limit;
@@ -163,6 +164,15 @@ TEST(Liveness, SuccessorsProposeThemselvesInRankOrderOneEvictPeriodApart) {
   EXPECT_EQ(collectives::takeover_turn(v, 0, 7, T0, true, t), T0 + milliseconds(1350));
   // Never heard (start-up): the deadline instead of the evict time.
   EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, false, t), T0 + milliseconds(8050));
+  // Members the coordinator admitted (a joiner may wait for its state from it) come last.
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 5, T0, true, t, {}, {2}), T0 + milliseconds(450));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 7, T0, true, t, {}, {2}), T0 + milliseconds(900));
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, true, t, {}, {2}), T0 + milliseconds(1350));
+  // Witnessed dead: no silence limit, and the admitted member still after the others.
+  Deaths dead(8, 0);
+  dead[0] = 1;
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 5, T0, true, t, dead, {2}), T0);
+  EXPECT_EQ(collectives::takeover_turn(v, 0, 2, T0, true, t, dead, {2}), T0 + milliseconds(900));
   Liveness l(t, T0);
   l.heard_coordinator(T0);
   EXPECT_EQ(l.coordinator_silence(T0 + milliseconds(451), v, 0, 2, true),

@@ -28,10 +28,11 @@ Coordinator::Coordinator(Config cfg, Time now)
 
 Coordinator::Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
                          const std::vector<Known>& known, std::vector<Down>& out,
-                         const std::vector<uint32_t>& incarnations)
+                         const std::vector<uint32_t>& incarnations,
+                         const std::vector<char>& dead)
     : Coordinator(std::move(cfg), now) {
   roster_.restore(std::move(view), completed, incarnations);
-  out.push_back(takeover_view(roster_.view(), cfg_));
+  out.push_back(takeover_view(roster_.view(), cfg_, dead));
   // A majority took over (failover.h), but the ranks left may be fewer than the job needs.
   if (auto why = roster_.stop_reason(out.back().left, roster_.view().size())) {
     fatal(*why, out);

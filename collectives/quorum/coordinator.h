@@ -62,10 +62,12 @@ class Coordinator {
   // nobody saw decided are decided afresh from the READYs the members send again. `out`
   // gets the new VIEW and the RECOVERs.
   // `incarnations`: every rank's, as the new coordinator knows them (a rank that rejoined
-  // before is not a new join). Fewer than max(quorum, min_world) left: FATAL at once.
+  // before is not a new join). Fewer than max(quorum, min_world) left: FATAL at once. `dead`:
+  // per rank, nonzero where the store witnessed its death (the VIEW says so).
   Coordinator(Config cfg, Time now, View view, const std::vector<int64_t>& completed,
               const std::vector<Known>& known, std::vector<Down>& out,
-              const std::vector<uint32_t>& incarnations = {});
+              const std::vector<uint32_t>& incarnations = {},
+              const std::vector<char>& dead = {});
 
   // `more`: further events of the same instant follow (the messages one poll of the streams
   // found): this one is taken in, and the decisions wait for the last of them, so that every

@@ -16,11 +16,13 @@ bool holds_lease(const Roster& roster, Time now, const Config& cfg) {
   return 2 * fresh > roster.view().size();
 }
 
-Down takeover_view(const View& view, const Config& cfg) {
+Down takeover_view(const View& view, const Config& cfg, const std::vector<char>& dead) {
   Down v(Down::Kind::kView);
   v.view = view;
   for (int r = 0; r < cfg.world; ++r)
-    if (!view.has(r)) v.left.push_back({r, Why::kSilent, double(cfg.evict.count())});
+    if (!view.has(r))
+      v.left.push_back({r, witnessed(dead, r) ? Why::kDied : Why::kSilent,
+                        double(cfg.evict.count())});
   return v;
 }
 

@@ -47,8 +47,9 @@ namespace qring::collectives {
 namespace qproto {
 // The coordinator's lease: a majority of its view heard from within evict / 2.
 bool holds_lease(const Roster& roster, Time now, const Config& cfg);
-// The VIEW a coordinator that took over announces: `view`, every other rank left (silent).
-Down takeover_view(const View& view, const Config& cfg);
+// The VIEW a coordinator that took over announces: `view`, every other rank left (silent, or
+// died where `dead` says the store witnessed it: liveness.h's Deaths).
+Down takeover_view(const View& view, const Config& cfg, const std::vector<char>& dead = {});
 }  // namespace qproto
 
 // A proposal of this rank to coordinate `epoch` after the coordinator fell silent.

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "collectives/quorum/errors.h"
@@ -70,6 +71,14 @@ std::optional<qproto::Up> Follower::apply(net::Endpoint& ep, const qproto::Down&
   return std::nullopt;
 }
 
+std::vector<int> Follower::admitted_by_coordinator() const {
+  std::vector<int> r;
+  if (admitted_by_ != succession_.coordinator()) return r;
+  for (int a : admitted_)
+    if (view_.has(a)) r.push_back(a);
+  return r;
+}
+
 void Follower::apply_view(const qproto::Down& m) {
   if (m.view.epoch <= view_.epoch)
     throw ProtocolError(
@@ -80,8 +89,12 @@ void Follower::apply_view(const qproto::Down& m) {
   v.epoch = view_.epoch;
   v.members = view_.members;
   for (auto& d : m.left) v.left.push_back({d.rank, qproto::to_string(d.why), d.silent_ms});
+  if (admitted_by_ != succession_.coordinator()) admitted_.clear();
+  admitted_by_ = succession_.coordinator();
   for (auto& j : m.joined) {
     v.joined.push_back({j.rank, j.incarnation, j.step, j.donor});
+    if (std::find(admitted_.begin(), admitted_.end(), j.rank) == admitted_.end())
+      admitted_.push_back(j.rank);
     runner_.joined(j.rank, j.step);
     if (j.rank == rank_ && rejoin_.joining() && !rejoin_.admitted() &&
         j.incarnation == rejoin_.incarnations()[size_t(rank_)]) {

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <optional>
+#include <vector>
 
 #include "collectives/engine.h"
 #include "collectives/quorum/failover.h"
@@ -42,6 +43,10 @@ class Follower {
 
   // The view this rank is in.
   const qproto::View& view() const { return view_; }
+  // The members the coordinator admitted (rejoined) in its views: their state comes from it,
+  // so if it is lost one of them may still be waiting for it. They propose themselves after
+  // the other successors (takeover_turn). Empty once another rank coordinates.
+  std::vector<int> admitted_by_coordinator() const;
   // Applies `m`; returns the REPORT to send for a RECOVER.
   std::optional<qproto::Up> apply(net::Endpoint& ep, const qproto::Down& m);
 
@@ -61,6 +66,8 @@ class Follower {
   StepTable& steps_;
   MembershipBox& membership_;
   qproto::View view_;
+  std::vector<int> admitted_;  // by admitted_by_, in its views (each once)
+  int admitted_by_ = -1;
 };
 
 }  // namespace qring::collectives

@@ -18,8 +18,12 @@ std::vector<int> successors(const qproto::View& view, int coordinator, const Dea
 
 Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int self,
                                 Clock::time_point last_heard, bool heard_once,
-                                const LivenessTimes& t, const Deaths& dead) {
-  const auto cands = successors(view, coordinator, dead);
+                                const LivenessTimes& t, const Deaths& dead,
+                                const std::vector<int>& last) {
+  auto cands = successors(view, coordinator, dead);
+  std::stable_partition(cands.begin(), cands.end(), [&](int r) {
+    return std::find(last.begin(), last.end(), r) == last.end();
+  });
   const auto k = std::find(cands.begin(), cands.end(), self) - cands.begin();
   const Clock::duration first =
       witnessed(dead, coordinator) ? Clock::duration(0) : silence_limit(heard_once, t);
@@ -58,12 +62,13 @@ bool Liveness::beat_due(Clock::time_point now, int64_t completed, bool outside) 
 
 Liveness::Silence Liveness::coordinator_silence(Clock::time_point now, const qproto::View& view,
                                                 int coordinator, int self, bool tolerant,
-                                                const Deaths& dead) const {
+                                                const Deaths& dead,
+                                                const std::vector<int>& last) const {
   if (coordinator_done_) return Silence::kNone;
   if (!witnessed(dead, coordinator) && now - last_down_ <= silence_limit(heard_, t_))
     return Silence::kNone;
   if (!tolerant) return Silence::kLost;
-  return now > takeover_turn(view, coordinator, self, last_down_, heard_, t_, dead)
+  return now > takeover_turn(view, coordinator, self, last_down_, heard_, t_, dead, last)
              ? Silence::kTakeOver
              : Silence::kNone;
 }

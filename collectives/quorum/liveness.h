@@ -25,8 +25,9 @@
 //    message may be up to a heartbeat period older than a pause, so a pause shorter than
 //    evict never evicts, and one over 1.125 evict always does (issue 42, case 11);
 //  - the coordinator silent: in a job that can lose a rank the other members of the last view
-//    propose themselves in rank order, each one evict + one heartbeat period after the one
-//    before (the proposal, its acceptance and its outcome: failover.h). In a job that cannot
+//    propose themselves in rank order (the members it admitted last), each one evict + one
+//    heartbeat period after the one before (the proposal, its acceptance and its outcome:
+//    failover.h). In a job that cannot
 //    lose a rank the silence stops it. A death the store witnessed (witness.h) is silence
 //    already, and a successor witnessed dead has no turn.
 #pragma once
@@ -64,10 +65,13 @@ inline bool witnessed(const Deaths& d, int r) { return r >= 0 && size_t(r) < d.s
 std::vector<int> successors(const qproto::View& view, int coordinator, const Deaths& dead = {});
 // When `self` proposes itself: the silence limit after the coordinator was last heard (none
 // when its death was witnessed), plus one evict + heartbeat period for every live successor
-// before it.
+// before it. The successors in `last` (members the coordinator admitted: one may still wait for
+// its state from it, and such a joiner lets the next one propose) come after the others, so
+// that a joiner first in line does not hold the takeover back by a whole period.
 Clock::time_point takeover_turn(const qproto::View& view, int coordinator, int self,
                                 Clock::time_point last_heard, bool heard_once,
-                                const LivenessTimes& t, const Deaths& dead = {});
+                                const LivenessTimes& t, const Deaths& dead = {},
+                                const std::vector<int>& last = {});
 
 // The clocks a member keeps.
 class Liveness {
@@ -101,7 +105,8 @@ class Liveness {
   // What the coordinator's silence calls for on member `self` (not the coordinator): nothing
   // yet, its turn to propose itself (`tolerant`: the job can lose a rank), or stopping.
   Silence coordinator_silence(Clock::time_point now, const qproto::View& view, int coordinator,
-                              int self, bool tolerant, const Deaths& dead = {}) const;
+                              int self, bool tolerant, const Deaths& dead = {},
+                              const std::vector<int>& last = {}) const;
   double silent_ms(Clock::time_point now) const;
   // Whether this member takes the coordinator for lost (it accepts a takeover only then):
   // silent here for over evict / 2, or witnessed dead; never once it said goodbye.

@@ -381,8 +381,9 @@ void QuorumMember::report_suspects(net::Endpoint& ep,
 // view (itself included) accepted.
 
 void QuorumMember::start_takeover(net::Endpoint& ep) {
-  spdlog::warn("rank {}: quorum: the coordinator (rank {}) is silent; taking over", rank_,
-               succession_.coordinator());
+  const int coord = succession_.coordinator();
+  spdlog::warn("rank {}: quorum: the coordinator (rank {}) {}; taking over", rank_, coord,
+               witnessed(witness_.deaths(), coord) ? "died (the store witnessed it)" : "is silent");
   const qproto::Down m = succession_.propose(view(), engine_.now());
   streams_.send_down(ep, m.view.members, m);
 }
@@ -422,14 +423,16 @@ bool QuorumMember::gather_takeover(net::Endpoint& ep) {
       break;
   }
   auto won = succession_.won(runner_.completed(), ledger_.known());
-  spdlog::warn("rank {}: quorum: coordinating from view {} (members {}) after rank {} fell "
-               "silent",
-               rank_, won.view.epoch, won.view.members, succession_.coordinator());
+  const int old = succession_.coordinator();
+  spdlog::warn("rank {}: quorum: coordinating from view {} (members {}) after rank {} {}", rank_,
+               won.view.epoch, won.view.members, old,
+               witnessed(witness_.deaths(), old) ? "died" : "fell silent");
   qproto::Config cfg = cfg_;
   cfg.self = rank_;
   std::vector<qproto::Down> out;
   auto state = std::make_unique<qproto::Coordinator>(cfg, now, won.view, won.completed,
-                                                     won.known, out, rejoin_.incarnations());
+                                                     won.known, out, rejoin_.incarnations(),
+                                                     witness_.deaths());
   coordinate(std::move(state));
   for (auto& m : out) act(ep, m);
   for (auto& m : won.early) host_->take(std::move(m));
@@ -501,7 +504,8 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
         liveness_.coordinator_lost(now, coord, witness_.deaths()))
       answer_takeover(ep, succession_.pending_from(), succession_.pending());
     switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_,
-                                          witness_.deaths())) {
+                                          witness_.deaths(),
+                                          follower_.admitted_by_coordinator())) {
       case Liveness::Silence::kNone:
         break;
       case Liveness::Silence::kTakeOver:
