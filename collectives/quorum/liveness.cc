@@ -1,5 +1,7 @@
 #include "collectives/quorum/liveness.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 namespace qring::collectives {
@@ -76,6 +78,13 @@ Liveness::Silence Liveness::coordinator_silence(Clock::time_point now, const qpr
 bool Liveness::coordinator_lost(Clock::time_point now, int coordinator, const Deaths& dead) const {
   if (coordinator_done_) return false;  // it said goodbye: nothing to take over
   return witnessed(dead, coordinator) || now - last_down_ > t_.evict / 2;
+}
+
+std::string Liveness::lost_reason(Clock::time_point now, int self, int coordinator) const {
+  return fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} ms "
+                     "(quorum.evict_ms = {}); it stopped or died, and a job that cannot lose a "
+                     "rank stops",
+                     self, coordinator, silent_ms(now), t_.evict.count());
 }
 
 double Liveness::silent_ms(Clock::time_point now) const {

@@ -34,6 +34,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,10 @@ Clock::duration silence_limit(bool heard_once, const LivenessTimes& t);
 // Per rank, nonzero where the store witnessed its death (witness.h); empty: none known.
 using Deaths = std::vector<char>;
 inline bool witnessed(const Deaths& d, int r) { return r >= 0 && size_t(r) < d.size() && d[size_t(r)]; }
+// How the coordinator `r` went, for the logs: "died (the store witnessed it)" or "fell silent".
+inline const char* gone(const Deaths& d, int r) {
+  return witnessed(d, r) ? "died (the store witnessed it)" : "fell silent";
+}
 // The members of `view` that may succeed `coordinator`, in the order they propose themselves
 // (those witnessed dead are skipped).
 std::vector<int> successors(const qproto::View& view, int coordinator, const Deaths& dead = {});
@@ -108,6 +113,8 @@ class Liveness {
                               int self, bool tolerant, const Deaths& dead = {},
                               const std::vector<int>& last = {}) const;
   double silent_ms(Clock::time_point now) const;
+  // Why member `self` stops a job that cannot lose a rank when its coordinator is silent.
+  std::string lost_reason(Clock::time_point now, int self, int coordinator) const;
   // Whether this member takes the coordinator for lost (it accepts a takeover only then):
   // silent here for over evict / 2, or witnessed dead; never once it said goodbye.
   bool coordinator_lost(Clock::time_point now, int coordinator, const Deaths& dead) const;

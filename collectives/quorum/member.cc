@@ -381,9 +381,8 @@ void QuorumMember::report_suspects(net::Endpoint& ep,
 // view (itself included) accepted.
 
 void QuorumMember::start_takeover(net::Endpoint& ep) {
-  const int coord = succession_.coordinator();
-  spdlog::warn("rank {}: quorum: the coordinator (rank {}) {}; taking over", rank_, coord,
-               witnessed(witness_.deaths(), coord) ? "died (the store witnessed it)" : "is silent");
+  spdlog::warn("rank {}: quorum: the coordinator (rank {}) {}; taking over", rank_,
+               succession_.coordinator(), gone(witness_.deaths(), succession_.coordinator()));
   const qproto::Down m = succession_.propose(view(), engine_.now());
   streams_.send_down(ep, m.view.members, m);
 }
@@ -423,10 +422,9 @@ bool QuorumMember::gather_takeover(net::Endpoint& ep) {
       break;
   }
   auto won = succession_.won(runner_.completed(), ledger_.known());
-  const int old = succession_.coordinator();
   spdlog::warn("rank {}: quorum: coordinating from view {} (members {}) after rank {} {}", rank_,
-               won.view.epoch, won.view.members, old,
-               witnessed(witness_.deaths(), old) ? "died" : "fell silent");
+               won.view.epoch, won.view.members, succession_.coordinator(),
+               gone(witness_.deaths(), succession_.coordinator()));
   qproto::Config cfg = cfg_;
   cfg.self = rank_;
   std::vector<qproto::Down> out;
@@ -503,8 +501,7 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
     if (succession_.pending_from() >= 0 &&
         liveness_.coordinator_lost(now, coord, witness_.deaths()))
       answer_takeover(ep, succession_.pending_from(), succession_.pending());
-    switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_,
-                                          witness_.deaths(),
+    switch (liveness_.coordinator_silence(now, view(), coord, rank_, tolerant_, witness_.deaths(),
                                           follower_.admitted_by_coordinator())) {
       case Liveness::Silence::kNone:
         break;
@@ -514,12 +511,7 @@ void QuorumMember::check_deadlines(net::Endpoint& ep) {
         if (!succession_.gathering() && !rejoin_.awaiting_state()) start_takeover(ep);
         break;
       case Liveness::Silence::kLost:
-        throw QuorumLost(
-            fmt::format("rank {}: quorum: the coordinator (rank {}) has been silent for {:.0f} "
-                        "ms (quorum.evict_ms = {}); it stopped or died, and a job that cannot "
-                        "lose a rank stops",
-                        rank_, coord, liveness_.silent_ms(now), o_.evict.count()),
-            {coord});
+        throw QuorumLost(liveness_.lost_reason(now, rank_, coord), {coord});
     }
     // The coordinator decides by (first contribution + H); ours came after the first.
     std::lock_guard<std::mutex> lock(boxes_.steps->mu);
