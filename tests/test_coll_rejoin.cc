@@ -419,6 +419,41 @@ TEST(CoordinatorRejoin, AJoinerThatLeavesIsDroppedAtOnceAndLaterJoinsGoOn) {
   EXPECT_TRUE(s.c.view().has(3));
 }
 
+// Two joins at once (issue 42, case 4 over tcp: rank 1 rejoined in-process while rank 0's
+// restarted process joined too). W = 5, ranks 1 and 3 gone: rank 3 is admitted while rank 1's
+// join is under way. Rank 3,
+// a member now, must reconnect to rank 1 and accept it, so the coordinator tells it the join
+// again right after the VIEW; rank 1 is admitted once rank 3 accepted it. Before, nobody told
+// rank 3, rank 1 waited for its acceptance until join_timeout and the job went on without it.
+TEST(CoordinatorRejoin, AJoinUnderWayWhenAnotherIsAdmittedIsToldToTheNewMember) {
+  Sim s(base(5, 2));
+  auto a = s.run(milliseconds(600), {2, 4});
+  ASSERT_EQ(s.c.view().members, (std::vector<int>{0, 2, 4}));
+  s.join(1, 1);
+  for (int m : {0, 2, 4}) s.accept(m, 1, 1);
+  s.join(3, 1);
+  for (int m : {0, 2, 4}) s.accept(m, 3, 1);
+  a = s.hello(3, 1);
+  auto v = of(a, K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 2, 3, 4}));
+  auto j = of(a, K::kJoining);
+  ASSERT_EQ(j.size(), 1u) << "the new member was not told of rank 1's join";
+  EXPECT_EQ(j[0].joiner, 1);
+  EXPECT_EQ(j[0].incarnation, 1u);
+  auto at = [&](K k) {
+    return std::find_if(a.begin(), a.end(), [&](const Down& d) { return d.kind == k; });
+  };
+  EXPECT_LT(at(K::kView), at(K::kJoining)) << "the JOINING must follow the VIEW that made it a member";
+  // Rank 1 reached every member it knew; not admitted before rank 3 accepted it.
+  EXPECT_TRUE(of(s.hello(1, 1), K::kView).empty());
+  v = of(s.accept(3, 1, 1), K::kView);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].view.members, (std::vector<int>{0, 1, 2, 3, 4}));
+  ASSERT_EQ(v[0].joined.size(), 1u);
+  EXPECT_EQ(v[0].joined[0].rank, 1);
+}
+
 // A rank restarted into a job that was lost or finished meanwhile is refused from the store's
 // records alone (qring-train checks them before it loads its data), naming why; the records of
 // another quorum all-reduce (instance) are not this one's.

@@ -127,6 +127,8 @@ void Coordinator::tick(Time now, std::vector<Down>& out) {
   }
   if (auto v = roster_.admit(now, steps_.next_step())) {
     out.push_back(std::move(*v));
+    // A join still under way now needs the members just admitted too (its ACCEPT from each).
+    for (auto& j : roster_.joins_again()) out.push_back(std::move(j));
     steps_.recount(roster_, now);
   }
   std::vector<uint64_t> redecided;

@@ -271,8 +271,6 @@ void Rejoin::report_stage() {
     membership_.set_join_stage(fmt::format(
         "connected to the members {}; waiting for the coordinator (rank {}) to admit it",
         joiner_members_, joiner_coord_));
-    std::lock_guard<std::mutex> lock(agent_->mu);
-    agent_->searching = false;
   } else {
     membership_.set_join_stage(fmt::format(
         "waiting for members {} of {} to reconnect to this incarnation", missing,
@@ -300,6 +298,12 @@ bool Rejoin::say_hello(net::Endpoint& ep, int64_t completed, int* coordinator_fo
 
 void Rejoin::admit(const qproto::Joined& j, const qproto::View& view, int coordinator) {
   admitted_ = true;
+  {
+    // Until now it looked for the members' addresses: a member admitted while it waited (the
+    // view it read grew) reconnects to it too, and it must find that member's address.
+    std::lock_guard<std::mutex> lock(agent_->mu);
+    agent_->searching = false;
+  }
   join_step_ = j.step;
   donor_ = j.donor;
   JoinInfo info;

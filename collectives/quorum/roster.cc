@@ -197,6 +197,17 @@ Down Roster::start_join(int r, uint32_t inc, Time now) {
   return a;
 }
 
+std::vector<Down> Roster::joins_again() const {
+  std::vector<Down> out;
+  for (const auto& [r, j] : joins_) {
+    Down a(Down::Kind::kJoining);
+    a.joiner = r;
+    a.incarnation = j.incarnation;
+    out.push_back(a);
+  }
+  return out;
+}
+
 void Roster::hello(int r, uint64_t inc) {
   if (auto j = joins_.find(r); j != joins_.end() && j->second.incarnation == inc)
     j->second.hello = true;

@@ -92,6 +92,9 @@ class Roster {
   // The joins complete now (abandoned after join_timeout): the VIEW that admits them at
   // `step`, this rank their donor; nothing when none is.
   std::optional<Down> admit(Time now, uint64_t step);
+  // The JOINING of every join still under way, again: for the members a VIEW just admitted,
+  // which must reconnect to those joiners too (the others ignore a joiner they know).
+  std::vector<Down> joins_again() const;
   size_t joining() const { return joins_.size(); }
   uint32_t incarnation(int r) const { return incarnation_[size_t(r)]; }
   // This process was stopped: every member starts a fresh evict period.
