@@ -27,9 +27,8 @@
 //  - the coordinator silent: in a job that can lose a rank the other members of the last view
 //    propose themselves in rank order (the members it admitted last), each one evict + one
 //    heartbeat period after the one before (the proposal, its acceptance and its outcome:
-//    failover.h). In a job that cannot
-//    lose a rank the silence stops it. A death the store witnessed (witness.h) is silence
-//    already, and a successor witnessed dead has no turn.
+//    failover.h). In a job that cannot lose a rank the silence stops it. A death the store
+//    witnessed (witness.h) is silence already, and a successor witnessed dead has no turn.
 #pragma once
 
 #include <chrono>
