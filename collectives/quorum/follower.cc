@@ -71,12 +71,9 @@ std::optional<qproto::Up> Follower::apply(net::Endpoint& ep, const qproto::Down&
   return std::nullopt;
 }
 
-std::vector<int> Follower::admitted_by_coordinator() const {
-  std::vector<int> r;
-  if (admitted_by_ != succession_.coordinator()) return r;
-  for (int a : admitted_)
-    if (view_.has(a)) r.push_back(a);
-  return r;
+const std::vector<int>& Follower::admitted_by_coordinator() const {
+  static const std::vector<int> none;
+  return admitted_by_ == succession_.coordinator() ? admitted_ : none;
 }
 
 void Follower::apply_view(const qproto::Down& m) {

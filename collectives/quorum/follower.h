@@ -43,10 +43,11 @@ class Follower {
 
   // The view this rank is in.
   const qproto::View& view() const { return view_; }
-  // The members the coordinator admitted (rejoined) in its views: their state comes from it,
+  // The ranks the coordinator admitted (rejoined) in its views: their state comes from it,
   // so if it is lost one of them may still be waiting for it. They propose themselves after
-  // the other successors (takeover_turn). Empty once another rank coordinates.
-  std::vector<int> admitted_by_coordinator() const;
+  // the other successors (takeover_turn, which looks only at the view's members). Empty once
+  // another rank coordinates.
+  const std::vector<int>& admitted_by_coordinator() const;
   // Applies `m`; returns the REPORT to send for a RECOVER.
   std::optional<qproto::Up> apply(net::Endpoint& ep, const qproto::Down& m);
 

@@ -186,25 +186,26 @@ bool Roster::new_incarnation(int r, uint32_t inc) {
   return true;
 }
 
-Down Roster::start_join(int r, uint32_t inc, Time now) {
-  Join& j = joins_[r];
-  j = Join{};
-  j.incarnation = inc;
-  j.started = now;
+namespace {
+Down joining_message(int r, uint32_t inc) {
   Down a(Down::Kind::kJoining);
   a.joiner = r;
   a.incarnation = inc;
   return a;
 }
+}  // namespace
+
+Down Roster::start_join(int r, uint32_t inc, Time now) {
+  Join& j = joins_[r];
+  j = Join{};
+  j.incarnation = inc;
+  j.started = now;
+  return joining_message(r, inc);
+}
 
 std::vector<Down> Roster::joins_again() const {
   std::vector<Down> out;
-  for (const auto& [r, j] : joins_) {
-    Down a(Down::Kind::kJoining);
-    a.joiner = r;
-    a.incarnation = j.incarnation;
-    out.push_back(a);
-  }
+  for (const auto& [r, j] : joins_) out.push_back(joining_message(r, j.incarnation));
   return out;
 }
 
