@@ -99,3 +99,68 @@ def test_post_arrival_writes_the_calibration(tmp_path):
     assert cal["step_cost_ms"]["backup"]["3"] == pytest.approx(POST)
     assert cal["step_cost_ms"]["full"] == {}
     assert len(cal["arrival_offsets_ms"]["3"]) == 9 - reproduce.SKIP_STEPS
+
+
+def auto_claims(ratio, reached=3, seeds=(1, 2, 3)):
+    """The "auto" rows of a b sweep whose auto took `ratio` (mean, lo, hi) of the best b's time."""
+    sw = {"regime": "trace", "workers": 100, "seeds": list(seeds), "best_b": 8,
+          "best_b_interval": [8, 16], "b_values": [0, 8, 16, 32],
+          "auto_vs_best": {"ratio": ratio, "pairs": reached, "reached": reached,
+                           "accuracy_diff": (0.0, -0.1, 0.1)}}
+    rows = []
+    reproduce.claims_p4_auto({"bsweep": [sw], "bsweep1000": []}, lambda *a: rows.append(a))
+    return [r for r in rows if r[0] == "auto"]
+
+
+@pytest.mark.parametrize("ratio, verdict", [
+    ((1.02, 0.99, 1.04), "met"),          # the whole interval within 5 %
+    ((1.03, 1.00, 1.07), "undecided"),    # the mean within, the interval past 5 %
+    ((1.08, 1.06, 1.10), "not met"),      # the whole interval past 5 %
+    ((1.04, None, None), "met"),          # one seed: its ratio alone
+])
+def test_auto_verdict_follows_its_interval(ratio, verdict):
+    (row,) = auto_claims(ratio)
+    assert row[-1] == verdict
+
+
+def test_auto_that_missed_the_target_on_a_seed_is_not_met():
+    (row,) = auto_claims((1.0, 0.98, 1.02), reached=2)
+    assert row[-1] == "not met"
+
+
+def test_publish_of_one_part_recomputes_the_claims_of_the_page(tmp_path, monkeypatch):
+    """publish DIR bsweep: the page's results with DIR's bsweep, the claims made again from
+    them (the others' parts unchanged), the bsweep and auto tables and blocks from DIR."""
+    docs = tmp_path / "docs"
+    (docs / "reproduction" / "tables").mkdir(parents=True)
+    page = ("x\n<!-- BEGIN claims -->\nold claims\n<!-- END claims -->\n"
+            "<!-- BEGIN bsweep -->\nold sweep\n<!-- END bsweep -->\n"
+            "<!-- BEGIN auto -->\nold auto\n<!-- END auto -->\n"
+            "<!-- BEGIN async -->\nold async\n<!-- END async -->\n")
+    (docs / "reproduction.md").write_text(page)
+    # JSON keys are strings: the seeds and b values that analyze keyed by integers.
+    page_res = {"kth": [], "bsweep": [{"old": True, "per": {"1": 2}}], "async": ["page's"]}
+    (docs / "reproduction" / "tables" / "results.json").write_text(json.dumps(page_res))
+    run = tmp_path / "run"
+    (run / "tables").mkdir(parents=True)
+    (run / "tables" / "results.json").write_text(
+        json.dumps({"kth": [], "bsweep": [{"new": True, "per": {"7": 1}}], "async": ["run's"]}))
+    (run / "tables" / "bsweep.md").write_text("new sweep\n")
+    (run / "tables" / "auto.md").write_text("new auto\n")
+    (run / "tables" / "async.md").write_text("run's async\n")
+    seen = []
+
+    def claims_of(res):
+        seen.append(res)
+        return [{"id": "P2", "claim": "c", "paper": "p", "setup": "s", "number": "n",
+                 "verdict": "reproduced"}]
+    monkeypatch.setattr(reproduce, "claims_of", claims_of)
+    reproduce.publish(str(run), ["bsweep"], docs=str(docs))
+    assert seen == [{"kth": [], "bsweep": [{"new": True, "per": {7: 1}}], "async": ["page's"]}]
+    text = (docs / "reproduction.md").read_text()
+    assert "new sweep" in text and "new auto" in text and "old async" in text
+    assert "old claims" not in text and "| P2: c | p | s | n | reproduced |" in text
+    tables = docs / "reproduction" / "tables"
+    assert json.loads((tables / "claims.json").read_text())[0]["verdict"] == "reproduced"
+    assert json.loads((tables / "results.json").read_text())["async"] == ["page's"]
+    assert not (tables / "async.md").exists()
