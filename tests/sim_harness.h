@@ -55,8 +55,11 @@ inline void wait_for(VirtualClock& clock, const std::function<bool()>& cond) {
 
 class SimWorld {
  public:
+  // `rules`: every rank's endpoint delays or drops the messages they match
+  // (net/transport/fault_endpoint.h); a killed rank's held messages are never sent.
   explicit SimWorld(int world, CommOptions co = {},
-                    std::chrono::microseconds quantum = std::chrono::microseconds(250))
+                    std::chrono::microseconds quantum = std::chrono::microseconds(250),
+                    const std::vector<net::FaultRule>& rules = {})
       : world_(world),
         clock_(std::make_shared<VirtualClock>(quantum)),
         fabric_(world),
@@ -69,8 +72,7 @@ class SimWorld {
     std::vector<std::unique_ptr<net::Endpoint>> eps(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) {
       store_.add(net::incarnation_key(r), 1);
-      auto fe = std::make_unique<net::FaultEndpoint>(fabric_.endpoint(r),
-                                                     std::vector<net::FaultRule>{});
+      auto fe = std::make_unique<net::FaultEndpoint>(fabric_.endpoint(r), rules);
       fault_[size_t(r)] = fe.get();
       eps[size_t(r)] = std::move(fe);
     }

@@ -704,6 +704,54 @@ TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
   EXPECT_TRUE(of(ev(Event::Kind::kReady, 3, 4, false), K::kDecide).empty());
 }
 
+TEST(Coordinator, TakeoverRecoversTheStepsALaggingMemberAwaitsBeforeTheKnownOnes) {
+  // The members tell the new coordinator (rank 2) of steps 192-199 only (a takeover's ACKs
+  // carry 8); rank 2 itself completed up to step 19, rank 3 up to 199. Steps 20-191 are
+  // recovered too: rank 3 holds them and forwards them, S(t) unknown here (the needer keeps
+  // the one it was told); nobody is asked about steps every member completed.
+  Config cfg = base(4, 2);
+  cfg.self = 2;
+  View v;
+  v.epoch = 1;
+  v.members = {2, 3};
+  std::vector<Known> known;
+  for (uint64_t t = 192; t < 200; ++t) known.push_back(Known{t, 0, false, {0, 1}});
+  std::vector<Down> out;
+  Time now = Time{} + std::chrono::hours(1);
+  Coordinator c(cfg, now, v, {-1, -1, 19, 199}, known, out);
+  auto rec = of(out, K::kRecover);
+  ASSERT_EQ(rec.size(), 180u);
+  EXPECT_EQ(rec.front().step, 20u);
+  EXPECT_EQ(rec.back().step, 199u);
+  for (const auto& r : rec) EXPECT_EQ(r.attempt, 1u) << "step " << r.step;
+  auto report = [&](int from, uint64_t step, bool have) {
+    Event e;
+    e.kind = Event::Kind::kReport;
+    e.from = from;
+    e.step = step;
+    e.attempt = 1;
+    e.have = have;
+    return c.handle(e, now);
+  };
+  report(2, 20, false);
+  auto d = of(report(3, 20, true), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.step, 20u);
+  EXPECT_EQ(d[0].decide.source, 3);
+  EXPECT_TRUE(d[0].decide.contributors.empty());  // not known here
+  EXPECT_EQ(d[0].decide.needers, (std::vector<int>{2}));
+  // A known step keeps its S(t).
+  report(2, 195, false);
+  d = of(report(3, 195, true), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1}));
+  // Nobody live holds a step: it is skipped everywhere (no member applied it).
+  report(2, 21, false);
+  d = of(report(3, 21, false), K::kDecide);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].decide.status, Status::kSkipped);
+}
+
 TEST(Coordinator, TakeoverCountsARankOnceWhenItSendsItsReadyAgain) {
   // Step 5 was decided by the old coordinator with S = {1, 2, 3}; rank 3 did not see the
   // DECIDE and sends its READY to the new coordinator again. Nobody holds the result.
@@ -1038,6 +1086,11 @@ TEST(QuorumWire, RejectsMalformedMessages) {
   m.decide.contributors.clear();  // OK without contributors
   buf = wire::encode_down(world, m);
   EXPECT_THROW(wire::decode_down(buf.data(), buf.size(), world, 0), ProtocolError);
+  m.decide.attempt = 1;  // a forward may name none (S(t) unknown to a new coordinator)
+  m.decide.source = 1;
+  buf = wire::encode_down(world, m);
+  EXPECT_TRUE(wire::decode_down(buf.data(), buf.size(), world, 0).decide.contributors.empty());
+  m.decide.attempt = 0;
   m.decide.contributors = {1};
   m.decide.source = 7;  // source out of range
   buf = wire::encode_down(world, m);

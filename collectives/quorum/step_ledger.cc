@@ -41,8 +41,12 @@ void StepLedger::decision(const qproto::Decision& d) {
     decisions_.erase(decisions_.begin(), decisions_.upper_bound(uint64_t(d.settled)));
   if (d.status == qproto::Status::kOk || d.status == qproto::Status::kSkipped) {
     auto& k = decisions_[t];
+    // A forward with no contributors (a recovery by a coordinator that did not know S(t))
+    // keeps the S(t) this rank was told.
+    const bool unknown = d.source >= 0 && d.contributors.empty();
     if (d.attempt >= k.attempt)
-      k = {t, d.attempt, d.status == qproto::Status::kSkipped, d.contributors};
+      k = {t, d.attempt, d.status == qproto::Status::kSkipped,
+           unknown ? k.contributors : d.contributors};
     while (decisions_.size() > qwire::kMaxKnown) decisions_.erase(decisions_.begin());
   }
 }

@@ -26,8 +26,16 @@ uint64_t StepRecovery::rebuild(const std::vector<Known>& known, const Roster& ro
       u.skipped = k.skipped;
     }
   }
-  // A member that joined after a known step reports itself absent from its recovery.
+  // The members' ACKs carry the last few decisions only (qwire::kMaxKnown): a member that lags
+  // further still awaits results of steps nobody told this coordinator of. Those are recovered
+  // too, S(t) unknown here: a member that holds the result forwards it (the needers keep the
+  // S(t) they were told), or nobody live has it and the step is skipped everywhere.
   const auto& members = roster.view().members;
+  int64_t lo = int64_t(next);
+  for (int r : members) lo = std::min(lo, roster.completed(r) + 1);
+  for (uint64_t t = uint64_t(std::max<int64_t>(lo, 0)); t < next; ++t)
+    if (!unsettled_.count(t)) unsettled_[t].decided_at = now;
+  // A member that joined after a known step reports itself absent from its recovery.
   for (auto it = unsettled_.begin(); it != unsettled_.end();) {
     auto& [t, u] = *it;
     const int64_t step = int64_t(t);  // (clang 14 cannot capture a structured binding)

@@ -218,6 +218,18 @@ bool StepRunner::settle(const qproto::Decision& d, QuorumResult& res, Placed& p)
     throw ProtocolError(fmt::format(
         "rank {}: quorum step {} decided {} of {} contributors with quorum = world", rank_, t,
         res.count, world_));
+  if (d.source >= 0 && d.contributors.empty()) {
+    // Recovered by a coordinator that knew no decision of it (StepRecovery::rebuild): S(t) is
+    // the one this rank was told when the step was decided.
+    if (!s.decided || s.result.count == 0)
+      throw ProtocolError(fmt::format("rank {}: quorum step {}: its result is forwarded with no "
+                                      "contributors and this rank never saw its decision",
+                                      rank_, t));
+    const QuorumResult told = s.result;
+    res = told;
+    res.attempt = d.attempt;
+    res.epoch = d.epoch;
+  }
   s.decided = true;
   double reduce_ms = s.result.reduce_ms;
   s.result = res;
@@ -420,10 +432,23 @@ std::vector<std::pair<int, std::string>> StepRunner::take_suspects() {
 
 // Step t's result is complete on this rank.
 void StepRunner::mark_done(uint64_t t, std::shared_ptr<Bytes> out) {
-  completed_ = std::max(completed_, int64_t(t));
+  if (int64_t(t) > completed_) ahead_.insert(t);
+  advance_completed();
   if (tolerant_) {
     done_.insert(t);
     if (out) kept_[t] = std::move(out);
+  }
+}
+
+void StepRunner::start_at(uint64_t step) {
+  completed_ = std::max(completed_, int64_t(step) - 1);
+  advance_completed();
+}
+
+void StepRunner::advance_completed() {
+  while (!ahead_.empty() && int64_t(*ahead_.begin()) <= completed_ + 1) {
+    completed_ = std::max(completed_, int64_t(*ahead_.begin()));
+    ahead_.erase(ahead_.begin());
   }
 }
 

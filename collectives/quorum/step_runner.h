@@ -46,7 +46,7 @@ class StepRunner {
   // A rank joined at `step`: it takes no result of a step before that.
   void joined(int rank, uint64_t step) { join_step_of_[size_t(rank)] = step; }
   // This rank (a joiner) takes part from `step` on: every step before counts as completed.
-  void start_at(uint64_t step) { completed_ = int64_t(step) - 1; }
+  void start_at(uint64_t step);
   // Every step <= t is complete on every live member: its result is no longer kept.
   void settled(int64_t t);
   // Throws when a reduction or a result receive is past its deadline, or a step whose
@@ -54,6 +54,8 @@ class StepRunner {
   void check_deadlines(Clock::time_point now);
   // A transport error with `peer` that the coordinator should hear of (a result receive).
   std::vector<std::pair<int, std::string>> take_suspects();
+  // Every step <= completed() is complete here (results from different members may come out
+  // of order: the coordinator settles, and a takeover recovers, by this prefix).
   int64_t completed() const { return completed_; }
   // The latest completed step came as its result from a member (this rank was outside S(t)).
   bool received_last() const { return completed_ >= 0 && received_ == completed_; }
@@ -92,6 +94,7 @@ class StepRunner {
   void ring_done(net::Endpoint& ep, uint64_t t, Ring& ring, const qproto::View& view);
   bool ring_failed(uint64_t t, Ring& ring);
   bool poll_results();
+  void advance_completed();  // completed_ over the steps ahead_ that now follow it
   void mark_done(uint64_t t, std::shared_ptr<Bytes> out);
   std::shared_ptr<Bytes> free_buffer() const;
   std::shared_ptr<Bytes> result_buffer();
@@ -108,6 +111,7 @@ class StepRunner {
   Outbox& out_;
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   int64_t completed_ = -1;
+  std::set<uint64_t> ahead_;  // completed here after a step that is not yet
   int64_t received_ = -1;  // the latest step completed by a result received from a member
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;

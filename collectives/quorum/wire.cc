@@ -383,7 +383,10 @@ void decode_decide(const DownWire& h, const char* body, int world, int from,
   d.needers = get_bitmap(body + bitmap_bytes(world), world);
   d.offsets_us.resize(size_t(world));
   std::memcpy(d.offsets_us.data(), body + 2 * bitmap_bytes(world), 8 * size_t(world));
-  if (d.status == qproto::Status::kOk && d.contributors.empty())
+  // A forward (attempt > 0, a source) may name no contributors: a recovery whose S(t) the
+  // coordinator did not know (StepRecovery::rebuild); the needers keep the one they were told.
+  const bool forward = d.attempt > 0 && d.source >= 0;
+  if (d.status == qproto::Status::kOk && d.contributors.empty() && !forward)
     throw bad("DECIDE without contributors");
 }
 
