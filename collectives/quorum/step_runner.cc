@@ -100,6 +100,9 @@ void StepRunner::contributed(uint64_t t, const std::vector<int>& members) {
 
 void StepRunner::decided(net::Endpoint& ep, const qproto::Decision& d, int coordinator) {
   const uint64_t t = d.step;
+  // Steps are decided in order: the first one this rank hears of is where its run starts (a
+  // job resumed from a checkpoint does not start at 0).
+  if (!started_) start_at(t);
   QuorumResult res = result_of(d);
   throw_if_failed(d, res, coordinator);
   if (d.attempt > 0 && d.source >= 0 && !forward_held_result(ep, d)) return;
@@ -441,6 +444,7 @@ void StepRunner::mark_done(uint64_t t, std::shared_ptr<Bytes> out) {
 }
 
 void StepRunner::start_at(uint64_t step) {
+  started_ = true;
   completed_ = std::max(completed_, int64_t(step) - 1);
   advance_completed();
 }

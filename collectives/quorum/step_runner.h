@@ -45,7 +45,8 @@ class StepRunner {
   void left(int rank) { out_.forget_results(rank); }
   // A rank joined at `step`: it takes no result of a step before that.
   void joined(int rank, uint64_t step) { join_step_of_[size_t(rank)] = step; }
-  // This rank (a joiner) takes part from `step` on: every step before counts as completed.
+  // This rank takes part from `step` on (a joiner; else the first step decided): every step
+  // before counts as completed.
   void start_at(uint64_t step);
   // Every step <= t is complete on every live member: its result is no longer kept.
   void settled(int64_t t);
@@ -112,6 +113,7 @@ class StepRunner {
   bool speculate_ = false;  // quorum = world and a step was decided OK: start rings early
   int64_t completed_ = -1;
   std::set<uint64_t> ahead_;  // completed here after a step that is not yet
+  bool started_ = false;      // completed_ is where this rank's run starts, or later
   int64_t received_ = -1;  // the latest step completed by a result received from a member
   std::map<uint64_t, Ring> rings_;
   std::map<uint64_t, ResultRecv> result_recvs_;
