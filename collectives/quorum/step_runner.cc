@@ -65,6 +65,27 @@ bool is_timeout(const std::exception_ptr& e) {
   }
 }
 
+// The step's QuorumResult as the DECIDE gives it (reduce_ms and wait_ms come later).
+QuorumResult result_of(const qproto::Decision& d, int rank, int world) {
+  QuorumResult res;
+  res.step = d.step;
+  res.epoch = d.epoch;
+  res.attempt = d.attempt;
+  res.contributors.assign((size_t(world) + 7) / 8, 0);
+  for (int r : d.contributors) res.contributors[size_t(r) / 8] |= uint8_t(1u << (r % 8));
+  for (int r = 0; r < world; ++r) {
+    if (!res.contains(r)) res.dropped.push_back(r);
+    int64_t off = size_t(r) < d.offsets_us.size() ? d.offsets_us[size_t(r)] : -1;
+    res.ready_offsets_ms.push_back(off < 0 ? -1.0 : double(off) / 1000.0);
+  }
+  res.count = int(d.contributors.size());
+  res.quorum = d.quorum;
+  res.self_counted = res.contains(rank);
+  res.ready_ms = res.ready_offsets_ms[size_t(rank)];
+  res.decide_ms = double(d.decide_us) / 1000.0;
+  return res;
+}
+
 }  // namespace
 
 StepRunner::StepRunner(Engine& engine, const CommOptions& copts, const QuorumOptions& o,
@@ -103,7 +124,7 @@ void StepRunner::decided(net::Endpoint& ep, const qproto::Decision& d, int coord
   // Steps are decided in order: the first one this rank hears of is where its run starts (a
   // job resumed from a checkpoint does not start at 0).
   if (!started_) start_at(t);
-  QuorumResult res = result_of(d);
+  QuorumResult res = result_of(d, rank_, world_);
   throw_if_failed(d, res, coordinator);
   if (d.attempt > 0 && d.source >= 0 && !forward_held_result(ep, d)) return;
   if (d.attempt > 0 && done_.count(t))
@@ -127,27 +148,6 @@ void StepRunner::decided(net::Endpoint& ep, const qproto::Decision& d, int coord
     post_result_recv(ep, t, d.attempt, d.contributors[size_t(rank_) % d.contributors.size()],
                      p.out);
   }
-}
-
-// The step's QuorumResult as the DECIDE gives it (reduce_ms and wait_ms come later).
-QuorumResult StepRunner::result_of(const qproto::Decision& d) const {
-  QuorumResult res;
-  res.step = d.step;
-  res.epoch = d.epoch;
-  res.attempt = d.attempt;
-  res.contributors.assign((size_t(world_) + 7) / 8, 0);
-  for (int r : d.contributors) res.contributors[size_t(r) / 8] |= uint8_t(1u << (r % 8));
-  for (int r = 0; r < world_; ++r) {
-    if (!res.contains(r)) res.dropped.push_back(r);
-    int64_t off = size_t(r) < d.offsets_us.size() ? d.offsets_us[size_t(r)] : -1;
-    res.ready_offsets_ms.push_back(off < 0 ? -1.0 : double(off) / 1000.0);
-  }
-  res.count = int(d.contributors.size());
-  res.quorum = d.quorum;
-  res.self_counted = res.contains(rank_);
-  res.ready_ms = res.ready_offsets_ms[size_t(rank_)];
-  res.decide_ms = double(d.decide_us) / 1000.0;
-  return res;
 }
 
 // A step that failed (timeout, or ranks that disagree on the all-reduce) throws here.

@@ -84,7 +84,6 @@ class StepRunner {
     std::shared_ptr<Bytes> out;
     bool spec = false, finished = false, newly_excluded = false;
   };
-  QuorumResult result_of(const qproto::Decision& d) const;
   void throw_if_failed(const qproto::Decision& d, const QuorumResult& res, int coordinator) const;
   bool forward_held_result(net::Endpoint& ep, const qproto::Decision& d);
   bool settle(const qproto::Decision& d, QuorumResult& res, Placed& p);
