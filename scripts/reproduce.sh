@@ -103,7 +103,7 @@ TUNE_SEED=99
 common=()
 case $SCALE in
   full)
-    SEEDS="1 2 3 4 5"; SEEDS_TRACE=$(seq -s " " 1 48)  # 48: auto/best b judged to 5 % needs a narrower interval
+    SEEDS="1 2 3 4 5"; SEEDS_TRACE=$(seq -s " " 1 192)  # 192: auto/best b within 5 % needs a narrow interval
     B100="0 2 4 8 16 32 64"; B1000="0 20 50 100 200 500"
     STEPS100=300; EVAL100=10; TARGET100=0.865
     STEPS1000=150; EVAL1000=10; TARGET1000=0.85; BATCH1000=2
