@@ -658,6 +658,18 @@ TEST(Coordinator, ContributionsOfARankThatLeftDoNotCount) {
   EXPECT_EQ(d[0].decide.contributors, (std::vector<int>{0, 1, 2}));
 }
 
+// A member's READY or REPORT to a coordinator that took over (its recoveries are attempt 1).
+Event takeover_event(Event::Kind k, int from, uint64_t step, bool have) {
+  Event e;
+  e.kind = k;
+  e.from = from;
+  e.step = step;
+  e.attempt = 1;
+  e.have = have;
+  e.count = 8;
+  return e;
+}
+
 TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
   // Rank 0 (the old coordinator) decided step 5 with S = {0, 1, 2}; rank 1 completed it,
   // rank 2 did not; rank 3 was late. Rank 1 takes over with members {1, 2, 3}.
@@ -678,14 +690,7 @@ TEST(Coordinator, TakeoverRecoversWhatTheMembersSawAndDecidesTheRestAfresh) {
   EXPECT_EQ(out[1].step, 5u);
   EXPECT_EQ(out[1].attempt, 1u);
   auto ev = [&](Event::Kind k, int from, uint64_t step, bool have) {
-    Event e;
-    e.kind = k;
-    e.from = from;
-    e.step = step;
-    e.attempt = 1;
-    e.have = have;
-    e.count = 8;
-    return c.handle(e, now);
+    return c.handle(takeover_event(k, from, step, have), now);
   };
   ev(Event::Kind::kReport, 1, 5, true);
   ev(Event::Kind::kReport, 2, 5, false);
@@ -725,13 +730,7 @@ TEST(Coordinator, TakeoverRecoversTheStepsALaggingMemberAwaitsBeforeTheKnownOnes
   EXPECT_EQ(rec.back().step, 199u);
   for (const auto& r : rec) EXPECT_EQ(r.attempt, 1u) << "step " << r.step;
   auto report = [&](int from, uint64_t step, bool have) {
-    Event e;
-    e.kind = Event::Kind::kReport;
-    e.from = from;
-    e.step = step;
-    e.attempt = 1;
-    e.have = have;
-    return c.handle(e, now);
+    return c.handle(takeover_event(Event::Kind::kReport, from, step, have), now);
   };
   report(2, 20, false);
   auto d = of(report(3, 20, true), K::kDecide);
