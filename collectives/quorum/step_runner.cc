@@ -228,8 +228,7 @@ bool StepRunner::settle(const qproto::Decision& d, QuorumResult& res, Placed& p)
       throw ProtocolError(fmt::format("rank {}: quorum step {}: its result is forwarded with no "
                                       "contributors and this rank never saw its decision",
                                       rank_, t));
-    const QuorumResult told = s.result;
-    res = told;
+    res = s.result;
     res.attempt = d.attempt;
     res.epoch = d.epoch;
   }
