@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -343,11 +344,27 @@ TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
 // rank sleeps 1 ms a step (straggler tail:1:1), so that the job outlasts the pause whatever
 // the machine's speed: unpaced, the others' 2500 steps took 1.4 s on a quiet host and ended
 // before rank 2, back after 1.5 s, could rejoin.
+// The look cannot close one window (net/transport/shm_region.h): a sender that looked just
+// before rank 2 took its lock spins inside its post for the whole pause. If that sender is
+// the coordinator, nobody evicts and the job waits 1.5 s for rank 2, which then finishes with
+// the others (one checksum, nothing lost). Rank 2 takes its lock while ranks post to it, so a
+// loaded host loses that race now and then (one CI run so far; none of 45 runs looped beside
+// busy loops or another shm fault test); the test then runs the job a second time, and fails
+// if that run is held back too, as every run is without the look.
 TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
-  const std::string cmd = restarting_run("stop-locked:2:40:1500:ring", "sl",
-                                         "train.steps=2500 net.provider=shm "
-                                         "straggler.model=tail:1:1");
-  auto r = sh(cmd);
+  auto run = [&](const std::string& name) {
+    return sh(restarting_run("stop-locked:2:40:1500:ring", name,
+                             "train.steps=2500 net.provider=shm straggler.model=tail:1:1"));
+  };
+  auto r = run("sl");
+  if (r.status == 0 && r.output.find("evicted from the job") == std::string::npos) {
+    auto sums = checksums(r.output);
+    ASSERT_EQ(sums.size(), 4u) << r.output;
+    ASSERT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+    std::cerr << "a sender lost the race with rank 2's lock (the job waited for it, nothing "
+                 "lost): running the job again\n";
+    r = run("sl2");
+  }
   expect_healed(r, "evicted from the job");
   EXPECT_EQ(r.output.find("; taking over"), std::string::npos) << r.output;
 }
