@@ -83,13 +83,18 @@ class TrainFaults : public ::testing::Test {
     return nlohmann::json::parse(std::ifstream(dir_ / name / "summary.json"));
   }
   // QRING_FAULT=`fault` in 4 ranks of smoke.toml that restart a lost rank once (quorum 3,
-  // evict 500 ms, deadline 8 s), run `name`, with the overrides `extra`.
+  // evict 500 ms, deadline 8 s), run `name`, with the overrides `extra`. Every rank sleeps
+  // 1 ms a step (straggler tail:1:1), so that the job outlasts the restart and rejoin
+  // whatever the machine's speed: unpaced, on a quiet host, the others' 2500 steps took 2.1 s
+  // and ended before the restarted rank (its lock released by the launcher first) could
+  // rejoin.
   std::string restarting_run(const std::string& fault, const std::string& name,
                              const std::string& extra) const {
     return "QRING_FAULT=" + fault + " " + kLaunch + " -n 4 --max-restarts 1 -- " +
            kBuild + "/train/qring-train --config " + kSource +
            "/configs/smoke.toml run.out_dir=" + dir_.string() + " run.name=" + name +
-           " log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 quorum.quorum=3 " +
+           " log.progress=false quorum.evict_ms=500 quorum.deadline_ms=8000 quorum.quorum=3 "
+           "straggler.model=tail:1:1 " +
            extra;
   }
   fs::path dir_;
@@ -340,10 +345,8 @@ TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
 // a sender would spin inside fi_tsend for the whole pause, the coordinator first (it falls
 // silent and is taken over; issue 42, case 7 over shm lost a job so). The senders look at
 // the lock before they post (PeerRegionLock): rank 2, stopped 1.5 s (3 evict periods) at
-// phase ring, is evicted alone, nobody takes over from rank 0, and rank 2 rejoins. Every
-// rank sleeps 1 ms a step (straggler tail:1:1), so that the job outlasts the pause whatever
-// the machine's speed: unpaced, the others' 2500 steps took 1.4 s on a quiet host and ended
-// before rank 2, back after 1.5 s, could rejoin.
+// phase ring, is evicted alone, nobody takes over from rank 0, and rank 2 rejoins (the pacing
+// of restarting_run keeps the job running past the pause).
 // The look cannot close one window (net/transport/shm_region.h): a sender that looked just
 // before rank 2 took its lock spins inside its post for the whole pause. If that sender is
 // the coordinator, nobody evicts and the job waits 1.5 s for rank 2, which then finishes with
@@ -354,7 +357,7 @@ TEST_F(TrainFaults, LauncherReleasesALivePeersLockARankKilledWhilePostingHeld) {
 TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
   auto run = [&](const std::string& name) {
     return sh(restarting_run("stop-locked:2:40:1500:ring", name,
-                             "train.steps=2500 net.provider=shm straggler.model=tail:1:1"));
+                             "train.steps=2500 net.provider=shm"));
   };
   auto r = run("sl");
   if (r.status == 0 && r.output.find("evicted from the job") == std::string::npos) {
