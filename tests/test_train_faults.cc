@@ -61,15 +61,20 @@ std::multiset<std::string> checksums(const std::string& output) {
   return s;
 }
 
+// `ranks` ranks printed a parameter checksum, all the same one.
+void expect_replicas_agree(const CmdResult& r, size_t ranks) {
+  auto sums = checksums(r.output);
+  ASSERT_EQ(sums.size(), ranks) << r.output;
+  EXPECT_EQ(sums.count(*sums.begin()), ranks) << "replicas disagree: " << r.output;
+}
+
 // A shm lock fault healed: the job ended well, rank 2 came back, the four ranks agree, and
 // the log says `must_say`.
 void expect_healed(const CmdResult& r, const std::string& must_say) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find(must_say), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  expect_replicas_agree(r, 4);
 }
 
 class TrainFaults : public ::testing::Test {
@@ -149,9 +154,7 @@ TEST_P(FaultMatrix, SurvivorsFinishWithIdenticalParameters) {
               std::string::npos)
         << r.output;
   }
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), killed ? 3u : 4u) << r.output;  // the survivors (and the rejoined)
-  EXPECT_EQ(sums.count(*sums.begin()), sums.size()) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, killed ? 3 : 4));
   auto s = summary("m");
   EXPECT_EQ(s["steps"], steps) << s.dump();
   EXPECT_EQ(s["finished"], true);
@@ -205,9 +208,7 @@ TEST_P(CoordinatorAndOneMoreKilledTogether, TheTwoLeftFinishWithOneChecksum) {
     EXPECT_NE(r.output.find(std::string("qring-launch: ") + victim), std::string::npos)
         << r.output;
   EXPECT_NE(r.output.find("witnessed the death of rank 0"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 2u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 2u) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 2));
   auto s = summary("c2");
   EXPECT_EQ(s["steps"], 300) << s.dump();
   EXPECT_EQ(s["finished"], true);
@@ -224,9 +225,7 @@ INSTANTIATE_TEST_SUITE_P(Providers, CoordinatorAndOneMoreKilledTogether,
 TEST_F(TrainFaults, CoordinatorKilledAfterTheLastStepTheOthersWriteTheOutputs) {
   auto r = sh(run_cmd("kill:0:300:eval", 4, 1, dir_, "c8", "quorum.quorum=2 net.provider=shm"));
   ASSERT_EQ(r.status, 101) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 3u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 3));
   ASSERT_TRUE(fs::exists(dir_ / "c8" / "summary.json")) << r.output;
   auto s = summary("c8");
   EXPECT_EQ(s["steps"], 300) << s.dump();
@@ -246,11 +245,9 @@ TEST_F(TrainFaults, RankThatComesBackAtTheEndExitsCleanly) {
   EXPECT_EQ(r.output.find("terminated with signal"), std::string::npos) << r.output;
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("rank 2: evicted from the job"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
   const bool over = r.output.find("rank 2: the job finished before this incarnation could "
                                   "rejoin it") != std::string::npos;
-  ASSERT_EQ(sums.size(), over ? 3u : 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), sums.size()) << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, over ? 3 : 4));
 }
 
 // Rejoin (qring-launch --max-restarts): a rank killed mid-training, rank 0 (the coordinator)
@@ -278,9 +275,7 @@ TEST_P(RejoinMatrix, KilledRankComesBackAndTheReplicasAgree) {
   EXPECT_NE(r.output.find(victim + ": first contribution counted again at step"),
             std::string::npos)
       << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 4));
   auto s = summary("rj");
   EXPECT_EQ(s["finished"], true);
   EXPECT_EQ(s["steps"], 2500);
@@ -361,9 +356,8 @@ TEST_F(TrainFaults, ARankStoppedHoldingItsShmLockHoldsNoSenderBack) {
   };
   auto r = run("sl");
   if (r.status == 0 && r.output.find("evicted from the job") == std::string::npos) {
-    auto sums = checksums(r.output);
-    ASSERT_EQ(sums.size(), 4u) << r.output;
-    ASSERT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+    ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 4));
+    if (HasFailure()) return;
     std::cerr << "a sender lost the race with rank 2's lock (the job waited for it, nothing "
                  "lost): running the job again\n";
     r = run("sl2");
@@ -402,9 +396,7 @@ TEST_F(TrainFaults, SurvivorsFinishWhenARankNobodyReapsDiesHoldingItsShmLock) {
   ASSERT_EQ(r.status, 101) << r.output;  // one rank lost, the others finished
   EXPECT_NE(r.output.find("rank(s) 2 left"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("died holding the lock"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 3u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 3u) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 3));
 }
 
 // --resume after a run that lost a rank (issue 42, case 9): rank 2, killed at step 40, has only
@@ -430,9 +422,7 @@ TEST_F(TrainFaults, ResumeAfterALostRankStartsFromTheSurvivorsNewestCheckpoint) 
             std::string::npos)
       << again.output;
   EXPECT_EQ(again.output.find("starting fresh"), std::string::npos) << again.output;
-  auto sums = checksums(again.output);
-  ASSERT_EQ(sums.size(), 4u) << again.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << again.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(again, 4));
   EXPECT_EQ(summary("lost")["steps"], 400) << summary("lost").dump();
 }
 
@@ -445,9 +435,7 @@ TEST_F(TrainFaults, RejoinedRankEndsAGradientBudgetWhereTheOthersDo) {
   auto r = sh(cmd);
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("rank 2 rejoined at step"), std::string::npos) << r.output;
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 4u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 4u) << "replicas disagree: " << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 4));
   auto s = summary("rjb");
   EXPECT_EQ(s["finished"], true);
   EXPECT_EQ(s["rejoins"], 1) << s.dump();
@@ -478,9 +466,7 @@ TEST_F(TrainFaults, RankThatComesBackWithOtherKernelsIsRefused) {
       << r.output;
   EXPECT_NE(r.output.find("rank 2 (incarnation 1) cannot rejoin"), std::string::npos)
       << r.output;  // what the members say
-  auto sums = checksums(r.output);
-  ASSERT_EQ(sums.size(), 3u) << r.output;
-  EXPECT_EQ(sums.count(*sums.begin()), 3u) << r.output;
+  ASSERT_NO_FATAL_FAILURE(expect_replicas_agree(r, 3));
   EXPECT_EQ(summary("refused")["rejoins"], 0);
 }
 
