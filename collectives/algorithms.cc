@@ -19,10 +19,6 @@ namespace qring::collectives {
 
 namespace {
 
-int mod(int a, int n) {
-  return ((a % n) + n) % n;
-}
-
 // A CPU of this host copies every byte (shm, tcp: net::TransportTraits).
 bool host_copies(const Engine& engine) {
   return engine.traits().host_copies;
@@ -136,8 +132,8 @@ class RingOp final : public EngineOp {
     auto [ring, me] = ring_and_index(engine, a);
     n_ = static_cast<int>(ring.size());
     r_ = me;
-    left_ = ring[size_t(mod(r_ - 1, n_))];
-    right_ = ring[size_t(mod(r_ + 1, n_))];
+    left_ = ring[size_t(ring_index(r_ - 1, n_))];
+    right_ = ring[size_t(ring_index(r_ + 1, n_))];
     seg_elems_ = std::max<size_t>(1, segment_bytes_for(opts, engine) / elem_);
     segments_in_flight_ = segments_in_flight_for(opts, engine);
     max_sends_ = sends_for(opts, engine);
@@ -316,15 +312,15 @@ class RingOp final : public EngineOp {
       int shift = args_.kind == CollKind::kReduceScatter ? 1 : 0;
       for (int s = 0; s < n - 1; ++s)
         stages_.push_back(
-            {mod(r - s - shift, n), mod(r - s - 1 - shift, n), true, s == 0, s == n - 2});
+            {ring_index(r - s - shift, n), ring_index(r - s - 1 - shift, n), true, s == 0, s == n - 2});
     }
     if (args_.kind == CollKind::kAllreduce) {
       for (int s = 0; s < n - 1; ++s)
-        stages_.push_back({mod(r + 1 - s, n), mod(r - s, n), false, false, false});
+        stages_.push_back({ring_index(r + 1 - s, n), ring_index(r - s, n), false, false, false});
     }
     if (args_.kind == CollKind::kAllgather) {
       for (int s = 0; s < n - 1; ++s)
-        stages_.push_back({mod(r - s, n), mod(r - s - 1, n), false, false, false});
+        stages_.push_back({ring_index(r - s, n), ring_index(r - s - 1, n), false, false, false});
     }
   }
 
@@ -815,9 +811,9 @@ class BroadcastOp final : public EngineOp {
     bytes_ = count * elem_;
     seg_bytes_ = std::max<size_t>(elem_, segment_bytes_for(opts, engine) / elem_ * elem_);
     segments_in_flight_ = segments_in_flight_for(opts, engine);
-    pos_ = mod(r_ - root_, n_);
-    left_ = mod(r_ - 1, n_);
-    right_ = mod(r_ + 1, n_);
+    pos_ = ring_index(r_ - root_, n_);
+    left_ = ring_index(r_ - 1, n_);
+    right_ = ring_index(r_ + 1, n_);
     Shape sh;
     sh.kind = net::Op::kBroadcast;
     sh.algo = Algo::kChain;

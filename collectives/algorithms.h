@@ -63,6 +63,9 @@ std::unique_ptr<EngineOp> make_broadcast_op(Engine& engine, const CommOptions& o
                                             size_t count, DataType type, int root);
 std::unique_ptr<EngineOp> make_barrier_op(Engine& engine);
 
+// Rank (or chunk) `a` of a ring of n, wrapped into [0, n): a may be negative.
+inline int ring_index(int a, int n) { return ((a % n) + n) % n; }
+
 // Balanced chunking: the first len % n chunks get one element more.
 inline size_t chunk_offset(size_t len, int n, int c) {
   size_t base = len / size_t(n), extra = len % size_t(n);

@@ -10,10 +10,6 @@ namespace qring::collectives {
 
 namespace {
 
-int mod(int a, int n) {
-  return ((a % n) + n) % n;
-}
-
 // Dissemination barrier: in round k every rank signals r + 2^k and waits for r - 2^k.
 class BarrierOp final : public EngineOp {
  public:
@@ -35,7 +31,7 @@ class BarrierOp final : public EngineOp {
   bool advance(net::Endpoint& ep) override {
     if (done_) return false;
     if (!recv_->done() || !send_->done()) return false;
-    check_message(*recv_, shape_, ep.data_bytes(), r_, name(), seq, mod(r_ - dist_, n_));
+    check_message(*recv_, shape_, ep.data_bytes(), r_, name(), seq, ring_index(r_ - dist_, n_));
     net::throw_if_failed(*send_, "barrier");
     dist_ *= 2;
     ++round_;
@@ -50,14 +46,14 @@ class BarrierOp final : public EngineOp {
     if (recv_ && !recv_->done()) ep.cancel(recv_);
   }
   std::string waiting_on() const override {
-    return fmt::format("signal from rank {} (round {})", mod(r_ - dist_, n_), round_);
+    return fmt::format("signal from rank {} (round {})", ring_index(r_ - dist_, n_), round_);
   }
 
  private:
   void post(net::Endpoint& ep) {
     uint64_t tag = net::make_tag(net::Op::kBarrier, seq, round_);
-    recv_ = ep.irecv(mod(r_ - dist_, n_), tag, nullptr, 0);
-    send_ = ep.isend(mod(r_ + dist_, n_), tag, nullptr, 0, shape_);
+    recv_ = ep.irecv(ring_index(r_ - dist_, n_), tag, nullptr, 0);
+    send_ = ep.isend(ring_index(r_ + dist_, n_), tag, nullptr, 0, shape_);
   }
   int n_, r_;
   int dist_ = 1, round_ = 0;

@@ -12,25 +12,14 @@
 #include <vector>
 
 #include "collectives/engine.h"
+#include "collectives/spec_fields.h"
 #include "net/base/error.h"
 #include "net/transport/shm_region.h"
 
 namespace qring::collectives {
 
 namespace {
-std::vector<std::string> split(std::string_view s) {
-  std::vector<std::string> parts;
-  size_t at = 0;
-  while (true) {
-    size_t c = s.find(':', at);
-    parts.emplace_back(s.substr(at, c == std::string_view::npos ? s.npos : c - at));
-    if (c == std::string_view::npos) break;
-    at = c + 1;
-  }
-  return parts;
-}
-
-int64_t number(std::string_view spec, const std::string& v, const char* what) {
+int64_t nonnegative_integer(std::string_view spec, const std::string& v, const char* what) {
   char* end = nullptr;
   errno = 0;
   long long x = std::strtoll(v.c_str(), &end, 10);
@@ -42,7 +31,7 @@ int64_t number(std::string_view spec, const std::string& v, const char* what) {
 
 std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
   if (spec.empty() || spec == "none") return std::nullopt;
-  auto p = split(spec);
+  auto p = spec_fields(spec);
   FaultSpec f;
   size_t phase_at;
   if ((p[0] == "kill" || p[0] == "kill-locked" || p[0] == "kill-posting") &&
@@ -53,7 +42,7 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
     phase_at = 3;
   } else if ((p[0] == "stop" || p[0] == "stop-locked") && (p.size() == 4 || p.size() == 5)) {
     f.action = p[0] == "stop" ? Action::kStop : Action::kStopLocked;
-    f.stop_ms = int(number(spec, p[3], "pause (ms)"));
+    f.stop_ms = int(nonnegative_integer(spec, p[3], "pause (ms)"));
     phase_at = 4;
   } else {
     throw ConfigError(
@@ -62,8 +51,8 @@ std::optional<FaultSpec> FaultSpec::parse(std::string_view spec) {
                     "stop-locked:RANK:STEP:MS[:PHASE]",
                     spec));
   }
-  f.rank = int(number(spec, p[1], "rank"));
-  f.step = uint64_t(number(spec, p[2], "step"));
+  f.rank = int(nonnegative_integer(spec, p[1], "rank"));
+  f.step = uint64_t(nonnegative_integer(spec, p[2], "step"));
   if (p.size() > phase_at) f.phase = p[phase_at];
   if (f.phase != "step" && f.phase != "ready" && f.phase != "ring" && f.phase != "checkpoint" &&
       f.phase != "eval" && f.phase != "donate")

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/spec_fields.h"
 #include "net/base/error.h"
 
 namespace qring::collectives {
@@ -27,19 +28,6 @@ double uniform(uint64_t seed, int rank, uint64_t step, uint64_t salt) {
   uint64_t h = splitmix(seed ^ splitmix(uint64_t(rank) + 0x1234567ull * (salt + 1)) ^
                         splitmix(step * 0x51ED27ull + salt));
   return (double(h >> 11) + 0.5) / 9007199254740992.0;
-}
-
-std::vector<std::string> split(std::string_view s, char sep) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (true) {
-    size_t p = s.find(sep, start);
-    out.emplace_back(
-        s.substr(start, p == std::string_view::npos ? std::string_view::npos : p - start));
-    if (p == std::string_view::npos) break;
-    start = p + 1;
-  }
-  return out;
 }
 
 double number(std::string_view spec, const std::string& s, const char* what) {
@@ -144,7 +132,7 @@ StragglerModel StragglerModel::parse(std::string_view spec) {
     read_times(spec, std::string(spec.substr(second + 1)), m.ratio_, m.columns_, m.steps_);
     return m;
   }
-  auto parts = split(spec, ':');
+  auto parts = spec_fields(spec);
   auto need = [&](size_t n, const char* form) {
     if (parts.size() != n)
       throw ConfigError(fmt::format("straggler model '{}': expected {}", spec, form));

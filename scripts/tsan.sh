@@ -5,7 +5,8 @@
 #   scripts/tsan.sh [BUILD_DIR]        (default build-tsan)
 #
 # Builds the in-process test_coll_* suites with -fsanitize=thread (-O1 -g1) and runs each
-# binary; any data race or other TSan report fails the run (halt_on_error). OpenMP runs with
+# binary (file by file, -DQRING_UNITY_BUILD=OFF: the build that checks every file includes what
+# it uses); any data race or other TSan report fails the run (halt_on_error). OpenMP runs with
 # one thread (OMP_NUM_THREADS=1): libgomp is not instrumented, and its barriers would be
 # reported as races. tests/tsan.supp suppresses what TSan reports inside the uninstrumented
 # spdlog and libstdc++ (their synchronization is invisible to it; each entry says why).
@@ -21,7 +22,8 @@ STEP=${QRING_TSAN_STEP:-all}
 start=$(date +%s)
 if [ "$STEP" != run ]; then
   QRING_TARGETS="$TESTS" QRING_BUILD_TYPE=RelWithDebInfo \
-    scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON
+    scripts/build.sh "$BUILD" -DQRING_SANITIZE=thread -DQRING_BUILD_TESTS=ON \
+    -DQRING_UNITY_BUILD=OFF
 fi
 built=$(date +%s)
 [ "$STEP" != build ] || { echo "tsan: build $((built - start)) s"; exit 0; }

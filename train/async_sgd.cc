@@ -16,6 +16,7 @@
 #include "collectives/straggler.h"
 #include "net/base/error.h"
 #include "train/dataset.h"
+#include "train/measure.h"
 #include "train/trainer_core.h"
 
 namespace qring::train {
@@ -24,17 +25,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-double quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t i = size_t(std::llround(q * double(v.size() - 1)));
-  return v[std::min(i, v.size() - 1)];
-}
 
 struct ServerResult {
   RunSummary sum;

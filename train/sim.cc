@@ -15,6 +15,7 @@
 #include "collectives/quorum/decide_rule.h"
 #include "collectives/quorum/noise_scale.h"
 #include "net/base/error.h"
+#include "train/measure.h"
 #include "train/model.h"
 #include "train/trainer.h"
 #include "train/trainer_core.h"
@@ -31,13 +32,6 @@ void sort_by_arrival(std::vector<SimArrival>& a) {
   std::sort(a.begin(), a.end(), [](const SimArrival& x, const SimArrival& y) {
     return x.ms != y.ms ? x.ms < y.ms : x.rank < y.rank;
   });
-}
-
-double quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t i = size_t(std::llround(q * double(v.size() - 1)));
-  return v[std::min(i, v.size() - 1)];
 }
 
 // Median of a few timed gradient computations on the first batch of the training set (the

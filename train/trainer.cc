@@ -33,6 +33,7 @@
 #include "train/dataset.h"
 #include "train/full_sync.h"
 #include "train/kernels.h"
+#include "train/measure.h"
 #include "train/metrics_log.h"
 #include "train/model.h"
 #include "train/optim.h"
@@ -58,10 +59,6 @@ constexpr uint32_t kQuorumInstance = 1;
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
 std::string hms(double s) {

@@ -19,7 +19,7 @@
 namespace qring::net {
 
 namespace {
-constexpr size_t kPage = 4096;
+constexpr size_t kBellPage = 4096;
 constexpr const char* kPrefix = "qring-bell.";
 
 std::string path_of(pid_t pid) {
@@ -27,7 +27,7 @@ std::string path_of(pid_t pid) {
 }
 
 void* map_fd(int fd) {
-  void* p = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* p = mmap(nullptr, kBellPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   return p == MAP_FAILED ? nullptr : p;
 }
@@ -63,7 +63,7 @@ std::shared_ptr<Doorbell> Doorbell::own() {
     spdlog::debug("doorbell {}: {}", path, std::strerror(errno));
     return nullptr;
   }
-  if (::ftruncate(fd, kPage) != 0) {
+  if (::ftruncate(fd, kBellPage) != 0) {
     ::close(fd);
     ::unlink(path.c_str());
     return nullptr;
@@ -84,7 +84,7 @@ std::shared_ptr<Doorbell> Doorbell::of(pid_t pid) {
   int fd = ::open(path_of(pid).c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return nullptr;
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kPage)) {
+  if (::fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kBellPage)) {
     ::close(fd);
     return nullptr;
   }
@@ -105,7 +105,7 @@ pid_t Doorbell::pid_in_shm_address(const std::string& addr) {
 }
 
 Doorbell::~Doorbell() {
-  munmap(page_, kPage);
+  munmap(page_, kBellPage);
   // Only by the process that made it (not by a child forked with a reference to it).
   if (!remove_.empty() && remove_ == path_of(getpid())) ::unlink(remove_.c_str());
 }
