@@ -16,6 +16,9 @@ per size the median p50/p99 step latency and the ratios of p50.
           NAME=VALUE words are environment variables for that configuration's run
           (e.g. --config "QRING_TCP_CONGESTION=system").
 --bin: one qring-bench binary per configuration (e.g. an old build in a git worktree).
+          Builds before 403cab0 fill their buffers element by element (verifiable::fill_pattern),
+          a quarter of a rank's CPU at 1 MiB whose speed moves with the code's placement: build
+          an old commit with the current collectives/verifiable.h to compare libraries only.
 Environment: QRING_BUILD (default build) for qring-launch and the default qring-bench.
 
 Example (one lane against the default on 2 ranks over shm):
