@@ -8,7 +8,10 @@ Each round runs every configuration once (qring-launch -n N --provider P -- BENC
 CONFIG_ARGS), starting one further along each round (A B C, B C A, C A B, ...), so neither
 the machine's drift nor the order favours one. Prints per size the median out-of-place and
 in-place time of each configuration and the median over rounds of its time divided by the
-first configuration's time in the same round, with the range of those ratios.
+first configuration's time in the same round, with a 95 % confidence interval of that median
+(distribution-free: order statistics of the ratios, binomial(n, 1/2); it needs 6 rounds or
+more) and the range of those ratios. A 5 % difference on this machine, where one round's ratio
+spans 0.6-1.7, needs about 100 rounds to show.
 With --op quorum (its table: size count p50 p99 max busbw contrib dropped #wrong) it prints
 per size the median p50/p99 step latency and the ratios of p50.
 
@@ -29,6 +32,7 @@ Quorum steps, quorum 3 against all 4 ranks:
       -- --op quorum -b 64K -e 1M -n 50 -w 5
 """
 import argparse
+import math
 import os
 import re
 import shlex
@@ -43,6 +47,31 @@ ROW = re.compile(r"\[rank 0\]\s+(\d+)\s+\d+\s+\S+\s+\S+\s+\S+\s+([\d.]+)\s+\S+\s
 # busbw contrib dropped #wrong [| compare columns] -> size, p50, p99.
 QROW = re.compile(r"\[rank \d+\]\s+(\d+)\s+\d+\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+"
                   r"\s+\d+\s+\d+(\s+\|.*)?\s*$")
+
+
+def median_ci(xs, level=0.95):
+    """A distribution-free confidence interval of the median of xs: (lo, hi) order statistics
+    such that P(x_(j) <= median <= x_(k)) >= level for independent draws; None when there are
+    too few values for any interval at that level."""
+    n = len(xs)
+    xs = sorted(xs)
+    pmf = [math.comb(n, i) / 2 ** n for i in range(n + 1)]
+    # j: the largest index with 2 P(B <= j) <= 1 - level, B ~ binomial(n, 1/2): the median
+    # lies outside xs[j]..xs[n - 1 - j] with that probability.
+    j, tail = 0, pmf[0]
+    while j + 1 <= n // 2 and 2 * (tail + pmf[j + 1]) <= 1 - level:
+        tail += pmf[j + 1]
+        j += 1
+    if 2 * pmf[0] > 1 - level:
+        return None
+    return xs[j], xs[n - 1 - j]
+
+
+def ratio_cell(ro):
+    """median [95 % interval] (range) of one configuration's ratios."""
+    ci = median_ci(ro)
+    band = f" [{ci[0]:.2f}-{ci[1]:.2f} 95%]" if ci else ""
+    return f"{statistics.median(ro):.2f}{band} ({min(ro):.2f}-{max(ro):.2f})"
 
 
 def main():
@@ -99,10 +128,12 @@ def main():
         sys.exit("bench_ab.py: no table rows in the output (neither collective nor --op quorum)")
     if quorum:
         print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; quorum step latency in us (p50/p99),"
-              f" ratio = p50 / {runs[0][0]}'s p50 in the same round (median, range)")
+              f" ratio = p50 / {runs[0][0]}'s p50 in the same round (median [95 % interval of the"
+              f" median] (range))")
     else:
         print(f"{a.ranks} ranks, {a.provider}, {a.rounds} rounds; times in us (out-of-place/in-place),"
-              f" ratio = this / {runs[0][0]} in the same round (median, range of out-of-place)")
+              f" ratio = this / {runs[0][0]} in the same round (out-of-place: median [95 % interval of"
+              f" the median] (range); in-place: median)")
     for size in sorted(res[0]):
         base = {r: (o, ip) for r, o, ip in res[0][size]}
         cells = []
@@ -116,10 +147,10 @@ def main():
             if not ro:
                 cells.append(f"{name}: {med} r -")
             elif quorum:
-                cells.append(f"{name}: {med} r {statistics.median(ro):.2f} [{min(ro):.2f}-{max(ro):.2f}]")
+                cells.append(f"{name}: {med} r {ratio_cell(ro)}")
             else:
                 mi = f"{statistics.median(ri):.2f}" if ri else "-"
-                cells.append(f"{name}: {med} r {statistics.median(ro):.2f}/{mi} [{min(ro):.2f}-{max(ro):.2f}]")
+                cells.append(f"{name}: {med} r {ratio_cell(ro)} in-place r {mi}")
         print(f"{size:>10} | " + " | ".join(cells))
 
 

@@ -4,7 +4,7 @@
 #   1. Release build, every GoogleTest suite through ctest; the Python tests (pytest:
 #      python/tests, needs PyTorch: scripts/setup.sh installs it here; tests/test_reproduce.py,
 #      scripts/reproduce.py's reading of runs; tests/test_fault_case42.py, the fault matrix's
-#      accuracy verdict); a C++ program built
+#      accuracy verdict; tests/test_bench_ab.py, bench_ab.py's interval); a C++ program built
 #      against the installed library (tests/consumer/run.sh: CMake package and pkg-config)
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build of the network and collectives
 #      tests (label "sanitize"), run through ctest, one test per binary (its cases in one
@@ -165,8 +165,9 @@ section "tests (Release)"
 (cd build && ctest --output-on-failure --no-tests=error --timeout 300 -j 2)
 
 if [ "${QRING_SKIP_PYTHON:-0}" != 1 ]; then
-  section "Python tests (pytest: python/tests, tests/test_reproduce.py, tests/test_fault_case42.py)"
-  QRING_BUILD=build /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests tests/test_reproduce.py tests/test_fault_case42.py
+  section "Python tests (pytest: python/tests, tests/test_reproduce.py, tests/test_fault_case42.py, tests/test_bench_ab.py)"
+  QRING_BUILD=build /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests tests/test_reproduce.py tests/test_fault_case42.py \
+    tests/test_bench_ab.py
 fi
 section "C++ program against the installed library (tests/consumer)"
 tests/consumer/run.sh build
