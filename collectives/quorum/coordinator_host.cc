@@ -13,7 +13,7 @@ bool CoordinatorHost::feed(Clock::time_point now, bool tick) {
   // A message sent may be applied here and make this rank send the coordinator another (a
   // REPORT for a RECOVER): that one comes in the next round.
   while (!inbox_.empty()) {
-    std::deque<qproto::Up> batch;
+    std::vector<qproto::Up> batch;
     batch.swap(inbox_);
     for (size_t i = 0; i < batch.size(); ++i)
       for (const auto& m : state_->handle(batch[i], now, /*more=*/i + 1 < batch.size())) send_(m);

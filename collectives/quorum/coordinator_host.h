@@ -8,9 +8,9 @@
 // last step) reaches every member before the goodbye (serving). Engine thread only.
 #pragma once
 
-#include <deque>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "collectives/clock.h"
 #include "collectives/quorum/coordinator.h"
@@ -48,7 +48,7 @@ class CoordinatorHost {
  private:
   std::unique_ptr<qproto::Coordinator> state_;
   Send send_;
-  std::deque<qproto::Up> inbox_;
+  std::vector<qproto::Up> inbox_;
   Clock::time_point last_tick_{};
   Clock::time_point serve_until_{};  // set at the first call of serving()
 };

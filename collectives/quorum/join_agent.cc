@@ -111,8 +111,8 @@ struct JoinAgent {
 
   // What the service asks for in one pass (JoinAgentIo's service -> agent part).
   struct Requests {
-    std::deque<std::pair<std::string, std::string>> publish;
-    std::deque<JoinAgentIo::Fetch> fetch;
+    std::vector<std::pair<std::string, std::string>> publish;
+    std::vector<JoinAgentIo::Fetch> fetch;
     bool coordinating, searching, watch_end;
     std::vector<uint32_t> incs;
     std::vector<char> outside;
@@ -120,8 +120,8 @@ struct JoinAgent {
   };
   // What a pass could not do yet; the next one tries again.
   struct Retries {
-    std::deque<std::pair<std::string, std::string>> publish;
-    std::deque<JoinAgentIo::Fetch> fetch;
+    std::vector<std::pair<std::string, std::string>> publish;
+    std::vector<JoinAgentIo::Fetch> fetch;
   };
 
   void run() {

@@ -10,7 +10,6 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -71,14 +70,14 @@ struct JoinAgentIo {
   std::condition_variable cv;
   bool stop = false;
   // engine -> agent
-  std::deque<std::pair<std::string, std::string>> publish;  // key, value
+  std::vector<std::pair<std::string, std::string>> publish;  // key, value
   struct Fetch {
     int rank;
     uint32_t incarnation;
     std::string key;
     Clock::time_point until;
   };
-  std::deque<Fetch> fetch;             // a joiner's address (members)
+  std::vector<Fetch> fetch;             // a joiner's address (members)
   bool coordinating = false;           // watch the incarnations of the ranks outside the view
   std::vector<uint32_t> incarnations;  // per rank, as the coordinator knows them
   std::vector<char> outside;           // per rank: not in the coordinator's view
@@ -88,11 +87,11 @@ struct JoinAgentIo {
   // agent -> engine
   bool finished = false;  // the joiner: the job has ended (join_done_key)
   std::string lost;       // the joiner: why the job was lost (join_lost_key; empty: it was not)
-  std::deque<std::string> published;
-  std::deque<std::tuple<int, uint32_t, std::string>> fetched;  // joiner, incarnation, value
-  std::deque<std::pair<int, uint32_t>> found;                  // new incarnations
-  std::deque<std::pair<int, std::string>> values;              // the joiner: member, value
-  std::deque<std::pair<int, uint32_t>> dead;                   // deaths the store witnessed
+  std::vector<std::string> published;
+  std::vector<std::tuple<int, uint32_t, std::string>> fetched;  // joiner, incarnation, value
+  std::vector<std::pair<int, uint32_t>> found;                  // new incarnations
+  std::vector<std::pair<int, std::string>> values;              // the joiner: member, value
+  std::vector<std::pair<int, uint32_t>> dead;                   // deaths the store witnessed
 };
 
 // The agent's loop, until io->stop. Kicks `engine` when it hands something back.

@@ -301,7 +301,7 @@ void QuorumMember::apply(net::Endpoint& ep, const qproto::Down& m) {
 
 // Contributions made by the caller: READY to the coordinator; and its reports.
 bool QuorumMember::take_contributions(net::Endpoint& ep) {
-  const std::deque<uint64_t> steps = ledger_.take(*boxes_.steps);
+  const std::vector<uint64_t> steps = ledger_.take(*boxes_.steps);
   for (uint64_t t : steps) {
     runner_.contributed(t, view().members);
     send_up(ep, ledger_.ready(t));

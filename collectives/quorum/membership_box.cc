@@ -187,9 +187,9 @@ void MembershipBox::send_state(int to, uint64_t step,
   engine_.kick();
 }
 
-std::deque<MembershipBox::StateOut> MembershipBox::take_state_out() {
+std::vector<MembershipBox::StateOut> MembershipBox::take_state_out() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::deque<StateOut> out;
+  std::vector<StateOut> out;
   out.swap(state_out_);
   return out;
 }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <condition_variable>
-#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -56,7 +55,7 @@ class MembershipBox final : public QuorumMembership {
     uint64_t step;
     std::shared_ptr<const std::vector<char>> buf;
   };
-  std::deque<StateOut> take_state_out();
+  std::vector<StateOut> take_state_out();
   size_t state_wanted() const;
   void state_arrived(std::shared_ptr<Bytes> buf, size_t bytes);
   bool state_over() const;
@@ -78,7 +77,7 @@ class MembershipBox final : public QuorumMembership {
   std::string join_stage_ = "waiting for the coordinator to notice this incarnation";
   bool job_over_ = false;
   // State transfer.
-  std::deque<StateOut> state_out_;
+  std::vector<StateOut> state_out_;
   size_t state_len_ = 0;
   bool state_done_ = false;
   std::shared_ptr<Bytes> state_in_;

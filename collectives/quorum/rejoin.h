@@ -80,10 +80,10 @@ class Rejoin {
     Clock::time_point started{};
   };
   struct Found {  // what the agent handed back
-    std::deque<std::string> published;
-    std::deque<std::tuple<int, uint32_t, std::string>> fetched;
-    std::deque<std::pair<int, uint32_t>> incarnations;
-    std::deque<std::pair<int, std::string>> values;
+    std::vector<std::string> published;
+    std::vector<std::tuple<int, uint32_t, std::string>> fetched;
+    std::vector<std::pair<int, uint32_t>> incarnations;
+    std::vector<std::pair<int, std::string>> values;
   };
   void exchange(const qproto::Coordinator* coordinator, Found& got);
   void connect(net::Endpoint& ep, int p, const std::string& address, uint32_t inc);

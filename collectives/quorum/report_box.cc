@@ -69,9 +69,9 @@ std::map<uint64_t, std::vector<double>> ReportBox::arrival_log() const {
   return arrivals_;
 }
 
-std::deque<ReportBox::Part> ReportBox::take_outgoing() {
+std::vector<ReportBox::Part> ReportBox::take_outgoing() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::deque<Part> out;
+  std::vector<Part> out;
   out.swap(out_);
   return out;
 }

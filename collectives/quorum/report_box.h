@@ -4,7 +4,6 @@
 #pragma once
 
 #include <condition_variable>
-#include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -34,7 +33,7 @@ class ReportBox final : public QuorumReports {
     uint32_t part, parts;
     std::vector<double> values;
   };
-  std::deque<Part> take_outgoing();
+  std::vector<Part> take_outgoing();
   // A part received (or this rank's own, when it coordinates).
   void keep(uint64_t key, uint32_t part, uint32_t parts, std::vector<double> values);
   // The coordinator's arrival of `rank`'s READY for `step`, `ms` after the step's first.
@@ -51,7 +50,7 @@ class ReportBox final : public QuorumReports {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::exception_ptr poison_;
-  std::deque<Part> out_;  // report() calls not sent yet
+  std::vector<Part> out_;  // report() calls not sent yet
   // Coordinator: reports received, by key, then by the number of parts the sender split the
   // report into and the part. A key waits until the coordinator gathers it (which drops it and
   // every older one), however far the others are ahead: a lagging coordinator still finds its

@@ -6,8 +6,8 @@
 
 namespace qring::collectives {
 
-std::deque<uint64_t> StepLedger::take(StepTable& table) {
-  std::deque<uint64_t> steps;
+std::vector<uint64_t> StepLedger::take(StepTable& table) {
+  std::vector<uint64_t> steps;
   {
     std::lock_guard<std::mutex> lock(table.mu);
     steps.swap(table.contributed);

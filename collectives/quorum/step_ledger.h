@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <set>
 #include <vector>
@@ -24,7 +23,7 @@ class StepLedger {
   StepLedger(uint64_t count, uint32_t layout) : count_(count), layout_(layout) {}
   // The steps the caller contributed to since the last look, in order (now awaiting their
   // decision).
-  std::deque<uint64_t> take(StepTable& table);
+  std::vector<uint64_t> take(StepTable& table);
   // The READY of step t.
   qproto::Up ready(uint64_t t) const;
   // The steps contributed to and not decided yet.

@@ -5,7 +5,6 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
@@ -46,7 +45,7 @@ class StepTable {
   std::mutex mu;
   std::condition_variable cv;  // a step done or failed, the all-reduce failed
   std::map<uint64_t, StepLocal> steps;
-  std::deque<uint64_t> contributed;  // steps whose READY the engine has not sent yet
+  std::vector<uint64_t> contributed;  // steps whose READY the engine has not sent yet
   std::exception_ptr poison;         // the all-reduce failed: every later call rethrows it
   // Why the member service died, when it did (its callers are told this, not the engine's
   // failure it causes: an Evicted stays an Evicted).

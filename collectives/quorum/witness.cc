@@ -38,7 +38,7 @@ std::vector<std::pair<int, uint32_t>> Witness::watch(const std::vector<int>& ran
 
 std::vector<std::pair<int, uint32_t>> Witness::exchange(JoinAgentIo& io,
                                                        const std::vector<int>& ranks) {
-  std::deque<std::pair<int, uint32_t>> found;
+  std::vector<std::pair<int, uint32_t>> found;
   {
     std::lock_guard<std::mutex> lock(io.mu);
     io.watch_dead = watch(ranks);
