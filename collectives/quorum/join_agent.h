@@ -77,7 +77,7 @@ struct JoinAgentIo {
     std::string key;
     Clock::time_point until;
   };
-  std::vector<Fetch> fetch;             // a joiner's address (members)
+  std::vector<Fetch> fetch;            // a joiner's address (members)
   bool coordinating = false;           // watch the incarnations of the ranks outside the view
   std::vector<uint32_t> incarnations;  // per rank, as the coordinator knows them
   std::vector<char> outside;           // per rank: not in the coordinator's view
