@@ -311,9 +311,8 @@ class RingOp final : public EngineOp {
     if (args_.kind == CollKind::kAllreduce || args_.kind == CollKind::kReduceScatter) {
       int shift = args_.kind == CollKind::kReduceScatter ? 1 : 0;
       for (int s = 0; s < n - 1; ++s)
-        stages_.push_back(
-            {ring_index(r - s - shift, n), ring_index(r - s - 1 - shift, n), true, s == 0,
-             s == n - 2});
+        stages_.push_back({ring_index(r - s - shift, n), ring_index(r - s - 1 - shift, n), true,
+                           s == 0, s == n - 2});
     }
     if (args_.kind == CollKind::kAllreduce) {
       for (int s = 0; s < n - 1; ++s)

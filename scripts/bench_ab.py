@@ -56,14 +56,14 @@ def median_ci(xs, level=0.95):
     n = len(xs)
     xs = sorted(xs)
     pmf = [math.comb(n, i) / 2 ** n for i in range(n + 1)]
+    if 2 * pmf[0] > 1 - level:
+        return None
     # j: the largest index with 2 P(B <= j) <= 1 - level, B ~ binomial(n, 1/2): the median
     # lies outside xs[j]..xs[n - 1 - j] with that probability.
     j, tail = 0, pmf[0]
     while j + 1 <= n // 2 and 2 * (tail + pmf[j + 1]) <= 1 - level:
         tail += pmf[j + 1]
         j += 1
-    if 2 * pmf[0] > 1 - level:
-        return None
     return xs[j], xs[n - 1 - j]
 
 

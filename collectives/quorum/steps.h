@@ -46,7 +46,7 @@ class StepTable {
   std::condition_variable cv;  // a step done or failed, the all-reduce failed
   std::map<uint64_t, StepLocal> steps;
   std::vector<uint64_t> contributed;  // steps whose READY the engine has not sent yet
-  std::exception_ptr poison;         // the all-reduce failed: every later call rethrows it
+  std::exception_ptr poison;          // the all-reduce failed: every later call rethrows it
   // Why the member service died, when it did (its callers are told this, not the engine's
   // failure it causes: an Evicted stays an Evicted).
   std::exception_ptr service_error;
