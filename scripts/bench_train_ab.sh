@@ -12,7 +12,8 @@
 #   scripts/bench_train_ab.sh --a /tmp/old/build --b build -- train.steps=300 quorum.quorum=3
 #
 # Prints computed samples/s of every run (the step loop only) and the median of the per-pair
-# ratios B/A with their range. Defaults: 300 steps, no stragglers, no progress line.
+# ratios B/A with its 95 % interval (bench_ab.py's median_ci, from 6 pairs) and their range.
+# Defaults: 300 steps, no stragglers, no progress line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A="" B="" RANKS=4 PAIRS=5 CONFIG=configs/fmnist-mlp.toml
@@ -40,7 +41,8 @@ echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 run() {  # build name [overrides...]
   local build=$1 name=$2
   shift 2
-  "$build/net/qring-launch" -n "$RANKS" -- "$build/train/qring-train" --force --config "$CONFIG" \
+  rm -rf "${OUT:?}/$name"  # a fresh run directory: builds without --force take it too
+  "$build/net/qring-launch" -n "$RANKS" -- "$build/train/qring-train" --config "$CONFIG" \
     train.steps=300 straggler.model=none log.progress=false "run.out_dir=$OUT" \
     "run.name=$name" "$@" >"$OUT/$name.log" 2>&1 || {
     echo "bench_train_ab.sh: run $name failed (see $OUT/$name.log)" >&2
@@ -63,7 +65,9 @@ for i in $(seq "$PAIRS"); do
   printf 'pair %d: A %.0f samples/s, B %.0f samples/s, B/A %s\n' "$i" "$a" "$b" "$r"
 done
 python3 - "${ratios[@]}" <<'PY'
-import statistics, sys
+import sys
+sys.path.insert(0, "scripts")
+from bench_ab import ratio_cell  # median [95 % interval of the median, from 6 pairs] (range)
 r = [float(x) for x in sys.argv[1:]]
-print(f"B/A median {statistics.median(r):.3f} (range {min(r):.3f}-{max(r):.3f}, {len(r)} pairs)")
+print(f"B/A median {ratio_cell(r)}, {len(r)} pairs")
 PY
