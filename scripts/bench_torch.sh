@@ -12,8 +12,9 @@
 #
 # --wait: how qring's ranks wait for their peers (qring.init(wait=...); default block).
 # Part 1, throughput (--pairs > 0): no stragglers, quorum = world. Per model, samples/s of each
-# run, the ratio qring / DDP per pair and their median; for qring the time in step() beyond
-# the all-reduce and the optimizer, as a share of the whole step.
+# run, the ratio qring / DDP per pair and their median with its 95 % interval (bench_ab.py's
+# median_ci, from 6 pairs); for qring the time in step() beyond the all-reduce and the
+# optimizer, as a share of the whole step.
 # Part 2, time to accuracy (--straggler-pairs > 0): PyTorch's CNN with the straggler model
 # (default rank 2 200 ms late every step) on both; qring counts --quorum of the ranks per step
 # (3 of 4) and DDP waits for all. DDP trains --epochs epochs; qring the same number of counted
@@ -103,9 +104,11 @@ if [ "$PAIRS" -gt 0 ]; then
     steps=$CNN_STEPS
     [ "$m" = mlp ] && steps=$MLP_STEPS
     echo "== throughput: $m, $steps steps, batch $BATCH per rank, quorum = world, no stragglers"
+    ratios=()
     for p in $(seq "$PAIRS"); do
       q=$(run "tput-$m-qring-$p" --backend qring --model "$m" --steps "$steps")
       d=$(run "tput-$m-ddp-$p" --backend ddp --model "$m" --steps "$steps")
+      ratios+=("$($PY -c 'import json, sys; print(json.loads(sys.argv[1])["samples_per_s"] / json.loads(sys.argv[2])["samples_per_s"])' "$q" "$d")")
       $PY - "$q" "$d" "$p" <<'PY'
 import json, sys
 q, d = json.loads(sys.argv[1]), json.loads(sys.argv[2])
@@ -120,6 +123,13 @@ print(f"pair {sys.argv[3]}: qring {q['samples_per_s']:.0f} samples/s (step {q['s
       f"{q['samples_per_s'] / d['samples_per_s']:.3f}")
 PY
     done
+    $PY - "$m" "${ratios[@]}" <<'PY'
+import sys
+sys.path.insert(0, "scripts")
+from bench_ab import ratio_cell  # median [95 % interval of the median, from 6 pairs] (range)
+r = [float(x) for x in sys.argv[2:]]
+print(f"{sys.argv[1]}: qring / DDP samples/s, median {ratio_cell(r)}, {len(r)} pairs")
+PY
   done
 fi
 
