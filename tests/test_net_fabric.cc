@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <dirent.h>
 #include <netinet/in.h>
@@ -12,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <numeric>
+#include <sstream>
 #include <thread>
 
 #include "net/base/error.h"
@@ -666,6 +669,60 @@ bool progress_until(std::initializer_list<net::Endpoint*> eps, Pred pred) {
 void progress_for(std::initializer_list<net::Endpoint*> eps, std::chrono::milliseconds d) {
   for (auto until = net::Clock::now() + d; net::Clock::now() < until;)
     for (auto* e : eps) e->progress();
+}
+
+// At the end of a job the peers close their connections in any order: an error with a peer
+// that said goodbye (expect_departure) still fails the request and marks the peer suspect,
+// but is no warning; the same error with a peer that did not say goodbye is one.
+TEST(EndpointSuspects, ErrorsWithAPeerThatSaidGoodbyeAreNoWarnings) {
+  auto res = run_procs(3, [](int r, int, net::Rendezvous& rdv) {
+    std::ostringstream log;
+    spdlog::default_logger()->sinks().push_back(
+        std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+    auto ep = open_fabric(rdv, "tcp");
+    net::Store& store = rdv.store();
+    const uint64_t hello = make_tag(Op::kUser, 30, 0), late = make_tag(Op::kUser, 31, 0);
+    {  // connections up both ways
+      std::vector<uint32_t> in(3), out{0, 1, 2};
+      std::vector<net::RequestPtr> reqs;
+      for (int p = 0; p < 3; ++p) {
+        if (p == r) continue;
+        reqs.push_back(ep->irecv(p, hello, &in[size_t(p)], sizeof(uint32_t)));
+        reqs.push_back(ep->isend(p, hello, &out[size_t(r)], sizeof(uint32_t)));
+      }
+      ep->wait_all(reqs, kDl(), "hello");
+    }
+    if (r != 0) {
+      ep->close();
+      store.set(fmt::format("closed-{}", r), "1");
+      return 0;
+    }
+    ep->expect_departure(1);
+    store.get("closed-1", kDl());
+    store.get("closed-2", kDl());
+    // Sends to the closed peers until each has failed (tcp takes the first ones into its
+    // buffers before it learns the connection is gone).
+    uint32_t v = 7;
+    net::RequestPtr to[3];
+    bool failed[3] = {true, false, false};
+    for (auto dl = kDl(); !failed[1] || !failed[2];) {
+      if (net::Clock::now() > dl) return 1;
+      for (int p = 1; p < 3; ++p) {
+        if (failed[p]) continue;
+        if (to[p] && to[p]->done()) failed[p] = to[p]->state == net::RequestState::kError;
+        if (!failed[p] && (!to[p] || to[p]->done())) to[p] = ep->isend(p, late, &v, sizeof v);
+      }
+      ep->progress();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (ep->suspect_peers() != std::vector<int>{1, 2}) return 2;
+    if (log.str().find("rank 1 is suspect") != std::string::npos) return 3;
+    if (log.str().find("rank 2 is suspect") == std::string::npos) return 4;
+    return 0;
+  });
+  EXPECT_FALSE(res.timed_out);
+  for (int r = 0; r < 3; ++r)
+    EXPECT_TRUE(res.exited(r, 0)) << "rank " << r << ": " << res.status[size_t(r)];
 }
 
 TEST(EndpointSuspects, InprocTruncationFailsTheReceiveAndMarksItsSender) {

@@ -100,6 +100,7 @@ bool ControlStreams::poll_up(net::Endpoint& ep, const std::function<void(qproto:
       qproto::Up m = qwire::decode_up(in.msg.data(), in.req->bytes, world_, from);
       ++in.next;
       post_up(ep, from);
+      if (m.kind == qproto::Up::Kind::kBye) ep.expect_departure(from);
       take(std::move(m));
     }
   }
@@ -117,6 +118,7 @@ bool ControlStreams::poll_down(net::Endpoint& ep,
       qproto::Down m = qwire::decode_down(in.msg.data(), in.req->bytes, world_, from);
       ++in.next;
       post_down(ep, from);
+      if (m.kind == qproto::Down::Kind::kBye) ep.expect_departure(from);
       take(from, std::move(m));
     }
   }

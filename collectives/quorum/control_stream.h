@@ -30,7 +30,8 @@ class ControlStreams {
   void send_down(net::Endpoint& ep, const std::vector<int>& to, const qproto::Down& m);
   // The messages that arrived, in stream order per peer, at most 16 per stream and call (a
   // backlog is taken over several passes). A failed receive ends its stream: the error
-  // concerns that peer only, which falls silent and leaves the view.
+  // concerns that peer only, which falls silent and leaves the view. A peer's BYE tells the
+  // endpoint that it may be gone from now on (Endpoint::expect_departure).
   bool poll_up(net::Endpoint& ep, const std::function<void(qproto::Up&&)>& take);
   bool poll_down(net::Endpoint& ep, const std::function<void(int, qproto::Down&&)>& take);
   // Withdraws every receive (the end, or a failure).

@@ -173,6 +173,8 @@ bool QuorumMember::pass(net::Endpoint& ep) {
 // Finished: nobody may take this rank's silence from now on for a failure.
 void QuorumMember::say_goodbye(net::Endpoint& ep) {
   bye_sent_ = true;
+  // The peers finish too: a send that finds one gone is no news (logged at debug level).
+  ep.expect_departure(net::kAnyPeer);
   try {
     if (host_)
       streams_.send_down(ep, host_->state().view().members, qproto::Down(DownKind::kBye));

@@ -146,6 +146,11 @@ class Endpoint {
   // endpoint and its traffic with other ranks go on. Cancellations mark no one, nor do
   // errors of any-peer receives (no source known). Called by the thread driving the endpoint.
   virtual std::vector<int> suspect_peers() const { return {}; }
+  // `peer` said goodbye (kAnyPeer: this rank says goodbye to all): its connections may close
+  // from now on, so an error with it is expected at the end of a job. Such an error still
+  // fails its request and marks the peer suspect, but is logged at debug level, not as a
+  // warning. reset_peer(peer) ends it for that peer. Called by the thread driving the endpoint.
+  virtual void expect_departure(int /*peer*/) {}
 
   // ---- Ranks that come back (a restarted process, or one evicted while alive: docs/design.md,
   // "Rejoin"). Every rank has an incarnation, 0 at the job's start and one more each time the

@@ -629,6 +629,7 @@ class FabricEndpoint final : public Endpoint {
     insert_peer(peer, addr);
     gens_[pi] = generation(incarnation_, incarnation);
     connected_[pi] = 1;
+    departing_[pi] = 0;
     if (suspect_[pi]) {
       suspect_[pi] = 0;
       suspects_.erase(std::remove(suspects_.begin(), suspects_.end(), peer), suspects_.end());
@@ -723,6 +724,12 @@ class FabricEndpoint final : public Endpoint {
   }
 
   std::vector<int> suspect_peers() const override { return suspects_; }
+  void expect_departure(int peer) override {
+    if (peer == kAnyPeer)
+      departing_.assign(departing_.size(), 1);
+    else if (peer >= 0 && peer < world_)
+      departing_[static_cast<size_t>(peer)] = 1;
+  }
 
   // Every provider here: shm needs it (an unreceived large send holds back the completion of
   // every later send of its endpoint); over tcp (ofi_rxm) an unreceived message keeps the
@@ -1145,7 +1152,9 @@ class FabricEndpoint final : public Endpoint {
     if (peer < 0 || peer >= world_ || suspect_[static_cast<size_t>(peer)]) return;
     suspect_[static_cast<size_t>(peer)] = 1;
     suspects_.insert(std::lower_bound(suspects_.begin(), suspects_.end(), peer), peer);
-    spdlog::warn("rank {}: rank {} is suspect: {}", rank_, peer, why);
+    // A peer that said goodbye (or every peer, once this rank did) may be gone already.
+    spdlog::log(departing_[static_cast<size_t>(peer)] ? spdlog::level::debug : spdlog::level::warn,
+                "rank {}: rank {} is suspect: {}", rank_, peer, why);
   }
 
   // Retries every non-empty post queue, each up to its first refusal. Returns the requests
@@ -1612,6 +1621,7 @@ class FabricEndpoint final : public Endpoint {
     for (size_t i = 0; i < static_cast<size_t>(world_); ++i) queues_[i].cap = send_cap;
     active_.reserve(queues_.size());
     suspect_.assign(static_cast<size_t>(world_), 0);
+    departing_.assign(static_cast<size_t>(world_), 0);
   }
 
   int rank_;
@@ -1665,6 +1675,7 @@ class FabricEndpoint final : public Endpoint {
   std::vector<uint32_t> active_;   // indices of the non-empty queues
   std::vector<char> suspect_;      // per rank: an error concerned it
   std::vector<int> suspects_;      // the same, sorted
+  std::vector<char> departing_;    // per rank: said goodbye (expect_departure), errors expected
   // Pairwise any-peer receives in posting order (finished ones leave from the front), the
   // messages kept for later ones, and how many hold one to complete in progress().
   std::deque<std::shared_ptr<AnyRecv>> any_;

@@ -62,6 +62,7 @@ class FaultEndpoint final : public Endpoint {
   void register_memory(const void* p, size_t n) override { inner_->register_memory(p, n); }
   void deregister_memory(const void* p) override { inner_->deregister_memory(p); }
   std::vector<int> suspect_peers() const override;
+  void expect_departure(int peer) override { inner_->expect_departure(peer); }
   std::string published_address() const override { return inner_->published_address(); }
   uint32_t incarnation() const override { return inner_->incarnation(); }
   bool connected(int peer) const override { return inner_->connected(peer); }
