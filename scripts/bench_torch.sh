@@ -17,10 +17,13 @@
 # optimizer, as a share of the whole step.
 # Part 2, time to accuracy (--straggler-pairs > 0): PyTorch's CNN with the straggler model
 # (default rank 2 200 ms late every step) on both; qring counts --quorum of the ranks per step
-# (3 of 4) and DDP waits for all. DDP trains --epochs epochs; qring the same number of counted
-# samples (RANKS / quorum times the steps). Rank 0 keeps the parameters every --snapshot-every
-# steps with the loop's wall time and evaluates them afterwards: time to --target test
-# accuracy, and the final accuracy. Prints per pair the ratio DDP time / qring time.
+# (3 of 4) and DDP waits for all. Pair p trains with seed 41 + p (initialisation, data order,
+# delays) on both backends: a run is deterministic for its seed, so each pair is one draw of
+# the accuracy difference, and the mean over pairs is printed at the end. DDP trains --epochs
+# epochs; qring the same number of counted samples (RANKS / quorum times the steps). Rank 0
+# keeps the parameters every --snapshot-every steps with the loop's wall time and evaluates
+# them afterwards: time to --target test accuracy, and the final accuracy. Prints per pair the
+# ratio DDP time / qring time.
 #
 # The machine is shared: only ratios within a pair mean anything. PyTorch runs with OpenBLAS's
 # pthread build (LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-pthread) and one thread per
@@ -138,12 +141,15 @@ if [ "$SPAIRS" -gt 0 ]; then
   q_steps=$((ddp_steps * RANKS / QUORUM))
   echo "== time to $TARGET: cnn, straggler $STRAGGLER, qring quorum $QUORUM of $RANKS" \
     "($q_steps steps) vs DDP ($ddp_steps steps: $EPOCHS epochs), snapshots every $SNAP steps"
+  diffs=()
   for p in $(seq "$SPAIRS"); do
+    seed=$((41 + p))  # each pair its own training run: initialisation, data order, delays
     q=$(run "ttt-qring-$p" --backend qring --model cnn --steps "$q_steps" --quorum "$QUORUM" \
-      --straggler "$STRAGGLER" --snapshot-every "$SNAP" --target "$TARGET")
+      --straggler "$STRAGGLER" --snapshot-every "$SNAP" --target "$TARGET" --seed "$seed")
     d=$(run "ttt-ddp-$p" --backend ddp --model cnn --steps "$ddp_steps" \
-      --straggler "$STRAGGLER" --snapshot-every "$SNAP" --target "$TARGET")
-    $PY - "$q" "$d" "$p" "$TARGET" <<'PY'
+      --straggler "$STRAGGLER" --snapshot-every "$SNAP" --target "$TARGET" --seed "$seed")
+    diffs+=("$($PY -c 'import json, sys; print(100 * (json.loads(sys.argv[1])["final_accuracy"] - json.loads(sys.argv[2])["final_accuracy"]))' "$q" "$d")")
+    $PY - "$q" "$d" "$p (seed $seed)" "$TARGET" <<'PY'
 import json, sys
 q, d = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 fmt = lambda r: (f"{r['time_to_target_s']:.1f} s (step {r['steps_to_target']})"
@@ -156,5 +162,6 @@ print(f"pair {sys.argv[3]}: to {sys.argv[4]}: qring {fmt(q)}, DDP {fmt(d)}: {rat
       f"DDP {100 * d['final_accuracy']:.2f} % ({100 * (q['final_accuracy'] - d['final_accuracy']):+.2f} points)")
 PY
   done
+  $PY -c 'import statistics, sys; d = [float(x) for x in sys.argv[1:]]; print(f"final accuracy qring - DDP: mean {statistics.mean(d):+.2f} points over {len(d)} seeds (range {min(d):+.2f} to {max(d):+.2f})")' "${diffs[@]}"
 fi
 echo "== results: $RESULTS"

@@ -681,17 +681,8 @@ TEST(EndpointSuspects, ErrorsWithAPeerThatSaidGoodbyeAreNoWarnings) {
         std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
     auto ep = open_fabric(rdv, "tcp");
     net::Store& store = rdv.store();
-    const uint64_t hello = make_tag(Op::kUser, 30, 0), late = make_tag(Op::kUser, 31, 0);
-    {  // connections up both ways
-      std::vector<uint32_t> in(3), out{0, 1, 2};
-      std::vector<net::RequestPtr> reqs;
-      for (int p = 0; p < 3; ++p) {
-        if (p == r) continue;
-        reqs.push_back(ep->irecv(p, hello, &in[size_t(p)], sizeof(uint32_t)));
-        reqs.push_back(ep->isend(p, hello, &out[size_t(r)], sizeof(uint32_t)));
-      }
-      ep->wait_all(reqs, kDl(), "hello");
-    }
+    const uint64_t late = make_tag(Op::kUser, 31, 0);
+    connect_both_ways(*ep, r, 3, make_tag(Op::kUser, 30, 0));
     if (r != 0) {
       ep->close();
       store.set(fmt::format("closed-{}", r), "1");
